@@ -1,0 +1,23 @@
+"""graphopt: compiler passes and graph transformations for large-model training/inference.
+
+Use it through ``torch.compile(model, backend="graphopt", options={...})``; no import needed.
+"""
+
+from graphopt.backend import graphopt_backend
+from graphopt.config import GraphoptConfig, VerifyConfig
+from graphopt.errors import (
+    ConfigError,
+    GraphoptError,
+    LoweringUnavailableError,
+    PassFailedError,
+    VerificationError,
+)
+from graphopt.report import CompileReport, clear_reports, last_report, reports
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "graphopt_backend", "GraphoptConfig", "VerifyConfig", "ConfigError", "GraphoptError",
+    "LoweringUnavailableError", "PassFailedError", "VerificationError", "CompileReport",
+    "reports", "last_report", "clear_reports", "__version__",
+]

@@ -1,0 +1,35 @@
+"""The ``torch.compile`` backend, registered as ``graphopt`` through the
+``torch_dynamo_backends`` entry point (pyproject.toml), so it works without ``import graphopt``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from graphopt.config import GraphoptConfig
+
+
+def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     options: Mapping[str, Any] | GraphoptConfig | None = None,
+                     mode: str | None = None) -> Callable[..., Any]:
+    """Compile one Dynamo graph with graphopt.
+
+    Args:
+        gm: Dynamo's FX graph (Torch IR).
+        example_inputs: the graph's inputs (tensors, ints for dynamic sizes).
+        options: the dict given as ``torch.compile(..., options=...)``; see
+            :class:`graphopt.config.GraphoptConfig` for keys.
+        mode: ``torch.compile``'s mode, used by the inductor lowering.
+
+    Raises:
+        ConfigError, LoweringUnavailableError: bad options, before any compile work.
+        PassFailedError: a pass failed; names it and the passes before it.
+        VerificationError: ``verify`` found a numeric mismatch caused by an exact pass.
+    """
+    config = GraphoptConfig.from_options(options, mode=mode)
+    from graphopt.pipeline import compile_graph
+
+    return compile_graph(gm, example_inputs, config)

@@ -1,0 +1,199 @@
+"""Typed, frozen configuration parsed from ``torch.compile(..., options={...})``.
+
+Every option is validated before any compile work starts (no tracing, no directory created
+other than the dump directory), and an error names the bad key or value and the valid ones.
+Options that later capabilities add (attention, moe, remat, parallel, cluster) are added here
+only together with the pass that honours them, so an option never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from graphopt.errors import ConfigError
+
+LOWERING_NAMES = ("auto", "eager", "inductor", "npu")
+DUMP_DIR_ENV = "GRAPHOPT_DUMP_DIR"
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """What ``options={"verify": ...}`` checks after each compile.
+
+    ``True`` enables it with per-dtype tolerances; a dict sets the fields below.
+    """
+
+    enabled: bool = False
+    """Run eager and the transformed graphs on the sample inputs and compare them."""
+    rtol: float | None = None
+    """Relative tolerance; None picks one per dtype (see ``graphopt.verify.default_tolerance``)."""
+    atol: float | None = None
+    """Absolute tolerance; None picks one per dtype."""
+    grads: bool = True
+    """Also compare input and parameter gradients when the graph is compiled for training."""
+
+    def __post_init__(self) -> None:
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value < 0):
+                raise ConfigError(f"verify.{name} must be a non-negative number, got {value!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> VerifyConfig:
+        if isinstance(value, VerifyConfig):
+            return value
+        if isinstance(value, bool):
+            return cls(enabled=value)
+        if isinstance(value, Mapping):
+            valid = {f.name for f in fields(cls)} - {"enabled"}
+            _reject_unknown(value, valid, "verify")
+            return cls(enabled=True, **dict(value))
+        raise ConfigError(
+            f"option 'verify' must be a bool or a dict with keys rtol, atol, grads; "
+            f"got {type(value).__name__} {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class GraphoptConfig:
+    """All graphopt options. Build it with :meth:`from_options`.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, an unknown lowering or pass
+            name, a dump directory that cannot be written.
+        LoweringUnavailableError: ``lowering="npu"`` without torch_npu installed.
+    """
+
+    lowering: str = "auto"
+    """"auto" | "eager" | "inductor" | "npu". auto: npu for NPU inputs, else inductor."""
+    dump_dir: Path | None = None
+    """Write every graph before/after every pass and the report here (env GRAPHOPT_DUMP_DIR)."""
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    """Compare against eager after compiling; see :class:`VerifyConfig`."""
+    disable: tuple[str, ...] = ()
+    """Names of passes of the default pipeline to skip (``graphopt passes`` lists them)."""
+    enable: tuple[str, ...] = ()
+    """Names of registered passes outside the default pipeline to append to their stage."""
+    inductor_config: Mapping[str, Any] = field(default_factory=dict)
+    """Extra ``torch._inductor.config`` patches for the inductor lowering."""
+    mode: str | None = None
+    """torch.compile's ``mode`` (e.g. "max-autotune"); applied by the inductor lowering."""
+
+    def __post_init__(self) -> None:
+        if self.lowering not in LOWERING_NAMES:
+            raise ConfigError(
+                f"unknown lowering {self.lowering!r}; valid lowerings: {', '.join(LOWERING_NAMES)}"
+            )
+        from graphopt.passes import default_pipeline_names, registered_pass_names
+
+        known = registered_pass_names()
+        for option in ("disable", "enable"):
+            for name in getattr(self, option):
+                if name not in known:
+                    raise ConfigError(
+                        f"option '{option}' names unknown pass {name!r}"
+                        f"{_did_you_mean(name, known)}; registered passes: {', '.join(known)}"
+                    )
+        defaults = default_pipeline_names()
+        for name in self.enable:
+            if name in defaults:
+                raise ConfigError(
+                    f"pass {name!r} already runs by default; 'enable' only adds passes outside "
+                    "the default pipeline (use 'disable' to turn default passes off)"
+                )
+        if self.mode not in (None, "default"):
+            from torch._inductor import list_mode_options
+
+            try:
+                list_mode_options(self.mode)
+            except Exception as exc:
+                raise ConfigError(f"unknown torch.compile mode {self.mode!r}: {exc}") from exc
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any] | GraphoptConfig | None = None, mode: str | None = None
+    ) -> GraphoptConfig:
+        """Parse and validate ``options`` (the dict given to ``torch.compile``)."""
+        if isinstance(options, GraphoptConfig):
+            return options
+        options = dict(options or {})
+        valid = {f.name for f in fields(cls)} - {"mode"}
+        _reject_unknown(options, valid, "graphopt")
+        kwargs: dict[str, Any] = {"mode": mode}
+        if "lowering" in options:
+            kwargs["lowering"] = _expect(options["lowering"], str, "lowering")
+        dump = options.get("dump_dir", os.environ.get(DUMP_DIR_ENV) or None)
+        if dump is not None:
+            kwargs["dump_dir"] = _writable_dir(dump)
+        if "verify" in options:
+            kwargs["verify"] = VerifyConfig.parse(options["verify"])
+        for name in ("disable", "enable"):
+            if name in options:
+                kwargs[name] = _names(options[name], name)
+        if "inductor_config" in options:
+            kwargs["inductor_config"] = dict(_expect(options["inductor_config"], Mapping,
+                                                     "inductor_config"))
+        config = cls(**kwargs)
+        if config.lowering == "npu":
+            from graphopt.lowering import require_npu
+
+            require_npu()
+        return config
+
+
+def _did_you_mean(name: str, valid: Any) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _reject_unknown(options: Mapping[str, Any], valid: set[str], what: str) -> None:
+    for key in options:
+        if key not in valid:
+            raise ConfigError(
+                f"unknown {what} option {key!r}{_did_you_mean(str(key), valid)}; "
+                f"valid options: {', '.join(sorted(valid))}"
+            )
+
+
+def _expect(value: Any, kind: type, name: str) -> Any:
+    if not isinstance(value, kind):
+        raise ConfigError(
+            f"option {name!r} must be of type {kind.__name__}, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    return value
+
+
+def _names(value: Any, option: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"option {option!r} must be a list of pass names, got {value!r}")
+    return tuple(value)
+
+
+def _writable_dir(value: Any) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"option 'dump_dir' must be a path, got {type(value).__name__}")
+    path = Path(value).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".graphopt-write-test"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"dump_dir {str(path)!r} cannot be written ({exc.strerror or exc}); "
+            "pass a writable directory or unset GRAPHOPT_DUMP_DIR"
+        ) from exc
+    return path
+
+
+def npu_available() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None

@@ -1,0 +1,57 @@
+"""Lowerings: how the transformed graph is turned into something that runs.
+
+The table is keyed by name; ``auto`` resolves by the device of the example inputs ("npu" for
+Ascend NPU tensors, else "inductor"). An unknown name lists the valid ones. Every lowering
+runs AOTAutograd on the model-pass output and calls back into graphopt (:class:`AOTHooks`)
+so joint passes, dumps and timing are the same whatever compiles the graphs.
+Model: JAX ``register_lowering(..., platform=...)``, Thunder executors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphopt.errors import ConfigError, LoweringUnavailableError
+from graphopt.lowering.base import AOTHooks, Lowering
+
+__all__ = ["AOTHooks", "Lowering", "get_lowering", "resolve_lowering_name", "require_npu"]
+
+_TABLE: dict[str, str] = {
+    "eager": "graphopt.lowering.eager:EagerLowering",
+    "inductor": "graphopt.lowering.inductor:InductorLowering",
+    "npu": "graphopt.lowering.npu:NpuLowering",
+}
+
+
+def resolve_lowering_name(name: str, example_inputs: Sequence[Any]) -> str:
+    """Resolve ``auto`` by the device of the tensor inputs; other names pass through."""
+    if name != "auto":
+        return name
+    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    return "npu" if "npu" in devices else "inductor"
+
+
+def get_lowering(name: str, example_inputs: Sequence[Any]) -> Lowering:
+    """The lowering called ``name`` (after resolving ``auto``)."""
+    name = resolve_lowering_name(name, example_inputs)
+    if name not in _TABLE:
+        raise ConfigError(f"unknown lowering {name!r}; valid: auto, {', '.join(_TABLE)}")
+    module, attr = _TABLE[name].split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return cls()
+
+
+def require_npu() -> None:
+    """Raise unless torch_npu (which ships torchair) can be imported."""
+    from graphopt.config import npu_available
+
+    if not npu_available():
+        raise LoweringUnavailableError(
+            "lowering='npu' needs torch_npu (with its bundled torchair) and the Ascend CANN "
+            "toolkit; install them with `pip install 'graphopt[npu]'` on an Ascend machine, "
+            "or use lowering='inductor' or 'eager' here"
+        )

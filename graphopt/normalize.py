@@ -1,0 +1,99 @@
+"""Normalize a Dynamo graph (Torch IR) into the pre-autograd ATen graph that model passes see.
+
+Contract: the result computes the same function with the same placeholders (renamed to
+Dynamo's names) and outputs; every node carries ``meta['val']`` (a FakeTensor, SymInt or
+constant) with symbolic shapes when the compile is dynamic; ``nn_module_stack`` and
+``stack_trace`` are carried over from Dynamo's nodes so reports can name model code.
+Autograd is not yet applied (``make_fx(pre_dispatch=True)``), so AOTAutograd derives the
+backward of whatever model passes insert, custom ops included.
+
+The fake inputs are made exactly as AOTAutograd makes them (``fake_mode.from_tensor`` on the
+real example inputs, with Dynamo's symbolic context), so symbols and the ``item_memo`` of
+0-d tensors that Dynamo made dynamic (float attributes like RMSNorm's eps under
+``dynamic=True``) stay the same ones Dynamo guarded on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._guards import TracingContext, detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list]:
+    """Fake versions of ``example_inputs`` in Dynamo's fake mode (a fresh mode if none)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    context = TracingContext.try_get()
+    fakes: list[Any] = []
+    for i, x in enumerate(example_inputs):
+        ph_val = placeholders[i].meta.get("example_value") if i < len(placeholders) else None
+        if isinstance(x, FakeTensor):
+            fakes.append(x)
+        elif isinstance(x, torch.Tensor):
+            sym = context.tensor_to_context.get(x) if context is not None else None
+            fakes.append(fake_mode.from_tensor(
+                x, symbolic_context=sym, source=sym.tensor_source if sym else None, trace=False
+            ))
+        elif isinstance(ph_val, torch.SymInt | torch.SymFloat | torch.SymBool):
+            fakes.append(ph_val)
+        else:
+            fakes.append(x)
+    return fake_mode, fakes
+
+
+def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Trace ``gm`` to a pre-dispatch ATen graph with metadata on every node.
+
+    Args:
+        gm: the graph Dynamo gives the backend (parameters lifted to placeholders).
+        example_inputs: Dynamo's example inputs (real tensors, ints for dynamic sizes).
+
+    Returns:
+        A new GraphModule; ``gm`` is untouched.
+    """
+    fake_mode, fakes = fake_inputs(gm, example_inputs)
+
+    def run(*args: Any) -> Any:
+        return fx.Interpreter(gm).run(*args)
+
+    with fx_traceback.preserve_node_meta(), fake_mode:
+        traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
+                         _allow_non_fake_inputs=True)(*fakes)
+    _rename_placeholders(traced, gm)
+    _fill_missing_meta(traced)
+    traced.recompile()
+    return traced
+
+
+def _rename_placeholders(traced: fx.GraphModule, original: fx.GraphModule) -> None:
+    new = list(traced.graph.find_nodes(op="placeholder"))
+    old = list(original.graph.find_nodes(op="placeholder"))
+    for n, o in zip(new, old):
+        n._rename(o.name)
+        n.target = n.name
+        for key in ("nn_module_stack", "stack_trace", "grapharg", "tensor_dict"):
+            if key in o.meta and key not in n.meta:
+                n.meta[key] = o.meta[key]
+
+
+def _fill_missing_meta(gm: fx.GraphModule) -> None:
+    """``get_attr`` constants get a ``val`` too, so every node has one."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and "val" not in node.meta:
+            value = getattr(gm, str(node.target), None)
+            if isinstance(value, torch.Tensor):
+                node.meta["val"] = value
+
+
+def check_meta(gm: fx.GraphModule) -> list[str]:
+    """Names of nodes (other than output) that lack ``meta['val']``."""
+    return [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]

@@ -1,0 +1,76 @@
+"""Pass registry (name -> lazy import) and the default pipeline, as data.
+
+Model: xDSL ``xdsl/transforms/__init__.py``. Tests and plugins add passes with
+:func:`register_pass`; users turn default passes off with ``options={"disable": [...]}`` and
+add registered ones with ``options={"enable": [...]}``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from graphopt.passes.base import STAGES, GraphPass, PassContext, PassResult, Stage
+
+if TYPE_CHECKING:
+    from graphopt.config import GraphoptConfig
+
+__all__ = ["GraphPass", "PassContext", "PassResult", "Stage", "register_pass", "get_pass",
+           "registered_pass_names", "default_pipeline_names", "build_pipeline"]
+
+_LAZY: dict[str, str] = {
+    "remove_noops": "graphopt.passes.remove_noops:RemoveNoopsPass",
+    "cse": "graphopt.passes.cse:CSEPass",
+}
+_LOADED: dict[str, type[GraphPass]] = {}
+
+# The default pipeline. Order within a stage matters:
+PIPELINE: dict[Stage, tuple[str, ...]] = {
+    "pre_autograd": (
+        "remove_noops",  # first: canonical operands let CSE see identical expressions
+        "cse",
+    ),
+    "joint": (),  # remat/partition and comm-overlap passes land here
+}
+
+
+def register_pass(cls: type[GraphPass]) -> type[GraphPass]:
+    """Register a pass class under ``cls.name`` (usable as a decorator).
+
+    Raises:
+        ValueError: the name is taken by another class, or the stage is unknown.
+    """
+    if cls.stage not in STAGES:
+        raise ValueError(f"pass {cls.name!r} has unknown stage {cls.stage!r}; stages: {STAGES}")
+    existing = _LOADED.get(cls.name)
+    if (existing is not None and existing is not cls) or (
+        cls.name in _LAZY and not _LAZY[cls.name].endswith(":" + cls.__name__)
+    ):
+        raise ValueError(f"a different pass is already registered as {cls.name!r}")
+    _LOADED[cls.name] = cls
+    return cls
+
+
+def get_pass(name: str) -> type[GraphPass]:
+    """The pass class registered as ``name``. Raises KeyError listing the valid names."""
+    if name not in _LOADED:
+        if name not in _LAZY:
+            raise KeyError(f"unknown pass {name!r}; registered: {registered_pass_names()}")
+        module, attr = _LAZY[name].split(":")
+        _LOADED[name] = getattr(importlib.import_module(module), attr)
+    return _LOADED[name]
+
+
+def registered_pass_names() -> list[str]:
+    return sorted(set(_LAZY) | set(_LOADED))
+
+
+def default_pipeline_names() -> list[str]:
+    return [name for stage in STAGES for name in PIPELINE[stage]]
+
+
+def build_pipeline(config: GraphoptConfig, stage: Stage) -> list[GraphPass]:
+    """The passes of ``stage`` for ``config``: the defaults minus ``disable``, then ``enable``."""
+    names = [n for n in PIPELINE[stage] if n not in config.disable]
+    names += [n for n in config.enable if get_pass(n).stage == stage and n not in names]
+    return [get_pass(n).from_config(config) for n in names]

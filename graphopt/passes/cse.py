@@ -1,0 +1,92 @@
+"""cse: common subexpression elimination on the pre-autograd ATen graph.
+
+Dynamo unrolls Python loops, so repeated computations (e.g. the per-block decay
+``exp(-slope * block_size)`` of transformers' MiniMax lightning attention, or rotary
+tables recomputed per layer) appear many times with identical inputs.
+
+Contract:
+    accepts: a normalized pre-autograd ATen graph (in-place ops and grad-mode switches allowed).
+    guarantees: exact; two nodes are merged only when they call the same pure ATen op with
+        the same arguments, in the same grad-mode/autocast region, with no in-place write to
+        any tensor between them, neither output is written in place later, and the op draws
+        no random numbers.
+    reads meta: nothing but the graph. writes meta: nothing (the later node is erased; the
+        kept node gains ``meta['graphopt_cse_merged']``, the names it replaced).
+    records: "rewritten" per merged node with the op; nothing per unique node.
+
+Pseudo-code:
+    region = 0
+    for node in graph:
+        if node switches grad mode / autocast / writes in place: region += 1; continue
+        key = (node.target, args with merged nodes substituted, kwargs, region)
+        if key seen and mergeable(node): replace node by the first one
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.passes import register_pass
+from graphopt.passes.base import GraphPass, PassContext, PassResult
+from graphopt.passes.fx_utils import is_mutating, is_random, mutated_nodes, op_name, site_name
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return ("sym", str(value.node.expr))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", id(value))
+    return (type(value).__name__, value)
+
+
+def _is_pure_aten(node: fx.Node) -> bool:
+    return (isinstance(node.target, torch._ops.OpOverload) and not is_mutating(node)
+            and not is_random(node) and node.target is not torch.ops.aten._local_scalar_dense.default
+            and not node.target._schema.name.startswith("aten::_assert"))
+
+
+@register_pass
+@dataclass(frozen=True)
+class CSEPass(GraphPass):
+    name = "cse"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        written = mutated_nodes(graph)
+        seen: dict[Any, fx.Node] = {}
+        region = 0
+        modified = False
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if not _is_pure_aten(node):
+                if not isinstance(node.target, torch._ops.OpOverload) or is_mutating(node):
+                    region += 1  # grad-mode switch, autocast, HOP or in-place write: a barrier
+                continue
+            if node in written:
+                continue
+            key = (node.target, _hashable(node.args), _hashable(node.kwargs), region)
+            first = seen.get(key)
+            if first is None:
+                seen[key] = node
+                continue
+            node.replace_all_uses_with(first)
+            first.meta.setdefault("graphopt_cse_merged", []).append(node.name)
+            graph.erase_node(node)
+            ctx.record("rewritten", site_name(node), f"{op_name(node)} merged into {first.name}")
+            modified = True
+        return PassResult(gm, modified)

@@ -1,0 +1,92 @@
+"""FX helpers shared by passes: op counts, side-effect checks, readable site names."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.fx as fx
+
+
+def op_name(node: fx.Node) -> str:
+    """A short stable name of what a call_function node calls, e.g. ``aten.mm.default``."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
+
+
+def op_counts(gm: fx.GraphModule) -> Counter[str]:
+    """How many call_function nodes call each target."""
+    return Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def count_delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
+    """Per op, after minus before; zero entries dropped."""
+    keys = set(before) | set(after)
+    return {k: after[k] - before[k] for k in sorted(keys) if after[k] != before[k]}
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """True when the node writes to one of its inputs (in-place or out= ops)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    return False
+
+
+def is_random(node: fx.Node) -> bool:
+    """True for ops that draw from the RNG (rand*, bernoulli, dropout with p > 0, ...).
+
+    Ops tagged ``nondeterministic_seeded`` only because of a dropout argument (SDPA's
+    ``dropout_p``, ``aten.dropout``'s ``p``/``train``) count as random only when that
+    dropout is active.
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    args = {a.name: a for a in target._schema.arguments}
+    values = dict(zip(args, node.args)) | dict(node.kwargs)
+    if "train" in args and values.get("train", args["train"].default_value) is False:
+        return False
+    for pname in ("dropout_p", "p"):
+        if pname in args and "dropout" in (target._schema.name + pname):
+            value = values.get(pname, args[pname].default_value)
+            return not (type(value) in (int, float) and value == 0)
+    return True
+
+
+def mutated_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value some op writes to (in place), directly as a mutable argument."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not is_mutating(node):
+            continue
+        schema = node.target._schema  # type: ignore[union-attr]
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node):
+                out.add(value)
+    return out
+
+
+def site_name(node: fx.Node) -> str:
+    """Where a node comes from in the user's model: ``module.path:node_name``."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = path.replace("L['self'].", "").replace("L__self___", "")
+        return f"{path}:{node.name}"
+    return node.name
+
+
+def tensor_meta(node: fx.Node) -> torch.Tensor | None:
+    """The fake tensor a node produces (``node.meta['val']``), or None for non-tensors."""
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None

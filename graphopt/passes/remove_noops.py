@@ -1,0 +1,124 @@
+"""remove_noops: drop ATen ops that return their input unchanged.
+
+Contract:
+    accepts: any normalized graph (pre-autograd ATen or joint), static or symbolic shapes.
+    guarantees: exact; every removed node ``y = op(x, ...)`` had ``y`` equal to ``x`` in
+        value, shape, dtype, device and (for view-like ops) already aliased ``x``. Shapes
+        are compared with ``statically_known_true``, so a symbolic shape that is only equal
+        for some inputs is kept.
+    reads meta: ``val``. writes meta: nothing (removed nodes' users now read ``x``).
+    records: "rewritten" per removed node (site and op); "skipped" with the reason when a
+        candidate was kept because it is mutated in place, returned from the graph, or would
+        change an alias relation.
+
+Pseudo-code:
+    for node in graph:
+        x = identity_input(node)          # view/reshape/expand to the same shape, full slice,
+                                          # to/type_as/contiguous that change nothing,
+                                          # x * 1, x / 1, x + 0, x - 0 with same dtype/shape
+        if x and safe(node, x): node.replace_all_uses_with(x); erase(node)
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from graphopt.passes import register_pass
+from graphopt.passes.base import GraphPass, PassContext, PassResult
+from graphopt.passes.fx_utils import mutated_nodes, op_name, site_name, tensor_meta
+
+aten = torch.ops.aten
+
+_SAME_SHAPE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                     aten.expand.default, aten.alias.default}
+_ALIAS_IF_UNCHANGED = {aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.type_as.default,
+                       aten.contiguous.default}
+_ARITH_IDENTITY = {aten.mul.Tensor: 1, aten.div.Tensor: 1, aten.add.Tensor: 0,
+                   aten.sub.Tensor: 0, aten.mul.Scalar: 1, aten.add.Scalar: 0}
+
+
+def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.device == b.device and a.dim() == b.dim()
+            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
+
+
+def _full_slice(node: fx.Node, x: torch.Tensor) -> bool:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim, start, end, step = (args[1] or 0), args[2], args[3], (args[4] or 1)
+    dim = int(dim) % max(x.dim(), 1)
+    start_ok = start in (None, 0)
+    end_ok = end is None or (not isinstance(end, fx.Node)
+                             and statically_known_true(end >= x.shape[dim]))
+    return step == 1 and start_ok and end_ok and not node.kwargs
+
+
+def identity_input(node: fx.Node) -> fx.Node | None:
+    """The input ``node`` returns unchanged, or None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    x_node = node.args[0]
+    x, y = tensor_meta(x_node), tensor_meta(node)
+    if x is None or y is None or not _same_meta(x, y):
+        return None
+    target = node.target
+    if target in _SAME_SHAPE_VIEWS:
+        return x_node
+    if target is aten.slice.Tensor and _full_slice(node, x):
+        return x_node
+    if target in _ALIAS_IF_UNCHANGED:
+        copy = node.kwargs.get("copy", False) or (len(node.args) > 3 and node.args[3] is True)
+        fmt = node.kwargs.get("memory_format")
+        keeps_layout = fmt in (None, torch.preserve_format) or x.is_contiguous(memory_format=fmt)
+        if not copy and keeps_layout and (target is not aten.contiguous.default
+                                          or x.is_contiguous()):
+            return x_node
+        return None
+    if target in _ARITH_IDENTITY and len(node.args) == 2 and not node.kwargs:
+        other = node.args[1]
+        if type(other) in (int, float) and other == _ARITH_IDENTITY[target]:
+            return x_node
+    return None
+
+
+@register_pass
+@dataclass(frozen=True)
+class RemoveNoopsPass(GraphPass):
+    name = "remove_noops"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        mutated = mutated_nodes(graph)
+        outputs = set(graph.output_node().all_input_nodes)
+        modified = False
+        for node in list(graph.nodes):
+            x = identity_input(node)
+            if x is None:
+                continue
+            aliasing = node.target in _SAME_SHAPE_VIEWS or node.target in _ALIAS_IF_UNCHANGED
+            reason = _unsafe_reason(node, x, aliasing, mutated, outputs)
+            if reason:
+                ctx.record("skipped", site_name(node), f"{op_name(node)}: {reason}")
+                continue
+            node.replace_all_uses_with(x)
+            graph.erase_node(node)
+            ctx.record("rewritten", site_name(node), f"{op_name(node)} returns its input")
+            modified = True
+        return PassResult(gm, modified)
+
+
+def _unsafe_reason(node: fx.Node, x: fx.Node, aliasing: bool, mutated: set[fx.Node],
+                   outputs: set[fx.Node]) -> str:
+    if node in mutated or (not aliasing and x in mutated):
+        return "kept: the value is written in place, removing it would change what aliases what"
+    if not aliasing and node in outputs:
+        return "kept: it is a graph output; the caller would get an alias of the input"
+    if any(u.target is operator.setitem for u in node.users):
+        return "kept: used by setitem"
+    return ""

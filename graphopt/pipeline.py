@@ -1,0 +1,228 @@
+"""The graphopt pipeline: normalize, model passes, AOTAutograd + joint passes, lowering.
+
+    Dynamo FX graph (Torch IR) + example inputs
+     -> normalize               pre-autograd ATen graph, meta['val'] on every node
+     -> stage "pre_autograd"    model passes (graphopt.passes.PIPELINE)
+     -> lowering.compile        AOTAutograd; the partitioner hook runs stage "joint"
+     -> forward/backward/inference graphs compiled by the lowering (eager | inductor | npu)
+     -> verify (optional)       eager vs compiled, localized to the first bad pass
+
+After each pass the runner lints and recompiles the graph, checks that every node still has
+``meta['val']``, times the pass, records op-count changes and dumps before/after when asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.config import GraphoptConfig
+from graphopt.dump import Dumper, graph_code
+from graphopt.errors import GraphoptError, PassFailedError
+from graphopt.lowering import AOTHooks, get_lowering
+from graphopt.normalize import check_meta, normalize
+from graphopt.passes import PassContext, Stage, build_pipeline
+from graphopt.passes.fx_utils import count_delta, op_counts
+from graphopt.report import CompileReport, PassRecord, next_graph_id, register
+
+Snapshot = tuple[str, bool, fx.GraphModule]
+"""(pass name, pass is exact, a copy of the graph after that pass)."""
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy sharing parameters/constants; node meta is copied shallowly."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+class PassRunner:
+    """Runs one stage's passes with lint, meta check, timing, report entries and dumps."""
+
+    def __init__(self, config: GraphoptConfig, report: CompileReport, dumper: Dumper) -> None:
+        self.config = config
+        self.report = report
+        self.dumper = dumper
+        self.ran: list[str] = []
+
+    def run_stage(self, stage: Stage, gm: fx.GraphModule, graph_kind: str, training: bool,
+                  snapshots: list[Snapshot] | None = None) -> fx.GraphModule:
+        for graph_pass in build_pipeline(self.config, stage):
+            record = PassRecord(graph_pass.name, stage, graph_kind, graph_pass.exact)
+            self.report.passes.append(record)
+            before_code = graph_code(gm) if self.dumper.enabled else ""
+            before = op_counts(gm)
+            record.nodes_before = len(gm.graph.nodes)
+            ctx = PassContext(self.config, graph_kind, training, record)
+            start = time.perf_counter()
+            try:
+                result = graph_pass.run(gm, ctx)
+                gm = result.gm
+                gm.graph.lint()
+                gm.recompile()
+                missing = check_meta(gm)
+                if missing:
+                    raise PassFailedError(f"nodes without meta['val']: {missing[:5]}")
+            except Exception as exc:
+                earlier = ", ".join(self.ran) or "none"
+                raise PassFailedError(
+                    f"pass {graph_pass.name!r} (stage {stage}, {graph_kind} graph) failed: "
+                    f"{type(exc).__name__}: {exc}. Passes that ran before it: {earlier}. "
+                    f"Work around it with options={{'disable': [{graph_pass.name!r}]}}."
+                ) from exc
+            record.time_s = time.perf_counter() - start
+            self.report.add_time("passes", record.time_s)
+            record.modified = result.modified
+            record.nodes_after = len(gm.graph.nodes)
+            record.op_delta = count_delta(before, op_counts(gm))
+            self.ran.append(graph_pass.name)
+            self.dumper.pass_step(stage, graph_pass.name, graph_kind, before_code, gm)
+            if snapshots is not None:
+                snapshots.append((graph_pass.name, graph_pass.exact, copy_graph_module(gm)))
+        return gm
+
+
+def _is_training(example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    )
+
+
+def _is_dynamic(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt | torch.SymFloat):
+            return True
+        if isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape):
+            return True
+    return False
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                  config: GraphoptConfig) -> Callable[..., Any]:
+    """Run the whole pipeline on one Dynamo graph; returns what Dynamo should call."""
+    report = CompileReport(graph_id=next_graph_id(), options=_options_summary(config))
+    register(report)
+    dumper = Dumper(config.dump_dir, report.graph_id, report)
+    try:
+        return _compile_graph(gm, example_inputs, config, report, dumper)
+    except Exception as exc:
+        # Dynamo also uses exceptions to restart analysis (e.g. to specialize a float).
+        report.status = f"aborted: {type(exc).__name__}"
+        dumper.write_report()
+        raise
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: GraphoptConfig,
+                   report: CompileReport, dumper: Dumper) -> Callable[..., Any]:
+    start = time.perf_counter()
+    report.training = _is_training(example_inputs)
+    lowering = get_lowering(config.lowering, example_inputs)
+    report.lowering = lowering.name
+    dumper.graph("00_dynamo", gm)
+
+    t0 = time.perf_counter()
+    model = normalize(gm, example_inputs)
+    report.add_time("normalize", time.perf_counter() - t0)
+    report.dynamic = _is_dynamic(model)
+    report.graphs["model"] = len(model.graph.nodes)
+    dumper.graph("01_normalized", model, render=True)
+
+    runner = PassRunner(config, report, dumper)
+    snapshots: list[Snapshot] | None = None
+    if config.verify.enabled:
+        snapshots = [("normalize", True, copy_graph_module(model))]
+    model = runner.run_stage("pre_autograd", model, "model", report.training, snapshots)
+    report.graphs["model_after_passes"] = len(model.graph.nodes)
+
+    hooks = make_hooks(runner, dumper, report)
+    hooked_before = _hooked_time(report)
+    t0 = time.perf_counter()
+    compiled = lowering.compile(model, example_inputs, hooks, config)
+    report.add_time("aot_autograd", time.perf_counter() - t0 - (_hooked_time(report) - hooked_before))
+    if report.training and "joint" not in report.graphs:
+        report.notes.append("forward/backward graphs came from the lowering's compile cache; "
+                            "joint passes ran when the cache entry was made")
+    total = time.perf_counter() - start
+    report.timing["total"] = total
+    report.timing["graphopt_overhead"] = total - sum(
+        report.timing.get(k, 0.0) for k in ("aot_autograd", "lowering"))
+    report.status = "compiled"
+    dumper.write_report()
+    if config.verify.enabled:
+        assert snapshots is not None
+        return _verify_on_first_call(gm, compiled, list(example_inputs), snapshots, model,
+                                     config, report, dumper)
+    return compiled
+
+
+def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any],
+                          example_inputs: Sequence[Any], snapshots: list[Snapshot],
+                          model: fx.GraphModule, config: GraphoptConfig, report: CompileReport,
+                          dumper: Dumper) -> Callable[..., Any]:
+    """Verify on the first call, outside Dynamo's compile context (lazy backward compiles
+    of some lowerings must not nest in it); errors surface from the model call itself."""
+    from graphopt.verify import verify_compile
+
+    pending = [True]
+
+    def call(*args: Any) -> Any:
+        if pending:
+            pending.clear()
+            t0 = time.perf_counter()
+            try:
+                with torch.enable_grad() if report.training else torch.no_grad():
+                    verify_compile(original, compiled, example_inputs, snapshots, config, report,
+                                   recompile=lambda disabled: _recompile(
+                                       model, example_inputs, config, disabled))
+            finally:
+                report.add_time("verify", time.perf_counter() - t0)
+                dumper.write_report()
+        return compiled(*args)
+
+    return call
+
+
+def make_hooks(runner: PassRunner, dumper: Dumper, report: CompileReport) -> AOTHooks:
+    def run_joint(g: fx.GraphModule, kind: str) -> fx.GraphModule:
+        return runner.run_stage("joint", g, kind, kind == "joint")
+
+    def graph_ready(kind: str, g: fx.GraphModule) -> None:
+        report.graphs[kind] = len(g.graph.nodes)
+        dumper.graph(kind, g, render=kind != "joint")
+        if kind == "backward":  # compiled lazily, after the backend returned
+            dumper.write_report()
+
+    return AOTHooks(run_joint=run_joint, graph_ready=graph_ready, add_time=report.add_time)
+
+
+def _hooked_time(report: CompileReport) -> float:
+    return sum(report.timing.get(k, 0.0) for k in ("passes", "lowering", "dump"))
+
+
+def _recompile(model: fx.GraphModule, example_inputs: Sequence[Any], config: GraphoptConfig,
+               disabled_joint: Sequence[str]) -> Callable[..., Any]:
+    """Compile the model-pass output again with some joint passes off (verify's bisection)."""
+    quiet = dataclasses.replace(config, dump_dir=None, verify=dataclasses.replace(
+        config.verify, enabled=False), disable=tuple(config.disable) + tuple(disabled_joint),
+        enable=tuple(n for n in config.enable if n not in disabled_joint))
+    report = CompileReport(graph_id=-1)
+    runner = PassRunner(quiet, report, Dumper(None, -1, report))
+    lowering = get_lowering(quiet.lowering, example_inputs)
+    return lowering.compile(copy_graph_module(model), example_inputs,
+                            make_hooks(runner, Dumper(None, -1, report), report), quiet)
+
+
+def _options_summary(config: GraphoptConfig) -> dict[str, Any]:
+    data = dataclasses.asdict(config)
+    data["dump_dir"] = str(config.dump_dir) if config.dump_dir else None
+    return data
+
+
+__all__ = ["compile_graph", "PassRunner", "copy_graph_module", "GraphoptError"]

@@ -1,0 +1,162 @@
+"""The compile report: what each pass matched, rewrote and skipped (and why), with timings.
+
+One :class:`CompileReport` per graph Dynamo hands to the backend. Reports of this process are
+kept in order (:func:`reports`, :func:`last_report`) so that tests and users can assert that a
+pass really ran; with a dump directory they are also written as ``report.json`` and
+``report.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Action = Literal["matched", "rewritten", "skipped", "kept"]
+
+
+@dataclass
+class SiteRecord:
+    """One region a pass looked at: its action and why."""
+
+    action: Action
+    site: str
+    reason: str = ""
+
+
+@dataclass
+class PassRecord:
+    """What one pass did to one graph."""
+
+    name: str
+    stage: str
+    graph_kind: str
+    exact: bool
+    time_s: float = 0.0
+    modified: bool = False
+    nodes_before: int = 0
+    nodes_after: int = 0
+    op_delta: dict[str, int] = field(default_factory=dict)
+    sites: list[SiteRecord] = field(default_factory=list)
+
+    def record(self, action: Action, site: str, reason: str = "") -> None:
+        self.sites.append(SiteRecord(action, site, reason))
+
+    def count(self, action: Action) -> int:
+        return sum(1 for s in self.sites if s.action == action)
+
+
+@dataclass
+class CompileReport:
+    """Everything graphopt did to one Dynamo graph.
+
+    ``timing`` keys (seconds): normalize, passes, aot_autograd (AOTAutograd's own work, our
+    hooks excluded), lowering (graph compilers), dump, verify, total (backend call, forward
+    side) and graphopt_overhead = normalize + passes + dump + bookkeeping, i.e. the backend
+    time that is neither AOTAutograd, nor the lowering compiler, nor verification.
+    """
+
+    graph_id: int
+    status: str = "compiling"
+    """"compiling" | "compiled" | "aborted: <exception>" (Dynamo may restart a compile)."""
+    lowering: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    training: bool = False
+    dynamic: bool = False
+    passes: list[PassRecord] = field(default_factory=list)
+    graphs: dict[str, int] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=lambda: Counter())
+    verify: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def pass_records(self, name: str) -> list[PassRecord]:
+        return [p for p in self.passes if p.name == name]
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.timing[key] = self.timing.get(key, 0.0) + seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["timing"] = {k: round(v, 6) for k, v in self.timing.items()}
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> CompileReport:
+        passes = [
+            PassRecord(**{**p, "sites": [SiteRecord(**s) for s in p["sites"]]})
+            for p in data.get("passes", [])
+        ]
+        return CompileReport(**{**data, "passes": passes})
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"# graphopt report: graph {self.graph_id}",
+            "",
+            f"- status: {self.status}",
+            f"- lowering: `{self.lowering}`; training: {self.training}; dynamic: {self.dynamic}",
+            "- graphs: " + ", ".join(f"{k} {v} nodes" for k, v in self.graphs.items()),
+            "- timing (s): " + ", ".join(f"{k} {v:.3f}" for k, v in self.timing.items()),
+        ]
+        if self.verify:
+            lines.append(f"- verify: {self.verify.get('status')} {self.verify.get('detail', '')}")
+        lines += ["", "| pass | stage | graph | exact | time (ms) | nodes | matched | rewritten "
+                  "| skipped |", "|---|---|---|---|---|---|---|---|---|"]
+        for p in self.passes:
+            lines.append(
+                f"| {p.name} | {p.stage} | {p.graph_kind} | {p.exact} | {p.time_s * 1e3:.1f} | "
+                f"{p.nodes_before} -> {p.nodes_after} | {p.count('matched')} | "
+                f"{p.count('rewritten')} | {p.count('skipped')} |"
+            )
+        for p in self.passes:
+            if not p.sites and not p.op_delta:
+                continue
+            lines += ["", f"## {p.name} ({p.graph_kind})", ""]
+            if p.op_delta:
+                delta = ", ".join(f"{op} {d:+d}" for op, d in sorted(p.op_delta.items()))
+                lines.append(f"op-count change: {delta}")
+                lines.append("")
+            for s in p.sites:
+                lines.append(f"- {s.action}: `{s.site}`" + (f": {s.reason}" if s.reason else ""))
+        for note in self.notes:
+            lines.append(f"\nnote: {note}")
+        return "\n".join(lines) + "\n"
+
+
+_lock = threading.Lock()
+_reports: list[CompileReport] = []
+_graph_ids = itertools.count()
+
+
+def register(report: CompileReport) -> None:
+    with _lock:
+        _reports.append(report)
+
+
+def next_graph_id() -> int:
+    with _lock:
+        return next(_graph_ids)
+
+
+def reports() -> list[CompileReport]:
+    """All compile reports of this process, oldest first."""
+    with _lock:
+        return list(_reports)
+
+
+def last_report() -> CompileReport:
+    """The newest compile report. Raises LookupError when nothing was compiled yet."""
+    with _lock:
+        if not _reports:
+            raise LookupError("no graph has been compiled with backend='graphopt' yet")
+        return _reports[-1]
+
+
+def clear_reports() -> None:
+    with _lock:
+        _reports.clear()

@@ -1,0 +1,178 @@
+"""``options={"verify": True}``: compare the compiled graph with eager on the sample inputs.
+
+Outputs, and when training the gradients of every input that requires grad (parameters
+included) for a fixed random cotangent, are compared with per-dtype tolerances. The inputs are
+cloned, so the user's parameters, their ``.grad`` and buffers are untouched. A mismatch is
+localized: each snapshot taken after a pre-autograd pass is run eagerly and the first one
+that differs names the pass; when all match, the compile is redone with joint passes
+switched off one prefix at a time, and if even none of them fixes it the lowering is named.
+A mismatch caused by an exact pass raises :class:`VerificationError`; one after an
+approximate pass is recorded in the report (approximation is its contract) and later passes
+are checked against that pass's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from graphopt.config import GraphoptConfig
+from graphopt.errors import VerificationError
+from graphopt.passes.fx_utils import is_random
+from graphopt.report import CompileReport
+
+_TOLERANCE = {  # (rtol, atol) with atol relative to the reference's largest magnitude
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.bfloat16: (2e-2, 1e-2),
+    torch.float16: (2e-3, 1e-3),
+}
+
+Outcome = tuple[list[Any], list[Any]]
+
+
+def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) used when verify's rtol/atol are not set."""
+    return _TOLERANCE.get(dtype, (0.0, 0.0))
+
+
+def clone_inputs(inputs: Sequence[Any]) -> list[Any]:
+    """Detached copies that require grad where the originals do; symbolic sizes -> hints."""
+    out: list[Any] = []
+    for x in inputs:
+        if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+            out.append(x.node.hint)
+        elif isinstance(x, torch.Tensor):
+            y = x.detach().clone()
+            out.append(y.requires_grad_(x.requires_grad))
+        else:
+            out.append(x)
+    return out
+
+
+def run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
+                   seed: int = 0) -> Outcome:
+    """Outputs of ``fn(*clones)`` and, if ``grads``, d(outputs . v)/d(inputs) for seeded v."""
+    args = clone_inputs(inputs)
+    out = fn(*args)
+    flat = [o for o in pytree.tree_leaves(out)]
+    if not grads:
+        return [_detach(o) for o in flat], []
+    diff_out = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not diff_out or not wrt:
+        return [_detach(o) for o in flat], []
+    gen = torch.Generator().manual_seed(seed)
+    cot = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in diff_out]
+    g = torch.autograd.grad(diff_out, wrt, cot, allow_unused=True)
+    return [_detach(o) for o in flat], [None if t is None else t.detach() for t in g]
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def least_precise_dtype(gm: torch.fx.GraphModule) -> torch.dtype | None:
+    """The floating dtype with the fewest mantissa bits that the graph computes in.
+
+    A float64 model whose RMSNorm upcasts "to float32" (Llama) is only float32-accurate, so
+    tolerances follow the least precise dtype computed, not the output dtype.
+    """
+    worst: torch.dtype | None = None
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+            if worst is None or torch.finfo(val.dtype).eps > torch.finfo(worst).eps:
+                worst = val.dtype
+    return worst
+
+
+def compare_outcomes(expected: Outcome, actual: Outcome, config: GraphoptConfig,
+                     compute_dtype: torch.dtype | None = None) -> str | None:
+    """None when equal within tolerance, else a one-line description of the worst mismatch."""
+    for kind, exp_list, act_list in (("output", *[o[0] for o in (expected, actual)]),
+                                     ("gradient", expected[1], actual[1])):
+        if len(exp_list) != len(act_list):
+            return f"{kind} count differs: {len(exp_list)} vs {len(act_list)}"
+        for i, (e, a) in enumerate(zip(exp_list, act_list)):
+            problem = _compare_one(e, a, config, compute_dtype)
+            if problem:
+                return f"{kind} {i}: {problem}"
+    return None
+
+
+def _compare_one(e: Any, a: Any, config: GraphoptConfig,
+                 compute_dtype: torch.dtype | None) -> str | None:
+    if not isinstance(e, torch.Tensor) or not isinstance(a, torch.Tensor):
+        return None if e == a or (e is None and a is None) else f"{e!r} != {a!r}"
+    if e.shape != a.shape or e.dtype != a.dtype:
+        return f"shape/dtype {tuple(e.shape)}/{e.dtype} vs {tuple(a.shape)}/{a.dtype}"
+    if not e.is_floating_point():
+        return None if torch.equal(e, a) else "integer values differ"
+    rtol, atol = default_tolerance(e.dtype)
+    if compute_dtype is not None and torch.finfo(compute_dtype).eps > torch.finfo(e.dtype).eps:
+        rtol, atol = default_tolerance(compute_dtype)
+    rtol = config.verify.rtol if config.verify.rtol is not None else rtol
+    atol = config.verify.atol if config.verify.atol is not None else atol
+    scale = float(e.abs().max()) if e.numel() else 0.0
+    try:
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol * max(scale, 1.0), equal_nan=True)
+    except AssertionError:
+        err = float((a.double() - e.double()).abs().max())
+        return f"max abs error {err:.3g} (reference max |x| {scale:.3g}, rtol {rtol}, atol {atol})"
+    return None
+
+
+def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
+                   inputs: Sequence[Any], snapshots: list[tuple[str, bool, torch.fx.GraphModule]],
+                   config: GraphoptConfig, report: CompileReport,
+                   recompile: Callable[[Sequence[str]], Callable[..., Any]]) -> None:
+    """Compare ``compiled`` with ``original`` (Dynamo's graph, run eagerly); see module doc."""
+    grads = config.verify.grads and report.training
+    random_ops = [n.name for n in snapshots[0][2].graph.nodes if is_random(n)]
+    if random_ops:
+        report.verify = {"status": "skipped",
+                         "detail": f"graph draws random numbers ({', '.join(random_ops[:3])}); "
+                                   "eager and compiled runs cannot be compared value by value"}
+        return
+    dtype = least_precise_dtype(snapshots[0][2])
+
+    def compare(expected: Outcome, actual: Outcome, config: GraphoptConfig) -> str | None:
+        return compare_outcomes(expected, actual, config, dtype)
+
+    reference = run_with_grads(original, inputs, grads)
+    actual = run_with_grads(compiled, inputs, grads)
+    problem = compare(reference, actual, config)
+    if problem is None:
+        detail = "outputs and gradients" if grads else "outputs"
+        report.verify = {"status": "passed", "detail": f"{detail} match eager"}
+        return
+    for name, exact, snapshot in snapshots:
+        got = run_with_grads(snapshot, inputs, grads)
+        bad = compare(reference, got, config)
+        if bad is None:
+            continue
+        if exact:
+            _fail(report, f"pass {name!r} claims to be exact but changed the numerics: {bad}")
+        report.verify.setdefault("approximate", []).append({"pass": name, "deviation": bad})
+        reference = got
+    if report.verify.get("approximate"):
+        problem = compare(reference, actual, config)
+        if problem is None:
+            report.verify.update(status="approximate",
+                                 detail="differs from eager only by approximate passes")
+            return
+    joint = list(dict.fromkeys(p.name for p in report.passes if p.stage == "joint"))
+    for k in range(len(joint) - 1, -1, -1):
+        if compare(reference, run_with_grads(recompile(joint[k:]), inputs, grads), config) is None:
+            _fail(report, f"joint pass {joint[k]!r} changed the numerics: {problem}")
+    _fail(report, f"lowering {report.lowering!r} differs from eager ({problem}); no graphopt "
+                  "pass is the cause (each pass's output matches eager)")
+
+
+def _fail(report: CompileReport, message: str) -> None:
+    report.verify = {**report.verify, "status": "failed", "detail": message}
+    raise VerificationError(f"graphopt verify (graph {report.graph_id}): {message}")
