@@ -146,7 +146,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     t0 = time.perf_counter()
     compiled = lowering.compile(model, example_inputs, hooks, config)
     report.add_time("aot_autograd", time.perf_counter() - t0 - (_hooked_time(report) - hooked_before))
-    if report.training and "joint" not in report.graphs:
+    if not {"joint", "forward", "inference"} & set(report.graphs):
         report.notes.append("forward/backward graphs came from the lowering's compile cache; "
                             "joint passes ran when the cache entry was made")
     total = time.perf_counter() - start

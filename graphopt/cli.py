@@ -1,0 +1,141 @@
+"""The ``graphopt`` command line (typer + rich): demo, explain, passes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from graphopt.report import CompileReport
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="graphopt: compiler passes for large-model training and inference "
+                       "(torch.compile backend 'graphopt').")
+console = Console()
+
+_DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16"}
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("minimax", help="Real transformers model: minimax, llama, "
+                              "mixtral or qwen3_moe (small config, random weights)."),
+    lowering: str = typer.Option("eager", help="eager | inductor | auto | npu."),
+    dtype: str = typer.Option("float32", help="float32 | float64 | bfloat16."),
+    batch: int = typer.Option(2, min=1, help="Sequences per batch."),
+    seq: int = typer.Option(64, min=1, help="Tokens per sequence."),
+    dump_dir: Path | None = typer.Option(None, help="Write every graph and the report here."),
+    verify: bool = typer.Option(True, help="Also run graphopt's verify on each graph."),
+) -> None:
+    """Compile a real model with backend="graphopt", run a training step and an inference
+    step, compare both with eager, and print the report."""
+    import torch
+
+    import graphopt
+    from graphopt.demo import run_demo
+
+    if dtype not in _DTYPES:
+        raise typer.BadParameter(f"dtype must be one of {', '.join(_DTYPES)}")
+    graphopt.clear_reports()
+    with console.status("[bold]compiling and running[/]") as status:
+        result = run_demo(model, lowering, getattr(torch, dtype), batch, seq, dump_dir, verify,
+                          progress=lambda msg: status.update(f"[bold]{msg}[/]"))
+    _print_reports(graphopt.reports(), sites=0)
+    table = Table(title=f"{model}: compiled vs eager ({dtype}, lowering {lowering})")
+    for col in ("check", "max abs error", "tolerance", "ok"):
+        table.add_column(col)
+    for name, err, tol in result.checks:
+        table.add_row(name, f"{err:.3g}", f"{tol:.3g}", "[green]yes[/]" if err <= tol else
+                      "[red]NO[/]")
+    console.print(table)
+    console.print(f"compile + first training step {result.train_s:.1f}s, inference step "
+                  f"{result.infer_s:.1f}s; graphs compiled: {len(graphopt.reports())}"
+                  + (f"; dumps in {dump_dir}" if dump_dir else ""))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def explain(
+    dump_dir: Path = typer.Argument(..., help="A dump directory (or one graph_NNN in it)."),
+    sites: int = typer.Option(20, help="Sites to list per pass (0: none)."),
+) -> None:
+    """Render the report(s) of a dump directory in the terminal."""
+    paths = sorted(dump_dir.glob("report.json")) or sorted(dump_dir.glob("graph_*/report.json"))
+    if not paths:
+        console.print(f"[red]no report.json in {dump_dir} or its graph_* folders[/]; "
+                      "compile with options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")
+        raise typer.Exit(2)
+    _print_reports([CompileReport.from_dict(json.loads(p.read_text())) for p in paths], sites)
+
+
+@app.command()
+def passes() -> None:
+    """List the registered passes, their stage, exactness and whether they run by default."""
+    import importlib
+
+    from graphopt.passes import default_pipeline_names, get_pass, registered_pass_names
+
+    table = Table(title="graphopt passes (in pipeline order where default)")
+    for col in ("name", "stage", "exact", "default", "what it does"):
+        table.add_column(col)
+    defaults = default_pipeline_names()
+    for name in defaults + [n for n in registered_pass_names() if n not in defaults]:
+        cls = get_pass(name)
+        doc = (importlib.import_module(cls.__module__).__doc__ or "").strip().splitlines()
+        table.add_row(name, cls.stage, str(cls.exact), str(name in defaults),
+                      doc[0].split(":", 1)[-1].strip() if doc else "")
+    console.print(table)
+
+
+def _print_reports(reports: list[CompileReport], sites: int) -> None:
+    summary = Table(title="graphopt compile report")
+    for col in ("graph", "status", "lowering", "train", "nodes", "rewrites", "skips",
+                "graphopt s", "total s", "verify"):
+        summary.add_column(col, no_wrap=True)
+    for r in reports:
+        summary.add_row(
+            str(r.graph_id), r.status.split(":")[0], r.lowering, "yes" if r.training else "no",
+            f"{r.graphs.get('model', '?')}->{r.graphs.get('model_after_passes', '?')}",
+            str(sum(p.count("rewritten") for p in r.passes)),
+            str(sum(p.count("skipped") for p in r.passes)),
+            f"{r.timing.get('graphopt_overhead', 0.0):.2f}", f"{r.timing.get('total', 0.0):.2f}",
+            str(r.verify.get("status", "off")))
+    console.print(summary)
+    per_pass: dict[str, list[Any]] = {}
+    for r in reports:
+        for p in r.passes:
+            agg = per_pass.setdefault(p.name, [p.stage, p.exact, 0, 0, 0, 0.0])
+            agg[2] += p.count("matched")
+            agg[3] += p.count("rewritten")
+            agg[4] += p.count("skipped")
+            agg[5] += p.time_s
+    table = Table(title="per pass, all graphs")
+    for col in ("pass", "stage", "exact", "matched", "rewritten", "skipped", "time ms"):
+        table.add_column(col, no_wrap=True)
+    for name, (stage, exact, m, rw, sk, t) in per_pass.items():
+        table.add_row(name, stage, str(exact), str(m), str(rw), str(sk), f"{t * 1e3:.1f}")
+    console.print(table)
+    if sites:
+        for r in reports:
+            for p in r.passes:
+                for s in p.sites[:sites]:
+                    console.print(f"graph {r.graph_id} {p.name}: {s.action} [cyan]{s.site}[/]"
+                                  + (f" - {s.reason}" if s.reason else ""))
+    for r in reports:
+        for note in r.notes:
+            console.print(f"graph {r.graph_id}: note: {note}")
+        if r.verify.get("status") == "failed":
+            console.print(f"[red]graph {r.graph_id} verify failed: {r.verify.get('detail')}[/]")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""A small kit for testing passes: get the graph a pass sees, run one pass, compare.
+
+    gm = trace_for_pass(fn, *args)                       # normalized pre-autograd ATen graph
+    result, record = run_pass("cse", gm)                 # one pass, with its report record
+    assert_op_delta(record, {"aten.exp.default": -3})    # counts of replaced nodes
+    assert_matches_eager(model, compiled, inputs)        # outputs and parameter gradients
+
+Models: PyTorch test/inductor/test_pattern_matcher.py (``common(fn, args, expected_matches)``)
+and xDSL's ``rewrite_and_compare``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from graphopt.config import GraphoptConfig
+from graphopt.normalize import normalize
+from graphopt.passes import get_pass
+from graphopt.passes.base import GraphPass, PassContext
+from graphopt.passes.fx_utils import count_delta, op_counts
+from graphopt.report import PassRecord
+
+
+def trace_for_pass(fn: Callable[..., Any], *args: Any, dynamic: bool = False) -> fx.GraphModule:
+    """The normalized pre-autograd ATen graph of ``fn(*args)`` as a model pass sees it.
+
+    Uses Dynamo with ``fullgraph=True`` (a graph break raises), then graphopt's normalize.
+    """
+    captured: list[fx.GraphModule] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        captured.append(normalize(gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
+    return captured[0]
+
+
+def run_pass(graph_pass: str | GraphPass, gm: fx.GraphModule,
+             config: GraphoptConfig | None = None, graph_kind: str = "model",
+             training: bool = False) -> tuple[fx.GraphModule, PassRecord]:
+    """Run one pass (by name or instance) on ``gm``; lint, recompile, return the record."""
+    config = config or GraphoptConfig()
+    if isinstance(graph_pass, str):
+        graph_pass = get_pass(graph_pass).from_config(config)
+    record = PassRecord(graph_pass.name, graph_pass.stage, graph_kind, graph_pass.exact)
+    before = op_counts(gm)
+    record.nodes_before = len(gm.graph.nodes)
+    result = graph_pass.run(gm, PassContext(config, graph_kind, training, record))
+    result.gm.graph.lint()
+    result.gm.recompile()
+    record.modified = result.modified
+    record.nodes_after = len(result.gm.graph.nodes)
+    record.op_delta = count_delta(before, op_counts(result.gm))
+    return result.gm, record
+
+
+def assert_op_delta(record: PassRecord, expected: Mapping[str, int]) -> None:
+    """The pass changed op counts exactly as ``expected`` (ops not named: unchanged)."""
+    assert record.op_delta == dict(expected), (
+        f"{record.name}: op-count change {record.op_delta}, expected {dict(expected)}")
+
+
+def assert_matches_eager(reference: Callable[..., Any], candidate: Callable[..., Any],
+                         inputs: Sequence[Any], params: Sequence[torch.Tensor] = (),
+                         rtol: float | None = None, atol: float | None = None,
+                         seed: int = 0) -> None:
+    """Outputs of ``candidate`` equal ``reference``'s, and so do the gradients of
+    ``sum(outputs * v)`` (v seeded random) with respect to ``params`` and to the inputs that
+    require grad. Both are run on the same inputs; ``torch.testing.assert_close`` tolerances.
+    """
+    ref = pytree.tree_leaves(reference(*inputs))
+    got = pytree.tree_leaves(candidate(*inputs))
+    assert len(ref) == len(got), f"{len(got)} outputs, expected {len(ref)}"
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=rtol, atol=atol)
+    wrt = list(params) + [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    diff = [(r, g) for r, g in zip(ref, got) if isinstance(r, torch.Tensor) and r.requires_grad]
+    if not wrt or not diff:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    cot = [torch.randn(r.shape, generator=gen, dtype=r.dtype) for r, _ in diff]
+    g_ref = torch.autograd.grad([r for r, _ in diff], wrt, cot, allow_unused=True)
+    g_got = torch.autograd.grad([g for _, g in diff], wrt, cot, allow_unused=True)
+    for i, (r, g) in enumerate(zip(g_ref, g_got)):
+        assert (r is None) == (g is None), f"gradient {i}: one side is None"
+        if r is not None:
+            torch.testing.assert_close(g, r, rtol=rtol, atol=atol,
+                                       msg=lambda m, i=i: f"gradient {i}: {m}")
