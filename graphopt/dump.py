@@ -38,7 +38,9 @@ class Dumper:
         self.report = report
         self._step = 0
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if self.dir.exists():  # left by an earlier process: never mix two compiles
+                shutil.rmtree(self.dir)
+            self.dir.mkdir(parents=True)
 
     @property
     def enabled(self) -> bool:

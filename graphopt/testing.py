@@ -1,9 +1,9 @@
 """A small kit for testing passes: get the graph a pass sees, run one pass, compare.
 
     gm = trace_for_pass(fn, *args)                       # normalized pre-autograd ATen graph
-    result, record = run_pass("cse", gm)                 # one pass, with its report record
+    gm, record = run_pass("cse", gm)                     # one pass, with its report record
     assert_op_delta(record, {"aten.exp.default": -3})    # counts of replaced nodes
-    assert_matches_eager(model, compiled, inputs)        # outputs and parameter gradients
+    assert_matches_eager(fn, as_function(gm, fn), args)  # outputs and gradients
 
 Models: PyTorch test/inductor/test_pattern_matcher.py (``common(fn, args, expected_matches)``)
 and xDSL's ``rewrite_and_compare``.
@@ -11,6 +11,7 @@ and xDSL's ``rewrite_and_compare``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ def trace_for_pass(fn: Callable[..., Any], *args: Any, dynamic: bool = False) ->
     """The normalized pre-autograd ATen graph of ``fn(*args)`` as a model pass sees it.
 
     Uses Dynamo with ``fullgraph=True`` (a graph break raises), then graphopt's normalize.
+    The graph takes Dynamo's flat inputs (ordered by first use; parameters and dynamic
+    sizes lifted): call it like ``fn`` through :func:`as_function`.
     """
     captured: list[fx.GraphModule] = []
 
@@ -40,6 +43,36 @@ def trace_for_pass(fn: Callable[..., Any], *args: Any, dynamic: bool = False) ->
     torch._dynamo.reset()
     torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
     return captured[0]
+
+
+def bind_inputs(gm: fx.GraphModule, fn: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> list[Any]:
+    """The flat graph inputs for the user-level call ``fn(*args, **kwargs)``.
+
+    Dynamo orders graph inputs by first use and lifts parameters and dynamic sizes; each
+    placeholder keeps its Dynamo source (an expression such as ``L['self']._modules['up']
+    ._parameters['weight']`` or ``L['x'].size()[0]``), which is evaluated here.
+    """
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    bound = inspect.signature(target).bind(*args, **kwargs)
+    local_vars: dict[str, Any] = dict(bound.arguments)
+    if isinstance(fn, torch.nn.Module):
+        local_vars["self"] = fn
+    global_vars = getattr(target, "__globals__", {})
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = node.meta["grapharg"].source
+        expr = source.name if isinstance(source.name, str) else source.name()
+        values.append(eval(expr, {"L": local_vars, "G": global_vars}))  # noqa: S307
+    return values
+
+
+def as_function(gm: fx.GraphModule, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``gm`` callable like ``fn`` (same arguments); returns the graph's output tuple/value."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = gm(*bind_inputs(gm, fn, *args, **kwargs))
+        return out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+    return call
 
 
 def run_pass(graph_pass: str | GraphPass, gm: fx.GraphModule,

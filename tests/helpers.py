@@ -1,0 +1,115 @@
+"""Test-only passes (registered once) and small modules shared by tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from graphopt.passes import register_pass
+from graphopt.passes.base import GraphPass, PassContext, PassResult
+from graphopt.passes.fx_utils import site_name
+
+aten = torch.ops.aten
+
+
+def _sin_to_cos(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    changed = False
+    for node in gm.graph.nodes:
+        if node.target is aten.sin.default:
+            node.target = aten.cos.default  # deliberately wrong: same meta, other values
+            ctx.record("rewritten", site_name(node), "sin -> cos (test-only, wrong)")
+            changed = True
+    return PassResult(gm, changed)
+
+
+@register_pass
+@dataclass(frozen=True)
+class WrongExactPass(GraphPass):
+    """Claims exactness but replaces sin by cos: verify must catch it and name it."""
+
+    name = "test_wrong_exact"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        return _sin_to_cos(gm, ctx)
+
+
+@register_pass
+@dataclass(frozen=True)
+class WrongApproximatePass(GraphPass):
+    name = "test_wrong_approximate"
+    stage = "pre_autograd"
+    exact = False
+
+    def run(self, gm, ctx):
+        return _sin_to_cos(gm, ctx)
+
+
+@register_pass
+@dataclass(frozen=True)
+class WrongJointPass(GraphPass):
+    name = "test_wrong_joint"
+    stage = "joint"
+    exact = True
+
+    def run(self, gm, ctx):
+        return _sin_to_cos(gm, ctx)
+
+
+@register_pass
+@dataclass(frozen=True)
+class CountMatmulsPass(GraphPass):
+    """Joint-stage analysis: records every mm/addmm it sees as "matched"."""
+
+    name = "test_count_matmuls"
+    stage = "joint"
+    exact = True
+
+    def run(self, gm, ctx):
+        for node in gm.graph.nodes:
+            if node.target in (aten.mm.default, aten.addmm.default):
+                ctx.record("matched", site_name(node))
+        return PassResult(gm, False)
+
+
+@register_pass
+@dataclass(frozen=True)
+class CrashingPass(GraphPass):
+    name = "test_crash"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        raise RuntimeError("boom")
+
+
+@register_pass
+@dataclass(frozen=True)
+class MetaDroppingPass(GraphPass):
+    """Inserts a node without meta['val']: the runner must reject it."""
+
+    name = "test_drop_meta"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        out = gm.graph.output_node()
+        first = out.all_input_nodes[0]
+        with gm.graph.inserting_before(out):
+            neg = gm.graph.call_function(aten.neg.default, (first,))
+            neg2 = gm.graph.call_function(aten.neg.default, (neg,))
+        first.replace_all_uses_with(neg2, delete_user_cb=lambda u: u is out)
+        return PassResult(gm, True)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dim: int = 8, dtype=torch.float64):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 2 * dim, dtype=dtype)
+        self.down = torch.nn.Linear(2 * dim, dim, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(torch.sin(self.up(x))) * 1.0 + x

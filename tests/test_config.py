@@ -1,0 +1,67 @@
+"""Option validation: every bad option is a clear error raised before any compile work."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import ConfigError, GraphoptConfig, LoweringUnavailableError
+from graphopt.config import npu_available
+
+
+def _compile_and_call(options):
+    fn = torch.compile(lambda x: x.sin() + 1, backend="graphopt", options=options)
+    return fn(torch.randn(4))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"lowerin": "eager"}, r"unknown graphopt option 'lowerin' \(did you mean 'lowering'\?\)"),
+    ({"lowering": "tpu"}, r"unknown lowering 'tpu'; valid lowerings: auto, eager, inductor, npu"),
+    ({"lowering": 3}, r"option 'lowering' must be of type str, got int"),
+    ({"verify": "yes"}, r"option 'verify' must be a bool or a dict"),
+    ({"verify": {"rtl": 1e-3}}, r"unknown verify option 'rtl' \(did you mean 'rtol'\?\)"),
+    ({"verify": {"rtol": -1}}, r"verify.rtol must be a non-negative number"),
+    ({"disable": ["cs"]}, r"option 'disable' names unknown pass 'cs' \(did you mean 'cse'\?\)"),
+    ({"disable": "cse,remove_noops"}, r"unknown pass 'cse,remove_noops'"),
+    ({"enable": ["cse"]}, r"pass 'cse' already runs by default"),
+    ({"inductor_config": ["x"]}, r"option 'inductor_config' must be of type Mapping"),
+])
+def test_bad_option_raises_before_compiling(options, message):
+    with pytest.raises(ConfigError, match=message):
+        GraphoptConfig.from_options(options)
+    with pytest.raises(Exception, match=message):
+        _compile_and_call(options)
+    assert graphopt.reports() == []  # the pipeline never started
+
+
+def test_unwritable_dump_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="dump_dir .* cannot be written"):
+        GraphoptConfig.from_options({"dump_dir": str(blocker / "sub")})
+    with pytest.raises(ConfigError, match="option 'dump_dir' must be a path"):
+        GraphoptConfig.from_options({"dump_dir": 5})
+
+
+def test_dump_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_DUMP_DIR", str(tmp_path / "env"))
+    assert GraphoptConfig.from_options({}).dump_dir == tmp_path / "env"
+    assert GraphoptConfig.from_options({"dump_dir": str(tmp_path)}).dump_dir == tmp_path
+
+
+@pytest.mark.skipif(npu_available(), reason="torch_npu is installed here")
+def test_npu_without_torch_npu_says_what_to_install():
+    with pytest.raises(LoweringUnavailableError, match=r"pip install 'graphopt\[npu\]'"):
+        GraphoptConfig.from_options({"lowering": "npu"})
+
+
+def test_unknown_mode():
+    with pytest.raises(ConfigError, match="unknown torch.compile mode 'fastest'"):
+        GraphoptConfig.from_options({}, mode="fastest")
+
+
+def test_config_is_frozen_and_typed():
+    config = GraphoptConfig.from_options({"verify": {"rtol": 1e-3}, "disable": "cse"})
+    assert config.verify.enabled and config.verify.rtol == 1e-3
+    assert config.disable == ("cse",)
+    with pytest.raises(AttributeError):
+        config.lowering = "eager"  # type: ignore[misc]

@@ -1,0 +1,60 @@
+"""remove_noops: graph in, graph out, refusals, numerics."""
+
+import torch
+
+from graphopt.testing import as_function, assert_matches_eager, run_pass, trace_for_pass
+
+
+def test_removes_identity_ops():
+    def fn(x):
+        a = x.view(x.shape) * 1
+        b = a.reshape(4, 6)[:, :] + 0
+        c = b.contiguous().to(torch.float64).expand(4, 6)
+        return torch.sin(c)
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    gm = trace_for_pass(fn, x)
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == record.nodes_before - record.nodes_after >= 6
+    ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert ops == {torch.ops.aten.sin.default}, gm.code
+    assert_matches_eager(fn, as_function(gm, fn), [x])
+
+
+def test_keeps_real_ops_that_look_like_noops():
+    def fn(x, y):
+        return (x.view(2, 12), x * 1.5, x.to(torch.float32), x.reshape(6, 4), x + y, x[:, 1:])
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    gm = trace_for_pass(fn, x, torch.zeros(4, 6, dtype=torch.float64))
+    _, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 0 and not record.modified
+
+
+def test_refuses_when_result_is_returned_or_written_in_place():
+    def fn(x):
+        returned = x * 1          # removing it would hand the caller an alias of x
+        written = x + 0
+        written.add_(1)           # removing it would write into x
+        return returned, written
+
+    x = torch.randn(3, dtype=torch.float64)
+    gm = trace_for_pass(fn, x)
+    gm, record = run_pass("remove_noops", gm)
+    reasons = [s.reason for s in record.sites if s.action == "skipped"]
+    assert record.count("rewritten") == 0
+    assert any("graph output" in r for r in reasons) and any("in place" in r for r in reasons)
+    assert_matches_eager(fn, as_function(gm, fn), [x])
+
+
+def test_symbolic_shapes_only_removed_when_provably_equal():
+    def fn(x, y):
+        return x.expand(x.shape[0], 5) + y.view(y.shape[0], 5).reshape(-1, 5)
+
+    x, y = torch.randn(3, 5), torch.randn(3, 5)
+    gm = trace_for_pass(fn, x, y, dynamic=True)
+    assert any(n.name.startswith("s") for n in gm.graph.find_nodes(op="placeholder"))
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 3  # expand, view, reshape: same symbolic shape
+    x, y = torch.randn(6, 5), torch.randn(6, 5)  # another size: the graph is symbolic
+    torch.testing.assert_close(as_function(gm, fn)(x, y), fn(x, y))

@@ -1,0 +1,121 @@
+"""The pass pipeline: order, disabling, joint passes, training/inference, dynamic shapes,
+graph breaks, and errors that name the failing pass."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import PassFailedError
+from graphopt.passes import PIPELINE
+from graphopt.testing import assert_matches_eager
+from tests.helpers import MLP
+
+EAGER = {"lowering": "eager"}
+
+
+def test_training_step_matches_eager_and_passes_ran():
+    model = MLP()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled = torch.compile(model, backend="graphopt", options=EAGER)
+    assert_matches_eager(model, compiled, [x], params=list(model.parameters()))
+    report = graphopt.last_report()
+    assert report.status == "compiled" and report.training
+    assert [p.name for p in report.passes] == list(PIPELINE["pre_autograd"])
+    noops = report.pass_records("remove_noops")[0]
+    assert noops.count("rewritten") == 1 and noops.op_delta == {"aten.mul.Tensor": -1}
+    assert {"model", "joint", "forward"} <= set(report.graphs)
+    for key in ("normalize", "passes", "aot_autograd", "total", "graphopt_overhead"):
+        assert key in report.timing
+
+
+def test_no_grad_inference_uses_inference_graph():
+    model = MLP()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled = torch.compile(model, backend="graphopt", options=EAGER)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    report = graphopt.last_report()
+    assert not report.training and "inference" in report.graphs and "joint" not in report.graphs
+
+
+def test_disable_pass_by_name():
+    compiled = torch.compile(MLP(), backend="graphopt", options={**EAGER, "disable": ["cse"]})
+    compiled(torch.randn(2, 8, dtype=torch.float64))
+    assert [p.name for p in graphopt.last_report().passes] == ["remove_noops"]
+
+
+def test_enabled_joint_pass_sees_joint_and_inference_graphs():
+    model = MLP()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled = torch.compile(model, backend="graphopt",
+                             options={**EAGER, "enable": ["test_count_matmuls"]})
+    compiled(x).sum().backward()
+    joint = graphopt.last_report().pass_records("test_count_matmuls")
+    assert [r.graph_kind for r in joint] == ["joint"]
+    # forward: 2 addmm; backward: 3 mm (input grads need only one: x's for `up` is used)
+    assert joint[0].count("matched") >= 4
+    with torch.no_grad():
+        compiled(x)
+    inference = graphopt.last_report().pass_records("test_count_matmuls")
+    assert [r.graph_kind for r in inference] == ["inference"]
+    assert inference[0].count("matched") == 2
+
+
+def test_dynamic_shapes_and_recompile():
+    model = MLP()
+    compiled = torch.compile(model, backend="graphopt", options=EAGER, dynamic=True)
+    for batch in (3, 7):
+        x = torch.randn(batch, 8, dtype=torch.float64)
+        assert_matches_eager(model, compiled, [x], params=list(model.parameters()))
+    assert any(r.dynamic for r in graphopt.reports())
+    assert all(r.status == "compiled" for r in graphopt.reports())
+
+
+def test_automatic_dynamic_recompile_on_new_shape():
+    model = MLP()
+    compiled = torch.compile(model, backend="graphopt", options=EAGER)
+    for batch in (2, 5, 9):
+        x = torch.randn(batch, 8, dtype=torch.float64)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert len(graphopt.reports()) == 2  # static first, then one dynamic recompile
+    assert graphopt.reports()[-1].dynamic
+
+
+def test_graph_break_in_user_code_does_not_crash():
+    def fn(x):
+        y = torch.sin(x) * 2
+        if y.sum().item() > 0:  # data-dependent branch: a graph break
+            return y + 1
+        return y - 1
+
+    compiled = torch.compile(fn, backend="graphopt", options=EAGER)
+    x = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert_matches_eager(fn, compiled, [x])
+    assert len(graphopt.reports()) >= 2
+
+
+def test_failing_pass_is_named_with_the_passes_before_it():
+    compiled = torch.compile(MLP(), backend="graphopt", options={**EAGER, "enable":
+                                                               ["test_crash"]})
+    with pytest.raises(Exception, match=r"pass 'test_crash' \(stage pre_autograd, model graph\) "
+                       r"failed: RuntimeError: boom. Passes that ran before it: remove_noops, "
+                       r"cse"):
+        compiled(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_pass_leaving_a_node_without_meta_is_rejected():
+    compiled = torch.compile(MLP(), backend="graphopt", options={**EAGER, "enable":
+                                                               ["test_drop_meta"]})
+    with pytest.raises(Exception, match=r"test_drop_meta.*nodes without meta\['val'\]"):
+        compiled(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_normalized_graph_has_metadata_on_every_node():
+    from graphopt.normalize import check_meta
+    from graphopt.testing import trace_for_pass
+
+    gm = trace_for_pass(MLP(), torch.randn(2, 8, dtype=torch.float64), dynamic=True)
+    assert check_meta(gm) == []
+    assert all(isinstance(n.target, torch._ops.OpOverload | torch._ops.HigherOrderOperator)
+               or n.op != "call_function" or "sym" in str(n.target) or "getitem" in str(n.target)
+               for n in gm.graph.nodes), gm.code
