@@ -17,7 +17,17 @@ from graphopt.report import CompileReport, clear_reports, last_report, reports
 __version__ = "0.1.0"
 
 __all__ = [
-    "graphopt_backend", "GraphoptConfig", "VerifyConfig", "ConfigError", "GraphoptError",
-    "LoweringUnavailableError", "PassFailedError", "VerificationError", "CompileReport",
-    "reports", "last_report", "clear_reports", "__version__",
+    "CompileReport",
+    "ConfigError",
+    "GraphoptConfig",
+    "GraphoptError",
+    "LoweringUnavailableError",
+    "PassFailedError",
+    "VerificationError",
+    "VerifyConfig",
+    "__version__",
+    "clear_reports",
+    "graphopt_backend",
+    "last_report",
+    "reports",
 ]

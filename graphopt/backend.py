@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch.fx as fx
+from torch import fx
 
 from graphopt.config import GraphoptConfig
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,21 +41,21 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     compiled_model = copy.deepcopy(eager)
     ids = sample_batch(eager, batch, seq)
     labels = sample_batch(eager, batch, seq, seed=1)
-    options: dict[str, object] = {"lowering": lowering, "verify": verify}
+    options: dict[str, Any] = {"lowering": lowering, "verify": verify}
     if dump_dir is not None:
         options["dump_dir"] = str(dump_dir)
     compiled = torch.compile(compiled_model, backend="graphopt", options=options)
     rtol, _ = default_tolerance(torch.float32 if dtype == torch.float64 else dtype)
     result = DemoResult()
 
-    def step(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def step(model: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
         out = model(input_ids=ids, labels=labels, use_cache=False)
         out.loss.backward()
         grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
-                    p -= 1e-2 * p.grad
+                    p.sub_(1e-2 * p.grad)
                     p.grad = None
         return out.loss.detach(), grads
 

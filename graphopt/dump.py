@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import torch.fx as fx
+from torch import fx
 
 from graphopt.report import CompileReport
 
@@ -95,7 +95,7 @@ class Dumper:
             return
         assert self.dir is not None
         dot_path = self.dir / f"{name}.dot"
-        dot.write_raw(str(dot_path))
+        dot.write_raw(str(dot_path))  # type: ignore[attr-defined]
         exe = shutil.which("dot")
         if exe is not None:
             subprocess.run([exe, "-Tsvg", str(dot_path), "-o", str(dot_path.with_suffix(".svg"))],

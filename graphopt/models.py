@@ -39,8 +39,9 @@ SPECS: dict[str, ModelSpec] = {
                                 mlp_only_layers=[])),
     # Both layer types: linear (lightning) attention and softmax attention; MoE MLPs.
     "minimax": ModelSpec("minimax", "MiniMaxConfig", "MiniMaxForCausalLM",
-                         dict(_COMMON, **_MOE, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                              block_size=16, layer_types=["linear_attention", "full_attention"],
+                         dict(_COMMON, **_MOE, head_dim=16, num_local_experts=4,
+                              num_experts_per_tok=2, block_size=16,
+                              layer_types=["linear_attention", "full_attention"],
                               full_attn_alpha_factor=1.0, full_attn_beta_factor=1.0,
                               linear_attn_alpha_factor=1.0, linear_attn_beta_factor=1.0,
                               mlp_alpha_factor=1.0, mlp_beta_factor=1.0)),
@@ -73,7 +74,7 @@ def sample_batch(model: torch.nn.Module, batch: int = 2, seq: int = 32,
                  seed: int = 0) -> torch.Tensor:
     """Token ids [batch, seq] (int64) within the model's vocabulary."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size  # type: ignore[union-attr]
+    vocab = int(model.config.vocab_size)  # type: ignore[union-attr,arg-type]
     return torch.randint(0, vocab, (batch, seq), generator=gen)
 
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch import fx
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx

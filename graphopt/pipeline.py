@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from graphopt.config import GraphoptConfig
 from graphopt.dump import Dumper, graph_code
@@ -145,7 +145,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     hooked_before = _hooked_time(report)
     t0 = time.perf_counter()
     compiled = lowering.compile(model, example_inputs, hooks, config)
-    report.add_time("aot_autograd", time.perf_counter() - t0 - (_hooked_time(report) - hooked_before))
+    hooked = _hooked_time(report) - hooked_before
+    report.add_time("aot_autograd", time.perf_counter() - t0 - hooked)
     if not {"joint", "forward", "inference"} & set(report.graphs):
         report.notes.append("forward/backward graphs came from the lowering's compile cache; "
                             "joint passes ran when the cache entry was made")
@@ -225,4 +226,4 @@ def _options_summary(config: GraphoptConfig) -> dict[str, Any]:
     return data
 
 
-__all__ = ["compile_graph", "PassRunner", "copy_graph_module", "GraphoptError"]
+__all__ = ["GraphoptError", "PassRunner", "compile_graph", "copy_graph_module"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -68,7 +67,7 @@ class CompileReport:
     dynamic: bool = False
     passes: list[PassRecord] = field(default_factory=list)
     graphs: dict[str, int] = field(default_factory=dict)
-    timing: dict[str, float] = field(default_factory=lambda: Counter())
+    timing: dict[str, float] = field(default_factory=dict)
     verify: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

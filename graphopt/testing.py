@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import fx
 
 from graphopt.config import GraphoptConfig
 from graphopt.normalize import normalize
@@ -63,7 +63,7 @@ def bind_inputs(gm: fx.GraphModule, fn: Callable[..., Any], *args: Any,
     for node in gm.graph.find_nodes(op="placeholder"):
         source = node.meta["grapharg"].source
         expr = source.name if isinstance(source.name, str) else source.name()
-        values.append(eval(expr, {"L": local_vars, "G": global_vars}))  # noqa: S307
+        values.append(eval(expr, {"L": local_vars, "G": global_vars}))
     return values
 
 
@@ -124,5 +124,7 @@ def assert_matches_eager(reference: Callable[..., Any], candidate: Callable[...,
     for i, (r, g) in enumerate(zip(g_ref, g_got)):
         assert (r is None) == (g is None), f"gradient {i}: one side is None"
         if r is not None:
-            torch.testing.assert_close(g, r, rtol=rtol, atol=atol,
-                                       msg=lambda m, i=i: f"gradient {i}: {m}")
+            try:
+                torch.testing.assert_close(g, r, rtol=rtol, atol=atol)
+            except AssertionError as exc:
+                raise AssertionError(f"gradient {i} of {len(wrt)}: {exc}") from None

@@ -2,10 +2,10 @@ import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import graphopt  # noqa: E402
+import graphopt
 
 
 @pytest.fixture(autouse=True)

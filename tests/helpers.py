@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult

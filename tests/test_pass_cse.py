@@ -2,7 +2,13 @@
 
 import torch
 
-from graphopt.testing import as_function, assert_matches_eager, assert_op_delta, run_pass, trace_for_pass
+from graphopt.testing import (
+    as_function,
+    assert_matches_eager,
+    assert_op_delta,
+    run_pass,
+    trace_for_pass,
+)
 
 
 def test_merges_repeated_expressions():

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import graphopt
-from graphopt import PassFailedError
 from graphopt.passes import PIPELINE
 from graphopt.testing import assert_matches_eager
 from tests.helpers import MLP

@@ -18,7 +18,7 @@ import torch
 from graphopt.errors import ConfigError, LoweringUnavailableError
 from graphopt.lowering.base import AOTHooks, Lowering
 
-__all__ = ["AOTHooks", "Lowering", "get_lowering", "resolve_lowering_name", "require_npu"]
+__all__ = ["AOTHooks", "Lowering", "get_lowering", "require_npu", "resolve_lowering_name"]
 
 _TABLE: dict[str, str] = {
     "eager": "graphopt.lowering.eager:EagerLowering",

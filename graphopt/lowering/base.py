@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch.fx as fx
+from torch import fx
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from graphopt.config import GraphoptConfig
@@ -80,8 +80,9 @@ class AOTLowering(Lowering):
             hooks.graph_ready("joint", joint)
             return self.partition(joint, joint_inputs, **kwargs)
 
-        return aot_module_simplified(
-            gm, list(example_inputs), fw_compiler=for_kind("forward"),
-            bw_compiler=for_kind("backward"), inference_compiler=for_kind("inference"),
+        return aot_module_simplified(  # type: ignore[no-any-return]
+            gm, list(example_inputs), fw_compiler=for_kind("forward"),  # type: ignore[arg-type]
+            bw_compiler=for_kind("backward"),  # type: ignore[arg-type]
+            inference_compiler=for_kind("inference"),  # type: ignore[arg-type]
             partition_fn=partition,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.fx as fx
+from torch import fx
 from torch._functorch.aot_autograd import make_boxed_func
 
 from graphopt.config import GraphoptConfig

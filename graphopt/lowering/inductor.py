@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.fx as fx
+from torch import fx
 from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -79,4 +79,5 @@ class InductorLowering(Lowering):
             patches.update(list_mode_options(config.mode))
         patches.update(config.inductor_config)
         patches["custom_partitioner_fn"] = _JointPassPartitioner(hooks, config)
-        return compile_fx(gm, list(example_inputs), inner_compile=inner, config_patches=patches)
+        return compile_fx(  # type: ignore[return-value]
+            gm, list(example_inputs), inner_compile=inner, config_patches=patches)

@@ -15,8 +15,17 @@ from graphopt.passes.base import STAGES, GraphPass, PassContext, PassResult, Sta
 if TYPE_CHECKING:
     from graphopt.config import GraphoptConfig
 
-__all__ = ["GraphPass", "PassContext", "PassResult", "Stage", "register_pass", "get_pass",
-           "registered_pass_names", "default_pipeline_names", "build_pipeline"]
+__all__ = [
+    "GraphPass",
+    "PassContext",
+    "PassResult",
+    "Stage",
+    "build_pipeline",
+    "default_pipeline_names",
+    "get_pass",
+    "register_pass",
+    "registered_pass_names",
+]
 
 _LAZY: dict[str, str] = {
     "remove_noops": "graphopt.passes.remove_noops:RemoveNoopsPass",

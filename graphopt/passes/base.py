@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch.fx as fx
+from torch import fx
 
 from graphopt.report import Action, PassRecord
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
@@ -53,7 +53,8 @@ def _hashable(value: Any) -> Any:
 
 def _is_pure_aten(node: fx.Node) -> bool:
     return (isinstance(node.target, torch._ops.OpOverload) and not is_mutating(node)
-            and not is_random(node) and node.target is not torch.ops.aten._local_scalar_dense.default
+            and not is_random(node)
+            and node.target is not torch.ops.aten._local_scalar_dense.default
             and not node.target._schema.name.startswith("aten::_assert"))
 
 

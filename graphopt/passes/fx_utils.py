@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 
 def op_name(node: fx.Node) -> str:
@@ -15,7 +15,7 @@ def op_name(node: fx.Node) -> str:
         return f"{target.namespace}.{target._opname}.{target._overloadname}"
     if isinstance(target, torch._ops.HigherOrderOperator):
         return f"higher_order.{target.name()}"
-    return getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
+    return str(getattr(target, "__qualname__", None) or getattr(target, "__name__", target))
 
 
 def op_counts(gm: fx.GraphModule) -> Counter[str]:

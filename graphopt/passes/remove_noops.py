@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.passes import register_pass
@@ -44,17 +45,18 @@ _ARITH_IDENTITY = {aten.mul.Tensor: 1, aten.div.Tensor: 1, aten.add.Tensor: 0,
 
 def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype == b.dtype and a.device == b.device and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
+            and all(statically_known_true(x == y)  # type: ignore[arg-type]
+                    for x, y in zip(a.shape, b.shape)))
 
 
 def _full_slice(node: fx.Node, x: torch.Tensor) -> bool:
-    args = list(node.args) + [None] * (5 - len(node.args))
+    args: list[Any] = list(node.args) + [None] * (5 - len(node.args))
     dim, start, end, step = (args[1] or 0), args[2], args[3], (args[4] or 1)
     dim = int(dim) % max(x.dim(), 1)
     start_ok = start in (None, 0)
-    end_ok = end is None or (not isinstance(end, fx.Node)
+    end_ok = end is None or (isinstance(end, int | torch.SymInt)
                              and statically_known_true(end >= x.shape[dim]))
-    return step == 1 and start_ok and end_ok and not node.kwargs
+    return bool(step == 1 and start_ok and end_ok and not node.kwargs)
 
 
 def identity_input(node: fx.Node) -> fx.Node | None:
@@ -72,7 +74,7 @@ def identity_input(node: fx.Node) -> fx.Node | None:
         return x_node
     if target in _ALIAS_IF_UNCHANGED:
         copy = node.kwargs.get("copy", False) or (len(node.args) > 3 and node.args[3] is True)
-        fmt = node.kwargs.get("memory_format")
+        fmt: Any = node.kwargs.get("memory_format")
         keeps_layout = fmt in (None, torch.preserve_format) or x.is_contiguous(memory_format=fmt)
         if not copy and keeps_layout and (target is not aten.contiguous.default
                                           or x.is_contiguous()):
