@@ -1,0 +1,194 @@
+"""``graphopt::lightning_attention``: the custom op (fake impl + autograd) and its public API.
+
+Layout convention: "bhsd" (q [B, Hq, S, D], heads before sequence, as SDPA and transformers'
+MiniMax use after their transpose). ``layout="bshd"`` (flash-linear-attention's convention)
+is accepted and costs two transposes (views, no copy).
+
+The forward op returns (o, final state, checkpoints); the checkpoints (the state at the start
+of every r-th block) are what the backward op needs, so autograd saves q, k, v, slope and
+those states only (see chunked.py for the selective rematerialization).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphopt.kernels.lightning.chunked import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CHECKPOINT_EVERY,
+    acc_dtype,
+    chunked_backward,
+    chunked_forward,
+    num_checkpoints,
+)
+from graphopt.kernels.lightning.reference import expand_kv
+
+Tensor = torch.Tensor
+
+
+def _reduce_kv(x: Tensor, hk: int) -> Tensor:
+    """[B, Hq, S, X] gradients of expanded heads -> [B, Hk, S, X] (sum over each group)."""
+    b, hq, s, d = x.shape
+    return x if hq == hk else x.view(b, hk, hq // hk, s, d).sum(dim=2)
+
+
+@torch.library.custom_op("graphopt::lightning_attention_fwd", mutates_args=())
+def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+                            initial_state: Tensor | None, block_size: int,
+                            checkpoint_every: int) -> tuple[Tensor, Tensor, Tensor]:
+    hq = q.shape[1]
+    o, state, ckpt = chunked_forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
+                                     initial_state, block_size, checkpoint_every)
+    return o.to(q.dtype), state, ckpt
+
+
+@lightning_attention_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+      initial_state: Tensor | None, block_size: int,
+      checkpoint_every: int) -> tuple[Tensor, Tensor, Tensor]:
+    b, hq, s, d = q.shape
+    dv = v.shape[-1]
+    acc = acc_dtype(q.dtype)
+    n = num_checkpoints(s, block_size, checkpoint_every)
+    return (q.new_empty(b, hq, s, dv), q.new_empty(b, hq, d, dv, dtype=acc),
+            q.new_empty(b, hq, n, d, dv, dtype=acc))
+
+
+@torch.library.custom_op("graphopt::lightning_attention_bwd", mutates_args=())
+def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
+                            v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
+                            block_size: int, checkpoint_every: int, need_slope_grad: bool
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    hq, hk = q.shape[1], k.shape[1]
+    dq, dk, dv, dslope, dstate = chunked_backward(
+        grad_o, grad_state, q, expand_kv(k, hq), expand_kv(v, hq), slope, scale, checkpoints,
+        block_size, checkpoint_every, need_slope_grad)
+    if dslope is None:
+        dslope = slope.new_zeros(slope.shape)
+    return (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
+            dslope.to(slope.dtype), dstate)
+
+
+@lightning_attention_bwd.register_fake
+def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+      slope: Tensor, scale: float, checkpoints: Tensor, block_size: int,
+      checkpoint_every: int, need_slope_grad: bool
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b, hq, _, d = q.shape
+    acc = acc_dtype(q.dtype)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(slope), q.new_empty(b, hq, d, v.shape[-1], dtype=acc))
+
+
+def _setup_context(ctx: Any, inputs: tuple,
+                   output: tuple) -> None:
+    q, k, v, slope, scale, initial_state, block_size, checkpoint_every = inputs
+    ctx.save_for_backward(q, k, v, slope, output[2])
+    ctx.scale, ctx.block_size, ctx.checkpoint_every = scale, block_size, checkpoint_every
+    ctx.has_initial_state = initial_state is not None
+
+
+def _backward(ctx: Any, grad_o: Tensor | None,
+              grad_state: Tensor | None, _grad_ckpt: Tensor | None) -> tuple:
+    q, k, v, slope, ckpt = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    need = ctx.needs_input_grad
+    dq, dk, dv, dslope, dstate = lightning_attention_bwd(
+        grad_o, grad_state, q, k, v, slope, ctx.scale, ckpt, ctx.block_size,
+        ctx.checkpoint_every, bool(need[3]))
+    return (dq, dk, dv, dslope if need[3] else None, None,
+            dstate if ctx.has_initial_state else None, None, None)
+
+
+lightning_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(name: str, x: Tensor, rank: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def validate(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
+             initial_state: Tensor | None) -> None:
+    """Shape/dtype checks with messages naming the argument (layout "bhsd")."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check(name, x, 4)
+    _check("slope", slope, 1)
+    b, hq, s, d = q.shape
+    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+        raise ValueError(f"k must be [B, Hk, S, D] = [{b}, Hk, {s}, {d}] to match q "
+                         f"{tuple(q.shape)}, got {tuple(k.shape)}")
+    hk = k.shape[1]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"v must be [B, Hk, S, Dv] = [{b}, {hk}, {s}, Dv], got "
+                         f"{tuple(v.shape)}")
+    if slope.shape[0] != hq:
+        raise ValueError(f"slope must have one entry per query head ({hq}), got "
+                         f"{slope.shape[0]}")
+    if initial_state is not None:
+        _check("initial_state", initial_state, 4)
+        want = (b, hq, d, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must be [B, Hq, D, Dv] = {list(want)}, got "
+                             f"{tuple(initial_state.shape)}")
+
+
+def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
+                        scale: float | None = None, initial_state: Tensor | None = None,
+                        output_final_state: bool = False, block_size: int | None = None,
+                        checkpoint_every: int | None = None, layout: str = "bhsd"
+                        ) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal linear attention with per-head decay (Lightning Attention), exact.
+
+    o_t = sum_{u <= t} exp(-slope_h)^(t - u) (scale q_t . k_u) v_u, plus
+    exp(-slope_h)^(t + 1) scale q_t S0 when ``initial_state`` S0 is given.
+    Source: Lightning Attention-2 (arXiv:2401.04658) Algorithm 1; MiniMax-01's
+    ``MiniMaxLightningAttention`` computes the same function with a Python block loop.
+
+    Args:
+        q: [B, Hq, S, D] (layout "bhsd") or [B, S, Hq, D] ("bshd"); float32/bfloat16/float16/
+            float64. Accumulation is float32 (float64 for float64 inputs).
+        k: [B, Hk, S, D]; Hq must be a multiple of Hk (GQA/MQA).
+        v: [B, Hk, S, Dv]; Dv may differ from D.
+        slope: [Hq] decay rates (>= 0 for a decay; 0 is plain causal linear attention).
+        scale: multiplies q . k; None means 1 (as MiniMax and Lightning Attention use).
+        initial_state: [B, Hq, D, Dv] state carried in from earlier positions (decode, CP).
+        output_final_state: also return the state after position S - 1 ([B, Hq, D, Dv],
+            float32/float64), so a sequence split in two gives the same result.
+        block_size: chunk length C (default 64); any S works, S need not be a multiple.
+        checkpoint_every: backward recomputes states from one saved state per this many
+            blocks (default 16); 1 saves every block's state.
+        layout: "bhsd" or "bshd".
+
+    Returns:
+        o in q's dtype and layout, and the final state if ``output_final_state``.
+
+    Raises:
+        ValueError / TypeError: wrong ranks, mismatched shapes or heads, non-float inputs,
+            slope of the wrong length, bad layout/block_size.
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bshd":
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check(name, x, 4)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    validate(q, k, v, slope, initial_state)
+    block = DEFAULT_BLOCK_SIZE if block_size is None else int(block_size)
+    every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else int(checkpoint_every)
+    if block < 1 or every < 1:
+        raise ValueError(f"block_size and checkpoint_every must be >= 1, got {block}, {every}")
+    o, state, _ = torch.ops.graphopt.lightning_attention_fwd(
+        q, k, v, slope, 1.0 if scale is None else float(scale), initial_state, block, every)
+    if layout == "bshd":
+        o = o.transpose(1, 2)
+    return (o, state) if output_final_state else o

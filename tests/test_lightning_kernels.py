@@ -1,0 +1,188 @@
+"""Lightning Attention kernels: chunked forward/backward vs the quadratic reference,
+state carrying, extreme decays, long sequences, the custom op under torch.compile, MiniMax."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphopt.kernels.lightning import (
+    lightning_attention,
+    lightning_attention_reference,
+    lightning_attention_step,
+)
+
+TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=2e-4, atol=2e-4),
+       torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+def _inputs(b, hq, hk, s, d, dv, dtype, seed=0, slope_scale=0.3, init=False):
+    gen = torch.Generator().manual_seed(seed)
+
+    def mk(*shape):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64)
+                / math.sqrt(shape[-1])).to(dtype).requires_grad_()
+
+    q, k, v = mk(b, hq, s, d), mk(b, hk, s, d), mk(b, hk, s, dv)
+    slope = (torch.rand(hq, generator=gen, dtype=torch.float64) * slope_scale).to(
+        torch.float32 if dtype != torch.float64 else dtype).requires_grad_()
+    h0 = mk(b, hq, d, dv).detach().float().requires_grad_() if init else None
+    if init and dtype == torch.float64:
+        h0 = h0.detach().double().requires_grad_()
+    return q, k, v, slope, h0
+
+
+def _check(q, k, v, slope, h0, dtype, scale=None, **kw):
+    o, st_ = lightning_attention(q, k, v, slope, scale=scale, initial_state=h0,
+                                 output_final_state=True, **kw)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v, slope)]
+    h0r = None if h0 is None else h0.detach().double().requires_grad_()
+    o_r, st_r = lightning_attention_reference(*ref_in, 1.0 if scale is None else scale, h0r)
+    tol = TOL[dtype]
+    torch.testing.assert_close(o.double(), o_r, **tol)
+    torch.testing.assert_close(st_.double(), st_r, **tol)
+    gen = torch.Generator().manual_seed(1)
+    go = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    gs = torch.randn(st_.shape, generator=gen, dtype=torch.float64)
+    ins = [q, k, v, slope] + ([h0] if h0 is not None else [])
+    refs = ref_in + ([h0r] if h0r is not None else [])
+    got = torch.autograd.grad((o.double() * go).sum() + (st_.double() * gs).sum(), ins)
+    want = torch.autograd.grad((o_r * go).sum() + (st_r * gs).sum(), refs)
+    for name, g, w in zip(["q", "k", "v", "slope", "initial_state"], got, want):
+        scale_w = max(1.0, float(w.abs().max()))
+        torch.testing.assert_close(g.double() / scale_w, w / scale_w, **tol,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 2), hk=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       s=st.integers(1, 300), d=st.sampled_from([4, 8, 16]), dv=st.sampled_from([4, 8, 12]),
+       block=st.sampled_from([None, 8, 16, 64]), every=st.sampled_from([None, 1, 3]),
+       init=st.booleans(), scale=st.sampled_from([None, 0.5]), seed=st.integers(0, 1000))
+def test_matches_reference_float64(b, hk, group, s, d, dv, block, every, init, scale, seed):
+    q, k, v, slope, h0 = _inputs(b, hk * group, hk, s, d, dv, torch.float64, seed, init=init)
+    _check(q, k, v, slope, h0, torch.float64, scale=scale, block_size=block,
+           checkpoint_every=every)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s", [1, 63, 200, 2048])
+def test_matches_reference_low_precision(dtype, s):
+    q, k, v, slope, h0 = _inputs(2, 4, 2, s, 16, 8, dtype, seed=s, init=True)
+    _check(q, k, v, slope, h0, dtype, block_size=64)
+    o = lightning_attention(q, k, v, slope)
+    assert o.dtype == dtype
+
+
+def test_split_sequence_carrying_state_equals_whole():
+    q, k, v, slope, h0 = _inputs(1, 4, 2, 333, 8, 8, torch.float64, init=True)
+    whole, final = lightning_attention(q, k, v, slope, initial_state=h0, output_final_state=True)
+    first, mid = lightning_attention(q[:, :, :123], k[:, :, :123], v[:, :, :123], slope,
+                                     initial_state=h0, output_final_state=True)
+    second, end = lightning_attention(q[:, :, 123:], k[:, :, 123:], v[:, :, 123:], slope,
+                                      initial_state=mid, output_final_state=True)
+    torch.testing.assert_close(torch.cat([first, second], dim=2), whole)
+    torch.testing.assert_close(end, final)
+
+
+def test_recurrent_decode_steps_equal_chunked():
+    q, k, v, slope, h0 = _inputs(2, 4, 2, 40, 8, 6, torch.float64, init=True)
+    full, final = lightning_attention(q, k, v, slope, initial_state=h0, output_final_state=True)
+    state, outs = h0.detach(), []
+    for t in range(40):
+        o, state = lightning_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1],
+                                            v[:, :, t:t + 1], slope, state)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full)
+    torch.testing.assert_close(state, final)
+
+
+@pytest.mark.parametrize("slope_value", [0.0, 50.0, 1e4])
+def test_extreme_decay_is_finite_and_correct(slope_value):
+    q, k, v, _, h0 = _inputs(1, 2, 2, 150, 8, 8, torch.float32, init=True)
+    slope = torch.full((2,), slope_value, requires_grad=True)
+    o, st_ = lightning_attention(q, k, v, slope, initial_state=h0, output_final_state=True)
+    o.sum().backward()
+    for t in (o, st_, q.grad, k.grad, v.grad, slope.grad, h0.grad):
+        assert torch.isfinite(t).all()
+    _check(q, k, v, slope, h0, torch.float32)
+
+
+def test_positions_beyond_65536():
+    """The last outputs of a 70k sequence equal the reference on a trailing window: with
+    slope 0.01, contributions older than 3,000 positions are below exp(-30)."""
+    s, window = 70_000, 3_000
+    q, k, v, _, _ = _inputs(1, 1, 1, s, 4, 4, torch.float64)
+    slope = torch.full((1,), 0.01, dtype=torch.float64)
+    with torch.no_grad():
+        o = lightning_attention(q, k, v, slope, block_size=256)
+        tail, _ = lightning_attention_reference(q[:, :, -window:], k[:, :, -window:],
+                                                v[:, :, -window:], slope)
+    torch.testing.assert_close(o[:, :, -500:], tail[:, :, -500:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(k=torch.randn(1, 3, 8, 4)), r"query heads \(4\) must be a multiple of key/value heads"),
+    (dict(q=torch.randn(4, 8, 4)), r"q must have 4 dimensions"),
+    (dict(v=torch.randn(1, 2, 9, 4)), r"v must be \[B, Hk, S, Dv\]"),
+    (dict(q=torch.randint(0, 3, (1, 4, 8, 4))), r"q must be a floating-point tensor"),
+    (dict(slope=torch.rand(3)), r"slope must have one entry per query head \(4\), got 3"),
+    (dict(initial_state=torch.randn(1, 4, 4, 5)), r"initial_state must be \[B, Hq, D, Dv\]"),
+])
+def test_bad_input_names_the_argument(bad, message):
+    args = dict(q=torch.randn(1, 4, 8, 4), k=torch.randn(1, 2, 8, 4), v=torch.randn(1, 2, 8, 4),
+                slope=torch.rand(4), initial_state=None)
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=message):
+        lightning_attention(args["q"], args["k"], args["v"], args["slope"],
+                            initial_state=args["initial_state"])
+
+
+def test_bshd_layout():
+    q, k, v, slope, _ = _inputs(2, 4, 2, 50, 8, 8, torch.float64)
+    o = lightning_attention(q, k, v, slope)
+    o2 = lightning_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), slope,
+                             layout="bshd")
+    torch.testing.assert_close(o2.transpose(1, 2), o)
+
+
+def test_custom_op_passes_opcheck():
+    q, k, v, slope, h0 = _inputs(1, 4, 2, 37, 8, 6, torch.float32, init=True)
+    torch.library.opcheck(torch.ops.graphopt.lightning_attention_fwd.default,
+                          (q, k, v, slope, 1.0, h0, 16, 2))
+
+
+def test_compiles_without_graph_break_with_dynamic_shapes():
+    def fn(q, k, v, slope):
+        return lightning_attention(q, k, v, slope, block_size=16) * 2
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    for s in (40, 77):
+        q, k, v, slope, _ = _inputs(1, 2, 2, s, 8, 8, torch.float64)
+        out = compiled(q, k, v, slope)
+        torch.testing.assert_close(out, fn(q, k, v, slope))
+        out.sum().backward()
+        assert q.grad is not None and slope.grad is not None
+
+
+def test_equals_transformers_minimax_lightning_attention():
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax import modeling_minimax as mm
+
+    config = MiniMaxConfig(hidden_size=64, num_attention_heads=4, head_dim=16, block_size=16,
+                           num_hidden_layers=2, layer_types=["linear_attention"] * 2)
+    torch.manual_seed(0)
+    attn = mm.MiniMaxLightningAttention(config, layer_idx=0).double()
+    x = torch.randn(2, 50, 64, dtype=torch.float64)
+    with torch.no_grad():
+        expected, _ = attn(x, position_embeddings=None, attention_mask=None)
+        qkv = attn.act_fn(attn.qkv_proj(x)).reshape(2, 50, 4, 48)
+        q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, 16, dim=3))
+        o = lightning_attention(q, k, v, attn.slope_rate.view(-1), block_size=16)
+        o = attn.norm(o.transpose(1, 2).reshape(2, 50, 64))
+        o = attn.out_proj(torch.sigmoid(attn.output_gate(x)) * o)
+    # MiniMax builds its decay buffers in float32 at __init__; ours are float64 exps of the
+    # same slopes, so agreement is to float32 precision of the decays.
+    torch.testing.assert_close(o, expected, rtol=1e-6, atol=1e-6)
