@@ -99,7 +99,8 @@ def _print_reports(reports: list[CompileReport], sites: int) -> None:
         summary.add_column(col, no_wrap=True)
     for r in reports:
         summary.add_row(
-            str(r.graph_id), r.status.split(":")[0], r.lowering, "yes" if r.training else "no",
+            str(r.graph_id), "ok" if r.status == "compiled" else r.status.split(":")[0],
+            r.lowering, "yes" if r.training else "no",
             f"{r.graphs.get('model', '?')}->{r.graphs.get('model_after_passes', '?')}",
             str(sum(p.count("rewritten") for p in r.passes)),
             str(sum(p.count("skipped") for p in r.passes)),
