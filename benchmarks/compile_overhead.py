@@ -7,8 +7,9 @@ For each model and backend: the first training step (Dynamo + backend compile + 
 the median of later steps (forward + backward). graphopt's own share (normalize, passes,
 dumps, bookkeeping) comes from its reports. Baselines: "aot_eager" (AOTAutograd + eager FX,
 what graphopt's eager lowering adds passes to) and "inductor" (what the inductor lowering
-adds passes to). Ratios are graphopt / baseline, measured in one run; each measurement runs in a fresh
-subprocess (after a warm-up compile) so no one pays another's one-time or cache costs.
+adds passes to). Ratios are graphopt / baseline, measured in one run; each measurement
+runs in a fresh subprocess (after a warm-up compile) so none pays another's one-time or
+cache costs.
 """
 
 from __future__ import annotations

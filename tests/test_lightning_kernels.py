@@ -151,7 +151,7 @@ def test_bshd_layout():
 def test_custom_op_passes_opcheck():
     q, k, v, slope, h0 = _inputs(1, 4, 2, 37, 8, 6, torch.float32, init=True)
     torch.library.opcheck(torch.ops.graphopt.lightning_attention_fwd.default,
-                          (q, k, v, slope, 1.0, h0, 16, 2))
+                          (q, k, v, slope, 1.0, h0, 16, 2, "chunked"))
 
 
 def test_compiles_without_graph_break_with_dynamic_shapes():

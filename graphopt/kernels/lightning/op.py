@@ -24,6 +24,11 @@ from graphopt.kernels.lightning.chunked import (
     num_checkpoints,
 )
 from graphopt.kernels.lightning.reference import expand_kv
+from graphopt.kernels.lightning.triton_kernels import (
+    triton_available,
+    triton_backward,
+    triton_forward,
+)
 
 Tensor = torch.Tensor
 
@@ -34,20 +39,43 @@ def _reduce_kv(x: Tensor, hk: int) -> Tensor:
     return x if hq == hk else x.view(b, hk, hq // hk, s, d).sum(dim=2)
 
 
+IMPLS = ("auto", "chunked", "triton")
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """"auto": Triton on GPU/NPU when triton is installed, else the chunked PyTorch code."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if device.type in ("cuda", "npu", "xpu") and triton_available() \
+            else "chunked"
+    if impl == "triton" and not triton_available():
+        raise RuntimeError("impl='triton' needs triton: pip install 'graphopt[triton]' "
+                           "(triton-ascend on NPU); on CPU also set TRITON_INTERPRET=1")
+    return impl
+
+
+def _effective_block(impl: str, block: int) -> int:
+    """Triton tiles need a power-of-two block length >= 16."""
+    return max(16, 1 << (block - 1).bit_length()) if impl == "triton" else block
+
+
 @torch.library.custom_op("graphopt::lightning_attention_fwd", mutates_args=())
 def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                             initial_state: Tensor | None, block_size: int,
-                            checkpoint_every: int) -> tuple[Tensor, Tensor, Tensor]:
+                            checkpoint_every: int, impl: str
+                            ) -> tuple[Tensor, Tensor, Tensor]:
     hq = q.shape[1]
-    o, state, ckpt = chunked_forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
-                                     initial_state, block_size, checkpoint_every)
-    return o.to(q.dtype), state, ckpt
+    forward = triton_forward if impl == "triton" else chunked_forward
+    o, state, ckpt = forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
+                             initial_state, block_size, checkpoint_every)
+    return o.to(q.dtype), state.to(acc_dtype(q.dtype)), ckpt.to(acc_dtype(q.dtype))
 
 
 @lightning_attention_fwd.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
       initial_state: Tensor | None, block_size: int,
-      checkpoint_every: int) -> tuple[Tensor, Tensor, Tensor]:
+      checkpoint_every: int, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     b, hq, s, d = q.shape
     dv = v.shape[-1]
     acc = acc_dtype(q.dtype)
@@ -59,22 +87,23 @@ def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
 @torch.library.custom_op("graphopt::lightning_attention_bwd", mutates_args=())
 def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
                             v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
-                            block_size: int, checkpoint_every: int, need_slope_grad: bool
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            block_size: int, checkpoint_every: int, need_slope_grad: bool,
+                            impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     hq, hk = q.shape[1], k.shape[1]
-    dq, dk, dv, dslope, dstate = chunked_backward(
+    backward = triton_backward if impl == "triton" else chunked_backward
+    dq, dk, dv, dslope, dstate = backward(
         grad_o, grad_state, q, expand_kv(k, hq), expand_kv(v, hq), slope, scale, checkpoints,
         block_size, checkpoint_every, need_slope_grad)
     if dslope is None:
         dslope = slope.new_zeros(slope.shape)
     return (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
-            dslope.to(slope.dtype), dstate)
+            dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
 
 
 @lightning_attention_bwd.register_fake
 def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
       slope: Tensor, scale: float, checkpoints: Tensor, block_size: int,
-      checkpoint_every: int, need_slope_grad: bool
+      checkpoint_every: int, need_slope_grad: bool, impl: str
       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     b, hq, _, d = q.shape
     acc = acc_dtype(q.dtype)
@@ -84,9 +113,10 @@ def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor
 
 def _setup_context(ctx: Any, inputs: tuple,
                    output: tuple) -> None:
-    q, k, v, slope, scale, initial_state, block_size, checkpoint_every = inputs
+    q, k, v, slope, scale, initial_state, block_size, checkpoint_every, impl = inputs
     ctx.save_for_backward(q, k, v, slope, output[2])
     ctx.scale, ctx.block_size, ctx.checkpoint_every = scale, block_size, checkpoint_every
+    ctx.impl = impl
     ctx.has_initial_state = initial_state is not None
 
 
@@ -98,9 +128,9 @@ def _backward(ctx: Any, grad_o: Tensor | None,
     need = ctx.needs_input_grad
     dq, dk, dv, dslope, dstate = lightning_attention_bwd(
         grad_o, grad_state, q, k, v, slope, ctx.scale, ckpt, ctx.block_size,
-        ctx.checkpoint_every, bool(need[3]))
+        ctx.checkpoint_every, bool(need[3]), ctx.impl)
     return (dq, dk, dv, dslope if need[3] else None, None,
-            dstate if ctx.has_initial_state else None, None, None)
+            dstate if ctx.has_initial_state else None, None, None, None)
 
 
 lightning_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -145,8 +175,8 @@ def validate(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
 def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
                         scale: float | None = None, initial_state: Tensor | None = None,
                         output_final_state: bool = False, block_size: int | None = None,
-                        checkpoint_every: int | None = None, layout: str = "bhsd"
-                        ) -> Tensor | tuple[Tensor, Tensor]:
+                        checkpoint_every: int | None = None, layout: str = "bhsd",
+                        impl: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
     """Causal linear attention with per-head decay (Lightning Attention), exact.
 
     o_t = sum_{u <= t} exp(-slope_h)^(t - u) (scale q_t . k_u) v_u, plus
@@ -168,6 +198,8 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
         checkpoint_every: backward recomputes states from one saved state per this many
             blocks (default 16); 1 saves every block's state.
         layout: "bhsd" or "bshd".
+        impl: "auto" (Triton on GPU/NPU when installed, chunked PyTorch elsewhere),
+            "chunked", or "triton" (block_size rounded up to a power of two >= 16).
 
     Returns:
         o in q's dtype and layout, and the final state if ``output_final_state``.
@@ -187,8 +219,10 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
     every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else int(checkpoint_every)
     if block < 1 or every < 1:
         raise ValueError(f"block_size and checkpoint_every must be >= 1, got {block}, {every}")
+    chosen = resolve_impl(impl, q.device)
     o, state, _ = torch.ops.graphopt.lightning_attention_fwd(
-        q, k, v, slope, 1.0 if scale is None else float(scale), initial_state, block, every)
+        q, k, v, slope, 1.0 if scale is None else float(scale), initial_state,
+        _effective_block(chosen, block), every, chosen)
     if layout == "bshd":
         o = o.transpose(1, 2)
     return (o, state) if output_final_state else o
