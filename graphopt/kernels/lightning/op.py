@@ -196,7 +196,7 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
             float32/float64), so a sequence split in two gives the same result.
         block_size: chunk length C (default 64); any S works, S need not be a multiple.
         checkpoint_every: backward recomputes states from one saved state per this many
-            blocks (default 16); 1 saves every block's state.
+            blocks (default 8); 1 saves every block's state.
         layout: "bhsd" or "bshd".
         impl: "auto" (Triton on GPU/NPU when installed, chunked PyTorch elsewhere),
             "chunked", or "triton" (block_size rounded up to a power of two >= 16).
