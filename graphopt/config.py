@@ -20,6 +20,7 @@ from typing import Any
 from graphopt.errors import ConfigError
 
 LOWERING_NAMES = ("auto", "eager", "inductor", "npu")
+ATTENTION_MODES = ("keep", "exact")
 DUMP_DIR_ENV = "GRAPHOPT_DUMP_DIR"
 
 
@@ -73,6 +74,10 @@ class GraphoptConfig:
 
     lowering: str = "auto"
     """"auto" | "eager" | "inductor" | "npu". auto: npu for NPU inputs, else inductor."""
+    attention: str = "keep"
+    """"keep": change nothing (sites are reported). "exact": rewrite code that already
+    computes decayed causal linear attention (MiniMax's block loop) into
+    graphopt::lightning_attention, numerics unchanged."""
     dump_dir: Path | None = None
     """Write every graph before/after every pass and the report here (env GRAPHOPT_DUMP_DIR)."""
     verify: VerifyConfig = field(default_factory=VerifyConfig)
@@ -87,6 +92,11 @@ class GraphoptConfig:
     """torch.compile's ``mode`` (e.g. "max-autotune"); applied by the inductor lowering."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            extra = (" (softmax -> Lightning Attention conversion, approximate, is not built "
+                     "yet)" if self.attention == "lightning" else "")
+            raise ConfigError(f"unknown attention mode {self.attention!r}{extra}; valid modes: "
+                              f"{', '.join(ATTENTION_MODES)}")
         if self.lowering not in LOWERING_NAMES:
             raise ConfigError(
                 f"unknown lowering {self.lowering!r}; valid lowerings: {', '.join(LOWERING_NAMES)}"
@@ -127,8 +137,9 @@ class GraphoptConfig:
         valid = {f.name for f in fields(cls)} - {"mode"}
         _reject_unknown(options, valid, "graphopt")
         kwargs: dict[str, Any] = {"mode": mode}
-        if "lowering" in options:
-            kwargs["lowering"] = _expect(options["lowering"], str, "lowering")
+        for name in ("lowering", "attention"):
+            if name in options:
+                kwargs[name] = _expect(options[name], str, name)
         dump = options.get("dump_dir", os.environ.get(DUMP_DIR_ENV) or None)
         if dump is not None:
             kwargs["dump_dir"] = _writable_dir(dump)

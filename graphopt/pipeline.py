@@ -45,10 +45,12 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 class PassRunner:
     """Runs one stage's passes with lint, meta check, timing, report entries and dumps."""
 
-    def __init__(self, config: GraphoptConfig, report: CompileReport, dumper: Dumper) -> None:
+    def __init__(self, config: GraphoptConfig, report: CompileReport, dumper: Dumper,
+                 example_inputs: Sequence[Any] = ()) -> None:
         self.config = config
         self.report = report
         self.dumper = dumper
+        self.example_inputs = list(example_inputs)
         self.ran: list[str] = []
 
     def run_stage(self, stage: Stage, gm: fx.GraphModule, graph_kind: str, training: bool,
@@ -59,7 +61,9 @@ class PassRunner:
             before_code = graph_code(gm) if self.dumper.enabled else ""
             before = op_counts(gm)
             record.nodes_before = len(gm.graph.nodes)
-            ctx = PassContext(self.config, graph_kind, training, record)
+            ctx = PassContext(self.config, graph_kind, training, record,
+                              extras={"example_inputs": self.example_inputs}
+                              if stage == "pre_autograd" else {})
             start = time.perf_counter()
             try:
                 result = graph_pass.run(gm, ctx)
@@ -134,7 +138,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     report.graphs["model"] = len(model.graph.nodes)
     dumper.graph("01_normalized", model, render=True)
 
-    runner = PassRunner(config, report, dumper)
+    runner = PassRunner(config, report, dumper, example_inputs)
     snapshots: list[Snapshot] | None = None
     if config.verify.enabled:
         snapshots = [("normalize", True, copy_graph_module(model))]

@@ -55,7 +55,8 @@ def bind_inputs(gm: fx.GraphModule, fn: Callable[..., Any], *args: Any,
     """
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     bound = inspect.signature(target).bind(*args, **kwargs)
-    local_vars: dict[str, Any] = dict(bound.arguments)
+    local_vars: dict[str, Any] = {**inspect.getclosurevars(target).nonlocals,
+                                  **bound.arguments}
     if isinstance(fn, torch.nn.Module):
         local_vars["self"] = fn
     global_vars = getattr(target, "__globals__", {})
@@ -77,15 +78,21 @@ def as_function(gm: fx.GraphModule, fn: Callable[..., Any]) -> Callable[..., Any
 
 def run_pass(graph_pass: str | GraphPass, gm: fx.GraphModule,
              config: GraphoptConfig | None = None, graph_kind: str = "model",
-             training: bool = False) -> tuple[fx.GraphModule, PassRecord]:
-    """Run one pass (by name or instance) on ``gm``; lint, recompile, return the record."""
+             training: bool = False, example_inputs: Sequence[Any] = ()
+             ) -> tuple[fx.GraphModule, PassRecord]:
+    """Run one pass (by name or instance) on ``gm``; lint, recompile, return the record.
+
+    ``example_inputs``: real values of the graph inputs (``bind_inputs``), for passes that
+    check constants numerically (the attention pass's decay check)."""
     config = config or GraphoptConfig()
     if isinstance(graph_pass, str):
         graph_pass = get_pass(graph_pass).from_config(config)
     record = PassRecord(graph_pass.name, graph_pass.stage, graph_kind, graph_pass.exact)
     before = op_counts(gm)
     record.nodes_before = len(gm.graph.nodes)
-    result = graph_pass.run(gm, PassContext(config, graph_kind, training, record))
+    ctx = PassContext(config, graph_kind, training, record,
+                      extras={"example_inputs": list(example_inputs)})
+    result = graph_pass.run(gm, ctx)
     result.gm.graph.lint()
     result.gm.recompile()
     record.modified = result.modified

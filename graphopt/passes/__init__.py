@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 _LAZY: dict[str, str] = {
+    "attention": "graphopt.passes.attention:AttentionPass",
     "remove_noops": "graphopt.passes.remove_noops:RemoveNoopsPass",
     "cse": "graphopt.passes.cse:CSEPass",
 }
@@ -36,7 +37,8 @@ _LOADED: dict[str, type[GraphPass]] = {}
 # The default pipeline. Order within a stage matters:
 PIPELINE: dict[Stage, tuple[str, ...]] = {
     "pre_autograd": (
-        "remove_noops",  # first: canonical operands let CSE see identical expressions
+        "attention",  # first: matches loops exactly as Dynamo unrolled them
+        "remove_noops",  # before CSE: canonical operands let CSE see identical expressions
         "cse",
     ),
     "joint": (),  # remat/partition and comm-overlap passes land here

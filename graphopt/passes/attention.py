@@ -1,0 +1,343 @@
+"""attention: rewrite decayed causal linear attention into ``graphopt::lightning_attention``.
+
+Mode "exact" (``options={"attention": "exact"}``) finds code that already computes Lightning
+Attention in a slow form and replaces it with the chunked/Triton kernel. Matched today:
+transformers' MiniMax ``MiniMaxLightningAttention`` block loop, which Dynamo unrolls into one
+chain per block. Softmax attention is reported and kept (its conversion to Lightning
+Attention, mode "lightning", is approximate and not built yet).
+
+Contract:
+    accepts: a normalized pre-autograd ATen graph; static shapes (a loop over a symbolic
+        number of blocks cannot be unrolled by Dynamo anyway).
+    guarantees: exact, i.e. the same function up to floating-point reassociation and the
+        rounding of the decay buffers: a loop is rewritten only when its decay tensors,
+        evaluated from the compile's real example inputs, equal exp(-slope * (i + 1)),
+        exp(-slope * (L - 1 - j)), exp(-slope * (i - j)) (masked) and exp(-slope * L) for
+        every block (rtol 1e-5); MiniMax builds them from ``slope_rate`` in ``__init__``.
+    reads meta: ``val`` (shapes/dtypes), ``ctx.extras["example_inputs"]``.
+    writes meta: new nodes get ``val`` and ``graphopt_replaced`` (names of the loop's output
+        nodes), ``nn_module_stack`` of the replaced output.
+    records: "rewritten" per loop (blocks, block size, S), "skipped" with the reason for a
+        loop-like chain that fails a check, "kept" per softmax attention (SDPA) site.
+
+Pseudo-code:
+    for cat in graph where cat(dim=-2) of per-block outputs:
+        blocks = [match_block(o) for o in cat.inputs]          # slices of one Q, K, V
+        check slices tile [0, S); the state chain starts at zeros and links block i to i+1
+        check decays numerically against slope
+        o, state, _ = lightning_attention_fwd(Q, K, V, slope.view(H), 1.0, None, 64, 8, impl)
+        replace cat by o and the last state by state; dead loop nodes are removed
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphopt.kernels.lightning.chunked import DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY
+from graphopt.passes import register_pass
+from graphopt.passes.base import GraphPass, PassContext, PassResult
+from graphopt.passes.fx_utils import site_name, tensor_meta
+
+aten = torch.ops.aten
+_SDPA = {aten.scaled_dot_product_attention.default,
+         aten._scaled_dot_product_flash_attention_for_cpu.default,
+         aten._scaled_dot_product_efficient_attention.default,
+         aten._scaled_dot_product_flash_attention.default}
+
+
+class NoMatch(Exception):
+    """The chain is not the pattern; the message is the reason for the report."""
+
+
+def _is(node: Any, *targets: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _arg(node: Any, i: int) -> Any:
+    return node.args[i] if i < len(node.args) else None
+
+
+@dataclass
+class _Block:
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    start: int
+    end: int
+    q_decay: fx.Node
+    diag_decay: fx.Node
+    state_in: fx.Node
+
+
+@dataclass
+class _Loop:
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    slope: fx.Node
+    blocks: list[_Block]
+    final_state: fx.Node | None
+    checks: list[tuple[fx.Node, str, int]]  # (decay node, kind, block length)
+
+
+def _seq_slice(node: Any) -> tuple[fx.Node, int, int]:
+    """(base, start, end) of ``base[:, :, start:end]``; a whole-range slice is an alias."""
+    if _is(node, aten.alias.default):
+        val = tensor_meta(_arg(node, 0))
+        if val is None or val.dim() != 4:
+            raise NoMatch("block operand is not a [B, H, S, D] tensor")
+        return _arg(node, 0), 0, int(val.shape[2])
+    if not _is(node, aten.slice.Tensor) or _arg(node, 1) not in (2, -2):
+        raise NoMatch("block operand is not a slice of the sequence dimension")
+    base, start, end = _arg(node, 0), _arg(node, 2) or 0, _arg(node, 3)
+    val = tensor_meta(base)
+    if val is None or not isinstance(start, int) or not isinstance(end, int):
+        raise NoMatch("block bounds are not static integers")
+    return base, start, min(end, int(val.shape[2]))
+
+
+def _split_product(node: Any, target: Any) -> tuple[Any, Any]:
+    if not _is(node, target):
+        found = node.target if isinstance(node, fx.Node) else node
+        raise NoMatch(f"expected {target}, found {found}")
+    return _arg(node, 0), _arg(node, 1)
+
+
+def _match_output(o: Any) -> _Block:
+    """o = (Q_b * qd) @ S_in + ((Q_b @ K_b^T) * dd) @ V_b (either order of the sum)."""
+    if not _is(o, aten.add.Tensor):
+        raise NoMatch("block output is not inter + intra")
+    for inter, intra in ((_arg(o, 0), _arg(o, 1)), (_arg(o, 1), _arg(o, 0))):
+        try:
+            scaled_q, state = _split_product(inter, aten.matmul.default)
+            q_b, qd = _split_product(scaled_q, aten.mul.Tensor)
+            weights, v_b = _split_product(intra, aten.matmul.default)
+            qk, dd = _split_product(weights, aten.mul.Tensor)
+            q_b2, k_t = _split_product(qk, aten.matmul.default)
+            if q_b2 is not q_b or not _is(k_t, aten.transpose.int) or \
+                    sorted([_arg(k_t, 1), _arg(k_t, 2)]) != [-2, -1]:
+                raise NoMatch("intra scores are not Q_b @ K_b^T of the same block")
+            (q, s0, e0), (k, s1, e1), (v, s2, e2) = (_seq_slice(x) for x in (q_b, _arg(k_t, 0),
+                                                                             v_b))
+            if not (s0 == s1 == s2 and e0 == e1 == e2):
+                raise NoMatch("q, k, v block bounds differ")
+            return _Block(q, k, v, s0, e0, qd, dd, state)
+        except NoMatch:
+            continue
+    raise NoMatch("block output is not (Q*qd) @ S + ((Q K^T) * D) @ V")
+
+
+def _match_state_update(new: fx.Node, block: _Block
+                        ) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """new = S_in * exp(-slope * L) + (K_b * kd)^T @ V_b; returns (slope, block decay, kd)."""
+    if not _is(new, aten.add.Tensor):
+        raise NoMatch("state update is not decayed state + K^T V")
+    for decayed, kv in ((_arg(new, 0), _arg(new, 1)), (_arg(new, 1), _arg(new, 0))):
+        if not (_is(decayed, aten.mul.Tensor) and _is(kv, aten.matmul.default)):
+            continue
+        s_in, bd = decayed.args
+        if s_in is not block.state_in:
+            s_in, bd = bd, s_in
+        kt, v_b = kv.args
+        if s_in is not block.state_in or not _is(kt, aten.transpose.int):
+            continue
+        k_scaled = _arg(kt, 0)
+        if not _is(k_scaled, aten.mul.Tensor) or _seq_slice(v_b)[0] is not block.v:
+            continue
+        k_b, kd = k_scaled.args
+        if _seq_slice(k_b)[0] is not block.k:
+            continue
+        if not (_is(bd, aten.exp.default) and _is(_arg(bd, 0), aten.mul.Tensor)
+                and _is(_arg(_arg(bd, 0), 0), aten.neg.default)):
+            raise NoMatch("block decay is not exp(-slope * L)")
+        return _arg(_arg(_arg(bd, 0), 0), 0), bd, kd
+    raise NoMatch("state update does not read this block's K and V")
+
+
+def match_minimax_loop(cat: fx.Node) -> _Loop:
+    """Match ``torch.cat(per-block outputs, dim=-2)`` of a MiniMax-style block loop."""
+    outputs = _arg(cat, 0)
+    if len(cat.args) < 2 or _arg(cat, 1) not in (-2, 2) or not isinstance(outputs, list) \
+            or len(outputs) < 1:
+        raise NoMatch("not a concatenation over the sequence dimension")
+    blocks = [_match_output(o) for o in outputs]
+    first = blocks[0]
+    if not _is(first.state_in, aten.zeros.default, aten.zeros_like.default,
+               aten.new_zeros.default):
+        raise NoMatch("the first block's state is not zeros (a cached state: decode path)")
+    checks: list[tuple[fx.Node, str, int]] = []
+    slope = None
+    final_state = None
+    for i, blk in enumerate(blocks):
+        if (blk.q, blk.k, blk.v) != (first.q, first.k, first.v):
+            raise NoMatch("blocks read different Q/K/V tensors")
+        expected_start = 0 if i == 0 else blocks[i - 1].end
+        if blk.start != expected_start:
+            raise NoMatch(f"block {i} starts at {blk.start}, expected {expected_start}")
+        length = blk.end - blk.start
+        users = [u for u in blk.state_in.users if _is(u, aten.mul.Tensor)
+                 and u.users and any(_is(w, aten.add.Tensor) for w in u.users)]
+        new_state = next((w for u in users for w in u.users if _is(w, aten.add.Tensor)), None)
+        if new_state is None:
+            raise NoMatch(f"block {i} has no state update")
+        s, bd, kd = _match_state_update(new_state, blk)
+        if slope is not None and s is not slope:
+            raise NoMatch("blocks use different slopes")
+        slope = s
+        checks += [(blk.q_decay, "query", length), (kd, "key", length),
+                   (blk.diag_decay, "diagonal", length), (bd, "block", length)]
+        if i + 1 < len(blocks) and blocks[i + 1].state_in is not new_state:
+            raise NoMatch(f"block {i + 1} does not read block {i}'s state")
+        final_state = new_state
+    q_val = tensor_meta(first.q)
+    assert q_val is not None and slope is not None
+    if blocks[-1].end != int(q_val.shape[2]):
+        raise NoMatch("blocks do not cover the whole sequence")
+    return _Loop(first.q, first.k, first.v, slope, blocks, final_state, checks)
+
+
+def _evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
+    """Value of a node computed from real placeholder values (small decay subgraphs)."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node not in env:
+        if node.op != "call_function":
+            raise NoMatch(f"{node.name} is not computable from the inputs")
+        args = torch.fx.node.map_arg(node.args, lambda n: _evaluate(n, env))
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: _evaluate(n, env))
+        env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+    return env[node]
+
+
+def _expected(kind: str, slope: torch.Tensor, length: int) -> torch.Tensor:
+    s = slope.reshape(-1, 1, 1).double()
+    i = torch.arange(length, dtype=torch.float64)
+    if kind == "query":
+        return torch.exp(-s * (i + 1).view(-1, 1))
+    if kind == "key":
+        return torch.exp(-s * (length - 1 - i).view(-1, 1))
+    if kind == "block":
+        return torch.exp(-s * length)
+    gap = i.view(-1, 1) - i.view(1, -1)
+    return (torch.exp(-s * gap.clamp(min=0)) * (gap >= 0)).unsqueeze(0)
+
+
+def _check_decays(loop: _Loop, env: dict[fx.Node, Any]) -> None:
+    slope = _evaluate(loop.slope, env)
+    if not isinstance(slope, torch.Tensor) or slope.numel() != slope.shape[0]:
+        raise NoMatch("slope is not one value per head")
+    for node, kind, length in loop.checks:
+        got = _evaluate(node, env)
+        want = _expected(kind, slope, length)
+        if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or not \
+                torch.allclose(got.double().reshape(want.shape), want, rtol=1e-5, atol=1e-7):
+            raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
+                          "-slope times the distance (the loop is not Lightning Attention)")
+
+
+def _fake(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """``meta['val']`` for a new node: the target run on its inputs' fake values."""
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    assert mode is not None
+    with mode:
+        return target(*vals, **kwargs)
+
+
+@register_pass
+@dataclass(frozen=True)
+class AttentionPass(GraphPass):
+    """See the module docstring."""
+
+    name = "attention"
+    stage = "pre_autograd"
+    exact = True
+    mode: str = "keep"
+
+    @classmethod
+    def from_config(cls, config: Any) -> AttentionPass:
+        return cls(mode=config.attention)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        graph = gm.graph
+        for node in graph.nodes:
+            if _is(node, *_SDPA):
+                ctx.record("kept", site_name(node), "softmax attention: attention='exact' "
+                           "rewrites only linear attention")
+        env = self._input_env(gm, ctx)
+        modified = False
+        for cat in [n for n in graph.nodes if _is(n, aten.cat.default)]:
+            try:
+                loop = match_minimax_loop(cat)
+            except NoMatch:
+                continue  # not loop-shaped at all: nothing to report
+            site = site_name(cat)
+            if self.mode == "keep":
+                ctx.record("kept", site, "linear-attention block loop (attention='keep')")
+                continue
+            try:
+                _check_decays(loop, env)
+            except NoMatch as exc:
+                ctx.record("skipped", site, str(exc))
+                continue
+            self._rewrite(gm, cat, loop)
+            val = tensor_meta(loop.q)
+            assert val is not None
+            ctx.record("rewritten", site, f"block loop of {len(loop.blocks)} blocks "
+                       f"(block {loop.blocks[0].end}, S {int(val.shape[2])}) -> "
+                       "graphopt::lightning_attention")
+            modified = True
+        if modified:
+            graph.eliminate_dead_code()
+        return PassResult(gm, modified)
+
+    @staticmethod
+    def _input_env(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
+        inputs = ctx.extras.get("example_inputs") or []
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        return {p: x for p, x in zip(placeholders, inputs)}
+
+    @staticmethod
+    def _rewrite(gm: fx.GraphModule, cat: fx.Node, loop: _Loop) -> None:
+        from graphopt.kernels.lightning.op import resolve_impl
+
+        graph = gm.graph
+        q_val = tensor_meta(loop.q)
+        assert q_val is not None
+        heads = int(q_val.shape[1])
+        impl = resolve_impl("auto", q_val.device)
+        op = torch.ops.graphopt.lightning_attention_fwd.default
+        with graph.inserting_before(cat):
+            slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
+            slope.meta["val"] = _fake(aten.view.default, loop.slope, [heads])
+            # The result does not depend on the block length (exact math); use the kernel's.
+            args = (loop.q, loop.k, loop.v, slope, 1.0, None, DEFAULT_BLOCK_SIZE,
+                    DEFAULT_CHECKPOINT_EVERY, impl)
+            call = graph.call_function(op, args)
+            call.meta["val"] = _fake(op, *args)
+            outs = []
+            for i in range(2):
+                item = graph.call_function(operator.getitem, (call, i))
+                item.meta["val"] = call.meta["val"][i]
+                outs.append(item)
+        for new in (call, outs[0], outs[1], slope):
+            new.meta["nn_module_stack"] = cat.meta.get("nn_module_stack", {})
+            new.meta["graphopt_replaced"] = [cat.name]
+        cat.replace_all_uses_with(outs[0])
+        state = loop.final_state
+        if state is not None and state.users:
+            want = tensor_meta(state)
+            new_state = outs[1]
+            if want is not None and want.dtype != outs[1].meta["val"].dtype:
+                with graph.inserting_after(outs[1]):
+                    new_state = graph.call_function(
+                        aten._to_copy.default, (outs[1],), {"dtype": want.dtype})
+                    new_state.meta["val"] = _fake(aten._to_copy.default, outs[1],
+                                                  dtype=want.dtype)
+            state.replace_all_uses_with(new_state)

@@ -1,0 +1,114 @@
+"""attention pass, exact mode: transformers' MiniMax lightning-attention block loop becomes
+graphopt::lightning_attention; look-alikes that are not Lightning Attention are refused."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import ConfigError, GraphoptConfig
+from graphopt.config import GraphoptConfig as Config
+from graphopt.models import build_model, sample_batch
+from graphopt.testing import (
+    as_function,
+    assert_matches_eager,
+    bind_inputs,
+    run_pass,
+    trace_for_pass,
+)
+
+LIGHTNING = "graphopt.lightning_attention_fwd.default"
+
+
+def _layer(seq=40, block=16):
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax import modeling_minimax as mm
+
+    config = MiniMaxConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                           block_size=block, num_hidden_layers=1,
+                           layer_types=["linear_attention"])
+    torch.manual_seed(0)
+    attn = mm.MiniMaxLightningAttention(config, layer_idx=0)
+
+    def fn(x):
+        return attn(x, position_embeddings=None, attention_mask=None)
+
+    return attn, fn, torch.randn(2, seq, 64)
+
+
+def _trace_and_run(mode, attn, fn, x):
+    gm = trace_for_pass(fn, x)
+    inputs = bind_inputs(gm, fn, x)
+    return run_pass("attention", gm, Config(attention=mode), example_inputs=inputs)
+
+
+@pytest.mark.parametrize("seq, block", [(40, 16), (64, 16), (7, 16)])
+def test_block_loop_becomes_one_op(seq, block):
+    attn, fn, x = _layer(seq, block)
+    gm, record = _trace_and_run("exact", attn, fn, x)
+    blocks = -(-seq // block)
+    assert record.count("rewritten") == 1
+    assert f"block loop of {blocks} blocks" in record.sites[0].reason
+    assert record.op_delta[LIGHTNING] == 1
+    assert record.op_delta["aten.matmul.default"] == -4 * blocks  # the loop is gone
+    assert_matches_eager(fn, as_function(gm, fn), [x.requires_grad_()], rtol=1e-5, atol=1e-5)
+
+
+def test_keep_mode_reports_and_changes_nothing():
+    attn, fn, x = _layer()
+    gm, record = _trace_and_run("keep", attn, fn, x)
+    assert not record.modified and record.op_delta == {}
+    assert [s.action for s in record.sites] == ["kept"]
+
+
+def test_refuses_decay_that_is_not_lightning_attention():
+    attn, fn, x = _layer()
+    with torch.no_grad():
+        attn.query_decay.mul_(1.01)  # no longer exp(-slope * (i + 1))
+    gm, record = _trace_and_run("exact", attn, fn, x)
+    assert record.count("rewritten") == 0
+    (site,) = [s for s in record.sites if s.action == "skipped"]
+    assert "query decay" in site.reason and "not the exponential" in site.reason
+    assert_matches_eager(fn, as_function(gm, fn), [x])
+
+
+def test_no_match_for_other_concatenations():
+    def fn(x):
+        return torch.cat([x @ x.transpose(-1, -2), x * 2], dim=-2)
+
+    gm = trace_for_pass(fn, torch.randn(2, 4, 8, 8))
+    _, record = run_pass("attention", gm, Config(attention="exact"))
+    assert record.sites == [] and not record.modified
+
+
+def test_softmax_attention_is_reported_as_kept():
+    def fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gm = trace_for_pass(fn, *(torch.randn(1, 2, 8, 4) for _ in range(3)))
+    _, record = run_pass("attention", gm, Config(attention="exact"))
+    assert [s.action for s in record.sites] == ["kept"]
+    assert "softmax attention" in record.sites[0].reason
+
+
+def test_unknown_mode_says_what_exists():
+    with pytest.raises(ConfigError, match=r"attention mode 'lightning' \(softmax -> Lightning "
+                       r"Attention conversion, approximate, is not built yet\); valid modes: "
+                       r"keep, exact"):
+        GraphoptConfig.from_options({"attention": "lightning"})
+
+
+def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
+    model = build_model("minimax", dtype=torch.float32)
+    ids = sample_batch(model, batch=2, seq=48)  # 3 blocks of 16
+
+    def fn(i):
+        return model(input_ids=i, use_cache=False).logits
+
+    compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager",
+                                                              "attention": "exact"})
+    assert_matches_eager(fn, compiled, [ids], params=list(model.parameters()),
+                         rtol=1e-4, atol=1e-4)
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites]
+    assert [s.action for s in sites].count("rewritten") == 1  # the one linear-attention layer
+    assert [s.action for s in sites].count("kept") == 1  # the softmax-attention layer
