@@ -3,7 +3,7 @@
 Use it through ``torch.compile(model, backend="graphopt", options={...})``; no import needed.
 """
 
-from graphopt.backend import graphopt_backend
+from graphopt.backend import compile, graphopt_backend
 from graphopt.config import GraphoptConfig, VerifyConfig
 from graphopt.errors import (
     ConfigError,
@@ -27,6 +27,7 @@ __all__ = [
     "VerifyConfig",
     "__version__",
     "clear_reports",
+    "compile",
     "graphopt_backend",
     "last_report",
     "reports",

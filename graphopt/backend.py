@@ -12,6 +12,16 @@ from torch import fx
 from graphopt.config import GraphoptConfig
 
 
+def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    """``torch.compile(model, backend="graphopt", options=options, **kwargs)``, but the options
+    are validated now, so a bad option raises :class:`ConfigError` here, not on the first
+    call wrapped in Dynamo's ``BackendCompilerFailed``."""
+    import torch
+
+    GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
+    return torch.compile(model, backend="graphopt", options=dict(options or {}), **kwargs)
+
+
 def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
                      options: Mapping[str, Any] | GraphoptConfig | None = None,
                      mode: str | None = None) -> Callable[..., Any]:

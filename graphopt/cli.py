@@ -27,7 +27,8 @@ def demo(
     lowering: str = typer.Option("eager", help="eager | inductor | auto | npu."),
     dtype: str = typer.Option("float32", help="float32 | float64 | bfloat16."),
     batch: int = typer.Option(2, min=1, help="Sequences per batch."),
-    seq: int = typer.Option(64, min=1, help="Tokens per sequence."),
+    seq: int = typer.Option(64, min=2, help="Tokens per sequence (>= 2: the loss predicts "
+                            "the next token)."),
     dump_dir: Path | None = typer.Option(None, help="Write every graph and the report here."),
     verify: bool = typer.Option(True, help="Also run graphopt's verify on each graph."),
 ) -> None:
@@ -37,9 +38,20 @@ def demo(
 
     import graphopt
     from graphopt.demo import run_demo
+    from graphopt.models import SPECS
 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(_DTYPES)}")
+    if model not in SPECS:
+        raise typer.BadParameter(f"unknown model {model!r}; available: {', '.join(SPECS)}")
+    options: dict[str, Any] = {"lowering": lowering}
+    if dump_dir is not None:
+        options["dump_dir"] = str(dump_dir)
+    try:
+        graphopt.GraphoptConfig.from_options(options)
+    except graphopt.GraphoptError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
     graphopt.clear_reports()
     with console.status("[bold]compiling and running[/]") as status:
         result = run_demo(model, lowering, getattr(torch, dtype), batch, seq, dump_dir, verify,
@@ -62,15 +74,26 @@ def demo(
 @app.command()
 def explain(
     dump_dir: Path = typer.Argument(..., help="A dump directory (or one graph_NNN in it)."),
-    sites: int = typer.Option(20, help="Sites to list per pass (0: none)."),
+    sites: int = typer.Option(20, min=0, help="Sites to list per pass (0: none)."),
 ) -> None:
     """Render the report(s) of a dump directory in the terminal."""
+    if not dump_dir.is_dir():
+        console.print(f"[red]{dump_dir} is not a directory[/]")
+        raise typer.Exit(2)
     paths = sorted(dump_dir.glob("report.json")) or sorted(dump_dir.glob("graph_*/report.json"))
     if not paths:
         console.print(f"[red]no report.json in {dump_dir} or its graph_* folders[/]; "
                       "compile with options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")
         raise typer.Exit(2)
-    _print_reports([CompileReport.from_dict(json.loads(p.read_text())) for p in paths], sites)
+    reports = []
+    for path in paths:
+        try:
+            reports.append(CompileReport.from_dict(json.loads(path.read_text())))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            console.print(f"[red]cannot read {path}: {type(exc).__name__}: {exc}[/] (not a "
+                          "graphopt report, or written by another version)")
+            raise typer.Exit(2) from None
+    _print_reports(reports, sites)
 
 
 @app.command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -41,10 +42,16 @@ class VerifyConfig:
     """Also compare input and parameter gradients when the graph is compiled for training."""
 
     def __post_init__(self) -> None:
+        for name in ("enabled", "grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"verify.{name} must be True or False, got "
+                                  f"{getattr(self, name)!r}")
         for name in ("rtol", "atol"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or value < 0):
-                raise ConfigError(f"verify.{name} must be a non-negative number, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not math.isfinite(value) or value < 0):
+                raise ConfigError(f"verify.{name} must be a finite non-negative number, got "
+                                  f"{value!r}")
 
     @classmethod
     def parse(cls, value: Any) -> VerifyConfig:
@@ -53,9 +60,8 @@ class VerifyConfig:
         if isinstance(value, bool):
             return cls(enabled=value)
         if isinstance(value, Mapping):
-            valid = {f.name for f in fields(cls)} - {"enabled"}
-            _reject_unknown(value, valid, "verify")
-            return cls(enabled=True, **dict(value))
+            _reject_unknown(value, {f.name for f in fields(cls)}, "verify")
+            return cls(**{"enabled": True, **dict(value)})
         raise ConfigError(
             f"option 'verify' must be a bool or a dict with keys rtol, atol, grads; "
             f"got {type(value).__name__} {value!r}"
@@ -149,8 +155,7 @@ class GraphoptConfig:
             if name in options:
                 kwargs[name] = _names(options[name], name)
         if "inductor_config" in options:
-            kwargs["inductor_config"] = dict(_expect(options["inductor_config"], Mapping,
-                                                     "inductor_config"))
+            kwargs["inductor_config"] = _inductor_patches(options["inductor_config"])
         config = cls(**kwargs)
         if config.lowering == "npu":
             from graphopt.lowering import require_npu
@@ -182,6 +187,18 @@ def _expect(value: Any, kind: type, name: str) -> Any:
     return value
 
 
+def _inductor_patches(value: Any) -> dict[str, Any]:
+    patches = dict(_expect(value, Mapping, "inductor_config"))
+    import torch._inductor.config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    for key in patches:
+        if key not in known:
+            raise ConfigError(f"inductor_config key {key!r} is not a torch._inductor.config "
+                              f"option{_did_you_mean(str(key), known)}")
+    return patches
+
+
 def _names(value: Any, option: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
@@ -191,8 +208,8 @@ def _names(value: Any, option: str) -> tuple[str, ...]:
 
 
 def _writable_dir(value: Any) -> Path:
-    if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"option 'dump_dir' must be a path, got {type(value).__name__}")
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise ConfigError(f"option 'dump_dir' must be a non-empty path, got {value!r}")
     path = Path(value).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     compiled_model = copy.deepcopy(eager)
     ids = sample_batch(eager, batch, seq)
     labels = sample_batch(eager, batch, seq, seed=1)
-    options: dict[str, Any] = {"lowering": lowering, "verify": verify}
+    options: dict[str, Any] = {"lowering": lowering, "verify": verify}  # validated by the CLI
     if dump_dir is not None:
         options["dump_dir"] = str(dump_dir)
     compiled = torch.compile(compiled_model, backend="graphopt", options=options)

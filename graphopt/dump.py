@@ -24,6 +24,21 @@ from torch import fx
 
 from graphopt.report import CompileReport
 
+_claimed: set[Path] = set()
+
+
+def _claim(root: Path) -> None:
+    """On this process's first dump into ``root``, remove the graph_NNN folders an earlier
+    run left there (only folders graphopt wrote: they hold a report.json), so one dump
+    directory never mixes two runs."""
+    key = root.resolve()
+    if key in _claimed:
+        return
+    _claimed.add(key)
+    for old in root.glob("graph_[0-9]*"):
+        if (old / "report.json").exists() or (old / "00_dynamo.py").exists():
+            shutil.rmtree(old)
+
 
 def graph_code(gm: fx.GraphModule) -> str:
     """Readable Python for ``gm`` with dtype/shape annotations on every value."""
@@ -37,10 +52,9 @@ class Dumper:
         self.dir = None if root is None else root / f"graph_{graph_id:03d}"
         self.report = report
         self._step = 0
-        if self.dir is not None:
-            if self.dir.exists():  # left by an earlier process: never mix two compiles
-                shutil.rmtree(self.dir)
-            self.dir.mkdir(parents=True)
+        if root is not None and self.dir is not None:
+            _claim(root)
+            self.dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def enabled(self) -> bool:

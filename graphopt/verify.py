@@ -110,14 +110,15 @@ def _compare_one(e: Any, a: Any, config: GraphoptConfig,
         return None if e == a or (e is None and a is None) else f"{e!r} != {a!r}"
     if e.shape != a.shape or e.dtype != a.dtype:
         return f"shape/dtype {tuple(e.shape)}/{e.dtype} vs {tuple(a.shape)}/{a.dtype}"
-    if not e.is_floating_point():
+    if not e.is_floating_point() and not e.is_complex():
         return None if torch.equal(e, a) else "integer values differ"
     rtol, atol = default_tolerance(e.dtype)
     if compute_dtype is not None and torch.finfo(compute_dtype).eps > torch.finfo(e.dtype).eps:
         rtol, atol = default_tolerance(compute_dtype)
     rtol = config.verify.rtol if config.verify.rtol is not None else rtol
     atol = config.verify.atol if config.verify.atol is not None else atol
-    scale = float(e.abs().max()) if e.numel() else 0.0
+    finite = e[torch.isfinite(e)] if e.numel() else e
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
     try:
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol * max(scale, 1.0), equal_nan=True)
     except AssertionError:

@@ -42,3 +42,16 @@ def test_demo_minimax_end_to_end(tmp_path):
     assert result.exit_code == 0, result.output
     assert "compiled vs eager" in result.output and "NO" not in result.output
     assert list(tmp_path.glob("graph_*/report.json"))
+
+
+def test_explain_reports_a_corrupt_report_clearly(tmp_path):
+    (tmp_path / "report.json").write_text("{not json")
+    result = runner.invoke(app, ["explain", str(tmp_path)])
+    assert result.exit_code == 2 and "cannot read" in result.output
+
+
+def test_demo_rejects_bad_arguments_before_building_anything():
+    result = runner.invoke(app, ["demo", "--model", "nonexistent"])
+    assert result.exit_code == 2 and "unknown model 'nonexistent'" in result.output
+    result = runner.invoke(app, ["demo", "--lowering", "bogus"])
+    assert result.exit_code == 2 and "unknown lowering 'bogus'" in result.output

@@ -19,7 +19,7 @@ def _compile_and_call(options):
     ({"lowering": 3}, r"option 'lowering' must be of type str, got int"),
     ({"verify": "yes"}, r"option 'verify' must be a bool or a dict"),
     ({"verify": {"rtl": 1e-3}}, r"unknown verify option 'rtl' \(did you mean 'rtol'\?\)"),
-    ({"verify": {"rtol": -1}}, r"verify.rtol must be a non-negative number"),
+    ({"verify": {"rtol": -1}}, r"verify.rtol must be a finite non-negative number"),
     ({"disable": ["cs"]}, r"option 'disable' names unknown pass 'cs' \(did you mean 'cse'\?\)"),
     ({"disable": "cse,remove_noops"}, r"unknown pass 'cse,remove_noops'"),
     ({"enable": ["cse"]}, r"pass 'cse' already runs by default"),
@@ -38,7 +38,7 @@ def test_unwritable_dump_dir(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ConfigError, match="dump_dir .* cannot be written"):
         GraphoptConfig.from_options({"dump_dir": str(blocker / "sub")})
-    with pytest.raises(ConfigError, match="option 'dump_dir' must be a path"):
+    with pytest.raises(ConfigError, match="option 'dump_dir' must be a non-empty path"):
         GraphoptConfig.from_options({"dump_dir": 5})
 
 
@@ -65,3 +65,23 @@ def test_config_is_frozen_and_typed():
     assert config.disable == ("cse",)
     with pytest.raises(AttributeError):
         config.lowering = "eager"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"verify": {"grads": "no"}}, r"verify.grads must be True or False"),
+    ({"verify": {"rtol": float("nan")}}, r"verify.rtol must be a finite non-negative number"),
+    ({"verify": {"rtol": True}}, r"verify.rtol must be a finite non-negative number"),
+    ({"dump_dir": ""}, r"option 'dump_dir' must be a non-empty path"),
+    ({"inductor_config": {"no_such_knob": 1}}, r"inductor_config key 'no_such_knob' is not"),
+])
+def test_bad_nested_values(options, message):
+    with pytest.raises(ConfigError, match=message):
+        GraphoptConfig.from_options(options)
+
+
+def test_graphopt_compile_validates_immediately():
+    with pytest.raises(ConfigError, match="unknown graphopt option 'lowring'"):
+        graphopt.compile(torch.nn.Linear(2, 2), options={"lowring": "eager"})
+    model = graphopt.compile(torch.nn.Linear(2, 2), options={"lowering": "eager"})
+    model(torch.randn(3, 2))
+    assert graphopt.last_report().status == "compiled"

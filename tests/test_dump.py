@@ -51,3 +51,16 @@ def test_dump_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHOPT_DUMP_DIR", str(tmp_path / "env"))
     _compile_and_train()
     assert len(list((tmp_path / "env").glob("graph_*/report.json"))) == 1
+
+
+def test_a_new_run_replaces_the_graphs_of_an_earlier_run(tmp_path):
+    stale = tmp_path / "graph_007"
+    stale.mkdir()
+    (stale / "report.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    import graphopt.dump as dump
+
+    dump._claimed.discard(tmp_path.resolve())
+    _compile_and_train(tmp_path)
+    assert not stale.exists() and (tmp_path / "notes.txt").exists()
+    assert len(list(tmp_path.glob("graph_*/report.json"))) == 1

@@ -186,3 +186,24 @@ def test_equals_transformers_minimax_lightning_attention():
     # MiniMax builds its decay buffers in float32 at __init__; ours are float64 exps of the
     # same slopes, so agreement is to float32 precision of the decays.
     torch.testing.assert_close(o, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_sequence_with_initial_state_and_gradients():
+    q = torch.randn(1, 2, 0, 4, requires_grad=True)
+    h0 = torch.randn(1, 2, 4, 4, requires_grad=True)
+    o, state = lightning_attention(q, q, q, torch.rand(2), initial_state=h0,
+                                   output_final_state=True)
+    assert o.shape == (1, 2, 0, 4)
+    torch.testing.assert_close(state, h0)
+    state.sum().backward()
+    torch.testing.assert_close(h0.grad, torch.ones_like(h0))
+
+
+def test_mixed_devices_dtypes_and_float_block_are_rejected():
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    with pytest.raises(TypeError, match="k has dtype torch.float64 but q has torch.float32"):
+        lightning_attention(q, k.double(), v, torch.rand(2))
+    with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+        lightning_attention(q, k.to("meta"), v, torch.rand(2))
+    with pytest.raises(TypeError, match="block_size must be an int, got 2.7"):
+        lightning_attention(q, k, v, torch.rand(2), block_size=2.7)

@@ -69,3 +69,19 @@ def test_verify_leaves_user_parameters_and_grads_untouched():
     assert all(p.grad is None for p in model.parameters())
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
+
+
+def test_nan_and_inf_outputs_are_compared_position_by_position():
+    from graphopt.config import GraphoptConfig
+    from graphopt.verify import compare_outcomes
+
+    config = GraphoptConfig()
+    ref = ([torch.tensor([float("inf"), 1.0, float("nan")])], [])
+    assert compare_outcomes(ref, ([torch.tensor([float("inf"), 1.0, float("nan")])], []),
+                            config) is None
+    assert compare_outcomes(ref, ([torch.tensor([float("inf"), 1000.0, float("nan")])], []),
+                            config) is not None
+    compiled = torch.compile(lambda x: x.log(), backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    compiled(torch.randn(8))  # NaN for negative inputs on both sides: passes, no crash
+    assert graphopt.last_report().verify["status"] == "passed"

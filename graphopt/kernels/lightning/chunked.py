@@ -124,7 +124,7 @@ def chunked_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float
     n_full, tail = divmod(seq, c)
     qf, kf, vf = q.to(acc) * scale, k.to(acc), v.to(acc)
     s = slope.to(acc)
-    state = (initial_state.to(acc) if initial_state is not None
+    state = (initial_state.to(acc, copy=True) if initial_state is not None
              else q.new_zeros(bsz, heads, q.shape[-1], dv, dtype=acc))
     out = q.new_empty(bsz, heads, seq, dv, dtype=acc)
     checkpoints = []
@@ -161,7 +161,7 @@ def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Te
     s = slope.to(acc)
     dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
     dslope = torch.zeros(heads, dtype=acc, device=q.device) if need_slope_grad else None
-    d_state = (grad_state.to(acc) if grad_state is not None
+    d_state = (grad_state.to(acc, copy=True) if grad_state is not None
                else q.new_zeros(bsz, heads, d, dv_dim, dtype=acc))
     decays = {c: Decays.make(s, c)}
     segments = _segments(n_full, tail, c, checkpoint_every)

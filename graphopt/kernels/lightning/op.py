@@ -151,6 +151,16 @@ def validate(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check(name, x, 4)
     _check("slope", slope, 1)
+    others: list[tuple[str, Tensor | None]] = [("k", k), ("v", v), ("slope", slope),
+                                                ("initial_state", initial_state)]
+    for name, other in others:
+        if other is not None and other.device != q.device:
+            raise ValueError(f"{name} is on {other.device} but q is on {q.device}; move all "
+                             "inputs to one device")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; cast q, k, v to "
+                            "one dtype")
     b, hq, s, d = q.shape
     if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
         raise ValueError(f"k must be [B, Hk, S, D] = [{b}, Hk, {s}, {d}] to match q "
@@ -215,8 +225,11 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
             _check(name, x, 4)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     validate(q, k, v, slope, initial_state)
-    block = DEFAULT_BLOCK_SIZE if block_size is None else int(block_size)
-    every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else int(checkpoint_every)
+    for name, value in (("block_size", block_size), ("checkpoint_every", checkpoint_every)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    block = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
     if block < 1 or every < 1:
         raise ValueError(f"block_size and checkpoint_every must be >= 1, got {block}, {every}")
     chosen = resolve_impl(impl, q.device)
