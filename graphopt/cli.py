@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from graphopt.report import CompileReport
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="graphopt: compiler passes for large-model training and inference "
                        "(torch.compile backend 'graphopt').")
-console = Console()
+# Piped output (CI logs, files) would otherwise be cut to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 _DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16"}
 
