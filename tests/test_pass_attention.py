@@ -112,3 +112,54 @@ def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
              for s in p.sites]
     assert [s.action for s in sites].count("rewritten") == 1  # the one linear-attention layer
     assert [s.action for s in sites].count("kept") == 1  # the softmax-attention layer
+
+
+class RetNetStyle(torch.nn.Module):
+    """Quadratic parallel form: ((Q K^T) * D) V with a decay mask built from a buffer."""
+
+    def __init__(self, heads=4, causal=True, trainable=False):
+        super().__init__()
+        slope = torch.tensor([0.5, 0.1, 0.02, 0.0][:heads])
+        if trainable:
+            self.slope = torch.nn.Parameter(slope)
+        else:
+            self.register_buffer("slope", slope)
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        s = q.shape[2]
+        i = torch.arange(s, dtype=q.dtype)
+        gap = i.view(-1, 1) - i.view(1, -1)
+        decay = torch.exp(-self.slope.view(-1, 1, 1) * gap.clamp(min=0))
+        if self.causal:
+            decay = decay * (gap >= 0)
+        return ((q @ k.transpose(-1, -2)) * decay) @ v
+
+
+def _qkv(s=24):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 4, s, 8, generator=gen, requires_grad=True) for _ in range(3)]
+
+
+def test_parallel_form_becomes_one_op():
+    model, qkv = RetNetStyle(), _qkv()
+    gm = trace_for_pass(model, *qkv)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, *qkv))
+    assert record.count("rewritten") == 1 and "parallel form" in record.sites[0].reason
+    assert record.op_delta[LIGHTNING] == 1
+    assert_matches_eager(model, as_function(gm, model), qkv, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model, reason", [
+    (RetNetStyle(causal=False), "not exp(-slope * (i - j)) below the diagonal and 0 above"),
+    (RetNetStyle(trainable=True), "depends on an input or a trainable parameter"),
+])
+def test_parallel_form_refusals(model, reason):
+    qkv = _qkv()
+    gm = trace_for_pass(model, *qkv)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, *qkv))
+    assert record.count("rewritten") == 0
+    assert any(reason in s.reason for s in record.sites if s.action == "skipped"), record.sites
+    assert_matches_eager(model, as_function(gm, model), qkv)

@@ -4,7 +4,9 @@ Mode "exact" (``options={"attention": "exact"}``) finds code that already comput
 Attention in a slow form and replaces it with the chunked/Triton kernel. Matched today:
 transformers' MiniMax ``MiniMaxLightningAttention`` block loop, which Dynamo unrolls into one
 chain per block. Softmax attention is reported and kept (its conversion to Lightning
-Attention, mode "lightning", is approximate and not built yet).
+Attention, mode "lightning", is approximate and not built yet). Also matched: the quadratic
+"parallel form" ``((Q K^T) * D) V`` (RetNet-style code) when the decay matrix D is computed
+from buffers/constants only and equals exp(-slope_h * (i - j)) below the diagonal, 0 above.
 
 Contract:
     accepts: a normalized pre-autograd ATen graph; static shapes (a loop over a symbolic
@@ -73,6 +75,7 @@ class _Block:
     q_decay: fx.Node
     diag_decay: fx.Node
     state_in: fx.Node
+    intra: fx.Node
 
 
 @dataclass
@@ -127,7 +130,7 @@ def _match_output(o: Any) -> _Block:
                                                                              v_b))
             if not (s0 == s1 == s2 and e0 == e1 == e2):
                 raise NoMatch("q, k, v block bounds differ")
-            return _Block(q, k, v, s0, e0, qd, dd, state)
+            return _Block(q, k, v, s0, e0, qd, dd, state, intra)
         except NoMatch:
             continue
     raise NoMatch("block output is not (Q*qd) @ S + ((Q K^T) * D) @ V")
@@ -241,6 +244,76 @@ def _check_decays(loop: _Loop, env: dict[fx.Node, Any]) -> None:
                           "-slope times the distance (the loop is not Lightning Attention)")
 
 
+@dataclass
+class _ParallelForm:
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    decay: fx.Node
+
+
+def match_parallel_form(node: fx.Node) -> _ParallelForm:
+    """``matmul((matmul(Q, K^T)) * D, V)`` over [B, H, S, X] tensors, D a square mask."""
+    weights, v = _split_product(node, aten.matmul.default)
+    if not _is(weights, aten.mul.Tensor):
+        raise NoMatch("not a masked product")
+    for qk, decay in ((_arg(weights, 0), _arg(weights, 1)), (_arg(weights, 1),
+                                                             _arg(weights, 0))):
+        if not _is(qk, aten.matmul.default):
+            continue
+        q, k_t = _split_product(qk, aten.matmul.default)
+        if not _is(k_t, aten.transpose.int) or sorted([_arg(k_t, 1), _arg(k_t, 2)]) != [-2, -1]:
+            raise NoMatch("scores are not Q @ K^T over the last two dims")
+        k = _arg(k_t, 0)
+        vals = [tensor_meta(x) for x in (q, k, v, decay)]
+        if any(x is None for x in vals) or any(x.dim() != 4 for x in vals[:3]):  # type: ignore
+            raise NoMatch("operands are not [B, H, S, D] tensors")
+        seq_q, seq_k = vals[0].shape[2], vals[1].shape[2]  # type: ignore[union-attr]
+        if seq_q != seq_k:
+            raise NoMatch("query length differs from key length (decode); causal alignment "
+                          "would be ambiguous")
+        return _ParallelForm(q, k, v, decay)
+    raise NoMatch("no Q @ K^T factor")
+
+
+def _decay_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) -> torch.Tensor:
+    """Slopes s_h with D = exp(-s_h (i - j)) masked causal; refuse anything else."""
+    stack, seen = [decay], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            value = env.get(n)
+            source = n.meta.get("grapharg")
+            name = str(getattr(getattr(source, "source", None), "name", ""))
+            if not isinstance(value, torch.Tensor) or value.requires_grad or \
+                    "_buffers" not in name:
+                raise NoMatch("the decay matrix depends on an input or a trainable "
+                              "parameter; only decays computed from buffers/constants are "
+                              "frozen into the kernel")
+        stack.extend(n.all_input_nodes)
+    d = _evaluate(decay, env)
+    if not isinstance(d, torch.Tensor) or d.dim() < 2 or d.shape[-1] != d.shape[-2]:
+        raise NoMatch("the mask is not a square [S, S] matrix")
+    seq = d.shape[-1]
+    d = d.double().reshape(-1, seq, seq)
+    if d.shape[0] not in (1, heads):
+        d = d.reshape(-1, heads, seq, seq)[0] if d.numel() % (heads * seq * seq) == 0 else d
+    if d.shape[0] not in (1, heads):
+        raise NoMatch("the decay matrix does not have one [S, S] matrix per head")
+    d = d.expand(heads, seq, seq)
+    if seq > 1 and bool((d[:, 1, 0] <= 0).any()):
+        raise NoMatch("the mask is not a positive decay below the diagonal")
+    slopes = -torch.log(d[:, 1, 0]) if seq > 1 else torch.zeros(heads, dtype=torch.float64)
+    if not torch.allclose(d.unsqueeze(0), _expected("diagonal", slopes, seq), rtol=1e-5,
+                          atol=1e-7):
+        raise NoMatch("the mask is not exp(-slope * (i - j)) below the diagonal and 0 above "
+                      "(non-causal or not a decay)")
+    return slopes
+
+
 def _fake(target: Any, *args: Any, **kwargs: Any) -> Any:
     """``meta['val']`` for a new node: the target run on its inputs' fake values."""
     vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
@@ -272,11 +345,13 @@ class AttentionPass(GraphPass):
                            "rewrites only linear attention")
         env = self._input_env(gm, ctx)
         modified = False
+        in_loops: set[fx.Node] = set()  # per-block pieces of loops: not parallel forms
         for cat in [n for n in graph.nodes if _is(n, aten.cat.default)]:
             try:
                 loop = match_minimax_loop(cat)
             except NoMatch:
                 continue  # not loop-shaped at all: nothing to report
+            in_loops.update(b.intra for b in loop.blocks)
             site = site_name(cat)
             if self.mode == "keep":
                 ctx.record("kept", site, "linear-attention block loop (attention='keep')")
@@ -295,7 +370,60 @@ class AttentionPass(GraphPass):
             modified = True
         if modified:
             graph.eliminate_dead_code()
+        for node in [n for n in graph.nodes if _is(n, aten.matmul.default)]:
+            if node in in_loops or node.graph is not graph or not node.users:
+                continue
+            try:
+                form = match_parallel_form(node)
+            except NoMatch:
+                continue
+            site = site_name(node)
+            if self.mode == "keep":
+                ctx.record("kept", site, "decayed linear attention, parallel form "
+                           "(attention='keep')")
+                continue
+            q_val = tensor_meta(form.q)
+            assert q_val is not None
+            try:
+                slopes = _decay_slopes(form.decay, int(q_val.shape[1]), env)
+            except NoMatch as exc:
+                ctx.record("skipped", site, str(exc))
+                continue
+            self._rewrite_parallel(gm, node, form, slopes)
+            ctx.record("rewritten", site, f"parallel form (S {int(q_val.shape[2])}) -> "
+                       "graphopt::lightning_attention")
+            modified = True
+        if modified:
+            graph.eliminate_dead_code()
         return PassResult(gm, modified)
+
+    @staticmethod
+    def _rewrite_parallel(gm: fx.GraphModule, node: fx.Node, form: _ParallelForm,
+                          slopes: torch.Tensor) -> None:
+        from graphopt.kernels.lightning.op import resolve_impl
+
+        graph = gm.graph
+        q_val = tensor_meta(form.q)
+        assert q_val is not None
+        name = f"_graphopt_slope_{node.name}"
+        gm.register_buffer(name, slopes.to(torch.float32, copy=True).to(q_val.device))
+        mode = detect_fake_mode([q_val])
+        assert mode is not None
+        impl = resolve_impl("auto", q_val.device)
+        op = torch.ops.graphopt.lightning_attention_fwd.default
+        with graph.inserting_before(node):
+            slope = graph.get_attr(name)
+            slope.meta["val"] = mode.from_tensor(getattr(gm, name))
+            args = (form.q, form.k, form.v, slope, 1.0, None, DEFAULT_BLOCK_SIZE,
+                    DEFAULT_CHECKPOINT_EVERY, impl)
+            call = graph.call_function(op, args)
+            call.meta["val"] = _fake(op, *args)
+            out = graph.call_function(operator.getitem, (call, 0))
+            out.meta["val"] = call.meta["val"][0]
+        for new in (slope, call, out):
+            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            new.meta["graphopt_replaced"] = [node.name]
+        node.replace_all_uses_with(out)
 
     @staticmethod
     def _input_env(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
