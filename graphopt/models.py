@@ -37,6 +37,9 @@ SPECS: dict[str, ModelSpec] = {
                            dict(_COMMON, **_MOE, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=64, decoder_sparse_step=1,
                                 mlp_only_layers=[])),
+    "gpt2": ModelSpec("gpt2", "GPT2Config", "GPT2LMHeadModel",
+                      dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                           bos_token_id=0, eos_token_id=0)),
     # Both layer types: linear (lightning) attention and softmax attention; MoE MLPs.
     "minimax": ModelSpec("minimax", "MiniMaxConfig", "MiniMaxForCausalLM",
                          dict(_COMMON, **_MOE, head_dim=16, num_local_experts=4,

@@ -163,3 +163,19 @@ def test_parallel_form_refusals(model, reason):
     assert record.count("rewritten") == 0
     assert any(reason in s.reason for s in record.sites if s.action == "skipped"), record.sites
     assert_matches_eager(model, as_function(gm, model), qkv)
+
+
+@pytest.mark.parametrize("name, implementation", [("gpt2", "eager"), ("gpt2", "sdpa"),
+                                                  ("llama", "eager"), ("llama", "sdpa")])
+def test_every_softmax_attention_site_is_reported(name, implementation):
+    model = build_model(name, attn_implementation=implementation)
+    ids = sample_batch(model, batch=1, seq=16)
+
+    def fn(i):
+        return model(input_ids=i, use_cache=False).logits
+
+    gm = trace_for_pass(fn, ids)
+    _, record = run_pass("attention", gm, Config(attention="exact"))
+    layers = model.config.num_hidden_layers
+    assert [s.action for s in record.sites] == ["kept"] * layers, record.sites
+    assert not record.modified

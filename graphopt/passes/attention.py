@@ -244,6 +244,43 @@ def _check_decays(loop: _Loop, env: dict[fx.Node, Any]) -> None:
                           "-slope times the distance (the loop is not Lightning Attention)")
 
 
+_PASS_THROUGH = {aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
+                 aten.where.ScalarOther, aten.where.ScalarSelf, aten.to.dtype,
+                 aten._to_copy.default, aten.dropout.default, aten.clone.default,
+                 aten.masked_fill.Scalar}
+
+
+def _is_batched(node: Any) -> bool:
+    val = tensor_meta(node) if isinstance(node, fx.Node) else None
+    return val is not None and val.dim() >= 3
+
+
+def is_handwritten_softmax_attention(node: fx.Node) -> bool:
+    """softmax(Q K^T [*/ scale] [+ mask]) [dropout] @ V written out op by op (GPT-2 "eager",
+    Llama's eager_attention_forward): a softmax fed by Q @ K^T through element-wise ops and
+    feeding a matmul."""
+    if not _is(node, aten.softmax.int, aten._softmax.default):
+        return False
+    upstream: Any = node.args[0]
+    for _ in range(6):
+        if _is(upstream, aten.matmul.default):
+            if not _is(_arg(upstream, 1), aten.transpose.int):
+                return False
+            break
+        if not _is(upstream, *_PASS_THROUGH):
+            return False
+        upstream = next((a for a in upstream.args if _is_batched(a)), None)
+    else:
+        return False
+    frontier = [node]
+    for _ in range(4):
+        users = [u for n in frontier for u in n.users]
+        if any(_is(u, aten.matmul.default) for u in users):
+            return True
+        frontier = [u for u in users if _is(u, *_PASS_THROUGH)]
+    return False
+
+
 @dataclass
 class _ParallelForm:
     q: fx.Node
@@ -340,7 +377,7 @@ class AttentionPass(GraphPass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
         for node in graph.nodes:
-            if _is(node, *_SDPA):
+            if _is(node, *_SDPA) or is_handwritten_softmax_attention(node):
                 ctx.record("kept", site_name(node), "softmax attention: attention='exact' "
                            "rewrites only linear attention")
         env = self._input_env(gm, ctx)
