@@ -21,7 +21,7 @@ from typing import Any
 from graphopt.errors import ConfigError
 
 LOWERING_NAMES = ("auto", "eager", "inductor", "npu")
-ATTENTION_MODES = ("keep", "exact")
+ATTENTION_MODES = ("keep", "exact", "lightning")
 DUMP_DIR_ENV = "GRAPHOPT_DUMP_DIR"
 
 
@@ -69,6 +69,34 @@ class VerifyConfig:
 
 
 @dataclass(frozen=True)
+class LightningOptions:
+    """``options={"attention": "lightning", "lightning": {...}}``: softmax -> Lightning."""
+
+    every: int = 1
+    """Convert layer i when (i + 1) % every != 0: 1 converts all; 8 keeps every 8th layer's
+    softmax attention, as MiniMax-01's hybrid (7 lightning : 1 softmax) does."""
+    norm: str = "rms"
+    """Output normalization per head: "rms" (RMSNorm without weight over Dv, as
+    TransNormerLLM/MiniMax normalize lightning outputs) or "none"."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"lightning.every must be an int >= 1, got {self.every!r}")
+        if self.norm not in ("rms", "none"):
+            raise ConfigError(f"lightning.norm must be 'rms' or 'none', got {self.norm!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> LightningOptions:
+        if isinstance(value, LightningOptions):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"option 'lightning' must be a dict with keys every, norm; got "
+                              f"{value!r}")
+        _reject_unknown(value, {f.name for f in fields(cls)}, "lightning")
+        return cls(**dict(value))
+
+
+@dataclass(frozen=True)
 class GraphoptConfig:
     """All graphopt options. Build it with :meth:`from_options`.
 
@@ -82,8 +110,12 @@ class GraphoptConfig:
     """"auto" | "eager" | "inductor" | "npu". auto: npu for NPU inputs, else inductor."""
     attention: str = "keep"
     """"keep": change nothing (sites are reported). "exact": rewrite code that already
-    computes decayed causal linear attention (MiniMax's block loop) into
-    graphopt::lightning_attention, numerics unchanged."""
+    computes decayed causal linear attention (MiniMax's block loop, the parallel form) into
+    graphopt::lightning_attention, numerics unchanged. "lightning": also replace causal
+    softmax attention (SDPA) by Lightning Attention: APPROXIMATE, changes the model's function
+    (for linearizing a pretrained model before fine-tuning); see ``lightning``."""
+    lightning: LightningOptions = field(default_factory=lambda: LightningOptions())
+    """How attention="lightning" converts softmax attention (ignored by other modes)."""
     dump_dir: Path | None = None
     """Write every graph before/after every pass and the report here (env GRAPHOPT_DUMP_DIR)."""
     verify: VerifyConfig = field(default_factory=VerifyConfig)
@@ -99,9 +131,7 @@ class GraphoptConfig:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_MODES:
-            extra = (" (softmax -> Lightning Attention conversion, approximate, is not built "
-                     "yet)" if self.attention == "lightning" else "")
-            raise ConfigError(f"unknown attention mode {self.attention!r}{extra}; valid modes: "
+            raise ConfigError(f"unknown attention mode {self.attention!r}; valid modes: "
                               f"{', '.join(ATTENTION_MODES)}")
         if self.lowering not in LOWERING_NAMES:
             raise ConfigError(
@@ -154,6 +184,8 @@ class GraphoptConfig:
         for name in ("disable", "enable"):
             if name in options:
                 kwargs[name] = _names(options[name], name)
+        if "lightning" in options:
+            kwargs["lightning"] = LightningOptions.parse(options["lightning"])
         if "inductor_config" in options:
             kwargs["inductor_config"] = _inductor_patches(options["inductor_config"])
         config = cls(**kwargs)

@@ -91,10 +91,11 @@ def test_softmax_attention_is_reported_as_kept():
 
 
 def test_unknown_mode_says_what_exists():
-    with pytest.raises(ConfigError, match=r"attention mode 'lightning' \(softmax -> Lightning "
-                       r"Attention conversion, approximate, is not built yet\); valid modes: "
-                       r"keep, exact"):
-        GraphoptConfig.from_options({"attention": "lightning"})
+    with pytest.raises(ConfigError, match=r"unknown attention mode 'linear'; valid modes: "
+                       r"keep, exact, lightning"):
+        GraphoptConfig.from_options({"attention": "linear"})
+    with pytest.raises(ConfigError, match=r"lightning.norm must be 'rms' or 'none'"):
+        GraphoptConfig.from_options({"attention": "lightning", "lightning": {"norm": "l2"}})
 
 
 def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
@@ -179,3 +180,54 @@ def test_every_softmax_attention_site_is_reported(name, implementation):
     layers = model.config.num_hidden_layers
     assert [s.action for s in record.sites] == ["kept"] * layers, record.sites
     assert not record.modified
+
+
+def test_lightning_mode_converts_causal_sdpa_to_the_documented_function():
+    from graphopt.kernels.lightning import lightning_attention
+    from graphopt.passes.attention import minimax_slopes
+
+    def fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True)
+
+    q = torch.randn(2, 4, 24, 8)
+    k, v = torch.randn(2, 2, 24, 8), torch.randn(2, 2, 24, 8)
+    gm = trace_for_pass(fn, q, k, v)
+    gm, record = run_pass("attention", gm, Config(attention="lightning"))
+    assert record.count("rewritten") == 1 and record.sites[0].reason.startswith("APPROXIMATE")
+    expected = torch.nn.functional.rms_norm(
+        lightning_attention(q, k, v, minimax_slopes(4, 0, 1), scale=8 ** -0.5), [8])
+    torch.testing.assert_close(as_function(gm, fn)(q, k, v), expected)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(attn_mask=torch.ones(24, 24, dtype=torch.bool)), "depends on a graph input"),
+    (dict(is_causal=False), "non-causal attention"),
+    (dict(is_causal=True, dropout_p=0.1), "attention dropout > 0"),
+])
+def test_lightning_mode_refusals(kwargs, reason):
+    def fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    gm = trace_for_pass(fn, *(torch.randn(1, 2, 24, 8) for _ in range(3)))
+    _, record = run_pass("attention", gm, Config(attention="lightning"))
+    assert [s.action for s in record.sites] == ["skipped"] and reason in record.sites[0].reason
+
+
+def test_lightning_mode_on_llama_trains_and_is_reported_approximate():
+    model = build_model("llama", num_hidden_layers=4).train()
+    ids = sample_batch(model, batch=2, seq=32)
+    compiled = torch.compile(lambda i: model(input_ids=i, labels=i, use_cache=False).loss,
+                             backend="graphopt", options={"lowering": "eager",
+                                                          "attention": "lightning",
+                                                          "lightning": {"every": 2},
+                                                          "verify": True})
+    loss = compiled(ids)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all()
+                                        for p in model.parameters() if p.grad is not None)
+    records = [p for r in graphopt.reports() for p in r.pass_records("attention")]
+    actions = [s.action for p in records for s in p.sites]
+    assert actions.count("rewritten") == 2 and actions.count("skipped") == 2  # every=2
+    assert all(not p.exact for p in records)
+    assert any(r.verify.get("status") == "approximate" for r in graphopt.reports())

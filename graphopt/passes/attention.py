@@ -4,9 +4,16 @@ Mode "exact" (``options={"attention": "exact"}``) finds code that already comput
 Attention in a slow form and replaces it with the chunked/Triton kernel. Matched today:
 transformers' MiniMax ``MiniMaxLightningAttention`` block loop, which Dynamo unrolls into one
 chain per block. Softmax attention is reported and kept (its conversion to Lightning
-Attention, mode "lightning", is approximate and not built yet). Also matched: the quadratic
+Attention is mode "lightning", below). Also matched: the quadratic
 "parallel form" ``((Q K^T) * D) V`` (RetNet-style code) when the decay matrix D is computed
 from buffers/constants only and equals exp(-slope_h * (i - j)) below the diagonal, 0 above.
+
+Mode "lightning" (APPROXIMATE, opt-in) additionally replaces causal softmax attention
+``scaled_dot_product_attention(q, k, v, is_causal=True)`` (no mask, dropout 0, query length =
+key length, GQA allowed) by Lightning Attention with MiniMax-01's per-head slopes and an
+RMS output normalization, for linearizing a pretrained model before fine-tuning. Sites with a
+mask, dropout > 0 or a KV cache are skipped with the reason; ``lightning.every`` keeps every
+n-th layer's softmax attention (MiniMax's hybrid). The pass then reports itself inexact.
 
 Contract:
     accepts: a normalized pre-autograd ATen graph; static shapes (a loop over a symbolic
@@ -34,7 +41,7 @@ Pseudo-code:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -351,6 +358,62 @@ def _decay_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) -> torch.
     return slopes
 
 
+def _not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any]) -> str:
+    """"" when ``mask`` is provably the causal mask for every call of this graph: it is built
+    from constants only (no graph input: so no padding mask, no symbolic size) and evaluates to
+    True / 0 on and below the diagonal and False / -inf (or < -1e30) above. Else the reason."""
+    stack, seen = [mask], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return ("the attention mask depends on a graph input (a padding mask or a dynamic "
+                    "size), so it cannot be proven causal for every call")
+        if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
+            return "the attention mask is built by non-ATen code"
+        stack.extend(n.all_input_nodes)
+    try:
+        m = _evaluate(mask, env)
+    except Exception as exc:  # any failure means "not provable"
+        return f"the attention mask could not be evaluated ({type(exc).__name__})"
+    if not isinstance(m, torch.Tensor) or m.dim() < 2 or m.shape[-1] != m.shape[-2]:
+        return "the attention mask is not square (query length != key length)"
+    seq = m.shape[-1]
+    lower = torch.ones(seq, seq, dtype=torch.bool).tril()
+    allowed = m if m.dtype == torch.bool else (m == 0)
+    blocked = ~m if m.dtype == torch.bool else (m < -1e30)
+    if not (bool((allowed == lower).all()) and bool((blocked == ~lower).all())):
+        return "the attention mask is not the causal (lower-triangular) mask"
+    return ""
+
+
+def minimax_slopes(heads: int, layer: int, num_layers: int) -> torch.Tensor:
+    """Per-head decay rates [heads] (float32) as MiniMax-01 assigns them: ALiBi's geometric
+    slopes 2^(-8 (h + 1) / H) (Press et al. 2022), scaled by the layer's depth factor
+    1 - layer / (num_layers - 1) (+1e-5 so the last layer keeps a small decay)."""
+    base = 2.0 ** (-8.0 / heads)
+    factor = 1.0 - layer / (num_layers - 1 + 1e-5) + 1e-5
+    return torch.tensor([base ** (h + 1) * factor for h in range(heads)], dtype=torch.float32)
+
+
+def _layer_index(node: fx.Node) -> int | None:
+    """The decoder layer index from the module path (``...layers.3.self_attn``)."""
+    for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        parts = str(path).replace("[", ".").replace("]", "").replace("'", "").split(".")
+        for prev, part in zip(parts, parts[1:]):
+            if prev in ("layers", "h", "layer", "blocks") and part.isdigit():
+                return int(part)
+    return None
+
+
+def _num_layers(gm: fx.GraphModule) -> int:
+    indices = [i for n in gm.graph.nodes if _is(n, *_SDPA)
+               if (i := _layer_index(n)) is not None]
+    return max(indices) + 1 if indices else 1
+
+
 def _fake(target: Any, *args: Any, **kwargs: Any) -> Any:
     """``meta['val']`` for a new node: the target run on its inputs' fake values."""
     vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
@@ -367,20 +430,32 @@ class AttentionPass(GraphPass):
 
     name = "attention"
     stage = "pre_autograd"
-    exact = True
     mode: str = "keep"
+    every: int = 1
+    norm: str = "rms"
+
+    @property
+    def exact(self) -> bool:  # type: ignore[override]
+        """Exact unless it converts softmax attention (mode "lightning")."""
+        return self.mode != "lightning"
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionPass:
-        return cls(mode=config.attention)
+        return cls(mode=config.attention, every=config.lightning.every,
+                   norm=config.lightning.norm)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
+        sdpa_sites = [n for n in graph.nodes if _is(n, *_SDPA)]
         for node in graph.nodes:
-            if _is(node, *_SDPA) or is_handwritten_softmax_attention(node):
-                ctx.record("kept", site_name(node), "softmax attention: attention='exact' "
-                           "rewrites only linear attention")
+            if (_is(node, *_SDPA) and self.mode != "lightning") or \
+                    is_handwritten_softmax_attention(node):
+                note = "; only SDPA is converted" if self.mode == "lightning" else ""
+                ctx.record("kept", site_name(node),
+                           f"softmax attention (attention='{self.mode}'{note})")
         env = self._input_env(gm, ctx)
+        self._env.clear()
+        self._env.update(env)
         modified = False
         in_loops: set[fx.Node] = set()  # per-block pieces of loops: not parallel forms
         for cat in [n for n in graph.nodes if _is(n, aten.cat.default)]:
@@ -430,9 +505,82 @@ class AttentionPass(GraphPass):
             ctx.record("rewritten", site, f"parallel form (S {int(q_val.shape[2])}) -> "
                        "graphopt::lightning_attention")
             modified = True
+        if self.mode == "lightning":
+            for node in sdpa_sites:
+                reason = self._convert_softmax(gm, node)
+                done = reason.startswith("APPROXIMATE")
+                ctx.record("rewritten" if done else "skipped", site_name(node), reason)
+                modified = modified or done
         if modified:
             graph.eliminate_dead_code()
         return PassResult(gm, modified)
+
+    _env: dict[fx.Node, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def _convert_softmax(self, gm: fx.GraphModule, node: fx.Node) -> str:
+        """Replace one SDPA node; returns the report reason ("APPROXIMATE..." when done)."""
+        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
+        args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
+        if node.target is not aten.scaled_dot_product_attention.default:
+            return f"kept: {node.target} is not the composite SDPA op"
+        mask = args.get("attn_mask")
+        if mask is not None:
+            problem = _not_constant_causal(mask, self._env)
+            if problem:
+                return f"kept: {problem}"
+        elif not args.get("is_causal", False):
+            return "kept: non-causal attention is not converted to causal Lightning Attention"
+        if args.get("dropout_p", 0.0) not in (0, 0.0):
+            return "kept: attention dropout > 0 (training dropout)"
+        q, k, v = args["query"], args["key"], args["value"]
+        q_val, k_val = tensor_meta(q), tensor_meta(k)
+        if q_val is None or k_val is None or q_val.dim() != 4:
+            return "kept: operands are not [B, H, S, D]"
+        if q_val.shape[2] != k_val.shape[2]:
+            return "kept: query length != key length (KV cache); causal alignment differs"
+        if q_val.shape[1] % k_val.shape[1]:
+            return "kept: query heads are not a multiple of key heads"
+        layer = _layer_index(node)
+        if layer is not None and (layer + 1) % self.every == 0:
+            return f"kept: layer {layer} keeps softmax attention (lightning.every={self.every})"
+        heads, dim = int(q_val.shape[1]), int(q_val.shape[3])
+        scale = args.get("scale") or 1.0 / dim**0.5
+        slopes = minimax_slopes(heads, layer or 0, _num_layers(gm))
+        self._insert_lightning(gm, node, q, k, v, slopes, float(scale))
+        return (f"APPROXIMATE: softmax -> Lightning Attention (MiniMax slopes, norm "
+                f"{self.norm}, layer {layer})")
+
+    def _insert_lightning(self, gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
+                          v: fx.Node, slopes: torch.Tensor, scale: float) -> None:
+        from graphopt.kernels.lightning.op import resolve_impl
+
+        graph = gm.graph
+        q_val = tensor_meta(q)
+        assert q_val is not None
+        name = f"_graphopt_slope_{node.name}"
+        gm.register_buffer(name, slopes.to(q_val.device))
+        mode = detect_fake_mode([q_val])
+        assert mode is not None
+        op = torch.ops.graphopt.lightning_attention_fwd.default
+        with graph.inserting_before(node):
+            slope = graph.get_attr(name)
+            slope.meta["val"] = mode.from_tensor(getattr(gm, name))
+            args = (q, k, v, slope, scale, None, DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY,
+                    resolve_impl("auto", q_val.device))
+            call = graph.call_function(op, args)
+            call.meta["val"] = _fake(op, *args)
+            out = graph.call_function(operator.getitem, (call, 0))
+            out.meta["val"] = call.meta["val"][0]
+            new = [slope, call, out]
+            if self.norm == "rms":
+                norm = graph.call_function(aten.rms_norm.default, (out, [int(q_val.shape[3])]))
+                norm.meta["val"] = _fake(aten.rms_norm.default, out, [int(q_val.shape[3])])
+                new.append(norm)
+                out = norm
+        for n in new:
+            n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            n.meta["graphopt_replaced"] = [node.name]
+        node.replace_all_uses_with(out)
 
     @staticmethod
     def _rewrite_parallel(gm: fx.GraphModule, node: fx.Node, form: _ParallelForm,
