@@ -31,11 +31,38 @@ def step_time(fn, ids, reps: int) -> float:
     return statistics.median(times)
 
 
+def llama_lightning(seqs: list[int], reps: int) -> None:
+    """Llama (graphopt.models' small config) with attention="lightning" vs "keep"."""
+    print("\n| Llama S | keep (softmax) ms | lightning ms | lightning speedup |")
+    print("|---|---|---|---|")
+    for seq in seqs:
+        model = build_model("llama")
+        ids = sample_batch(model, batch=1, seq=seq)
+
+        def logits(i, model=model):
+            return model(input_ids=i, use_cache=False).logits
+
+        times = {}
+        for mode in ("keep", "lightning"):
+            torch._dynamo.reset()
+            fn = torch.compile(logits, backend="graphopt",
+                               options={"lowering": "eager", "attention": mode})
+            times[mode] = step_time(fn, ids, reps)
+        print(f"| {seq} | {times['keep'] * 1e3:.0f} | {times['lightning'] * 1e3:.0f} | "
+              f"{times['keep'] / times['lightning']:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--llama-seqs", nargs="+", type=int,
+                        default=[256, 512, 1024, 2048, 4096, 16384])
+    parser.add_argument("--only", choices=["minimax", "llama"], default=None)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    if args.only == "llama":
+        llama_lightning(args.llama_seqs, args.reps)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, batch 1, "
           f"medians of {args.reps} forward+backward steps")
     print("| layers | S | eager ms | graphopt keep ms | graphopt exact ms | exact vs eager | "
@@ -65,6 +92,8 @@ def main() -> None:
             print(f"| {label} | {seq} | {times['eager'] * 1e3:.0f} | {times['keep'] * 1e3:.0f}"
                   f" | {times['exact'] * 1e3:.0f} | {times['eager'] / times['exact']:.2f}x | "
                   f"{times['keep'] / times['exact']:.2f}x | {rewritten} |", flush=True)
+    if args.only is None:
+        llama_lightning(args.llama_seqs, args.reps)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,8 @@ class LightningOptions:
     """``options={"attention": "lightning", "lightning": {...}}``: softmax -> Lightning."""
 
     every: int = 1
-    """Convert layer i when (i + 1) % every != 0: 1 converts all; 8 keeps every 8th layer's
-    softmax attention, as MiniMax-01's hybrid (7 lightning : 1 softmax) does."""
+    """1 converts every layer; n > 1 keeps softmax attention in layers i with
+    (i + 1) % n == 0 (8: MiniMax-01's hybrid of 7 lightning layers to 1 softmax layer)."""
     norm: str = "rms"
     """Output normalization per head: "rms" (RMSNorm without weight over Dv, as
     TransNormerLLM/MiniMax normalize lightning outputs) or "none"."""

@@ -231,3 +231,16 @@ def test_lightning_mode_on_llama_trains_and_is_reported_approximate():
     assert actions.count("rewritten") == 2 and actions.count("skipped") == 2  # every=2
     assert all(not p.exact for p in records)
     assert any(r.verify.get("status") == "approximate" for r in graphopt.reports())
+
+
+def test_lightning_mode_every_1_converts_every_layer():
+    model = build_model("llama", num_hidden_layers=3)
+    ids = sample_batch(model, batch=1, seq=16)
+
+    def fn(i):
+        return model(input_ids=i, use_cache=False).logits
+
+    gm = trace_for_pass(fn, ids)
+    _, record = run_pass("attention", gm, Config(attention="lightning"),
+                         example_inputs=bind_inputs(gm, fn, ids))
+    assert [s.action for s in record.sites] == ["rewritten"] * 3, record.sites

@@ -541,7 +541,7 @@ class AttentionPass(GraphPass):
         if q_val.shape[1] % k_val.shape[1]:
             return "kept: query heads are not a multiple of key heads"
         layer = _layer_index(node)
-        if layer is not None and (layer + 1) % self.every == 0:
+        if self.every > 1 and layer is not None and (layer + 1) % self.every == 0:
             return f"kept: layer {layer} keeps softmax attention (lightning.every={self.every})"
         heads, dim = int(q_val.shape[1]), int(q_val.shape[3])
         scale = args.get("scale") or 1.0 / dim**0.5
