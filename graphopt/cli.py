@@ -27,6 +27,8 @@ def demo(
     model: str = typer.Option("minimax", help="Real transformers model: minimax, llama, "
                               "mixtral or qwen3_moe (small config, random weights)."),
     lowering: str = typer.Option("eager", help="eager | inductor | auto | npu."),
+    attention: str = typer.Option("exact", help="keep | exact (MiniMax's lightning-attention "
+                                  "loop -> graphopt's kernel) | lightning (approximate)."),
     dtype: str = typer.Option("float32", help="float32 | float64 | bfloat16."),
     batch: int = typer.Option(2, min=1, help="Sequences per batch."),
     seq: int = typer.Option(64, min=2, help="Tokens per sequence (>= 2: the loss predicts "
@@ -46,7 +48,7 @@ def demo(
         raise typer.BadParameter(f"dtype must be one of {', '.join(_DTYPES)}")
     if model not in SPECS:
         raise typer.BadParameter(f"unknown model {model!r}; available: {', '.join(SPECS)}")
-    options: dict[str, Any] = {"lowering": lowering}
+    options: dict[str, Any] = {"lowering": lowering, "attention": attention}
     if dump_dir is not None:
         options["dump_dir"] = str(dump_dir)
     try:
@@ -57,9 +59,11 @@ def demo(
     graphopt.clear_reports()
     with console.status("[bold]compiling and running[/]") as status:
         result = run_demo(model, lowering, getattr(torch, dtype), batch, seq, dump_dir, verify,
+                          attention=attention,
                           progress=lambda msg: status.update(f"[bold]{msg}[/]"))
     _print_reports(graphopt.reports(), sites=0)
-    table = Table(title=f"{model}: compiled vs eager ({dtype}, lowering {lowering})")
+    table = Table(title=f"{model}: compiled vs eager ({dtype}, lowering {lowering}, "
+                        f"attention {attention})")
     for col in ("check", "max abs error", "tolerance", "ok"):
         table.add_column(col)
     for name, err, tol in result.checks:

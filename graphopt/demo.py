@@ -33,7 +33,8 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq: int,
              dump_dir: Path | None, verify: bool,
-             progress: Callable[[str], None] = lambda msg: None) -> DemoResult:
+             progress: Callable[[str], None] = lambda msg: None,
+             attention: str = "exact") -> DemoResult:
     """Train one step (forward, backward, SGD update) and run one inference step with the
     compiled model and an identical eager copy; record the largest differences."""
     progress(f"building {model_name}")
@@ -41,7 +42,8 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     compiled_model = copy.deepcopy(eager)
     ids = sample_batch(eager, batch, seq)
     labels = sample_batch(eager, batch, seq, seed=1)
-    options: dict[str, Any] = {"lowering": lowering, "verify": verify}  # validated by the CLI
+    options: dict[str, Any] = {"lowering": lowering, "verify": verify,  # validated by the CLI
+                               "attention": attention}
     if dump_dir is not None:
         options["dump_dir"] = str(dump_dir)
     compiled = torch.compile(compiled_model, backend="graphopt", options=options)
