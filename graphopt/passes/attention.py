@@ -320,14 +320,20 @@ def match_parallel_form(node: fx.Node) -> _ParallelForm:
     raise NoMatch("no Q @ K^T factor")
 
 
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node it is computed from."""
+    stack, seen = [node], {node}
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return list(seen)
+
+
 def _decay_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) -> torch.Tensor:
     """Slopes s_h with D = exp(-s_h (i - j)) masked causal; refuse anything else."""
-    stack, seen = [decay], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in _ancestors(decay):
         if n.op == "placeholder":
             value = env.get(n)
             source = n.meta.get("grapharg")
@@ -337,7 +343,6 @@ def _decay_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) -> torch.
                 raise NoMatch("the decay matrix depends on an input or a trainable "
                               "parameter; only decays computed from buffers/constants are "
                               "frozen into the kernel")
-        stack.extend(n.all_input_nodes)
     d = _evaluate(decay, env)
     if not isinstance(d, torch.Tensor) or d.dim() < 2 or d.shape[-1] != d.shape[-2]:
         raise NoMatch("the mask is not a square [S, S] matrix")
@@ -362,18 +367,12 @@ def _not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any]) -> str:
     """"" when ``mask`` is provably the causal mask for every call of this graph: it is built
     from constants only (no graph input: so no padding mask, no symbolic size) and evaluates to
     True / 0 on and below the diagonal and False / -inf (or < -1e30) above. Else the reason."""
-    stack, seen = [mask], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in _ancestors(mask):
         if n.op == "placeholder":
             return ("the attention mask depends on a graph input (a padding mask or a dynamic "
                     "size), so it cannot be proven causal for every call")
         if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
             return "the attention mask is built by non-ATen code"
-        stack.extend(n.all_input_nodes)
     try:
         m = _evaluate(mask, env)
     except Exception as exc:  # any failure means "not provable"
@@ -412,6 +411,34 @@ def _num_layers(gm: fx.GraphModule) -> int:
     indices = [i for n in gm.graph.nodes if _is(n, *_SDPA)
                if (i := _layer_index(n)) is not None]
     return max(indices) + 1 if indices else 1
+
+
+def _insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
+                               v: fx.Node, slopes: torch.Tensor, scale: float) -> fx.Node:
+    """Insert ``lightning_attention_fwd(q, k, v, slopes)[0]`` before ``node``, the slopes
+    frozen as a float32 buffer of ``gm``; returns the output node (not yet wired in)."""
+    from graphopt.kernels.lightning.op import resolve_impl
+
+    graph = gm.graph
+    q_val = tensor_meta(q)
+    mode = detect_fake_mode([q_val])
+    assert q_val is not None and mode is not None
+    name = f"_graphopt_slope_{node.name}"
+    gm.register_buffer(name, slopes.to(torch.float32, copy=True).to(q_val.device))
+    op = torch.ops.graphopt.lightning_attention_fwd.default
+    with graph.inserting_before(node):
+        slope = graph.get_attr(name)
+        slope.meta["val"] = mode.from_tensor(getattr(gm, name))
+        args = (q, k, v, slope, scale, None, DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY,
+                resolve_impl("auto", q_val.device))
+        call = graph.call_function(op, args)
+        call.meta["val"] = _fake(op, *args)
+        out = graph.call_function(operator.getitem, (call, 0))
+        out.meta["val"] = call.meta["val"][0]
+    for new in (slope, call, out):
+        new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        new.meta["graphopt_replaced"] = [node.name]
+    return out
 
 
 def _fake(target: Any, *args: Any, **kwargs: Any) -> Any:
@@ -552,63 +579,21 @@ class AttentionPass(GraphPass):
 
     def _insert_lightning(self, gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
                           v: fx.Node, slopes: torch.Tensor, scale: float) -> None:
-        from graphopt.kernels.lightning.op import resolve_impl
-
-        graph = gm.graph
-        q_val = tensor_meta(q)
-        assert q_val is not None
-        name = f"_graphopt_slope_{node.name}"
-        gm.register_buffer(name, slopes.to(q_val.device))
-        mode = detect_fake_mode([q_val])
-        assert mode is not None
-        op = torch.ops.graphopt.lightning_attention_fwd.default
-        with graph.inserting_before(node):
-            slope = graph.get_attr(name)
-            slope.meta["val"] = mode.from_tensor(getattr(gm, name))
-            args = (q, k, v, slope, scale, None, DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY,
-                    resolve_impl("auto", q_val.device))
-            call = graph.call_function(op, args)
-            call.meta["val"] = _fake(op, *args)
-            out = graph.call_function(operator.getitem, (call, 0))
-            out.meta["val"] = call.meta["val"][0]
-            new = [slope, call, out]
-            if self.norm == "rms":
-                norm = graph.call_function(aten.rms_norm.default, (out, [int(q_val.shape[3])]))
-                norm.meta["val"] = _fake(aten.rms_norm.default, out, [int(q_val.shape[3])])
-                new.append(norm)
-                out = norm
-        for n in new:
-            n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-            n.meta["graphopt_replaced"] = [node.name]
+        """Replace softmax attention ``node`` by Lightning Attention (+ RMS norm)."""
+        out = _insert_with_frozen_slopes(gm, node, q, k, v, slopes, scale)
+        if self.norm == "rms":
+            dim = [int(out.meta["val"].shape[3])]
+            with gm.graph.inserting_after(out):
+                norm = gm.graph.call_function(aten.rms_norm.default, (out, dim))
+            norm.meta.update(out.meta, val=_fake(aten.rms_norm.default, out, dim))
+            out = norm
         node.replace_all_uses_with(out)
 
     @staticmethod
     def _rewrite_parallel(gm: fx.GraphModule, node: fx.Node, form: _ParallelForm,
                           slopes: torch.Tensor) -> None:
-        from graphopt.kernels.lightning.op import resolve_impl
-
-        graph = gm.graph
-        q_val = tensor_meta(form.q)
-        assert q_val is not None
-        name = f"_graphopt_slope_{node.name}"
-        gm.register_buffer(name, slopes.to(torch.float32, copy=True).to(q_val.device))
-        mode = detect_fake_mode([q_val])
-        assert mode is not None
-        impl = resolve_impl("auto", q_val.device)
-        op = torch.ops.graphopt.lightning_attention_fwd.default
-        with graph.inserting_before(node):
-            slope = graph.get_attr(name)
-            slope.meta["val"] = mode.from_tensor(getattr(gm, name))
-            args = (form.q, form.k, form.v, slope, 1.0, None, DEFAULT_BLOCK_SIZE,
-                    DEFAULT_CHECKPOINT_EVERY, impl)
-            call = graph.call_function(op, args)
-            call.meta["val"] = _fake(op, *args)
-            out = graph.call_function(operator.getitem, (call, 0))
-            out.meta["val"] = call.meta["val"][0]
-        for new in (slope, call, out):
-            new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-            new.meta["graphopt_replaced"] = [node.name]
-        node.replace_all_uses_with(out)
+        node.replace_all_uses_with(
+            _insert_with_frozen_slopes(gm, node, form.q, form.k, form.v, slopes, 1.0))
 
     @staticmethod
     def _input_env(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
