@@ -111,30 +111,55 @@ def num_checkpoints(seq: int, block_size: int, checkpoint_every: int) -> int:
     return (seq // block_size + checkpoint_every - 1) // checkpoint_every + 1
 
 
+@dataclass
+class _Setup:
+    """What forward and backward both start from: inputs in the accumulation dtype (q
+    already scaled), the carried state (a copy: never an alias of an input), the segments,
+    and the decays per block length (cached)."""
+
+    qf: Tensor
+    kf: Tensor
+    vf: Tensor
+    slope: Tensor
+    state: Tensor
+    segments: list[tuple[int, int, int]]
+    _decays: dict[int, Decays]
+
+    def decays(self, length: int) -> Decays:
+        if length not in self._decays:
+            self._decays[length] = Decays.make(self.slope, length)
+        return self._decays[length]
+
+
+def _setup(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+           carried: Tensor | None, block_size: int, checkpoint_every: int) -> _Setup:
+    acc = acc_dtype(q.dtype)
+    bsz, heads, seq, d = q.shape
+    state = (carried.to(acc, copy=True) if carried is not None
+             else q.new_zeros(bsz, heads, d, v.shape[-1], dtype=acc))
+    n_full, tail = divmod(seq, block_size)
+    return _Setup(q.to(acc) * scale, k.to(acc), v.to(acc), slope.to(acc), state,
+                  _segments(n_full, tail, block_size, checkpoint_every), {})
+
+
 def chunked_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                     initial_state: Tensor | None, block_size: int,
                     checkpoint_every: int) -> tuple[Tensor, Tensor, Tensor]:
     """Equation (2)-(3) over all blocks. q/k/v [B, H, S, D|Dv] with equal H (GQA expanded
     by the caller), any dtype; returns (o [B, H, S, Dv] accumulation dtype, final state
     [B, H, D, Dv], checkpoints [B, H, ceil(N / r), D, Dv]: states at segment starts)."""
-    acc = acc_dtype(q.dtype)
     bsz, heads, seq, _ = q.shape
     dv = v.shape[-1]
-    c = block_size
-    n_full, tail = divmod(seq, c)
-    qf, kf, vf = q.to(acc) * scale, k.to(acc), v.to(acc)
-    s = slope.to(acc)
-    state = (initial_state.to(acc, copy=True) if initial_state is not None
-             else q.new_zeros(bsz, heads, q.shape[-1], dv, dtype=acc))
-    out = q.new_empty(bsz, heads, seq, dv, dtype=acc)
+    setup = _setup(q, k, v, slope, scale, initial_state, block_size, checkpoint_every)
+    state = setup.state
+    out = q.new_empty(bsz, heads, seq, dv, dtype=state.dtype)
     checkpoints = []
-    decays = {c: Decays.make(s, c)}
-    for start, n, length in _segments(n_full, tail, c, checkpoint_every):
+    for start, n, length in setup.segments:
         checkpoints.append(state)
         if n == 0:
             continue
-        dec = decays.get(length) or Decays.make(s, length)
-        qb, kb, vb = (_blocks(x, start, n, length) for x in (qf, kf, vf))
+        dec = setup.decays(length)
+        qb, kb, vb = (_blocks(x, start, n, length) for x in (setup.qf, setup.kf, setup.vf))
         kv = (kb * dec.b.unsqueeze(1)).transpose(-1, -2) @ vb
         prev, state = _scan_states(kv, dec.block, state)
         o = ((qb @ kb.transpose(-1, -2)).mul_(dec.m.unsqueeze(1))) @ vb
@@ -151,25 +176,20 @@ def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Te
 
     Shapes as in :func:`chunked_forward`; results in the accumulation dtype.
     """
-    acc = acc_dtype(q.dtype)
     bsz, heads, seq, d = q.shape
     dv_dim = v.shape[-1]
-    c = block_size
-    n_full, tail = divmod(seq, c)
-    qf, kf, vf = q.to(acc) * scale, k.to(acc), v.to(acc)
+    setup = _setup(q, k, v, slope, scale, grad_state, block_size, checkpoint_every)
+    qf, kf, vf, d_state = setup.qf, setup.kf, setup.vf, setup.state
+    acc = d_state.dtype
     go = grad_o.to(acc)
-    s = slope.to(acc)
     dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
     dslope = torch.zeros(heads, dtype=acc, device=q.device) if need_slope_grad else None
-    d_state = (grad_state.to(acc, copy=True) if grad_state is not None
-               else q.new_zeros(bsz, heads, d, dv_dim, dtype=acc))
-    decays = {c: Decays.make(s, c)}
-    segments = _segments(n_full, tail, c, checkpoint_every)
+    segments = setup.segments
     for seg_index in range(len(segments) - 1, -1, -1):
         start, n, length = segments[seg_index]
         if n == 0:
             continue
-        dec = decays.get(length) or Decays.make(s, length)
+        dec = setup.decays(length)
         sl = slice(start, start + n * length)
         qb, kb, vb, gob = (_blocks(x, start, n, length) for x in (qf, kf, vf, go))
         m, a, b = dec.m.unsqueeze(1), dec.a.unsqueeze(1), dec.b.unsqueeze(1)
