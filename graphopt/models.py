@@ -31,6 +31,7 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden
 
 SPECS: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", "LlamaConfig", "LlamaForCausalLM", dict(_COMMON)),
+    "qwen3": ModelSpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=16)),
     "mixtral": ModelSpec("mixtral", "MixtralConfig", "MixtralForCausalLM",
                          dict(_COMMON, **_MOE, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ModelSpec("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",

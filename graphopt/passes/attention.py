@@ -8,12 +8,20 @@ Attention is mode "lightning", below). Also matched: the quadratic
 "parallel form" ``((Q K^T) * D) V`` (RetNet-style code) when the decay matrix D is computed
 from buffers/constants only and equals exp(-slope_h * (i - j)) below the diagonal, 0 above.
 
-Mode "lightning" (APPROXIMATE, opt-in) additionally replaces causal softmax attention
-``scaled_dot_product_attention(q, k, v, is_causal=True)`` (no mask, dropout 0, query length =
-key length, GQA allowed) by Lightning Attention with MiniMax-01's per-head slopes and an
-RMS output normalization, for linearizing a pretrained model before fine-tuning. Sites with a
-mask, dropout > 0 or a KV cache are skipped with the reason; ``lightning.every`` keeps every
-n-th layer's softmax attention (MiniMax's hybrid). The pass then reports itself inexact.
+Mode "lightning" (APPROXIMATE, opt-in) additionally replaces causal softmax attention by
+Lightning Attention with per-head slopes (MiniMax-01's or ALiBi's), an optional q/k feature
+map and an RMS output normalization, for linearizing a pretrained model before fine-tuning
+(MiniMax-01's hybrid keeps every n-th layer softmax: ``lightning.every``; ``lightning.layers``
+selects sites by module path). Spellings matched: ``scaled_dot_product_attention`` (is_causal,
+or a mask proven causal) and hand-written ``softmax(Q K^T * scale [+ mask]) [dropout 0] @ V``
+(GPT-2's and Llama's "eager" attention: scale as a multiply, a divide or a constant one-element
+tensor; the mask added, ``masked_fill``-ed or ``where``-selected; K^T as ``transpose(-2, -1)``
+or ``permute(0, 1, 3, 2)``; GQA through ``repeat_kv``, bound before the repeat). A mask must
+be computed from constants/buffers and evaluate to the causal mask. Refused with the reason:
+a mask from a graph input (padding, or a mask passed across a graph break), non-causal or
+sliding-window masks, dropout > 0, query length != key length (KV cache), a K permuted other
+than over its last two dims (a product that is not Q K^T), a trainable or input-dependent
+scale, an unknown layer index with per-layer slopes. The pass then reports itself inexact.
 
 Contract:
     accepts: a normalized pre-autograd ATen graph; static shapes (a loop over a symbolic
@@ -27,7 +35,9 @@ Contract:
     writes meta: new nodes get ``val`` and ``graphopt_replaced`` (names of the loop's output
         nodes), ``nn_module_stack`` of the replaced output.
     records: "rewritten" per loop (blocks, block size, S), "skipped" with the reason for a
-        loop-like chain that fails a check, "kept" per softmax attention (SDPA) site.
+        loop-like chain that fails a check; per softmax-attention site "kept" (modes keep,
+        exact) or "rewritten" (APPROXIMATE, with slopes/feature map/norm/layer) / "skipped"
+        with the reason (mode lightning).
 
 Pseudo-code:
     for cat in graph where cat(dim=-2) of per-block outputs:
@@ -40,6 +50,7 @@ Pseudo-code:
 
 from __future__ import annotations
 
+import fnmatch
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,12 +74,14 @@ from graphopt.passes.attention_patterns import (
     layer_index,
     match_minimax_loop,
     match_parallel_form,
+    match_softmax_attention,
     minimax_slopes,
+    module_path,
     not_constant_causal,
     num_layers,
 )
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import site_name, tensor_meta
+from graphopt.passes.fx_utils import eliminate_dead_code, site_name, tensor_meta
 
 
 def _insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
@@ -118,6 +131,10 @@ class AttentionPass(GraphPass):
     mode: str = "keep"
     every: int = 1
     norm: str = "rms"
+    layers: tuple[str, ...] = ()
+    slopes: str = "minimax"
+    num_layers: int | None = None
+    feature_map: str = "identity"
 
     @property
     def exact(self) -> bool:  # type: ignore[override]
@@ -126,18 +143,17 @@ class AttentionPass(GraphPass):
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionPass:
-        return cls(mode=config.attention, every=config.lightning.every,
-                   norm=config.lightning.norm)
+        opts = config.lightning
+        return cls(mode=config.attention, every=opts.every, norm=opts.norm, layers=opts.layers,
+                   slopes=opts.slopes, num_layers=opts.num_layers, feature_map=opts.feature_map)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
-        sdpa_sites = [n for n in graph.nodes if is_call(n, *SDPA_OPS)]
-        for node in graph.nodes:
-            if (is_call(node, *SDPA_OPS) and self.mode != "lightning") or \
-                    is_handwritten_softmax_attention(node):
-                note = "; only SDPA is converted" if self.mode == "lightning" else ""
-                ctx.record("kept", site_name(node),
-                           f"softmax attention (attention='{self.mode}'{note})")
+        softmax_sites = [n for n in graph.nodes
+                         if is_call(n, *SDPA_OPS) or is_handwritten_softmax_attention(n)]
+        if self.mode != "lightning":
+            for node in softmax_sites:
+                ctx.record("kept", site_name(node), f"softmax attention (attention='{self.mode}')")
         env = self._input_env(gm, ctx)
         self._env.clear()
         self._env.update(env)
@@ -166,7 +182,7 @@ class AttentionPass(GraphPass):
                        "graphopt::lightning_attention")
             modified = True
         if modified:
-            graph.eliminate_dead_code()
+            eliminate_dead_code(graph)
         for node in [n for n in graph.nodes if is_call(n, aten.matmul.default)]:
             if node in in_loops or node.graph is not graph or not node.users:
                 continue
@@ -191,49 +207,87 @@ class AttentionPass(GraphPass):
                        "graphopt::lightning_attention")
             modified = True
         if self.mode == "lightning":
-            for node in sdpa_sites:
+            for node in softmax_sites:
                 reason = self._convert_softmax(gm, node)
                 done = reason.startswith("APPROXIMATE")
                 ctx.record("rewritten" if done else "skipped", site_name(node), reason)
                 modified = modified or done
         if modified:
-            graph.eliminate_dead_code()
+            eliminate_dead_code(graph)
         return PassResult(gm, modified)
 
     _env: dict[fx.Node, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def _convert_softmax(self, gm: fx.GraphModule, node: fx.Node) -> str:
-        """Replace one SDPA node; returns the report reason ("APPROXIMATE..." when done)."""
-        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
-        args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
-        if node.target is not aten.scaled_dot_product_attention.default:
-            return f"kept: {node.target} is not the composite SDPA op"
-        mask = args.get("attn_mask")
-        if mask is not None:
-            problem = not_constant_causal(mask, self._env)
-            if problem:
-                return f"kept: {problem}"
-        elif not args.get("is_causal", False):
-            return "kept: non-causal attention is not converted to causal Lightning Attention"
-        if args.get("dropout_p", 0.0) not in (0, 0.0):
-            return "kept: attention dropout > 0 (training dropout)"
-        q, k, v = args["query"], args["key"], args["value"]
+        """Replace one softmax-attention site (SDPA node or hand-written softmax); returns the
+        report reason ("APPROXIMATE..." when done, "kept: ..." with the reason otherwise)."""
+        try:
+            if is_call(node, *SDPA_OPS):
+                q, k, v, scale, output = self._match_sdpa(node)
+            else:
+                found = match_softmax_attention(node, self._env)
+                q, k, v, scale, output = found.q, found.k, found.v, found.scale, found.output
+        except NoMatch as exc:
+            return f"kept: {exc}"
         q_val, k_val = tensor_meta(q), tensor_meta(k)
-        if q_val is None or k_val is None or q_val.dim() != 4:
-            return "kept: operands are not [B, H, S, D]"
-        if q_val.shape[2] != k_val.shape[2]:
-            return "kept: query length != key length (KV cache); causal alignment differs"
+        assert q_val is not None and k_val is not None
         if q_val.shape[1] % k_val.shape[1]:
             return "kept: query heads are not a multiple of key heads"
         layer = layer_index(node)
         if self.every > 1 and layer is not None and (layer + 1) % self.every == 0:
             return f"kept: layer {layer} keeps softmax attention (lightning.every={self.every})"
-        heads, dim = int(q_val.shape[1]), int(q_val.shape[3])
-        scale = args.get("scale") or 1.0 / dim**0.5
-        slopes = minimax_slopes(heads, layer or 0, num_layers(gm))
-        self._insert_lightning(gm, node, q, k, v, slopes, float(scale))
-        return (f"APPROXIMATE: softmax -> Lightning Attention (MiniMax slopes, norm "
-                f"{self.norm}, layer {layer})")
+        path = module_path(node)
+        if self.layers and not any(fnmatch.fnmatchcase(path, p) for p in self.layers):
+            return f"kept: {path or 'this site'} is not selected by lightning.layers"
+        heads = int(q_val.shape[1])
+        depth = self.num_layers or num_layers(gm)
+        if layer is None and self.slopes == "minimax" and depth > 1:
+            return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
+                    "several layers after a graph break), so MiniMax's per-layer slopes cannot "
+                    "be chosen; use lightning.slopes='alibi' or remove the graph break")
+        slopes = minimax_slopes(heads, layer or 0, depth, self.slopes)
+        q, k = (self._feature_map(gm, output, x) for x in (q, k))
+        self._insert_lightning(gm, output, q, k, v, slopes, scale)
+        return (f"APPROXIMATE: softmax -> Lightning Attention ({self.slopes} slopes, feature "
+                f"map {self.feature_map}, norm {self.norm}, layer {layer} of {depth})")
+
+    def _match_sdpa(self, node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float, fx.Node]:
+        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
+        args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
+        if node.target is not aten.scaled_dot_product_attention.default:
+            raise NoMatch(f"{node.target} is not the composite SDPA op")
+        mask = args.get("attn_mask")
+        if mask is not None:
+            problem = not_constant_causal(mask, self._env)
+            if problem:
+                raise NoMatch(problem)
+        elif not args.get("is_causal", False):
+            raise NoMatch("non-causal attention is not converted to causal Lightning Attention")
+        if args.get("dropout_p", 0.0) not in (0, 0.0):
+            raise NoMatch("attention dropout > 0 (training dropout)")
+        q, k, v = args["query"], args["key"], args["value"]
+        q_val, k_val = tensor_meta(q), tensor_meta(k)
+        if q_val is None or k_val is None or q_val.dim() != 4:
+            raise NoMatch("operands are not [B, H, S, D]")
+        if q_val.shape[2] != k_val.shape[2]:
+            raise NoMatch("query length != key length (KV cache); causal alignment differs")
+        scale = args.get("scale") or 1.0 / int(q_val.shape[3]) ** 0.5
+        return q, k, v, float(scale), node
+
+    def _feature_map(self, gm: fx.GraphModule, before: fx.Node, x: fx.Node) -> fx.Node:
+        """``lightning.feature_map`` applied to q or k (new nodes before ``before``)."""
+        steps: list[tuple[Any, tuple[Any, ...]]] = {
+            "identity": [], "silu": [(aten.silu.default, ())], "relu": [(aten.relu.default, ())],
+            "elu1": [(aten.elu.default, ()), (aten.add.Tensor, (1.0,))],
+        }[self.feature_map]
+        for target, extra in steps:
+            with gm.graph.inserting_before(before):
+                new = gm.graph.call_function(target, (x, *extra))
+            new.meta.update(val=_fake(target, x, *extra),
+                            nn_module_stack=before.meta.get("nn_module_stack", {}),
+                            graphopt_replaced=[before.name])
+            x = new
+        return x
 
     def _insert_lightning(self, gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
                           v: fx.Node, slopes: torch.Tensor, scale: float) -> None:
@@ -245,6 +299,13 @@ class AttentionPass(GraphPass):
                 norm = gm.graph.call_function(aten.rms_norm.default, (out, dim))
             norm.meta.update(out.meta, val=_fake(aten.rms_norm.default, out, dim))
             out = norm
+        want = tensor_meta(node)
+        if want is not None and want.dtype != out.meta["val"].dtype:
+            with gm.graph.inserting_after(out):
+                cast = gm.graph.call_function(aten._to_copy.default, (out,),
+                                              {"dtype": want.dtype})
+            cast.meta.update(out.meta, val=_fake(aten._to_copy.default, out, dtype=want.dtype))
+            out = cast
         node.replace_all_uses_with(out)
 
     @staticmethod

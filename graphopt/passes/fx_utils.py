@@ -90,3 +90,16 @@ def tensor_meta(node: fx.Node) -> torch.Tensor | None:
     """The fake tensor a node produces (``node.meta['val']``), or None for non-tensors."""
     val = node.meta.get("val")
     return val if isinstance(val, torch.Tensor) else None
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """``graph.eliminate_dead_code`` that also drops unused inactive dropout (p = 0 or
+    ``train=False``): FX keeps every op tagged random; :func:`is_random` knows better."""
+
+    def impure(node: fx.Node) -> bool:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and torch.Tag.nondeterministic_seeded in node.target.tags:
+            return is_random(node) or node.is_impure(impure_random=False)
+        return node.is_impure()
+
+    return graph.eliminate_dead_code(is_impure_node=impure)

@@ -69,7 +69,9 @@ def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scal
     forward = triton_forward if impl == "triton" else chunked_forward
     o, state, ckpt = forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
                              initial_state, block_size, checkpoint_every)
-    return o.to(q.dtype), state.to(acc_dtype(q.dtype)), ckpt.to(acc_dtype(q.dtype))
+    # Outputs are contiguous whatever the input strides: the fake implementation says so.
+    return (o.to(q.dtype).contiguous(), state.to(acc_dtype(q.dtype)).contiguous(),
+            ckpt.to(acc_dtype(q.dtype)).contiguous())
 
 
 @lightning_attention_fwd.register_fake
@@ -96,8 +98,9 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
         block_size, checkpoint_every, need_slope_grad)
     if dslope is None:
         dslope = slope.new_zeros(slope.shape)
-    return (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
-            dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
+    grads = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
+             dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
 
 
 @lightning_attention_bwd.register_fake
@@ -107,8 +110,10 @@ def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor
       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     b, hq, _, d = q.shape
     acc = acc_dtype(q.dtype)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            torch.empty_like(slope), q.new_empty(b, hq, d, v.shape[-1], dtype=acc))
+    # Contiguous, as the real implementation returns them (not the inputs' strides: q/k/v
+    # are often transposed views of the projections).
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            slope.new_empty(slope.shape), q.new_empty(b, hq, d, v.shape[-1], dtype=acc))
 
 
 def _setup_context(ctx: Any, inputs: tuple,

@@ -1,0 +1,274 @@
+"""attention pass, lightning mode on hand-written softmax attention: every spelling real models
+use is converted to exactly ``rms_norm(lightning_attention(q, k, v, slopes, scale))``, and
+look-alikes that are not causal softmax attention over Q K^T are refused with a reason."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphopt.config import GraphoptConfig as Config
+from graphopt.kernels.lightning import lightning_attention
+from graphopt.passes.attention_patterns import minimax_slopes
+from graphopt.testing import as_function, bind_inputs, run_pass, trace_for_pass
+
+LIGHTNING = "graphopt.lightning_attention_fwd.default"
+S, D = 12, 8
+
+
+def _causal_additive(s):
+    return torch.full((s, s), float("-inf")).triu(1)
+
+
+def _repeat_kv(x, n):
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+class Spelling(torch.nn.Module):
+    """One way of writing causal softmax attention; ``kind`` picks it."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("scale_t", torch.tensor(D ** -0.5))
+        self.register_buffer("tril", torch.ones(64, 64, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v):
+        s = q.shape[2]
+        kind = self.kind
+        if kind == "gqa":
+            k, v = _repeat_kv(k, 2), _repeat_kv(v, 2)
+        if kind == "permute_kt":
+            scores = q @ k.permute(0, 1, 3, 2)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2))
+        if kind == "div_sqrt_d":
+            scores = scores / math.sqrt(D)
+        elif kind == "tensor_scale":
+            scores = scores * self.scale_t
+        else:
+            scores = scores * D ** -0.5
+        if kind == "masked_fill":
+            scores = scores.masked_fill(~self.tril[:s, :s], float("-inf"))
+        elif kind == "where":
+            scores = torch.where(self.tril[:s, :s], scores, torch.finfo(q.dtype).min)
+        else:
+            scores = scores + _causal_additive(s).to(q.dtype)
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        p = F.dropout(p, p=0.0, training=True)
+        return p @ v
+
+
+def _inputs(kind, dv=D):
+    gen = torch.Generator().manual_seed(1)
+    hk = 2 if kind == "gqa" else 4
+    return [torch.randn(2, 4, S, D, generator=gen),
+            torch.randn(2, hk, S, D, generator=gen),
+            torch.randn(2, hk, S, dv, generator=gen)]
+
+
+def _convert(model, args, **lightning):
+    gm = trace_for_pass(model, *args)
+    config = Config.from_options({"attention": "lightning", "lightning": lightning})
+    return run_pass("attention", gm, config, example_inputs=bind_inputs(gm, model, *args))
+
+
+@pytest.mark.parametrize("kind", ["mul_scale", "div_sqrt_d", "tensor_scale", "masked_fill",
+                                  "where", "gqa", "permute_kt"])
+def test_each_spelling_becomes_lightning_attention(kind):
+    model, args = Spelling(kind), _inputs(kind)
+    gm, record = _convert(model, args)
+    assert [s.action for s in record.sites] == ["rewritten"], record.sites
+    assert record.sites[0].reason.startswith("APPROXIMATE") and not record.exact
+    assert record.op_delta[LIGHTNING] == 1
+    assert record.op_delta.get("aten.softmax.int", 0) == -1  # the softmax is gone
+    q, k, v = args
+    expected = F.rms_norm(lightning_attention(q, k, v, minimax_slopes(4, 0, 1),
+                                              scale=D ** -0.5), [D])
+    torch.testing.assert_close(as_function(gm, model)(*args), expected)
+
+
+def test_gqa_binds_the_unrepeated_key_and_value():
+    model, args = Spelling("gqa"), _inputs("gqa")
+    gm, _ = _convert(model, args)
+    (call,) = [n for n in gm.graph.nodes if "lightning" in str(n.target)]
+    assert [tuple(a.meta["val"].shape) for a in call.args[1:3]] == [(2, 2, S, D)] * 2
+
+
+def test_value_head_dim_may_differ():
+    model, args = Spelling("mul_scale"), _inputs("mul_scale", dv=5)
+    gm, record = _convert(model, args, norm="none")
+    assert record.count("rewritten") == 1
+    q, k, v = args
+    torch.testing.assert_close(as_function(gm, model)(*args), lightning_attention(
+        q, k, v, minimax_slopes(4, 0, 1), scale=D ** -0.5))
+
+
+@pytest.mark.parametrize("feature_map, fn", [
+    ("silu", F.silu), ("relu", F.relu), ("elu1", lambda x: F.elu(x) + 1),
+])
+def test_feature_map_and_alibi_slopes(feature_map, fn):
+    model, args = Spelling("mul_scale"), _inputs("mul_scale")
+    gm, record = _convert(model, args, feature_map=feature_map, slopes="alibi", norm="none")
+    assert f"feature map {feature_map}" in record.sites[0].reason
+    q, k, v = args
+    expected = lightning_attention(fn(q), fn(k), v, minimax_slopes(4, 0, 1, "alibi"),
+                                   scale=D ** -0.5)
+    torch.testing.assert_close(as_function(gm, model)(*args), expected)
+
+
+class NotCausalAttention(torch.nn.Module):
+    """Look-alikes that must not be converted; ``kind`` picks one."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.scale = torch.nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, q, k, v, pad=None):
+        s = q.shape[2]
+        kind = self.kind
+        if kind == "permuted_k":  # [B, H, S, D] -> [B, D, S, H]: shapes fit when H = S = D
+            scores = q @ k.transpose(1, 3)
+        else:
+            scores = q @ k.transpose(-1, -2)
+        scores = scores * (self.scale if kind == "trainable_scale" else 0.3)
+        if kind == "no_mask":
+            pass
+        elif kind == "padding_mask":
+            scores = scores + pad
+        elif kind == "sliding_window":
+            window = torch.ones(s, s, dtype=torch.bool).tril() & \
+                torch.ones(s, s, dtype=torch.bool).triu(-2)
+            scores = scores.masked_fill(~window, float("-inf"))
+        else:
+            scores = scores + _causal_additive(s)
+        p = torch.softmax(scores, dim=-1)
+        if kind == "dropout":
+            p = F.dropout(p, p=0.1, training=True)
+        return p @ v
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("permuted_k", "not a transpose of the last two dims"),
+    ("no_mask", "non-causal attention is not converted"),
+    ("padding_mask", "depends on a graph input"),
+    ("sliding_window", "not the causal (lower-triangular) mask"),
+    ("dropout", "attention dropout > 0"),
+    ("trainable_scale", "trainable parameter"),
+])
+def test_refusals_keep_the_graph_and_say_why(kind, reason):
+    model = NotCausalAttention(kind)
+    n = 4
+    args = [torch.randn(1, n, n, n) for _ in range(3)]
+    if kind == "padding_mask":
+        args.append(torch.zeros(1, 1, n, n))
+    gm, record = _convert(model, args)
+    assert [s.action for s in record.sites] == ["skipped"], record.sites
+    assert reason in record.sites[0].reason, record.sites[0].reason
+    assert not record.modified and record.op_delta == {}
+
+
+def test_decode_query_shorter_than_keys_is_refused():
+    def fn(q, k, v):
+        scores = (q @ k.transpose(-1, -2)) * 0.3 + _causal_additive(6)[-2:]
+        return torch.softmax(scores, -1) @ v
+
+    args = [torch.randn(1, 2, 2, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)]
+    gm = trace_for_pass(fn, *args)
+    _, record = run_pass("attention", gm, Config(attention="lightning"))
+    assert [s.action for s in record.sites] == ["skipped"]
+    assert "not square" in record.sites[0].reason or "KV cache" in record.sites[0].reason
+
+
+def test_layers_option_selects_by_module_path():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Spelling("mul_scale"), Spelling("mul_scale")
+
+        def forward(self, q, k, v):
+            return self.first(q, k, v) + self.second(q, k, v)
+
+    model, args = Two(), _inputs("mul_scale")
+    _, record = _convert(model, args, layers=["second*"])
+    actions = {s.site.split(":")[0]: s.action for s in record.sites}
+    assert actions == {"first": "skipped", "second": "rewritten"}, record.sites
+    assert "not selected by lightning.layers" in next(
+        s.reason for s in record.sites if s.action == "skipped")
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None,
+                         dropout=0.0, **kwargs):
+    """What attention='lightning' must compute, as a transformers attention function:
+    rms_norm(lightning_attention(q, k, v, MiniMax slopes of this layer, scale)), [B, S, H, Dv]."""
+    config = module.config
+    heads, layers = query.shape[1], config.num_hidden_layers
+    slopes = minimax_slopes(heads, module.layer_idx, layers).to(query.device)
+    o = lightning_attention(query, key, value, slopes, scale=scaling)
+    return F.rms_norm(o, [o.shape[-1]]).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("name, implementation", [
+    ("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"),
+    ("mixtral", "eager"),
+])
+def test_lightning_mode_on_real_models_equals_lightning_attention_per_layer(
+        name, implementation):
+    """Logits and every parameter gradient of the converted model equal the same model whose
+    attention function is ``_reference_attention`` (float64): so in every layer the pass bound
+    the right q/k/v (after RoPE, before repeat_kv), scale, slopes and norm."""
+    from transformers import AttentionInterface
+
+    import graphopt
+    from graphopt.models import build_model, sample_batch
+
+    AttentionInterface.register("graphopt_lightning_ref", _reference_attention)
+    # Mixtral with batched experts: one graph (the eager expert loop graph-breaks, see below).
+    extra = {"experts_implementation": "batched_mm"} if name == "mixtral" else {}
+    model = build_model(name, dtype=torch.float64, attn_implementation=implementation, **extra)
+    reference = build_model(name, dtype=torch.float64,
+                            attn_implementation="graphopt_lightning_ref", **extra)
+    ids = sample_batch(model, batch=2, seq=20)
+    layers = model.config.num_hidden_layers
+    graphopt.clear_reports()
+    compiled = torch.compile(
+        lambda i: model(input_ids=i, labels=i, use_cache=False),
+        backend="graphopt",
+        options={"lowering": "eager", "attention": "lightning",
+                 "lightning": {"num_layers": layers}})
+    got = compiled(ids)
+    want = reference(input_ids=ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-9, atol=1e-9)
+    got.loss.backward()
+    want.loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for pname, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[pname].grad, rtol=1e-8, atol=1e-9,
+                                   msg=lambda m, n=pname: f"{n}: {m}")
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites]
+    assert [s.action for s in sites] == ["rewritten"] * layers, sites
+    assert all(s.reason.startswith("APPROXIMATE") for s in sites)
+
+
+def test_graph_break_that_passes_the_mask_between_graphs_is_reported():
+    """transformers' eager expert loop graph-breaks, so the causal mask reaches the attention's
+    graph as an input: it cannot be proven causal, and the site is kept with that reason."""
+    import graphopt
+    from graphopt.models import build_model, sample_batch
+
+    model = build_model("mixtral", attn_implementation="eager")
+    ids = sample_batch(model, batch=1, seq=8)
+    graphopt.clear_reports()
+    out = torch.compile(lambda i: model(input_ids=i, use_cache=False).logits,
+                        backend="graphopt", options={"lowering": "eager",
+                                                     "attention": "lightning"})(ids)
+    torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites]
+    assert sites and all(s.action == "skipped" for s in sites), sites
+    assert all("depends on a graph input" in s.reason or "layer index of this site is "
+               "unknown" in s.reason for s in sites), sites
