@@ -276,11 +276,11 @@ class AttentionPass(GraphPass):
 
     def _feature_map(self, gm: fx.GraphModule, before: fx.Node, x: fx.Node) -> fx.Node:
         """``lightning.feature_map`` applied to q or k (new nodes before ``before``)."""
-        steps: list[tuple[Any, tuple[Any, ...]]] = {
+        maps: dict[str, list[tuple[Any, tuple[Any, ...]]]] = {
             "identity": [], "silu": [(aten.silu.default, ())], "relu": [(aten.relu.default, ())],
             "elu1": [(aten.elu.default, ()), (aten.add.Tensor, (1.0,))],
-        }[self.feature_map]
-        for target, extra in steps:
+        }
+        for target, extra in maps[self.feature_map]:
             with gm.graph.inserting_before(before):
                 new = gm.graph.call_function(target, (x, *extra))
             new.meta.update(val=_fake(target, x, *extra),

@@ -462,12 +462,12 @@ def _unrepeat(x: fx.Node) -> tuple[fx.Node, int]:
     D]), [B, Hk * n, S, D]); (x, 1) for anything else."""
     if not is_call(x, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
         return x, 1
-    expand = x.args[0]
+    expand: Any = x.args[0]
     if not is_call(expand, aten.expand.default) or \
             not is_call(expand.args[0], aten.unsqueeze.default) or \
-            int(expand.args[0].args[1]) % 5 != 2:  # type: ignore[union-attr, arg-type]
+            int(expand.args[0].args[1]) % 5 != 2:
         return x, 1
-    base = expand.args[0].args[0]  # type: ignore[union-attr]
+    base: fx.Node = expand.args[0].args[0]
     bval, eval_, xval = tensor_meta(base), tensor_meta(expand), tensor_meta(x)
     if bval is None or eval_ is None or xval is None or bval.dim() != 4:
         return x, 1
