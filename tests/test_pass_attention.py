@@ -178,8 +178,10 @@ def test_every_softmax_attention_site_is_reported(name, implementation):
     gm = trace_for_pass(fn, ids)
     _, record = run_pass("attention", gm, Config(attention="exact"))
     layers = model.config.num_hidden_layers
-    assert [s.action for s in record.sites] == ["kept"] * layers, record.sites
-    assert not record.modified
+    # SDPA keeps softmax attention but swaps the constant causal mask for is_causal.
+    action = "rewritten" if implementation == "sdpa" else "kept"
+    assert [s.action for s in record.sites] == [action] * layers, record.sites
+    assert record.modified == (implementation == "sdpa")
 
 
 def test_lightning_mode_converts_causal_sdpa_to_the_documented_function():
@@ -244,3 +246,32 @@ def test_lightning_mode_every_1_converts_every_layer():
     _, record = run_pass("attention", gm, Config(attention="lightning"),
                          example_inputs=bind_inputs(gm, fn, ids))
     assert [s.action for s in record.sites] == ["rewritten"] * 3, record.sites
+
+
+def test_exact_mode_replaces_a_constant_causal_mask_by_is_causal():
+    """transformers builds the S x S causal mask under torch.compile; exact mode proves it
+    causal and uses SDPA's is_causal instead, so the mask construction is dead code."""
+    def fn(q, k, v):
+        s = q.shape[2]
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    args = [torch.randn(1, 2, 12, 4, requires_grad=True) for _ in range(3)]
+    gm = trace_for_pass(fn, *args)
+    gm, record = run_pass("attention", gm, Config(attention="exact"))
+    assert [s.action for s in record.sites] == ["rewritten"] and "is_causal" in \
+        record.sites[0].reason
+    assert record.op_delta.get("aten.tril.default") == -1  # the mask is no longer built
+    (sdpa,) = [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa.kwargs["is_causal"] is True and sdpa.kwargs["attn_mask"] is None
+    assert_matches_eager(fn, as_function(gm, fn), args)
+
+
+def test_exact_mode_keeps_a_padding_mask():
+    def fn(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    args = [torch.randn(1, 2, 6, 4) for _ in range(3)] + [torch.ones(6, 6, dtype=torch.bool)]
+    gm = trace_for_pass(fn, *args)
+    _, record = run_pass("attention", gm, Config(attention="exact"))
+    assert [s.action for s in record.sites] == ["kept"] and not record.modified

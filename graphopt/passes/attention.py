@@ -151,13 +151,20 @@ class AttentionPass(GraphPass):
         graph = gm.graph
         softmax_sites = [n for n in graph.nodes
                          if is_call(n, *SDPA_OPS) or is_handwritten_softmax_attention(n)]
-        if self.mode != "lightning":
-            for node in softmax_sites:
-                ctx.record("kept", site_name(node), f"softmax attention (attention='{self.mode}')")
         env = self._input_env(gm, ctx)
         self._env.clear()
         self._env.update(env)
         modified = False
+        if self.mode != "lightning":
+            for node in softmax_sites:
+                if self.mode == "exact" and self._mask_to_is_causal(node):
+                    ctx.record("rewritten", site_name(node), "softmax attention kept; its "
+                               "causal mask (built from constants) -> is_causal=True (exact; "
+                               "the S x S mask is no longer built)")
+                    modified = True
+                else:
+                    ctx.record("kept", site_name(node),
+                               f"softmax attention (attention='{self.mode}')")
         in_loops: set[fx.Node] = set()  # per-block pieces of loops: not parallel forms
         for cat in [n for n in graph.nodes if is_call(n, aten.cat.default)]:
             try:
@@ -250,6 +257,24 @@ class AttentionPass(GraphPass):
         self._insert_lightning(gm, output, q, k, v, slopes, scale)
         return (f"APPROXIMATE: softmax -> Lightning Attention ({self.slopes} slopes, feature "
                 f"map {self.feature_map}, norm {self.norm}, layer {layer} of {depth})")
+
+    def _mask_to_is_causal(self, node: fx.Node) -> bool:
+        """SDPA with a mask proven causal (and q length = k length) -> ``is_causal=True``,
+        mask dropped. Exact: both give every query its keys 0..i. Under torch.compile
+        transformers materializes the causal mask that eager code skips (S x S)."""
+        if node.target is not aten.scaled_dot_product_attention.default:
+            return False
+        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal"]
+        args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
+        mask = args.get("attn_mask")
+        q_val, k_val = tensor_meta(args["query"]), tensor_meta(args["key"])
+        if mask is None or q_val is None or k_val is None or q_val.dim() != 4 or \
+                q_val.shape[2] != k_val.shape[2] or not_constant_causal(mask, self._env):
+            return False
+        args.update(attn_mask=None, is_causal=True)
+        node.args = (args.pop("query"), args.pop("key"), args.pop("value"))
+        node.kwargs = args
+        return True
 
     def _match_sdpa(self, node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float, fx.Node]:
         names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
