@@ -1,4 +1,4 @@
-"""The ``graphopt`` command line (typer + rich): demo, explain, passes."""
+"""The ``graphopt`` command line (typer + rich): demo, explain, passes, calibrate, estimate."""
 
 from __future__ import annotations
 
@@ -118,6 +118,87 @@ def passes() -> None:
         doc = (importlib.import_module(cls.__module__).__doc__ or "").strip().splitlines()
         table.add_row(name, cls.stage, str(cls.exact), str(name in defaults),
                       doc[0].split(":", 1)[-1].strip() if doc else "")
+    console.print(table)
+
+
+@app.command()
+def calibrate(
+    out: Path | None = typer.Option(None, help="Write here instead of the cache "
+                                    "($GRAPHOPT_CACHE_DIR/local.json)."),
+    collectives: bool = typer.Option(True, help="Also time gloo all-reduce on 2 local ranks."),
+) -> None:
+    """Measure this machine (GEMM curve, memory bandwidth, kernel overhead, gloo all-reduce)
+    and write the 'local' cost-model profile."""
+    from graphopt.cost.calibrate import calibrate as run
+
+    with console.status("[bold]calibrating[/]") as status:
+        profile = run(out, collectives, log=lambda m: status.update(f"[bold]{m}[/]"))
+    dev = profile.device
+    table = Table(title=f"local profile ({dev.source})")
+    table.add_column("quantity")
+    table.add_column("value")
+    table.add_row("fp32 matmul peak", f"{dev.peak_flops['float32'] / 1e9:.0f} GFLOP/s")
+    table.add_row("bf16 matmul", f"{dev.peak_flops['bfloat16'] / 1e9:.0f} GFLOP/s")
+    for n, f in dev.matmul_curve:
+        table.add_row(f"  matmul n={int(n)}", f"{f / 1e9:.0f} GFLOP/s")
+    table.add_row("memory bandwidth", f"{dev.memory_bandwidth / 1e9:.1f} GB/s")
+    table.add_row("kernel overhead", f"{dev.kernel_overhead_s * 1e6:.1f} us")
+    link = profile.levels[0].link
+    table.add_row("local link (gloo)", f"{link.bandwidth / 1e9:.2f} GB/s, "
+                  f"{link.latency * 1e6:.0f} us")
+    console.print(table)
+
+
+@app.command()
+def estimate(
+    model: str = typer.Option("llama", help="A graphopt.models name (small config)."),
+    profile: str = typer.Option("local", help="Cluster profile name or JSON/YAML file."),
+    batch: int = typer.Option(2, min=1),
+    seq: int = typer.Option(128, min=2),
+    dtype: str = typer.Option("float32", help="float32 | float64 | bfloat16."),
+    train: bool = typer.Option(True, help="Forward + backward (else forward only)."),
+    top: int = typer.Option(8, min=0, help="Cost contributors to list."),
+    override: list[str] = typer.Option([], help="Config override key=value (int/float), e.g. "
+                                       "--override hidden_size=512"),
+) -> None:
+    """Predict one step's time, MFU and memory of a model on a profile (no compile needed);
+    the model is built on the meta device and traced with fake tensors."""
+    import torch
+
+    from graphopt.cost import estimate as run
+    from graphopt.errors import GraphoptError
+    from graphopt.models import build_model, sample_batch
+
+    if dtype not in _DTYPES:
+        raise typer.BadParameter(f"dtype must be one of {', '.join(_DTYPES)}")
+    kwargs: dict[str, Any] = {}
+    for item in override:
+        key, _, value = item.partition("=")
+        if not value:
+            raise typer.BadParameter(f"--override takes key=value, got {item!r}")
+        kwargs[key] = float(value) if "." in value else int(value)
+    try:
+        with torch.device("meta"):
+            net = build_model(model, getattr(torch, dtype), **kwargs)
+        ids = sample_batch(net, batch=batch, seq=seq).to("meta")
+        est = run(net, {"input_ids": ids, "labels": ids, "use_cache": False}, profile,
+                  train=train,
+                  tracing="fake")
+    except GraphoptError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
+    console.print(f"{model} batch {batch} seq {seq} {dtype} on {est.profile.name} "
+                  f"({est.profile.device.name}): {'fwd+bwd' if train else 'fwd'} "
+                  f"{est.time_s * 1e3:.2f} ms, {est.flops / 1e9:.2f} GFLOP, MFU "
+                  f"{est.mfu * 100:.1f}%, memory {est.peak_bytes / 2**20:.1f} MiB "
+                  f"(params {est.param_bytes / 2**20:.1f}, activations "
+                  f"{est.activation_bytes / 2**20:.1f})")
+    table = Table(title="top cost contributors (by op)")
+    for col in ("op", "ms", "GFLOP", "MB moved"):
+        table.add_column(col)
+    for op, (t, f, b) in list(est.cost.by_op().items())[:top]:
+        table.add_row(op, f"{float(t) * 1e3:.3f}", f"{float(f) / 1e9:.3f}",
+                      f"{float(b) / 1e6:.1f}")
     console.print(table)
 
 

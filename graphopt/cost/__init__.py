@@ -1,4 +1,17 @@
-"""Cost model (hardware/cluster profiles, per-op and collective costs, memory).
+"""Cost model: hardware/cluster profiles, per-node roofline costs on FX graphs, collective
+alpha-beta costs, memory (model states, activation liveness), calibration of this machine,
+and whole-step estimates.
 
-Empty until the cost-model capability lands; nothing imports it yet.
+    from graphopt.cost import estimate, load_profile, collective_time
+    est = estimate(model, {"input_ids": ids, "labels": ids}, "h100-sxm", tracing="fake")
 """
+
+from graphopt.cost.collectives import collective_time
+from graphopt.cost.estimate import Estimate, estimate, trace_step
+from graphopt.cost.graph_cost import GraphCost, NodeCost, graph_cost, lightning_flops
+from graphopt.cost.memory import liveness_peak, model_state_bytes
+from graphopt.cost.profiles import CLUSTERS, DEVICES, load_profile, profile_names
+
+__all__ = ["CLUSTERS", "DEVICES", "Estimate", "GraphCost", "NodeCost", "collective_time",
+           "estimate", "graph_cost", "lightning_flops", "liveness_peak", "load_profile",
+           "model_state_bytes", "profile_names", "trace_step"]

@@ -1,0 +1,140 @@
+"""Whole-model estimates: trace a training (or inference) step to an ATen graph and price it.
+
+    est = estimate(model, {"input_ids": ids, "labels": ids}, profile="local")
+    est.time_s, est.flops, est.mfu, est.peak_bytes, est.cost.top(10)
+
+The step is traced with ``make_fx`` (``tracing="real"`` runs it once on the given tensors:
+data-dependent code such as transformers' eager MoE expert loop is fine; ``"fake"`` never
+computes: use it for models built on the meta device, without weights). Forward and
+``torch.autograd.grad`` of the loss are traced together, so the graph holds the backward's
+ATen ops too, and parameters are graph inputs (their memory is counted separately).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphopt.cost.graph_cost import GraphCost, graph_cost
+from graphopt.cost.memory import liveness_peak
+from graphopt.cost.profiles import ClusterProfile, load_profile
+from graphopt.errors import ConfigError
+
+
+@dataclass
+class Estimate:
+    """Predicted cost of one step on one device of ``profile``.
+
+    time_s: seconds; flops: FLOPs of the traced step; mfu: flops / (time_s * peak FLOP/s of
+    the step's dtype); param_bytes: parameters and buffers; activation_bytes: liveness peak of
+    the step's own tensors (gradients included); peak_bytes: their sum.
+    """
+
+    cost: GraphCost
+    profile: ClusterProfile
+    dtype: str
+    param_bytes: int
+    activation_bytes: int
+
+    @property
+    def time_s(self) -> float:
+        return float(self.cost.time_s)
+
+    @property
+    def flops(self) -> float:
+        return float(self.cost.flops)
+
+    @property
+    def mfu(self) -> float:
+        peak = self.profile.device.flops_for(self.dtype)
+        return self.flops / (self.time_s * peak) if self.time_s > 0 else 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.param_bytes + self.activation_bytes
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits.float().sum()
+    leaves = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)
+              and x.is_floating_point()]
+    if not leaves:
+        raise ConfigError("the model returned no floating-point tensor to differentiate")
+    return sum(x.float().sum() for x in leaves)  # type: ignore[return-value]
+
+
+def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
+               train: bool = True, tracing: str = "real") -> fx.GraphModule:
+    """The ATen graph of ``model(**inputs)`` (+ the gradients of its loss w.r.t. every
+    trainable parameter and every input with requires_grad when ``train``). Parameters and
+    buffers are the graph's first inputs.
+
+    Raises:
+        ConfigError: ``tracing`` not "real"/"fake"; a fake trace of data-dependent code.
+    """
+    if tracing not in ("real", "fake"):
+        raise ConfigError(f"tracing must be 'real' or 'fake', got {tracing!r}")
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    trainable = [k for k, p in params.items() if p.requires_grad]
+    kwargs = dict(inputs) if isinstance(inputs, Mapping) else {}
+    args = tuple(inputs) if not isinstance(inputs, Mapping) else ()
+
+    def step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+             args: tuple, kwargs: dict[str, Any]) -> Any:
+        out = torch.func.functional_call(model, (params, buffers), args, kwargs)
+        if not train:
+            return out
+        loss = _loss(out)
+        wrt = [params[k] for k in trainable] + [
+            t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not wrt:
+            raise ConfigError("nothing to differentiate: no trainable parameter and no input "
+                              "with requires_grad; use train=False")
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        return loss, grads
+
+    detached = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
+    context = torch.enable_grad() if train else torch.no_grad()
+    try:
+        with context:
+            return make_fx(step, tracing_mode=tracing)(  # type: ignore[arg-type]
+                detached, buffers, args, kwargs)
+    except Exception as exc:
+        if tracing == "fake" and "data-dependent" in str(exc).lower():
+            raise ConfigError(
+                "a fake trace hit data-dependent code (e.g. transformers' eager MoE expert "
+                "loop); build the model with real weights and use tracing='real', or use "
+                "experts_implementation='grouped_mm'") from exc
+        raise
+
+
+def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, Any] | tuple,
+             profile: str | Path | ClusterProfile = "local", *, train: bool = True,
+             tracing: str = "real", gm: fx.GraphModule | None = None) -> Estimate:
+    """Predict time, FLOPs, MFU and memory of one forward(+backward) step on one device.
+
+    Raises:
+        ConfigError: unknown profile (lists the valid ones) or bad tracing mode.
+    """
+    prof = load_profile(profile)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("estimate() takes an nn.Module (wrap functions in a Module)")
+    graph = gm if gm is not None else trace_step(model, inputs, train=train, tracing=tracing)
+    cost = graph_cost(graph, prof.device)
+    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()
+                  if p.is_floating_point()), "float32")
+    states = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return Estimate(cost, prof, dtype, states, liveness_peak(graph))

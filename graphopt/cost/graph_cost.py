@@ -1,0 +1,281 @@
+"""Per-node and per-graph cost of an FX graph with fake-tensor shapes: FLOPs, bytes moved,
+roofline time.
+
+FLOPs come from ``torch.utils.flop_counter`` (PyTorch's own formulas for mm/bmm/addmm/
+convolution/attention): each node's target is run on its fake inputs under
+``FlopCounterMode``, so composite ops (``aten.matmul``, ``aten.linear``) count through their
+decomposition, and symbolic shapes give sympy expressions. graphopt's custom ops register
+formulas here (:func:`lightning_flops`).
+
+Bytes: the sizes of a node's tensor inputs and outputs (views and metadata-only ops move 0).
+
+Time (roofline, Williams et al. 2009, "Roofline: an insightful visual performance model"):
+``max(flops / (peak(dtype) * eff_mm), bytes / (bandwidth * eff_mem)) + overhead`` per
+launched kernel, where ``eff_mm`` is the device's matmul efficiency (or, for a calibrated
+profile, the measured GFLOP/s of a GEMM of that size) and ``eff_mem`` its streaming efficiency.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+from graphopt.cost.profiles import DeviceProfile
+
+aten = torch.ops.aten
+
+# Ops that only change metadata or alias their input: no kernel, no bytes.
+_FREE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+         aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
+         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.alias.default,
+         aten.slice.Tensor, aten.select.int, aten.detach.default, aten.split.Tensor,
+         aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default,
+         aten.lift_fresh_copy.default, aten.sym_size.int, aten.sym_numel.default,
+         aten.empty.memory_format, aten.empty_strided.default, aten.chunk.default,
+         aten.unflatten.int, aten.flatten.using_ints}
+
+
+def lightning_flops(b: Any, hq: Any, s: Any, d: Any, dv: Any, block: Any,
+                    backward: bool) -> Any:
+    """FLOPs of the chunked Lightning Attention algorithm as executed (full C x C blocks).
+
+    Forward per head: Q K^T 2SCD + (.)V 2SCDv + KV states 2SDDv + inter 2SDDv. Backward:
+    dO V^T, (.)K, (.)^T Q, Q K^T, (.)^T dO (2SC(3D + 2Dv)), four state products and the
+    recomputed states (5 x 2SDDv). Source: Lightning Attention-2 (Qin et al. 2024), Alg. 1-2.
+    """
+    fwd = 2 * s * (block * (d + dv) + 2 * d * dv)
+    bwd = 2 * s * (block * (3 * d + 2 * dv) + 5 * d * dv)
+    return b * hq * (bwd if backward else fwd)
+
+
+def _register_custom_formulas() -> None:
+    import graphopt.kernels.lightning.op  # noqa: F401  (defines the ops)
+
+    @register_flop_formula(torch.ops.graphopt.lightning_attention_fwd)
+    def _fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state: Any,
+             block_size: Any, checkpoint_every: Any, impl: Any, *, out_shape: Any = None,
+             **_: Any) -> Any:
+        b, hq, s, d = q
+        return lightning_flops(b, hq, s, d, v[-1], block_size, backward=False)
+
+    @register_flop_formula(torch.ops.graphopt.lightning_attention_bwd)
+    def _bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: Any, scale: Any,
+             checkpoints: Any, block_size: Any, checkpoint_every: Any, need_slope_grad: Any,
+             impl: Any, *, out_shape: Any = None, **_: Any) -> Any:
+        b, hq, s, d = q
+        return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
+
+
+try:
+    _register_custom_formulas()
+except RuntimeError:  # already registered (module reloaded)
+    pass
+
+
+@dataclass
+class NodeCost:
+    """Cost of one node: FLOPs, bytes moved, predicted seconds, and which bound it hit."""
+
+    name: str
+    op: str
+    flops: Any = 0
+    bytes: Any = 0
+    time_s: Any = 0.0
+    bound: str = "free"  # "compute" | "memory" | "overhead" | "free"
+
+
+@dataclass
+class GraphCost:
+    """Totals and the per-node breakdown of one graph on one device."""
+
+    nodes: list[NodeCost] = field(default_factory=list)
+
+    @property
+    def flops(self) -> Any:
+        return sum(n.flops for n in self.nodes)
+
+    @property
+    def bytes(self) -> Any:
+        return sum(n.bytes for n in self.nodes)
+
+    @property
+    def time_s(self) -> Any:
+        return sum(n.time_s for n in self.nodes)
+
+    def by_op(self) -> dict[str, tuple[Any, Any, Any]]:
+        """op -> (time_s, flops, bytes), largest time first (numeric totals only)."""
+        acc: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0, 0])
+        for n in self.nodes:
+            a = acc[n.op]
+            a[0] += n.time_s
+            a[1] += n.flops
+            a[2] += n.bytes
+        items = sorted(acc.items(), key=lambda kv: -float(kv[1][0]))
+        return {k: (v[0], v[1], v[2]) for k, v in items}
+
+    def top(self, k: int = 10) -> list[NodeCost]:
+        return sorted(self.nodes, key=lambda n: -float(n.time_s))[:k]
+
+
+def _tensor_bytes(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return 0
+
+
+def _dtype_name(node: fx.Node) -> str:
+    vals = [a.meta.get("val") for a in node.all_input_nodes]
+    for v in vals + [node.meta.get("val")]:
+        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+            return str(v.dtype).replace("torch.", "")
+    return "float32"
+
+
+def node_flops(node: fx.Node) -> Any:
+    """FLOPs of one call_function node from its inputs' fake values (0 if unknown)."""
+    if node.op != "call_function" or not callable(node.target):
+        return 0
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                         lambda n: n.meta.get("val"))
+    if any(isinstance(a, fx.Node) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+        return 0
+    vals = [v for v in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(v, torch.Tensor)]
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(vals) if vals else None
+    counter = FlopCounterMode(display=False)
+    try:
+        if mode is not None:
+            with mode, counter:
+                node.target(*args, **kwargs)
+        else:
+            with counter:
+                node.target(*args, **kwargs)
+    except Exception:
+        return 0
+    return counter.get_total_flops()
+
+
+def node_bytes(node: fx.Node) -> Any:
+    """Bytes read and written by a node's kernel (inputs + outputs; 0 for views)."""
+    if node.op != "call_function" or node.target in _FREE:
+        return 0
+    total: Any = 0
+    for a in node.all_input_nodes:
+        total += _tensor_bytes(a.meta.get("val"))
+    out = node.meta.get("val")
+    for leaf in torch.utils._pytree.tree_leaves(out):
+        total += _tensor_bytes(leaf)
+    return total
+
+
+def matmul_rate(device: DeviceProfile, dtype: str, flops: Any, node: fx.Node) -> Any:
+    """Achievable FLOP/s for this matmul-like node: a calibrated GEMM curve when the profile
+    has one (keyed by the cube root of m*n*k per batch), else peak * matmul_efficiency."""
+    curve = getattr(device, "matmul_curve", None)
+    peak = device.flops_for(dtype) * device.matmul_efficiency
+    if not curve or not isinstance(flops, (int, float)):
+        return peak
+    batch = 1
+    out = node.meta.get("val")
+    if isinstance(out, torch.Tensor) and out.dim() >= 3:
+        batch = math.prod(int(s) for s in out.shape[:-2])
+    size = (max(float(flops), 1.0) / 2 / max(batch, 1)) ** (1 / 3)
+    return interpolate(curve, size)
+
+
+def interpolate(curve: list[list[float]] | list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear in log(x) over sorted (x, y) points; clamped at the ends."""
+    pts = sorted((float(a), float(b)) for a, b in curve)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return pts[-1][1]  # pragma: no cover
+
+
+def _maximum(a: Any, b: Any) -> Any:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return max(a, b)
+    import sympy
+
+    return sympy.Max(_expr(a), _expr(b))
+
+
+def _expr(x: Any) -> Any:
+    """sympy expression of a SymInt/SymFloat/number."""
+    node = getattr(x, "node", None)
+    if node is not None and hasattr(node, "expr"):
+        return node.expr
+    return x
+
+
+def graph_cost(gm: fx.GraphModule, device: DeviceProfile) -> GraphCost:
+    """Roofline cost of every node of ``gm`` on ``device`` (see the module docstring).
+
+    ``gm``'s nodes need ``meta['val']`` (fake tensors, as make_fx/Dynamo/AOTAutograd graphs
+    have). With symbolic shapes, FLOPs/bytes/time are sympy expressions.
+    """
+    result = GraphCost()
+    bandwidth = device.memory_bandwidth * device.memory_efficiency
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = _op_name(node)
+        if node.target in _FREE or node.target is operator.getitem:
+            result.nodes.append(NodeCost(node.name, op))
+            continue
+        flops = node_flops(node)
+        nbytes = node_bytes(node)
+        dtype = _dtype_name(node)
+        # flop_counter counts GEMM/convolution/attention FLOPs only: those run at the
+        # (calibrated) matmul rate; everything else is priced by its bytes.
+        compute = _div(flops, matmul_rate(device, dtype, flops, node)) if _is_nonzero(flops) \
+            else 0
+        memory = _div(nbytes, bandwidth)
+        time = _maximum(compute, memory)
+        bound = "compute" if _ge(compute, memory) and _is_nonzero(flops) else "memory"
+        if isinstance(time, (int, float)) and time < device.kernel_overhead_s:
+            bound = "overhead"
+        result.nodes.append(NodeCost(node.name, op, _expr(flops), _expr(nbytes),
+                                     _add(time, device.kernel_overhead_s), bound))
+    return result
+
+
+def _is_nonzero(x: Any) -> bool:
+    return not (isinstance(x, (int, float)) and x == 0)
+
+
+def _ge(a: Any, b: Any) -> bool:
+    try:
+        return bool(a >= b)
+    except TypeError:
+        return True
+
+
+def _div(a: Any, b: float) -> Any:
+    if isinstance(a, (int, float)):
+        return a / b
+    return _expr(a) / b
+
+
+def _add(a: Any, b: float) -> Any:
+    return a + b
+
+
+def _op_name(node: fx.Node) -> str:
+    from graphopt.passes.fx_utils import op_name
+
+    return op_name(node)

@@ -1,0 +1,118 @@
+"""Memory: model states (parameters, gradients, optimizer states, ZeRO sharding) and
+activation liveness over a traced forward+backward graph.
+
+Model states per parameter (mixed-precision Adam, ZeRO paper: Rajbhandari et al. 2020,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 3.1): parameters
+in the compute dtype (2 B for bf16), gradients (2 B), and optimizer states K = 12 B (fp32
+master weights, Adam m and v). ZeRO stage 1 shards the optimizer states over the DP group,
+stage 2 also the gradients, stage 3 also the parameters. Plain fp32 Adam: 4 + 4 + 8 B.
+
+Activations: :func:`liveness_peak` walks a graph in execution order, allocating each
+non-view output when produced and freeing it after its last user (the graph's outputs stay
+alive to the end), and returns the largest live total: the peak the graph needs beyond its
+inputs. On a make_fx trace of forward + autograd.grad this is the activation memory a
+training step holds (saved tensors plus the transients of the largest op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.cost.graph_cost import _FREE
+from graphopt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per device of parameters, gradients and optimizer states."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(num_params: float, *, param_bytes: int = 2, grad_bytes: int = 2,
+                      optimizer: str = "adam", mixed_precision: bool = True,
+                      zero_stage: int = 0, dp: int = 1) -> ModelStates:
+    """Parameters/gradients/optimizer bytes per device for ``num_params`` parameters held by
+    this device (after TP/PP/EP sharding), sharded by ZeRO ``zero_stage`` over ``dp`` ranks.
+
+    Raises:
+        ConfigError: unknown optimizer, zero_stage not in 0..3, dp < 1.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if dp < 1:
+        raise ConfigError(f"dp must be >= 1, got {dp}")
+    per_param = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}
+    if optimizer not in per_param:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; valid: {', '.join(per_param)}")
+    opt = per_param[optimizer] + (4 if mixed_precision and param_bytes < 4 else 0)
+    params = num_params * param_bytes / (dp if zero_stage >= 3 else 1)
+    grads = num_params * grad_bytes / (dp if zero_stage >= 2 else 1)
+    states = num_params * opt / (dp if zero_stage >= 1 else 1)
+    return ModelStates(params, grads, states)
+
+
+def _bytes(val: Any) -> int:
+    total = 0
+    for leaf in torch.utils._pytree.tree_leaves(val):
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target in _FREE:
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        rets = target._schema.returns
+        return bool(rets) and all(r.alias_info is not None for r in rets)
+    return False
+
+
+def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:
+    return roots.get(node, node)
+
+
+def liveness_peak(gm: fx.GraphModule) -> int:
+    """Peak bytes of tensors produced inside ``gm`` that are alive at once (inputs
+    excluded; views share their base's storage; outputs live to the end)."""
+    nodes = list(gm.graph.nodes)
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node.op == "call_function" and (_is_view(node) or node.target.__name__ ==
+                                           "getitem") and node.all_input_nodes:
+            roots[node] = _storage_root(node.all_input_nodes[0], roots)
+    position = {n: i for i, n in enumerate(nodes)}
+    last_use: dict[fx.Node, int] = {}
+    for node in nodes:
+        for a in node.all_input_nodes:
+            root = _storage_root(a, roots)
+            last_use[root] = max(last_use.get(root, -1), position[node])
+    output = next((n for n in reversed(nodes) if n.op == "output"), None)
+    keep = {_storage_root(a, roots) for a in output.all_input_nodes} if output else set()
+    live = peak = 0
+    frees: dict[int, list[fx.Node]] = {}
+    for root, pos in last_use.items():
+        frees.setdefault(pos, []).append(root)
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and node not in roots:
+            live += _bytes(node.meta.get("val"))
+            peak = max(peak, live)
+        for root in frees.get(i, []):
+            if root.op == "call_function" and root not in keep:
+                live -= _bytes(root.meta.get("val"))
+        if node.op == "call_function" and node not in roots and node not in last_use \
+                and node not in keep:
+            live -= _bytes(node.meta.get("val"))  # produced and never used
+    return peak

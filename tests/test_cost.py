@@ -1,0 +1,206 @@
+"""Cost model: profiles (built-in, files, bad input), per-node FLOPs/bytes/roofline on traced
+graphs, collectives, memory (model states, liveness), symbolic costs, and whole-step
+estimates of real models."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from graphopt.cost import (
+    CLUSTERS,
+    collective_time,
+    estimate,
+    graph_cost,
+    lightning_flops,
+    liveness_peak,
+    load_profile,
+    model_state_bytes,
+    trace_step,
+)
+from graphopt.cost.collectives import flat_time
+from graphopt.cost.profiles import DeviceProfile, LinkProfile, cluster_to_dict
+from graphopt.errors import ConfigError
+
+
+def test_every_builtin_profile_is_valid_and_cites_a_source():
+    for name in ("a100-80gb", "h100-sxm", "h200", "b200", "gb200-nvl72", "ascend-910b",
+                 "ascend-910c", "cloudmatrix384"):
+        prof = load_profile(name)
+        assert prof.device.source and prof.source, name
+        assert prof.device.flops_for("bfloat16") > prof.device.flops_for("float32") > 0
+    assert load_profile("cloudmatrix384").levels[0].size == 384
+    assert load_profile("gb200-nvl72").levels[0].size == 72
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(cluster_to_dict(CLUSTERS["h100-sxm"])))
+    assert load_profile(path) == CLUSTERS["h100-sxm"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("h800", "unknown profile 'h800'; valid names: a100-80gb"),
+    ({"name": "x", "device": "h100-sxm"}, "missing field(s) levels"),
+    ({"name": "x", "device": {"name": "d", "peak_flops": {"float32": 1e12},
+                              "memory_bytes": -1, "memory_bandwidth": 1e9},
+      "levels": [{"name": "node", "size": 8, "link": {"bandwidth": 1e9, "latency": 0}}]},
+     "memory_bytes must be a positive number"),
+    ({"name": "x", "device": "h100-sxm",
+      "levels": [{"name": "node", "size": 8, "link": {"bandwidth": 1e9}}]},
+     "levels[0].link is missing field(s) latency"),
+])
+def test_bad_profiles_say_what_is_wrong(spec, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        load_profile(spec)
+
+
+def test_local_profile_before_calibration_says_to_calibrate(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="run `graphopt calibrate` first"):
+        load_profile("local")
+
+
+def _traced(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def test_matmul_flops_bytes_and_roofline_time():
+    dev = DeviceProfile("toy", {"float32": 1e12}, 1e9, 1e11, kernel_overhead_s=1e-6,
+                        matmul_efficiency=0.5, memory_efficiency=1.0)
+    gm = _traced(lambda a, b: torch.relu(a @ b), torch.randn(64, 128), torch.randn(128, 32))
+    cost = graph_cost(gm, dev)
+    mm, relu = [n for n in cost.nodes if n.op in ("aten.mm.default", "aten.relu.default")]
+    assert mm.flops == 2 * 64 * 128 * 32 and mm.bound == "compute"
+    assert mm.bytes == 4 * (64 * 128 + 128 * 32 + 64 * 32)
+    assert mm.time_s == pytest.approx(mm.flops / 0.5e12 + 1e-6)
+    assert relu.flops == 0 and relu.bytes == 2 * 4 * 64 * 32
+    assert relu.time_s == pytest.approx(relu.bytes / 1e11 + 1e-6)
+    assert cost.time_s == pytest.approx(mm.time_s + relu.time_s)
+
+
+def test_composite_ops_count_through_their_decomposition():
+    """A pre-autograd graph keeps aten.linear / aten.matmul; their FLOPs still count."""
+    from graphopt.testing import trace_for_pass
+
+    lin = torch.nn.Linear(16, 8)
+    gm = trace_for_pass(lambda x: lin(x) @ torch.ones(8, 4), torch.randn(3, 5, 16))
+    flops = {n.op: n.flops for n in graph_cost(gm, CLUSTERS["h100-sxm"].device).nodes}
+    assert flops["aten.linear.default"] == 2 * 15 * 16 * 8
+    assert flops["aten.matmul.default"] == 2 * 15 * 8 * 4
+
+
+def test_lightning_attention_op_has_flop_formula():
+    from graphopt.kernels.lightning import lightning_attention
+
+    q = torch.randn(1, 2, 100, 8, requires_grad=True)
+    gm = trace_step(_Wrap(lambda q, s: lightning_attention(q, q, q, s)),
+                    (q, torch.full((2,), 0.1)), tracing="fake")
+    cost = graph_cost(gm, CLUSTERS["h100-sxm"].device)
+    by_op = cost.by_op()
+    assert by_op["graphopt.lightning_attention_fwd.default"][1] == \
+        lightning_flops(1, 2, 100, 8, 8, 64, backward=False)
+    assert by_op["graphopt.lightning_attention_bwd.default"][1] == \
+        lightning_flops(1, 2, 100, 8, 8, 64, backward=True)
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def test_symbolic_shapes_give_sympy_costs_and_a_crossover():
+    """Lightning Attention vs softmax attention: FLOPs as expressions in S; solve for the S
+    where the chunked algorithm becomes cheaper."""
+    import sympy
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphopt.cost.symbolic import crossover, total_expr
+
+    def softmax_attn(q):
+        return torch.softmax(q @ q.transpose(-1, -2), -1) @ q
+
+    gm = make_fx(softmax_attn, tracing_mode="symbolic")(torch.randn(1, 4, 64, 32))
+    cost = graph_cost(gm, CLUSTERS["h100-sxm"].device)
+    shape = [sympy.sympify(getattr(d, "node", None).expr if isinstance(d, torch.SymInt) else d)
+             for d in next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].shape]
+    s = shape[2]
+    flops = total_expr(cost, "flops").subs({shape[1]: 4, shape[3]: 32})
+    assert sympy.simplify(flops - 2 * 2 * 4 * 32 * s**2) == 0
+    assert total_expr(cost, "time_s").free_symbols == {shape[1], s, shape[3]}
+    lightning = lightning_flops(1, 4, s, 32, 32, 64, backward=False)
+    at = crossover(flops, lightning, s, lo=1, hi=1 << 20)
+    assert 64 < at < 256  # 4 S^2 D vs 2 S (C (2D) + 2 D^2): S* = C + D = 96
+    assert at == pytest.approx(96, abs=1)
+
+
+def test_collectives_follow_the_alpha_beta_formulas():
+    link = LinkProfile(bandwidth=100e9, latency=5e-6)
+    m = 1e9
+    assert flat_time("all_reduce", 8, m, link) == pytest.approx(14 * 5e-6 + 2 * 7 / 8 * m / 100e9)
+    assert flat_time("all_gather", 8, m, link) == pytest.approx(7 * 5e-6 + 7 / 8 * m / 100e9)
+    assert flat_time("all_reduce", 1, m, link) == 0
+    h100 = CLUSTERS["h100-sxm"]
+    intra = collective_time("all_reduce", m, 8, h100)
+    inter = collective_time("all_reduce", m, 8, h100, stride=8)  # one rank per node
+    assert inter > 5 * intra  # NVLink vs InfiniBand
+    flat = collective_time("all_to_all", 1e8, 64, h100, algorithm="ring")
+    two_d = collective_time("all_to_all", 1e8, 64, h100, algorithm="hierarchical")
+    assert two_d != flat and collective_time("all_to_all", 1e8, 64, h100) == min(flat, two_d)
+
+
+def test_group_larger_than_the_cluster_is_an_error():
+    with pytest.raises(ConfigError, match="spans 8192 devices but cluster 'h100-sxm' has"):
+        collective_time("all_reduce", 1e6, 8192, CLUSTERS["h100-sxm"])
+    with pytest.raises(ConfigError, match="unknown collective 'allreduce'"):
+        collective_time("allreduce", 1e6, 8, CLUSTERS["h100-sxm"])
+
+
+def test_model_states_follow_zero_stages():
+    n = 1e9
+    base = model_state_bytes(n)  # bf16 params/grads, fp32 master + Adam: 2 + 2 + 12
+    assert (base.params, base.grads, base.optimizer) == (2e9, 2e9, 12e9)
+    z1, z2, z3 = (model_state_bytes(n, zero_stage=s, dp=8) for s in (1, 2, 3))
+    assert z1.optimizer == 1.5e9 and z1.grads == 2e9
+    assert z2.grads == 0.25e9 and z2.params == 2e9
+    assert z3.params == 0.25e9 and z3.total == 16e9 / 8
+    with pytest.raises(ConfigError, match="zero_stage must be 0, 1, 2 or 3"):
+        model_state_bytes(n, zero_stage=4)
+
+
+def test_liveness_peak_counts_simultaneously_live_tensors():
+    def fn(x):
+        a = x * 2          # 400 B
+        b = a + 1          # 400 B, a still live (used below)
+        c = a * b          # 400 B; a and b die here
+        return c.sum()     # 4 B
+
+    gm = _traced(fn, torch.randn(100))
+    assert liveness_peak(gm) == 3 * 400
+
+
+def test_estimate_llama_step_on_a_gpu_profile_with_fake_weights():
+    from graphopt.models import build_model, sample_batch
+
+    with torch.device("meta"):
+        model = build_model("llama", torch.bfloat16)
+    ids = sample_batch(model, batch=2, seq=64).to("meta")
+    est = estimate(model, {"input_ids": ids, "labels": ids, "use_cache": False}, "h100-sxm",
+                   tracing="fake")
+    params = sum(p.numel() for p in model.parameters())
+    dense = params - model.config.vocab_size * model.config.hidden_size  # lookup: no FLOPs
+    # 6 FLOPs per dense parameter per token for forward+backward, plus attention
+    assert 6 * dense * 128 <= est.flops <= 8 * params * 128
+    assert 0 < est.mfu < 1 and est.time_s > 0
+    assert est.param_bytes == sum(p.numel() * 2 for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for b in model.buffers())
+    top = est.cost.top(3)
+    assert top and all(math.isfinite(float(n.time_s)) for n in top)
