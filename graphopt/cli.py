@@ -142,7 +142,8 @@ def calibrate(
     for n, f in dev.matmul_curve:
         table.add_row(f"  matmul n={int(n)}", f"{f / 1e9:.0f} GFLOP/s")
     table.add_row("memory bandwidth", f"{dev.memory_bandwidth / 1e9:.1f} GB/s")
-    table.add_row("kernel overhead", f"{dev.kernel_overhead_s * 1e6:.1f} us")
+    table.add_row("per-op overhead", f"{dev.kernel_overhead_s * 1e6:.1f} us")
+    table.add_row("attention / GEMM rate", f"{dev.attention_efficiency:.2f}")
     link = profile.levels[0].link
     table.add_row("local link (gloo)", f"{link.bandwidth / 1e9:.2f} GB/s, "
                   f"{link.latency * 1e6:.0f} us")

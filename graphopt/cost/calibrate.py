@@ -4,7 +4,9 @@ Measured (medians of repeated timings, in a process with the default thread coun
 - GEMM FLOP/s of square fp32 matmuls n = 32 .. 2048 (the ``matmul_curve``; its maximum is
   the fp32 peak), and bf16 at the largest size;
 - memory bandwidth from a large tensor copy (bytes read + written per second);
-- per-kernel overhead from a tiny elementwise op;
+- per-op overhead of eager training (a tiny transformers GPT-2, forward and backward, divided
+  by the ATen ops it dispatches: not one of the validated models or sizes);
+- the fused attention kernel's rate relative to the GEMM rate (causal SDPA fwd+bwd);
 - gloo all-reduce between 2 local ranks at several sizes, fitted to alpha + m * 2(n-1)/n / B
   (latency, bandwidth of the ``local`` link).
 
@@ -74,9 +76,82 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
     return 2 * nbytes / t
 
 
-def measure_overhead(reps: int = 7) -> float:
-    x = torch.ones(8)
-    return _median_time(lambda: torch.add(x, 1.0), reps, min_time=0.01)
+class _CountOps:
+    """Counts the ATen ops a callable dispatches."""
+
+    @staticmethod
+    def count(fn: Callable[[], Any]) -> int:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Count(TorchDispatchMode):
+            ops = 0
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                                   kwargs: dict | None = None) -> Any:
+                Count.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        with Count():
+            fn()
+        return Count.ops
+
+
+def measure_overhead(reps: int = 9) -> float:
+    """Seconds per dispatched op of eager training where Python dominates: a tiny
+    transformers GPT-2 (1 layer, hidden 8, 8 tokens), forward + backward, timed and divided by
+    the ATen ops it dispatches (Python, nn.Module, dispatcher and autograd bookkeeping per op,
+    with the amount of Python per op that transformers model code has). Falls back to a stack
+    of small torch.nn modules when transformers is not installed."""
+    torch.manual_seed(0)
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        net: torch.nn.Module = GPT2LMHeadModel(GPT2Config(
+            vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0))
+        ids = torch.randint(0, 16, (1, 8))
+
+        def loss() -> torch.Tensor:
+            return net(input_ids=ids, labels=ids, use_cache=False).loss
+    except ImportError:
+        layers: list[torch.nn.Module] = []
+        for _ in range(16):
+            layers += [torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()]
+        net = torch.nn.Sequential(*layers)
+        x = torch.randn(2, 8)
+
+        def loss() -> torch.Tensor:
+            return net(x).sum()
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        loss().backward()
+
+    ops = _CountOps.count(step)
+    return _median_time(step, reps, min_time=0.05) / max(ops, 1)
+
+
+def measure_attention_efficiency(reps: int = 5) -> float:
+    """FLOP/s of causal SDPA forward+backward (B=1, H=8, S=1024, D=64) over the fp32 GEMM
+    rate at the same FLOP count (the matmul curve's value for n = 512)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(1, 8, 1024, 64, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum() \
+            .backward()
+
+    import graphopt.cost.graph_cost  # noqa: F401  (the CPU SDPA formulas, causal-aware)
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    flops = counter.get_total_flops()
+    rate = flops / _median_time(step, reps)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    gemm = 2 * 512**3 / _median_time(lambda: torch.mm(a, b), reps)
+    return min(1.0, rate / gemm)
 
 
 def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
@@ -137,6 +212,7 @@ def calibrate(path: Path | None = None, collectives: bool = True,
     log("memory bandwidth, kernel overhead...")
     bandwidth = measure_bandwidth()
     overhead = measure_overhead()
+    attention = measure_attention_efficiency()
     link = LinkProfile(bandwidth=bandwidth / 2, latency=50e-6)
     if collectives:
         log("gloo all-reduce, 2 ranks...")
@@ -145,7 +221,8 @@ def calibrate(path: Path | None = None, collectives: bool = True,
         "local CPU", {"float32": peak32, "bfloat16": bf16, "float16": bf16},
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         memory_bandwidth=bandwidth, kernel_overhead_s=overhead, matmul_efficiency=1.0,
-        memory_efficiency=1.0, source=f"graphopt calibrate, {time.strftime('%Y-%m-%d')}",
+        memory_efficiency=1.0, attention_efficiency=attention,
+        source=f"graphopt calibrate, {time.strftime('%Y-%m-%d')}",
         matmul_curve=tuple(curve))
     profile = ClusterProfile("local", device, (ClusterLevel("node", os.cpu_count() or 1,
                                                             link),),

@@ -3,15 +3,17 @@
     est = estimate(model, {"input_ids": ids, "labels": ids}, profile="local")
     est.time_s, est.flops, est.mfu, est.peak_bytes, est.cost.top(10)
 
-The step is traced with ``make_fx`` (``tracing="real"`` runs it once on the given tensors:
-data-dependent code such as transformers' eager MoE expert loop is fine; ``"fake"`` never
-computes: use it for models built on the meta device, without weights). Forward and
+``tracing="real"`` runs the step once on the given tensors under a dispatch-mode recorder
+(:func:`record_step`: data-dependent code such as transformers' eager MoE expert loop is fine,
+the graph is what this run dispatched); ``"fake"`` traces with ``make_fx`` and fake tensors and
+never computes: use it for models built on the meta device, without weights. Forward and
 ``torch.autograd.grad`` of the loss are traced together, so the graph holds the backward's
 ATen ops too, and parameters are graph inputs (their memory is counted separately).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphopt.cost.graph_cost import GraphCost, graph_cost
 from graphopt.cost.memory import liveness_peak
@@ -106,6 +109,8 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         return loss, grads
 
+    if tracing == "real":
+        return record_step(model, args, kwargs, train)
     detached = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
     context = torch.enable_grad() if train else torch.no_grad()
     try:
@@ -113,12 +118,76 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
             return make_fx(step, tracing_mode=tracing)(  # type: ignore[arg-type]
                 detached, buffers, args, kwargs)
     except Exception as exc:
-        if tracing == "fake" and "data-dependent" in str(exc).lower():
+        if "data-dependent" in str(exc).lower() or "_local_scalar_dense" in str(exc):
             raise ConfigError(
                 "a fake trace hit data-dependent code (e.g. transformers' eager MoE expert "
                 "loop); build the model with real weights and use tracing='real', or use "
                 "experts_implementation='grouped_mm'") from exc
         raise
+
+
+class _Recorder(TorchDispatchMode):
+    """Builds an FX graph of the ATen ops a real run dispatches (forward and backward),
+    with meta-tensor ``val`` s; tensors are matched to their producing node by identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self.producer: dict[int, fx.Node] = {}
+        self.leaves: dict[int, torch.Tensor] = {}  # keep inputs alive: ids stay unique
+
+    def _arg(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        node = self.producer.get(id(x))
+        if node is None:
+            node = self.graph.placeholder(f"input_{len(self.leaves)}")
+            node.meta["val"] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                   device="meta")
+            self.producer[id(x)] = node
+            self.leaves[id(x)] = x
+        return node
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        fx_args, fx_kwargs = torch.utils._pytree.tree_map(self._arg, (args, kwargs))
+        node = self.graph.call_function(func, tuple(fx_args), dict(fx_kwargs))
+        node.meta["val"] = torch.utils._pytree.tree_map(
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.Tensor) else t, out)
+        if isinstance(out, torch.Tensor):
+            self.producer[id(out)] = node
+        elif isinstance(out, (tuple, list)):
+            for i, t in enumerate(out):
+                if isinstance(t, torch.Tensor):
+                    item = self.graph.call_function(operator.getitem, (node, i))
+                    item.meta["val"] = node.meta["val"][i]
+                    self.producer[id(t)] = item
+        return out
+
+
+def record_step(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
+                train: bool = True) -> fx.GraphModule:
+    """Run ``model(*args, **kwargs)`` (+ backward of its loss when ``train``) for real and
+    return the graph of the ATen ops it dispatched (data-dependent code is fine: the run
+    decides). Leaf tensors (parameters, inputs) become placeholders; gradients the output."""
+    recorder = _Recorder()
+    context = torch.enable_grad() if train else torch.no_grad()
+    with context, recorder:
+        out = model(*args, **kwargs)
+        if train:
+            wrt = [p for p in model.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(_loss(out), wrt, allow_unused=True)
+            results = [g for g in grads if g is not None]
+        else:
+            results = [x for x in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(x, torch.Tensor)]
+    graph = recorder.graph
+    graph.output(tuple(recorder.producer[id(r)] for r in results
+                       if id(r) in recorder.producer))
+    return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, Any] | tuple,

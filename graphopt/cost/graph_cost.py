@@ -12,7 +12,8 @@ Bytes: the sizes of a node's tensor inputs and outputs (views and metadata-only 
 Time (roofline, Williams et al. 2009, "Roofline: an insightful visual performance model"):
 ``max(flops / (peak(dtype) * eff_mm), bytes / (bandwidth * eff_mem)) + overhead`` per
 launched kernel, where ``eff_mm`` is the device's matmul efficiency (or, for a calibrated
-profile, the measured GFLOP/s of a GEMM of that size) and ``eff_mem`` its streaming efficiency.
+profile, the measured GFLOP/s of a GEMM of that size; times ``attention_efficiency`` for fused
+attention kernels) and ``eff_mem`` its streaming efficiency.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ _FREE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
          aten.lift_fresh_copy.default, aten.sym_size.int, aten.sym_numel.default,
          aten.empty.memory_format, aten.empty_strided.default, aten.chunk.default,
          aten.unflatten.int, aten.flatten.using_ints}
+
+
+_ATTENTION = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")}
 
 
 def lightning_flops(b: Any, hq: Any, s: Any, d: Any, dv: Any, block: Any,
@@ -71,6 +81,22 @@ def _register_custom_formulas() -> None:
              impl: Any, *, out_shape: Any = None, **_: Any) -> Any:
         b, hq, s, d = q
         return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
+
+
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    # PyTorch's CPU flash-attention kernels have no formula upstream; with is_causal the
+    # kernel skips the blocks above the diagonal, so half the FLOPs are executed.
+    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
+    def _sdpa_cpu(q: Any, k: Any, v: Any, dropout_p: Any = 0.0, is_causal: bool = False,
+                  *_: Any, out_shape: Any = None, **__: Any) -> Any:
+        return sdpa_flop_count(q, k, v) // (2 if is_causal else 1)
+
+    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _sdpa_cpu_bwd(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                      dropout_p: Any = 0.0, is_causal: bool = False, *_: Any,
+                      out_shape: Any = None, **__: Any) -> Any:
+        return sdpa_backward_flop_count(grad_out, q, k, v) // (2 if is_causal else 1)
 
 
 try:
@@ -242,8 +268,10 @@ def graph_cost(gm: fx.GraphModule, device: DeviceProfile) -> GraphCost:
         dtype = _dtype_name(node)
         # flop_counter counts GEMM/convolution/attention FLOPs only: those run at the
         # (calibrated) matmul rate; everything else is priced by its bytes.
-        compute = _div(flops, matmul_rate(device, dtype, flops, node)) if _is_nonzero(flops) \
-            else 0
+        rate = matmul_rate(device, dtype, flops, node)
+        if node.target in _ATTENTION:
+            rate *= device.attention_efficiency
+        compute = _div(flops, rate) if _is_nonzero(flops) else 0
         memory = _div(nbytes, bandwidth)
         time = _maximum(compute, memory)
         bound = "compute" if _ge(compute, memory) and _is_nonzero(flops) else "memory"

@@ -46,6 +46,10 @@ class DeviceProfile:
     matmul_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     source: str = ""
+    attention_efficiency: float = 0.5
+    """Fused attention kernels (flash/efficient SDPA) reach this fraction of the matmul rate
+    (softmax, exp and masking run between the GEMMs); FlashAttention-2 reports 50-73% of peak
+    on A100 (Dao 2023); calibrated locally."""
     matmul_curve: tuple[tuple[float, float], ...] = ()
     """Calibrated profiles only: (GEMM size n, achieved FLOP/s) points, n the cube root of
     m*n*k of one GEMM; :func:`graphopt.cost.graph_cost.matmul_rate` interpolates them."""
@@ -56,7 +60,7 @@ class DeviceProfile:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
         _positive(self, "memory_bytes", "memory_bandwidth")
         _non_negative(self, "kernel_overhead_s")
-        for key in ("matmul_efficiency", "memory_efficiency"):
+        for key in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ConfigError(f"device {self.name!r}: {key} must be in (0, 1], got "
