@@ -17,7 +17,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from graphopt.cost import lightning_flops
 from graphopt.kernels.lightning import lightning_attention
+from graphopt.kernels.lightning.chunked import DEFAULT_BLOCK_SIZE
 
 
 def median_time(fn: Callable[[], object], reps: int) -> float:
@@ -42,18 +44,6 @@ def bmm_ceiling_gflops(reps: int, batch: int) -> float:
     return 2 * batch * 64**3 / median_time(lambda: torch.bmm(a, b), reps) / 1e9
 
 
-def chunked_flops(s: int, h: int, d: int, dv: int, c: int, backward: bool) -> float:
-    """FLOPs of the chunked algorithm as executed (full C x C blocks; masking not skipped).
-
-    forward per head: QK^T 2SCD + (.)V 2SCDv + KV states 2SDDv + inter 2SDDv;
-    backward: dO V^T, (.)K, (.)^T Q, QK^T, (.)^T dO (2SC(3D + 2Dv)), state terms 4 x 2SDDv,
-    recomputed states 2SDDv.
-    """
-    fwd = 2 * s * (c * (d + dv) + 2 * d * dv)
-    bwd = 2 * s * (c * (3 * d + 2 * dv) + 5 * d * dv)
-    return h * (fwd + (bwd if backward else 0))
-
-
 def bench_vs_sdpa(seqs: list[int], reps: int, peak: float) -> None:
     b, h, d = 1, 8, 64
     print("\n| S | SDPA fwd ms | lightning fwd ms | fwd speedup | SDPA fwd+bwd ms | "
@@ -76,7 +66,9 @@ def bench_vs_sdpa(seqs: list[int], reps: int, peak: float) -> None:
 
         t_sdpa_t = median_time(sdpa_train, reps)
         t_la_t = median_time(la_train, reps)
-        gflops = chunked_flops(s, h, d, d, 64, True) / t_la_t / 1e9
+        flops = sum(lightning_flops(b, h, s, d, d, DEFAULT_BLOCK_SIZE, backward)
+                    for backward in (False, True))
+        gflops = flops / t_la_t / 1e9
         print(f"| {s} | {t_sdpa * 1e3:.1f} | {t_la * 1e3:.1f} | {t_sdpa / t_la:.2f}x | "
               f"{t_sdpa_t * 1e3:.1f} | {t_la_t * 1e3:.1f} | {t_sdpa_t / t_la_t:.2f}x | "
               f"{gflops:.0f} | {gflops / peak:.0%} |", flush=True)
