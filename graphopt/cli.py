@@ -152,7 +152,8 @@ def calibrate(
 
 @app.command()
 def estimate(
-    model: str = typer.Option("llama", help="A graphopt.models name (small config)."),
+    model: str = typer.Option("llama", help="A graphopt.models name (small config) or a "
+                              "transformers config.json (built on the meta device)."),
     profile: str = typer.Option("local", help="Cluster profile name or JSON/YAML file."),
     batch: int = typer.Option(2, min=1),
     seq: int = typer.Option(128, min=2),
@@ -180,7 +181,10 @@ def estimate(
         kwargs[key] = float(value) if "." in value else int(value)
     try:
         with torch.device("meta"):
-            net = build_model(model, getattr(torch, dtype), **kwargs)
+            if model.endswith(".json"):
+                net = _model_from_config(Path(model), getattr(torch, dtype), kwargs)
+            else:
+                net = build_model(model, getattr(torch, dtype), **kwargs)
         ids = sample_batch(net, batch=batch, seq=seq).to("meta")
         est = run(net, {"input_ids": ids, "labels": ids, "use_cache": False}, profile,
                   train=train,
@@ -201,6 +205,18 @@ def estimate(
         table.add_row(op, f"{float(t) * 1e3:.3f}", f"{float(f) / 1e9:.3f}",
                       f"{float(b) / 1e6:.1f}")
     console.print(table)
+
+
+def _model_from_config(path: Path, dtype: Any, overrides: dict[str, Any]) -> Any:
+    """A causal LM from a transformers config.json (no weights; call under a meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from graphopt.errors import ConfigError
+
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    config = AutoConfig.from_pretrained(str(path), **overrides)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def _print_reports(reports: list[CompileReport], sites: int) -> None:

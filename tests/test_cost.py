@@ -263,3 +263,15 @@ def test_estimate_cli_prints_time_mfu_and_memory():
     assert "MFU" in result.output and "aten.mm.default" in result.output
     bad = CliRunner().invoke(app, ["estimate", "--profile", "tpu-v5"])
     assert bad.exit_code == 2 and "unknown profile 'tpu-v5'" in bad.output
+
+
+def test_attention_crossover_on_a_profile_is_a_sequence_length():
+    """Both attentions traced once with a symbolic S and priced: the predicted S above which
+    Lightning Attention is faster (the lightning benchmark measures ~256-512 on this CPU)."""
+    from graphopt.cost.symbolic import attention_costs, crossover
+
+    softmax_t, lightning_t, s = attention_costs("h100-sxm")
+    assert softmax_t.free_symbols == {s} and lightning_t.free_symbols == {s}
+    at = crossover(softmax_t, lightning_t, s, lo=16)
+    assert at is not None and 64 < at < 4096
+    assert float(softmax_t.subs(s, 16384)) > 10 * float(lightning_t.subs(s, 16384))

@@ -13,6 +13,7 @@ ATen ops too, and parameters are graph inputs (their memory is counted separatel
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphopt.cost.graph_cost import GraphCost, graph_cost
@@ -77,11 +79,45 @@ def _loss(out: Any) -> torch.Tensor:
     return sum(x.float().sum() for x in leaves)  # type: ignore[return-value]
 
 
+class _FlashAttention(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to the fused kernels an accelerator runs
+    (``_scaled_dot_product_flash_attention``; ``_efficient_attention`` with a mask), so a fake
+    trace on the meta device prices flash attention instead of PyTorch's CPU math path (which
+    materializes S x S scores in fp32)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                 "enable_gqa"]
+        a = dict(zip(names, args)) | kwargs
+        q, k, v = a["query"], a["key"], a["value"]
+        if k.shape[1] != q.shape[1]:  # GQA: the kernels take equal head counts
+            n = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
+        mask, p = a.get("attn_mask"), float(a.get("dropout_p", 0.0) or 0.0)
+        scale = a.get("scale")
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, p, bool(a.get("is_causal", False)), False, scale=scale)[0]
+        bias = mask if mask.dtype != torch.bool else torch.zeros(
+            mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, p, bool(a.get("is_causal", False)), scale=scale)[0]
+
+
 def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
-               train: bool = True, tracing: str = "real") -> fx.GraphModule:
+               train: bool = True, tracing: str = "real",
+               fused_attention: bool = False) -> fx.GraphModule:
     """The ATen graph of ``model(**inputs)`` (+ the gradients of its loss w.r.t. every
     trainable parameter and every input with requires_grad when ``train``). Parameters and
     buffers are the graph's first inputs.
+
+    ``fused_attention`` (fake traces): SDPA becomes the flash/efficient attention kernels
+    accelerators run (see :class:`_FlashAttention`).
 
     Raises:
         ConfigError: ``tracing`` not "real"/"fake"; a fake trace of data-dependent code.
@@ -113,8 +149,9 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
         return record_step(model, args, kwargs, train)
     detached = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
     context = torch.enable_grad() if train else torch.no_grad()
+    attention = _FlashAttention() if fused_attention else contextlib.nullcontext()
     try:
-        with context:
+        with context, attention:
             return make_fx(step, tracing_mode=tracing)(  # type: ignore[arg-type]
                 detached, buffers, args, kwargs)
     except Exception as exc:
@@ -201,7 +238,9 @@ def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, A
     prof = load_profile(profile)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("estimate() takes an nn.Module (wrap functions in a Module)")
-    graph = gm if gm is not None else trace_step(model, inputs, train=train, tracing=tracing)
+    fused = tracing == "fake" and prof.device.kind != "cpu"
+    graph = gm if gm is not None else trace_step(model, inputs, train=train, tracing=tracing,
+                                                 fused_attention=fused)
     cost = graph_cost(graph, prof.device)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()
                   if p.is_floating_point()), "float32")

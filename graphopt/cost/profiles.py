@@ -50,6 +50,9 @@ class DeviceProfile:
     """Fused attention kernels (flash/efficient SDPA) reach this fraction of the matmul rate
     (softmax, exp and masking run between the GEMMs); FlashAttention-2 reports 50-73% of peak
     on A100 (Dao 2023); calibrated locally."""
+    kind: str = "gpu"
+    """"gpu" | "npu" | "cpu": which kernels a fake trace models (fused flash attention on
+    accelerators; PyTorch's CPU kernels for "cpu")."""
     matmul_curve: tuple[tuple[float, float], ...] = ()
     """Calibrated profiles only: (GEMM size n, achieved FLOP/s) points, n the cube root of
     m*n*k of one GEMM; :func:`graphopt.cost.graph_cost.matmul_rate` interpolates them."""
@@ -58,6 +61,9 @@ class DeviceProfile:
         object.__setattr__(self, "matmul_curve",
                            tuple((float(a), float(b)) for a, b in self.matmul_curve))
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        if self.kind not in ("gpu", "npu", "cpu"):
+            raise ConfigError(f"device {self.name!r}: kind must be gpu, npu or cpu, got "
+                              f"{self.kind!r}")
         _positive(self, "memory_bytes", "memory_bandwidth")
         _non_negative(self, "kernel_overhead_s")
         for key in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
@@ -208,12 +214,12 @@ DEVICES: dict[str, DeviceProfile] = {
     "ascend-910b": DeviceProfile(
         "Ascend 910B", {"float32": 94e12, "bfloat16": 376e12, "float16": 376e12},
         64 * GB, 1600 * GB, 8e-6, 0.6, 0.8,
-        "Huawei Ascend 910B public specifications (910B2: 376 TFLOPS FP16, 64 GB HBM2e)"),
+        "Huawei Ascend 910B public specifications (910B2: 376 TFLOPS FP16, 64 GB HBM2e)", kind="npu"),
     "ascend-910c": DeviceProfile(
         "Ascend 910C", {"float32": 188e12, "bfloat16": 752e12, "float16": 752e12},
         128 * GB, 3200 * GB, 8e-6, 0.6, 0.8,
         "Huawei CloudMatrix384 paper (Zuo et al. 2025, arXiv:2506.12708), Table 1: 910C "
-        "package of two dies, 752 TFLOPS BF16 dense, 128 GB, 3.2 TB/s"),
+        "package of two dies, 752 TFLOPS BF16 dense, 128 GB, 3.2 TB/s", kind="npu"),
 }
 
 
