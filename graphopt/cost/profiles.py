@@ -214,7 +214,8 @@ DEVICES: dict[str, DeviceProfile] = {
     "ascend-910b": DeviceProfile(
         "Ascend 910B", {"float32": 94e12, "bfloat16": 376e12, "float16": 376e12},
         64 * GB, 1600 * GB, 8e-6, 0.6, 0.8,
-        "Huawei Ascend 910B public specifications (910B2: 376 TFLOPS FP16, 64 GB HBM2e)", kind="npu"),
+        "Huawei Ascend 910B public specifications (910B2: 376 TFLOPS FP16, 64 GB HBM2e)",
+        kind="npu"),
     "ascend-910c": DeviceProfile(
         "Ascend 910C", {"float32": 188e12, "bfloat16": 752e12, "float16": 752e12},
         128 * GB, 3200 * GB, 8e-6, 0.6, 0.8,
