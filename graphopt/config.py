@@ -129,6 +129,67 @@ class LightningOptions:
 
 
 @dataclass(frozen=True)
+class RematOptions:
+    """``options={"remat": {...}}``: choose keep or recompute per saved activation.
+
+    budget: memory for saved activations: bytes (int), "NNGiB"/"NNMiB"/"NNKiB", "NN%" or a
+    float in (0, 1] (a fraction of what keeping every activation saves).
+    solver: "ilp" (exact, scipy/HiGHS, falls back to greedy past ``time_limit``) or "greedy".
+    """
+
+    budget: Any = 1.0
+    solver: str = "ilp"
+    time_limit: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.solver not in ("ilp", "greedy"):
+            raise ConfigError(f"remat.solver must be 'ilp' or 'greedy', got {self.solver!r}")
+        if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
+                or self.time_limit <= 0:
+            raise ConfigError(f"remat.time_limit must be seconds > 0, got {self.time_limit!r}")
+        self.resolve(1)  # validates the budget's form
+
+    def resolve(self, keep_all_bytes: int) -> int:
+        """The budget in bytes, given what keeping every activation saves."""
+        b = self.budget
+        if isinstance(b, bool):
+            raise ConfigError(f"remat.budget must be bytes, 'NNGiB', 'NN%' or a fraction; got {b!r}")
+        if isinstance(b, int):
+            if b < 0:
+                raise ConfigError(f"remat.budget must be >= 0 bytes, got {b}")
+            return b
+        if isinstance(b, float):
+            if not 0 < b <= 1:
+                raise ConfigError(f"remat.budget as a fraction must be in (0, 1], got {b}")
+            return int(b * keep_all_bytes)
+        if isinstance(b, str):
+            text = b.strip()
+            units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "%": None}
+            for unit, scale in units.items():
+                if text.endswith(unit):
+                    try:
+                        number = float(text[: -len(unit)])
+                    except ValueError:
+                        break
+                    if number < 0 or (scale is None and not 0 < number <= 100):
+                        break
+                    return int(number / 100 * keep_all_bytes) if scale is None \
+                        else int(number * scale)
+        raise ConfigError(f"remat.budget must be bytes, 'NNGiB'/'NNMiB', 'NN%' or a fraction in "
+                          f"(0, 1]; got {b!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> RematOptions:
+        if isinstance(value, RematOptions):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"option 'remat' must be a dict with keys budget, solver, "
+                              f"time_limit; got {value!r}")
+        _reject_unknown(value, {f.name for f in fields(cls)}, "remat")
+        return cls(**dict(value))
+
+
+@dataclass(frozen=True)
 class GraphoptConfig:
     """All graphopt options. Build it with :meth:`from_options`.
 
@@ -148,6 +209,9 @@ class GraphoptConfig:
     (for linearizing a pretrained model before fine-tuning); see ``lightning``."""
     lightning: LightningOptions = field(default_factory=lambda: LightningOptions())
     """How attention="lightning" converts softmax attention (ignored by other modes)."""
+    remat: RematOptions | None = None
+    """Rematerialization: keep or recompute each saved activation under a memory budget
+    (the joint pass "remat"); None keeps PyTorch's partitioning."""
     dump_dir: Path | None = None
     """Write every graph before/after every pass and the report here (env GRAPHOPT_DUMP_DIR)."""
     verify: VerifyConfig = field(default_factory=VerifyConfig)
@@ -220,6 +284,8 @@ class GraphoptConfig:
             kwargs["lightning"] = LightningOptions.parse(options["lightning"])
         if "inductor_config" in options:
             kwargs["inductor_config"] = _inductor_patches(options["inductor_config"])
+        if "remat" in options:
+            kwargs["remat"] = RematOptions.parse(options["remat"])
         config = cls(**kwargs)
         if config.lowering == "npu":
             from graphopt.lowering import require_npu

@@ -56,9 +56,16 @@ class AOTLowering(Lowering):
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[Any],
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Split the joint graph; the default keeps every activation the backward needs."""
-        from torch._functorch.partitioners import default_partition
+        """Split the joint graph; the default keeps every activation the backward needs. After
+        the remat pass tagged the nodes (keep / recompute), the min-cut partitioner applies
+        the tags."""
+        from torch._functorch.partitioners import (
+            default_partition,
+            min_cut_rematerialization_partition,
+        )
 
+        if joint.meta.get("graphopt_remat"):
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         return default_partition(joint, joint_inputs, **kwargs)
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], hooks: AOTHooks,

@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "attention": "graphopt.passes.attention:AttentionPass",
     "remove_noops": "graphopt.passes.remove_noops:RemoveNoopsPass",
     "cse": "graphopt.passes.cse:CSEPass",
+    "remat": "graphopt.passes.remat:RematPass",
 }
 _LOADED: dict[str, type[GraphPass]] = {}
 
@@ -83,5 +84,7 @@ def default_pipeline_names() -> list[str]:
 def build_pipeline(config: GraphoptConfig, stage: Stage) -> list[GraphPass]:
     """The passes of ``stage`` for ``config``: the defaults minus ``disable``, then ``enable``."""
     names = [n for n in PIPELINE[stage] if n not in config.disable]
+    if stage == "joint" and config.remat is not None and "remat" not in config.disable:
+        names.append("remat")  # on when options={"remat": {...}} is given
     names += [n for n in config.enable if get_pass(n).stage == stage and n not in names]
     return [get_pass(n).from_config(config) for n in names]
