@@ -153,7 +153,8 @@ class RematOptions:
         """The budget in bytes, given what keeping every activation saves."""
         b = self.budget
         if isinstance(b, bool):
-            raise ConfigError(f"remat.budget must be bytes, 'NNGiB', 'NN%' or a fraction; got {b!r}")
+            raise ConfigError(f"remat.budget must be bytes, 'NNGiB', 'NN%' or a fraction; got "
+                              f"{b!r}")
         if isinstance(b, int):
             if b < 0:
                 raise ConfigError(f"remat.budget must be >= 0 bytes, got {b}")

@@ -184,36 +184,61 @@ def solve_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
     return saved, recomputed, "optimal" if res.status == 0 else "time limit (best found)"
 
 
-def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
-                 budget: int) -> tuple[set[fx.Node], set[fx.Node], str]:
-    """Recompute the most bytes per second first, among candidates whose forward inputs are
-    saved or primal; views are recomputed from their (then saved) base."""
+def keep_everything(forward: list[fx.Node], needed: list[fx.Node]
+                    ) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The no-remat plan: save every needed value; views and tuple outputs are rebuilt from
+    their saved bases (which are then saved too)."""
     fwd = set(forward)
     saved = {v for v in needed if not _is_view(v) and not _is_tuple(v)}
     recomputed = {v for v in needed if _is_view(v) or _is_tuple(v)}
-    for v in list(recomputed):  # a view's base chain must be available
+    for v in list(recomputed):
         stack = [u for u in v.all_input_nodes if u in fwd]
         while stack:
             u = stack.pop()
             if _is_view(u) or _is_tuple(u):
-                recomputed.add(u)
-                stack += [w for w in u.all_input_nodes if w in fwd]
+                if u not in recomputed:
+                    recomputed.add(u)
+                    stack += [w for w in u.all_input_nodes if w in fwd]
             else:
                 saved.add(u)
+    return saved, recomputed
+
+
+def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
+                 budget: int) -> tuple[set[fx.Node], set[fx.Node], str]:
+    """Recompute the most bytes per second of recomputation first; a candidate's inputs that
+    are not saved are recomputed with it (chains up to 8 ops); views and tuple outputs come
+    back from their saved bases."""
+    saved, recomputed = keep_everything(forward, needed)
+    fwd = set(forward)
 
     def total() -> int:
         return sum(_bytes(v) for v in saved)
+
+    def closure(v: fx.Node, plan: set[fx.Node], depth: int) -> bool:
+        """Add to ``plan`` what recomputing ``v`` needs (inputs not saved: recomputed too,
+        up to ``depth`` levels); False if something on the way cannot be recomputed."""
+        if _unsafe_to_recompute(v) or depth < 0:
+            return False
+        plan.add(v)
+        for u in v.all_input_nodes:
+            if u not in fwd or (u in saved and u is not v) or u in recomputed or u in plan:
+                continue
+            if not closure(u, plan, depth - 1):
+                return False
+        return True
 
     candidates = sorted((v for v in saved if not _unsafe_to_recompute(v)),
                         key=lambda v: -_bytes(v) / max(times.get(v.name, 0.0), 1e-9))
     for v in candidates:
         if total() <= budget:
             break
-        inputs = [u for u in v.all_input_nodes if u in fwd]
-        if all(u in saved or u in recomputed for u in inputs) and \
-                not any(u is v for u in inputs):
-            saved.discard(v)
-            recomputed.add(v)
+        plan: set[fx.Node] = set()
+        saved.discard(v)
+        if closure(v, plan, depth=8):
+            recomputed |= plan
+        else:
+            saved.add(v)
     return saved, recomputed, "greedy" + ("" if total() <= budget else " (over budget)")
 
 
@@ -223,7 +248,7 @@ def plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
     the budget in bytes."""
     forward, backward = split_joint(gm)
     needed = _needed(forward, backward)
-    keep_all = sum(_bytes(v) for v in needed if not _is_view(v) and not _is_tuple(v))
+    keep_all = sum(_bytes(v) for v in keep_everything(forward, needed)[0])
     budget = int(budget_of(keep_all))
     times = _node_times(gm)
     result = None

@@ -1,0 +1,163 @@
+"""remat pass: keep or recompute each saved activation under a budget (ILP / greedy), applied
+through torch's min-cut partitioner; gradients unchanged, saved activations within budget."""
+
+import re
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import ConfigError, GraphoptConfig
+from graphopt.config import RematOptions
+from graphopt.models import build_model, sample_batch
+
+
+def _saved_activation_bytes(fn, params, *args):
+    """Bytes of the unique storages autograd saves for backward; parameters and the call's
+    own inputs (held by the caller anyway) excluded."""
+    skip = {t.untyped_storage().data_ptr() for t in [*params, *args]}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    out.backward()
+    return sum(seen.values())
+
+
+def _remat_summary():
+    sites = [s for r in graphopt.reports() for p in r.pass_records("remat") for s in p.sites
+             if s.site == "saved activations"]
+    assert len(sites) == 1, sites
+    return sites[0]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.dropout = dropout
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.dropout(torch.tanh(layer(x)), self.dropout, self.training)
+        return x.square().mean()
+
+
+def _compile(fn, **remat):
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    options = {"lowering": "eager"}
+    if remat:
+        options["remat"] = remat
+    return torch.compile(fn, backend="graphopt", options=options)
+
+
+@pytest.mark.parametrize("solver", ["ilp", "greedy"])
+def test_budget_trades_saved_bytes_for_recomputation_exactly(solver):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(128, 64)
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(x), params)
+    full = None
+    for budget in (1.0, 0.5, 0.2):
+        fn = _compile(model, budget=budget, solver=solver)
+        fn(x).backward()  # compile outside the measurement
+        model.zero_grad()
+        saved = _saved_activation_bytes(fn, params, x)
+        got = [p.grad for p in params]
+        torch.testing.assert_close(got, list(want), rtol=0, atol=0)
+        summary = _remat_summary()
+        budget_bytes = int(summary.reason.split("budget ")[1].split(" bytes")[0])
+        assert saved <= budget_bytes * 1.05 + 4096, (budget, saved, summary.reason)
+        assert solver in summary.reason
+        full = full or saved
+        model.zero_grad()
+    assert saved < 0.5 * full
+
+
+def test_random_ops_are_saved_not_recomputed(tmp_path):
+    """Recomputing dropout would draw a new mask: whatever the budget, no random op may
+    appear in the backward graph; gradients equal the same-seed uncompiled run."""
+    model = MLP(dropout=0.3).train()
+    x = torch.randn(64, 64)
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    fn = torch.compile(model, backend="graphopt", options={
+        "lowering": "eager", "remat": {"budget": 0.05}, "dump_dir": str(tmp_path)})
+    torch.manual_seed(1)
+    fn(x).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(1)
+    model(x).backward()
+    torch.testing.assert_close(got, [p.grad for p in model.parameters()])
+    (backward,) = tmp_path.glob("graph_*/backward.py")
+    code = backward.read_text()
+    assert "aten.mm" in code and "native_dropout_backward" in code
+    assert not re.search(r"aten\.(native_dropout|bernoulli\w*|rand\w*)\.", code)
+    summary = _remat_summary()
+    assert "recomputed" in summary.reason
+
+
+def test_infeasible_budget_reports_the_minimum():
+    torch.manual_seed(0)
+    model, x = MLP(dropout=0.5).train(), torch.randn(32, 64)
+    fn = _compile(model, budget=1)  # one byte: the dropout masks alone exceed it
+    fn(x).backward()
+    summary = _remat_summary()
+    assert summary.action == "skipped" and "budget infeasible: the minimum found is" in \
+        summary.reason
+
+
+@pytest.mark.parametrize("value, message", [
+    ("60", "remat.budget must be bytes"),
+    (1.5, "fraction must be in (0, 1]"),
+    ("120%", "remat.budget must be bytes"),
+    (-5, "must be >= 0 bytes"),
+])
+def test_bad_budgets_say_what_is_accepted(value, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        GraphoptConfig.from_options({"remat": {"budget": value}})
+    with pytest.raises(ConfigError, match="remat.solver must be 'ilp' or 'greedy'"):
+        GraphoptConfig.from_options({"remat": {"solver": "cplex"}})
+
+
+def test_budget_forms_resolve_to_bytes():
+    assert RematOptions(budget="2MiB").resolve(10**9) == 2 * 2**20
+    assert RematOptions(budget="25%").resolve(1000) == 250
+    assert RematOptions(budget=0.5).resolve(1000) == 500
+    assert RematOptions(budget=1234).resolve(10) == 1234
+
+
+def test_llama_at_four_budgets_keeps_gradients_and_stays_within_budget():
+    model = build_model("llama", num_hidden_layers=4, hidden_size=128,
+                        intermediate_size=256).train()
+    ids = sample_batch(model, batch=2, seq=64)
+    params = list(model.parameters())
+
+    def loss(i):
+        return model(input_ids=i, labels=i, use_cache=False).loss
+
+    want = torch.autograd.grad(loss(ids), params)
+    previous = None
+    for budget in (1.0, 0.75, 0.5, 0.3):
+        fn = _compile(loss, budget=budget)
+        fn(ids).backward()
+        model.zero_grad()
+        saved = _saved_activation_bytes(fn, params, ids)
+        torch.testing.assert_close([p.grad for p in params], list(want), rtol=1e-5,
+                                   atol=1e-6)
+        summary = _remat_summary()
+        assert summary.action == "rewritten" and "optimal" in summary.reason
+        budget_bytes = int(summary.reason.split("budget ")[1].split(" bytes")[0])
+        assert saved <= budget_bytes * 1.1 + 65536, (budget, saved, summary.reason)
+        assert previous is None or saved <= previous
+        previous = saved
+        model.zero_grad()
