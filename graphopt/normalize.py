@@ -61,6 +61,7 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
         A new GraphModule; ``gm`` is untouched.
     """
     fake_mode, fakes = fake_inputs(gm, example_inputs)
+    _default_checkpoint_context(gm)
 
     def run(*args: Any) -> Any:
         return fx.Interpreter(gm).run(*args)
@@ -72,6 +73,26 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
     _fill_missing_meta(traced)
     traced.recompile()
     return traced
+
+
+def _default_checkpoint_context(gm: fx.GraphModule) -> None:
+    """Give each ``torch.utils.checkpoint`` region body the context function of plain
+    activation checkpointing (always recompute) unless it has one: PyTorch's pre-dispatch
+    rule for ``tag_activation_checkpoint`` reads ``meta["_checkpoint_context_fn"]`` without a
+    default (torch 2.13), so re-tracing a graph with a checkpoint region failed."""
+    import functools
+
+    from torch._higher_order_ops.wrap import _always_prefer_recompute
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    target = torch.ops.higher_order.tag_activation_checkpoint
+    for node in gm.graph.find_nodes(op="call_function", target=target):
+        body = node.args[0]
+        module = getattr(gm, body.target) if isinstance(body, fx.Node) and \
+            body.op == "get_attr" else None
+        if isinstance(module, fx.GraphModule):
+            module.meta.setdefault("_checkpoint_context_fn", functools.partial(
+                create_selective_checkpoint_contexts, _always_prefer_recompute))
 
 
 def _rename_placeholders(traced: fx.GraphModule, original: fx.GraphModule) -> None:
@@ -95,5 +116,10 @@ def _fill_missing_meta(gm: fx.GraphModule) -> None:
 
 
 def check_meta(gm: fx.GraphModule) -> list[str]:
-    """Names of nodes (other than output) that lack ``meta['val']``."""
-    return [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
+    """Names of nodes (other than output, and get_attr of submodules such as a checkpoint
+    region's body) that lack ``meta['val']``."""
+    return [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta
+            and not (n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None),
+                                                       torch.nn.Module))
+            and not (isinstance(n.target, torch._ops.OpOverload)
+                     and not n.target._schema.returns)]  # e.g. _assert_async: no value

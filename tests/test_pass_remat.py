@@ -161,3 +161,47 @@ def test_llama_at_four_budgets_keeps_gradients_and_stays_within_budget():
         assert previous is None or saved <= previous
         previous = saved
         model.zero_grad()
+
+
+def test_user_checkpoint_regions_are_respected():
+    """A torch.utils.checkpoint region is recomputed whatever the budget, and reported."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(32, 64)
+
+    def fn(x):
+        h = checkpoint(lambda t: torch.tanh(model.layers[0](t)), x, use_reentrant=False)
+        for layer in model.layers[1:]:
+            h = torch.tanh(layer(h))
+        return h.square().mean()
+
+    want = torch.autograd.grad(fn(x), list(model.parameters()))
+    compiled = _compile(fn, budget=1.0)
+    compiled(x).backward()
+    torch.testing.assert_close([p.grad for p in model.parameters()], list(want))
+    kept = [s for r in graphopt.reports() for p in r.pass_records("remat") for s in p.sites
+            if s.site == "user checkpoint regions"]
+    assert kept and "keep the user's save/recompute choice" in kept[0].reason
+
+
+def test_mixtral_at_four_budgets_keeps_gradients():
+    """Mixtral's eager expert loop graph-breaks: remat runs on every joint graph."""
+    model = build_model("mixtral", num_hidden_layers=2).train()
+    ids = sample_batch(model, batch=1, seq=32)
+    params = list(model.parameters())
+
+    def loss(i):
+        return model(input_ids=i, labels=i, use_cache=False).loss
+
+    want = torch.autograd.grad(loss(ids), params, allow_unused=True)
+    for budget in (1.0, 0.75, 0.5, 0.3):
+        fn = _compile(loss, budget=budget)
+        fn(ids).backward()
+        for p, w in zip(params, want):
+            if w is not None:
+                torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-6)
+        model.zero_grad()
+        records = [p for r in graphopt.reports() for p in r.pass_records("remat")]
+        assert records and all(p.modified for p in records if p.graph_kind == "joint")

@@ -26,6 +26,9 @@ The decision is applied by tagging every forward node with
 Contract:
     accepts: a joint forward+backward graph (AOTAutograd), stage "joint".
     guarantees: exact (recomputation repeats the same deterministic ops).
+    respects: nodes already tagged by user code (torch.utils.checkpoint regions, selective
+        activation checkpointing policies) keep their save/recompute choice (fixed in the
+        ILP; a "kept" site says how many).
     records: one "rewritten" site per recomputed value (bytes, predicted recompute seconds) and
         a summary site (budget, keep-all bytes, saved bytes, solver, status); "skipped" with
         the minimum when the budget is infeasible (every value is then saved or recomputed as
@@ -64,12 +67,32 @@ class RematPlan:
     status: str
 
 
+_UNBACKED_HINT = 64  # sizes that depend on data (MoE token counts): a typical value
+
+
+def _concrete(x: Any) -> float:
+    """A number for a possibly symbolic size or cost: the shape environment's hint for
+    backed symbols, ``_UNBACKED_HINT`` for data-dependent ones."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        if isinstance(x, torch.SymInt):
+            return float(optimization_hint(x, fallback=_UNBACKED_HINT))
+        x = x.node.expr
+    import sympy
+
+    expr = sympy.sympify(x)
+    return float(expr.xreplace({s: _UNBACKED_HINT for s in expr.free_symbols}))
+
+
 def _bytes(node: fx.Node) -> int:
-    total = 0
+    total = 0.0
     for leaf in torch.utils._pytree.tree_leaves(node.meta.get("val")):
         if isinstance(leaf, torch.Tensor):
-            total += leaf.numel() * leaf.element_size()
-    return total
+            total += _concrete(leaf.numel()) * leaf.element_size()
+    return int(total)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -127,7 +150,20 @@ def _node_times(gm: fx.GraphModule) -> dict[str, float]:
         device = load_profile("local").device
     except Exception:  # not calibrated: relative costs from a CPU-like roofline are enough
         device = CLUSTERS["h100-sxm"].device
-    return {c.name: float(c.time_s) for c in graph_cost(gm, device).nodes}
+    return {c.name: _concrete(c.time_s) for c in graph_cost(gm, device).nodes}
+
+
+def user_policy(node: fx.Node) -> str | None:
+    """"recompute" / "save" when user code (torch.utils.checkpoint, selective activation
+    checkpointing) already tagged the node; None otherwise."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    tag = node.meta.get("recompute")
+    if tag in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+        return "recompute"
+    if tag in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+        return "save"
+    return None
 
 
 def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
@@ -147,6 +183,11 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
             upper[n + i] = 0
         if _is_view(v) or _is_tuple(v):
             upper[i] = 0  # views come back from their base; a tuple is saved per getitem
+        policy = user_policy(v)
+        if policy == "recompute" and upper[n + i]:  # the user's checkpoint region
+            upper[i], lower[n + i] = 0, 1
+        elif policy == "save" and upper[i]:
+            lower[i] = 1
     rows: list[tuple[dict[int, float], float, float]] = []
     for v in needed:
         i = index[v]
@@ -288,6 +329,12 @@ class RematPass(GraphPass):
         start = time.perf_counter()
         decision = plan(gm, self.options.resolve, self.options.solver, self.options.time_limit)
         forward, _ = split_joint(gm)
+        user = [v for v in forward if user_policy(v) is not None]
+        if user:
+            ctx.record("kept", "user checkpoint regions",
+                       f"{len(user)} values tagged by torch.utils.checkpoint / selective "
+                       "checkpointing keep the user's save/recompute choice; graphopt decides "
+                       "the rest")
         for v in forward:
             if v in decision.recomputed:
                 v.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
