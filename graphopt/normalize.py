@@ -88,7 +88,7 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> None:
     target = torch.ops.higher_order.tag_activation_checkpoint
     for node in gm.graph.find_nodes(op="call_function", target=target):
         body = node.args[0]
-        module = getattr(gm, body.target) if isinstance(body, fx.Node) and \
+        module = getattr(gm, str(body.target)) if isinstance(body, fx.Node) and \
             body.op == "get_attr" else None
         if isinstance(module, fx.GraphModule):
             module.meta.setdefault("_checkpoint_context_fn", functools.partial(
