@@ -140,6 +140,12 @@ class RematOptions:
     budget: Any = 1.0
     solver: str = "ilp"
     time_limit: float = 10.0
+    offload: bool = False
+    """Also consider copying saved values to host memory and back (priced by the profile's
+    host bandwidth); "ilp" only."""
+    profile: str | None = None
+    """Cost-model profile that prices recomputation and host copies (default: "local" when
+    calibrated, else h100-sxm)."""
 
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "greedy"):
@@ -148,6 +154,12 @@ class RematOptions:
                 or self.time_limit <= 0:
             raise ConfigError(f"remat.time_limit must be seconds > 0, got {self.time_limit!r}")
         self.resolve(1)  # validates the budget's form
+        if not isinstance(self.offload, bool):
+            raise ConfigError(f"remat.offload must be a bool, got {self.offload!r}")
+        if self.profile is not None:
+            from graphopt.cost.profiles import load_profile
+
+            load_profile(self.profile)  # unknown names fail here, listing the valid ones
 
     def resolve(self, keep_all_bytes: int) -> int:
         """The budget in bytes, given what keeping every activation saves."""
@@ -185,7 +197,7 @@ class RematOptions:
             return value
         if not isinstance(value, Mapping):
             raise ConfigError(f"option 'remat' must be a dict with keys budget, solver, "
-                              f"time_limit; got {value!r}")
+                              f"time_limit, offload, profile; got {value!r}")
         _reject_unknown(value, {f.name for f in fields(cls)}, "remat")
         return cls(**dict(value))
 

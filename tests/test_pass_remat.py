@@ -205,3 +205,27 @@ def test_mixtral_at_four_budgets_keeps_gradients():
         model.zero_grad()
         records = [p for r in graphopt.reports() for p in r.pass_records("remat")]
         assert records and all(p.modified for p in records if p.graph_kind == "joint")
+
+
+def test_offload_decision_runs_as_a_copy_on_cpu_and_keeps_gradients():
+    """Dropout outputs cannot be recomputed; under a budget they cannot all stay either, so
+    the ILP offloads them to host memory. Here host memory is this memory: the copies run
+    and the report says no memory is saved on this machine."""
+    model, x = MLP(dropout=0.3).train(), torch.randn(256, 64)
+    params = list(model.parameters())
+    fn = _compile(model, budget=0.1, offload=True, profile="gb200-nvl72")
+    torch.manual_seed(3)
+    fn(x).backward()
+    got = [p.grad.clone() for p in params]
+    model.zero_grad()
+    torch.manual_seed(3)
+    model(x).backward()
+    torch.testing.assert_close(got, [p.grad for p in params])
+    sites = {s.site: s for r in graphopt.reports() for p in r.pass_records("remat")
+             for s in p.sites}
+    assert "offload" in sites, sorted(sites)
+    assert "values offloaded to host" in sites["offload"].reason
+    assert "no memory is saved on this machine" in sites["offload"].reason
+    assert sites["saved activations"].action == "rewritten"  # within budget with offload
+    with pytest.raises(ConfigError, match="unknown profile 'tpu'"):
+        GraphoptConfig.from_options({"remat": {"profile": "tpu"}})

@@ -222,6 +222,7 @@ def calibrate(path: Path | None = None, collectives: bool = True,
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         memory_bandwidth=bandwidth, kernel_overhead_s=overhead, matmul_efficiency=1.0,
         memory_efficiency=1.0, attention_efficiency=attention, kind="cpu",
+        host_bandwidth=bandwidth / 2,  # "host" is this memory: a copy reads and writes
         source=f"graphopt calibrate, {time.strftime('%Y-%m-%d')}",
         matmul_curve=tuple(curve))
     profile = ClusterProfile("local", device, (ClusterLevel("node", os.cpu_count() or 1,

@@ -50,6 +50,9 @@ class DeviceProfile:
     """Fused attention kernels (flash/efficient SDPA) reach this fraction of the matmul rate
     (softmax, exp and masking run between the GEMMs); FlashAttention-2 reports 50-73% of peak
     on A100 (Dao 2023); calibrated locally."""
+    host_bandwidth: float = 25e9
+    """Bytes/s between device and host memory per direction (PCIe 4.0 x16 ~25 GB/s; PCIe 5.0
+    ~50 GB/s; NVLink-C2C on GB200 ~450 GB/s); prices offloading."""
     kind: str = "gpu"
     """"gpu" | "npu" | "cpu": which kernels a fake trace models (fused flash attention on
     accelerators; PyTorch's CPU kernels for "cpu")."""
@@ -197,20 +200,23 @@ DEVICES: dict[str, DeviceProfile] = {
     "h100-sxm": DeviceProfile(
         "H100-SXM5-80GB", {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12,
                            "float16": 989.5e12, "float8": 1979e12}, 80 * GB, 3350 * GB, 4e-6,
-        0.7, 0.85, "NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense)"),
+        0.7, 0.85, "NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense)",
+        host_bandwidth=50e9),
     "h200": DeviceProfile(
         "H200-SXM-141GB", {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12,
                            "float16": 989.5e12, "float8": 1979e12}, 141 * GB, 4800 * GB, 4e-6,
-        0.7, 0.85, "NVIDIA H200 Tensor Core GPU datasheet, SXM column (dense)"),
+        0.7, 0.85, "NVIDIA H200 Tensor Core GPU datasheet, SXM column (dense)",
+        host_bandwidth=50e9),
     "b200": DeviceProfile(
         "B200", {"float32": 80e12, "tf32": 1100e12, "bfloat16": 2250e12, "float16": 2250e12,
                  "float8": 4500e12}, 180 * GB, 7700 * GB, 4e-6, 0.65, 0.85,
-        "NVIDIA DGX B200 / HGX B200 datasheet (per GPU, dense)"),
+        "NVIDIA DGX B200 / HGX B200 datasheet (per GPU, dense)", host_bandwidth=50e9),
     "gb200": DeviceProfile(
         "GB200 (B200 GPU in NVL72)", {"float32": 80e12, "tf32": 1250e12,
                                       "bfloat16": 2500e12, "float16": 2500e12,
                                       "float8": 5000e12}, 186 * GB, 8000 * GB, 4e-6, 0.65,
-        0.85, "NVIDIA GB200 NVL72 datasheet (per GPU, dense = half the sparse figures)"),
+        0.85, "NVIDIA GB200 NVL72 datasheet (per GPU, dense = half the sparse figures)",
+        host_bandwidth=450e9),
     "ascend-910b": DeviceProfile(
         "Ascend 910B", {"float32": 94e12, "bfloat16": 376e12, "float16": 376e12},
         64 * GB, 1600 * GB, 8e-6, 0.6, 0.8,

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,8 @@ class RematPlan:
     recompute_s: float
     solver: str
     status: str
+    offloaded: set[fx.Node] = field(default_factory=set)
+    device_kind: str = "gpu"
 
 
 _UNBACKED_HINT = 64  # sizes that depend on data (MoE token counts): a typical value
@@ -142,14 +144,20 @@ def _unsafe_to_recompute(node: fx.Node) -> bool:
     return False
 
 
-def _node_times(gm: fx.GraphModule) -> dict[str, float]:
-    from graphopt.cost.graph_cost import graph_cost
+def _device(profile: Any) -> Any:
     from graphopt.cost.profiles import CLUSTERS, load_profile
 
+    if profile is not None:
+        return load_profile(profile).device
     try:
-        device = load_profile("local").device
-    except Exception:  # not calibrated: relative costs from a CPU-like roofline are enough
-        device = CLUSTERS["h100-sxm"].device
+        return load_profile("local").device
+    except Exception:  # not calibrated: relative costs from a GPU roofline are enough
+        return CLUSTERS["h100-sxm"].device
+
+
+def _node_times(gm: fx.GraphModule, device: Any) -> dict[str, float]:
+    from graphopt.cost.graph_cost import graph_cost
+
     return {c.name: _concrete(c.time_s) for c in graph_cost(gm, device).nodes}
 
 
@@ -167,22 +175,31 @@ def user_policy(node: fx.Node) -> str | None:
 
 
 def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
-              budget: int) -> tuple[Any, ...]:
-    """(c, constraints, integrality, bounds, index) of the MILP in the module docstring."""
+              budget: int, offload_cost: dict[fx.Node, float] | None = None
+              ) -> tuple[Any, ...]:
+    """(c, constraints, integrality, bounds, index, blocks) of the MILP in the module
+    docstring; ``blocks`` is 2 (save, recompute) or 3 (+ offload, priced by
+    ``offload_cost``: seconds to copy the value to host memory and back)."""
     from scipy.optimize import Bounds, LinearConstraint
     from scipy.sparse import lil_matrix
 
     index = {n: i for i, n in enumerate(forward)}
     n = len(forward)
-    c = np.zeros(2 * n)
-    lower = np.zeros(2 * n)
-    upper = np.ones(2 * n)
+    blocks = 3 if offload_cost is not None else 2
+    c = np.zeros(blocks * n)
+    lower = np.zeros(blocks * n)
+    upper = np.ones(blocks * n)
     for v, i in index.items():
         c[n + i] = max(times.get(v.name, 0.0), 1e-9)
         if _unsafe_to_recompute(v):
             upper[n + i] = 0
         if _is_view(v) or _is_tuple(v):
             upper[i] = 0  # views come back from their base; a tuple is saved per getitem
+        if blocks == 3:
+            assert offload_cost is not None
+            c[2 * n + i] = max(offload_cost.get(v, 0.0), 1e-9)
+            if _is_view(v) or _is_tuple(v) or not _bytes(v) or user_policy(v):
+                upper[2 * n + i] = 0
         policy = user_policy(v)
         if policy == "recompute" and upper[n + i]:  # the user's checkpoint region
             upper[i], lower[n + i] = 0, 1
@@ -191,30 +208,40 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
     rows: list[tuple[dict[int, float], float, float]] = []
     for v in needed:
         i = index[v]
-        rows.append(({i: 1.0, n + i: 1.0}, 1.0, math.inf))
+        row = {i: 1.0, n + i: 1.0}
+        if blocks == 3:
+            row[2 * n + i] = 1.0
+        rows.append((row, 1.0, math.inf))
     for v, i in index.items():
         for u in v.all_input_nodes:
-            if u in index:
-                j = index[u]
-                rows.append(({j: 1.0, n + j: 1.0, n + i: -1.0}, 0.0, math.inf))
+            if u in index:  # recomputation reads saved or recomputed inputs; views may
+                j = index[u]  # also be rebuilt on an offloaded base copied back
+                row = {j: 1.0, n + j: 1.0, n + i: -1.0}
+                if blocks == 3 and _is_view(v):
+                    row[2 * n + j] = 1.0
+                rows.append((row, 0.0, math.inf))
     rows.append(({index[v]: float(_bytes(v)) for v in forward
                   if not _is_view(v) and not _is_tuple(v)}, -math.inf, float(budget)))
-    a = lil_matrix((len(rows), 2 * n))
+    a = lil_matrix((len(rows), blocks * n))
     lb, ub = np.zeros(len(rows)), np.zeros(len(rows))
     for k, (coeffs, lo, hi) in enumerate(rows):
         for j, val in coeffs.items():
             a[k, j] = val
         lb[k], ub[k] = lo, hi
-    return (c, LinearConstraint(a.tocsr(), lb, ub), np.ones(2 * n), Bounds(lower, upper),
-            index)
+    return (c, LinearConstraint(a.tocsr(), lb, ub), np.ones(blocks * n),
+            Bounds(lower, upper), index, blocks)
 
 
 def solve_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
-              budget: int, time_limit: float) -> tuple[set[fx.Node], set[fx.Node], str] | None:
-    """Optimal (saved, recomputed, status), or None when infeasible / out of time."""
+              budget: int, time_limit: float,
+              offload_cost: dict[fx.Node, float] | None = None
+              ) -> tuple[set[fx.Node], set[fx.Node], set[fx.Node], str] | None:
+    """Optimal (saved, recomputed, offloaded, status), or None when infeasible / out of
+    time."""
     from scipy.optimize import milp
 
-    c, constraints, integrality, bounds, index = build_ilp(forward, needed, times, budget)
+    c, constraints, integrality, bounds, index, blocks = build_ilp(
+        forward, needed, times, budget, offload_cost)
     res = milp(c, constraints=constraints, integrality=integrality, bounds=bounds,
                options={"time_limit": time_limit})
     if res.x is None or res.status not in (0, 1):
@@ -222,7 +249,10 @@ def solve_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
     n = len(forward)
     saved = {v for v, i in index.items() if res.x[i] > 0.5}
     recomputed = {v for v, i in index.items() if res.x[n + i] > 0.5}
-    return saved, recomputed, "optimal" if res.status == 0 else "time limit (best found)"
+    offloaded = {v for v, i in index.items() if blocks == 3 and res.x[2 * n + i] > 0.5
+                 and v not in saved and v not in recomputed}
+    return saved, recomputed, offloaded, \
+        "optimal" if res.status == 0 else "time limit (best found)"
 
 
 def keep_everything(forward: list[fx.Node], needed: list[fx.Node]
@@ -284,26 +314,77 @@ def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str,
 
 
 def plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
-         time_limit: float = 10.0) -> RematPlan:
-    """Decide keep/recompute for ``gm`` (a joint graph); ``budget_of(keep_all_bytes)`` gives
-    the budget in bytes."""
+         time_limit: float = 10.0, offload: bool = False, profile: Any = None) -> RematPlan:
+    """Decide keep/recompute(/offload) for ``gm`` (a joint graph); ``budget_of(keep_all)``
+    gives the budget in bytes; ``profile`` prices nodes and host copies (default: "local"
+    when calibrated, else h100-sxm)."""
     forward, backward = split_joint(gm)
     needed = _needed(forward, backward)
     keep_all = sum(_bytes(v) for v in keep_everything(forward, needed)[0])
     budget = int(budget_of(keep_all))
-    times = _node_times(gm)
+    device = _device(profile)
+    times = _node_times(gm, device)
+    offload_cost = None
+    if offload:
+        offload_cost = {v: 2 * (_bytes(v) / device.host_bandwidth + device.kernel_overhead_s)
+                        for v in forward}
     result = None
     name = solver
     if solver == "ilp":
-        result = solve_ilp(forward, needed, times, budget, time_limit)
+        result = solve_ilp(forward, needed, times, budget, time_limit, offload_cost)
         if result is None:
             name = "greedy (ILP infeasible or out of time)"
     if result is None:
-        result = solve_greedy(forward, needed, times, budget)
-    saved, recomputed, status = result
+        saved, recomputed, status = solve_greedy(forward, needed, times, budget)
+        result = (saved, recomputed, set(), status)
+    saved, recomputed, offloaded, status = result
     saved_bytes = sum(_bytes(v) for v in saved)
     cost = sum(times.get(v.name, 0.0) for v in recomputed)
-    return RematPlan(saved, recomputed, saved_bytes, keep_all, cost, name, status)
+    if offload_cost:
+        cost += sum(offload_cost[v] for v in offloaded)
+    return RematPlan(saved, recomputed, saved_bytes, keep_all, cost, name, status, offloaded,
+                     device.kind)
+
+
+def _offload(gm: fx.GraphModule, v: fx.Node, backward: set[fx.Node]) -> None:
+    """Save a host copy of ``v`` instead of ``v``; the backward copies it back.
+
+    forward: h = _to_copy(v, device=cpu) (MUST_SAVE); backward: d = _to_copy(h, device of
+    v) (MUST_RECOMPUTE, so the partitioner materializes it in the backward) replaces v in
+    every backward user, and views of v that the backward reads are rebuilt on d."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    val = v.meta["val"]
+
+    def backward_users(node: fx.Node) -> list[fx.Node]:
+        return [u for u in node.users if u in backward]
+
+    views = [w for w in v.users if w not in backward and _is_view(w) and
+             backward_users(w)]
+    if not backward_users(v) and not views:
+        return
+    with graph.inserting_after(v):
+        host = graph.call_function(aten._to_copy.default, (v,), {"device": torch.device("cpu")})
+    host.meta.update(val=val.to("cpu"), recompute=CheckpointPolicy.MUST_SAVE)
+    readers = backward_users(v) + [u for w in views for u in backward_users(w)]
+    first = min(readers, key=lambda u: order.get(u, len(order)))
+    with graph.inserting_before(first):
+        back = graph.call_function(aten._to_copy.default, (host,), {"device": val.device})
+    back.meta.update(val=val, recompute=CheckpointPolicy.MUST_RECOMPUTE)
+    for u in backward_users(v):
+        u.replace_input_with(v, back)
+    for w in views:
+        with graph.inserting_after(back):
+            rebuilt = graph.call_function(
+                w.target,  # type: ignore[arg-type]  (a view op: callable)
+                *torch.fx.node.map_arg((w.args, w.kwargs),
+                                                 lambda a: back if a is v else a))
+        rebuilt.meta.update(w.meta, recompute=CheckpointPolicy.MUST_RECOMPUTE)
+        for u in backward_users(w):
+            u.replace_input_with(w, rebuilt)
+    v.meta.pop("recompute", None)
 
 
 @register_pass
@@ -327,8 +408,21 @@ class RematPass(GraphPass):
             ctx.record("skipped", "graph", "not a joint training graph or no remat option")
             return PassResult(gm, False)
         start = time.perf_counter()
-        decision = plan(gm, self.options.resolve, self.options.solver, self.options.time_limit)
-        forward, _ = split_joint(gm)
+        opts = self.options
+        decision = plan(gm, opts.resolve, opts.solver, opts.time_limit, opts.offload,
+                        opts.profile)
+        forward, backward = split_joint(gm)
+        for v in decision.offloaded:
+            _offload(gm, v, backward)
+        if decision.offloaded:
+            here = next((t.device for t in torch.utils._pytree.tree_leaves(
+                [v.meta.get("val") for v in decision.offloaded])
+                if isinstance(t, torch.Tensor)), None)
+            note = (" (host memory is this device's memory here: the copies run, no memory "
+                    "is saved on this machine)") if here is not None and here.type == "cpu" \
+                else ""
+            ctx.record("rewritten", "offload", f"{len(decision.offloaded)} values offloaded "
+                       f"to host, {sum(_bytes(v) for v in decision.offloaded)} bytes" + note)
         user = [v for v in forward if user_policy(v) is not None]
         if user:
             ctx.record("kept", "user checkpoint regions",
@@ -336,6 +430,8 @@ class RematPass(GraphPass):
                        "checkpointing keep the user's save/recompute choice; graphopt decides "
                        "the rest")
         for v in forward:
+            if v in decision.offloaded:
+                continue
             if v in decision.recomputed:
                 v.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             elif v in decision.saved:
