@@ -376,11 +376,11 @@ def _offload(gm: fx.GraphModule, v: fx.Node, backward: set[fx.Node]) -> None:
     for u in backward_users(v):
         u.replace_input_with(v, back)
     for w in views:
+        target: Any = w.target  # a view op
+        args, kwargs = torch.fx.node.map_arg((w.args, w.kwargs),
+                                             lambda a: back if a is v else a)
         with graph.inserting_after(back):
-            rebuilt = graph.call_function(
-                w.target,  # type: ignore[arg-type]  (a view op: callable)
-                *torch.fx.node.map_arg((w.args, w.kwargs),
-                                                 lambda a: back if a is v else a))
+            rebuilt = graph.call_function(target, tuple(args), dict(kwargs))
         rebuilt.meta.update(w.meta, recompute=CheckpointPolicy.MUST_RECOMPUTE)
         for u in backward_users(w):
             u.replace_input_with(w, rebuilt)
