@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from common import median_time
 
 from graphopt.cost import estimate, load_profile, trace_step
 from graphopt.models import build_model, sample_batch
@@ -45,12 +45,7 @@ def measure(model: torch.nn.Module, inputs: dict, reps: int) -> tuple[float, int
         model.zero_grad(set_to_none=True)
         model(**inputs).loss.backward()
 
-    step()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+    elapsed = median_time(step, reps)
     model.zero_grad(set_to_none=True)
     tracker = MemTracker()
     tracker.track_external(model)
@@ -58,7 +53,7 @@ def measure(model: torch.nn.Module, inputs: dict, reps: int) -> tuple[float, int
         model(**inputs).loss.backward()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     model.zero_grad(set_to_none=True)
-    return statistics.median(times), int(peak)
+    return elapsed, int(peak)
 
 
 def main() -> None:

@@ -10,26 +10,15 @@ this run (medians of --reps after one warm-up).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import median_time
 
 from graphopt.cost import lightning_flops
 from graphopt.kernels.lightning import lightning_attention
 from graphopt.kernels.lightning.chunked import DEFAULT_BLOCK_SIZE
-
-
-def median_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def matmul_gflops(reps: int) -> float:

@@ -118,14 +118,7 @@ class LightningOptions:
 
     @classmethod
     def parse(cls, value: Any) -> LightningOptions:
-        if isinstance(value, LightningOptions):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"option 'lightning' must be a dict with keys every, layers, slopes, "
-                              f"num_layers, feature_map, norm; got "
-                              f"{value!r}")
-        _reject_unknown(value, {f.name for f in fields(cls)}, "lightning")
-        return cls(**dict(value))
+        return _parse_section(cls, value, "lightning")
 
 
 @dataclass(frozen=True)
@@ -193,13 +186,7 @@ class RematOptions:
 
     @classmethod
     def parse(cls, value: Any) -> RematOptions:
-        if isinstance(value, RematOptions):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"option 'remat' must be a dict with keys budget, solver, "
-                              f"time_limit, offload, profile; got {value!r}")
-        _reject_unknown(value, {f.name for f in fields(cls)}, "remat")
-        return cls(**dict(value))
+        return _parse_section(cls, value, "remat")
 
 
 @dataclass(frozen=True)
@@ -305,6 +292,19 @@ class GraphoptConfig:
 
             require_npu()
         return config
+
+
+def _parse_section(cls: Any, value: Any, name: str) -> Any:
+    """An options section (``options[name]``): an instance of ``cls``, or a dict of its
+    fields (unknown keys rejected with a did-you-mean)."""
+    if isinstance(value, cls):
+        return value
+    keys = [f.name for f in fields(cls)]
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"option {name!r} must be a dict with keys {', '.join(keys)}; got "
+                          f"{value!r}")
+    _reject_unknown(value, set(keys), name)
+    return cls(**dict(value))
 
 
 def _did_you_mean(name: str, valid: Any) -> str:
