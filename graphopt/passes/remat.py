@@ -14,6 +14,11 @@ recomputation in the backward; built by :func:`build_ilp`, solved by scipy's HiG
                          with side effects, and graphopt custom ops not marked safe
                 s_v = 0  for views (they are recomputed from their base for free)
 
+With ``offload=True`` a third variable o_v per value (a host copy saved instead of v, copied
+back in the backward): it satisfies "needed", costs 2 (b_v / host bandwidth + overhead) and
+uses no device memory; a recomputed view may read an offloaded base (it is rebuilt on the
+copy), other recomputation may not.
+
 Primal inputs (parameters, user inputs) are always available. "greedy" (for very large
 graphs, or when the ILP exceeds ``time_limit``): recompute the candidates with the most bytes
 per second of recomputation whose inputs are already available, until under budget.
