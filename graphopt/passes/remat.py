@@ -34,7 +34,8 @@ Contract:
     respects: nodes already tagged by user code (torch.utils.checkpoint regions, selective
         activation checkpointing policies) keep their save/recompute choice (fixed in the
         ILP; a "kept" site says how many).
-    records: one "rewritten" site per recomputed value (bytes, predicted recompute seconds) and
+    records: per saved value "kept" (bytes, what recomputing would cost), per recomputed or
+        offloaded value "rewritten" (bytes, predicted recompute time), and
         a summary site (budget, keep-all bytes, saved bytes, solver, status); "skipped" with
         the minimum when the budget is infeasible (every value is then saved or recomputed as
         cheaply as the solver finds, and the report says so).
@@ -72,6 +73,7 @@ class RematPlan:
     status: str
     offloaded: set[fx.Node] = field(default_factory=set)
     device_kind: str = "gpu"
+    times: dict[str, float] = field(default_factory=dict)
 
 
 _UNBACKED_HINT = 64  # sizes that depend on data (MoE token counts): a typical value
@@ -348,7 +350,7 @@ def plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
     if offload_cost:
         cost += sum(offload_cost[v] for v in offloaded)
     return RematPlan(saved, recomputed, saved_bytes, keep_all, cost, name, status, offloaded,
-                     device.kind)
+                     device.kind, times)
 
 
 def _offload(gm: fx.GraphModule, v: fx.Node, backward: set[fx.Node]) -> None:
@@ -443,9 +445,18 @@ class RematPass(GraphPass):
                 v.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             # values the backward does not need stay untagged
         budget = self.options.resolve(decision.keep_all_bytes)
+        times = decision.times
         for v in sorted(decision.recomputed, key=lambda v: -_bytes(v)):
             if _bytes(v):
-                ctx.record("rewritten", site_name(v), f"recompute ({_bytes(v)} bytes)")
+                ctx.record("rewritten", site_name(v), f"recompute ({_bytes(v)} bytes, "
+                           f"predicted {times.get(v.name, 0.0) * 1e6:.1f} us)")
+        for v in sorted(decision.offloaded, key=lambda v: -_bytes(v)):
+            ctx.record("rewritten", site_name(v), f"offload ({_bytes(v)} bytes)")
+        for v in sorted(decision.saved, key=lambda v: -_bytes(v)):
+            if _bytes(v):
+                ctx.record("kept", site_name(v), f"save ({_bytes(v)} bytes; recompute would "
+                           f"cost {times.get(v.name, 0.0) * 1e6:.1f} us"
+                           + (", not recomputable)" if _unsafe_to_recompute(v) else ")"))
         over = decision.saved_bytes > budget
         ctx.record("skipped" if over else "rewritten", "saved activations",
                    f"budget {budget} bytes of keep-all {decision.keep_all_bytes}: saved "
