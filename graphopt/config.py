@@ -163,6 +163,10 @@ class RematOptions:
         if isinstance(b, int):
             if b < 0:
                 raise ConfigError(f"remat.budget must be >= 0 bytes, got {b}")
+            if 0 < b < 1024:
+                raise ConfigError(f"remat.budget={b} is read as {b} bytes; for a fraction "
+                                  f"write {float(b)} or '{b * 100}%', for bytes use >= 1024 "
+                                  "or 'NNKiB'")
             return b
         if isinstance(b, float):
             if not 0 < b <= 1:
@@ -287,6 +291,13 @@ class GraphoptConfig:
         if "remat" in options:
             kwargs["remat"] = RematOptions.parse(options["remat"])
         config = cls(**kwargs)
+        if "lightning" in options and config.attention != "lightning":
+            raise ConfigError(f"option 'lightning' configures attention='lightning', but "
+                              f"attention is {config.attention!r}; set attention='lightning' "
+                              "or drop the 'lightning' options")
+        if config.remat is not None and "remat" in config.disable:
+            raise ConfigError("option 'remat' is given but 'remat' is in 'disable'; drop one "
+                              "of them")
         if config.lowering == "npu":
             from graphopt.lowering import require_npu
 

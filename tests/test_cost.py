@@ -275,3 +275,23 @@ def test_attention_crossover_on_a_profile_is_a_sequence_length():
     at = crossover(softmax_t, lightning_t, s, lo=16)
     assert at is not None and 64 < at < 4096
     assert float(softmax_t.subs(s, 16384)) > 10 * float(lightning_t.subs(s, 16384))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(group_size=0), "group_size must be an int >= 1"),
+    (dict(group_size=2.5), "group_size must be an int >= 1"),
+    (dict(stride=0), "stride must be an int >= 1"),
+    (dict(nbytes=-1.0), "nbytes must be a finite number >= 0"),
+    (dict(nbytes=float("nan")), "nbytes must be a finite number >= 0"),
+])
+def test_collective_arguments_are_validated(kwargs, message):
+    args = dict(kind="all_reduce", nbytes=1e6, group_size=8, cluster=CLUSTERS["h100-sxm"])
+    with pytest.raises(ConfigError, match=message):
+        collective_time(**(args | kwargs))
+
+
+def test_malformed_profile_files_are_config_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_profile(bad)

@@ -108,7 +108,7 @@ def test_random_ops_are_saved_not_recomputed(tmp_path):
 def test_infeasible_budget_reports_the_minimum():
     torch.manual_seed(0)
     model, x = MLP(dropout=0.5).train(), torch.randn(32, 64)
-    fn = _compile(model, budget=1)  # one byte: the dropout masks alone exceed it
+    fn = _compile(model, budget=1024)  # 1 KiB: the dropout masks alone exceed it
     fn(x).backward()
     summary = _remat_summary()
     assert summary.action == "skipped" and "budget infeasible: the minimum found is" in \
@@ -229,3 +229,13 @@ def test_offload_decision_runs_as_a_copy_on_cpu_and_keeps_gradients():
     assert sites["saved activations"].action == "rewritten"  # within budget with offload
     with pytest.raises(ConfigError, match="unknown profile 'tpu'"):
         GraphoptConfig.from_options({"remat": {"profile": "tpu"}})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"remat": {"budget": 1}}, "is read as 1 bytes; for a fraction write 1.0"),
+    ({"remat": {}, "disable": ["remat"]}, "'remat' is given but 'remat' is in 'disable'"),
+    ({"lightning": {"every": 2}}, "attention is 'keep'; set attention='lightning'"),
+])
+def test_options_that_would_silently_do_something_else_are_refused(options, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        GraphoptConfig.from_options(options)

@@ -78,7 +78,12 @@ def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterP
         raise ConfigError(f"unknown collective {kind!r}; valid: {', '.join(COLLECTIVES)}")
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
-    if group_size <= 1:
+    for name, value in (("group_size", group_size), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) or nbytes < 0:
+        raise ConfigError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    if group_size == 1:
         return 0.0
     span = group_size * stride
     if span > cluster.max_devices:

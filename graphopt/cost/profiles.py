@@ -300,14 +300,20 @@ def load_profile(spec: str | Path | Mapping[str, Any] | ClusterProfile) -> Clust
             raise ConfigError(f"profile file {path} does not exist")
         raw = path.read_text()
         if path.suffix == ".json":
-            data = json.loads(raw)
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"profile file {path} is not valid JSON: {exc}") from exc
         else:
             try:
                 import yaml  # type: ignore[import-untyped]
             except ImportError as exc:
                 raise ConfigError("reading a YAML profile needs PyYAML (pip install pyyaml);"
                                   " or use JSON") from exc
-            data = yaml.safe_load(raw)
+            try:
+                data = yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"profile file {path} is not valid YAML: {exc}") from exc
         return cluster_from_dict(data)
     raise ConfigError(f"unknown profile {text!r}; valid names: {', '.join(profile_names())}, "
                       "or a .json/.yaml file")

@@ -52,6 +52,7 @@ def require_npu() -> None:
     if not npu_available():
         raise LoweringUnavailableError(
             "lowering='npu' needs torch_npu (with its bundled torchair) and the Ascend CANN "
-            "toolkit; install them with `pip install 'graphopt[npu]'` on an Ascend machine, "
-            "or use lowering='inductor' or 'eager' here"
+            "toolkit: on an Ascend machine install CANN, then torch_npu matching your torch "
+            "(`pip install torch-npu==<your torch version>`, or `pip install "
+            "'graphopt[npu]'`), or use lowering='inductor' or 'eager' here"
         )

@@ -1,5 +1,7 @@
-"""remat: choose, for every forward value the backward needs, keep (save) or recompute, under
-a memory budget for saved activations, minimizing the predicted recomputation time.
+"""remat: keep, recompute or offload each saved activation under a memory budget (an ILP).
+
+For every forward value the backward needs, choose keep (save) or recompute (or offload),
+under a memory budget for saved activations, minimizing the predicted recomputation time.
 
 Decision model (an ILP in the spirit of Checkmate, Jain et al. MLSys 2020, restricted to one
 recomputation in the backward; built by :func:`build_ilp`, solved by scipy's HiGHS MILP):
