@@ -139,6 +139,9 @@ class RematOptions:
     profile: str | None = None
     """Cost-model profile that prices recomputation and host copies (default: "local" when
     calibrated, else h100-sxm)."""
+    profile_guided: bool = False
+    """Run the graph once at compile time on the real inputs, record its data-dependent
+    sizes (MoE token counts), decide with them, and report how the decision changed."""
 
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "greedy"):
@@ -147,8 +150,9 @@ class RematOptions:
                 or self.time_limit <= 0:
             raise ConfigError(f"remat.time_limit must be seconds > 0, got {self.time_limit!r}")
         self.resolve(1)  # validates the budget's form
-        if not isinstance(self.offload, bool):
-            raise ConfigError(f"remat.offload must be a bool, got {self.offload!r}")
+        for flag in ("offload", "profile_guided"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"remat.{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.profile is not None:
             from graphopt.cost.profiles import load_profile
 

@@ -52,6 +52,9 @@ class PassRunner:
         self.dumper = dumper
         self.example_inputs = list(example_inputs)
         self.ran: list[str] = []
+        self.joint_extras: dict[str, Any] = {}
+        """What joint passes get in ``ctx.extras`` (e.g. sizes observed by remat's
+        profile-guided mode)."""
 
     def run_stage(self, stage: Stage, gm: fx.GraphModule, graph_kind: str, training: bool,
                   snapshots: list[Snapshot] | None = None) -> fx.GraphModule:
@@ -63,7 +66,7 @@ class PassRunner:
             record.nodes_before = len(gm.graph.nodes)
             ctx = PassContext(self.config, graph_kind, training, record,
                               extras={"example_inputs": self.example_inputs}
-                              if stage == "pre_autograd" else {})
+                              if stage == "pre_autograd" else dict(self.joint_extras))
             start = time.perf_counter()
             try:
                 result = graph_pass.run(gm, ctx)
@@ -144,6 +147,12 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
         snapshots = [("normalize", True, copy_graph_module(model))]
     model = runner.run_stage("pre_autograd", model, "model", report.training, snapshots)
     report.graphs["model_after_passes"] = len(model.graph.nodes)
+    if config.remat is not None and config.remat.profile_guided and report.training:
+        from graphopt.passes.remat import observe_sizes
+
+        t0 = time.perf_counter()
+        runner.joint_extras["observed_sizes"] = observe_sizes(model, list(example_inputs))
+        report.add_time("remat_observe", time.perf_counter() - t0)
 
     hooks = make_hooks(runner, dumper, report)
     hooked_before = _hooked_time(report)

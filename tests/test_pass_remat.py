@@ -239,3 +239,28 @@ def test_offload_decision_runs_as_a_copy_on_cpu_and_keeps_gradients():
 def test_options_that_would_silently_do_something_else_are_refused(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         GraphoptConfig.from_options(options)
+
+
+def test_profile_guided_mode_decides_with_observed_data_dependent_sizes(monkeypatch):
+    """A boolean-mask selection makes a data-dependent row count (an unbacked size); the
+    profile-guided mode runs the graph once, observes it, and decides with it."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+
+    def f(x):
+        h = torch.tanh(lin(x))
+        sel = h[h.sum(-1) > 0]
+        return torch.tanh(lin(torch.tanh(lin(sel)))).square().mean() + h.square().mean()
+
+    x = torch.randn(2048, 64)
+    want = torch.autograd.grad(f(x), list(lin.parameters()))
+    fn = _compile(f, budget=0.4, profile_guided=True)
+    fn(x).backward()
+    torch.testing.assert_close([p.grad for p in lin.parameters()], list(want))
+    sites = {s.site: s for r in graphopt.reports() for p in r.pass_records("remat")
+             for s in p.sites}
+    rows = int((torch.tanh(lin(x)).sum(-1) > 0).sum())
+    reason = sites["profile-guided"].reason
+    assert sites["profile-guided"].action == "rewritten"
+    assert f"={rows})" in reason and "decided differently" in reason, reason

@@ -21,6 +21,11 @@ back in the backward): it satisfies "needed", costs 2 (b_v / host bandwidth + ov
 uses no device memory; a recomputed view may read an offloaded base (it is rebuilt on the
 copy), other recomputation may not.
 
+Sizes: static shapes are exact; backed symbolic sizes use the shape environment's hint;
+data-dependent (unbacked) sizes use 64, or, with ``profile_guided=True``, the values
+observed by running the graph once on the real inputs (:func:`observe_sizes`; MegTaiChi,
+"tensor access pattern observed at run time"), with a report of how the decision changed.
+
 Primal inputs (parameters, user inputs) are always available. "greedy" (for very large
 graphs, or when the ILP exceeds ``time_limit``): recompute the candidates with the most bytes
 per second of recomputation whose inputs are already available, until under budget.
@@ -79,23 +84,57 @@ class RematPlan:
 
 
 _UNBACKED_HINT = 64  # sizes that depend on data (MoE token counts): a typical value
+_OBSERVED: dict[Any, int] = {}  # symbol -> size seen in a real run (profile-guided mode)
 
 
 def _concrete(x: Any) -> float:
-    """A number for a possibly symbolic size or cost: the shape environment's hint for
-    backed symbols, ``_UNBACKED_HINT`` for data-dependent ones."""
+    """A number for a possibly symbolic size or cost: sizes observed in a real run
+    (profile-guided mode), else the shape environment's hint for backed symbols and
+    ``_UNBACKED_HINT`` for data-dependent ones."""
     if isinstance(x, (int, float)):
         return float(x)
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        if isinstance(x, torch.SymInt):
-            return float(optimization_hint(x, fallback=_UNBACKED_HINT))
-        x = x.node.expr
     import sympy
 
-    expr = sympy.sympify(x)
-    return float(expr.xreplace({s: _UNBACKED_HINT for s in expr.free_symbols}))
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        expr = sympy.sympify(x.node.expr)
+        if isinstance(x, torch.SymInt) and not (expr.free_symbols & set(_OBSERVED)):
+            from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+            return float(optimization_hint(x, fallback=_UNBACKED_HINT))
+    else:
+        expr = sympy.sympify(x)
+    return float(expr.xreplace({s: _OBSERVED.get(s, _UNBACKED_HINT)
+                                for s in expr.free_symbols}))
+
+
+def observe_sizes(gm: fx.GraphModule, example_inputs: list[Any]) -> dict[Any, int]:
+    """Run ``gm`` (a pre-autograd graph) once on copies of the real inputs and return the
+    value of every symbolic size its outputs had (the data-dependent token counts of MoE
+    routing, for example): the profile-guided mode's observation (MegTaiChi's idea of
+    deciding from the access pattern seen at run time)."""
+    import sympy
+
+    observed: dict[Any, int] = {}
+
+    class Observer(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            metas = torch.utils._pytree.tree_leaves(n.meta.get("val"))
+            reals = torch.utils._pytree.tree_leaves(out)
+            for meta, real in zip(metas, reals):
+                if isinstance(meta, torch.Tensor) and isinstance(real, torch.Tensor):
+                    for dim, size in zip(meta.shape, real.shape):
+                        if isinstance(dim, torch.SymInt):
+                            expr = sympy.sympify(dim.node.expr)
+                            if expr.is_Symbol:
+                                observed.setdefault(expr, int(size))
+            return out
+
+    inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]
+    with torch.no_grad():
+        Observer(gm).run(*inputs)
+    return observed
 
 
 def _bytes(node: fx.Node) -> int:
@@ -323,7 +362,19 @@ def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str,
 
 
 def plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
-         time_limit: float = 10.0, offload: bool = False, profile: Any = None) -> RematPlan:
+         time_limit: float = 10.0, offload: bool = False, profile: Any = None,
+         observed: dict[Any, int] | None = None) -> RematPlan:
+    """See :func:`_plan`; ``observed`` sizes (profile-guided mode) replace the size hints."""
+    _OBSERVED.clear()
+    _OBSERVED.update(observed or {})
+    try:
+        return _plan(gm, budget_of, solver, time_limit, offload, profile)
+    finally:
+        _OBSERVED.clear()
+
+
+def _plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
+          time_limit: float = 10.0, offload: bool = False, profile: Any = None) -> RematPlan:
     """Decide keep/recompute(/offload) for ``gm`` (a joint graph); ``budget_of(keep_all)``
     gives the budget in bytes; ``profile`` prices nodes and host copies (default: "local"
     when calibrated, else h100-sxm)."""
@@ -418,8 +469,24 @@ class RematPass(GraphPass):
             return PassResult(gm, False)
         start = time.perf_counter()
         opts = self.options
+        observed = ctx.extras.get("observed_sizes") if opts.profile_guided else None
         decision = plan(gm, opts.resolve, opts.solver, opts.time_limit, opts.offload,
-                        opts.profile)
+                        opts.profile, observed)
+        if opts.profile_guided:
+            guess = plan(gm, opts.resolve, opts.solver, opts.time_limit, opts.offload,
+                         opts.profile)
+            changed = sum(1 for a, b in ((guess.saved, decision.saved),
+                                         (guess.recomputed, decision.recomputed),
+                                         (guess.offloaded, decision.offloaded))
+                          for v in a ^ b)
+            sizes = ", ".join(f"{k}={v}" for k, v in sorted((observed or {}).items(),
+                                                            key=lambda kv: str(kv[0])))
+            ctx.record("rewritten" if observed else "skipped", "profile-guided",
+                       (f"observed {len(observed)} data-dependent sizes ({sizes}); "
+                        f"{changed // 2} values decided differently than with the size hint "
+                        f"{_UNBACKED_HINT} (saved {guess.saved_bytes} -> "
+                        f"{decision.saved_bytes} bytes)") if observed else
+                       "no data-dependent sizes in this graph: the static plan is exact")
         forward, backward = split_joint(gm)
         for v in decision.offloaded:
             _offload(gm, v, backward)
