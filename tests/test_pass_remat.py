@@ -241,10 +241,14 @@ def test_options_that_would_silently_do_something_else_are_refused(options, mess
         GraphoptConfig.from_options(options)
 
 
-def test_profile_guided_mode_decides_with_observed_data_dependent_sizes(monkeypatch):
+def test_profile_guided_mode_decides_with_observed_data_dependent_sizes():
     """A boolean-mask selection makes a data-dependent row count (an unbacked size); the
     profile-guided mode runs the graph once, observes it, and decides with it."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        _profile_guided_case()
+
+
+def _profile_guided_case():
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 64)
 
