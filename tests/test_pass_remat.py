@@ -268,3 +268,20 @@ def _profile_guided_case():
     reason = sites["profile-guided"].reason
     assert sites["profile-guided"].action == "rewritten"
     assert f"={rows})" in reason and "decided differently" in reason, reason
+
+
+def test_inductor_lowering_applies_the_decision_too():
+    """Inductor's partitioner hook runs the joint passes, then its min-cut honors the tags."""
+    model = build_model("llama", num_hidden_layers=1).train()
+    ids = sample_batch(model, batch=1, seq=32)
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(input_ids=ids, labels=ids, use_cache=False).loss, params)
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    fn = torch.compile(lambda i: model(input_ids=i, labels=i, use_cache=False).loss,
+                       backend="graphopt", options={"lowering": "inductor",
+                                                    "remat": {"budget": 0.5}})
+    fn(ids).backward()
+    torch.testing.assert_close([p.grad for p in params], list(want), rtol=1e-4, atol=1e-5)
+    summary = _remat_summary()
+    assert summary.action == "rewritten" and "recomputed" in summary.reason
