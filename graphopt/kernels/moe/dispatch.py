@@ -1,0 +1,108 @@
+"""Sorted dispatch + grouped expert GEMMs + combine, exact with respect to the per-expert loop
+that transformers' eager MoE blocks run (``MixtralExperts.forward``).
+
+Shapes (T tokens, K experts per token, E experts, H hidden, F expert intermediate):
+    hidden [T, H]; top_k_index [T, K] (int64, values in [0, E)); top_k_weights [T, K];
+    gate_up [E, 2F, H] and down [E, H, F] (per-expert ``F.linear`` weights, transformers'
+    layout). Output [T, H] in hidden's dtype.
+
+Algorithm (Megablocks, Gale et al. 2023, sec. 5; Megatron-Core's "alltoall" dispatcher):
+    1. flatten the T*K (token, expert) assignments and sort them by expert with a stable
+       sort, so copies of tokens bound for one expert are contiguous and keep token order;
+       counts[e] = number of assignments to e (:func:`sort_by_expert`);
+    2. gather the token rows in that order (one index_select);
+    3. every expert's SwiGLU MLP on its segment (:func:`grouped_linear`: one matmul per
+       non-empty segment; experts with zero tokens cost nothing);
+    4. scale each row by its routing weight and scatter-add it back to its token
+       (index_add: the combine).
+
+Capacity (optional, ``capacity_factor``): expert e keeps at most
+C = ceil(capacity_factor * T * K / E) assignments, the first ones in token order (GShard /
+Switch Transformer's rule: tokens earlier in the batch win); dropped assignments contribute
+nothing, so a token whose every assignment is dropped gets a zero output (the residual
+carries it). :func:`capacity_keep_mask` gives exactly which assignments are kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(order [T*K], token [T*K], counts [E]): ``order`` sorts the flattened assignments by
+    expert (stable: token order within an expert), ``token`` is the token row of each sorted
+    assignment, ``counts`` the assignments per expert.
+
+    Raises:
+        ValueError: an index outside [0, num_experts).
+    """
+    flat = top_k_index.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"top_k_index has values outside [0, {num_experts}): min "
+                         f"{int(flat.min())}, max {int(flat.max())}")
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    k = top_k_index.shape[-1] if top_k_index.dim() > 1 else 1
+    return order, order // k, counts
+
+
+def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    """``F.linear(segment_e, weight[e])`` for consecutive row segments of ``x`` with sizes
+    ``counts`` (one per expert); x [N, in], weight [E, out, in] -> [N, out]. Empty segments
+    are skipped. Differentiable (autograd through the per-segment matmuls)."""
+    outs = [F.linear(seg, weight[e]) for e, seg in enumerate(torch.split(x, counts)) if counts[e]]
+    if not outs:
+        return x.new_zeros(0, weight.shape[1])
+    return torch.cat(outs)
+
+
+def capacity_keep_mask(top_k_index: Tensor, num_experts: int,
+                       capacity_factor: float) -> Tensor:
+    """[T, K] bool: which assignments an expert capacity of
+    C = ceil(capacity_factor * T * K / E) keeps (the first C per expert in token order)."""
+    t, k = top_k_index.shape
+    capacity = math.ceil(capacity_factor * t * k / num_experts)
+    order, _, counts = sort_by_expert(top_k_index, num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    experts_sorted = top_k_index.reshape(-1)[order]
+    rank = torch.arange(order.numel(), device=order.device) - starts[experts_sorted]
+    keep = torch.zeros(t * k, dtype=torch.bool, device=top_k_index.device)
+    keep[order] = rank < capacity
+    return keep.view(t, k)
+
+
+def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
+                down: Tensor, act: Callable[[Tensor], Tensor] = F.silu,
+                capacity_factor: float | None = None) -> Tensor:
+    """SwiGLU experts with sorted dispatch (see the module docstring for shapes and rules).
+
+    Raises:
+        ValueError: shape mismatches (named), indices out of range, capacity_factor <= 0.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    t, h = hidden.shape
+    e = gate_up.shape[0]
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != t:
+        raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights "
+                         f"{tuple(top_k_weights.shape)} must both be [T={t}, K]")
+    if gate_up.dim() != 3 or gate_up.shape[2] != h or down.shape != (e, h, gate_up.shape[1] // 2):
+        raise ValueError(f"gate_up must be [E, 2F, H={h}] and down [E, H, F]; got "
+                         f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+    weights = top_k_weights
+    if capacity_factor is not None:
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        weights = weights * capacity_keep_mask(top_k_index, e, capacity_factor)
+    order, token, counts = sort_by_expert(top_k_index, e)
+    segments = counts.tolist()  # one host sync: segment sizes drive the per-expert GEMMs
+    x = hidden.index_select(0, token)
+    gate, up = grouped_linear(x, gate_up, segments).chunk(2, dim=-1)
+    y = grouped_linear(act(gate) * up, down, segments)
+    y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+    return torch.zeros_like(hidden).index_add(0, token, y.to(hidden.dtype))

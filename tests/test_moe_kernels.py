@@ -1,0 +1,107 @@
+"""MoE sorted dispatch + grouped expert GEMMs: equal to transformers' per-expert loop
+(MixtralExperts) forward and backward in float64, edge cases of routing, capacity rule."""
+
+import math
+
+import pytest
+import torch
+
+from graphopt.kernels.moe import capacity_keep_mask, moe_experts, sort_by_expert
+
+
+def _experts(e=4, h=16, f=24, seed=0):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=h, intermediate_size=f, num_local_experts=e)
+    torch.manual_seed(seed)
+    experts = MixtralExperts(config).double()
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+    return experts
+
+
+def _routing(t, k, e, seed=1, index=None):
+    gen = torch.Generator().manual_seed(seed)
+    if index is None:
+        index = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen, dtype=torch.float64).softmax(-1)
+    return index, weights.requires_grad_()
+
+
+def _check(experts, hidden, index, weights):
+    want = experts(hidden, index, weights)
+    got = moe_experts(hidden, index, weights, experts.gate_up_proj, experts.down_proj)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(want)
+    inputs = [hidden, weights, experts.gate_up_proj, experts.down_proj]
+    want_grads = torch.autograd.grad(want, inputs, g)
+    got_grads = torch.autograd.grad(got, inputs, g)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("t, k", [(1, 1), (7, 2), (64, 2), (33, 3)])
+def test_matches_transformers_mixtral_experts_forward_and_backward(t, k):
+    experts = _experts()
+    hidden = torch.randn(t, 16, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing(t, k, 4)
+    _check(experts, hidden, index, weights)
+
+
+def test_experts_with_no_tokens_and_all_tokens_on_one_expert():
+    experts = _experts()
+    hidden = torch.randn(12, 16, dtype=torch.float64, requires_grad=True)
+    one = torch.zeros(12, 1, dtype=torch.long)  # every token to expert 0; 1..3 get none
+    _check(experts, hidden, one, _routing(12, 1, 4)[1])
+    two = torch.tensor([[0, 3]] * 12)  # experts 1 and 2 unused
+    _check(experts, hidden, two, _routing(12, 2, 4)[1])
+    assert sort_by_expert(two, 4)[2].tolist() == [12, 0, 0, 12]
+
+
+def test_capacity_drops_exactly_the_documented_assignments():
+    """Expert capacity C = ceil(cf * T * K / E): the first C assignments per expert in token
+    order are kept; a dropped assignment contributes nothing."""
+    experts = _experts()
+    t, k, e, cf = 10, 2, 4, 0.5
+    index = torch.tensor([[0, 1]] * 6 + [[2, 3]] * 4)
+    capacity = math.ceil(cf * t * k / e)  # 3
+    keep = capacity_keep_mask(index, e, cf)
+    expected = torch.zeros(t, k, dtype=torch.bool)
+    expected[:capacity] = True           # experts 0 and 1: tokens 0..2 kept, 3..5 dropped
+    expected[6:6 + capacity] = True      # experts 2 and 3: tokens 6..8 kept, 9 dropped
+    assert torch.equal(keep, expected)
+    hidden = torch.randn(t, 16, dtype=torch.float64)
+    weights = _routing(t, k, e)[1].detach()
+    got = moe_experts(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
+                      capacity_factor=cf)
+    want = experts(hidden, index, weights * keep)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[9], torch.zeros(16, dtype=torch.float64))  # all dropped: zero
+    roomy = moe_experts(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
+                        capacity_factor=100.0)
+    torch.testing.assert_close(roomy, experts(hidden, index, weights), rtol=1e-12, atol=1e-12)
+
+
+def test_fp32_and_no_nan_for_empty_batches():
+    experts = _experts().float()
+    hidden = torch.randn(0, 16)
+    index = torch.zeros(0, 2, dtype=torch.long)
+    out = moe_experts(hidden, index, torch.zeros(0, 2), experts.gate_up_proj,
+                      experts.down_proj)
+    assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(index=torch.full((4, 2), 9)), "outside \\[0, 4\\)"),
+    (dict(capacity_factor=0.0), "capacity_factor must be > 0"),
+    (dict(hidden=torch.randn(4, 8)), "gate_up must be"),
+])
+def test_bad_input_names_the_problem(kwargs, message):
+    experts = _experts().float()
+    hidden = kwargs.get("hidden", torch.randn(4, 16))
+    index = kwargs.get("index", torch.zeros(4, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=message):
+        moe_experts(hidden, index, torch.ones(4, 2), experts.gate_up_proj, experts.down_proj,
+                    capacity_factor=kwargs.get("capacity_factor"))
