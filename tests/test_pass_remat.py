@@ -280,8 +280,25 @@ def test_inductor_lowering_applies_the_decision_too():
     graphopt.clear_reports()
     fn = torch.compile(lambda i: model(input_ids=i, labels=i, use_cache=False).loss,
                        backend="graphopt", options={"lowering": "inductor",
-                                                    "remat": {"budget": 0.5}})
-    fn(ids).backward()
+                                                    "remat": {"budget": 0.5},
+                                                    "inductor_config": {
+                                                        "fx_graph_cache": False}})
+    # a cache hit (same graph, same options, an earlier run) would skip the joint passes
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        fn(ids).backward()
     torch.testing.assert_close([p.grad for p in params], list(want), rtol=1e-4, atol=1e-5)
     summary = _remat_summary()
     assert summary.action == "rewritten" and "recomputed" in summary.reason
+
+
+def test_inductor_cache_key_depends_on_the_remat_options():
+    """A cached Inductor compile made without remat (or with another budget) must not be
+    reused: the joint passes would not run and the saved set would be the old one."""
+    from graphopt.lowering.inductor import _JointPassPartitioner
+
+    def key(**options):
+        return _JointPassPartitioner(None, GraphoptConfig.from_options(options)).uuid()
+
+    assert key() != key(remat={"budget": 0.5}) != key(remat={"budget": 0.3})
+    assert key(remat={"budget": 0.5}) == key(remat={"budget": 0.5})
+    assert key(remat={"profile_guided": True}) != key(remat={"profile_guided": True})

@@ -30,6 +30,26 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
+def _joint_options_key(config: GraphoptConfig) -> str:
+    """What the joint passes' output depends on besides the graph: the remat options, the
+    calibrated profile that prices its decision, and (profile-guided mode) sizes observed at
+    compile time, which are never reused from a cache."""
+    if config.remat is None:
+        return "no-remat"
+    key = repr(config.remat)
+    if config.remat.profile is None or config.remat.profile == "local":
+        from graphopt.cost.calibrate import local_profile_path
+
+        path = local_profile_path()
+        if path.exists():
+            key += hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    if config.remat.profile_guided:
+        import uuid
+
+        key += f"-observed-{uuid.uuid4()}"
+    return key
+
+
 class _JointPassPartitioner(CustomPartitionerFn):
     """Inductor's partitioner hook: graphopt's joint passes, then Inductor's min-cut.
 
@@ -40,7 +60,8 @@ class _JointPassPartitioner(CustomPartitionerFn):
 
     def __init__(self, hooks: AOTHooks, config: GraphoptConfig) -> None:
         self.hooks = hooks
-        self.key = f"graphopt-{_source_hash()}-{sorted(config.disable)}-{sorted(config.enable)}"
+        self.key = (f"graphopt-{_source_hash()}-{sorted(config.disable)}-"
+                    f"{sorted(config.enable)}-{_joint_options_key(config)}")
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
