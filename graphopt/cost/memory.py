@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from graphopt.cost.graph_cost import _FREE
 from graphopt.errors import ConfigError
+from graphopt.passes.fx_utils import returns_alias
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,8 @@ def _bytes(val: Any) -> int:
 
 
 def _is_view(node: fx.Node) -> bool:
-    if node.target in _FREE:
-        return True
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        rets = target._schema.returns
-        return bool(rets) and all(r.alias_info is not None for r in rets)
-    return False
+    """No new storage: a view, an in-place op, or a metadata-only op."""
+    return node.target in _FREE or returns_alias(node, include_inplace=True)
 
 
 def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:

@@ -103,3 +103,16 @@ def eliminate_dead_code(graph: fx.Graph) -> bool:
         return node.is_impure()
 
     return graph.eliminate_dead_code(is_impure_node=impure)
+
+
+def returns_alias(node: fx.Node, include_inplace: bool = False) -> bool:
+    """True when every result of the node's ATen op aliases an input (views: ``view``,
+    ``transpose``, ``slice``, ...; with ``include_inplace`` also in-place ops, whose result is
+    the mutated input). ``getitem`` and non-ATen targets count as not aliasing."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    rets = target._schema.returns
+    return bool(rets) and all(
+        r.alias_info is not None and (include_inplace or not r.alias_info.is_write)
+        for r in rets)

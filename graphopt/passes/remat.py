@@ -51,7 +51,6 @@ Contract:
 from __future__ import annotations
 
 import math
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,7 +61,7 @@ import torch.fx as fx
 
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import is_mutating, is_random, site_name
+from graphopt.passes.fx_utils import is_mutating, is_random, returns_alias, site_name
 
 aten = torch.ops.aten
 
@@ -146,14 +145,7 @@ def _bytes(node: fx.Node) -> int:
 
 
 def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    if target is operator.getitem:
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        rets = target._schema.returns
-        return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write
-                                  for r in rets)
-    return False
+    return returns_alias(node)
 
 
 def _is_tuple(node: fx.Node) -> bool:
