@@ -28,10 +28,11 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _fwd(Q, K, V, SLOPE, H0, OUT, HT, CKPT, seq, heads, n_full, n_ckpt, scale,
-             D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-             C: tl.constexpr, R: tl.constexpr, HAS_H0: tl.constexpr):
-        pid = tl.program_id(0)
+    def _block_setup(SLOPE, pid, heads, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+                     BDV: tl.constexpr, C: tl.constexpr):
+        """Per (batch, head) program: the slope, index ranges and masks of a D x Dv state,
+        and a block's masked decay matrix m[i, j] = exp(-s (i - j)) (i >= j) and query
+        decays a[i] = exp(-s (i + 1)); shared by the forward and backward kernels."""
         s = tl.load(SLOPE + pid % heads).to(tl.float32)
         oc = tl.arange(0, C)
         od = tl.arange(0, BD)
@@ -39,14 +40,23 @@ if triton_available():
         md, mv = od < D, ov < DV
         state_ptr = od[:, None] * DV + ov[None, :]
         smask = md[:, None] & mv[None, :]
-        if HAS_H0:
-            state = tl.load(H0 + pid * D * DV + state_ptr, mask=smask, other=0.0).to(tl.float32)
-        else:
-            state = tl.zeros([BD, BDV], dtype=tl.float32)
         fi = oc.to(tl.float32)
         gap = fi[:, None] - fi[None, :]
         m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
         a = tl.exp(-s * (fi + 1.0))
+        return s, oc, od, ov, md, mv, state_ptr, smask, fi, gap, m, a
+
+    @triton.jit
+    def _fwd(Q, K, V, SLOPE, H0, OUT, HT, CKPT, seq, heads, n_full, n_ckpt, scale,
+             D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+             C: tl.constexpr, R: tl.constexpr, HAS_H0: tl.constexpr):
+        pid = tl.program_id(0)
+        s, oc, od, ov, md, mv, state_ptr, smask, fi, gap, m, a = _block_setup(
+            SLOPE, pid, heads, D, DV, BD, BDV, C)
+        if HAS_H0:
+            state = tl.load(H0 + pid * D * DV + state_ptr, mask=smask, other=0.0).to(tl.float32)
+        else:
+            state = tl.zeros([BD, BDV], dtype=tl.float32)
         for n in range(0, tl.cdiv(seq, C)):
             start = n * C
             length = tl.minimum(C, seq - start)
@@ -108,22 +118,13 @@ if triton_available():
              D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
              C: tl.constexpr, HAS_DHT: tl.constexpr):
         pid = tl.program_id(0)
-        s = tl.load(SLOPE + pid % heads).to(tl.float32)
-        oc = tl.arange(0, C)
-        od = tl.arange(0, BD)
-        ov = tl.arange(0, BDV)
-        md, mv = od < D, ov < DV
-        state_ptr = od[:, None] * DV + ov[None, :]
-        smask = md[:, None] & mv[None, :]
+        s, oc, od, ov, md, mv, state_ptr, smask, fi, gap, m, a = _block_setup(
+            SLOPE, pid, heads, D, DV, BD, BDV, C)
         if HAS_DHT:
             ds = tl.load(DHT + pid * D * DV + state_ptr, mask=smask, other=0.0).to(tl.float32)
         else:
             ds = tl.zeros([BD, BDV], dtype=tl.float32)
-        fi = oc.to(tl.float32)
-        gap = fi[:, None] - fi[None, :]
-        m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
         gapm = tl.maximum(gap, 0.0)
-        a = tl.exp(-s * (fi + 1.0))
         acc = tl.zeros([C], dtype=tl.float32)
         nblocks = tl.cdiv(seq, C)
         for back in range(0, nblocks):
