@@ -278,7 +278,7 @@ def graph_cost(gm: fx.GraphModule, device: DeviceProfile) -> GraphCost:
         if isinstance(time, (int, float)) and time < device.kernel_overhead_s:
             bound = "overhead"
         result.nodes.append(NodeCost(node.name, op, _expr(flops), _expr(nbytes),
-                                     _add(time, device.kernel_overhead_s), bound))
+                                     time + device.kernel_overhead_s, bound))
     return result
 
 
@@ -297,10 +297,6 @@ def _div(a: Any, b: float) -> Any:
     if isinstance(a, (int, float)):
         return a / b
     return _expr(a) / b
-
-
-def _add(a: Any, b: float) -> Any:
-    return a + b
 
 
 def _op_name(node: fx.Node) -> str:
