@@ -150,6 +150,7 @@ class ClusterProfile:
         return len(self.levels) - 1  # pragma: no cover - guarded above
 
     def devices_per(self, level: int) -> int:
+        """Devices in one unit of ``level`` (0: a node)."""
         return math.prod(lv.size for lv in self.levels[:level + 1])
 
     def scaled(self, devices: int) -> ClusterProfile:
@@ -270,6 +271,7 @@ def _local_path() -> Path:
 
 
 def profile_names() -> list[str]:
+    """Names :func:`load_profile` accepts besides files: the built-ins and "local"."""
     return [*CLUSTERS, "local"]
 
 
@@ -355,6 +357,8 @@ def cluster_from_dict(data: Mapping[str, Any]) -> ClusterProfile:
 
 
 def cluster_to_dict(profile: ClusterProfile) -> dict[str, Any]:
+    """A JSON-ready dict (units: FLOP/s, bytes, bytes/s, s) that :func:`cluster_from_dict`
+    reads back to an equal profile."""
     out = asdict(profile)
     out["device"]["peak_flops"] = dict(profile.device.peak_flops)
     return out
