@@ -26,7 +26,6 @@ carries it). :func:`capacity_keep_mask` gives exactly which assignments are kept
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +76,9 @@ def capacity_keep_mask(top_k_index: Tensor, num_experts: int,
 
 
 def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
-                down: Tensor, act: Callable[[Tensor], Tensor] = F.silu,
-                capacity_factor: float | None = None) -> Tensor:
-    """SwiGLU experts with sorted dispatch (see the module docstring for shapes and rules).
+                down: Tensor, capacity_factor: float | None = None) -> Tensor:
+    """SwiGLU experts with sorted dispatch on one device (the module docstring gives shapes
+    and rules): ``graphopt::moe_experts`` with ep=1, differentiable.
 
     Raises:
         ValueError: shape mismatches (named), indices out of range, capacity_factor <= 0.
@@ -94,15 +93,13 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     if gate_up.dim() != 3 or gate_up.shape[2] != h or down.shape != (e, h, gate_up.shape[1] // 2):
         raise ValueError(f"gate_up must be [E, 2F, H={h}] and down [E, H, F]; got "
                          f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
-    weights = top_k_weights
-    if capacity_factor is not None:
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-        weights = weights * capacity_keep_mask(top_k_index, e, capacity_factor)
-    order, token, counts = sort_by_expert(top_k_index, e)
-    segments = counts.tolist()  # one host sync: segment sizes drive the per-expert GEMMs
-    x = hidden.index_select(0, token)
-    gate, up = grouped_linear(x, gate_up, segments).chunk(2, dim=-1)
-    y = grouped_linear(act(gate) * up, down, segments)
-    y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-    return torch.zeros_like(hidden).index_add(0, token, y.to(hidden.dtype))
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    flat = top_k_index.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
+        raise ValueError(f"top_k_index has values outside [0, {e}): min {int(flat.min())}, "
+                         f"max {int(flat.max())}")
+    from graphopt.kernels.moe.op import moe_experts_op
+
+    return moe_experts_op(hidden, top_k_index, top_k_weights, gate_up, down,
+                          capacity_factor or -1.0, 1, "", "flat", 1, 1, False)[0]

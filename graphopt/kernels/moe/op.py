@@ -1,0 +1,229 @@
+"""``graphopt::moe_experts``: the MoE expert computation as one custom op (fake impl and
+autograd), on one device or expert-parallel over a process group.
+
+Inputs (T tokens, K experts per token, E experts, H hidden, F expert intermediate):
+    hidden [T, H]; top_k_index [T, K] int64 in [0, E); top_k_weights [T, K] (any float
+    dtype, e.g. float32 from a float32 router next to bf16 experts); gate_up [E, 2F, H] and
+    down [E, H, F] in hidden's dtype (transformers' layout). Output [T, H], hidden's dtype;
+    the weighted sum over the K experts is accumulated in promote(hidden, weights) dtype, as
+    transformers' grouped_mm experts do.
+
+Algorithm (Megablocks sec. 5; Megatron-Core's alltoall token dispatcher):
+    1. capacity (optional): assignments beyond C = ceil(cf * T * K / E) per expert, in
+       token order, become the sentinel E (GShard's rule; see dispatch.capacity_keep_mask);
+    2. stable sort of the T*K assignments by expert (sentinels last, never computed);
+    3. EP = 1: SwiGLU experts on the sorted rows (graphopt.kernels.moe.experts).
+       EP = P > 1: expert e lives on EP rank e // (E / P); the per-rank counts [P, E] are
+       all-gathered, then a :class:`~graphopt.kernels.comm.RoundTrip` (schedule flat,
+       chunked, hierarchical or peer) sends each row to its expert's rank, runs the local
+       experts there and returns the rows;
+    4. combine: out[t] = sum_k w[t, k] * y[t, k] (index_add in sorted order).
+The backward runs the same round trip with the gradient rows (owner ranks compute the
+expert backward and the weight gradients of their experts). With EP the weights are passed
+whole (replicated, as every rank's module holds them); gradients of the experts a rank does
+not own are zero on that rank, so a sum over the EP group (the data-parallel gradient
+reduction) gives the full gradient.
+
+Outputs beyond ``out`` carry what the backward needs: the expert output rows (sorted,
+unweighted), the gate/up activations (EP = 1; with EP they stay on the owner rank, kept in a
+per-process stash under ``handle`` until the backward pops them, like Megatron-Core's
+dispatcher keeps its state between forward and backward), and the counts.
+
+Errors: ValueError for bad shapes (named), indices outside [0, E), capacity_factor <= 0,
+an E that the EP size does not divide; RuntimeError when the EP group is not initialized.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from graphopt.kernels.comm import RoundTrip
+from graphopt.kernels.moe.experts import swiglu_experts_backward, swiglu_experts_forward
+
+_STASH: dict[int, dict[Any, tuple[Tensor, Tensor]]] = {}
+_HANDLES = itertools.count(1)
+_STASH_LIMIT = 256
+
+
+def resolve_group(name: str, ep: int) -> dist.ProcessGroup | None:
+    """The EP process group named ``name`` ("" with ep == 1: none).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized, or the group's size is not ep.
+    """
+    if ep == 1:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"moe ep={ep} needs an initialized torch.distributed process group "
+                           "(run under torchrun, or call init_process_group first)")
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(name) if name else dist.group.WORLD  # type: ignore[arg-type]
+    assert group is not None
+    if dist.get_world_size(group) != ep:
+        raise RuntimeError(f"EP group {name!r} has {dist.get_world_size(group)} ranks, "
+                           f"expected ep={ep}")
+    return group
+
+
+def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
+          ) -> tuple[Tensor, Tensor, Tensor, int]:
+    """(order [T*K], token [T*K], counts [E], valid): sorted assignments, sentinels last."""
+    t, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    if capacity_factor > 0:
+        capacity = math.ceil(capacity_factor * t * k / num_experts)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.empty_like(flat)
+        position[order] = torch.arange(flat.numel()) - starts[flat[order]]
+        flat = torch.where(position < capacity, flat, num_experts)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    return order, order // k, counts, int(counts.sum())
+
+
+def _local(weight: Tensor, group: dist.ProcessGroup | None, ep: int) -> Tensor:
+    if group is None:
+        return weight
+    per = weight.shape[0] // ep
+    rank = dist.get_rank(group)
+    return weight[rank * per:(rank + 1) * per]
+
+
+def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int) -> Tensor:
+    if group is None:
+        return counts.view(1, -1)
+    parts = [torch.empty_like(counts) for _ in range(ep)]
+    dist.all_gather(parts, counts.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+@torch.library.custom_op("graphopt::moe_experts", mutates_args=())
+def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
+                   down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
+                   chunks: int, ranks_per_node: int, stash: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] or [0, 2F], handle [1], counts [ep, E])."""
+    num_experts = gate_up.shape[0]
+    pg = resolve_group(group, ep)
+    order, token, counts, valid = _sort(top_k_index, num_experts, capacity_factor)
+    rows = hidden.index_select(0, token[:valid])
+    counts_all = _gather_counts(counts, pg, ep)
+    w1, w2 = _local(gate_up, pg, ep), _local(down, pg, ep)
+    handle = next(_HANDLES)
+    saved: dict[Any, tuple[Tensor, Tensor]] = {}
+
+    def forward(key: Any, x: Tensor, per_expert: Tensor) -> Tensor:
+        gu, y = swiglu_experts_forward(x, per_expert, w1, w2)
+        saved[key] = (x, gu)
+        return y
+
+    trip = RoundTrip(counts_all, pg, schedule, chunks, ranks_per_node)
+    y_valid = trip(rows, forward, tag=0)
+    y_rows = hidden.new_zeros(top_k_index.numel(), hidden.shape[1])
+    y_rows[:valid] = y_valid
+    if pg is None:
+        gu_out = hidden.new_zeros(top_k_index.numel(), gate_up.shape[1])
+        gu_out[:valid] = saved[0][1]
+    else:
+        gu_out = hidden.new_empty(0, gate_up.shape[1])
+        if stash:
+            if len(_STASH) >= _STASH_LIMIT:
+                warnings.warn(f"graphopt moe: {len(_STASH)} expert-parallel forwards are waiting "
+                              "for their backward; dropping the oldest (a training-mode graph "
+                              "run without backward?)", stacklevel=2)
+                _STASH.pop(next(iter(_STASH)))
+            _STASH[handle] = saved
+    weights = top_k_weights.reshape(-1)[order[:valid]]
+    acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
+    out = torch.zeros(hidden.shape, dtype=acc).index_add(
+        0, token[:valid], y_valid.to(acc) * weights.to(acc).unsqueeze(-1))
+    return (out.to(hidden.dtype), y_rows, gu_out, torch.tensor([handle]),
+            counts_all.to(torch.int64))
+
+
+@moe_experts_op.register_fake
+def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
+      down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
+      ranks_per_node: int, stash: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    n = top_k_index.numel()
+    return (hidden.new_empty(hidden.shape), hidden.new_empty(n, hidden.shape[1]),
+            hidden.new_empty(n if ep == 1 else 0, gate_up.shape[1]),
+            top_k_index.new_empty(1, dtype=torch.int64),
+            top_k_index.new_empty(ep, gate_up.shape[0], dtype=torch.int64))
+
+
+@torch.library.custom_op("graphopt::moe_experts_backward", mutates_args=())
+def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
+                         top_k_weights: Tensor, gate_up: Tensor, down: Tensor, y_rows: Tensor,
+                         gu: Tensor, handle: Tensor, counts_all: Tensor, capacity_factor: float,
+                         ep: int, group: str, schedule: str, chunks: int, ranks_per_node: int
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad hidden, grad top_k_weights, grad gate_up, grad down) of moe_experts' ``out``."""
+    num_experts = gate_up.shape[0]
+    pg = resolve_group(group, ep)
+    order, token, _, valid = _sort(top_k_index, num_experts, capacity_factor)
+    acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
+    grad_rows = grad_out.index_select(0, token[:valid]).to(acc)
+    weights = top_k_weights.reshape(-1)[order[:valid]].to(acc)
+    grad_w_sorted = (grad_rows * y_rows[:valid].to(acc)).sum(-1)
+    grad_weights = torch.zeros(top_k_index.numel(), dtype=acc)
+    grad_weights[order[:valid]] = grad_w_sorted
+    grad_y = (grad_rows * weights.unsqueeze(-1)).to(hidden.dtype)
+    w1, w2 = _local(gate_up, pg, ep), _local(down, pg, ep)
+    grad_gate_up = torch.zeros_like(gate_up)
+    grad_down = torch.zeros_like(down)
+    g1, g2 = _local(grad_gate_up, pg, ep), _local(grad_down, pg, ep)
+    if pg is None:
+        saved = {0: (hidden.index_select(0, token[:valid]), gu[:valid])}
+    else:
+        key = int(handle.item())
+        if key not in _STASH:
+            raise RuntimeError("graphopt moe: the expert-parallel forward's saved state is gone "
+                               "(backward run twice, or more than "
+                               f"{_STASH_LIMIT} forwards without backward)")
+        saved = _STASH.pop(key)
+
+    def backward(key: Any, gy: Tensor, per_expert: Tensor) -> Tensor:
+        x, gu_rows = saved[key]
+        return swiglu_experts_backward(x, gu_rows, per_expert, w1, w2, gy, g1, g2)
+
+    trip = RoundTrip(counts_all, pg, schedule, chunks, ranks_per_node)
+    grad_x = trip(grad_y, backward, tag=2)
+    grad_hidden = torch.zeros_like(hidden).index_add(0, token[:valid], grad_x)
+    return (grad_hidden, grad_weights.view(top_k_weights.shape).to(top_k_weights.dtype),
+            grad_gate_up, grad_down)
+
+
+@moe_experts_backward.register_fake
+def _(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+      gate_up: Tensor, down: Tensor, y_rows: Tensor, gu: Tensor, handle: Tensor,
+      counts_all: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
+      chunks: int, ranks_per_node: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up),
+            torch.empty_like(down))
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    hidden, index, weights, gate_up, down = inputs[:5]
+    ctx.options = inputs[5:11]
+    ctx.save_for_backward(hidden, index, weights, gate_up, down, *output[1:])
+
+
+def _backward(ctx: Any, grad_out: Tensor, *unused: Any) -> tuple[Any, ...]:
+    hidden, index, weights, gate_up, down, y_rows, gu, handle, counts = ctx.saved_tensors
+    grads = moe_experts_backward(grad_out.contiguous(), hidden, index, weights, gate_up, down,
+                                 y_rows, gu, handle, counts, *ctx.options)
+    return (grads[0], None, grads[1], grads[2], grads[3]) + (None,) * 7
+
+
+moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
