@@ -197,6 +197,69 @@ class RematOptions:
         return _parse_section(cls, value, "remat")
 
 
+MOE_SCHEDULES = ("auto", "flat", "chunked", "hierarchical", "peer")
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """``options={"moe": {...}}``: rewrite MoE experts into sorted dispatch + grouped expert
+    GEMMs (exact), optionally expert-parallel (``ep`` > 1, under torch.distributed).
+
+    Vocabulary: EP = expert parallelism (experts split over ``ep`` ranks, tokens moved by
+    all-to-all dispatch/combine); a *schedule* orders those transfers (see
+    graphopt.kernels.comm.all_to_all).
+    """
+
+    ep: int = 1
+    """EP degree: 1 (one device) or the size of each EP group; must divide the world size
+    and the number of experts. EP groups are consecutive ranks."""
+    all_to_all: str = "auto"
+    """"flat" | "chunked" | "hierarchical" | "peer" | "auto" (the cost model's fastest for
+    the layer's shape on ``profile``)."""
+    chunks: Any = "auto"
+    """Pieces of the chunked schedule: an int >= 1 or "auto" (the cost model's choice)."""
+    ranks_per_node: int | None = None
+    """Ranks sharing a node (the inner level of the hierarchical/peer schedules); default
+    $LOCAL_WORLD_SIZE (set by torchrun), else ep."""
+    capacity_factor: float | None = None
+    """None: dropless. A float > 0: expert capacity C = ceil(cf * T * K / E); assignments
+    past the first C of an expert, in token order, are dropped (GShard/Switch)."""
+    profile: str | None = None
+    """Cost-model profile for the "auto" choices (default: "local" when calibrated, else
+    h100-sxm)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"moe.ep must be an int >= 1, got {self.ep!r}")
+        if self.all_to_all not in MOE_SCHEDULES:
+            raise ConfigError(f"unknown moe.all_to_all {self.all_to_all!r}"
+                              f"{_did_you_mean(str(self.all_to_all), MOE_SCHEDULES)}; valid: "
+                              f"{', '.join(MOE_SCHEDULES)}")
+        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(
+                self.chunks, int) or self.chunks < 1):
+            raise ConfigError(f"moe.chunks must be an int >= 1 or 'auto', got {self.chunks!r}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ConfigError(f"moe.ranks_per_node must be an int >= 1, got {rpn!r}")
+        if rpn is not None and self.ep % rpn:
+            raise ConfigError(f"moe.ranks_per_node ({rpn}) must divide moe.ep ({self.ep})")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                               or not math.isfinite(cf) or cf <= 0):
+            raise ConfigError(f"moe.capacity_factor must be a number > 0 or None (dropless), "
+                              f"got {cf!r}")
+        if self.profile is not None:
+            from graphopt.cost.profiles import load_profile
+
+            load_profile(self.profile)
+
+    @classmethod
+    def parse(cls, value: Any) -> MoEOptions:
+        if value is True:
+            return cls()
+        return _parse_section(cls, value, "moe")
+
+
 @dataclass(frozen=True)
 class GraphoptConfig:
     """All graphopt options. Build it with :meth:`from_options`.
@@ -217,6 +280,9 @@ class GraphoptConfig:
     (for linearizing a pretrained model before fine-tuning); see ``lightning``."""
     lightning: LightningOptions = field(default_factory=lambda: LightningOptions())
     """How attention="lightning" converts softmax attention (ignored by other modes)."""
+    moe: MoEOptions | None = None
+    """MoE experts rewrite (pass "moe"): None reports MoE sites and changes nothing; True or
+    a dict (see :class:`MoEOptions`) rewrites them."""
     remat: RematOptions | None = None
     """Rematerialization: keep or recompute each saved activation under a memory budget
     (the joint pass "remat"); None keeps PyTorch's partitioning."""
@@ -294,11 +360,16 @@ class GraphoptConfig:
             kwargs["inductor_config"] = _inductor_patches(options["inductor_config"])
         if "remat" in options:
             kwargs["remat"] = RematOptions.parse(options["remat"])
+        if "moe" in options and options["moe"] not in (None, False):
+            kwargs["moe"] = MoEOptions.parse(options["moe"])
         config = cls(**kwargs)
         if "lightning" in options and config.attention != "lightning":
             raise ConfigError(f"option 'lightning' configures attention='lightning', but "
                               f"attention is {config.attention!r}; set attention='lightning' "
                               "or drop the 'lightning' options")
+        if config.moe is not None and "moe" in config.disable:
+            raise ConfigError("option 'moe' is given but 'moe' is in 'disable'; drop one of "
+                              "them")
         if config.remat is not None and "remat" in config.disable:
             raise ConfigError("option 'remat' is given but 'remat' is in 'disable'; drop one "
                               "of them")

@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "remove_noops": "graphopt.passes.remove_noops:RemoveNoopsPass",
     "cse": "graphopt.passes.cse:CSEPass",
     "remat": "graphopt.passes.remat:RematPass",
+    "moe": "graphopt.passes.moe:MoEPass",
 }
 _LOADED: dict[str, type[GraphPass]] = {}
 
@@ -39,6 +40,7 @@ _LOADED: dict[str, type[GraphPass]] = {}
 PIPELINE: dict[Stage, tuple[str, ...]] = {
     "pre_autograd": (
         "attention",  # first: matches loops exactly as Dynamo unrolled them
+        "moe",  # before CSE/noop removal: finds experts regions by their module boundary
         "remove_noops",  # before CSE: canonical operands let CSE see identical expressions
         "cse",
     ),

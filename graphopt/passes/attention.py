@@ -81,7 +81,7 @@ from graphopt.passes.attention_patterns import (
     num_layers,
 )
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import eliminate_dead_code, site_name, tensor_meta
+from graphopt.passes.fx_utils import eliminate_dead_code, fake_call, site_name, tensor_meta
 
 
 def _insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
@@ -103,22 +103,13 @@ def _insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k:
         args = (q, k, v, slope, scale, None, DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY,
                 resolve_impl("auto", q_val.device))
         call = graph.call_function(op, args)
-        call.meta["val"] = _fake(op, *args)
+        call.meta["val"] = fake_call(op, *args)
         out = graph.call_function(operator.getitem, (call, 0))
         out.meta["val"] = call.meta["val"][0]
     for new in (slope, call, out):
         new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         new.meta["graphopt_replaced"] = [node.name]
     return out
-
-
-def _fake(target: Any, *args: Any, **kwargs: Any) -> Any:
-    """``meta['val']`` for a new node: the target run on its inputs' fake values."""
-    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    assert mode is not None
-    with mode:
-        return target(*vals, **kwargs)
 
 
 @register_pass
@@ -308,7 +299,7 @@ class AttentionPass(GraphPass):
         for target, extra in maps[self.feature_map]:
             with gm.graph.inserting_before(before):
                 new = gm.graph.call_function(target, (x, *extra))
-            new.meta.update(val=_fake(target, x, *extra),
+            new.meta.update(val=fake_call(target, x, *extra),
                             nn_module_stack=before.meta.get("nn_module_stack", {}),
                             graphopt_replaced=[before.name])
             x = new
@@ -322,14 +313,14 @@ class AttentionPass(GraphPass):
             dim = [int(out.meta["val"].shape[3])]
             with gm.graph.inserting_after(out):
                 norm = gm.graph.call_function(aten.rms_norm.default, (out, dim))
-            norm.meta.update(out.meta, val=_fake(aten.rms_norm.default, out, dim))
+            norm.meta.update(out.meta, val=fake_call(aten.rms_norm.default, out, dim))
             out = norm
         want = tensor_meta(node)
         if want is not None and want.dtype != out.meta["val"].dtype:
             with gm.graph.inserting_after(out):
                 cast = gm.graph.call_function(aten._to_copy.default, (out,),
                                               {"dtype": want.dtype})
-            cast.meta.update(out.meta, val=_fake(aten._to_copy.default, out, dtype=want.dtype))
+            cast.meta.update(out.meta, val=fake_call(aten._to_copy.default, out, dtype=want.dtype))
             out = cast
         node.replace_all_uses_with(out)
 
@@ -357,12 +348,12 @@ class AttentionPass(GraphPass):
         op = torch.ops.graphopt.lightning_attention_fwd.default
         with graph.inserting_before(cat):
             slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
-            slope.meta["val"] = _fake(aten.view.default, loop.slope, [heads])
+            slope.meta["val"] = fake_call(aten.view.default, loop.slope, [heads])
             # The result does not depend on the block length (exact math); use the kernel's.
             args = (loop.q, loop.k, loop.v, slope, 1.0, None, DEFAULT_BLOCK_SIZE,
                     DEFAULT_CHECKPOINT_EVERY, impl)
             call = graph.call_function(op, args)
-            call.meta["val"] = _fake(op, *args)
+            call.meta["val"] = fake_call(op, *args)
             outs = []
             for i in range(2):
                 item = graph.call_function(operator.getitem, (call, i))
@@ -380,6 +371,6 @@ class AttentionPass(GraphPass):
                 with graph.inserting_after(outs[1]):
                     new_state = graph.call_function(
                         aten._to_copy.default, (outs[1],), {"dtype": want.dtype})
-                    new_state.meta["val"] = _fake(aten._to_copy.default, outs[1],
+                    new_state.meta["val"] = fake_call(aten._to_copy.default, outs[1],
                                                   dtype=want.dtype)
             state.replace_all_uses_with(new_state)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 
@@ -116,3 +118,14 @@ def returns_alias(node: fx.Node, include_inplace: bool = False) -> bool:
     return bool(rets) and all(
         r.alias_info is not None and (include_inplace or not r.alias_info.is_write)
         for r in rets)
+
+
+def fake_call(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """``meta['val']`` for a new node: ``target`` run on its input nodes' fake values."""
+    from torch._guards import detect_fake_mode
+
+    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
+    mode = detect_fake_mode([v for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
+    assert mode is not None
+    with mode:
+        return target(*vals, **kwargs)

@@ -1,0 +1,390 @@
+"""moe: rewrite MoE experts into ``graphopt::moe_experts`` (sorted dispatch + grouped expert
+GEMMs; expert-parallel all-to-all dispatch/combine when ``moe.ep`` > 1).
+
+A MoE *site* is a top-k router (``aten.topk`` on softmax / sigmoid router scores, DeepSeek's
+group-limited top-k included) whose indices and weights feed an *experts region*: the nodes
+of one module (transformers' ``*Experts``, by ``nn_module_stack``) whose only inputs are the
+tokens [T, H], the top-k indices [T, K] (int64), the top-k weights [T, K], and two expert
+weights gate_up [E, 2F, H] and down [E, H, F], and whose one output is [T, H]. The router,
+shared experts and everything else stay as they are (routing numerics are the model's own;
+ties resolve as eager does). Spellings: transformers' "grouped_mm" and "batched_mm" experts
+(and any other one-graph form with that interface). The "eager" experts loop is split by
+graph breaks (data-dependent ``nonzero``), so it never reaches one graph: those sites are
+reported as skipped with the fix (``experts_implementation="grouped_mm"``).
+
+Contract:
+    accepts: a normalized pre-autograd ATen graph (static token count).
+    guarantees: exact. A region is replaced only when (1) it has the interface above, (2) it
+        uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU experts), and
+        (4) on three probes with the region's shapes and dtypes (random routing; every token's
+        first choice on expert 0; the last expert unused) the region, run on the real expert
+        weights of the compile's example inputs, equals ``moe_experts`` within the dtype's
+        tolerance. Capacity (``moe.capacity_factor``) changes the function and is reported as
+        such.
+    reads meta: ``val``, ``nn_module_stack``, ``ctx.extras["example_inputs"]``.
+    writes meta: new nodes get ``val``, the region output's ``nn_module_stack`` and
+        ``graphopt_replaced`` (the region output's name).
+    records: per site "rewritten" (E, K, T, router kind, shared experts, EP schedule and the
+        cost model's prediction) or "skipped" with the reason; with no ``moe`` option, "kept".
+
+Pseudo-code:
+    for topk in graph:
+        region = nodes of the experts module fed by topk's indices
+        check interface, ops, activation; probe region vs moe_experts
+        out = graphopt::moe_experts(tokens, idx, w, gate_up, down, cf, ep, group, schedule, ...)
+        replace region output by out[0]; dead region nodes are removed
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.config import MoEOptions
+from graphopt.passes import register_pass
+from graphopt.passes.attention_patterns import module_path
+from graphopt.passes.base import GraphPass, PassContext, PassResult
+from graphopt.passes.fx_utils import (
+    eliminate_dead_code,
+    fake_call,
+    is_mutating,
+    is_random,
+    site_name,
+    tensor_meta,
+)
+
+aten = torch.ops.aten
+EAGER_LOOP_FIX = ("the router's indices leave this graph at a graph break (transformers' eager "
+                  "experts loop breaks on a data-dependent nonzero); build the model with "
+                  "experts_implementation='grouped_mm' (or 'batched_mm') so router and experts "
+                  "reach one graph")
+
+
+class Skip(Exception):
+    """A site the pass leaves untouched; the message is the reported reason."""
+
+
+@dataclass
+class Region:
+    """An experts region: its nodes, its single output and its classified inputs."""
+
+    path: str
+    nodes: list[fx.Node]
+    output: fx.Node
+    hidden: fx.Node
+    index: fx.Node
+    weights: fx.Node
+    gate_up: fx.Node
+    down: fx.Node
+
+
+def _under(node: fx.Node, path: str) -> bool:
+    p = module_path(node)
+    return p == path or p.startswith(path + ".")
+
+
+def find_region(topk: fx.Node) -> Region:
+    """The experts region fed by ``topk``'s indices (see the module docstring).
+
+    Raises:
+        Skip: no such region, or one with another interface.
+    """
+    idx = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == 1), None)
+    if idx is None:
+        raise Skip("top-k indices are unused")
+    frontier, seen, path = list(idx.users), set(), ""
+    while frontier and not path:  # the first module that consumes the indices
+        node = frontier.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        if "experts" in module_path(node).rsplit(".", 1)[-1]:
+            path = module_path(node)
+        elif node.target is aten.one_hot.default or node.op == "output":
+            raise Skip(EAGER_LOOP_FIX)
+        frontier += list(node.users)
+    if not path:
+        raise Skip("no experts module consumes the router's indices in this graph")
+    graph = topk.graph
+    nodes = [n for n in graph.nodes if n.op == "call_function" and _under(n, path)]
+    inside = set(nodes)
+    inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    if len(outputs) != 1:
+        raise Skip(f"experts module {path} has {len(outputs)} outputs, expected 1")
+    params = [n for n in inputs if n.op == "placeholder" and _rank(n) == 3]
+    ints = [n for n in inputs if _rank(n) == 2 and not _meta(n).is_floating_point()]
+    floats = [n for n in inputs if n not in params and _rank(n) == 2
+              and _meta(n).is_floating_point()]
+    hidden = [n for n in floats if _meta(n).shape == _meta(outputs[0]).shape]
+    weights = [n for n in floats if n not in hidden]
+    if len(params) != 2 or len(ints) != 1 or len(hidden) != 1 or len(weights) != 1 or \
+            len(inputs) != 5:
+        raise Skip(f"experts module {path} reads {sorted(n.name for n in inputs)}; expected "
+                   "tokens [T, H], top-k indices and weights [T, K], gate_up and down weights")
+    gate_up, down = sorted(params, key=lambda n: -_meta(n).shape[1] * _meta(n).shape[2] * (
+        _meta(n).shape[2] == _meta(hidden[0]).shape[1]))
+    t, h = _meta(hidden[0]).shape
+    e, f2, h1 = _meta(gate_up).shape
+    if h1 != h or tuple(_meta(down).shape) != (e, h, f2 // 2) or \
+            tuple(_meta(ints[0]).shape) != tuple(_meta(weights[0]).shape) or \
+            _meta(ints[0]).shape[0] != t:
+        raise Skip(f"experts module {path}: weight shapes {tuple(_meta(gate_up).shape)} / "
+                   f"{tuple(_meta(down).shape)} are not transformers' [E, 2F, H] / [E, H, F]")
+    return Region(path, nodes, outputs[0], hidden[0], ints[0], weights[0], gate_up, down)
+
+
+def _meta(node: fx.Node) -> torch.Tensor:
+    val = tensor_meta(node)
+    if val is None:
+        raise Skip(f"{node.name} has no tensor meta")
+    return val
+
+
+def _rank(node: fx.Node) -> int:
+    val = tensor_meta(node)
+    return -1 if val is None else val.dim()
+
+
+def router_kind(topk: fx.Node) -> str:
+    """"softmax" | "sigmoid" | "group-limited sigmoid" | ...: what the top-k scores are."""
+    ops, frontier, seen, path = set(), [topk.args[0]], set(), module_path(topk)
+    while frontier:
+        node = frontier.pop()
+        if not isinstance(node, fx.Node) or node in seen or node.op != "call_function" \
+                or not _under(node, path):
+            continue
+        seen.add(node)
+        ops.add(getattr(node.target, "_opname", ""))
+        frontier += node.all_input_nodes
+    kind = "softmax" if "softmax" in ops else "sigmoid" if "sigmoid" in ops else "other"
+    if "topk" in ops:  # a top-k over expert groups before the expert top-k (DeepSeek-V3)
+        kind = f"group-limited {kind}"
+    return kind
+
+
+def _extract(region: Region) -> fx.GraphModule:
+    """The region as a callable graph (tokens, index, weights, gate_up, down) -> out."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for name in ("hidden", "index", "weights", "gate_up", "down"):
+        env[getattr(region, name)] = graph.placeholder(name)
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[region.output])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(0)
+    h, idx, w = _meta(region.hidden), _meta(region.index), _meta(region.weights)
+    t, k = idx.shape
+    e = _meta(region.gate_up).shape[0]
+    params = []
+    for node in (region.gate_up, region.down):
+        value = real.get(node)
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+            value = torch.randn(_meta(node).shape, generator=gen).to(_meta(node).dtype) * 0.1
+        params.append(value.detach())
+    probes = []
+    for kind in ("random", "expert0", "last_unused"):
+        pool = e - 1 if kind == "last_unused" and e > k else e
+        index = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)])
+        if kind == "expert0":
+            index = torch.where(index == 0, index[:, :1], index)
+            index[:, 0] = 0
+        hidden = torch.randn(h.shape, generator=gen).to(h.dtype)
+        weights = torch.rand(w.shape, generator=gen).to(w.dtype)
+        probes.append((hidden, index.to(idx.dtype), weights, *params))
+    return probes
+
+
+def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
+    """Raise Skip unless the region computes SwiGLU experts (see guarantees (2)-(4))."""
+    ops = {getattr(n.target, "_opname", str(n.target)) for n in region.nodes}
+    bad = [n.name for n in region.nodes if is_random(n)]
+    bad += [n.name for n in region.nodes if is_mutating(n) and any(
+        a not in region.nodes for a in n.all_input_nodes[:1])]
+    if bad:
+        raise Skip(f"experts module {region.path} has random or input-mutating ops: {bad[:3]}")
+    if "silu" not in ops:
+        acts = sorted(ops & {"gelu", "relu", "sigmoid", "tanh"}) or ["unknown"]
+        raise Skip(f"experts activation {acts} is not SiLU (only SwiGLU experts are rewritten)")
+    from graphopt.kernels.moe.op import moe_experts_op
+
+    fn = _extract(region)
+    dtype = _meta(region.hidden).dtype
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 3e-2)
+    for probe in _probes(region, real):
+        want = fn(*probe)
+        got = moe_experts_op(*probe, -1.0, 1, "", "flat", 1, 1, False)[0]
+        if want.shape != got.shape or want.dtype != got.dtype or \
+                not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+            raise Skip(f"experts module {region.path} does not compute SwiGLU experts "
+                       "(probe mismatch)")
+
+
+@register_pass
+@dataclass(frozen=True)
+class MoEPass(GraphPass):
+    """See the module docstring."""
+
+    name = "moe"
+    stage = "pre_autograd"
+    options: MoEOptions | None = None
+
+    @property
+    def exact(self) -> bool:  # type: ignore[override]
+        return self.options is None or self.options.capacity_factor is None
+
+    @classmethod
+    def from_config(cls, config: Any) -> MoEPass:
+        return cls(config.moe)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        real = dict(zip(gm.graph.find_nodes(op="placeholder"),
+                        ctx.extras.get("example_inputs") or []))
+        modified = False
+        for topk in list(gm.graph.find_nodes(op="call_function", target=aten.topk.default)):
+            if topk.graph is not gm.graph or not topk.users:
+                continue
+            if _feeds_topk(topk):
+                continue  # a group top-k (DeepSeek-V3): the expert top-k comes after it
+            site = site_name(topk)
+            try:
+                region = find_region(topk)
+                detail = self._describe(region, topk)
+                if self.options is None:
+                    ctx.record("kept", site, f"{detail}; set options={{'moe': {{}}}} to rewrite")
+                    continue
+                check_region(region, real)
+                detail += "; " + self._rewrite(gm, region, ctx.training)
+                modified = True
+                ctx.record("rewritten", site, detail)
+            except Skip as why:
+                ctx.record("skipped", site, str(why))
+        if modified:
+            eliminate_dead_code(gm.graph)
+        return PassResult(gm, modified)
+
+    @staticmethod
+    def _describe(region: Region, topk: fx.Node) -> str:
+        e = _meta(region.gate_up).shape[0]
+        t, k = _meta(region.index).shape
+        parent = region.path.rsplit(".", 1)[0]
+        shared = any(module_path(n).startswith(parent + ".shared_expert")
+                     for n in topk.graph.nodes)
+        return (f"{region.path}: E={e}, K={k}, T={t}, router {router_kind(topk)}"
+                + (", shared experts kept dense" if shared else ""))
+
+    def _rewrite(self, gm: fx.GraphModule, region: Region, training: bool) -> str:
+        import graphopt.kernels.moe.op  # noqa: F401  (registers graphopt::moe_experts)
+
+        moe_experts_op = torch.ops.graphopt.moe_experts.default
+        opts = self.options
+        assert opts is not None
+        e, f2, h = _meta(region.gate_up).shape
+        group, ep, schedule, chunks, rpn, note = "", 1, "flat", 1, 1, "one device"
+        if opts.ep > 1:
+            group, rpn = ep_group(opts.ep, e), _ranks_per_node(opts)
+            ep = opts.ep
+            schedule, chunks, note = self._schedule(region, opts, rpn)
+        cf = -1.0 if opts.capacity_factor is None else float(opts.capacity_factor)
+        args = (region.hidden, region.index, region.weights, region.gate_up, region.down, cf,
+                ep, group, schedule, chunks, rpn, training)
+        with gm.graph.inserting_before(region.output):
+            call = gm.graph.call_function(moe_experts_op, args)
+            out = gm.graph.call_function(operator.getitem, (call, 0))
+        call.meta["val"] = fake_call(moe_experts_op, *args)
+        out.meta["val"] = call.meta["val"][0]
+        for node in (call, out):
+            node.meta["nn_module_stack"] = region.output.meta.get("nn_module_stack", {})
+            node.meta["graphopt_replaced"] = [region.output.name]
+        region.output.replace_all_uses_with(out)
+        drop = "dropless" if cf < 0 else f"capacity factor {cf} (APPROXIMATE: drops tokens)"
+        return f"sorted dispatch + grouped GEMM, {drop}, {note}"
+
+    @staticmethod
+    def _schedule(region: Region, opts: MoEOptions, rpn: int) -> tuple[str, int, str]:
+        from graphopt.cost.moe import MoELayerShape, choose_schedule, schedule_times
+
+        t, k = _meta(region.index).shape
+        e, f2, h = _meta(region.gate_up).shape
+        dtype = _meta(region.hidden).dtype
+        shape = MoELayerShape(int(t), int(k), int(h), int(f2) // 2, dtype.itemsize,
+                              str(dtype).replace("torch.", ""))
+        profile = opts.profile or _default_profile()
+        best, best_chunks, times = choose_schedule(shape, opts.ep, profile, rpn)
+        schedule = best if opts.all_to_all == "auto" else opts.all_to_all
+        chunks = opts.chunks if opts.chunks != "auto" else (
+            best_chunks if schedule == "chunked" else
+            schedule_times(shape, opts.ep, profile, rpn, backward=True)["chunked"][1])
+        pred = ", ".join(f"{s} {v * 1e3:.3g} ms" for s, v in times.items())
+        how = "chosen by the cost model" if opts.all_to_all == "auto" else "set by moe.all_to_all"
+        return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
+                                       f"({how}; chunks {chunks}); predicted fwd+bwd on "
+                                       f"{profile}: {pred}")
+
+
+def _feeds_topk(topk: fx.Node) -> bool:
+    """Whether another top-k of the same router module depends on this one."""
+    path, frontier, seen = module_path(topk), list(topk.users), set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen or not _under(node, path):
+            continue
+        seen.add(node)
+        if node.target is aten.topk.default:
+            return True
+        frontier += list(node.users)
+    return False
+
+
+def _default_profile() -> str:
+    from graphopt.cost.calibrate import local_profile_path
+
+    return "local" if local_profile_path().exists() else "h100-sxm"
+
+
+def _ranks_per_node(opts: MoEOptions) -> int:
+    if opts.ranks_per_node is not None:
+        return opts.ranks_per_node
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", opts.ep))
+    return math.gcd(local, opts.ep)
+
+
+_GROUPS: dict[int, str] = {}
+
+
+def ep_group(ep: int, num_experts: int) -> str:
+    """The name of this rank's EP group (consecutive ranks; created once per ep, collectively:
+    every rank compiles the same graphs in the same order).
+
+    Raises:
+        ConfigError: torch.distributed not initialized, ep not dividing the world size or the
+            number of experts.
+    """
+    import torch.distributed as dist
+
+    from graphopt.errors import ConfigError
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(f"moe.ep={ep} needs torch.distributed: run under torchrun (or call "
+                          "init_process_group) before compiling, or set moe.ep=1")
+    world = dist.get_world_size()
+    if world % ep:
+        raise ConfigError(f"moe.ep ({ep}) must divide the world size ({world})")
+    if num_experts % ep:
+        raise ConfigError(f"moe.ep ({ep}) must divide the number of experts ({num_experts})")
+    if ep == world:
+        return ""
+    if ep not in _GROUPS:
+        group, _ = dist.new_subgroups(group_size=ep)
+        _GROUPS[ep] = group.group_name
+    return _GROUPS[ep]

@@ -1,0 +1,204 @@
+"""Pass "moe": experts regions -> graphopt::moe_experts. Pass level (graph in, ops out,
+refusals with reasons) and real transformers MoE models (Mixtral, Qwen3-MoE, MiniMax,
+DeepSeek-V3) in float64: logits and every parameter gradient equal eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphopt.config import GraphoptConfig
+from graphopt.errors import ConfigError
+from graphopt.models import build_model, sample_batch
+from graphopt.report import clear_reports, reports
+from graphopt.testing import (
+    as_function,
+    assert_matches_eager,
+    bind_inputs,
+    run_pass,
+    trace_for_pass,
+)
+
+MOE_OPTIONS = GraphoptConfig.from_options({"moe": {}})
+
+
+def _block(impl: str = "batched_mm", act: str = "silu", experts: int = 4):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=experts,
+                           num_experts_per_tok=2, hidden_act=act)
+    config._experts_implementation = impl
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(config).double()
+    block.config = config
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    return block
+
+
+def _sites(record, action):
+    return [s for s in record.sites if s.action == action]
+
+
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_experts_region_becomes_one_moe_op(impl):
+    block = _block(impl)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(block, x)
+    inputs = bind_inputs(gm, block, x)
+    out, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=inputs)
+    assert record.op_delta.get("graphopt.moe_experts.default") == 1
+    removed = "aten.bmm.default" if impl == "batched_mm" else \
+        "transformers.grouped_mm_fallback.default"
+    assert record.op_delta.get(removed, 0) < 0
+    (site,) = _sites(record, "rewritten")
+    assert "E=4, K=2, T=10, router softmax" in site.reason and "dropless" in site.reason
+    compiled = as_function(out, block)
+
+    def reference(x):  # torch._grouped_mm has no float64 kernel: batched_mm is the reference
+        block.config._experts_implementation = "batched_mm"
+        try:
+            return block(x)
+        finally:
+            block.config._experts_implementation = impl
+
+    assert_matches_eager(reference, compiled, [x], list(block.parameters()), rtol=1e-10,
+                         atol=1e-12)
+
+
+def test_without_moe_option_sites_are_kept_and_reported():
+    block = _block()
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    _, record = run_pass("moe", gm, GraphoptConfig(), example_inputs=bind_inputs(gm, block, x))
+    assert not record.modified
+    (site,) = _sites(record, "kept")
+    assert "options={'moe': {}}" in site.reason
+
+
+def test_non_silu_experts_are_refused_with_the_reason():
+    block = _block(act="gelu")
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    _, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    assert not record.modified
+    (site,) = _sites(record, "skipped")
+    assert "not SiLU" in site.reason
+
+
+class _NotExperts(torch.nn.Module):
+    """Same interface and SiLU, another function: y = silu(x @ W1[0]^T)[:, :H] * w0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 48, 16, dtype=torch.float64))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 24, dtype=torch.float64))
+
+    def forward(self, x, index, weights):
+        h = torch.nn.functional.silu(x @ self.gate_up_proj[0].t())[:, :16]
+        return h * weights[:, :1] + index[:, :1] * 0 + (self.down_proj.sum() * 0)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(16, 4, dtype=torch.float64)
+        self.experts = _NotExperts()
+
+    def forward(self, x):
+        w, i = torch.topk(self.router(x).softmax(-1), 2)
+        return self.experts(x, i, w)
+
+
+def test_a_region_that_computes_something_else_fails_the_probe():
+    block = _Block()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    _, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    assert not record.modified
+    (site,) = _sites(record, "skipped")
+    assert "probe mismatch" in site.reason
+
+
+def test_eager_experts_loop_is_reported_with_the_fix():
+    model = build_model("mixtral", dtype=torch.float64, num_hidden_layers=1)  # eager experts
+    ids = sample_batch(model, 1, 6)
+    clear_reports()
+    torch._dynamo.reset()
+    torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
+        input_ids=ids, use_cache=False)
+    skipped = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    assert skipped and all(s.action == "skipped" and "grouped_mm" in s.reason for s in skipped)
+
+
+MODELS = ["mixtral", "qwen3_moe", "minimax", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_real_moe_models_train_exactly(name):
+    model = build_model(name, dtype=torch.float64)
+    ids = sample_batch(model, 2, 12)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def eager(ids):
+        model.set_experts_implementation("eager")
+        return model(input_ids=ids, use_cache=False).logits
+
+    compiled = torch.compile(lambda ids: model(input_ids=ids, use_cache=False).logits,
+                             backend="graphopt", options={"moe": {}, "lowering": "eager"})
+
+    def graphopt_run(ids):
+        model.set_experts_implementation("grouped_mm")
+        return compiled(ids)
+
+    clear_reports()
+    torch._dynamo.reset()
+    assert_matches_eager(eager, graphopt_run, [ids], params, rtol=1e-9, atol=1e-11)
+    layers = sum(1 for m in model.modules() if type(m).__name__.endswith("Experts"))
+    rewritten = [s for r in reports() for p in r.passes if p.name == "moe"
+                 for s in p.sites if s.action == "rewritten"]
+    assert len(rewritten) == layers, [s for r in reports() for p in r.passes for s in p.sites]
+    assert reports()[0].training
+
+
+def test_capacity_is_reported_as_approximate():
+    block = _block()
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    config = GraphoptConfig.from_options({"moe": {"capacity_factor": 0.5}})
+    out, record = run_pass("moe", gm, config, example_inputs=bind_inputs(gm, block, x))
+    assert not record.exact
+    (site,) = _sites(record, "rewritten")
+    assert "APPROXIMATE" in site.reason
+    from graphopt.kernels.moe import moe_experts
+
+    flat = x.view(-1, 16)
+    w, i = torch.topk(block.gate(flat)[0].float().softmax(-1), 2)
+    w = w / w.sum(-1, keepdim=True)
+    want = moe_experts(flat, i, w, block.experts.gate_up_proj, block.experts.down_proj,
+                       capacity_factor=0.5).view(1, 8, 16)
+    torch.testing.assert_close(as_function(out, block)(x), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"moe": {"ep": 0}}, "moe.ep must be an int >= 1"),
+    ({"moe": {"all_to_all": "hierarchial"}}, "did you mean 'hierarchical'"),
+    ({"moe": {"chunks": 0}}, "moe.chunks"),
+    ({"moe": {"ep": 4, "ranks_per_node": 3}}, "must divide moe.ep"),
+    ({"moe": {"capacity_factor": -1}}, "capacity_factor"),
+    ({"moe": {"epp": 2}}, "epp"),
+])
+def test_bad_moe_options_name_the_problem(options, message):
+    with pytest.raises(ConfigError, match=message):
+        GraphoptConfig.from_options(options)
+
+
+def test_expert_parallel_without_a_process_group_says_how_to_fix_it():
+    block = _block()
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    config = GraphoptConfig.from_options({"moe": {"ep": 2}})
+    with pytest.raises(ConfigError, match="torchrun"):
+        run_pass("moe", gm, config, example_inputs=bind_inputs(gm, block, x))
