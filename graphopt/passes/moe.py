@@ -319,12 +319,17 @@ class MoEPass(GraphPass):
         dtype = _meta(region.hidden).dtype
         shape = MoELayerShape(int(t), int(k), int(h), int(f2) // 2, dtype.itemsize,
                               str(dtype).replace("torch.", ""))
+        from graphopt.cost.profiles import load_profile
+
         profile = opts.profile or _default_profile()
-        best, best_chunks, times = choose_schedule(shape, opts.ep, profile, rpn)
+        cluster = load_profile(profile)
+        if opts.ep > cluster.max_devices:  # e.g. the local profile: more ranks than devices
+            cluster = cluster.scaled(opts.ep)
+        best, best_chunks, times = choose_schedule(shape, opts.ep, cluster, rpn)
         schedule = best if opts.all_to_all == "auto" else opts.all_to_all
         chunks = opts.chunks if opts.chunks != "auto" else (
             best_chunks if schedule == "chunked" else
-            schedule_times(shape, opts.ep, profile, rpn, backward=True)["chunked"][1])
+            schedule_times(shape, opts.ep, cluster, rpn, backward=True)["chunked"][1])
         pred = ", ".join(f"{s} {v * 1e3:.3g} ms" for s, v in times.items())
         how = "chosen by the cost model" if opts.all_to_all == "auto" else "set by moe.all_to_all"
         return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
