@@ -25,7 +25,8 @@ _DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16"}
 @app.command()
 def demo(
     model: str = typer.Option("minimax", help="Real transformers model: minimax, llama, "
-                              "mixtral or qwen3_moe (small config, random weights)."),
+                              "qwen3, gpt2, mixtral, qwen3_moe or deepseek_v3 (small config, "
+                              "random weights)."),
     lowering: str = typer.Option("eager", help="eager | inductor | auto | npu."),
     attention: str = typer.Option("exact", help="keep | exact (MiniMax's lightning-attention "
                                   "loop -> graphopt's kernel) | lightning (approximate)."),
@@ -35,6 +36,9 @@ def demo(
                             "the next token)."),
     dump_dir: Path | None = typer.Option(None, help="Write every graph and the report here."),
     verify: bool = typer.Option(True, help="Also run graphopt's verify on each graph."),
+    moe: bool = typer.Option(True, help="MoE models: compile with transformers' grouped_mm "
+                             "experts and options={'moe': {}} (sorted dispatch + grouped "
+                             "GEMMs; eager keeps its per-expert loop as the reference)."),
 ) -> None:
     """Compile a real model with backend="graphopt", run a training step and an inference
     step, compare both with eager, and print the report."""
@@ -49,6 +53,8 @@ def demo(
     if model not in SPECS:
         raise typer.BadParameter(f"unknown model {model!r}; available: {', '.join(SPECS)}")
     options: dict[str, Any] = {"lowering": lowering, "attention": attention}
+    if moe:
+        options["moe"] = {}
     if dump_dir is not None:
         options["dump_dir"] = str(dump_dir)
     try:
@@ -59,11 +65,11 @@ def demo(
     graphopt.clear_reports()
     with console.status("[bold]compiling and running[/]") as status:
         result = run_demo(model, lowering, getattr(torch, dtype), batch, seq, dump_dir, verify,
-                          attention=attention,
+                          attention=attention, moe=moe,
                           progress=lambda msg: status.update(f"[bold]{msg}[/]"))
     _print_reports(graphopt.reports(), sites=0)
     table = Table(title=f"{model}: compiled vs eager ({dtype}, lowering {lowering}, "
-                        f"attention {attention})")
+                        f"attention {attention}" + (", moe" if moe else "") + ")")
     for col in ("check", "max abs error", "tolerance", "ok"):
         table.add_column(col)
     approximate = attention == "lightning"

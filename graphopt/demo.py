@@ -34,16 +34,22 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq: int,
              dump_dir: Path | None, verify: bool,
              progress: Callable[[str], None] = lambda msg: None,
-             attention: str = "exact") -> DemoResult:
+             attention: str = "exact", moe: bool = False) -> DemoResult:
     """Train one step (forward, backward, SGD update) and run one inference step with the
-    compiled model and an identical eager copy; record the largest differences."""
+    compiled model and an identical eager copy; record the largest differences.
+
+    ``moe``: the compiled copy of an MoE model uses transformers' grouped_mm experts (one
+    graph per forward) and graphopt's MoE pass; the eager copy keeps the per-expert loop."""
     progress(f"building {model_name}")
     eager = build_model(model_name, dtype=dtype)
     compiled_model = copy.deepcopy(eager)
-    ids = sample_batch(eager, batch, seq)
-    labels = sample_batch(eager, batch, seq, seed=1)
     options: dict[str, Any] = {"lowering": lowering, "verify": verify,  # validated by the CLI
                                "attention": attention}
+    if moe and getattr(eager.config, "_experts_implementation", None) is not None:
+        compiled_model.set_experts_implementation("grouped_mm")  # type: ignore[operator]
+        options["moe"] = {}
+    ids = sample_batch(eager, batch, seq)
+    labels = sample_batch(eager, batch, seq, seed=1)
     if dump_dir is not None:
         options["dump_dir"] = str(dump_dir)
     compiled = torch.compile(compiled_model, backend="graphopt", options=options)

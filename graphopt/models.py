@@ -23,8 +23,10 @@ class ModelSpec:
     kwargs: dict[str, Any]
 
 
-# MoE models use transformers' "eager" experts (the per-expert Python loop real checkpoints
-# run by default on older versions, and the form graphopt's MoE pass rewrites).
+# MoE models are built with transformers' "eager" experts (the per-expert Python loop; it runs
+# in float64, so it is the reference of the exactness tests). Switch a model to one-graph
+# experts with ``model.set_experts_implementation("grouped_mm")`` before compiling it with
+# options={"moe": ...}: the eager loop graph-breaks and the MoE pass reports it.
 _MOE = dict(experts_implementation="eager")
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

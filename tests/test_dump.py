@@ -23,17 +23,17 @@ def test_dump_contents(tmp_path):
     names = {p.name for p in graph.iterdir()}
     expected = {"00_dynamo.py", "01_normalized.py", "joint.py", "forward.py", "backward.py",
                 "report.json", "report.md"}
-    for stem in ("02_pre_autograd.model.attention", "03_pre_autograd.model.remove_noops",
-                 "04_pre_autograd.model.cse"):
+    for stem in ("02_pre_autograd.model.attention", "03_pre_autograd.model.moe",
+                 "04_pre_autograd.model.remove_noops", "05_pre_autograd.model.cse"):
         expected |= {f"{stem}.before.py", f"{stem}.after.py", f"{stem}.diff"}
     assert expected <= names, sorted(names)
-    diff = (graph / "03_pre_autograd.model.remove_noops.diff").read_text()
+    diff = (graph / "04_pre_autograd.model.remove_noops.diff").read_text()
     assert "-" in diff and "aten.mul.Tensor" in diff  # the removed `* 1.0`
     assert "torch.ops.aten" in (graph / "backward.py").read_text()
     report = json.loads((graph / "report.json").read_text())
     assert report["status"] == "compiled"
-    assert [p["name"] for p in report["passes"]] == ["attention", "remove_noops", "cse"]
-    assert report["passes"][1]["op_delta"] == {"aten.mul.Tensor": -1}
+    assert [p["name"] for p in report["passes"]] == ["attention", "moe", "remove_noops", "cse"]
+    assert report["passes"][2]["op_delta"] == {"aten.mul.Tensor": -1}
     assert report["graphs"]["backward"] > 0  # written again after the lazy backward compile
     assert "graphopt_overhead" in report["timing"]
     assert "| remove_noops |" in (graph / "report.md").read_text()
@@ -54,7 +54,7 @@ def test_dump_dir_from_environment(tmp_path, monkeypatch):
 
 
 def test_a_new_run_replaces_the_graphs_of_an_earlier_run(tmp_path):
-    stale = tmp_path / "graph_007"
+    stale = tmp_path / "graph_9999"  # an id this process will not reach
     stale.mkdir()
     (stale / "report.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")

@@ -40,7 +40,8 @@ def test_no_grad_inference_uses_inference_graph():
 def test_disable_pass_by_name():
     compiled = torch.compile(MLP(), backend="graphopt", options={**EAGER, "disable": ["cse"]})
     compiled(torch.randn(2, 8, dtype=torch.float64))
-    assert [p.name for p in graphopt.last_report().passes] == ["attention", "remove_noops"]
+    assert [p.name for p in graphopt.last_report().passes] == ["attention", "moe",
+                                                              "remove_noops"]
 
 
 def test_enabled_joint_pass_sees_joint_and_inference_graphs():
@@ -97,7 +98,7 @@ def test_failing_pass_is_named_with_the_passes_before_it():
     compiled = torch.compile(MLP(), backend="graphopt", options={**EAGER, "enable":
                                                                ["test_crash"]})
     with pytest.raises(Exception, match=r"pass 'test_crash' \(stage pre_autograd, model graph\) "
-                       r"failed: RuntimeError: boom. Passes that ran before it: attention, "
+                       r"failed: RuntimeError: boom. Passes that ran before it: attention, moe, "
                        r"remove_noops, cse"):
         compiled(torch.randn(2, 8, dtype=torch.float64))
 

@@ -26,7 +26,7 @@ def test_eager_lowering_matches_eager_fp64(name):
     reports = graphopt.reports()
     assert reports and all(r.status == "compiled" for r in reports)
     assert any(r.training and "backward" in r.graphs for r in reports)
-    assert all([p.name for p in r.passes] == ["attention", "remove_noops", "cse"]
+    assert all([p.name for p in r.passes] == ["attention", "moe", "remove_noops", "cse"]
                for r in reports)
 
 

@@ -55,15 +55,17 @@ def swiglu_experts_backward(rows: Tensor, gu: Tensor, counts: Tensor, gate_up: T
     """grad_rows [n, H]; adds the weight gradients into grad_gate_up [El, 2F, H] and
     grad_down [El, H, F] (in place)."""
     g, u = gu.chunk(2, dim=-1)
-    sig = torch.sigmoid(g)
-    silu = g * sig
+    silu = F.silu(g)
     a = silu * u
     grad_a = torch.empty_like(a)
     segments = _segments(counts)
     for e, s, t in segments:
         torch.mm(grad_y[s:t], down[e], out=grad_a[s:t])
         grad_down[e].addmm_(grad_y[s:t].t(), a[s:t])
-    grad_gu = torch.cat([grad_a * u * sig * (1 + g * (1 - sig)), grad_a * silu], dim=-1)
+    f = g.shape[1]
+    grad_gu = torch.empty_like(gu)
+    grad_gu[:, :f] = torch.ops.aten.silu_backward(grad_a * u, g)  # grad * silu'(g), fused
+    torch.mul(grad_a, silu, out=grad_gu[:, f:])
     grad_rows = torch.empty_like(rows)
     for e, s, t in segments:
         grad_gate_up[e].addmm_(grad_gu[s:t].t(), rows[s:t])

@@ -107,6 +107,15 @@ def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int) -> 
     return torch.stack(parts)
 
 
+def _pad_rows(x: Tensor, n: int) -> Tensor:
+    """x [valid, W] -> [n, W] with zero rows after it (no copy when dropless)."""
+    if x.shape[0] == n:
+        return x
+    out = x.new_zeros(n, x.shape[1])
+    out[:x.shape[0]] = x
+    return out
+
+
 @torch.library.custom_op("graphopt::moe_experts", mutates_args=())
 def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                    down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
@@ -129,11 +138,9 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
 
     trip = RoundTrip(counts_all, pg, schedule, chunks, ranks_per_node)
     y_valid = trip(rows, forward, tag=0)
-    y_rows = hidden.new_zeros(top_k_index.numel(), hidden.shape[1])
-    y_rows[:valid] = y_valid
+    y_rows = _pad_rows(y_valid, top_k_index.numel())
     if pg is None:
-        gu_out = hidden.new_zeros(top_k_index.numel(), gate_up.shape[1])
-        gu_out[:valid] = saved[0][1]
+        gu_out = _pad_rows(saved[0][1], top_k_index.numel())
     else:
         gu_out = hidden.new_empty(0, gate_up.shape[1])
         if stash:
