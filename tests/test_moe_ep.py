@@ -95,6 +95,12 @@ def _reference(name: str, world: int) -> tuple[torch.Tensor, ...]:
     return (out.detach(), *grads)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float,
+           label: str) -> None:
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
+                               msg=lambda m: f"{label}: {m}")
+
+
 CASES = ["random", "skewed", "one_expert", "local_only", "empty_rank"]
 SCHEDULES = ["flat", "chunked", "hierarchical", "peer"]
 
@@ -111,14 +117,12 @@ def test_expert_parallel_schedules_equal_single_process(world):
             g_hidden = torch.cat([p[1] for p in per_rank])
             g_w = torch.cat([p[2] for p in per_rank])
             label = f"{name}/{schedule}/EP={world}"
-            torch.testing.assert_close(out, want[0], rtol=1e-12, atol=1e-12, msg=lambda m, lb=label: f"{lb}: {m}")
-            torch.testing.assert_close(g_hidden, want[1], rtol=1e-10, atol=1e-12, msg=lambda m, lb=label: f"{lb}: {m}")
-            torch.testing.assert_close(g_w, want[2], rtol=1e-10, atol=1e-12, msg=lambda m, lb=label: f"{lb}: {m}")
+            _close(out, want[0], 1e-12, 1e-12, label)
+            _close(g_hidden, want[1], 1e-10, 1e-12, label)
+            _close(g_w, want[2], 1e-10, 1e-12, label)
             for r in range(world):
-                torch.testing.assert_close(per_rank[r][3], want[3], rtol=1e-10, atol=1e-12,
-                                           msg=lambda m, lb=label: f"{lb}: {m}")
-                torch.testing.assert_close(per_rank[r][4], want[4], rtol=1e-10, atol=1e-12,
-                                           msg=lambda m, lb=label: f"{lb}: {m}")
+                _close(per_rank[r][3], want[3], 1e-10, 1e-12, f"{label} rank {r} gate_up")
+                _close(per_rank[r][4], want[4], 1e-10, 1e-12, f"{label} rank {r} down")
             assert not any(torch.isnan(p).any() for p in per_rank[0]), label
 
 
@@ -146,7 +150,7 @@ def _model_worker(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
                            "ranks_per_node": 2}, "lowering": "eager"}
         torch._dynamo.reset()
         clear_reports()
-        compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
+        compiled = torch.compile(lambda x, m=model: m(input_ids=x, use_cache=False).logits,
                                  backend="graphopt", options=options)
         logits = compiled(local)
         cot = torch.randn(logits.shape[0] * world, *logits.shape[1:], dtype=torch.float64,
@@ -190,13 +194,11 @@ def test_real_moe_models_expert_parallel_equal_single_process(world, runs):
         want_loss, want_grads = _model_reference(name)
         label = f"{name}/{schedule}/EP={world}"
         assert sites and all(f"EP={world}" in s for s in sites), (label, sites)
-        torch.testing.assert_close(loss, want_loss, rtol=1e-5 if name == "deepseek_v3" else 1e-10,
-                                   atol=1e-10, msg=lambda m, lb=label: f"{lb}: {m}")
+        _close(loss, want_loss, 1e-5 if name == "deepseek_v3" else 1e-10, 1e-10, label)
         assert set(grads) == set(want_grads)
         for pname, g in grads.items():
             # DeepSeek-V3's router runs in float32 (F.linear(h.float(), w.float())), whose
             # GEMM rounding depends on the batch a rank holds: float32 tolerance downstream
             # (test_pass_moe checks it at float64 tolerance on one device, same batch)
             tol = 1e-5 if name == "deepseek_v3" else 1e-9
-            torch.testing.assert_close(g, want_grads[pname], rtol=tol, atol=tol * 1e-2,
-                                       msg=lambda m, p=pname: f"{label}: {p}: {m}")
+            _close(g, want_grads[pname], tol, tol * 1e-2, f"{label}: {pname}")

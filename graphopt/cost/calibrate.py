@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -154,11 +153,9 @@ def measure_attention_efficiency(reps: int = 5) -> float:
     return min(1.0, rate / gemm)
 
 
-def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], out: str) -> None:
+def _allreduce_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[int, float]]:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
     results = []
     for n in sizes:
         x = torch.ones(n // 4)
@@ -171,25 +168,15 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list[int], out: s
             dist.all_reduce(x)
             times.append(time.perf_counter() - start)
         results.append((n, statistics.median(times)))
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
 def measure_allreduce(world: int = 2, sizes: tuple[int, ...] = (4096, 2**20, 16 * 2**20)
                       ) -> LinkProfile:
     """Fit latency and bandwidth of gloo all-reduce over ``world`` local ranks."""
-    import socket
+    from graphopt.testing import run_distributed
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "ar.json")
-        mp.spawn(_allreduce_worker, args=(world, port, list(sizes), out), nprocs=world)
-        data = json.loads(Path(out).read_text())
+    data = run_distributed(_allreduce_worker, world, list(sizes))[0]
     # t = 2(n-1) alpha + 2(n-1)/n m / B: least squares on (1, m)
     xs = [2 * (world - 1) / world * m for m, _ in data]
     ts = [t for _, t in data]
