@@ -202,3 +202,37 @@ def test_expert_parallel_without_a_process_group_says_how_to_fix_it():
     config = GraphoptConfig.from_options({"moe": {"ep": 2}})
     with pytest.raises(ConfigError, match="torchrun"):
         run_pass("moe", gm, config, example_inputs=bind_inputs(gm, block, x))
+
+
+def test_router_ties_resolve_as_in_eager():
+    """A zero router: every expert scores the same; the rewrite keeps the model's own top-k,
+    so the tie-break (and the output and gradients) is eager's."""
+    block = _block()
+    with torch.no_grad():
+        block.gate.weight.zero_()
+    x = torch.randn(1, 6, 16, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(block, x)
+    out, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    assert _sites(record, "rewritten")
+    assert_matches_eager(block, as_function(out, block), [x], list(block.parameters()),
+                         rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("factor", [0.25, 100.0])
+def test_capacity_drops_exactly_the_documented_rows_without_nan(factor):
+    from graphopt.kernels.moe import capacity_keep_mask, moe_experts
+
+    block = _block()
+    x = torch.randn(12, 16, dtype=torch.float64, requires_grad=True)
+    w, i = torch.topk(torch.randn(12, 4, dtype=torch.float64).softmax(-1), 2)
+    w.requires_grad_()
+    e = block.experts
+    got = moe_experts(x, i, w, e.gate_up_proj, e.down_proj, capacity_factor=factor)
+    keep = capacity_keep_mask(i, 4, factor)
+    want = e(x, i, w * keep)  # a dropped assignment contributes nothing
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(got.square().sum(), [x, w, e.gate_up_proj, e.down_proj])
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[1][~keep] == 0).all()  # no gradient to the weight of a dropped assignment
+    if factor > 1:
+        assert keep.all()  # capacity above demand: dropless

@@ -34,18 +34,44 @@ def _segments(counts: Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_grouped_mm(x: Tensor) -> bool:
+    """torch's grouped GEMM (``torch._grouped_mm``: one call for all experts) runs for these
+    rows: float32/bf16/fp16 (it has no float64 kernel); else one mm per expert."""
+    return hasattr(torch, "_grouped_mm") and x.dtype in GROUPED_DTYPES and x.dim() == 2
+
+
+def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+    """Rows of segment e times ``weight[e]``: x [n, K] (segments of ``counts`` rows),
+    weight [El, K, N] -> [n, N]; one grouped GEMM where torch has one, else a loop."""
+    if use_grouped_mm(x):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(x, weight, offs=offs)
+    out = x.new_empty(x.shape[0], weight.shape[2])
+    for e, s, t in _segments(counts):
+        torch.mm(x[s:t], weight[e], out=out[s:t])
+    return out
+
+
+def _add_weight_grad(grad: Tensor, a: Tensor, b: Tensor, counts: Tensor) -> None:
+    """grad[e] += a_seg^T b_seg per segment: a [n, M], b [n, N], grad [El, M, N]. Grouped on
+    CUDA; on CPU the per-expert addmm_ accumulates in place and measured faster."""
+    if a.is_cuda and use_grouped_mm(a):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        grad.add_(torch._grouped_mm(a.t(), b, offs=offs))
+        return
+    for e, s, t in _segments(counts):
+        grad[e].addmm_(a[s:t].t(), b[s:t])
+
+
 def swiglu_experts_forward(rows: Tensor, counts: Tensor, gate_up: Tensor,
                            down: Tensor) -> tuple[Tensor, Tensor]:
     """(gu [n, 2F], y [n, H]); experts with no rows cost nothing."""
-    n = rows.shape[0]
-    gu = rows.new_empty(n, gate_up.shape[1])
-    y = rows.new_empty(n, down.shape[1])
-    for e, s, t in _segments(counts):
-        torch.mm(rows[s:t], gate_up[e].t(), out=gu[s:t])
+    gu = grouped_mm(rows, gate_up.transpose(-2, -1), counts)
     g, u = gu.chunk(2, dim=-1)
-    a = F.silu(g) * u
-    for e, s, t in _segments(counts):
-        torch.mm(a[s:t], down[e].t(), out=y[s:t])
+    y = grouped_mm(F.silu(g) * u, down.transpose(-2, -1), counts)
     return gu, y
 
 
@@ -57,17 +83,11 @@ def swiglu_experts_backward(rows: Tensor, gu: Tensor, counts: Tensor, gate_up: T
     g, u = gu.chunk(2, dim=-1)
     silu = F.silu(g)
     a = silu * u
-    grad_a = torch.empty_like(a)
-    segments = _segments(counts)
-    for e, s, t in segments:
-        torch.mm(grad_y[s:t], down[e], out=grad_a[s:t])
-        grad_down[e].addmm_(grad_y[s:t].t(), a[s:t])
+    grad_a = grouped_mm(grad_y, down, counts)
+    _add_weight_grad(grad_down, grad_y, a, counts)
     f = g.shape[1]
     grad_gu = torch.empty_like(gu)
     grad_gu[:, :f] = torch.ops.aten.silu_backward(grad_a * u, g)  # grad * silu'(g), fused
     torch.mul(grad_a, silu, out=grad_gu[:, f:])
-    grad_rows = torch.empty_like(rows)
-    for e, s, t in segments:
-        grad_gate_up[e].addmm_(grad_gu[s:t].t(), rows[s:t])
-        torch.mm(grad_gu[s:t], gate_up[e], out=grad_rows[s:t])
-    return grad_rows
+    _add_weight_grad(grad_gate_up, grad_gu, rows, counts)
+    return grouped_mm(grad_gu, gate_up, counts)
