@@ -85,6 +85,17 @@ def _register_custom_formulas() -> None:
 
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+    # torch._grouped_mm (MoE experts): every row of mat_a meets one group's matrix, so the
+    # total is that of one GEMM over all rows: 2 M K N for [M, K] x [E, K, N], and for the
+    # 2-D x 2-D weight-gradient form [M, Ktot] x [Ktot, N] (groups along Ktot) 2 M Ktot N.
+    if hasattr(aten, "_grouped_mm"):
+        @register_flop_formula(aten._grouped_mm)
+        def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
+            n = b[-1]
+            if len(a) == 2:
+                return 2 * a[0] * a[1] * n
+            return 2 * a[0] * a[1] * a[2] * n  # 3-D x 3-D: batched
+
     # PyTorch's CPU flash-attention kernels have no formula upstream; with is_causal the
     # kernel skips the blocks above the diagonal, so half the FLOPs are executed.
     @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)

@@ -112,3 +112,22 @@ def liveness_peak(gm: fx.GraphModule) -> int:
                 and node not in keep:
             live -= _bytes(node.meta.get("val"))  # produced and never used
     return peak
+
+
+def saved_for_backward(gm: fx.GraphModule) -> int:
+    """Bytes of the forward values a traced training step keeps for its backward: tensors
+    made before the loss (the graph's first output) and read after it; views count as their
+    base's storage once, and graph inputs (parameters, data) are not counted."""
+    nodes = list(gm.graph.nodes)
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    first = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
+    position = {n: i for i, n in enumerate(nodes)}
+    loss = position[first]
+    roots: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node.op == "call_function" and (_is_view(node) or node.target.__name__ ==
+                                           "getitem") and node.all_input_nodes:
+            roots[node] = _storage_root(node.all_input_nodes[0], roots)
+    saved = {_storage_root(n, roots) for n in nodes[:loss]
+             if n.op == "call_function" and any(position[u] > loss for u in n.users)}
+    return sum(_bytes(r.meta.get("val")) for r in saved if r.op == "call_function")

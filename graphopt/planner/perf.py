@@ -1,0 +1,163 @@
+"""Predicted iteration time, memory and MFU of a :class:`ParallelPlan` (the planner's
+performance model), from per-layer costs measured on the traced model
+(:mod:`graphopt.planner.model`) and the collective models of :mod:`graphopt.cost`.
+
+Per device, m = B / (dp * mb) microbatches of mb sequences, a stage of L/pp layers:
+
+    layer    t = [(gemm/eff + split)/tp + repl/(tp if SP else 1)] * mb/cp   (x 4/3 if
+             recomputed: one more forward); MoE layers likewise (experts' grouped GEMMs)
+    TP       4 all-reduces (or all-gather + reduce-scatter with SP) of mb*s/cp*h per layer,
+             6 with recomputation (Megatron-LM SC'21 sec. 3)
+    CP       ring: KV blocks of the local chunk passed cp-1 times forward, 2(cp-1) backward,
+             overlapped with the layer's attention except what exceeds half its time;
+             all-to-all (Ulysses): 8 all-to-alls of mb*s/cp*h/tp per layer, exposed
+    EP       dispatch + combine per MoE layer, forward and backward: the faster of the flat
+             and hierarchical all-to-all of graphopt.cost.moe (tokens mb*s/(cp*tp) per rank)
+    PP       1F1B: (m + pp - 1) slots; interleaved with v stages: m + (pp - 1)/v slots, v x the
+             p2p sends (Narayanan et al. SC'21 sec. 2.2); one slot = stage compute + TP/CP/EP
+             + 2 p2p of mb*s/cp*h/tp
+    DP       gradients: reduce-scatter over dp_shard, then an all-gather of the updated
+             parameters (ZeRO-1/2, the distributed optimizer) or, with ZeRO-3, all-gathers of
+             the parameters for every microbatch's forward and backward (FSDP with
+             reshard-after-forward); all-reduce over dp_replicate; overlapped with
+             the last microbatch's backward unless ``dp_overlap=False`` (Megatron-LM 2021
+             measured without overlap: the published-table validation uses that)
+    memory   parameters/gradients/Adam states (graphopt.cost.memory.model_state_bytes, ZeRO
+             over dp_shard) + saved activations of min(m, pp) in-flight microbatches on the
+             first stage (x (1 + (pp-1)/(pp v)) interleaved), /tp with SP (without SP the
+             [b, s, h] share, 10/34 after Korthikanti et al. 2022, stays whole); a recomputed
+             layer keeps only its input
+    MFU      model FLOPs (traced, no recomputation) * B / (time * devices * peak)
+"""
+
+from __future__ import annotations
+
+import math
+
+from graphopt.cost.collectives import collective_time
+from graphopt.cost.memory import model_state_bytes
+from graphopt.cost.profiles import ClusterProfile
+from graphopt.planner.model import LayerCost, PlanModel
+from graphopt.planner.plan import ParallelPlan, Prediction
+
+USABLE_MEMORY = 0.92
+"""Fraction of device memory a plan may use (allocator fragmentation, workspace)."""
+
+
+_CACHE: dict[tuple[object, ...], float] = {}
+
+
+def _coll(kind: str, nbytes: float, group: int, cluster: ClusterProfile, stride: int) -> float:
+    if group <= 1:
+        return 0.0
+    key = (kind, nbytes, group, cluster.name, cluster.max_devices, stride)
+    if key not in _CACHE:
+        _CACHE[key] = collective_time(kind, nbytes, group, cluster, stride=stride)
+    return _CACHE[key]
+
+
+def _ep_comm(tokens: int, top_k: int, hidden: int, ffn: int, nbytes: int, ep: int,
+             cluster: ClusterProfile) -> float:
+    if ep <= 1 or tokens == 0:
+        return 0.0
+    key = ("ep", tokens, top_k, hidden, ffn, nbytes, ep, cluster.name, cluster.max_devices)
+    if key not in _CACHE:
+        from graphopt.cost.moe import MoELayerShape, a2a_latency
+
+        lat = a2a_latency(MoELayerShape(tokens, top_k, hidden, ffn, nbytes), ep, cluster)
+        _CACHE[key] = 2 * min(lat["flat"], lat["hierarchical"])  # forward + backward
+    return _CACHE[key]
+
+
+def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> float:
+    per_seq = (cost.gemm_s / eff + cost.split_s) / plan.tp + \
+        cost.replicated_s / (plan.tp if plan.sp else 1)
+    return per_seq * mb / plan.cp
+
+
+def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, global_batch: int,
+             dp_overlap: bool = True) -> Prediction:
+    """Predict one iteration of ``plan`` (see the module docstring). The plan is assumed
+    valid (:meth:`ParallelPlan.validate`)."""
+    cluster = cluster.scaled(plan.devices) if plan.devices > cluster.max_devices else cluster
+    dev = cluster.device
+    eff = dev.matmul_efficiency
+    mb, pp, tp, cp = plan.microbatch, plan.pp, plan.tp, plan.cp
+    m = global_batch // (plan.dp * mb)
+    seq, h, nb = model.seq, model.hidden, model.dtype_bytes
+    act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
+    dense_n, moe_n = model.dense_layers / pp, model.moe_layers / pp
+    recomputed = min(plan.recompute_layers, model.layers // pp)
+    rec_share = recomputed / max(model.layers / pp, 1)
+
+    t_dense = _layer_time(model.dense, plan, eff, mb)
+    t_moe = _layer_time(model.moe, plan, eff, mb) if model.moe else 0.0
+    compute = (dense_n * t_dense + moe_n * t_moe) * (1 + rec_share / 3)
+    compute += _layer_time(model.head, plan, eff, mb) / pp
+    # communication per microbatch and stage
+    tp_stride = plan.stride("tp")
+    n_tp = 4 + 2 * rec_share
+    tp_comm = (dense_n + moe_n) * n_tp * _coll("all_reduce", act, tp, cluster, tp_stride)
+    cp_comm = 0.0
+    if cp > 1:
+        kv = 2 * mb * seq // cp * model.kv_heads * (h // model.heads) * nb / tp
+        if plan.cp_kind == "ring":
+            ring = 3 * (cp - 1) * _coll("p2p", kv, 2, cluster, plan.stride("cp"))
+            per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
+        else:
+            per_layer = 8 * _coll("all_to_all", act / tp, cp, cluster, plan.stride("cp"))
+        cp_comm = (dense_n + moe_n) * per_layer
+    ep_comm = moe_n * _ep_comm(mb * seq // (cp * tp), model.top_k, h, model.moe_ffn, nb,
+                               plan.ep, cluster) if model.moe else 0.0
+    v = plan.virtual_stages
+    p2p = 2 * v * _coll("p2p", act / tp, 2, cluster, plan.stride("pp")) if pp > 1 else 0.0
+    slot = compute + tp_comm + cp_comm + ep_comm + p2p
+    total = m * slot + (pp - 1) * slot / v
+    bubble = (pp - 1) * slot / v
+    # data parallel gradient / parameter traffic
+    dense_params = (model.dense.params * model.dense_layers +
+                    (model.moe.params * model.moe_layers if model.moe else 0.0)) / (tp * pp)
+    dense_params += model.head.params / tp / (2 if pp > 1 else 1)
+    expert_params = (model.moe.expert_params * model.moe_layers / (pp * plan.ep *
+                                                                    plan.expert_tp)
+                     if model.moe else 0.0)
+    params = dense_params + expert_params
+    grads = 2 * params
+    dp_stride = plan.stride("dp_shard")
+    dp_time = _coll("reduce_scatter" if plan.zero_stage >= 1 else "all_reduce",
+                    grads, plan.dp_shard, cluster, dp_stride)
+    if plan.zero_stage == 3:  # parameters gathered for every microbatch's fwd and bwd
+        dp_time += 2 * m * _coll("all_gather", grads, plan.dp_shard, cluster, dp_stride)
+    elif plan.zero_stage >= 1:  # updated parameter shards gathered after the optimizer step
+        dp_time += _coll("all_gather", grads, plan.dp_shard, cluster, dp_stride)
+    dp_time += _coll("all_reduce", grads / (plan.dp_shard if plan.zero_stage >= 1 else 1),
+                     plan.dp_replicate, cluster, plan.stride("dp_replicate"))
+    exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
+    total += exposed_dp
+    # memory on the first stage
+    states = model_state_bytes(params, zero_stage=plan.zero_stage if plan.dp_shard > 1 else 0,
+                               dp=plan.dp_shard)
+    tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
+    per_layer_act = [model.dense.activation_bytes] * round(dense_n) + \
+        ([model.moe.activation_bytes] * round(moe_n) if model.moe else [])
+    kept = sorted(per_layer_act)[:max(0, len(per_layer_act) - recomputed)]
+    stage_act = (sum(kept) * mb / cp * tp_share + recomputed * act / tp)
+    if recomputed:
+        stage_act += max(per_layer_act) * mb / cp * tp_share  # one layer rebuilt at a time
+    in_flight = min(m, pp) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+    activations = stage_act * in_flight + model.head.activation_bytes * mb / cp / tp
+    memory = states.total + activations
+    flops = model.flops_per_sequence() * global_batch
+    peak = dev.flops_for("bfloat16" if nb == 2 else "float32")
+    return Prediction(
+        step_s=total, compute_s=compute * m, bubble_s=bubble,
+        comm_s={"tp": tp_comm * m, "cp": cp_comm * m, "ep": ep_comm * m, "pp": p2p * m,
+                "dp": exposed_dp},
+        memory_bytes=memory,
+        memory_parts={"params+grads+optimizer": states.total, "activations": activations},
+        mfu=flops / (total * plan.devices * peak) if total > 0 else 0.0,
+        tokens_per_s=global_batch * seq / total if total > 0 else math.inf)
+
+
+def fits(pred: Prediction, cluster: ClusterProfile) -> bool:
+    return pred.memory_bytes <= USABLE_MEMORY * cluster.device.memory_bytes

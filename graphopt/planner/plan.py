@@ -1,0 +1,183 @@
+"""``ParallelPlan``: the degrees of every parallel dimension, their placement on the cluster,
+the pipeline schedule, activation recomputation and the predicted cost; JSON in and out.
+
+Vocabulary (torchtitan's ``ParallelDims``, Megatron-Core's MoE parallel folding): a mesh
+*axis* is a parallel dimension; devices = dp_replicate * dp_shard * cp * tp * pp. Axes are
+laid out innermost first in ``mesh_order`` (default tp, cp, dp_shard, dp_replicate, pp: TP on
+the fastest links). MoE layers *fold* EP (and expert TP) over the devices of
+dp_shard * cp * tp, so experts use the same devices as the attention's data/context/tensor
+parallel groups (Megatron-Core "MoE parallel folding"; Hypertron's dimension fusion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphopt.errors import ConfigError
+
+AXES = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Cost-model prediction of one training iteration on one device (seconds, bytes)."""
+
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    comm_s: dict[str, float]
+    """Exposed (not overlapped) communication per axis: tp, cp, ep, pp, dp."""
+    memory_bytes: float
+    memory_parts: dict[str, float]
+    mfu: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A parallel plan (see the module docstring). All degrees are ints >= 1."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero_stage: int = 1
+    """ZeRO stage over dp_shard (1: optimizer states, 2: + gradients, 3: + parameters =
+    FSDP)."""
+    tp: int = 1
+    sp: bool = True
+    """Sequence parallelism with TP (norms/residuals split too; reduce-scatter/all-gather
+    instead of all-reduce)."""
+    cp: int = 1
+    cp_kind: str = "ring"
+    """"ring" (ring attention, KV blocks passed around) | "all_to_all" (Ulysses)."""
+    pp: int = 1
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (> 1: interleaved 1F1B)."""
+    microbatch: int = 1
+    """Sequences per microbatch."""
+    pp_schedule: str = "1f1b"
+    ep: int = 1
+    expert_tp: int = 1
+    recompute_layers: int = 0
+    """Layers per pipeline stage whose activations are fully recomputed (0: none)."""
+    mesh_order: tuple[str, ...] = AXES
+    prediction: Prediction | None = field(default=None, compare=False)
+
+    @property
+    def devices(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def stride(self, axis: str) -> int:
+        """Devices between neighbours of ``axis`` in the mesh (1: innermost)."""
+        out = 1
+        for name in self.mesh_order:
+            if name == axis:
+                return out
+            out *= getattr(self, name)
+        raise ConfigError(f"unknown mesh axis {axis!r}; axes: {', '.join(AXES)}")
+
+    def problems(self, devices: int | None = None, layers: int | None = None,
+                 heads: int | None = None, experts: int | None = None,
+                 global_batch: int | None = None, seq: int | None = None) -> list[str]:
+        """Everything wrong with the plan for this job, as sentences naming the fix."""
+        out = []
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "virtual_stages",
+                     "microbatch", "ep", "expert_tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                out.append(f"{name} must be an int >= 1, got {v!r}")
+        if out:
+            return out
+        if self.zero_stage not in (0, 1, 2, 3):
+            out.append(f"zero_stage must be 0..3, got {self.zero_stage}")
+        if self.cp_kind not in ("ring", "all_to_all"):
+            out.append(f"cp_kind must be 'ring' or 'all_to_all', got {self.cp_kind!r}")
+        if self.pp_schedule not in ("1f1b", "interleaved"):
+            out.append(f"pp_schedule must be '1f1b' or 'interleaved', got {self.pp_schedule!r}")
+        if (self.pp_schedule == "interleaved") != (self.virtual_stages > 1):
+            out.append("interleaved 1F1B needs virtual_stages > 1 (and 1F1B exactly 1)")
+        if sorted(self.mesh_order) != sorted(AXES):
+            out.append(f"mesh_order must order all of {AXES}, got {self.mesh_order}")
+        fold = self.dp_shard * self.cp * self.tp
+        if (self.ep * self.expert_tp) > fold or fold % (self.ep * self.expert_tp):
+            out.append(f"ep ({self.ep}) x expert_tp ({self.expert_tp}) must divide "
+                       f"dp_shard*cp*tp ({fold}): MoE layers fold EP over those devices")
+        if devices is not None and self.devices != devices:
+            out.append(f"the degrees multiply to {self.devices} devices, the job has {devices}")
+        if layers is not None and layers % (self.pp * self.virtual_stages):
+            out.append(f"layers ({layers}) must divide into pp ({self.pp}) x virtual stages "
+                       f"({self.virtual_stages})")
+        if layers is not None and self.recompute_layers > layers // self.pp:
+            out.append(f"recompute_layers ({self.recompute_layers}) exceeds the layers per "
+                       f"stage ({layers // self.pp})")
+        if heads is not None and heads % self.tp:
+            out.append(f"attention heads ({heads}) must be divisible by tp ({self.tp})")
+        if heads is not None and self.cp_kind == "all_to_all" and heads % (self.tp * self.cp):
+            out.append(f"all-to-all CP needs heads ({heads}) divisible by tp*cp "
+                       f"({self.tp * self.cp})")
+        if experts is not None and experts and experts % self.ep:
+            out.append(f"experts ({experts}) must be divisible by ep ({self.ep})")
+        if experts == 0 and self.ep > 1:
+            out.append(f"ep ({self.ep}) > 1 but the model has no experts")
+        if global_batch is not None and global_batch % (self.dp * self.microbatch):
+            out.append(f"global batch ({global_batch}) must divide into dp ({self.dp}) x "
+                       f"microbatch ({self.microbatch})")
+        if seq is not None and seq % (self.cp * (2 if self.cp > 1 else 1)):
+            out.append(f"sequence ({seq}) must split into 2*cp ({2 * self.cp}) load-balanced "
+                       "chunks")
+        return out
+
+    def validate(self, **job: Any) -> None:
+        """Raise ConfigError listing :meth:`problems` (empty: the plan is valid)."""
+        problems = self.problems(**job)
+        if problems:
+            raise ConfigError("invalid parallel plan: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["mesh_order"] = list(self.mesh_order)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:
+        """Raises ConfigError for unknown keys (named)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown plan keys {unknown}; valid: {sorted(known)}")
+        data = dict(data)
+        if data.get("prediction") is not None:
+            data["prediction"] = Prediction(**data["prediction"])
+        if "mesh_order" in data:
+            data["mesh_order"] = tuple(data["mesh_order"])
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ParallelPlan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def describe(self) -> str:
+        parts = [f"{a}={getattr(self, a)}" for a in ("dp_replicate", "dp_shard", "tp", "cp",
+                                                      "pp", "ep") if getattr(self, a) > 1]
+        if self.dp_shard > 1:
+            parts.append(f"ZeRO-{self.zero_stage}")
+        if self.tp > 1 and self.sp:
+            parts.append("SP")
+        if self.cp > 1:
+            parts.append(f"CP {self.cp_kind}")
+        if self.virtual_stages > 1:
+            parts.append(f"interleaved v={self.virtual_stages}")
+        parts.append(f"mb={self.microbatch}")
+        if self.recompute_layers:
+            parts.append(f"recompute {self.recompute_layers} layers/stage")
+        return ", ".join(parts) or "single device"

@@ -1,0 +1,191 @@
+"""Search the parallel space: every factorization of the device count over
+pp x dp_replicate x dp_shard x cp x tp (with ep folded over dp_shard x cp x tp for MoE
+models), pipeline schedule, microbatch size, ZeRO stage and recomputation, pruned by
+divisibility and memory, scored by :func:`graphopt.planner.perf.evaluate`.
+
+Pruning (each rule keeps the space's optimum under the performance model, or is a
+structural rule of the frameworks that execute plans): tp and ep*expert_tp inside one node
+(their collectives sit on every layer's critical path; Megatron-Core and torchtitan place
+them on NVLink/HCCS), dividing the node size so groups never straddle nodes; tp divides the
+heads; pp x virtual stages divides the layers; cp only
+when the sequence splits into 2*cp chunks of >= 1024 tokens; microbatch in {1, 2, 4, 8};
+ZeRO 1 or 3 over dp_shard; recomputation none, half or all layers of a stage. Memory is
+checked before time. The per-layer costs are measured once per model (graphopt.planner.model)
+and collective times are cached, so a plan costs microseconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from graphopt.cost.profiles import ClusterProfile
+from graphopt.errors import ConfigError
+from graphopt.planner.model import PlanModel
+from graphopt.planner.perf import USABLE_MEMORY, evaluate
+from graphopt.planner.plan import ParallelPlan, Prediction
+
+
+@dataclass
+class SearchResult:
+    """The best plan, the next best, the hand configurations' verdicts, and search stats."""
+
+    best: ParallelPlan
+    top: list[ParallelPlan]
+    hand: list[tuple[str, ParallelPlan, str]]
+    """(name, plan with prediction, why it loses to ``best``)."""
+    evaluated: int
+    pruned_memory: int
+    seconds: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: PlanModel, devices: int, global_batch: int, node: int
+               ) -> Iterator[ParallelPlan]:
+    """Structurally valid plans (see the module docstring)."""
+    seq = model.seq
+    for pp in _divisors(devices):
+        if model.layers % pp:
+            continue
+        for tp in (d for d in _divisors(devices // pp)
+                   if node % d == 0 and model.heads % d == 0):
+            rest = devices // (pp * tp)
+            cps = [c for c in _divisors(rest) if c == 1 or (seq % (2 * c) == 0
+                                                            and seq // (2 * c) >= 1024)]
+            for cp in cps:
+                dp = rest // cp
+                if global_batch % dp:
+                    continue
+                yield from _inner(model, pp, tp, cp, dp, global_batch, node)
+
+
+def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: int,
+           node: int) -> Iterator[ParallelPlan]:
+    per_stage = model.layers // pp
+    vs = [1] + ([2] if pp > 1 and model.layers % (2 * pp) == 0 else [])
+    for shard in _divisors(dp):
+        fold = shard * cp * tp
+        eps = [e for e in _divisors(fold) if node % e == 0 and model.experts % e == 0] \
+            if model.experts else [1]
+        zeros = (1, 3) if shard > 1 else (1,)
+        for ep, zero, v, mb in itertools.product(eps, zeros, vs, (1, 2, 4, 8)):
+            if (global_batch // dp) % mb:
+                continue
+            for rec in sorted({0, per_stage // 2, per_stage}):
+                yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero,
+                                   tp=tp, sp=tp > 1, cp=cp, pp=pp, virtual_stages=v,
+                                   pp_schedule="interleaved" if v > 1 else "1f1b",
+                                   microbatch=mb, ep=ep, recompute_layers=rec)
+
+
+def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch: int,
+           top_k: int = 5, progress: Callable[[int], None] | None = None,
+           dp_overlap: bool = True) -> SearchResult:
+    """Best plans for ``devices`` devices of ``cluster`` (see the module docstring).
+
+    Raises:
+        ConfigError: no plan fits in memory (the message gives the smallest footprint).
+    """
+    start = time.perf_counter()
+    if devices > cluster.max_devices:
+        cluster = cluster.scaled(devices)
+    node = cluster.devices_per(0)
+    capacity = USABLE_MEMORY * cluster.device.memory_bytes
+    heap: list[tuple[float, int, ParallelPlan]] = []
+    evaluated = pruned = 0
+    smallest = float("inf")
+    for i, plan in enumerate(candidates(model, devices, global_batch, node)):
+        pred = evaluate(plan, model, cluster, global_batch, dp_overlap)
+        evaluated += 1
+        if progress is not None and evaluated % 2000 == 0:
+            progress(evaluated)
+        if pred.memory_bytes > capacity:
+            pruned += 1
+            smallest = min(smallest, pred.memory_bytes)
+            continue
+        entry = (pred.tokens_per_s, -i, replace(plan, prediction=pred))
+        if len(heap) < top_k:
+            heapq.heappush(heap, entry)
+        elif entry[:2] > heap[0][:2]:
+            heapq.heapreplace(heap, entry)
+    if not heap:
+        raise ConfigError(f"no plan for {model.name} fits {devices} x {cluster.device.name} "
+                          f"({capacity / 2**30:.0f} GiB usable): the smallest needs "
+                          f"{smallest / 2**30:.1f} GiB per device; add devices or shorten "
+                          "the sequence")
+    ranked = [p for _, _, p in sorted(heap, key=lambda x: x[:2], reverse=True)]
+    hand = [(name, plan, why_slower(plan, ranked[0], capacity))
+            for name, plan in hand_configurations(model, devices, global_batch, node,
+                                                  cluster, dp_overlap)]
+    return SearchResult(ranked[0], ranked, hand, evaluated, pruned,
+                        time.perf_counter() - start)
+
+
+def hand_configurations(model: PlanModel, devices: int, global_batch: int, node: int,
+                        cluster: ClusterProfile, dp_overlap: bool = True
+                        ) -> list[tuple[str, ParallelPlan]]:
+    """Common hand-chosen plans (pure DP, FSDP, Megatron TP-in-node with PP to fit, ...),
+    evaluated; the ones invalid for this job are left out."""
+    tp = min(node, devices)
+    while model.heads % tp:
+        tp //= 2
+    pp = 1
+    while (devices // (tp * pp)) > 1 and model.layers % (pp * 2) == 0 and \
+            _fits(ParallelPlan(dp_replicate=devices // (tp * pp), tp=tp, pp=pp), model,
+                  cluster, global_batch) is False:
+        pp *= 2
+    ep = max((e for e in _divisors(devices) if model.experts and model.experts % e == 0
+              and e <= node), default=1)
+    plans = {
+        "data parallel (DDP)": ParallelPlan(dp_replicate=devices),
+        "FSDP (ZeRO-3)": ParallelPlan(dp_shard=devices, zero_stage=3),
+        f"Megatron TP={tp} in node + DP": ParallelPlan(dp_replicate=devices // tp, tp=tp),
+        f"Megatron TP={tp} + PP={pp} + DP, full recompute": ParallelPlan(
+            dp_replicate=devices // (tp * pp), tp=tp, pp=pp,
+            recompute_layers=model.layers // pp),
+    }
+    if model.experts:
+        plans[f"FSDP + EP={ep}"] = ParallelPlan(dp_shard=devices, zero_stage=3, ep=ep)
+    out = []
+    for name, plan in plans.items():
+        if plan.problems(devices=devices, layers=model.layers, heads=model.heads,
+                         experts=model.experts, global_batch=global_batch, seq=model.seq):
+            continue
+        out.append((name, replace(plan, prediction=evaluate(plan, model, cluster,
+                                                             global_batch, dp_overlap))))
+    return out
+
+
+def _fits(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile,
+          global_batch: int) -> bool:
+    if plan.problems(layers=model.layers, heads=model.heads, global_batch=global_batch):
+        return True  # not this rule's business
+    pred = evaluate(plan, model, cluster, global_batch)
+    return pred.memory_bytes <= USABLE_MEMORY * cluster.device.memory_bytes
+
+
+def why_slower(plan: ParallelPlan, best: ParallelPlan, capacity: float) -> str:
+    """One line: out of memory, or the cost term that makes ``plan`` slower than ``best``."""
+    p, b = plan.prediction, best.prediction
+    assert p is not None and b is not None
+    if p.memory_bytes > capacity:
+        return (f"OOM: needs {p.memory_bytes / 2**30:.1f} GiB per device, "
+                f"{capacity / 2**30:.1f} GiB usable")
+    terms = _terms(p)
+    extra = {k: terms[k] - _terms(b).get(k, 0.0) for k in terms}
+    worst = max(extra, key=lambda k: extra[k])
+    ratio = b.tokens_per_s / p.tokens_per_s
+    kind = {"bubble": "bubble-bound", "compute": "compute (recomputation/less efficient "
+            "split)"}.get(worst, f"comm-bound ({worst})")
+    return (f"{ratio:.2f}x slower than the best plan: {kind}, +{extra[worst]:.3g} s per "
+            "iteration")
+
+
+def _terms(pred: Prediction) -> dict[str, float]:
+    return {"compute": pred.compute_s, "bubble": pred.bubble_s, **pred.comm_s}
