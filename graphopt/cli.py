@@ -236,6 +236,72 @@ def estimate(
     console.print(table)
 
 
+@app.command()
+def plan(
+    model: str = typer.Option(..., help="A planner model (llama3-8b, llama3-70b, llama3-405b, "
+                              "gpt3-175b, mixtral-8x22b, deepseek-v3, dense-310b), a "
+                              "graphopt.models name, or a transformers config.json."),
+    cluster: str = typer.Option("h100-sxm", help="Cluster profile name or JSON/YAML file."),
+    devices: int = typer.Option(..., min=1, help="Number of devices."),
+    seq: int = typer.Option(4096, min=2, help="Sequence length (tokens)."),
+    global_batch: int = typer.Option(..., min=1, help="Sequences per iteration."),
+    top: int = typer.Option(5, min=1, help="Plans to list."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the best plans (and the "
+                                         "hand configurations' verdicts) here."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32."),
+) -> None:
+    """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
+    common hand configurations lose."""
+    import torch
+
+    from graphopt.cost.profiles import load_profile
+    from graphopt.errors import GraphoptError
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.search import search
+
+    if dtype not in ("bfloat16", "float32"):
+        raise typer.BadParameter("dtype must be bfloat16 or float32")
+    try:
+        profile = load_profile(cluster)
+        with console.status(f"[bold]tracing {model} (seq {seq}) on the meta device[/]") as st:
+            pm = plan_model(model, seq, profile, getattr(torch, dtype))
+            st.update("[bold]searching[/]")
+            result = search(pm, profile, devices, global_batch, top_k=top,
+                            progress=lambda n: st.update(f"[bold]searching: {n} plans "
+                                                         "evaluated[/]"))
+    except GraphoptError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
+    table = Table(title=f"{model} ({pm.params / 1e9:.1f}B params), {devices} x "
+                        f"{profile.device.name}, seq {seq}, global batch {global_batch}: "
+                        f"{result.evaluated} plans in {result.seconds:.2f}s "
+                        f"({result.pruned_memory} out of memory)")
+    for col in ("#", "plan", "step s", "tokens/s", "MFU", "memory GiB", "bubble s",
+                "exposed comm s (tp/cp/ep/pp/dp)"):
+        table.add_column(col)
+    for i, p in enumerate(result.top, 1):
+        pred = p.prediction
+        assert pred is not None
+        comm = "/".join(f"{pred.comm_s[k]:.2g}" for k in ("tp", "cp", "ep", "pp", "dp"))
+        table.add_row(str(i), p.describe(), f"{pred.step_s:.3g}", f"{pred.tokens_per_s:,.0f}",
+                      f"{pred.mfu:.1%}", f"{pred.memory_bytes / 2**30:.1f}",
+                      f"{pred.bubble_s:.2g}", comm)
+    console.print(table)
+    hand = Table(title="common hand configurations")
+    for col in ("configuration", "plan", "verdict"):
+        hand.add_column(col)
+    for name, p, why in result.hand:
+        hand.add_row(name, p.describe(), why)
+    console.print(hand)
+    if json_out is not None:
+        json_out.write_text(json.dumps({
+            "model": model, "cluster": cluster, "devices": devices, "seq": seq,
+            "global_batch": global_batch, "plans": [p.to_dict() for p in result.top],
+            "hand": [{"name": n, "plan": p.to_dict(), "verdict": w}
+                     for n, p, w in result.hand]}, indent=2))
+        console.print(f"wrote {json_out}")
+
+
 def _model_from_config(path: Path, dtype: Any, overrides: dict[str, Any]) -> Any:
     """A causal LM from a transformers config.json (no weights; call under a meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -200,6 +200,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     dense_k = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
     has_moe = any("expert" in k for k in kwargs)
     one = _measure(build(1, 1 if dense_k else 0), seq, cluster)
+    moe: LayerCost | None
     if has_moe and dense_k:
         moe = _sub(_measure(build(2, 1), seq, cluster), one)
         dense = _sub(_measure(build(2, 2), seq, cluster), one)
@@ -208,13 +209,13 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     else:
         layer = _sub(_measure(build(2, 0), seq, cluster), one)
         head = _sub(one, layer)
-        dense, moe = (layer, None) if not has_moe else (layer, layer)
+        dense, moe = layer, (layer if has_moe else None)
         n_dense, n_moe = (layers, 0) if not has_moe else (0, layers)
     hidden = int(getattr(cfg, "hidden_size", getattr(cfg, "n_embd", 0)))
     heads = int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 0)))
     result = PlanModel(
         str(spec), seq, hidden, heads, int(getattr(cfg, "num_key_value_heads", heads) or heads),
-        int(cfg.vocab_size), n_dense, n_moe, dense, moe if has_moe else None, head,
+        int(cfg.vocab_size), n_dense, n_moe, dense, moe, head,
         experts=int(getattr(cfg, "num_local_experts", getattr(cfg, "n_routed_experts",
                                                              getattr(cfg, "num_experts", 0)))
                     or 0),

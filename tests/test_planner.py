@@ -1,0 +1,110 @@
+"""Parallel planner: plan type (validation, JSON), golden plans, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from graphopt.cost.profiles import CLUSTERS
+from graphopt.errors import ConfigError
+from graphopt.planner.model import plan_model
+from graphopt.planner.perf import evaluate
+from graphopt.planner.plan import ParallelPlan
+from graphopt.planner.search import search
+
+H100 = CLUSTERS["h100-sxm"]
+SMALL = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+         "num_key_value_heads": 16, "intermediate_size": 2816, "vocab_size": 32000}
+
+
+def test_plan_validation_names_the_problem_and_the_fix():
+    plan = ParallelPlan(dp_shard=2, tp=2, ep=8)
+    with pytest.raises(ConfigError, match=r"ep \(8\) x expert_tp \(1\) must divide "
+                                          r"dp_shard\*cp\*tp \(4\)"):
+        plan.validate(devices=4, experts=8)
+    problems = ParallelPlan(tp=3, pp=5).problems(devices=16, layers=32, heads=32,
+                                                 global_batch=10)
+    text = " ".join(problems)
+    assert "multiply to 15 devices, the job has 16" in text
+    assert "layers (32) must divide into pp (5)" in text
+    assert "heads (32) must be divisible by tp (3)" in text
+    assert ParallelPlan(pp_schedule="interleaved").problems()  # needs virtual_stages > 1
+    assert ParallelPlan(tp=0).problems() == ["tp must be an int >= 1, got 0"]
+
+
+def test_plan_json_round_trip_keeps_the_prediction(tmp_path):
+    model = plan_model("llama3-8b", 2048, H100, overrides=SMALL)
+    plan = ParallelPlan(dp_shard=4, zero_stage=3, tp=2)
+    pred = evaluate(plan, model, H100, 64)
+    saved = dataclasses.replace(plan, prediction=pred)
+    saved.save(tmp_path / "plan.json")
+    loaded = ParallelPlan.load(tmp_path / "plan.json")
+    assert loaded == saved and loaded.prediction == pred
+    with pytest.raises(ConfigError, match="unknown plan keys \\['tensor_parallel'\\]"):
+        ParallelPlan.from_dict({"tensor_parallel": 2})
+
+
+def test_model_measurement_matches_published_sizes():
+    model = plan_model("llama3-70b", 4096, H100)
+    assert abs(model.params / 70.6e9 - 1) < 0.01 and model.layers == 80
+    moe = plan_model("mixtral-8x22b", 4096, H100)
+    assert abs(moe.params / 140.6e9 - 1) < 0.01 and moe.moe_layers == 56 and moe.experts == 8
+    assert moe.moe is not None and moe.moe.expert_params > 10 * moe.moe.params
+
+
+def test_small_model_on_fast_links_uses_data_parallelism():
+    model = plan_model("llama3-8b", 2048, H100, overrides=SMALL)
+    best = search(model, H100, 8, 64).best
+    assert (best.tp, best.cp, best.pp, best.ep) == (1, 1, 1, 1) and best.dp == 8, \
+        best.describe()
+
+
+def test_model_that_does_not_fit_one_device_is_sharded_and_70b_keeps_tp_in_node():
+    model = plan_model("llama3-70b", 4096, H100)
+    assert evaluate(ParallelPlan(), model, H100, 8).memory_bytes > H100.device.memory_bytes
+    result = search(model, H100, 64, 256)
+    best = result.best
+    assert best.tp > 1 and H100.devices_per(0) % best.tp == 0 and best.stride("tp") == 1
+    assert best.dp_shard > 1 or best.pp > 1
+    verdicts = dict((name, why) for name, _, why in result.hand)
+    assert verdicts["data parallel (DDP)"].startswith("OOM")
+
+
+def test_moe_model_uses_expert_parallelism():
+    model = plan_model("mixtral-8x22b", 4096, H100)
+    best = search(model, H100, 256, 1024).best
+    assert best.ep > 1, best.describe()
+    best.validate(devices=256, layers=model.layers, heads=model.heads, experts=model.experts,
+                  global_batch=1024, seq=4096)
+
+
+def test_long_sequence_uses_context_parallelism():
+    model = plan_model("llama3-8b", 131072, H100)
+    best = search(model, H100, 64, 64).best
+    assert best.cp > 1, best.describe()
+
+
+def test_nothing_fits_says_so():
+    model = plan_model("llama3-70b", 4096, H100)
+    with pytest.raises(ConfigError, match="no plan for llama3-70b fits 1 x"):
+        search(model, H100, 1, 8)
+
+
+def test_cli_plan_prints_plans_and_writes_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    out = tmp_path / "plans.json"
+    result = CliRunner().invoke(app, ["plan", "--model", "mixtral", "--devices", "8",
+                                      "--seq", "256", "--global-batch", "16", "--top", "2",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "plans in" in result.output and "common hand configurations" in result.output
+    data = json.loads(out.read_text())
+    assert len(data["plans"]) == 2 and data["plans"][0]["prediction"]["step_s"] > 0
+    bad = CliRunner().invoke(app, ["plan", "--model", "llama9", "--devices", "8",
+                                   "--global-batch", "8"])
+    assert bad.exit_code == 2 and "unknown model 'llama9'" in bad.output
