@@ -1,6 +1,6 @@
 """Type hints on every public function are checked (mypy, config in pyproject.toml)."""
 
-import shutil
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy not installed (dev extra)")
+@pytest.mark.skipif(importlib.util.find_spec("mypy") is None,
+                    reason="mypy not installed (dev extra)")
 def test_mypy_clean():
     out = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
                          text=True, timeout=600, check=False)

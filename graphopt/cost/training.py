@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from graphopt.cost.collectives import collective_time
-from graphopt.cost.graph_cost import graph_cost
+from graphopt.cost.graph_cost import GraphCost, graph_cost
 from graphopt.cost.profiles import ClusterProfile
 from graphopt.errors import ConfigError
 
@@ -149,17 +149,23 @@ def layer_times(cfg: GPTConfig, microbatch: int, cluster: ClusterProfile,
             return out[0] if isinstance(out, tuple) else out
 
     gm = trace_step(Layer(), (x,), tracing="fake")
-    cost = graph_cost(gm, device)
+    _LAYER_CACHE[key] = tp_split_times(gm, graph_cost(gm, device), cfg.hidden)
+    return _LAYER_CACHE[key]
+
+
+def tp_split_times(gm: torch.fx.GraphModule, cost: GraphCost, hidden: int
+                   ) -> tuple[float, float, float]:
+    """Seconds of a priced graph's (compute-bound nodes, other nodes TP splits, other nodes
+    TP replicates) (see :func:`_replicated_under_tp`)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     gemm = sharded = replicated = 0.0
     for c in cost.nodes:
         if c.bound == "compute":
             gemm += float(c.time_s)
-        elif _replicated_under_tp(nodes[c.name], cfg.hidden):
+        elif _replicated_under_tp(nodes[c.name], hidden):
             replicated += float(c.time_s)
         else:
             sharded += float(c.time_s)
-    _LAYER_CACHE[key] = (gemm, sharded, replicated)
     return gemm, sharded, replicated
 
 

@@ -236,7 +236,7 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
     from graphopt.cost.estimate import trace_step
     from graphopt.cost.graph_cost import graph_cost
     from graphopt.cost.memory import saved_for_backward
-    from graphopt.cost.training import _replicated_under_tp
+    from graphopt.cost.training import tp_split_times
 
     hidden = int(getattr(model.config, "hidden_size", getattr(model.config, "n_embd", 0)))
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
@@ -244,15 +244,7 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
     gm = trace_step(model, inputs, tracing="fake", fused_attention=True)
     device = dataclasses.replace(cluster.device, matmul_efficiency=1.0)
     cost = graph_cost(gm, device)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    gemm = split = repl = 0.0
-    for c in cost.nodes:
-        if c.bound == "compute":
-            gemm += float(c.time_s)
-        elif _replicated_under_tp(nodes[c.name], hidden):
-            repl += float(c.time_s)
-        else:
-            split += float(c.time_s)
+    gemm, split, repl = tp_split_times(gm, cost, hidden)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     total = sum(p.numel() for p in model.parameters())
     return LayerCost(gemm, split, repl, float(cost.flops), float(saved_for_backward(gm)),
