@@ -261,6 +261,9 @@ def plan(
 
     if dtype not in ("bfloat16", "float32"):
         raise typer.BadParameter("dtype must be bfloat16 or float32")
+    if json_out is not None and (json_out.is_dir() or not json_out.parent.is_dir()):
+        raise typer.BadParameter(f"--json {json_out}: not a writable file path (a directory, "
+                                 "or its folder does not exist)")
     try:
         profile = load_profile(cluster)
         with console.status(f"[bold]tracing {model} (seq {seq}) on the meta device[/]") as st:
@@ -272,7 +275,7 @@ def plan(
     except GraphoptError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from None
-    table = Table(title=f"{model} ({pm.params / 1e9:.1f}B params), {devices} x "
+    table = Table(title=f"{model} ({pm.params / 1e9:.3g}B params), {devices} x "
                         f"{profile.device.name}, seq {seq}, global batch {global_batch}: "
                         f"{result.evaluated} plans in {result.seconds:.2f}s "
                         f"({result.pruned_memory} out of memory)")

@@ -236,8 +236,17 @@ class MoEOptions:
                               f"{_did_you_mean(str(self.all_to_all), MOE_SCHEDULES)}; valid: "
                               f"{', '.join(MOE_SCHEDULES)}")
         if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(
-                self.chunks, int) or self.chunks < 1):
-            raise ConfigError(f"moe.chunks must be an int >= 1 or 'auto', got {self.chunks!r}")
+                self.chunks, int) or not 1 <= self.chunks <= 64):
+            raise ConfigError(f"moe.chunks must be an int in 1..64 or 'auto', got "
+                              f"{self.chunks!r}")
+        if self.ep == 1 and (self.all_to_all != "auto" or self.chunks != "auto"):
+            raise ConfigError("moe.all_to_all and moe.chunks choose how expert-parallel ranks "
+                              "exchange tokens; with moe.ep=1 there is no exchange: drop them "
+                              "or set moe.ep > 1")
+        if self.chunks != "auto" and self.all_to_all not in ("auto", "chunked"):
+            raise ConfigError(f"moe.chunks applies to the 'chunked' schedule, but "
+                              f"moe.all_to_all is {self.all_to_all!r}: drop moe.chunks or set "
+                              "moe.all_to_all='chunked'")
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ConfigError(f"moe.ranks_per_node must be an int >= 1, got {rpn!r}")

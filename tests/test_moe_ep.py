@@ -146,8 +146,10 @@ def _model_worker(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
         ids = sample_batch(model, 4, 10)
         per = 4 // world
         local = ids[rank * per:(rank + 1) * per]
-        options = {"moe": {"ep": world, "all_to_all": schedule, "chunks": 2,
-                           "ranks_per_node": 2}, "lowering": "eager"}
+        moe = {"ep": world, "all_to_all": schedule, "ranks_per_node": 2}
+        if schedule == "chunked":
+            moe["chunks"] = 2
+        options = {"moe": moe, "lowering": "eager"}
         torch._dynamo.reset()
         clear_reports()
         compiled = torch.compile(lambda x, m=model: m(input_ids=x, use_cache=False).logits,

@@ -95,7 +95,7 @@ def test_fp32_and_no_nan_for_empty_batches():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(index=torch.full((4, 2), 9)), "outside \\[0, 4\\)"),
-    (dict(capacity_factor=0.0), "capacity_factor must be > 0"),
+    (dict(capacity_factor=0.0), "capacity_factor must be a finite number > 0"),
     (dict(hidden=torch.randn(4, 8)), "gate_up must be"),
 ])
 def test_bad_input_names_the_problem(kwargs, message):

@@ -186,6 +186,9 @@ def test_capacity_is_reported_as_approximate():
     ({"moe": {"ep": 0}}, "moe.ep must be an int >= 1"),
     ({"moe": {"all_to_all": "hierarchial"}}, "did you mean 'hierarchical'"),
     ({"moe": {"chunks": 0}}, "moe.chunks"),
+    ({"moe": {"ep": 2, "chunks": 10**9}}, r"moe.chunks must be an int in 1..64"),
+    ({"moe": {"all_to_all": "peer"}}, "with moe.ep=1 there is no exchange"),
+    ({"moe": {"ep": 2, "all_to_all": "peer", "chunks": 4}}, "applies to the 'chunked'"),
     ({"moe": {"ep": 4, "ranks_per_node": 3}}, "must divide moe.ep"),
     ({"moe": {"capacity_factor": -1}}, "capacity_factor"),
     ({"moe": {"epp": 2}}, "epp"),
@@ -236,3 +239,46 @@ def test_capacity_drops_exactly_the_documented_rows_without_nan(factor):
     assert (grads[1][~keep] == 0).all()  # no gradient to the weight of a dropped assignment
     if factor > 1:
         assert keep.all()  # capacity above demand: dropless
+
+
+def test_dynamic_shapes_are_reported_not_silently_skipped():
+    model = build_model("mixtral", dtype=torch.float64, num_hidden_layers=1)
+    model.set_experts_implementation("grouped_mm")
+    clear_reports()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids: model(input_ids=ids, use_cache=False).logits,
+                             backend="graphopt", options={"moe": {}, "lowering": "eager"},
+                             dynamic=True)
+    compiled(sample_batch(model, 1, 6))
+    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    assert sites and all(s.action == "skipped" and "dynamic=False" in s.reason for s in sites)
+
+
+def test_unaligned_expert_sizes_fall_back_to_the_per_expert_loop():
+    """torch._grouped_mm needs 16-byte aligned strides; F=5 in float32 is not."""
+    from graphopt.kernels.moe import moe_experts
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=gen)
+    w, i = torch.topk(torch.randn(6, 4, generator=gen).softmax(-1), 2)
+    gate_up, down = torch.randn(4, 10, 8, generator=gen), torch.randn(4, 8, 5, generator=gen)
+    got = moe_experts(x, i, w, gate_up, down)
+    want = moe_experts(x.double(), i, w.double(), gate_up.double(), down.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "top_k_index": a["top_k_index"].double()}, "integer"),
+    (lambda a: {**a, "gate_up": a["gate_up"].double()}, "hidden's dtype"),
+    (lambda a: {**a, "top_k_index": a["top_k_index"][:, 0], "top_k_weights":
+                a["top_k_weights"][:, 0]}, "integer \\[T, K\\]"),
+    (lambda a: {**a, "capacity_factor": float("inf")}, "finite"),
+])
+def test_malformed_kernel_inputs_name_the_problem(change, message):
+    from graphopt.kernels.moe import moe_experts
+
+    w, i = torch.topk(torch.randn(6, 4).softmax(-1), 2)
+    args = dict(hidden=torch.randn(6, 8), top_k_index=i, top_k_weights=w,
+                gate_up=torch.randn(4, 16, 8), down=torch.randn(4, 8, 8))
+    with pytest.raises(ValueError, match=message):
+        moe_experts(**change(args))

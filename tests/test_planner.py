@@ -108,3 +108,49 @@ def test_cli_plan_prints_plans_and_writes_json(tmp_path):
     bad = CliRunner().invoke(app, ["plan", "--model", "llama9", "--devices", "8",
                                    "--global-batch", "8"])
     assert bad.exit_code == 2 and "unknown model 'llama9'" in bad.output
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"tp": "2"}, "tp must be an int >= 1, got '2'"),
+    ({"zero_stage": 3.0}, "zero_stage must be one of the ints"),
+    ({"recompute_layers": -4}, "recompute_layers must be an int >= 0"),
+    ({"sp": "no"}, "sp must be True or False"),
+    ({"prediction": {"foo": 1}}, "'prediction' must be null or an object"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_plan_from_bad_json_is_refused_with_the_reason(data, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelPlan.from_dict(data)
+
+
+def test_interleaved_schedule_needs_microbatches_divisible_by_pp():
+    plan = ParallelPlan(tp=4, pp=2, virtual_stages=2, pp_schedule="interleaved")
+    assert any("multiple of pp (2)" in p for p in plan.problems(devices=8, global_batch=3))
+
+
+def test_device_counts_without_a_layout_and_best_hand_plans_are_explained():
+    model = plan_model("llama3-8b", 2048, H100, overrides=SMALL)
+    with pytest.raises(ConfigError, match="no parallel layout of 7 devices"):
+        search(model, H100, 7, 8)
+    result = search(model, H100, 8, 64)
+    verdicts = [why for _, plan, why in result.hand
+                if dataclasses.replace(plan, prediction=None) ==
+                dataclasses.replace(result.best, prediction=None)]
+    assert all(v == "this is the best plan" for v in verdicts)
+
+
+def test_cli_plan_checks_the_json_path_and_config_values_first(tmp_path):
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    args = ["plan", "--devices", "8", "--global-batch", "8", "--seq", "128"]
+    bad_path = CliRunner().invoke(app, [*args, "--model", "llama", "--json",
+                                        str(tmp_path / "missing" / "out.json")])
+    assert bad_path.exit_code == 2 and "not a writable file path" in bad_path.output
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                  "hidden_size": -5}))
+    bad_config = CliRunner().invoke(app, [*args, "--model", str(config)])
+    assert bad_config.exit_code == 2 and "transformers rejects this LlamaConfig" in \
+        bad_config.output, bad_config.output

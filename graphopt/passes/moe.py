@@ -258,6 +258,9 @@ class MoEPass(GraphPass):
                 continue  # a group top-k (DeepSeek-V3): the expert top-k comes after it
             site = site_name(topk)
             try:
+                if _symbolic(topk):
+                    raise Skip("the token count is symbolic (torch.compile dynamic shapes); "
+                               "the pass needs static shapes: compile with dynamic=False")
                 region = find_region(topk)
                 detail = self._describe(region, topk)
                 if self.options is None:
@@ -335,6 +338,11 @@ class MoEPass(GraphPass):
         return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
                                        f"({how}; chunks {chunks}); predicted fwd+bwd on "
                                        f"{profile}: {pred}")
+
+
+def _symbolic(topk: fx.Node) -> bool:
+    val = topk.args[0].meta.get("val") if isinstance(topk.args[0], fx.Node) else None
+    return isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
 
 
 def _feeds_topk(topk: fx.Node) -> bool:

@@ -185,7 +185,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     def build(layers: int, dense: int) -> Any:
         extra = {"first_k_dense_replace": dense} if "first_k_dense_replace" in kwargs else {}
         layer_key = "n_layer" if config_class == "GPT2Config" else "num_hidden_layers"
-        config = getattr(transformers, config_class)(**{**kwargs, layer_key: layers, **extra})
+        config = _config(transformers, config_class, {**kwargs, layer_key: layers, **extra})
         if config_class == "GPT2Config":
             config.n_positions = max(seq, config.n_positions)
         config._attn_implementation = "sdpa" if attention == "flash" else \
@@ -195,7 +195,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         with torch.device("meta"):
             return getattr(transformers, model_class)(config).to(dtype)
 
-    cfg = getattr(transformers, config_class)(**kwargs)
+    cfg = _config(transformers, config_class, kwargs)
     layers = int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0)))
     dense_k = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
     has_moe = any("expert" in k for k in kwargs)
@@ -225,6 +225,15 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         dtype_bytes=torch.finfo(dtype).bits // 8)
     _CACHE[key] = result
     return result
+
+
+def _config(transformers: Any, config_class: str, kwargs: dict[str, Any]) -> Any:
+    """The transformers config, or ConfigError naming what transformers rejected."""
+    try:
+        return getattr(transformers, config_class)(**kwargs)
+    except Exception as exc:  # transformers' validation raises several exception classes
+        raise ConfigError(f"transformers rejects this {config_class}: {type(exc).__name__}: "
+                          f"{str(exc)[:300]}") from exc
 
 
 def _sub(a: LayerCost, b: LayerCost) -> LayerCost:

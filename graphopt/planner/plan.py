@@ -93,10 +93,22 @@ class ParallelPlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 out.append(f"{name} must be an int >= 1, got {v!r}")
+        r = self.recompute_layers
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            out.append(f"recompute_layers must be an int >= 0, got {r!r}")
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3) or \
+                not isinstance(self.zero_stage, int):
+            out.append(f"zero_stage must be one of the ints 0, 1, 2, 3, got {self.zero_stage!r}")
+        if not isinstance(self.sp, bool):
+            out.append(f"sp must be True or False, got {self.sp!r}")
+        for name, value in (("devices", devices), ("layers", layers), ("heads", heads),
+                            ("experts", experts), ("global_batch", global_batch),
+                            ("seq", seq)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                out.append(f"the job's {name} must be an int >= 0, got {value!r}")
         if out:
             return out
-        if self.zero_stage not in (0, 1, 2, 3):
-            out.append(f"zero_stage must be 0..3, got {self.zero_stage}")
         if self.cp_kind not in ("ring", "all_to_all"):
             out.append(f"cp_kind must be 'ring' or 'all_to_all', got {self.cp_kind!r}")
         if self.pp_schedule not in ("1f1b", "interleaved"):
@@ -129,14 +141,21 @@ class ParallelPlan:
         if global_batch is not None and global_batch % (self.dp * self.microbatch):
             out.append(f"global batch ({global_batch}) must divide into dp ({self.dp}) x "
                        f"microbatch ({self.microbatch})")
+        elif global_batch is not None and self.virtual_stages > 1 and \
+                (global_batch // (self.dp * self.microbatch)) % self.pp:
+            out.append(f"interleaved 1F1B needs the microbatches per iteration "
+                       f"({global_batch // (self.dp * self.microbatch)}) to be a multiple of "
+                       f"pp ({self.pp}), as Megatron-LM's schedule does")
         if seq is not None and seq % (self.cp * (2 if self.cp > 1 else 1)):
             out.append(f"sequence ({seq}) must split into 2*cp ({2 * self.cp}) load-balanced "
                        "chunks")
         return out
 
-    def validate(self, **job: Any) -> None:
+    def validate(self, devices: int | None = None, layers: int | None = None,
+                 heads: int | None = None, experts: int | None = None,
+                 global_batch: int | None = None, seq: int | None = None) -> None:
         """Raise ConfigError listing :meth:`problems` (empty: the plan is valid)."""
-        problems = self.problems(**job)
+        problems = self.problems(devices, layers, heads, experts, global_batch, seq)
         if problems:
             raise ConfigError("invalid parallel plan: " + "; ".join(problems))
 
@@ -147,17 +166,32 @@ class ParallelPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:
-        """Raises ConfigError for unknown keys (named)."""
+        """Raises ConfigError for anything but a dict of plan fields (unknown keys named),
+        and for values :meth:`problems` rejects."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a plan must be a JSON object of plan fields, got "
+                              f"{type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(map(str, set(data) - known))
         if unknown:
             raise ConfigError(f"unknown plan keys {unknown}; valid: {sorted(known)}")
         data = dict(data)
-        if data.get("prediction") is not None:
-            data["prediction"] = Prediction(**data["prediction"])
+        pred = data.get("prediction")
+        if pred is not None:
+            fields = {f.name for f in dataclasses.fields(Prediction)}
+            if not isinstance(pred, dict) or set(pred) != fields:
+                raise ConfigError(f"plan 'prediction' must be null or an object with keys "
+                                  f"{sorted(fields)}")
+            data["prediction"] = Prediction(**pred)
         if "mesh_order" in data:
+            if not isinstance(data["mesh_order"], (list, tuple)):
+                raise ConfigError(f"mesh_order must be a list of axes {list(AXES)}")
             data["mesh_order"] = tuple(data["mesh_order"])
-        return cls(**data)
+        plan = cls(**data)
+        problems = plan.problems()
+        if problems:
+            raise ConfigError("invalid parallel plan: " + "; ".join(problems))
+        return plan
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))

@@ -16,6 +16,7 @@ and collective times are cached, so a plan costs microseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -77,6 +78,8 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
         for ep, zero, v, mb in itertools.product(eps, zeros, vs, (1, 2, 4, 8)):
             if (global_batch // dp) % mb:
                 continue
+            if v > 1 and (global_batch // (dp * mb)) % pp:
+                continue  # interleaved 1F1B: microbatches a multiple of pp
             for rec in sorted({0, per_stage // 2, per_stage}):
                 yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero,
                                    tp=tp, sp=tp > 1, cp=cp, pp=pp, virtual_stages=v,
@@ -114,6 +117,13 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
             heapq.heappush(heap, entry)
         elif entry[:2] > heap[0][:2]:
             heapq.heapreplace(heap, entry)
+    if not heap and evaluated == 0:
+        raise ConfigError(
+            f"no parallel layout of {devices} devices suits {model.name}: every split over "
+            f"pp x dp x cp x tp must divide the global batch ({global_batch}) by dp, the layers "
+            f"({model.layers}) by pp and the heads ({model.heads}) and node size ({node}) by "
+            "tp; choose a device count and global batch with common factors (e.g. powers "
+            "of 2)")
     if not heap:
         raise ConfigError(f"no plan for {model.name} fits {devices} x {cluster.device.name} "
                           f"({capacity / 2**30:.0f} GiB usable): the smallest needs "
@@ -174,6 +184,8 @@ def why_slower(plan: ParallelPlan, best: ParallelPlan, capacity: float) -> str:
     """One line: out of memory, or the cost term that makes ``plan`` slower than ``best``."""
     p, b = plan.prediction, best.prediction
     assert p is not None and b is not None
+    if dataclasses.replace(plan, prediction=None) == dataclasses.replace(best, prediction=None):
+        return "this is the best plan"
     if p.memory_bytes > capacity:
         return (f"OOM: needs {p.memory_bytes / 2**30:.1f} GiB per device, "
                 f"{capacity / 2**30:.1f} GiB usable")

@@ -93,8 +93,17 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     if gate_up.dim() != 3 or gate_up.shape[2] != h or down.shape != (e, h, gate_up.shape[1] // 2):
         raise ValueError(f"gate_up must be [E, 2F, H={h}] and down [E, H, F]; got "
                          f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if top_k_index.dim() != 2 or top_k_index.dtype.is_floating_point or \
+            top_k_index.dtype == torch.bool:
+        raise ValueError(f"top_k_index must be an integer [T, K] tensor, got "
+                         f"{top_k_index.dtype} of shape {tuple(top_k_index.shape)}")
+    if not top_k_weights.dtype.is_floating_point:
+        raise ValueError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
+    if gate_up.dtype != hidden.dtype or down.dtype != hidden.dtype:
+        raise ValueError(f"gate_up ({gate_up.dtype}) and down ({down.dtype}) must have "
+                         f"hidden's dtype ({hidden.dtype})")
+    if capacity_factor is not None and not (0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
     flat = top_k_index.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
         raise ValueError(f"top_k_index has values outside [0, {e}): min {int(flat.min())}, "

@@ -37,16 +37,24 @@ def _segments(counts: Tensor) -> list[tuple[int, int, int]]:
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def use_grouped_mm(x: Tensor) -> bool:
+def use_grouped_mm(x: Tensor, *others: Tensor) -> bool:
     """torch's grouped GEMM (``torch._grouped_mm``: one call for all experts) runs for these
-    rows: float32/bf16/fp16 (it has no float64 kernel); else one mm per expert."""
-    return hasattr(torch, "_grouped_mm") and x.dtype in GROUPED_DTYPES and x.dim() == 2
+    operands: float32/bf16/fp16 (it has no float64 kernel) with 16-byte aligned strides and
+    data (its kernels' requirement); else one mm per expert."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES or x.dim() != 2:
+        return False
+    for t in (x, *others):
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(st * size % 16 for st, n in zip(t.stride(), t.shape)
+                                    if st != 1 and n > 1):
+            return False
+    return True
 
 
 def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     """Rows of segment e times ``weight[e]``: x [n, K] (segments of ``counts`` rows),
     weight [El, K, N] -> [n, N]; one grouped GEMM where torch has one, else a loop."""
-    if use_grouped_mm(x):
+    if use_grouped_mm(x, weight) and weight.shape[2] * x.element_size() % 16 == 0:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, weight, offs=offs)
     out = x.new_empty(x.shape[0], weight.shape[2])
@@ -58,7 +66,7 @@ def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
 def _add_weight_grad(grad: Tensor, a: Tensor, b: Tensor, counts: Tensor) -> None:
     """grad[e] += a_seg^T b_seg per segment: a [n, M], b [n, N], grad [El, M, N]. Grouped on
     CUDA; on CPU the per-expert addmm_ accumulates in place and measured faster."""
-    if a.is_cuda and use_grouped_mm(a):
+    if a.is_cuda and use_grouped_mm(a, b):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         grad.add_(torch._grouped_mm(a.t(), b, offs=offs))
         return
