@@ -184,6 +184,7 @@ def _extract(region: Region) -> fx.GraphModule:
 def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(0)
     h, idx, w = _meta(region.hidden), _meta(region.index), _meta(region.weights)
+    device = h.device
     t, k = idx.shape
     e = _meta(region.gate_up).shape[0]
     params = []
@@ -191,7 +192,7 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
         value = real.get(node)
         if not isinstance(value, torch.Tensor) or value.device.type == "meta":
             value = torch.randn(_meta(node).shape, generator=gen).to(_meta(node).dtype) * 0.1
-        params.append(value.detach())
+        params.append(value.detach().to(device))
     probes = []
     for kind in ("random", "expert0", "last_unused"):
         pool = e - 1 if kind == "last_unused" and e > k else e
@@ -199,9 +200,9 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
         if kind == "expert0":
             index = torch.where(index == 0, index[:, :1], index)
             index[:, 0] = 0
-        hidden = torch.randn(h.shape, generator=gen).to(h.dtype)
-        weights = torch.rand(w.shape, generator=gen).to(w.dtype)
-        probes.append((hidden, index.to(idx.dtype), weights, *params))
+        hidden = torch.randn(h.shape, generator=gen).to(device, h.dtype)
+        weights = torch.rand(w.shape, generator=gen).to(device, w.dtype)
+        probes.append((hidden, index.to(device, idx.dtype), weights, *params))
     return probes
 
 

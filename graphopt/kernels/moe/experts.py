@@ -39,10 +39,13 @@ GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def use_grouped_mm(x: Tensor, *others: Tensor) -> bool:
     """torch's grouped GEMM (``torch._grouped_mm``: one call for all experts) runs for these
-    operands: float32/bf16/fp16 (it has no float64 kernel) with 16-byte aligned strides and
-    data (its kernels' requirement); else one mm per expert."""
+    operands: float32/bf16/fp16 on CPU, bf16 on CUDA sm80+ (no float64 kernel anywhere) with
+    16-byte aligned strides and data (its kernels' requirement); else one mm per expert."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES or x.dim() != 2:
         return False
+    if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)
+                      < (8, 0)):
+        return False  # CUDA kernels: bf16 on sm80+
     for t in (x, *others):
         size = t.element_size()
         if t.data_ptr() % 16 or any(st * size % 16 for st, n in zip(t.stride(), t.shape)

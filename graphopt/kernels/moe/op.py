@@ -84,7 +84,7 @@ def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
         counts = torch.bincount(flat, minlength=num_experts)
         starts = torch.cumsum(counts, 0) - counts
         position = torch.empty_like(flat)
-        position[order] = torch.arange(flat.numel()) - starts[flat[order]]
+        position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
         flat = torch.where(position < capacity, flat, num_experts)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
@@ -152,9 +152,9 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
             _STASH[handle] = saved
     weights = top_k_weights.reshape(-1)[order[:valid]]
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
-    out = torch.zeros(hidden.shape, dtype=acc).index_add(
+    out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device).index_add(
         0, token[:valid], y_valid.to(acc) * weights.to(acc).unsqueeze(-1))
-    return (out.to(hidden.dtype), y_rows, gu_out, torch.tensor([handle]),
+    return (out.to(hidden.dtype), y_rows, gu_out, torch.tensor([handle], device=top_k_index.device),
             counts_all.to(torch.int64))
 
 
@@ -183,7 +183,7 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     grad_rows = grad_out.index_select(0, token[:valid]).to(acc)
     weights = top_k_weights.reshape(-1)[order[:valid]].to(acc)
     grad_w_sorted = (grad_rows * y_rows[:valid].to(acc)).sum(-1)
-    grad_weights = torch.zeros(top_k_index.numel(), dtype=acc)
+    grad_weights = torch.zeros(top_k_index.numel(), dtype=acc, device=hidden.device)
     grad_weights[order[:valid]] = grad_w_sorted
     grad_y = (grad_rows * weights.unsqueeze(-1)).to(hidden.dtype)
     w1, w2 = _local(gate_up, pg, ep), _local(down, pg, ep)

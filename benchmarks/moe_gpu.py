@@ -1,0 +1,125 @@
+"""MoE experts on one CUDA GPU: graphopt::moe_experts (sorted dispatch, torch._grouped_mm,
+explicit backward) vs transformers' per-expert loop (MixtralExperts eager) and transformers'
+own grouped_mm experts, forward+backward, bf16, side by side; plus correctness checks of the
+op and of the moe pass on a small Mixtral on the GPU.
+
+    python benchmarks/moe_gpu.py [--reps 20]
+
+Timing: CUDA events around 20 forward+backward steps after 5 warm-ups, median per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from graphopt.kernels.moe import moe_experts
+
+SHAPES = [(4096, 8, 1024, 3584), (4096, 8, 4096, 14336), (16384, 8, 4096, 14336),
+          (4096, 64, 2048, 1408)]  # (tokens, experts, hidden, ffn): Mixtral-style, DeepSeek-ish
+
+
+def experts_module(e: int, h: int, f: int, impl: str) -> torch.nn.Module:
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=h, intermediate_size=f, num_local_experts=e)
+    config._experts_implementation = impl
+    torch.manual_seed(0)
+    module = MixtralExperts(config)
+    module.config = config
+    with torch.no_grad():
+        module.gate_up_proj.normal_(0, 0.02)
+        module.down_proj.normal_(0, 0.02)
+    return module.cuda().bfloat16()
+
+
+def time_step(fn, reps: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check_op() -> None:
+    ex = experts_module(8, 256, 512, "eager")
+    x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, i = torch.randn(1000, 8, device="cuda").softmax(-1).topk(2, dim=-1)
+    w = w.requires_grad_()
+    ref = ex.float()(x.float(), i, w)
+    ex = ex.bfloat16()
+    got = moe_experts(x, i, w, ex.gate_up_proj, ex.down_proj)
+    err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
+    gx = torch.autograd.grad(got.float().square().sum(), x)[0]
+    print(f"op check (bf16 vs fp32 loop): max rel error {err:.2e}, grad finite "
+          f"{bool(torch.isfinite(gx).all())}")
+    assert err < 3e-2
+
+
+def check_pass() -> None:
+    from graphopt.models import build_model, sample_batch
+    from graphopt.report import clear_reports, reports
+
+    model = build_model("mixtral", dtype=torch.bfloat16).cuda()
+    ids = sample_batch(model, 2, 64).cuda()
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits.float()
+    model.set_experts_implementation("grouped_mm")
+    clear_reports()
+    compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
+                             backend="graphopt", options={"moe": {}, "lowering": "inductor"})
+    got = compiled(ids).float()
+    got.sum().backward()
+    sites = [s.action for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"pass check (small Mixtral, bf16, inductor, CUDA): sites {sites}, max rel logit "
+          f"difference vs the eager loop {err:.2e}")
+    assert sites.count("rewritten") == 2 and err < 5e-2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    check_op()
+    check_pass()
+    print("| tokens | experts | hidden | ffn | transformers loop ms | transformers grouped_mm ms "
+          "| graphopt ms | vs loop | vs grouped_mm |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for t, e, h, f in SHAPES:
+        a, b, c = measure(t, e, h, f, args.reps)
+        print(f"| {t} | {e} | {h} | {f} | {a:.2f} | {b:.2f} | {c:.2f} | {a / c:.2f}x | "
+              f"{b / c:.2f}x |", flush=True)
+        torch.cuda.empty_cache()
+
+
+def measure(t: int, e: int, h: int, f: int, reps: int) -> tuple[float, float, float]:
+    """Median ms of forward+backward: transformers loop, transformers grouped_mm, graphopt."""
+    loop, grouped = experts_module(e, h, f, "eager"), experts_module(e, h, f, "grouped_mm")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, i = torch.randn(t, e, device="cuda").softmax(-1).topk(2, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).requires_grad_()
+    g = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    a = time_step(lambda: loop(x, i, w).backward(g), reps)
+    try:
+        b = time_step(lambda: grouped(x, i, w).backward(g), reps)
+    except Exception as exc:  # an older transformers without grouped_mm experts
+        print(f"transformers grouped_mm failed: {type(exc).__name__}: {exc}")
+        b = float("nan")
+    c = time_step(lambda: moe_experts(x, i, w, loop.gate_up_proj, loop.down_proj).backward(g),
+                  reps)
+    return a, b, c
+
+
+if __name__ == "__main__":
+    main()
