@@ -75,6 +75,9 @@ def check_pass() -> None:
         want = model(input_ids=ids, use_cache=False).logits.float()
     model.set_experts_implementation("grouped_mm")
     clear_reports()
+    from graphopt.backend import graphopt_backend
+
+    torch._dynamo.register_backend(graphopt_backend, "graphopt")  # when not pip-installed
     compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
                              backend="graphopt", options={"moe": {}, "lowering": "inductor"})
     got = compiled(ids).float()

@@ -82,9 +82,12 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> None:
     default (torch 2.13), so re-tracing a graph with a checkpoint region failed."""
     import functools
 
-    from torch._higher_order_ops.wrap import _always_prefer_recompute
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    try:
+        from torch._higher_order_ops.wrap import _always_prefer_recompute
+    except ImportError:  # torch < 2.13 reads no such meta key: nothing to add
+        return
     target = torch.ops.higher_order.tag_activation_checkpoint
     for node in gm.graph.find_nodes(op="call_function", target=target):
         body = node.args[0]

@@ -126,9 +126,12 @@ def test_grouped_gemm_path_equals_the_per_expert_loop():
     results = []
     for dtype in (torch.float32, torch.float64):
         gu, y = swiglu_experts_forward(rows.to(dtype), counts, gate_up.to(dtype), down.to(dtype))
-        g1, g2 = torch.zeros_like(gate_up, dtype=dtype), torch.zeros_like(down, dtype=dtype)
-        gx = swiglu_experts_backward(rows.to(dtype), gu, counts, gate_up.to(dtype),
-                                     down.to(dtype), grad_y.to(dtype), g1, g2)
+        gx, g1, g2 = swiglu_experts_backward(rows.to(dtype), gu, counts, gate_up.to(dtype),
+                                             down.to(dtype), grad_y.to(dtype))
+        twice = swiglu_experts_backward(rows.to(dtype), gu, counts, gate_up.to(dtype),
+                                        down.to(dtype), grad_y.to(dtype), g1.clone(),
+                                        g2.clone())  # into given buffers: accumulates
+        torch.testing.assert_close(twice[1], 2 * g1)
         results.append([t.double() for t in (y, gx, g1, g2)])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

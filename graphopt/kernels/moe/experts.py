@@ -66,15 +66,20 @@ def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     return out
 
 
-def _add_weight_grad(grad: Tensor, a: Tensor, b: Tensor, counts: Tensor) -> None:
-    """grad[e] += a_seg^T b_seg per segment: a [n, M], b [n, N], grad [El, M, N]. Grouped on
-    CUDA; on CPU the per-expert addmm_ accumulates in place and measured faster."""
-    if a.is_cuda and use_grouped_mm(a, b):
+def _weight_grad(grad: Tensor | None, a: Tensor, b: Tensor, counts: Tensor,
+                 shape: tuple[int, ...]) -> Tensor:
+    """grad[e] (+)= a_seg^T b_seg per segment: a [n, M], b [n, N] -> [El, M, N] (``shape``).
+    ``grad`` None: a new tensor (on CUDA the grouped GEMM's own output, no zero fill). Grouped
+    on CUDA; on CPU the per-expert addmm_ accumulates in place and measured faster."""
+    if a.is_cuda and a.shape[0] and use_grouped_mm(a, b):
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        grad.add_(torch._grouped_mm(a.t(), b, offs=offs))
-        return
+        out = torch._grouped_mm(a.t(), b, offs=offs)
+        return out if grad is None else grad.add_(out)
+    if grad is None:
+        grad = a.new_zeros(shape)
     for e, s, t in _segments(counts):
         grad[e].addmm_(a[s:t].t(), b[s:t])
+    return grad
 
 
 def swiglu_experts_forward(rows: Tensor, counts: Tensor, gate_up: Tensor,
@@ -87,18 +92,18 @@ def swiglu_experts_forward(rows: Tensor, counts: Tensor, gate_up: Tensor,
 
 
 def swiglu_experts_backward(rows: Tensor, gu: Tensor, counts: Tensor, gate_up: Tensor,
-                            down: Tensor, grad_y: Tensor, grad_gate_up: Tensor,
-                            grad_down: Tensor) -> Tensor:
-    """grad_rows [n, H]; adds the weight gradients into grad_gate_up [El, 2F, H] and
-    grad_down [El, H, F] (in place)."""
+                            down: Tensor, grad_y: Tensor, grad_gate_up: Tensor | None = None,
+                            grad_down: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_rows [n, H], grad_gate_up [El, 2F, H], grad_down [El, H, F]): the weight
+    gradients are added into the given buffers (in place) or returned as new tensors."""
     g, u = gu.chunk(2, dim=-1)
     silu = F.silu(g)
     a = silu * u
     grad_a = grouped_mm(grad_y, down, counts)
-    _add_weight_grad(grad_down, grad_y, a, counts)
+    grad_down = _weight_grad(grad_down, grad_y, a, counts, tuple(down.shape))
     f = g.shape[1]
     grad_gu = torch.empty_like(gu)
     grad_gu[:, :f] = torch.ops.aten.silu_backward(grad_a * u, g)  # grad * silu'(g), fused
     torch.mul(grad_a, silu, out=grad_gu[:, f:])
-    _add_weight_grad(grad_gate_up, grad_gu, rows, counts)
-    return grouped_mm(grad_gu, gate_up, counts)
+    grad_gate_up = _weight_grad(grad_gate_up, grad_gu, rows, counts, tuple(gate_up.shape))
+    return grouped_mm(grad_gu, gate_up, counts), grad_gate_up, grad_down

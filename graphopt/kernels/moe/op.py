@@ -187,9 +187,7 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     grad_weights[order[:valid]] = grad_w_sorted
     grad_y = (grad_rows * weights.unsqueeze(-1)).to(hidden.dtype)
     w1, w2 = _local(gate_up, pg, ep), _local(down, pg, ep)
-    grad_gate_up = torch.zeros_like(gate_up)
-    grad_down = torch.zeros_like(down)
-    g1, g2 = _local(grad_gate_up, pg, ep), _local(grad_down, pg, ep)
+    local: dict[str, Tensor] = {}  # this rank's experts' weight gradients, accumulated
     if pg is None:
         saved = {0: (hidden.index_select(0, token[:valid]), gu[:valid])}
     else:
@@ -202,13 +200,28 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
 
     def backward(key: Any, gy: Tensor, per_expert: Tensor) -> Tensor:
         x, gu_rows = saved[key]
-        return swiglu_experts_backward(x, gu_rows, per_expert, w1, w2, gy, g1, g2)
+        gx, local["up"], local["down"] = swiglu_experts_backward(
+            x, gu_rows, per_expert, w1, w2, gy, local.get("up"), local.get("down"))
+        return gx
 
     trip = RoundTrip(counts_all, pg, schedule, chunks, ranks_per_node)
     grad_x = trip(grad_y, backward, tag=2)
+    grad_gate_up, grad_down = _full_grad(gate_up, local.get("up"), pg, ep), \
+        _full_grad(down, local.get("down"), pg, ep)
     grad_hidden = torch.zeros_like(hidden).index_add(0, token[:valid], grad_x)
     return (grad_hidden, grad_weights.view(top_k_weights.shape).to(top_k_weights.dtype),
             grad_gate_up, grad_down)
+
+
+def _full_grad(weight: Tensor, local: Tensor | None, pg: dist.ProcessGroup | None,
+               ep: int) -> Tensor:
+    """The gradient of the whole [E, ...] weight: this rank's experts' part, zeros elsewhere."""
+    if pg is None and local is not None:
+        return local
+    full = torch.zeros_like(weight)
+    if local is not None:
+        _local(full, pg, ep).copy_(local)
+    return full
 
 
 @moe_experts_backward.register_fake
