@@ -50,3 +50,20 @@ def test_triton_kernels_match_reference_under_interpreter():
                          env=env, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_gpu_head_dims_beyond_the_triton_limit_use_the_chunked_kernel():
+    """Measured on an H200: D = Dv = 128 needs 416 KB of shared memory in the Triton
+    backward (limit 227 KB); "auto" takes the chunked kernel there, "triton" says why not."""
+    import torch
+
+    from graphopt.kernels.lightning.op import TRITON_MAX_HEAD_DIM, resolve_impl, triton_available
+
+    if not triton_available():
+        pytest.skip("triton not installed")
+    gpu = torch.device("cuda")
+    assert resolve_impl("auto", gpu, TRITON_MAX_HEAD_DIM) == "triton"
+    assert resolve_impl("auto", gpu, 128) == "chunked"
+    with pytest.raises(ValueError, match="head dims up to 64"):
+        resolve_impl("triton", gpu, 128)
+    assert resolve_impl("triton", torch.device("cpu"), 128) == "triton"  # interpreter: fine

@@ -100,8 +100,10 @@ def _insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k:
     with graph.inserting_before(node):
         slope = graph.get_attr(name)
         slope.meta["val"] = mode.from_tensor(getattr(gm, name))
+        v_val = tensor_meta(v)
+        dims = max(int(q_val.shape[-1]), int(v_val.shape[-1]) if v_val is not None else 0)
         args = (q, k, v, slope, scale, None, DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY,
-                resolve_impl("auto", q_val.device))
+                resolve_impl("auto", q_val.device, dims))
         call = graph.call_function(op, args)
         call.meta["val"] = fake_call(op, *args)
         out = graph.call_function(operator.getitem, (call, 0))
@@ -344,7 +346,9 @@ class AttentionPass(GraphPass):
         q_val = tensor_meta(loop.q)
         assert q_val is not None
         heads = int(q_val.shape[1])
-        impl = resolve_impl("auto", q_val.device)
+        v_val = tensor_meta(loop.v)
+        impl = resolve_impl("auto", q_val.device, max(
+            int(q_val.shape[-1]), int(v_val.shape[-1]) if v_val is not None else 0))
         op = torch.ops.graphopt.lightning_attention_fwd.default
         with graph.inserting_before(cat):
             slope = graph.call_function(aten.view.default, (loop.slope, [heads]))

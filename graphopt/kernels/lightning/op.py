@@ -42,16 +42,34 @@ def _reduce_kv(x: Tensor, hk: int) -> Tensor:
 IMPLS = ("auto", "chunked", "triton")
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """"auto": Triton on GPU/NPU when triton is installed, else the chunked PyTorch code."""
+TRITON_MAX_HEAD_DIM = 64
+"""Largest D / Dv the Triton kernels run on a GPU (measured on an H200: D = Dv = 128 needs
+416 KB of shared memory in the backward). "auto" takes the chunked kernel above it."""
+
+
+def resolve_impl(impl: str, device: torch.device, head_dim: int = 0) -> str:
+    """"auto": Triton on GPU/NPU when triton is installed and ``head_dim`` (max of D, Dv)
+    <= TRITON_MAX_HEAD_DIM, else the chunked PyTorch code.
+
+    Raises:
+        ValueError: unknown impl, or impl="triton" on a GPU with a head dim it cannot run.
+        RuntimeError: impl="triton" without triton installed.
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    too_big = device.type != "cpu" and head_dim > TRITON_MAX_HEAD_DIM
     if impl == "auto":
         return "triton" if device.type in ("cuda", "npu", "xpu") and triton_available() \
-            else "chunked"
+            and not too_big else "chunked"
     if impl == "triton" and not triton_available():
         raise RuntimeError("impl='triton' needs triton: pip install 'graphopt[triton]' "
                            "(triton-ascend on NPU); on CPU also set TRITON_INTERPRET=1")
+    if impl == "triton" and too_big:
+        raise ValueError(
+            f"impl='triton' supports head dims up to {TRITON_MAX_HEAD_DIM} on GPUs (its "
+            "backward keeps [D, Dv] float32 state tiles per program in shared memory; "
+            f"{head_dim} x {head_dim} needed 416 KB on an H200 at 128, limit 227 KB); use "
+            "impl='chunked' or 'auto'")
     return impl
 
 
@@ -237,7 +255,7 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
     every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
     if block < 1 or every < 1:
         raise ValueError(f"block_size and checkpoint_every must be >= 1, got {block}, {every}")
-    chosen = resolve_impl(impl, q.device)
+    chosen = resolve_impl(impl, q.device, max(q.shape[-1], v.shape[-1]))
     o, state, _ = torch.ops.graphopt.lightning_attention_fwd(
         q, k, v, slope, 1.0 if scale is None else float(scale), initial_state,
         _effective_block(chosen, block), every, chosen)

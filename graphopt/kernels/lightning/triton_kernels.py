@@ -196,8 +196,15 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     h0 = initial_state.float().contiguous() if initial_state is not None else ht
     _fwd[(b * h,)](q_, k_, v_, slope.float().contiguous(), h0, o, ht, ckpt, seq, h, n_full,
                    n_ckpt, float(scale), R=checkpoint_every,
-                   HAS_H0=initial_state is not None, **shapes)
+                   HAS_H0=initial_state is not None, **shapes, **_launch_options(d, dv))
     return o, ht, ckpt
+
+
+def _launch_options(d: int, dv: int) -> dict[str, int]:
+    """One pipeline stage: each program keeps its [D, Dv] float32 state and block tiles in
+    shared memory; Triton's default multi-stage pipelining of the tile loads needed 320 KB
+    for D = Dv = 128 on an H200 (limit 227 KB). More warps for the larger tiles."""
+    return {"num_stages": 1, "num_warps": 8 if d * dv >= 128 * 128 else 4}
 
 
 def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
@@ -214,7 +221,7 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
     slope_f = slope.float().contiguous()
     sprev = torch.empty(b, h, max(nblocks, 1), d, dv, dtype=torch.float32, device=q.device)
     _states[(b * h,)](k_, v_, slope_f, checkpoints.contiguous(), sprev, seq, h,
-                      checkpoints.shape[2], **shapes)
+                      checkpoints.shape[2], **shapes, **_launch_options(d, dv))
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     dvv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
@@ -222,6 +229,7 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
     dslope = torch.empty(b * h, dtype=torch.float32, device=q.device)
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
     _bwd[(b * h,)](q_, k_, v_, slope_f, go, dht, sprev, dq, dk, dvv, dh0, dslope, seq, h,
-                   float(scale), HAS_DHT=grad_state is not None, **shapes)
+                   float(scale), HAS_DHT=grad_state is not None, **shapes,
+                   **_launch_options(d, dv))
     ds = dslope.view(b, h).sum(0) if need_slope_grad else None
     return dq, dk, dvv, ds, dh0
