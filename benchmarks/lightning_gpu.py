@@ -11,27 +11,18 @@ medians of 10 after 3 warm-ups.
 
 from __future__ import annotations
 
-import statistics
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import cuda_median_ms
 
 from graphopt.kernels.lightning import lightning_attention
 from graphopt.kernels.lightning.reference import lightning_attention_reference
 
 
-def timed(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+def timed(fn: Callable[[], object]) -> float:
+    return cuda_median_ms(fn, reps=10, warmups=3)
 
 
 def check() -> None:

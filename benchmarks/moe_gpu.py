@@ -11,9 +11,10 @@ Timing: CUDA events around 20 forward+backward steps after 5 warm-ups, median pe
 from __future__ import annotations
 
 import argparse
-import statistics
+from collections.abc import Callable
 
 import torch
+from common import cuda_median_ms
 
 from graphopt.kernels.moe import moe_experts
 
@@ -36,18 +37,8 @@ def experts_module(e: int, h: int, f: int, impl: str) -> torch.nn.Module:
     return module.cuda().bfloat16()
 
 
-def time_step(fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_step(fn: Callable[[], object], reps: int) -> float:
+    return cuda_median_ms(fn, reps, warmups=5)
 
 
 def check_op() -> None:
