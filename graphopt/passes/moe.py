@@ -128,16 +128,21 @@ def find_region(topk: fx.Node) -> Region:
             len(inputs) != 5:
         raise Skip(f"experts module {path} reads {sorted(n.name for n in inputs)}; expected "
                    "tokens [T, H], top-k indices and weights [T, K], gate_up and down weights")
-    gate_up, down = sorted(params, key=lambda n: -_meta(n).shape[1] * _meta(n).shape[2] * (
-        _meta(n).shape[2] == _meta(hidden[0]).shape[1]))
     t, h = _meta(hidden[0]).shape
-    e, f2, h1 = _meta(gate_up).shape
-    if h1 != h or tuple(_meta(down).shape) != (e, h, f2 // 2) or \
-            tuple(_meta(ints[0]).shape) != tuple(_meta(weights[0]).shape) or \
+    pairs = [(a, b) for a, b in (params, params[::-1]) if _swiglu_layout(a, b, h)]
+    if not pairs or tuple(_meta(ints[0]).shape) != tuple(_meta(weights[0]).shape) or \
             _meta(ints[0]).shape[0] != t:
-        raise Skip(f"experts module {path}: weight shapes {tuple(_meta(gate_up).shape)} / "
-                   f"{tuple(_meta(down).shape)} are not transformers' [E, 2F, H] / [E, H, F]")
+        raise Skip(f"experts module {path}: weight shapes "
+                   f"{[tuple(_meta(p).shape) for p in params]} are not transformers' "
+                   "[E, 2F, H] / [E, H, F], or routing is not [T, K]")
+    gate_up, down = pairs[0]
     return Region(path, nodes, outputs[0], hidden[0], ints[0], weights[0], gate_up, down)
+
+
+def _swiglu_layout(gate_up: fx.Node, down: fx.Node, hidden: int) -> bool:
+    """gate_up [E, 2F, H] and down [E, H, F] (transformers' experts layout)."""
+    e, f2, h = _meta(gate_up).shape
+    return h == hidden and f2 % 2 == 0 and tuple(_meta(down).shape) == (e, hidden, f2 // 2)
 
 
 def _meta(node: fx.Node) -> torch.Tensor:

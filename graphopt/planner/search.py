@@ -143,12 +143,13 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
     """Common hand-chosen plans (pure DP, FSDP, Megatron TP-in-node with PP to fit, ...),
     evaluated; the ones invalid for this job are left out."""
     tp = min(node, devices)
-    while model.heads % tp:
+    while model.heads % tp or devices % tp:
         tp //= 2
-    pp = 1
-    while (devices // (tp * pp)) > 1 and model.layers % (pp * 2) == 0 and \
-            _fits(ParallelPlan(dp_replicate=devices // (tp * pp), tp=tp, pp=pp), model,
-                  cluster, global_batch) is False:
+    pp = 1  # Megatron's recipe: TP in the node, the fewest pipeline stages that fit
+    capacity = USABLE_MEMORY * cluster.device.memory_bytes
+    while devices % (tp * pp * 2) == 0 and model.layers % (pp * 2) == 0 and \
+            evaluate(_megatron(devices, tp, pp, model.layers), model, cluster,
+                     global_batch).memory_bytes > capacity:
         pp *= 2
     ep = max((e for e in _divisors(devices) if model.experts and model.experts % e == 0
               and e <= node), default=1)
@@ -156,9 +157,8 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
         "data parallel (DDP)": ParallelPlan(dp_replicate=devices),
         "FSDP (ZeRO-3)": ParallelPlan(dp_shard=devices, zero_stage=3),
         f"Megatron TP={tp} in node + DP": ParallelPlan(dp_replicate=devices // tp, tp=tp),
-        f"Megatron TP={tp} + PP={pp} + DP, full recompute": ParallelPlan(
-            dp_replicate=devices // (tp * pp), tp=tp, pp=pp,
-            recompute_layers=model.layers // pp),
+        f"Megatron TP={tp} + PP={pp} + DP, full recompute": _megatron(devices, tp, pp,
+                                                                     model.layers),
     }
     if model.experts:
         plans[f"FSDP + EP={ep}"] = ParallelPlan(dp_shard=devices, zero_stage=3, ep=ep)
@@ -172,12 +172,10 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
     return out
 
 
-def _fits(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile,
-          global_batch: int) -> bool:
-    if plan.problems(layers=model.layers, heads=model.heads, global_batch=global_batch):
-        return True  # not this rule's business
-    pred = evaluate(plan, model, cluster, global_batch)
-    return pred.memory_bytes <= USABLE_MEMORY * cluster.device.memory_bytes
+def _megatron(devices: int, tp: int, pp: int, layers: int) -> ParallelPlan:
+    """TP + PP + DP with full activation recomputation (Megatron-LM SC'21's configurations)."""
+    return ParallelPlan(dp_replicate=devices // (tp * pp), tp=tp, pp=pp,
+                        recompute_layers=layers // pp)
 
 
 def why_slower(plan: ParallelPlan, best: ParallelPlan, capacity: float) -> str:

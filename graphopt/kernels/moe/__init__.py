@@ -4,9 +4,8 @@ Megatron-Core's token dispatchers use). See :mod:`graphopt.kernels.moe.dispatch`
 
 from graphopt.kernels.moe.dispatch import (
     capacity_keep_mask,
-    grouped_linear,
     moe_experts,
     sort_by_expert,
 )
 
-__all__ = ["capacity_keep_mask", "grouped_linear", "moe_experts", "sort_by_expert"]
+__all__ = ["capacity_keep_mask", "moe_experts", "sort_by_expert"]

@@ -11,8 +11,9 @@ Algorithm (Megablocks, Gale et al. 2023, sec. 5; Megatron-Core's "alltoall" disp
        sort, so copies of tokens bound for one expert are contiguous and keep token order;
        counts[e] = number of assignments to e (:func:`sort_by_expert`);
     2. gather the token rows in that order (one index_select);
-    3. every expert's SwiGLU MLP on its segment (:func:`grouped_linear`: one matmul per
-       non-empty segment; experts with zero tokens cost nothing);
+    3. every expert's SwiGLU MLP on its segment (:mod:`graphopt.kernels.moe.experts`: one
+       grouped GEMM per projection, or one matmul per non-empty segment; experts with zero
+       tokens cost nothing);
     4. scale each row by its routing weight and scatter-add it back to its token
        (index_add: the combine).
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -48,16 +48,6 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tenso
     counts = torch.bincount(flat, minlength=num_experts)
     k = top_k_index.shape[-1] if top_k_index.dim() > 1 else 1
     return order, order // k, counts
-
-
-def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
-    """``F.linear(segment_e, weight[e])`` for consecutive row segments of ``x`` with sizes
-    ``counts`` (one per expert); x [N, in], weight [E, out, in] -> [N, out]. Empty segments
-    are skipped. Differentiable (autograd through the per-segment matmuls)."""
-    outs = [F.linear(seg, weight[e]) for e, seg in enumerate(torch.split(x, counts)) if counts[e]]
-    if not outs:
-        return x.new_zeros(0, weight.shape[1])
-    return torch.cat(outs)
 
 
 def capacity_keep_mask(top_k_index: Tensor, num_experts: int,

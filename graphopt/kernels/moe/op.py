@@ -36,7 +36,6 @@ an E that the EP size does not divide; RuntimeError when the EP group is not ini
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from typing import Any
 
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from graphopt.kernels.comm import RoundTrip
+from graphopt.kernels.moe.dispatch import capacity_keep_mask
 from graphopt.kernels.moe.experts import swiglu_experts_backward, swiglu_experts_forward
 
 _STASH: dict[int, dict[Any, tuple[Tensor, Tensor]]] = {}
@@ -76,16 +76,11 @@ def resolve_group(name: str, ep: int) -> dist.ProcessGroup | None:
 def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
           ) -> tuple[Tensor, Tensor, Tensor, int]:
     """(order [T*K], token [T*K], counts [E], valid): sorted assignments, sentinels last."""
-    t, k = top_k_index.shape
+    k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     if capacity_factor > 0:
-        capacity = math.ceil(capacity_factor * t * k / num_experts)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.empty_like(flat)
-        position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        flat = torch.where(position < capacity, flat, num_experts)
+        keep = capacity_keep_mask(top_k_index, num_experts, capacity_factor).reshape(-1)
+        flat = torch.where(keep, flat, num_experts)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     return order, order // k, counts, int(counts.sum())
