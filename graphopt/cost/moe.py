@@ -50,6 +50,7 @@ class MoELayerShape:
 
     @property
     def dispatch_bytes(self) -> float:
+        """Bytes one rank dispatches per direction: T * K rows of H elements."""
         return float(self.tokens * self.top_k * self.hidden * self.dtype_bytes)
 
     @property

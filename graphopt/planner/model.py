@@ -103,10 +103,12 @@ class PlanModel:
 
     @property
     def layers(self) -> int:
+        """Decoder layers, dense and MoE."""
         return self.dense_layers + self.moe_layers
 
     @property
     def params(self) -> float:
+        """Parameters of the whole model (routed experts included)."""
         moe = self.moe.params + self.moe.expert_params if self.moe else 0.0
         return self.dense.params * self.dense_layers + moe * self.moe_layers + self.head.params
 

@@ -158,6 +158,3 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
         mfu=flops / (total * plan.devices * peak) if total > 0 else 0.0,
         tokens_per_s=global_batch * seq / total if total > 0 else math.inf)
 
-
-def fits(pred: Prediction, cluster: ClusterProfile) -> bool:
-    return pred.memory_bytes <= USABLE_MEMORY * cluster.device.memory_bytes

@@ -68,10 +68,12 @@ class ParallelPlan:
 
     @property
     def devices(self) -> int:
+        """Devices the plan uses: dp_replicate * dp_shard * cp * tp * pp."""
         return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree (replicas x shards)."""
         return self.dp_replicate * self.dp_shard
 
     def stride(self, axis: str) -> int:
@@ -160,6 +162,7 @@ class ParallelPlan:
             raise ConfigError("invalid parallel plan: " + "; ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field (prediction included)."""
         data = dataclasses.asdict(self)
         data["mesh_order"] = list(self.mesh_order)
         return data
@@ -194,13 +197,16 @@ class ParallelPlan:
         return plan
 
     def save(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` as JSON to ``path``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> ParallelPlan:
+        """Read a plan written by :meth:`save`; ConfigError as :meth:`from_dict`."""
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def describe(self) -> str:
+        """One line naming the parallel degrees and options that are not 1/off."""
         parts = [f"{a}={getattr(self, a)}" for a in ("dp_replicate", "dp_shard", "tp", "cp",
                                                       "pp", "ep") if getattr(self, a) > 1]
         if self.dp_shard > 1:
