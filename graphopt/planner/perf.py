@@ -157,4 +157,3 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
         memory_parts={"params+grads+optimizer": states.total, "activations": activations},
         mfu=flops / (total * plan.devices * peak) if total > 0 else 0.0,
         tokens_per_s=global_batch * seq / total if total > 0 else math.inf)
-
