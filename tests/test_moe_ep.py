@@ -105,9 +105,30 @@ CASES = ["random", "skewed", "one_expert", "local_only", "empty_rank"]
 SCHEDULES = ["flat", "chunked", "hierarchical", "peer"]
 
 
+MODEL_RUNS = {
+    2: [("mixtral", "peer"), ("qwen3_moe", "chunked"), ("minimax", "flat"),
+        ("deepseek_v3", "auto")],
+    4: [("mixtral", "hierarchical"), ("deepseek_v3", "peer")],
+}
+_SPAWNED: dict[int, list[Any]] = {}
+
+
+def _both_worker(rank: int, world: int) -> tuple[dict, dict]:
+    return (_ep_worker(rank, world, CASES, SCHEDULES),
+            _model_worker(rank, world, MODEL_RUNS[world]))
+
+
+def _spawned(world: int) -> list[Any]:
+    """Every rank's (kernel results, model results): one gloo group per world size serves
+    both tests (spawning and importing transformers dominates their time)."""
+    if world not in _SPAWNED:
+        _SPAWNED[world] = run_distributed(_both_worker, world)
+    return _SPAWNED[world]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_schedules_equal_single_process(world):
-    results = run_distributed(_ep_worker, world, CASES, SCHEDULES)
+    results = [r[0] for r in _spawned(world)]
     for name in CASES:
         sizes, _, _ = _case(name, world)
         want = _reference(name, world)
@@ -184,13 +205,10 @@ def _model_reference(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                            for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world, runs", [
-    (2, [("mixtral", "peer"), ("qwen3_moe", "chunked"), ("minimax", "flat"),
-         ("deepseek_v3", "auto")]),
-    (4, [("mixtral", "hierarchical"), ("deepseek_v3", "peer")]),
-])
-def test_real_moe_models_expert_parallel_equal_single_process(world, runs):
-    results = run_distributed(_model_worker, world, runs)[0]
+@pytest.mark.parametrize("world", [2, 4])
+def test_real_moe_models_expert_parallel_equal_single_process(world):
+    runs = MODEL_RUNS[world]
+    results = _spawned(world)[0][1]
     for name, schedule in runs:
         loss, grads, sites = results[name, schedule]
         want_loss, want_grads = _model_reference(name)
