@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
 from torch import fx
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -71,8 +72,60 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
                          _allow_non_fake_inputs=True)(*fakes)
     _rename_placeholders(traced, gm)
     _fill_missing_meta(traced)
+    _run_meta(traced, fake_mode, fakes)
     traced.recompile()
     return traced
+
+
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+def refresh_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Recompute ``meta['requires_grad']`` (and autocast dtypes) of ``gm``, e.g. after model
+    passes rewrote it, by one fake run (see :class:`_RuntimeMeta`)."""
+    fake_mode, fakes = fake_inputs(gm, example_inputs)
+    _run_meta(gm, fake_mode, fakes)
+
+
+def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> None:
+    with fake_mode, torch.set_grad_enabled(torch.is_grad_enabled()):
+        _RuntimeMeta(gm).run(*fakes)
+
+
+class _RuntimeMeta(fx.Interpreter):
+    """Run the traced graph once more on the fake inputs, as AOTAutograd will run it.
+
+    Records ``meta['requires_grad']`` on every tensor-valued node (make_fx's ``meta['val']``
+    is a detached snapshot, so whether autograd reaches a value is otherwise not in the
+    graph; the capture guard compares the outputs' with Dynamo's). The pre-dispatch trace
+    records an autocast region as ``_enter_autocast``/``_exit_autocast`` calls around ops
+    whose fake values were computed without autocast (a bf16 linear shows as float32), so
+    dtype-reasoning passes would be misled (a needed ``.float()`` looks like a no-op); here
+    the enter/exit calls execute, each value inside gets its run-time dtype in
+    ``meta['val']`` and ``meta['autocast'] = (device_type, dtype)``, and passes that reason
+    about dtypes skip those nodes.
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.regions: list[tuple[str, Any]] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op == "call_function" and n.target is _ENTER_AUTOCAST:
+            self.regions.append((n.args[0], n.args[1] if len(n.args) > 1 else None))
+        elif n.op == "call_function" and n.target is _EXIT_AUTOCAST:
+            if self.regions:
+                self.regions.pop()
+        elif self.regions and n.op != "output":
+            n.meta["autocast"] = self.regions[-1]
+            if isinstance(result, torch.Tensor):
+                n.meta["val"] = result.detach()
+        tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if tensors:
+            n.meta["requires_grad"] = any(t.requires_grad for t in tensors)
+        return result
 
 
 def _default_checkpoint_context(gm: fx.GraphModule) -> None:

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from graphopt.capture import Capture, capture, check_gradient_paths, check_outputs
 from graphopt.config import GraphoptConfig
 from graphopt.dump import Dumper, graph_code
 from graphopt.errors import GraphoptError, PassFailedError
 from graphopt.lowering import AOTHooks, get_lowering
-from graphopt.normalize import check_meta, normalize
+from graphopt.normalize import check_meta, refresh_meta
 from graphopt.passes import PassContext, Stage, build_pipeline
 from graphopt.passes.fx_utils import count_delta, op_counts
 from graphopt.report import CompileReport, PassRecord, next_graph_id, register
@@ -103,12 +104,46 @@ def _is_training(example_inputs: Sequence[Any]) -> bool:
 
 def _is_dynamic(gm: fx.GraphModule) -> bool:
     for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
+        val = node.meta.get("val", node.meta.get("example_value"))
         if isinstance(val, torch.SymInt | torch.SymFloat):
             return True
         if isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape):
             return True
     return False
+
+
+def _model_stage(gm: fx.GraphModule, captured: Capture, runner: PassRunner,
+                 config: GraphoptConfig, report: CompileReport, dumper: Dumper
+                 ) -> tuple[fx.GraphModule, list[Snapshot] | None]:
+    """Run the model passes on the captured graph, or fall back to Dynamo's graph (capture
+    refused it, or a pass changed an output's shape/dtype/requires_grad)."""
+    report.dynamic = _is_dynamic(captured.gm)
+    report.graphs["model"] = len(captured.gm.graph.nodes)
+    fallback = captured.fallback
+    if fallback is None:
+        model = captured.gm
+        dumper.graph("01_normalized", model, render=True)
+        snapshots = [("normalize", True, copy_graph_module(model))] \
+            if config.verify.enabled else None
+        passed = runner.run_stage("pre_autograd", model, "model", report.training, snapshots)
+        try:
+            if any(r.modified for r in report.passes):
+                refresh_meta(passed, runner.example_inputs)
+            problem = check_outputs(gm, passed) or check_gradient_paths(gm, passed)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise
+        except Exception as exc:
+            problem = f"a fake run of the rewritten graph failed ({type(exc).__name__}: {exc})"
+        if not problem:
+            return passed, snapshots
+        fallback = (f"model passes ({', '.join(runner.ran)}) changed the graph's outputs: "
+                    f"{problem}; their rewrites are dropped (please report this bug)")
+    report.fallback = fallback
+    report.notes.append(f"model passes skipped: {fallback}. The graph went to AOTAutograd "
+                        "as Dynamo captured it (aot_eager's path); joint passes still run")
+    snapshots = [("dynamo graph", True, copy_graph_module(gm))] \
+        if config.verify.enabled else None
+    return gm, snapshots
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -119,8 +154,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
     dumper = Dumper(config.dump_dir, report.graph_id, report)
     try:
         return _compile_graph(gm, example_inputs, config, report, dumper)
+    except torch._dynamo.exc.RestartAnalysis as exc:
+        # Dynamo's control flow (e.g. TensorifyScalarRestartAnalysis: specialize a float and
+        # trace again); the next report holds the real compile.
+        report.status = f"restarted by Dynamo: {type(exc).__name__}"
+        dumper.write_report()
+        raise
     except Exception as exc:
-        # Dynamo also uses exceptions to restart analysis (e.g. to specialize a float).
         report.status = f"aborted: {type(exc).__name__}"
         dumper.write_report()
         raise
@@ -135,17 +175,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     dumper.graph("00_dynamo", gm)
 
     t0 = time.perf_counter()
-    model = normalize(gm, example_inputs)
+    captured = capture(gm, example_inputs)
     report.add_time("normalize", time.perf_counter() - t0)
-    report.dynamic = _is_dynamic(model)
-    report.graphs["model"] = len(model.graph.nodes)
-    dumper.graph("01_normalized", model, render=True)
-
     runner = PassRunner(config, report, dumper, example_inputs)
-    snapshots: list[Snapshot] | None = None
-    if config.verify.enabled:
-        snapshots = [("normalize", True, copy_graph_module(model))]
-    model = runner.run_stage("pre_autograd", model, "model", report.training, snapshots)
+    model, snapshots = _model_stage(gm, captured, runner, config, report, dumper)
     report.graphs["model_after_passes"] = len(model.graph.nodes)
     if config.remat is not None and config.remat.profile_guided and report.training:
         from graphopt.passes.remat import observe_sizes

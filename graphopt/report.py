@@ -60,7 +60,11 @@ class CompileReport:
 
     graph_id: int
     status: str = "compiling"
-    """"compiling" | "compiled" | "aborted: <exception>" (Dynamo may restart a compile)."""
+    """"compiling" | "compiled" | "restarted by Dynamo: <why>" (Dynamo asked to re-trace,
+    e.g. to specialize a float; a later report holds the compile) | "aborted: <exception>"."""
+    fallback: str | None = None
+    """Why the model passes were skipped (Dynamo's graph went to AOTAutograd as captured);
+    None when they ran. See graphopt.capture."""
     lowering: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     training: bool = False
@@ -98,6 +102,7 @@ class CompileReport:
             f"# graphopt report: graph {self.graph_id}",
             "",
             f"- status: {self.status}",
+            *([f"- FALLBACK (model passes skipped): {self.fallback}"] if self.fallback else []),
             f"- lowering: `{self.lowering}`; training: {self.training}; dynamic: {self.dynamic}",
             "- graphs: " + ", ".join(f"{k} {v} nodes" for k, v in self.graphs.items()),
             "- timing (s): " + ", ".join(f"{k} {v:.3f}" for k, v in self.timing.items()),

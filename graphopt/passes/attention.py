@@ -81,7 +81,13 @@ from graphopt.passes.attention_patterns import (
     num_layers,
 )
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import eliminate_dead_code, fake_call, site_name, tensor_meta
+from graphopt.passes.fx_utils import (
+    autocast_reason,
+    eliminate_dead_code,
+    fake_call,
+    site_name,
+    tensor_meta,
+)
 
 
 def _insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
@@ -150,7 +156,8 @@ class AttentionPass(GraphPass):
         modified = False
         if self.mode != "lightning":
             for node in softmax_sites:
-                if self.mode == "exact" and self._mask_to_is_causal(node):
+                if self.mode == "exact" and not autocast_reason(node) and \
+                        self._mask_to_is_causal(node):
                     ctx.record("rewritten", site_name(node), "softmax attention kept; its "
                                "causal mask (built from constants) -> is_causal=True (exact; "
                                "the S x S mask is no longer built)")
@@ -166,6 +173,9 @@ class AttentionPass(GraphPass):
                 continue  # not loop-shaped at all: nothing to report
             in_loops.update(b.intra for b in loop.blocks)
             site = site_name(cat)
+            if autocast_reason(cat):
+                ctx.record("skipped", site, autocast_reason(cat))
+                continue
             if self.mode == "keep":
                 ctx.record("kept", site, "linear-attention block loop (attention='keep')")
                 continue
@@ -184,7 +194,8 @@ class AttentionPass(GraphPass):
         if modified:
             eliminate_dead_code(graph)
         for node in [n for n in graph.nodes if is_call(n, aten.matmul.default)]:
-            if node in in_loops or node.graph is not graph or not node.users:
+            if node in in_loops or node.graph is not graph or not node.users or \
+                    autocast_reason(node):
                 continue
             try:
                 form = match_parallel_form(node)
@@ -208,7 +219,7 @@ class AttentionPass(GraphPass):
             modified = True
         if self.mode == "lightning":
             for node in softmax_sites:
-                reason = self._convert_softmax(gm, node)
+                reason = autocast_reason(node) or self._convert_softmax(gm, node)
                 done = reason.startswith("APPROXIMATE")
                 ctx.record("rewritten" if done else "skipped", site_name(node), reason)
                 modified = modified or done

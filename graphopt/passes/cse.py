@@ -32,7 +32,14 @@ from torch import fx
 
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import is_mutating, is_random, mutated_nodes, op_name, site_name
+from graphopt.passes.fx_utils import (
+    autocast_reason,
+    is_mutating,
+    is_random,
+    mutated_nodes,
+    op_name,
+    site_name,
+)
 
 
 def _hashable(value: Any) -> Any:
@@ -78,8 +85,8 @@ class CSEPass(GraphPass):
                 if not isinstance(node.target, torch._ops.OpOverload) or is_mutating(node):
                     region += 1  # grad-mode switch, autocast, HOP or in-place write: a barrier
                 continue
-            if node in written:
-                continue
+            if node in written or autocast_reason(node):
+                continue  # autocast: the same call may produce another dtype at run time
             key = (node.target, _hashable(node.args), _hashable(node.kwargs), region)
             first = seen.get(key)
             if first is None:

@@ -20,6 +20,19 @@ def op_name(node: fx.Node) -> str:
     return str(getattr(target, "__qualname__", None) or getattr(target, "__name__", target))
 
 
+def autocast_reason(nodes: Any) -> str:
+    """"" unless one of ``nodes`` (a node or an iterable of nodes) runs inside an autocast
+    region (``meta['autocast']``, set by normalize): there the dtype of each op is chosen at
+    run time by autocast, so passes that reason about dtypes or replace ops leave it alone."""
+    for node in [nodes] if isinstance(nodes, fx.Node) else nodes:
+        region = node.meta.get("autocast")
+        if region is not None:
+            device, dtype = region
+            return (f"inside an autocast region ({device}, {dtype}): op dtypes are chosen by "
+                    "autocast at run time; left as written")
+    return ""
+
+
 def op_counts(gm: fx.GraphModule) -> Counter[str]:
     """How many call_function nodes call each target."""
     return Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")

@@ -51,6 +51,7 @@ from graphopt.passes import register_pass
 from graphopt.passes.attention_patterns import module_path
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
+    autocast_reason,
     eliminate_dead_code,
     fake_call,
     is_mutating,
@@ -268,6 +269,8 @@ class MoEPass(GraphPass):
                     raise Skip("the token count is symbolic (torch.compile dynamic shapes); "
                                "the pass needs static shapes: compile with dynamic=False")
                 region = find_region(topk)
+                if autocast_reason(region.nodes):
+                    raise Skip(autocast_reason(region.nodes))
                 detail = self._describe(region, topk)
                 if self.options is None:
                     ctx.record("kept", site, f"{detail}; set options={{'moe': {{}}}} to rewrite")

@@ -31,7 +31,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import mutated_nodes, op_name, site_name, tensor_meta
+from graphopt.passes.fx_utils import (
+    autocast_reason,
+    mutated_nodes,
+    op_name,
+    site_name,
+    tensor_meta,
+)
 
 aten = torch.ops.aten
 
@@ -117,6 +123,8 @@ class RemoveNoopsPass(GraphPass):
 
 def _unsafe_reason(node: fx.Node, x: fx.Node, aliasing: bool, mutated: set[fx.Node],
                    outputs: set[fx.Node]) -> str:
+    if autocast_reason([node, x]):
+        return "kept: " + autocast_reason([node, x])
     if node in mutated or (not aliasing and x in mutated):
         return "kept: the value is written in place, removing it would change what aliases what"
     if not aliasing and node in outputs:

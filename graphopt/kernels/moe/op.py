@@ -123,7 +123,7 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     rows = hidden.index_select(0, token[:valid])
     counts_all = _gather_counts(counts, pg, ep)
     w1, w2 = _local(gate_up, pg, ep), _local(down, pg, ep)
-    handle = next(_HANDLES)
+    handle = next(_HANDLES) if pg is not None and stash else 0  # 0: nothing stashed
     saved: dict[Any, tuple[Tensor, Tensor]] = {}
 
     def forward(key: Any, x: Tensor, per_expert: Tensor) -> Tensor:

@@ -1,0 +1,241 @@
+"""Capture guard: model passes only ever see a graph that provably computes what Dynamo's did.
+
+Contract: :func:`capture` returns either the normalized pre-autograd ATen graph (see
+:mod:`graphopt.normalize`) or a *fallback*: Dynamo's own graph, untouched, with the reason.
+A fallback graph skips the model passes and goes to AOTAutograd + the lowering exactly as
+``torch.compile(backend="aot_eager")`` would take it (joint passes may still run), so
+graphopt is never less correct than AOTAutograd. The pipeline records the reason in the
+report (``CompileReport.fallback``).
+
+Fallback when, checked in this order:
+1. an input is a tensor subclass (DTensor, ...): AOTAutograd desugars subclasses, the
+   pre-dispatch re-trace does not;
+2. the graph calls a higher-order op outside :data:`KNOWN_HOPS` (``autograd_function_apply``
+   of a custom ``torch.autograd.Function``, ``invoke_subgraph``, ``flex_attention``,
+   ``associative_scan``, ...) or functorch transforms (``torch.vmap``, ``torch.func.grad``):
+   re-tracing inlines or mis-traces them (a custom backward would be lost);
+3. normalize raises (Dynamo's own restart requests are re-raised, not swallowed);
+4. an invariant fails (:func:`check_outputs`, :func:`check_gradient_paths`,
+   :func:`new_constants`): the outputs' count, shapes, dtypes or requires_grad differ from
+   Dynamo's example values, the set of inputs that reach an output through autograd-tracked
+   values (those that get gradients) differs, or the trace baked a tensor into the graph as
+   a new constant.
+
+The same output check runs again after the model passes (:func:`check_outputs`), so a pass
+that changed an output's dtype or detached it is caught before AOTAutograd.
+
+Pseudo-code::
+
+    reason = subclass_inputs(inputs) or unknown_hops(gm)
+    if not reason:
+        try: model = normalize(gm, inputs)
+        except RestartAnalysis: raise
+        except Exception as e: reason = f"normalize failed: {e}"
+    reason = reason or check_outputs(gm, model) or new_constants(gm, model)
+    return Capture(model, None) if not reason else Capture(gm, reason)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from graphopt.normalize import normalize
+
+KNOWN_HOPS = frozenset({
+    "tag_activation_checkpoint",  # torch.utils.checkpoint: body re-traced, tags kept
+    "wrap",  # a plain function-call boundary: inlining it is exact
+    "wrap_with_set_grad_enabled",  # re-traced under the same grad mode
+})
+"""Higher-order ops normalize re-traces faithfully (tests in tests/test_capture.py)."""
+
+_FUNCTORCH_MARKERS = ("_vmap_increment_nesting", "_grad_increment_nesting",
+                      "_jvp_increment_nesting", "_add_batch_dim")
+
+
+@dataclass(frozen=True)
+class Capture:
+    """The graph model passes see, or Dynamo's graph with ``fallback`` saying why not."""
+
+    gm: fx.GraphModule
+    fallback: str | None = None
+
+
+def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Capture:
+    """Normalize ``gm`` if that is provably faithful, else fall back (see module docstring).
+
+    Raises:
+        torch._dynamo.exc.RestartAnalysis: Dynamo asked to restart (e.g. to specialize a
+            float); it is Dynamo's control flow, not a capture failure.
+    """
+    reason = subclass_inputs(example_inputs) or unknown_hops(gm)
+    if reason:
+        return Capture(gm, reason)
+    try:
+        model = normalize(gm, example_inputs)
+    except torch._dynamo.exc.RestartAnalysis:
+        raise
+    except Exception as exc:  # anything normalize cannot do: AOTAutograd still can
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Capture(gm, f"normalize failed ({type(exc).__name__}: {first[:200]})")
+    problem = check_outputs(gm, model) or check_gradient_paths(gm, model) or \
+        new_constants(gm, model)
+    if problem:
+        return Capture(gm, f"normalized graph differs from Dynamo's: {problem}")
+    return Capture(model)
+
+
+def subclass_inputs(example_inputs: Sequence[Any]) -> str:
+    """The reason to fall back for tensor-subclass inputs (DTensor, ...), or ""."""
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x):
+            return (f"input {i} is a {type(x).__name__} (tensor subclass); AOTAutograd "
+                    "desugars it, graphopt's model passes do not")
+    return ""
+
+
+def unknown_hops(gm: fx.GraphModule) -> str:
+    """The reason to fall back for higher-order ops / functorch transforms normalize does
+    not re-trace faithfully, or ""."""
+    calls = [node for module in gm.modules() if isinstance(module, fx.GraphModule)
+             for node in module.graph.nodes if node.op == "call_function"]
+    for node in calls:  # a higher-order op names the construct better than its insides
+        target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator) and \
+                target.name() not in KNOWN_HOPS:
+            what = " (a custom torch.autograd.Function)" \
+                if target.name() == "autograd_function_apply" else ""
+            return (f"higher-order op {target.name()!r}{what} is not in normalize's "
+                    "allow-list; re-tracing it could change its numerics or lose its backward")
+    for node in calls:
+        name = getattr(node.target, "__name__", "")
+        if name in _FUNCTORCH_MARKERS:
+            return f"functorch transform ({name}: torch.vmap/torch.func) in the graph"
+    return ""
+
+
+def _values(node: fx.Node, key: str) -> list[Any]:
+    args = node.args[0]
+    items = args if isinstance(args, (tuple, list)) else [args]
+    return [a.meta.get(key) if isinstance(a, fx.Node) else a for a in items]
+
+
+def _node_requires_grad(node: fx.Node) -> bool | None:
+    """Whether autograd reaches ``node``'s value: ``meta['requires_grad']`` in normalized
+    graphs (see graphopt.normalize), Dynamo's ``example_value`` otherwise; None if unknown."""
+    if "requires_grad" in node.meta:
+        return bool(node.meta["requires_grad"])
+    tensors = [t for t in pytree.tree_leaves(node.meta.get("example_value"))
+               if isinstance(t, torch.Tensor)]
+    return any(t.requires_grad for t in tensors) if tensors else None
+
+
+def _requires_grad(node: fx.Node) -> list[bool | None]:
+    args = node.args[0]
+    return [_node_requires_grad(a) if isinstance(a, fx.Node) else None
+            for a in (args if isinstance(args, (tuple, list)) else [args])]
+
+
+def grad_inputs(gm: fx.GraphModule) -> int | None:
+    """Bit i set when placeholder i reaches an output through values autograd tracks, i.e.
+    when it gets a gradient; None when the graph carries no requires_grad information."""
+    carried: dict[fx.Node, int] = {}
+    known = False
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        flag = _node_requires_grad(node)
+        known = known or flag is not None
+        carried[node] = (1 << i) if flag else 0
+    if not known:
+        return None
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and \
+                _node_requires_grad(node):
+            bits = 0
+            for arg in node.all_input_nodes:
+                bits |= carried.get(arg, 0)
+            carried[node] = bits
+    reached = 0
+    for arg in gm.graph.output_node().all_input_nodes:
+        reached |= carried.get(arg, 0)
+    return reached
+
+
+def check_outputs(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
+    """"" when ``candidate``'s outputs match ``reference``'s in count, shape, dtype and
+    requires_grad, else what differs. ``reference`` is Dynamo's graph (``example_value``
+    meta) or an earlier normalized graph (``val`` meta)."""
+    ref_key = "example_value" if _has_key(reference, "example_value") else "val"
+    expected = _values(reference.graph.output_node(), ref_key)
+    actual = _values(candidate.graph.output_node(), "val")
+    if len(expected) != len(actual):
+        return f"{len(actual)} outputs instead of {len(expected)}"
+    grads = zip(_requires_grad(reference.graph.output_node()),
+                _requires_grad(candidate.graph.output_node()))
+    for i, ((e, a), (e_grad, a_grad)) in enumerate(zip(zip(expected, actual), grads)):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if not isinstance(a, torch.Tensor):
+            return f"output {i} is {type(a).__name__}, expected a tensor"
+        if e.dtype != a.dtype:
+            return f"output {i} has dtype {a.dtype}, expected {e.dtype}"
+        if len(e.shape) != len(a.shape) or any(
+                not _same_size(x, y) for x, y in zip(e.shape, a.shape)):
+            return f"output {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}"
+        if e_grad is not None and a_grad is not None and e_grad != a_grad:
+            return (f"output {i} has requires_grad={a_grad}, expected {e_grad} (a gradient "
+                    "path was lost or added)")
+    return ""
+
+
+def check_gradient_paths(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
+    """"" when the same inputs reach the outputs through autograd-tracked values in both
+    graphs (so the same inputs get gradients), else which input lost or gained its path."""
+    want, have = grad_inputs(reference), grad_inputs(candidate)
+    if want is None or have is None or want == have:
+        return ""
+    names = [n.name for n in candidate.graph.find_nodes(op="placeholder")]
+    lost = [names[i] for i in range(len(names)) if want >> i & 1 and not have >> i & 1]
+    gained = [names[i] for i in range(len(names)) if have >> i & 1 and not want >> i & 1]
+    return (f"gradient paths differ: lost for {lost[:3]}, gained for {gained[:3]} (a custom "
+            "backward or a grad-mode switch was traced through)")
+
+
+def _has_key(gm: fx.GraphModule, key: str) -> bool:
+    return any(key in n.meta for n in gm.graph.output_node().all_input_nodes)
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return str(a) == str(b) or (  # symbolic: compare hints when the expressions differ
+        getattr(getattr(a, "node", None), "hint", a) == getattr(getattr(b, "node", None),
+                                                                  "hint", b))
+
+
+def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
+    """"" unless ``candidate`` holds tensor constants that ``reference`` does not (a value
+    the trace turned into a constant, such as a vmapped tensor)."""
+    known = {id(t) for t in _tensor_attrs(reference)}
+    for name, value in candidate.named_buffers():
+        if id(value) not in known and value.numel() > 1:
+            return f"new tensor constant {name!r} of shape {tuple(value.shape)}"
+    for node in candidate.graph.find_nodes(op="get_attr"):
+        value = getattr(candidate, str(node.target), None)
+        if isinstance(value, torch.Tensor) and id(value) not in known and value.numel() > 1:
+            return f"new tensor constant {node.target!r} of shape {tuple(value.shape)}"
+    return ""
+
+
+def _tensor_attrs(gm: fx.GraphModule) -> list[torch.Tensor]:
+    out = list(gm.buffers()) + list(gm.parameters())
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, str(node.target), None)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out

@@ -1,0 +1,192 @@
+"""Capture guard (graphopt.capture): constructs that re-tracing would get wrong either keep
+their numerics through normalize or fall back to Dynamo's graph (AOTAutograd's path); each
+is compiled with graphopt and compared with eager, outputs and every gradient, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphopt
+import graphopt.capture
+from graphopt.testing import assert_matches_eager, run_distributed
+
+EAGER = {"lowering": "eager"}
+
+
+class RoundSTE(torch.autograd.Function):
+    """Straight-through estimator: round forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class STEModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.down(RoundSTE.apply(self.up(x) * 3).sin())
+
+
+def _compile_and_compare(model, inputs, options=EAGER, rtol=1e-9, atol=1e-9):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphopt", options=dict(options))
+    assert_matches_eager(model, compiled, inputs, params=list(model.parameters()),
+                         rtol=rtol, atol=atol)
+    reports = [r for r in graphopt.reports() if r.status == "compiled"]
+    assert reports, "nothing was compiled by graphopt"
+    return reports
+
+
+def _x(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+def test_custom_autograd_function_keeps_its_backward():
+    torch.manual_seed(0)
+    (report,) = _compile_and_compare(STEModel().double(), [_x(4, 8)])
+    assert report.fallback and "autograd_function_apply" in report.fallback
+    assert report.training and "backward" in report.graphs
+    assert not report.passes  # model passes skipped, reported
+
+
+def test_output_invariant_catches_a_lost_backward(monkeypatch):
+    """Defence in depth: were autograd_function_apply on the allow-list, normalize would
+    inline the forward under no_grad; the requires_grad invariant must refuse that graph."""
+    monkeypatch.setattr(graphopt.capture, "KNOWN_HOPS",
+                        graphopt.capture.KNOWN_HOPS | {"autograd_function_apply"})
+    torch.manual_seed(0)
+    (report,) = _compile_and_compare(STEModel().double(), [_x(4, 8)])
+    assert "gradient paths differ: lost for" in report.fallback
+
+
+class AutocastInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.lin(x)
+            z = y.to(torch.bfloat16) + 1  # a no-op cast inside the region
+        return y.float() * 2, z
+
+
+def test_autocast_region_inside_the_graph_keeps_dtypes():
+    torch.manual_seed(0)
+    model = AutocastInside()
+    x = torch.randn(4, 8, requires_grad=True)
+    (report,) = _compile_and_compare(model, [x], rtol=0, atol=0)
+    assert report.fallback is None
+    noops = report.pass_records("remove_noops")[0]
+    assert noops.count("rewritten") == 0
+    assert any("autocast" in s.reason for s in noops.sites)
+    assert torch.compile(model, backend="graphopt", options=EAGER)(x)[0].dtype == torch.float32
+
+
+def test_ambient_autocast_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (report,) = _compile_and_compare(model, [x], rtol=0, atol=0)
+    assert report.fallback is None and report.passes
+
+
+class VmapModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.vmap(lambda row: torch.tanh(self.w @ row))(x)
+
+
+class NestedRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        @torch.compiler.nested_compile_region
+        def block(y):
+            return torch.relu(self.lin(y))
+
+        return block(block(x))
+
+
+class ScanModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        return associative_scan(lambda a, b: a * torch.sigmoid(b) + b, self.lin(x), dim=0,
+                                combine_mode="generic")
+
+
+@pytest.mark.parametrize("model_cls,hop", [(VmapModel, "vmap"),
+                                           (NestedRegion, "invoke_subgraph"),
+                                           (ScanModel, "associative_scan|vmap")])
+def test_unknown_constructs_fall_back_and_stay_exact(model_cls, hop):
+    torch.manual_seed(0)
+    reports = _compile_and_compare(model_cls().double(), [_x(6, 8)])
+    assert any(r.fallback and any(h in r.fallback for h in hop.split("|")) for r in reports), \
+        [r.fallback for r in reports]
+
+
+def test_flex_attention_inference():
+    """flex_attention has no CPU backward (eager raises too): compared without grad."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def attend(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(
+            qi >= ki, s, -float("inf")))
+
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(attend, backend="graphopt", options=EAGER)(q, k, v)
+        torch.testing.assert_close(out, attend(q, k, v), rtol=1e-9, atol=1e-9)
+    assert "flex_attention" in graphopt.last_report().fallback
+
+
+def _dtensor_tp_world1(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).double()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).double()
+    model.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled = torch.compile(model, backend="graphopt", options=EAGER)
+    out = compiled(x)
+    out.sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(out, ref(x), rtol=1e-9, atol=1e-9)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-9, atol=1e-9,
+                                   msg=name)
+    return [r.fallback for r in graphopt.reports() if r.status == "compiled"]
+
+
+def test_dtensor_parameters_compile_world_size_one():
+    (fallbacks,) = run_distributed(_dtensor_tp_world1, 1)
+    assert fallbacks and all(f and "DTensor" in f for f in fallbacks), fallbacks
