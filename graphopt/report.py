@@ -108,7 +108,9 @@ class CompileReport:
             "- timing (s): " + ", ".join(f"{k} {v:.3f}" for k, v in self.timing.items()),
         ]
         if self.verify:
-            lines.append(f"- verify: {self.verify.get('status')} {self.verify.get('detail', '')}")
+            lines.append(f"- verify: {self.verify.get('status')} {self.verify.get('detail', '')}"
+                         + (f"; tolerance {self.verify['tolerance']}"
+                            if "tolerance" in self.verify else ""))
         lines += ["", "| pass | stage | graph | exact | time (ms) | nodes | matched | rewritten "
                   "| skipped |", "|---|---|---|---|---|---|---|---|---|"]
         for p in self.passes:

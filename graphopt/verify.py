@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import warnings
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -46,7 +48,14 @@ def clone_inputs(inputs: Sequence[Any]) -> list[Any]:
         if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
             out.append(x.node.hint)
         elif isinstance(x, torch.Tensor):
-            y = x.detach().clone()
+            # Same sizes and strides (a sliced input stays non-contiguous): compiled graphs
+            # assert the strides they were compiled for.
+            y = torch.zeros_like(x, memory_format=torch.preserve_format)
+            if y.stride() != x.stride():
+                y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                y.untyped_storage().fill_(0)  # the gaps between rows are never uninitialized
+            with torch.no_grad():
+                y.copy_(x)
             out.append(y.requires_grad_(x.requires_grad))
         else:
             out.append(x)
@@ -127,6 +136,51 @@ def _compare_one(e: Any, a: Any, config: GraphoptConfig,
     return None
 
 
+def nonfinite(outcome: Outcome) -> list[str]:
+    """Where ``outcome`` holds NaN or Inf, e.g. ["output 0: 3 NaN", "gradient 2: 1 Inf"]."""
+    found = []
+    for kind, values in (("output", outcome[0]), ("gradient", outcome[1])):
+        for i, t in enumerate(values):
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+                if nan or inf:
+                    found.append(f"{kind} {i}: " + ", ".join(
+                        f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n))
+    return found
+
+
+def max_error(expected: Outcome, actual: Outcome) -> float:
+    """Largest |actual - expected| over finite entries of all outputs and gradients."""
+    worst = 0.0
+    for e_list, a_list in ((expected[0], actual[0]), (expected[1], actual[1])):
+        for e, a in zip(e_list, a_list):
+            if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and \
+                    e.is_floating_point() and e.shape == a.shape and e.numel():
+                diff = (a.double() - e.double()).abs()
+                diff = diff[torch.isfinite(diff)]
+                if diff.numel():
+                    worst = max(worst, float(diff.max()))
+    return worst
+
+
+def _measured(report: CompileReport, reference: Outcome, actual: Outcome,
+              config: GraphoptConfig, dtype: torch.dtype | None) -> None:
+    """Record the measured error and the tolerance on every verify; NaN/Inf loudly."""
+    tol_dtype = dtype or torch.float32
+    rtol, atol = default_tolerance(tol_dtype)
+    report.verify["max_abs_error"] = max_error(reference, actual)
+    report.verify["tolerance"] = {
+        "rtol": config.verify.rtol if config.verify.rtol is not None else rtol,
+        "atol": config.verify.atol if config.verify.atol is not None else atol,
+        "dtype": str(tol_dtype).replace("torch.", "")}
+    bad = {"compiled": nonfinite(actual), "eager": nonfinite(reference)}
+    if bad["compiled"] or bad["eager"]:
+        report.verify["nonfinite"] = bad
+        warnings.warn(f"graphopt verify (graph {report.graph_id}): non-finite values: compiled "
+                      f"{bad['compiled'] or 'none'}, eager {bad['eager'] or 'none'}",
+                      stacklevel=2)
+
+
 def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
                    inputs: Sequence[Any], snapshots: list[tuple[str, bool, torch.fx.GraphModule]],
                    config: GraphoptConfig, report: CompileReport,
@@ -146,10 +200,16 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
 
     reference = run_with_grads(original, inputs, grads)
     actual = run_with_grads(compiled, inputs, grads)
+    _measured(report, reference, actual, config, dtype)
     problem = compare(reference, actual, config)
     if problem is None:
         detail = "outputs and gradients" if grads else "outputs"
-        report.verify = {"status": "passed", "detail": f"{detail} match eager"}
+        if report.verify.get("nonfinite"):
+            report.verify.update(status="nonfinite", detail=f"{detail} match eager, but hold "
+                                 f"NaN/Inf: {report.verify['nonfinite']}")
+        else:
+            report.verify.update(status="passed", detail=f"{detail} match eager (max abs "
+                                 f"error {report.verify['max_abs_error']:.3g})")
         return
     for name, exact, snapshot in snapshots:
         got = run_with_grads(snapshot, inputs, grads)

@@ -22,7 +22,10 @@ def _run(options, train=True):
 def test_verify_passes_for_exact_pipeline():
     _run({})
     report = graphopt.last_report()
-    assert report.verify == {"status": "passed", "detail": "outputs and gradients match eager"}
+    assert report.verify["status"] == "passed"
+    assert report.verify["detail"].startswith("outputs and gradients match eager (max abs error")
+    assert 0 <= report.verify["max_abs_error"] < 1e-9
+    assert report.verify["tolerance"] == {"rtol": 1e-7, "atol": 1e-9, "dtype": "float64"}
     assert "verify" in report.timing
 
 
@@ -83,5 +86,30 @@ def test_nan_and_inf_outputs_are_compared_position_by_position():
                             config) is not None
     compiled = torch.compile(lambda x: x.log(), backend="graphopt",
                              options={"lowering": "eager", "verify": True})
-    compiled(torch.randn(8))  # NaN for negative inputs on both sides: passes, no crash
-    assert graphopt.last_report().verify["status"] == "passed"
+    with pytest.warns(UserWarning, match="non-finite"):  # NaN on both sides: no crash,
+        compiled(torch.randn(8))                          # but not a silent "passed"
+    assert graphopt.last_report().verify["status"] == "nonfinite"
+
+
+def test_nan_outputs_and_gradients_are_reported_loudly():
+    """Eager and compiled agree (both NaN), but verify must not call that a plain pass."""
+    model = torch.nn.Linear(8, 8).double()
+    compiled = torch.compile(lambda x: torch.sqrt(model(x)), backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="non-finite values"):
+        compiled(x).sum().backward()
+    verify = graphopt.last_report().verify
+    assert verify["status"] == "nonfinite"
+    assert any("NaN" in s for s in verify["nonfinite"]["compiled"])
+    assert any(s.startswith("gradient") for s in verify["nonfinite"]["compiled"])
+
+
+def test_verify_keeps_the_strides_of_a_sliced_input():
+    """A non-contiguous input is cloned with its strides: Inductor's compiled graph asserts
+    them (a contiguous clone crashed with 'expected ... stride')."""
+    model = torch.nn.Linear(8, 8)
+    compiled = torch.compile(model, backend="graphopt", options={"verify": True})
+    x = torch.randn(4, 16)[:, :8]
+    torch.testing.assert_close(compiled(x), model(x))
+    assert graphopt.last_report().verify["status"] == "passed", graphopt.last_report().verify
