@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from graphopt.cost.profiles import ClusterProfile, load_profile
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import site_name
@@ -113,3 +114,17 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         return self.down(torch.sin(self.up(x))) * 1.0 + x
+
+
+def calibrated_like_cpu() -> ClusterProfile:
+    """A profile shaped like `graphopt calibrate`'s output on a CPU without fast bf16: a
+    float32 GEMM curve, a bf16 peak 25x below the fp32 peak (the setting in which `graphopt
+    estimate` once printed MFU 2543%)."""
+    return load_profile({
+        "name": "local", "levels": [{"name": "node", "size": 2,
+                                      "link": {"bandwidth": 5e9, "latency": 5e-5}}],
+        "device": {"name": "local CPU", "kind": "cpu", "memory_bytes": 16e9,
+                   "memory_bandwidth": 20e9, "matmul_efficiency": 1.0,
+                   "memory_efficiency": 1.0, "kernel_overhead_s": 5e-6,
+                   "peak_flops": {"float32": 100e9, "bfloat16": 4e9, "float16": 4e9},
+                   "matmul_curve": [[32, 5e9], [256, 60e9], [2048, 100e9]]}})

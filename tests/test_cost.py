@@ -22,6 +22,7 @@ from graphopt.cost import (
 from graphopt.cost.collectives import flat_time
 from graphopt.cost.profiles import DeviceProfile, LinkProfile, cluster_to_dict
 from graphopt.errors import ConfigError
+from tests.helpers import calibrated_like_cpu
 
 
 def test_every_builtin_profile_is_valid_and_cites_a_source():
@@ -295,3 +296,35 @@ def test_malformed_profile_files_are_config_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         load_profile(bad)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3"])
+def test_mfu_never_exceeds_one_for_any_dtype_or_profile(name):
+    """Time and MFU use the same per-dtype rates: MFU <= 1 without any clamp, also on a
+    calibrated CPU profile whose bf16 rate is below its fp32 rate."""
+    from graphopt.models import build_model, sample_batch
+
+    profiles = [CLUSTERS["h100-sxm"], CLUSTERS["ascend-910b"], calibrated_like_cpu()]
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.device("meta"):
+            model = build_model(name, dtype)
+        ids = sample_batch(model, batch=2, seq=64).to("meta")
+        inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+        for fused in (False, True):
+            gm = trace_step(model, inputs, tracing="fake", fused_attention=fused)
+            for prof in profiles:
+                est = estimate(model, inputs, prof, gm=gm)
+                assert 0 < est.mfu <= 1, (name, dtype, prof.name, fused, est.mfu)
+
+
+def test_calibrated_curve_is_scaled_to_the_dtype_peak():
+    """The float32 GEMM curve prices a bf16 GEMM at the bf16 peak's share of it."""
+    dev = calibrated_like_cpu().device
+    gm32 = _traced(lambda a, b: a @ b, torch.randn(256, 256), torch.randn(256, 256))
+    gm16 = _traced(lambda a, b: a @ b, torch.randn(256, 256, dtype=torch.bfloat16),
+                   torch.randn(256, 256, dtype=torch.bfloat16))
+    (mm32,) = [n for n in graph_cost(gm32, dev).nodes if n.flops]
+    (mm16,) = [n for n in graph_cost(gm16, dev).nodes if n.flops]
+    assert mm32.time_s == pytest.approx(2 * 256**3 / 60e9 + 5e-6)
+    assert mm16.time_s == pytest.approx(2 * 256**3 / (60e9 * 4 / 100) + 5e-6)
+    assert mm16.peak_s == pytest.approx(2 * 256**3 / 4e9) and mm16.peak_s <= mm16.time_s

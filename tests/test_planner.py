@@ -154,3 +154,23 @@ def test_cli_plan_checks_the_json_path_and_config_values_first(tmp_path):
     bad_config = CliRunner().invoke(app, [*args, "--model", str(config)])
     assert bad_config.exit_code == 2 and "transformers rejects this LlamaConfig" in \
         bad_config.output, bad_config.output
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_plan_mfu_never_exceeds_one(dtype):
+    """The planner's MFU uses the per-dtype rates its layer times are bounded by: <= 1 on
+    GPU profiles and on a calibrated CPU profile whose bf16 rate is below its fp32 rate
+    (the setting in which `graphopt plan` once printed MFU 2078%)."""
+    import torch
+
+    from tests.helpers import calibrated_like_cpu
+
+    for cluster in (H100, CLUSTERS["ascend-910b"], calibrated_like_cpu()):
+        model = plan_model("llama", 128, cluster, getattr(torch, dtype))
+        result = search(model, cluster, 2, 4, top_k=50)
+        plans = result.top + [p for _, p, _ in result.hand]
+        assert plans
+        for plan in plans:
+            assert plan.prediction is not None
+            assert 0 < plan.prediction.mfu <= 1, (cluster.name, plan.describe(),
+                                                  plan.prediction.mfu)

@@ -36,9 +36,12 @@ from graphopt.errors import ConfigError
 class Estimate:
     """Predicted cost of one step on one device of ``profile``.
 
-    time_s: seconds; flops: FLOPs of the traced step; mfu: flops / (time_s * peak FLOP/s of
-    the step's dtype); param_bytes: parameters and buffers; activation_bytes: liveness peak of
-    the step's own tensors (gradients included); peak_bytes: their sum.
+    time_s: seconds; flops: FLOPs of the traced step; mfu: the time those FLOPs take at the
+    peak FLOP/s of the dtype each op computes in, over time_s (the same per-dtype rates the
+    time uses, so it is at most 1; for a one-dtype step, flops / (time_s * peak(dtype)));
+    dtype: the parameters' dtype (for display); param_bytes: parameters and buffers;
+    activation_bytes: liveness peak of the step's own tensors (gradients included);
+    peak_bytes: their sum.
     """
 
     cost: GraphCost
@@ -57,8 +60,7 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        peak = self.profile.device.flops_for(self.dtype)
-        return self.flops / (self.time_s * peak) if self.time_s > 0 else 0.0
+        return self.cost.mfu
 
     @property
     def peak_bytes(self) -> int:

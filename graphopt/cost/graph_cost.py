@@ -10,10 +10,16 @@ formulas here (:func:`lightning_flops`).
 Bytes: the sizes of a node's tensor inputs and outputs (views and metadata-only ops move 0).
 
 Time (roofline, Williams et al. 2009, "Roofline: an insightful visual performance model"):
-``max(flops / (peak(dtype) * eff_mm), bytes / (bandwidth * eff_mem)) + overhead`` per
-launched kernel, where ``eff_mm`` is the device's matmul efficiency (or, for a calibrated
-profile, the measured GFLOP/s of a GEMM of that size; times ``attention_efficiency`` for fused
-attention kernels) and ``eff_mem`` its streaming efficiency.
+``max(flops / rate, bytes / (bandwidth * eff_mem)) + overhead`` per launched kernel, where
+``rate`` is ``peak(dtype) * eff_mm`` (the device's matmul efficiency) or, for a calibrated
+profile, the measured float32 GEMM curve at that size scaled by ``peak(dtype) / peak(float32)``
+and never above ``peak(dtype)`` (times ``attention_efficiency`` for fused attention kernels),
+and ``eff_mem`` the streaming efficiency.
+
+Utilization: each node also records ``peak_s = flops / peak(dtype)``, its FLOPs at the peak
+of the dtype it computes in. Since ``rate <= peak(dtype)``, ``time_s >= peak_s`` node by node,
+so :attr:`GraphCost.mfu` (``sum(peak_s) / sum(time_s)``) is at most 1 by construction; for a
+graph in one dtype it is the usual ``flops / (time * peak(dtype))``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +133,8 @@ class NodeCost:
     bytes: Any = 0
     time_s: Any = 0.0
     bound: str = "free"  # "compute" | "memory" | "overhead" | "free"
+    peak_s: Any = 0.0
+    """Seconds of ``flops`` at the peak FLOP/s of the node's dtype (<= ``time_s``)."""
 
 
 @dataclass
@@ -145,6 +154,17 @@ class GraphCost:
     @property
     def time_s(self) -> Any:
         return sum(n.time_s for n in self.nodes)
+
+    @property
+    def peak_s(self) -> Any:
+        """Seconds the graph's FLOPs take at the peak FLOP/s of each node's dtype."""
+        return sum(n.peak_s for n in self.nodes)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization, ``peak_s / time_s`` (numeric totals; in [0, 1])."""
+        time = float(self.time_s)
+        return float(self.peak_s) / time if time > 0 else 0.0
 
     def by_op(self) -> dict[str, tuple[Any, Any, Any]]:
         """op -> (time_s, flops, bytes), largest time first (numeric totals only)."""
@@ -215,21 +235,24 @@ def node_bytes(node: fx.Node) -> Any:
 
 
 def matmul_rate(device: DeviceProfile, dtype: str, flops: Any, node: fx.Node) -> Any:
-    """Achievable FLOP/s for this matmul-like node: a calibrated GEMM curve when the profile
-    has one (keyed by the cube root of m*n*k per batch), else peak * matmul_efficiency."""
-    curve = getattr(device, "matmul_curve", None)
-    peak = device.flops_for(dtype) * device.matmul_efficiency
+    """Achievable FLOP/s for this matmul-like node in ``dtype``: peak * matmul_efficiency, or,
+    when the profile has a calibrated GEMM curve (measured in float32, keyed by the cube root
+    of m*n*k per batch), the curve scaled by ``peak(dtype) / peak(float32)``. Never above
+    ``device.flops_for(dtype)``: utilization is measured against that peak."""
+    peak = device.flops_for(dtype)
+    curve = device.matmul_curve
     if not curve or not isinstance(flops, (int, float)):
-        return peak
+        return peak * device.matmul_efficiency
     batch = 1
     out = node.meta.get("val")
     if isinstance(out, torch.Tensor) and out.dim() >= 3:
         batch = math.prod(int(s) for s in out.shape[:-2])
     size = (max(float(flops), 1.0) / 2 / max(batch, 1)) ** (1 / 3)
-    return interpolate(curve, size)
+    fp32_rate = interpolate(curve, size)
+    return min(peak, fp32_rate * peak / device.flops_for("float32"))
 
 
-def interpolate(curve: list[list[float]] | list[tuple[float, float]], x: float) -> float:
+def interpolate(curve: Sequence[Sequence[float]], x: float) -> float:
     """Piecewise-linear in log(x) over sorted (x, y) points; clamped at the ends."""
     pts = sorted((float(a), float(b)) for a, b in curve)
     if x <= pts[0][0]:
@@ -283,13 +306,14 @@ def graph_cost(gm: fx.GraphModule, device: DeviceProfile) -> GraphCost:
         if node.target in _ATTENTION:
             rate *= device.attention_efficiency
         compute = _div(flops, rate) if _is_nonzero(flops) else 0
+        at_peak = _div(flops, device.flops_for(dtype)) if _is_nonzero(flops) else 0
         memory = _div(nbytes, bandwidth)
         time = _maximum(compute, memory)
         bound = "compute" if _ge(compute, memory) and _is_nonzero(flops) else "memory"
         if isinstance(time, (int, float)) and time < device.kernel_overhead_s:
             bound = "overhead"
         result.nodes.append(NodeCost(node.name, op, _expr(flops), _expr(nbytes),
-                                     time + device.kernel_overhead_s, bound))
+                                     time + device.kernel_overhead_s, bound, at_peak))
     return result
 
 

@@ -57,8 +57,9 @@ class DeviceProfile:
     """"gpu" | "npu" | "cpu": which kernels a fake trace models (fused flash attention on
     accelerators; PyTorch's CPU kernels for "cpu")."""
     matmul_curve: tuple[tuple[float, float], ...] = ()
-    """Calibrated profiles only: (GEMM size n, achieved FLOP/s) points, n the cube root of
-    m*n*k of one GEMM; :func:`graphopt.cost.graph_cost.matmul_rate` interpolates them."""
+    """Calibrated profiles only: (GEMM size n, achieved float32 FLOP/s) points, n the cube
+    root of m*n*k of one GEMM; :func:`graphopt.cost.graph_cost.matmul_rate` interpolates them
+    and scales them to other dtypes by their ``peak_flops`` ratio to float32."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "matmul_curve",

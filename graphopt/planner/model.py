@@ -78,6 +78,9 @@ class LayerCost:
     """Parameters other than routed experts."""
     expert_params: float = 0.0
     """Parameters of all routed experts of the layer."""
+    peak_s: float = 0.0
+    """Seconds of ``flops`` at the peak FLOP/s of each op's dtype (MFU's denominator; at
+    most the layer's time, see :mod:`graphopt.cost.graph_cost`)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,12 @@ class PlanModel:
         numerator."""
         moe = self.moe.flops * self.moe_layers if self.moe else 0.0
         return self.dense.flops * self.dense_layers + moe + self.head.flops
+
+    def peak_s_per_sequence(self) -> float:
+        """Seconds :meth:`flops_per_sequence` takes on one device at the peak FLOP/s of each
+        op's dtype: MFU = this * sequences / (step time * devices)."""
+        moe = self.moe.peak_s * self.moe_layers if self.moe else 0.0
+        return self.dense.peak_s * self.dense_layers + moe + self.head.peak_s
 
 
 _CACHE: dict[tuple[Any, ...], PlanModel] = {}
@@ -259,4 +268,4 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     total = sum(p.numel() for p in model.parameters())
     return LayerCost(gemm, split, repl, float(cost.flops), float(saved_for_backward(gm)),
-                     float(total - experts), float(experts))
+                     float(total - experts), float(experts), float(cost.peak_s))

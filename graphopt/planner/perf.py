@@ -27,7 +27,9 @@ Per device, m = B / (dp * mb) microbatches of mb sequences, a stage of L/pp laye
              first stage (x (1 + (pp-1)/(pp v)) interleaved), /tp with SP (without SP the
              [b, s, h] share, 10/34 after Korthikanti et al. 2022, stays whole); a recomputed
              layer keeps only its input
-    MFU      model FLOPs (traced, no recomputation) * B / (time * devices * peak)
+    MFU      model FLOPs (traced, no recomputation) priced at the peak FLOP/s of each op's
+             dtype (the rates the layer times are bounded by) * B / (time * devices); for a
+             one-dtype model, model FLOPs * B / (time * devices * peak(dtype)); at most 1
 """
 
 from __future__ import annotations
@@ -147,13 +149,12 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
     in_flight = min(m, pp) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
     activations = stage_act * in_flight + model.head.activation_bytes * mb / cp / tp
     memory = states.total + activations
-    flops = model.flops_per_sequence() * global_batch
-    peak = dev.flops_for("bfloat16" if nb == 2 else "float32")
+    at_peak = model.peak_s_per_sequence() * global_batch
     return Prediction(
         step_s=total, compute_s=compute * m, bubble_s=bubble,
         comm_s={"tp": tp_comm * m, "cp": cp_comm * m, "ep": ep_comm * m, "pp": p2p * m,
                 "dp": exposed_dp},
         memory_bytes=memory,
         memory_parts={"params+grads+optimizer": states.total, "activations": activations},
-        mfu=flops / (total * plan.devices * peak) if total > 0 else 0.0,
+        mfu=at_peak / (total * plan.devices) if total > 0 else 0.0,
         tokens_per_s=global_batch * seq / total if total > 0 else math.inf)
