@@ -226,9 +226,9 @@ def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
         if id(value) not in known and value.numel() > 1:
             return f"new tensor constant {name!r} of shape {tuple(value.shape)}"
     for node in candidate.graph.find_nodes(op="get_attr"):
-        value = getattr(candidate, str(node.target), None)
-        if isinstance(value, torch.Tensor) and id(value) not in known and value.numel() > 1:
-            return f"new tensor constant {node.target!r} of shape {tuple(value.shape)}"
+        attr = getattr(candidate, str(node.target), None)
+        if isinstance(attr, torch.Tensor) and id(attr) not in known and attr.numel() > 1:
+            return f"new tensor constant {node.target!r} of shape {tuple(attr.shape)}"
     return ""
 
 

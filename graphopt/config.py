@@ -118,155 +118,7 @@ class LightningOptions:
 
     @classmethod
     def parse(cls, value: Any) -> LightningOptions:
-        return _parse_section(cls, value, "lightning")
-
-
-@dataclass(frozen=True)
-class RematOptions:
-    """``options={"remat": {...}}``: choose keep or recompute per saved activation.
-
-    budget: memory for saved activations: bytes (int), "NNGiB"/"NNMiB"/"NNKiB", "NN%" or a
-    float in (0, 1] (a fraction of what keeping every activation saves).
-    solver: "ilp" (exact, scipy/HiGHS, falls back to greedy past ``time_limit``) or "greedy".
-    """
-
-    budget: Any = 1.0
-    solver: str = "ilp"
-    time_limit: float = 10.0
-    offload: bool = False
-    """Also consider copying saved values to host memory and back (priced by the profile's
-    host bandwidth); "ilp" only."""
-    profile: str | None = None
-    """Cost-model profile that prices recomputation and host copies (default: "local" when
-    calibrated, else h100-sxm)."""
-    profile_guided: bool = False
-    """Run the graph once at compile time on the real inputs, record its data-dependent
-    sizes (MoE token counts), decide with them, and report how the decision changed."""
-
-    def __post_init__(self) -> None:
-        if self.solver not in ("ilp", "greedy"):
-            raise ConfigError(f"remat.solver must be 'ilp' or 'greedy', got {self.solver!r}")
-        if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
-                or self.time_limit <= 0:
-            raise ConfigError(f"remat.time_limit must be seconds > 0, got {self.time_limit!r}")
-        self.resolve(1)  # validates the budget's form
-        for flag in ("offload", "profile_guided"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"remat.{flag} must be a bool, got {getattr(self, flag)!r}")
-        if self.profile is not None:
-            from graphopt.cost.profiles import load_profile
-
-            load_profile(self.profile)  # unknown names fail here, listing the valid ones
-
-    def resolve(self, keep_all_bytes: int) -> int:
-        """The budget in bytes, given what keeping every activation saves."""
-        b = self.budget
-        if isinstance(b, bool):
-            raise ConfigError(f"remat.budget must be bytes, 'NNGiB', 'NN%' or a fraction; got "
-                              f"{b!r}")
-        if isinstance(b, int):
-            if b < 0:
-                raise ConfigError(f"remat.budget must be >= 0 bytes, got {b}")
-            if 0 < b < 1024:
-                raise ConfigError(f"remat.budget={b} is read as {b} bytes; for a fraction "
-                                  f"write {float(b)} or '{b * 100}%', for bytes use >= 1024 "
-                                  "or 'NNKiB'")
-            return b
-        if isinstance(b, float):
-            if not 0 < b <= 1:
-                raise ConfigError(f"remat.budget as a fraction must be in (0, 1], got {b}")
-            return int(b * keep_all_bytes)
-        if isinstance(b, str):
-            text = b.strip()
-            units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "%": None}
-            for unit, scale in units.items():
-                if text.endswith(unit):
-                    try:
-                        number = float(text[: -len(unit)])
-                    except ValueError:
-                        break
-                    if number < 0 or (scale is None and not 0 < number <= 100):
-                        break
-                    return int(number / 100 * keep_all_bytes) if scale is None \
-                        else int(number * scale)
-        raise ConfigError(f"remat.budget must be bytes, 'NNGiB'/'NNMiB', 'NN%' or a fraction in "
-                          f"(0, 1]; got {b!r}")
-
-    @classmethod
-    def parse(cls, value: Any) -> RematOptions:
-        return _parse_section(cls, value, "remat")
-
-
-MOE_SCHEDULES = ("auto", "flat", "chunked", "hierarchical", "peer")
-
-
-@dataclass(frozen=True)
-class MoEOptions:
-    """``options={"moe": {...}}``: rewrite MoE experts into sorted dispatch + grouped expert
-    GEMMs (exact), optionally expert-parallel (``ep`` > 1, under torch.distributed).
-
-    Vocabulary: EP = expert parallelism (experts split over ``ep`` ranks, tokens moved by
-    all-to-all dispatch/combine); a *schedule* orders those transfers (see
-    graphopt.kernels.comm.all_to_all).
-    """
-
-    ep: int = 1
-    """EP degree: 1 (one device) or the size of each EP group; must divide the world size
-    and the number of experts. EP groups are consecutive ranks."""
-    all_to_all: str = "auto"
-    """"flat" | "chunked" | "hierarchical" | "peer" | "auto" (the cost model's fastest for
-    the layer's shape on ``profile``)."""
-    chunks: Any = "auto"
-    """Pieces of the chunked schedule: an int >= 1 or "auto" (the cost model's choice)."""
-    ranks_per_node: int | None = None
-    """Ranks sharing a node (the inner level of the hierarchical/peer schedules); default
-    $LOCAL_WORLD_SIZE (set by torchrun), else ep."""
-    capacity_factor: float | None = None
-    """None: dropless. A float > 0: expert capacity C = ceil(cf * T * K / E); assignments
-    past the first C of an expert, in token order, are dropped (GShard/Switch)."""
-    profile: str | None = None
-    """Cost-model profile for the "auto" choices (default: "local" when calibrated, else
-    h100-sxm)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
-            raise ConfigError(f"moe.ep must be an int >= 1, got {self.ep!r}")
-        if self.all_to_all not in MOE_SCHEDULES:
-            raise ConfigError(f"unknown moe.all_to_all {self.all_to_all!r}"
-                              f"{_did_you_mean(str(self.all_to_all), MOE_SCHEDULES)}; valid: "
-                              f"{', '.join(MOE_SCHEDULES)}")
-        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(
-                self.chunks, int) or not 1 <= self.chunks <= 64):
-            raise ConfigError(f"moe.chunks must be an int in 1..64 or 'auto', got "
-                              f"{self.chunks!r}")
-        if self.ep == 1 and (self.all_to_all != "auto" or self.chunks != "auto"):
-            raise ConfigError("moe.all_to_all and moe.chunks choose how expert-parallel ranks "
-                              "exchange tokens; with moe.ep=1 there is no exchange: drop them "
-                              "or set moe.ep > 1")
-        if self.chunks != "auto" and self.all_to_all not in ("auto", "chunked"):
-            raise ConfigError(f"moe.chunks applies to the 'chunked' schedule, but "
-                              f"moe.all_to_all is {self.all_to_all!r}: drop moe.chunks or set "
-                              "moe.all_to_all='chunked'")
-        rpn = self.ranks_per_node
-        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
-            raise ConfigError(f"moe.ranks_per_node must be an int >= 1, got {rpn!r}")
-        if rpn is not None and self.ep % rpn:
-            raise ConfigError(f"moe.ranks_per_node ({rpn}) must divide moe.ep ({self.ep})")
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
-                               or not math.isfinite(cf) or cf <= 0):
-            raise ConfigError(f"moe.capacity_factor must be a number > 0 or None (dropless), "
-                              f"got {cf!r}")
-        if self.profile is not None:
-            from graphopt.cost.profiles import load_profile
-
-            load_profile(self.profile)
-
-    @classmethod
-    def parse(cls, value: Any) -> MoEOptions:
-        if value is True:
-            return cls()
-        return _parse_section(cls, value, "moe")
+        return parse_section(cls, value, "lightning")
 
 
 @dataclass(frozen=True)
@@ -289,12 +141,11 @@ class GraphoptConfig:
     (for linearizing a pretrained model before fine-tuning); see ``lightning``."""
     lightning: LightningOptions = field(default_factory=lambda: LightningOptions())
     """How attention="lightning" converts softmax attention (ignored by other modes)."""
-    moe: MoEOptions | None = None
-    """MoE experts rewrite (pass "moe"): None reports MoE sites and changes nothing; True or
-    a dict (see :class:`MoEOptions`) rewrites them."""
-    remat: RematOptions | None = None
-    """Rematerialization: keep or recompute each saved activation under a memory budget
-    (the joint pass "remat"); None keeps PyTorch's partitioning."""
+    pass_options: Mapping[str, Any] = field(default_factory=dict)
+    """Options owned by passes, by option key (``options={"moe": {...}, "remat": {...}}``):
+    each pass parses its own section (``GraphPass.options_cls``, found through the pass
+    registry); ``enable: [name]`` means the same as ``name: {}``. See :attr:`moe`,
+    :attr:`remat`."""
     dump_dir: Path | None = None
     """Write every graph before/after every pass and the report here (env GRAPHOPT_DUMP_DIR)."""
     verify: VerifyConfig = field(default_factory=VerifyConfig)
@@ -316,7 +167,7 @@ class GraphoptConfig:
             raise ConfigError(
                 f"unknown lowering {self.lowering!r}; valid lowerings: {', '.join(LOWERING_NAMES)}"
             )
-        from graphopt.passes import default_pipeline_names, registered_pass_names
+        from graphopt.passes import default_pipeline_names, option_keys, registered_pass_names
 
         known = registered_pass_names()
         for option in ("disable", "enable"):
@@ -324,11 +175,12 @@ class GraphoptConfig:
                 if name not in known:
                     raise ConfigError(
                         f"option '{option}' names unknown pass {name!r}"
-                        f"{_did_you_mean(name, known)}; registered passes: {', '.join(known)}"
+                        f"{did_you_mean(name, known)}; registered passes: {', '.join(known)}"
                     )
         defaults = default_pipeline_names()
+        owned = set(option_keys().values())
         for name in self.enable:
-            if name in defaults:
+            if name in defaults and name not in owned:
                 raise ConfigError(
                     f"pass {name!r} already runs by default; 'enable' only adds passes outside "
                     "the default pipeline (use 'disable' to turn default passes off)"
@@ -341,15 +193,30 @@ class GraphoptConfig:
             except Exception as exc:
                 raise ConfigError(f"unknown torch.compile mode {self.mode!r}: {exc}") from exc
 
+    @property
+    def moe(self) -> Any:
+        """The moe pass's options (``MoEOptions``), None when MoE sites are only reported."""
+        return self.pass_options.get("moe")
+
+    @property
+    def remat(self) -> Any:
+        """The remat pass's options (``RematOptions``), None when remat is off."""
+        return self.pass_options.get("remat")
+
     @classmethod
     def from_options(
         cls, options: Mapping[str, Any] | GraphoptConfig | None = None, mode: str | None = None
     ) -> GraphoptConfig:
         """Parse and validate ``options`` (the dict given to ``torch.compile``)."""
+        from graphopt.passes import option_keys
+
         if isinstance(options, GraphoptConfig):
             return options
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(f"graphopt options must be a dict such as {{'attention': "
+                              f"'exact'}}; got {type(options).__name__} {options!r}")
         options = dict(options or {})
-        valid = {f.name for f in fields(cls)} - {"mode"}
+        valid = {f.name for f in fields(cls)} - {"mode", "pass_options"} | set(option_keys())
         _reject_unknown(options, valid, "graphopt")
         kwargs: dict[str, Any] = {"mode": mode}
         for name in ("lowering", "attention"):
@@ -367,21 +234,16 @@ class GraphoptConfig:
             kwargs["lightning"] = LightningOptions.parse(options["lightning"])
         if "inductor_config" in options:
             kwargs["inductor_config"] = _inductor_patches(options["inductor_config"])
-        if "remat" in options:
-            kwargs["remat"] = RematOptions.parse(options["remat"])
-        if "moe" in options and options["moe"] not in (None, False):
-            kwargs["moe"] = MoEOptions.parse(options["moe"])
+        kwargs["pass_options"] = _pass_options(options, kwargs.get("enable", ()))
         config = cls(**kwargs)
         if "lightning" in options and config.attention != "lightning":
             raise ConfigError(f"option 'lightning' configures attention='lightning', but "
                               f"attention is {config.attention!r}; set attention='lightning' "
                               "or drop the 'lightning' options")
-        if config.moe is not None and "moe" in config.disable:
-            raise ConfigError("option 'moe' is given but 'moe' is in 'disable'; drop one of "
-                              "them")
-        if config.remat is not None and "remat" in config.disable:
-            raise ConfigError("option 'remat' is given but 'remat' is in 'disable'; drop one "
-                              "of them")
+        for key, pass_name in option_keys().items():
+            if key in config.pass_options and pass_name in config.disable:
+                raise ConfigError(f"option {key!r} is given but {pass_name!r} is in 'disable'; "
+                                  "drop one of them")
         if config.lowering == "npu":
             from graphopt.lowering import require_npu
 
@@ -389,7 +251,25 @@ class GraphoptConfig:
         return config
 
 
-def _parse_section(cls: Any, value: Any, name: str) -> Any:
+def _pass_options(options: Mapping[str, Any], enable: Any) -> dict[str, Any]:
+    """Each pass parses its own options section; ``enable: [name]`` means ``name: {}``."""
+    from graphopt.passes import get_pass, option_keys
+
+    parsed: dict[str, Any] = {}
+    for key, pass_name in option_keys().items():
+        parse = get_pass(pass_name).parse_options
+        if key in options and options[key] not in (None, False):
+            parsed[key] = parse(options[key])
+        elif pass_name in enable:
+            try:
+                parsed[key] = parse({})
+            except ConfigError as exc:
+                raise ConfigError(f"enable: [{pass_name!r}] means options={{{key!r}: {{}}}}, "
+                                  f"which is incomplete: {exc}") from None
+    return parsed
+
+
+def parse_section(cls: Any, value: Any, name: str) -> Any:
     """An options section (``options[name]``): an instance of ``cls``, or a dict of its
     fields (unknown keys rejected with a did-you-mean)."""
     if isinstance(value, cls):
@@ -402,7 +282,7 @@ def _parse_section(cls: Any, value: Any, name: str) -> Any:
     return cls(**dict(value))
 
 
-def _did_you_mean(name: str, valid: Any) -> str:
+def did_you_mean(name: str, valid: Any) -> str:
     close = difflib.get_close_matches(name, list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -411,7 +291,7 @@ def _reject_unknown(options: Mapping[str, Any], valid: set[str], what: str) -> N
     for key in options:
         if key not in valid:
             raise ConfigError(
-                f"unknown {what} option {key!r}{_did_you_mean(str(key), valid)}; "
+                f"unknown {what} option {key!r}{did_you_mean(str(key), valid)}; "
                 f"valid options: {', '.join(sorted(valid))}"
             )
 
@@ -433,7 +313,7 @@ def _inductor_patches(value: Any) -> dict[str, Any]:
     for key in patches:
         if key not in known:
             raise ConfigError(f"inductor_config key {key!r} is not a torch._inductor.config "
-                              f"option{_did_you_mean(str(key), known)}")
+                              f"option{did_you_mean(str(key), known)}")
     return patches
 
 

@@ -89,7 +89,12 @@ def refresh_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
 
 
 def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> None:
-    with fake_mode, torch.set_grad_enabled(torch.is_grad_enabled()):
+    import contextlib
+
+    env = fake_mode.shape_env
+    # Data-dependent sizes get fresh unbacked symbols in this run; they are not the graph's.
+    fresh = env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
+    with fake_mode, fresh, torch.set_grad_enabled(torch.is_grad_enabled()):
         _RuntimeMeta(gm).run(*fakes)
 
 
@@ -114,7 +119,7 @@ class _RuntimeMeta(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if n.op == "call_function" and n.target is _ENTER_AUTOCAST:
-            self.regions.append((n.args[0], n.args[1] if len(n.args) > 1 else None))
+            self.regions.append((str(n.args[0]), n.args[1] if len(n.args) > 1 else None))
         elif n.op == "call_function" and n.target is _EXIT_AUTOCAST:
             if self.regions:
                 self.regions.pop()

@@ -13,10 +13,9 @@ are checked against that pass's output.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import warnings
 
 import torch
 import torch.utils._pytree as pytree
@@ -53,7 +52,9 @@ def clone_inputs(inputs: Sequence[Any]) -> list[Any]:
             y = torch.zeros_like(x, memory_format=torch.preserve_format)
             if y.stride() != x.stride():
                 y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-                y.untyped_storage().fill_(0)  # the gaps between rows are never uninitialized
+                span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+                with torch.no_grad():  # zero the gaps between rows too: no garbage NaN
+                    y.as_strided((span,), (1,)).zero_()
             with torch.no_grad():
                 y.copy_(x)
             out.append(y.requires_grad_(x.requires_grad))

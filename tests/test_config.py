@@ -1,5 +1,7 @@
 """Option validation: every bad option is a clear error raised before any compile work."""
 
+import re
+
 import pytest
 import torch
 
@@ -24,6 +26,10 @@ def _compile_and_call(options):
     ({"disable": "cse,remove_noops"}, r"unknown pass 'cse,remove_noops'"),
     ({"enable": ["cse"]}, r"pass 'cse' already runs by default"),
     ({"inductor_config": ["x"]}, r"option 'inductor_config' must be of type Mapping"),
+    # an option that would do nothing is an error
+    ({"enable": ["remat"]}, r"enable: \['remat'\] means options=\{'remat': \{\}\}, which is "
+                            r"incomplete: remat needs a budget"),
+    ({"remat": {}}, r"remat needs a budget, e.g. options=\{'remat': \{'budget': '50%'\}\}"),
 ])
 def test_bad_option_raises_before_compiling(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -85,3 +91,30 @@ def test_graphopt_compile_validates_immediately():
     model = graphopt.compile(torch.nn.Linear(2, 2), options={"lowering": "eager"})
     model(torch.randn(3, 2))
     assert graphopt.last_report().status == "compiled"
+
+
+def test_options_given_as_a_list_name_the_expected_form():
+    with pytest.raises(ConfigError, match=r"graphopt options must be a dict such as"):
+        GraphoptConfig.from_options(["attention", "exact"])
+
+
+@pytest.mark.parametrize("budget, hint", [
+    (1, "write 1.0 or '100%'"), (50, "write '50%' (= 0.5)"), (500, "a float in (0, 1]")])
+def test_remat_budget_hints_suggest_values_that_are_accepted(budget, hint):
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        GraphoptConfig.from_options({"remat": {"budget": budget}})
+    suggested = {1: 1.0, 50: "50%", 500: 0.5}[budget]
+    assert GraphoptConfig.from_options({"remat": {"budget": suggested}}).remat is not None
+
+
+def test_enable_and_pass_options_mean_the_same():
+    """Pass options are parsed by the pass that owns them (through the registry)."""
+    from graphopt.passes import build_pipeline, get_pass, option_keys
+
+    assert option_keys()["moe"] == "moe" and option_keys()["remat"] == "remat"
+    by_enable = GraphoptConfig.from_options({"enable": ["moe"]})
+    by_options = GraphoptConfig.from_options({"moe": {}})
+    assert by_enable.moe == by_options.moe == get_pass("moe").options_cls()
+    remat = GraphoptConfig.from_options({"remat": {"budget": 0.5}})
+    assert [p.name for p in build_pipeline(remat, "joint")] == ["remat"]
+    assert GraphoptConfig.from_options({}).moe is None

@@ -23,6 +23,7 @@ __all__ = [
     "build_pipeline",
     "default_pipeline_names",
     "get_pass",
+    "option_keys",
     "register_pass",
     "registered_pass_names",
 ]
@@ -35,6 +36,8 @@ _LAZY: dict[str, str] = {
     "moe": "graphopt.passes.moe:MoEPass",
 }
 _LOADED: dict[str, type[GraphPass]] = {}
+_OPTION_KEYS: dict[str, str] = {"moe": "moe", "remat": "remat"}
+"""``torch.compile`` options key -> the pass that owns (parses) that section."""
 
 # The default pipeline. Order within a stage matters:
 PIPELINE: dict[Stage, tuple[str, ...]] = {
@@ -62,6 +65,8 @@ def register_pass(cls: type[GraphPass]) -> type[GraphPass]:
     ):
         raise ValueError(f"a different pass is already registered as {cls.name!r}")
     _LOADED[cls.name] = cls
+    if cls.options_key is not None:
+        _OPTION_KEYS.setdefault(cls.options_key, cls.name)
     return cls
 
 
@@ -75,6 +80,11 @@ def get_pass(name: str) -> type[GraphPass]:
     return _LOADED[name]
 
 
+def option_keys() -> dict[str, str]:
+    """Options keys owned by passes -> pass name (e.g. {"moe": "moe", "remat": "remat"})."""
+    return dict(_OPTION_KEYS)
+
+
 def registered_pass_names() -> list[str]:
     return sorted(set(_LAZY) | set(_LOADED))
 
@@ -86,7 +96,7 @@ def default_pipeline_names() -> list[str]:
 def build_pipeline(config: GraphoptConfig, stage: Stage) -> list[GraphPass]:
     """The passes of ``stage`` for ``config``: the defaults minus ``disable``, then ``enable``."""
     names = [n for n in PIPELINE[stage] if n not in config.disable]
-    if stage == "joint" and config.remat is not None and "remat" not in config.disable:
-        names.append("remat")  # on when options={"remat": {...}} is given
+    names += [n for key, n in _OPTION_KEYS.items() if key in config.pass_options
+              and get_pass(n).stage == stage and n not in names]  # on when options given
     names += [n for n in config.enable if get_pass(n).stage == stage and n not in names]
     return [get_pass(n).from_config(config) for n in names]

@@ -63,6 +63,18 @@ class GraphPass(ABC):
     exact: ClassVar[bool] = True
     """True: numerics unchanged (checked by verify). False: approximate, opt-in, reported."""
 
+    options_key: ClassVar[str | None] = None
+    """The ``torch.compile`` options key whose section this pass owns (e.g. "moe")."""
+    options_cls: ClassVar[Any] = None
+    """Frozen dataclass of the pass's options, with ``parse(value)`` (validation + errors)."""
+
+    @classmethod
+    def parse_options(cls, value: Any) -> Any:
+        """Parse this pass's options section (raises ConfigError naming the fix)."""
+        if cls.options_cls is None:
+            raise TypeError(f"pass {cls.name!r} has no options")
+        return cls.options_cls.parse(value)
+
     @classmethod
     def from_config(cls, config: GraphoptConfig) -> GraphPass:
         """Build the pass with its options taken from ``config``."""

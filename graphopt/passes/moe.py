@@ -46,7 +46,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt.config import MoEOptions
 from graphopt.passes import register_pass
 from graphopt.passes.attention_patterns import module_path
 from graphopt.passes.base import GraphPass, PassContext, PassResult
@@ -59,6 +58,7 @@ from graphopt.passes.fx_utils import (
     site_name,
     tensor_meta,
 )
+from graphopt.passes.moe_options import MoEOptions
 
 aten = torch.ops.aten
 EAGER_LOOP_FIX = ("the router's indices leave this graph at a graph break (transformers' eager "
@@ -244,6 +244,8 @@ class MoEPass(GraphPass):
 
     name = "moe"
     stage = "pre_autograd"
+    options_key = "moe"
+    options_cls = MoEOptions
     options: MoEOptions | None = None
 
     @property
@@ -331,9 +333,9 @@ class MoEPass(GraphPass):
         dtype = _meta(region.hidden).dtype
         shape = MoELayerShape(int(t), int(k), int(h), int(f2) // 2, dtype.itemsize,
                               str(dtype).replace("torch.", ""))
-        from graphopt.cost.profiles import load_profile
+        from graphopt.cost.profiles import default_profile_name, load_profile
 
-        profile = opts.profile or _default_profile()
+        profile = opts.profile or default_profile_name()
         cluster = load_profile(profile)
         if opts.ep > cluster.max_devices:  # e.g. the local profile: more ranks than devices
             cluster = cluster.scaled(opts.ep)

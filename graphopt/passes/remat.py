@@ -59,9 +59,11 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from graphopt.cost.profiles import default_profile_name
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import is_mutating, is_random, returns_alias, site_name
+from graphopt.passes.remat_options import RematOptions
 
 aten = torch.ops.aten
 
@@ -374,7 +376,7 @@ def _plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
     needed = _needed(forward, backward)
     keep_all = sum(_bytes(v) for v in keep_everything(forward, needed)[0])
     budget = int(budget_of(keep_all))
-    device = _device(profile)
+    device = _device(profile or default_profile_name())
     times = _node_times(gm, device)
     offload_cost = None
     if offload:
@@ -447,7 +449,9 @@ class RematPass(GraphPass):
     name = "remat"
     stage = "joint"
     exact = True
-    options: Any = None
+    options_key = "remat"
+    options_cls = RematOptions
+    options: RematOptions | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> RematPass:
@@ -480,6 +484,14 @@ class RematPass(GraphPass):
                         f"{decision.saved_bytes} bytes)") if observed else
                        "no data-dependent sizes in this graph: the static plan is exact")
         forward, backward = split_joint(gm)
+        user = [v for v in forward if user_policy(v) is not None]
+        if not (decision.recomputed or decision.offloaded or user):
+            ctx.record("kept", "saved activations",
+                       f"budget {opts.resolve(decision.keep_all_bytes)} bytes of keep-all "
+                       f"{decision.keep_all_bytes}: every saved activation fits; nothing "
+                       f"recomputed or offloaded, PyTorch's partition kept (solver "
+                       f"{decision.solver}: {decision.status})")
+            return PassResult(gm, False)
         for v in decision.offloaded:
             _offload(gm, v, backward)
         if decision.offloaded:
@@ -491,7 +503,6 @@ class RematPass(GraphPass):
                 else ""
             ctx.record("rewritten", "offload", f"{len(decision.offloaded)} values offloaded "
                        f"to host, {sum(_bytes(v) for v in decision.offloaded)} bytes" + note)
-        user = [v for v in forward if user_policy(v) is not None]
         if user:
             ctx.record("kept", "user checkpoint regions",
                        f"{len(user)} values tagged by torch.utils.checkpoint / selective "

@@ -1,0 +1,82 @@
+"""Options of the ``moe`` pass: ``options={"moe": {...}}`` (or ``enable: ["moe"]`` for the
+defaults). Owned by the pass (``MoEPass.options_cls``); parsed through the pass registry."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from graphopt.config import did_you_mean, parse_section
+from graphopt.errors import ConfigError
+
+MOE_SCHEDULES = ("auto", "flat", "chunked", "hierarchical", "peer")
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """``options={"moe": {...}}``: rewrite MoE experts into sorted dispatch + grouped expert
+    GEMMs (exact), optionally expert-parallel (``ep`` > 1, under torch.distributed).
+
+    Vocabulary: EP = expert parallelism (experts split over ``ep`` ranks, tokens moved by
+    all-to-all dispatch/combine); a *schedule* orders those transfers (see
+    graphopt.kernels.comm.all_to_all).
+    """
+
+    ep: int = 1
+    """EP degree: 1 (one device) or the size of each EP group; must divide the world size
+    and the number of experts. EP groups are consecutive ranks."""
+    all_to_all: str = "auto"
+    """"flat" | "chunked" | "hierarchical" | "peer" | "auto" (the cost model's fastest for
+    the layer's shape on ``profile``)."""
+    chunks: Any = "auto"
+    """Pieces of the chunked schedule: an int >= 1 or "auto" (the cost model's choice)."""
+    ranks_per_node: int | None = None
+    """Ranks sharing a node (the inner level of the hierarchical/peer schedules); default
+    $LOCAL_WORLD_SIZE (set by torchrun), else ep."""
+    capacity_factor: float | None = None
+    """None: dropless. A float > 0: expert capacity C = ceil(cf * T * K / E); assignments
+    past the first C of an expert, in token order, are dropped (GShard/Switch)."""
+    profile: str | None = None
+    """Cost-model profile for the "auto" choices (default: "local" when calibrated, else
+    h100-sxm)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"moe.ep must be an int >= 1, got {self.ep!r}")
+        if self.all_to_all not in MOE_SCHEDULES:
+            raise ConfigError(f"unknown moe.all_to_all {self.all_to_all!r}"
+                              f"{did_you_mean(str(self.all_to_all), MOE_SCHEDULES)}; valid: "
+                              f"{', '.join(MOE_SCHEDULES)}")
+        if self.chunks != "auto" and (isinstance(self.chunks, bool) or not isinstance(
+                self.chunks, int) or not 1 <= self.chunks <= 64):
+            raise ConfigError(f"moe.chunks must be an int in 1..64 or 'auto', got "
+                              f"{self.chunks!r}")
+        if self.ep == 1 and (self.all_to_all != "auto" or self.chunks != "auto"):
+            raise ConfigError("moe.all_to_all and moe.chunks choose how expert-parallel ranks "
+                              "exchange tokens; with moe.ep=1 there is no exchange: drop them "
+                              "or set moe.ep > 1")
+        if self.chunks != "auto" and self.all_to_all not in ("auto", "chunked"):
+            raise ConfigError(f"moe.chunks applies to the 'chunked' schedule, but "
+                              f"moe.all_to_all is {self.all_to_all!r}: drop moe.chunks or set "
+                              "moe.all_to_all='chunked'")
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ConfigError(f"moe.ranks_per_node must be an int >= 1, got {rpn!r}")
+        if rpn is not None and self.ep % rpn:
+            raise ConfigError(f"moe.ranks_per_node ({rpn}) must divide moe.ep ({self.ep})")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
+                               or not math.isfinite(cf) or cf <= 0):
+            raise ConfigError(f"moe.capacity_factor must be a number > 0 or None (dropless), "
+                              f"got {cf!r}")
+        if self.profile is not None:
+            from graphopt.cost.profiles import load_profile
+
+            load_profile(self.profile)
+
+    @classmethod
+    def parse(cls, value: Any) -> MoEOptions:
+        if value is True:
+            return cls()
+        return parse_section(cls, value, "moe")

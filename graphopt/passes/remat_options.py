@@ -1,0 +1,93 @@
+"""Options of the ``remat`` pass: ``options={"remat": {"budget": ...}}``. Owned by the pass
+(``RematPass.options_cls``); parsed through the pass registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from graphopt.config import parse_section
+from graphopt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RematOptions:
+    """``options={"remat": {...}}``: choose keep or recompute per saved activation.
+
+    budget: memory for saved activations: bytes (int), "NNGiB"/"NNMiB"/"NNKiB", "NN%" or a
+    float in (0, 1] (a fraction of what keeping every activation saves).
+    solver: "ilp" (exact, scipy/HiGHS, falls back to greedy past ``time_limit``) or "greedy".
+    """
+
+    budget: Any = None
+    """Required: with no budget (or 100%) every activation is kept and remat does nothing."""
+    solver: str = "ilp"
+    time_limit: float = 10.0
+    offload: bool = False
+    """Also consider copying saved values to host memory and back (priced by the profile's
+    host bandwidth); "ilp" only."""
+    profile: str | None = None
+    """Cost-model profile that prices recomputation and host copies (default: "local" when
+    calibrated, else h100-sxm)."""
+    profile_guided: bool = False
+    """Run the graph once at compile time on the real inputs, record its data-dependent
+    sizes (MoE token counts), decide with them, and report how the decision changed."""
+
+    def __post_init__(self) -> None:
+        if self.solver not in ("ilp", "greedy"):
+            raise ConfigError(f"remat.solver must be 'ilp' or 'greedy', got {self.solver!r}")
+        if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
+                or self.time_limit <= 0:
+            raise ConfigError(f"remat.time_limit must be seconds > 0, got {self.time_limit!r}")
+        if self.budget is None:
+            raise ConfigError("remat needs a budget, e.g. options={'remat': {'budget': '50%'}} "
+                              "(bytes, 'NNGiB', 'NN%' or a fraction in (0, 1]); without one "
+                              "every activation is kept and remat would do nothing")
+        self.resolve(1)  # validates the budget's form
+        for flag in ("offload", "profile_guided"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"remat.{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.profile is not None:
+            from graphopt.cost.profiles import load_profile
+
+            load_profile(self.profile)  # unknown names fail here, listing the valid ones
+
+    def resolve(self, keep_all_bytes: int) -> int:
+        """The budget in bytes, given what keeping every activation saves."""
+        b = self.budget
+        if isinstance(b, bool):
+            raise ConfigError(f"remat.budget must be bytes, 'NNGiB', 'NN%' or a fraction; got "
+                              f"{b!r}")
+        if isinstance(b, int):
+            if b < 0:
+                raise ConfigError(f"remat.budget must be >= 0 bytes, got {b}")
+            if 0 < b < 1024:
+                hint = ("for the whole keep-all size write 1.0 or '100%'" if b == 1 else
+                        f"for a percentage write '{b}%' (= {b / 100})" if b <= 100 else
+                        "for a fraction write a float in (0, 1] or 'NN%'")
+                raise ConfigError(f"remat.budget={b} is read as {b} bytes; {hint}; for bytes "
+                                  "use >= 1024 or 'NNKiB'")
+            return b
+        if isinstance(b, float):
+            if not 0 < b <= 1:
+                raise ConfigError(f"remat.budget as a fraction must be in (0, 1], got {b}")
+            return int(b * keep_all_bytes)
+        if isinstance(b, str):
+            text = b.strip()
+            units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "%": None}
+            for unit, scale in units.items():
+                if text.endswith(unit):
+                    try:
+                        number = float(text[: -len(unit)])
+                    except ValueError:
+                        break
+                    if number < 0 or (scale is None and not 0 < number <= 100):
+                        break
+                    return int(number / 100 * keep_all_bytes) if scale is None \
+                        else int(number * scale)
+        raise ConfigError(f"remat.budget must be bytes, 'NNGiB'/'NNMiB', 'NN%' or a fraction in "
+                          f"(0, 1]; got {b!r}")
+
+    @classmethod
+    def parse(cls, value: Any) -> RematOptions:
+        return parse_section(cls, value, "remat")
