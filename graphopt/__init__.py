@@ -12,7 +12,7 @@ from graphopt.errors import (
     PassFailedError,
     VerificationError,
 )
-from graphopt.report import CompileReport, clear_reports, last_report, reports
+from graphopt.report import CompileReport, clear_reports, graph_breaks, last_report, reports
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "__version__",
     "clear_reports",
     "compile",
+    "graph_breaks",
     "graphopt_backend",
     "last_report",
     "reports",

@@ -29,7 +29,15 @@ from graphopt.lowering import AOTHooks, get_lowering
 from graphopt.normalize import check_meta, refresh_meta
 from graphopt.passes import PassContext, Stage, build_pipeline
 from graphopt.passes.fx_utils import count_delta, op_counts
-from graphopt.report import CompileReport, PassRecord, next_graph_id, register
+from graphopt.report import (
+    CompileReport,
+    PassRecord,
+    joint_records_key,
+    load_joint_records,
+    next_graph_id,
+    register,
+    save_joint_records,
+)
 
 Snapshot = tuple[str, bool, fx.GraphModule]
 """(pass name, pass is exact, a copy of the graph after that pass)."""
@@ -193,9 +201,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     compiled = lowering.compile(model, example_inputs, hooks, config)
     hooked = _hooked_time(report) - hooked_before
     report.add_time("aot_autograd", time.perf_counter() - t0 - hooked)
-    if not {"joint", "forward", "inference"} & set(report.graphs):
-        report.notes.append("forward/backward graphs came from the lowering's compile cache; "
-                            "joint passes ran when the cache entry was made")
+    _joint_records_through_cache(model, config, report)
     total = time.perf_counter() - start
     report.timing["total"] = total
     report.timing["graphopt_overhead"] = total - sum(
@@ -207,6 +213,30 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
         return _verify_on_first_call(gm, compiled, list(example_inputs), snapshots, model,
                                      config, report, dumper)
     return compiled
+
+
+def _joint_records_through_cache(model: fx.GraphModule, config: GraphoptConfig,
+                                 report: CompileReport) -> None:
+    """On a lowering cache hit the joint passes do not run: report the decisions they made
+    when the cache entry was made (stored beside Inductor's cache), or say how to force a
+    fresh compile."""
+    key = joint_records_key(model.code, repr(config.pass_options), report.lowering,
+                            sorted(config.disable), sorted(config.enable))
+    if {"joint", "forward", "inference"} & set(report.graphs):
+        save_joint_records(key, [p for p in report.passes if p.stage == "joint"])
+        return
+    restored = load_joint_records(key)
+    if restored is not None:
+        report.passes.extend(restored)
+        report.notes.append("forward/backward graphs came from the lowering's compile cache; "
+                            "the joint-pass records shown were stored when that entry was "
+                            "made")
+    else:
+        report.notes.append("forward/backward graphs came from the lowering's compile cache; "
+                            "joint passes ran when that entry was made, their records are not "
+                            "stored: for a fresh compile pass options={'inductor_config': "
+                            "{'force_disable_caches': True}} (or TORCHINDUCTOR_FORCE_DISABLE_"
+                            "CACHES=1)")
 
 
 def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any],

@@ -8,10 +8,12 @@ pass really ran; with a dump directory they are also written as ``report.json`` 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import threading
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Action = Literal["matched", "rewritten", "skipped", "kept"]
@@ -74,6 +76,10 @@ class CompileReport:
     timing: dict[str, float] = field(default_factory=dict)
     verify: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    graph_breaks: dict[str, int] = field(default_factory=dict)
+    """Dynamo's graph breaks in this process (since :func:`clear_reports`) when this graph
+    was compiled: first line of the reason -> count. A break splits the model into several
+    graphs (each its own report); code between them runs eagerly."""
 
     def pass_records(self, name: str) -> list[PassRecord]:
         return [p for p in self.passes if p.name == name]
@@ -107,6 +113,9 @@ class CompileReport:
             "- graphs: " + ", ".join(f"{k} {v} nodes" for k, v in self.graphs.items()),
             "- timing (s): " + ", ".join(f"{k} {v:.3f}" for k, v in self.timing.items()),
         ]
+        if self.graph_breaks:
+            lines.append(f"- graph breaks so far: {sum(self.graph_breaks.values())} ("
+                         + "; ".join(f"{n}x {r}" for r, n in self.graph_breaks.items()) + ")")
         if self.verify:
             lines.append(f"- verify: {self.verify.get('status')} {self.verify.get('detail', '')}"
                          + (f"; tolerance {self.verify['tolerance']}"
@@ -139,7 +148,25 @@ _reports: list[CompileReport] = []
 _graph_ids = itertools.count()
 
 
+_break_baseline: dict[str, int] = {}
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks since :func:`clear_reports` (or process start): the first line
+    of each reason -> count."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():
+        short = str(reason).strip().splitlines()[0] if str(reason).strip() else "unknown"
+        out[short] = out.get(short, 0) + n
+    with _lock:
+        return {r: n - _break_baseline.get(r, 0) for r, n in out.items()
+                if n > _break_baseline.get(r, 0)}
+
+
 def register(report: CompileReport) -> None:
+    report.graph_breaks = graph_breaks()
     with _lock:
         _reports.append(report)
 
@@ -164,5 +191,44 @@ def last_report() -> CompileReport:
 
 
 def clear_reports() -> None:
+    """Forget this process's reports and start counting graph breaks from here."""
+    baseline = graph_breaks()
     with _lock:
         _reports.clear()
+        for reason, n in baseline.items():
+            _break_baseline[reason] = _break_baseline.get(reason, 0) + n
+
+
+def _joint_records_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "graphopt_joint_records"
+
+
+def joint_records_key(*parts: Any) -> str:
+    """A key for the joint-pass records of one compile: the model-pass output's code and
+    every option the joint passes depend on, plus graphopt's version."""
+    from graphopt import __version__
+
+    digest = hashlib.sha256(repr((__version__, *parts)).encode())
+    return digest.hexdigest()[:32]
+
+
+def save_joint_records(key: str, records: list[PassRecord]) -> None:
+    """Store joint-pass records beside Inductor's cache (best effort: a read-only cache
+    directory only loses the records)."""
+    try:
+        path = _joint_records_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f"{key}.json").write_text(json.dumps([asdict(r) for r in records]))
+    except OSError:
+        pass
+
+
+def load_joint_records(key: str) -> list[PassRecord] | None:
+    """The records stored under ``key``, or None."""
+    try:
+        data = json.loads((_joint_records_dir() / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return [PassRecord(**{**p, "sites": [SiteRecord(**s) for s in p["sites"]]}) for p in data]

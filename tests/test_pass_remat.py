@@ -311,4 +311,25 @@ def test_inductor_cache_key_depends_on_the_remat_options():
 
     assert key() != key(remat={"budget": 0.5}) != key(remat={"budget": 0.3})
     assert key(remat={"budget": 0.5}) == key(remat={"budget": 0.5})
-    assert key(remat={"profile_guided": True}) != key(remat={"profile_guided": True})
+    guided = {"budget": 0.5, "profile_guided": True}
+    assert key(remat=guided) != key(remat=guided)
+
+
+def test_inductor_cache_hit_reports_the_joint_pass_decisions(tmp_path, monkeypatch):
+    """On a cache hit the joint passes do not run; their records, stored when the entry was
+    made, are restored into the report."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(32, 64)
+    options = {"lowering": "inductor", "remat": {"budget": 0.3}}
+    reports = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        graphopt.clear_reports()
+        torch.compile(model, backend="graphopt", options=options)(x).sum().backward()
+        reports.append(graphopt.last_report())
+    first, second = reports
+    assert "joint" in first.graphs and "joint" not in second.graphs  # second: a cache hit
+    assert [p.sites for p in second.pass_records("remat")] == \
+        [p.sites for p in first.pass_records("remat")] != []
+    assert any("stored when that entry was made" in n for n in second.notes)

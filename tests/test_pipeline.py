@@ -119,3 +119,34 @@ def test_normalized_graph_has_metadata_on_every_node():
     assert all(isinstance(n.target, torch._ops.OpOverload | torch._ops.HigherOrderOperator)
                or n.op != "call_function" or "sym" in str(n.target) or "getitem" in str(n.target)
                for n in gm.graph.nodes), gm.code
+
+
+def test_graph_breaks_are_counted_with_their_reasons():
+    def fn(x):
+        y = x.sin()
+        print("side effect")  # a graph break: two graphs
+        return y.cos()
+
+    torch.compile(fn, backend="graphopt", options={"lowering": "eager"})(torch.randn(4))
+    assert len(graphopt.reports()) == 2
+    breaks = graphopt.last_report().graph_breaks
+    assert sum(breaks.values()) == 1 and "builtin operator" in next(iter(breaks))
+    assert "graph breaks so far: 1" in graphopt.last_report().to_markdown()
+    graphopt.clear_reports()
+    assert graphopt.graph_breaks() == {}
+
+
+def test_dynamo_restart_is_labelled_as_such():
+    """Under dynamic=True Dynamo restarts to specialize RMSNorm's float eps: the first report
+    says so instead of 'aborted'."""
+    from graphopt.models import build_model, sample_batch
+
+    model = build_model("llama", dtype=torch.float64)
+    ids = sample_batch(model, 1, 8)
+    torch.compile(lambda i: model(input_ids=i, use_cache=False).logits, backend="graphopt",
+                  options={"lowering": "eager"}, dynamic=True)(ids)
+    statuses = [r.status for r in graphopt.reports()]
+    assert statuses[-1] == "compiled"
+    assert all(s == "compiled" or s.startswith("restarted by Dynamo: TensorifyScalar")
+               for s in statuses), statuses
+    assert any(s.startswith("restarted") for s in statuses), statuses
