@@ -162,7 +162,7 @@ def calibrate(
     table.add_row("local link (gloo)", f"{link.bandwidth / 1e9:.2f} GB/s, "
                   f"{link.latency * 1e6:.0f} us")
     console.print(table)
-    from graphopt.cost.calibrate import local_profile_path
+    from graphopt.cost.profiles import local_profile_path
 
     console.print(f"wrote {out or local_profile_path()} (profile 'local')")
 
@@ -171,7 +171,9 @@ def calibrate(
 def estimate(
     model: str = typer.Option("llama", help="A graphopt.models name (small config) or a "
                               "transformers config.json (built on the meta device)."),
-    profile: str = typer.Option("local", help="Cluster profile name or JSON/YAML file."),
+    profile: str | None = typer.Option(None, help="Cluster profile name or JSON/YAML file "
+                                       "(default: 'local' when `graphopt calibrate` has "
+                                       "run, else h100-sxm)."),
     batch: int = typer.Option(2, min=1),
     seq: int = typer.Option(128, min=2),
     dtype: str = typer.Option("float32", help="float32 | float64 | bfloat16."),

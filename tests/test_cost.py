@@ -328,3 +328,27 @@ def test_calibrated_curve_is_scaled_to_the_dtype_peak():
     assert mm32.time_s == pytest.approx(2 * 256**3 / 60e9 + 5e-6)
     assert mm16.time_s == pytest.approx(2 * 256**3 / (60e9 * 4 / 100) + 5e-6)
     assert mm16.peak_s == pytest.approx(2 * 256**3 / 4e9) and mm16.peak_s <= mm16.time_s
+
+
+def test_default_profile_is_local_when_calibrated_else_h100(tmp_path, monkeypatch):
+    from graphopt.cost.profiles import default_profile_name, local_profile_path
+
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
+    linear, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    assert default_profile_name() == "h100-sxm"
+    assert estimate(linear, (x,)).profile.name == "h100-sxm"
+    local_profile_path().write_text(json.dumps(cluster_to_dict(calibrated_like_cpu())))
+    assert default_profile_name() == "local"
+    assert estimate(linear, (x,)).profile == calibrated_like_cpu()
+
+
+def test_estimate_cli_without_a_profile_uses_the_default_rule(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))  # not calibrated
+    result = CliRunner().invoke(app, ["estimate", "--model", "llama", "--seq", "16"])
+    assert result.exit_code == 0, result.output
+    assert "on h100-sxm" in result.output
+

@@ -10,8 +10,15 @@ from graphopt.cost.collectives import collective_time
 from graphopt.cost.estimate import Estimate, estimate, trace_step
 from graphopt.cost.graph_cost import GraphCost, NodeCost, graph_cost, lightning_flops
 from graphopt.cost.memory import liveness_peak, model_state_bytes
-from graphopt.cost.profiles import CLUSTERS, DEVICES, load_profile, profile_names
+from graphopt.cost.profiles import (
+    CLUSTERS,
+    DEVICES,
+    default_profile_name,
+    load_profile,
+    profile_names,
+)
 
 __all__ = ["CLUSTERS", "DEVICES", "Estimate", "GraphCost", "NodeCost", "collective_time",
-           "estimate", "graph_cost", "lightning_flops", "liveness_peak", "load_profile",
-           "model_state_bytes", "profile_names", "trace_step"]
+           "default_profile_name", "estimate", "graph_cost", "lightning_flops",
+           "liveness_peak", "load_profile", "model_state_bytes", "profile_names",
+           "trace_step"]

@@ -32,12 +32,8 @@ from graphopt.cost.profiles import (
     DeviceProfile,
     LinkProfile,
     cluster_to_dict,
+    local_profile_path,
 )
-
-
-def local_profile_path() -> Path:
-    root = Path(os.environ.get("GRAPHOPT_CACHE_DIR", Path.home() / ".cache" / "graphopt"))
-    return root / "local.json"
 
 
 def _median_time(fn: Callable[[], Any], reps: int, min_time: float = 0.02) -> float:

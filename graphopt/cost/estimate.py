@@ -1,6 +1,6 @@
 """Whole-model estimates: trace a training (or inference) step to an ATen graph and price it.
 
-    est = estimate(model, {"input_ids": ids, "labels": ids}, profile="local")
+    est = estimate(model, {"input_ids": ids, "labels": ids}, profile="h100-sxm")
     est.time_s, est.flops, est.mfu, est.peak_bytes, est.cost.top(10)
 
 ``tracing="real"`` runs the step once on the given tensors under a dispatch-mode recorder
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphopt.cost.graph_cost import GraphCost, graph_cost
 from graphopt.cost.memory import liveness_peak
-from graphopt.cost.profiles import ClusterProfile, load_profile
+from graphopt.cost.profiles import ClusterProfile, default_profile_name, load_profile
 from graphopt.errors import ConfigError
 
 
@@ -230,14 +230,16 @@ def record_step(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
 
 
 def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, Any] | tuple,
-             profile: str | Path | ClusterProfile = "local", *, train: bool = True,
+             profile: str | Path | ClusterProfile | None = None, *, train: bool = True,
              tracing: str = "real", gm: fx.GraphModule | None = None) -> Estimate:
-    """Predict time, FLOPs, MFU and memory of one forward(+backward) step on one device.
+    """Predict time, FLOPs, MFU and memory of one forward(+backward) step on one device of
+    ``profile`` (default: :func:`~graphopt.cost.profiles.default_profile_name`, the
+    calibrated "local" profile when there is one, else h100-sxm).
 
     Raises:
         ConfigError: unknown profile (lists the valid ones) or bad tracing mode.
     """
-    prof = load_profile(profile)
+    prof = load_profile(profile if profile is not None else default_profile_name())
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("estimate() takes an nn.Module (wrap functions in a Module)")
     fused = tracing == "fake" and prof.device.kind != "cpu"

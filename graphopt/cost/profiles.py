@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -265,10 +266,22 @@ CLUSTERS: dict[str, ClusterProfile] = {
 }
 
 
-def _local_path() -> Path:
-    from graphopt.cost.calibrate import local_profile_path
+DEFAULT_PROFILE = "h100-sxm"
+"""The profile used when none is given and this machine has not been calibrated."""
 
-    return local_profile_path()
+
+def local_profile_path() -> Path:
+    """Where ``graphopt calibrate`` writes the ``local`` profile:
+    ``$GRAPHOPT_CACHE_DIR/local.json`` (default ``~/.cache/graphopt/local.json``)."""
+    root = Path(os.environ.get("GRAPHOPT_CACHE_DIR", Path.home() / ".cache" / "graphopt"))
+    return root / "local.json"
+
+
+def default_profile_name() -> str:
+    """The profile to use when the caller names none: "local" when ``graphopt calibrate``
+    has written it (:func:`local_profile_path` exists), else :data:`DEFAULT_PROFILE`.
+    The one place this rule lives; every default in graphopt goes through it."""
+    return "local" if local_profile_path().exists() else DEFAULT_PROFILE
 
 
 def profile_names() -> list[str]:
@@ -292,7 +305,7 @@ def load_profile(spec: str | Path | Mapping[str, Any] | ClusterProfile) -> Clust
     if key in CLUSTERS:
         return CLUSTERS[key]
     if key == "local":
-        path = _local_path()
+        path = local_profile_path()
         if not path.exists():
             raise ConfigError(f"profile 'local' has not been measured yet ({path} is missing);"
                               " run `graphopt calibrate` first")
@@ -365,6 +378,6 @@ def cluster_to_dict(profile: ClusterProfile) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CLUSTERS", "DEVICES", "ClusterLevel", "ClusterProfile", "DeviceProfile",
-           "LinkProfile", "cluster_from_dict", "cluster_to_dict", "load_profile",
-           "profile_names"]
+__all__ = ["CLUSTERS", "DEFAULT_PROFILE", "DEVICES", "ClusterLevel", "ClusterProfile",
+           "DeviceProfile", "LinkProfile", "cluster_from_dict", "cluster_to_dict",
+           "default_profile_name", "load_profile", "local_profile_path", "profile_names"]

@@ -37,12 +37,11 @@ def _joint_options_key(config: GraphoptConfig) -> str:
     if config.remat is None:
         return "no-remat"
     key = repr(config.remat)
-    if config.remat.profile is None or config.remat.profile == "local":
-        from graphopt.cost.calibrate import local_profile_path
+    from graphopt.cost.profiles import default_profile_name, local_profile_path
 
-        path = local_profile_path()
-        if path.exists():
-            key += hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    path = local_profile_path()
+    if (config.remat.profile or default_profile_name()) == "local" and path.exists():
+        key += hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     if config.remat.profile_guided:
         import uuid
 
