@@ -234,9 +234,9 @@ def _joint_records_through_cache(model: fx.GraphModule, config: GraphoptConfig,
     else:
         report.notes.append("forward/backward graphs came from the lowering's compile cache; "
                             "joint passes ran when that entry was made, their records are not "
-                            "stored: for a fresh compile pass options={'inductor_config': "
-                            "{'force_disable_caches': True}} (or TORCHINDUCTOR_FORCE_DISABLE_"
-                            "CACHES=1)")
+                            "stored: for a fresh compile set torch.compiler.config."
+                            "force_disable_caches = True (or TORCHINDUCTOR_FORCE_DISABLE_CACHES"
+                            "=1)")
 
 
 def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any],

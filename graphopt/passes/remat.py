@@ -400,12 +400,17 @@ def _plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
                      device.kind, times)
 
 
+_DEVICE_PUT = torch.ops.prims.device_put.default
+
+
 def _offload(gm: fx.GraphModule, v: fx.Node, backward: set[fx.Node]) -> None:
     """Save a host copy of ``v`` instead of ``v``; the backward copies it back.
 
-    forward: h = _to_copy(v, device=cpu) (MUST_SAVE); backward: d = _to_copy(h, device of
-    v) (MUST_RECOMPUTE, so the partitioner materializes it in the backward) replaces v in
-    every backward user, and views of v that the backward reads are rebuilt on d."""
+    forward: h = device_put(v, cpu) (MUST_SAVE); backward: d = device_put(h, device of v)
+    (MUST_RECOMPUTE, so the partitioner materializes it in the backward) replaces v in every
+    backward user, and views of v that the backward reads are rebuilt on d. ``prims.
+    device_put``, not ``aten._to_copy``: this runs after AOTAutograd's decompositions, and
+    Inductor has a lowering for device_put but expects _to_copy decomposed (it crashed)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     graph = gm.graph
@@ -420,12 +425,12 @@ def _offload(gm: fx.GraphModule, v: fx.Node, backward: set[fx.Node]) -> None:
     if not backward_users(v) and not views:
         return
     with graph.inserting_after(v):
-        host = graph.call_function(aten._to_copy.default, (v,), {"device": torch.device("cpu")})
+        host = graph.call_function(_DEVICE_PUT, (v, torch.device("cpu")))
     host.meta.update(val=val.to("cpu"), recompute=CheckpointPolicy.MUST_SAVE)
     readers = backward_users(v) + [u for w in views for u in backward_users(w)]
     first = min(readers, key=lambda u: order.get(u, len(order)))
     with graph.inserting_before(first):
-        back = graph.call_function(aten._to_copy.default, (host,), {"device": val.device})
+        back = graph.call_function(_DEVICE_PUT, (host, val.device))
     back.meta.update(val=val, recompute=CheckpointPolicy.MUST_RECOMPUTE)
     for u in backward_users(v):
         u.replace_input_with(v, back)
