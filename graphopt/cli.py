@@ -144,9 +144,14 @@ def calibrate(
     """Measure this machine (GEMM curve, memory bandwidth, kernel overhead, gloo all-reduce)
     and write the 'local' cost-model profile."""
     from graphopt.cost.calibrate import calibrate as run
+    from graphopt.errors import GraphoptError
 
-    with console.status("[bold]calibrating[/]") as status:
-        profile = run(out, collectives, log=lambda m: status.update(f"[bold]{m}[/]"))
+    try:
+        with console.status("[bold]calibrating[/]") as status:
+            profile = run(out, collectives, log=lambda m: status.update(f"[bold]{m}[/]"))
+    except GraphoptError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
     dev = profile.device
     table = Table(title=f"local profile ({dev.source})")
     table.add_column("quantity")

@@ -55,3 +55,19 @@ def test_demo_rejects_bad_arguments_before_building_anything():
     assert result.exit_code == 2 and "unknown model 'nonexistent'" in result.output
     result = runner.invoke(app, ["demo", "--lowering", "bogus"])
     assert result.exit_code == 2 and "unknown lowering 'bogus'" in result.output
+
+
+def test_calibrate_checks_the_output_path_before_measuring(tmp_path, monkeypatch):
+    from graphopt.cost import calibrate as cal
+
+    def measured(*args, **kwargs):
+        raise AssertionError("calibrate measured before checking the output path")
+
+    monkeypatch.setattr(cal, "measure_matmul", measured)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out in (blocker / "local.json", tmp_path):  # under a file; a directory
+        result = runner.invoke(app, ["calibrate", "--out", str(out)])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2, result.output
+        assert f"cannot write the profile to {out}" in text and "--out" in text

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from graphopt.cost.profiles import (
     cluster_to_dict,
     local_profile_path,
 )
+from graphopt.errors import ConfigError
 
 
 def _median_time(fn: Callable[[], Any], reps: int, min_time: float = 0.02) -> float:
@@ -184,9 +186,35 @@ def measure_allreduce(world: int = 2, sizes: tuple[int, ...] = (4096, 2**20, 16 
     return LinkProfile(bandwidth=bandwidth, latency=alpha)
 
 
+def check_writable(path: Path) -> None:
+    """Raise ConfigError unless a file can be written at ``path`` (creating its folder);
+    :func:`calibrate` calls it before measuring, so a bad path fails in a second, not after
+    the benchmarks. An existing file is left as it is."""
+    fix = ("pass --out with a writable file path (e.g. ./local.json), or set "
+           "GRAPHOPT_CACHE_DIR to a writable folder")
+    if path.is_dir():
+        raise ConfigError(f"cannot write the profile to {path}: it is a directory; {fix}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent):
+            pass
+        if path.exists():
+            path.open("a").close()
+    except OSError as exc:
+        raise ConfigError(f"cannot write the profile to {path}: "
+                          f"{exc.strerror or type(exc).__name__}; {fix}") from exc
+
+
 def calibrate(path: Path | None = None, collectives: bool = True,
               log: Callable[[str], None] = print) -> ClusterProfile:
-    """Measure this machine and write the ``local`` profile; returns it."""
+    """Measure this machine and write the ``local`` profile; returns it.
+
+    Raises:
+        ConfigError: ``path`` (default :func:`local_profile_path`) cannot be written;
+            checked before anything is measured.
+    """
+    target = path or local_profile_path()
+    check_writable(target)
     log(f"matmul fp32 ({torch.get_num_threads()} threads)...")
     curve = measure_matmul()
     peak32 = max(f for _, f in curve)
@@ -211,8 +239,6 @@ def calibrate(path: Path | None = None, collectives: bool = True,
     profile = ClusterProfile("local", device, (ClusterLevel("node", os.cpu_count() or 1,
                                                             link),),
                              "measured by graphopt calibrate")
-    target = path or local_profile_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(cluster_to_dict(profile), indent=2))
     log(f"wrote {target}")
     return profile
