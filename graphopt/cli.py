@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from graphopt.report import CompileReport
@@ -20,6 +21,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 _DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16"}
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """Print ``message`` in red and exit with ``code``. The message is escaped: exception
+    text such as ``pip install 'graphopt[npu]'`` or a path with brackets is not rich markup."""
+    console.print(f"[red]{escape(message)}[/]")
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -59,14 +67,13 @@ def demo(
         options["dump_dir"] = str(dump_dir)
     try:
         graphopt.GraphoptConfig.from_options(options)
+        graphopt.clear_reports()
+        with console.status("[bold]compiling and running[/]") as status:
+            result = run_demo(model, lowering, getattr(torch, dtype), batch, seq, dump_dir,
+                              verify, attention=attention, moe=moe,
+                              progress=lambda msg: status.update(f"[bold]{escape(msg)}[/]"))
     except graphopt.GraphoptError as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(2) from None
-    graphopt.clear_reports()
-    with console.status("[bold]compiling and running[/]") as status:
-        result = run_demo(model, lowering, getattr(torch, dtype), batch, seq, dump_dir, verify,
-                          attention=attention, moe=moe,
-                          progress=lambda msg: status.update(f"[bold]{msg}[/]"))
+        _fail(str(exc))
     _print_reports(graphopt.reports(), sites=0)
     table = Table(title=f"{model}: compiled vs eager ({dtype}, lowering {lowering}, "
                         f"attention {attention}" + (", moe" if moe else "") + ")")
@@ -80,7 +87,7 @@ def demo(
     console.print(table)
     console.print(f"compile + first training step {result.train_s:.1f}s, inference step "
                   f"{result.infer_s:.1f}s; graphs compiled: {len(graphopt.reports())}"
-                  + (f"; dumps in {dump_dir}" if dump_dir else ""))
+                  + (f"; dumps in {escape(str(dump_dir))}" if dump_dir else ""))
     if approximate:
         console.print("attention='lightning' replaces softmax attention by Lightning Attention "
                       "(APPROXIMATE): outputs are expected to differ from eager; the run "
@@ -96,21 +103,18 @@ def explain(
 ) -> None:
     """Render the report(s) of a dump directory in the terminal."""
     if not dump_dir.is_dir():
-        console.print(f"[red]{dump_dir} is not a directory[/]")
-        raise typer.Exit(2)
+        _fail(f"{dump_dir} is not a directory")
     paths = sorted(dump_dir.glob("report.json")) or sorted(dump_dir.glob("graph_*/report.json"))
     if not paths:
-        console.print(f"[red]no report.json in {dump_dir} or its graph_* folders[/]; "
-                      "compile with options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")
-        raise typer.Exit(2)
+        _fail(f"no report.json in {dump_dir} or its graph_* folders; compile with "
+              "options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")
     reports = []
     for path in paths:
         try:
             reports.append(CompileReport.from_dict(json.loads(path.read_text())))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            console.print(f"[red]cannot read {path}: {type(exc).__name__}: {exc}[/] (not a "
-                          "graphopt report, or written by another version)")
-            raise typer.Exit(2) from None
+            _fail(f"cannot read {path}: {type(exc).__name__}: {exc} (not a graphopt report, "
+                  "or written by another version)")
     _print_reports(reports, sites)
 
 
@@ -150,8 +154,7 @@ def calibrate(
         with console.status("[bold]calibrating[/]") as status:
             profile = run(out, collectives, log=lambda m: status.update(f"[bold]{m}[/]"))
     except GraphoptError as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(2) from None
+        _fail(str(exc))
     dev = profile.device
     table = Table(title=f"local profile ({dev.source})")
     table.add_column("quantity")
@@ -169,7 +172,7 @@ def calibrate(
     console.print(table)
     from graphopt.cost.profiles import local_profile_path
 
-    console.print(f"wrote {out or local_profile_path()} (profile 'local')")
+    console.print(f"wrote {escape(str(out or local_profile_path()))} (profile 'local')")
 
 
 @app.command()
@@ -226,10 +229,10 @@ def estimate(
                   train=train,
                   tracing="fake")
     except (GraphoptError, ValueError, TypeError) as exc:  # transformers' config validation
-        console.print(f"[red]{type(exc).__name__}: {exc}[/]")
-        raise typer.Exit(2) from None
-    console.print(f"{model} batch {batch} seq {seq} {dtype} on {est.profile.name} "
-                  f"({est.profile.device.name}): {'fwd+bwd' if train else 'fwd'} "
+        _fail(f"{type(exc).__name__}: {exc}")
+    console.print(f"{escape(model)} batch {batch} seq {seq} {dtype} on "
+                  f"{escape(est.profile.name)} ({escape(est.profile.device.name)}): "
+                  f"{'fwd+bwd' if train else 'fwd'} "
                   f"{est.time_s * 1e3:.2f} ms, {est.flops / 1e9:.2f} GFLOP, MFU "
                   f"{est.mfu * 100:.1f}%, memory {est.peak_bytes / 2**20:.1f} MiB "
                   f"(params {est.param_bytes / 2**20:.1f}, activations "
@@ -280,9 +283,8 @@ def plan(
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
                                                          "evaluated[/]"))
     except GraphoptError as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(2) from None
-    table = Table(title=f"{model} ({pm.params / 1e9:.3g}B params), {devices} x "
+        _fail(str(exc))
+    table = Table(title=f"{escape(model)} ({pm.params / 1e9:.3g}B params), {devices} x "
                         f"{profile.device.name}, seq {seq}, global batch {global_batch}: "
                         f"{result.evaluated} plans in {result.seconds:.2f}s "
                         f"({result.pruned_memory} out of memory)")
@@ -309,7 +311,7 @@ def plan(
             "global_batch": global_batch, "plans": [p.to_dict() for p in result.top],
             "hand": [{"name": n, "plan": p.to_dict(), "verdict": w}
                      for n, p, w in result.hand]}, indent=2))
-        console.print(f"wrote {json_out}")
+        console.print(f"wrote {escape(str(json_out))}")
 
 
 def _model_from_config(path: Path, dtype: Any, overrides: dict[str, Any]) -> Any:
@@ -357,16 +359,18 @@ def _print_reports(reports: list[CompileReport], sites: int) -> None:
         for r in reports:
             for p in r.passes:
                 for s in p.sites[:sites]:
-                    console.print(f"graph {r.graph_id} {p.name}: {s.action} [cyan]{s.site}[/]"
-                                  + (f" - {s.reason}" if s.reason else ""))
+                    console.print(f"graph {r.graph_id} {p.name}: {s.action} "
+                                  f"[cyan]{escape(s.site)}[/]"
+                                  + (f" - {escape(s.reason)}" if s.reason else ""))
                 if len(p.sites) > sites:
                     console.print(f"graph {r.graph_id} {p.name}: ... {len(p.sites) - sites} "
                                   "more sites (--sites N to list more; all are in report.md)")
     for r in reports:
         for note in r.notes:
-            console.print(f"graph {r.graph_id}: note: {note}")
+            console.print(f"graph {r.graph_id}: note: {escape(note)}")
         if r.verify.get("status") == "failed":
-            console.print(f"[red]graph {r.graph_id} verify failed: {r.verify.get('detail')}[/]")
+            console.print(f"[red]graph {r.graph_id} verify failed: "
+                          f"{escape(str(r.verify.get('detail')))}[/]")
 
 
 def main() -> None:

@@ -71,3 +71,17 @@ def test_calibrate_checks_the_output_path_before_measuring(tmp_path, monkeypatch
         text = " ".join(result.output.split())
         assert result.exit_code == 2, result.output
         assert f"cannot write the profile to {out}" in text and "--out" in text
+
+
+def test_error_text_with_brackets_is_printed_verbatim(tmp_path):
+    """Exception text goes through rich.markup.escape: `graphopt[npu]` keeps its `[npu]`."""
+    from graphopt.config import npu_available
+
+    if not npu_available():
+        result = runner.invoke(app, ["demo", "--lowering", "npu"])
+        assert result.exit_code == 2 and "graphopt[npu]" in result.output, result.output
+    missing = str(tmp_path / "config[bold].json")
+    for command in (["estimate", "--model", missing],
+                    ["plan", "--model", missing, "--devices", "8", "--global-batch", "8"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2 and "config[bold].json" in result.output, result.output
