@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from graphopt.models import SPECS, expert_count
 from graphopt.report import CompileReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -32,9 +33,8 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 @app.command()
 def demo(
-    model: str = typer.Option("minimax", help="Real transformers model: minimax, llama, "
-                              "qwen3, gpt2, mixtral, qwen3_moe or deepseek_v3 (small config, "
-                              "random weights)."),
+    model: str = typer.Option("minimax", help=f"Real transformers model: {', '.join(SPECS)} "
+                              "(small config, random weights)."),
     lowering: str = typer.Option("eager", help="eager | inductor | auto | npu."),
     attention: str = typer.Option("exact", help="keep | exact (MiniMax's lightning-attention "
                                   "loop -> graphopt's kernel) | lightning (approximate)."),
@@ -46,7 +46,8 @@ def demo(
     verify: bool = typer.Option(True, help="Also run graphopt's verify on each graph."),
     moe: bool = typer.Option(True, help="MoE models: compile with transformers' grouped_mm "
                              "experts and options={'moe': {}} (sorted dispatch + grouped "
-                             "GEMMs; eager keeps its per-expert loop as the reference)."),
+                             "GEMMs; eager keeps its per-expert loop as the reference). "
+                             "Dense models ignore it."),
 ) -> None:
     """Compile a real model with backend="graphopt", run a training step and an inference
     step, compare both with eager, and print the report."""
@@ -54,12 +55,12 @@ def demo(
 
     import graphopt
     from graphopt.demo import run_demo
-    from graphopt.models import SPECS
 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(_DTYPES)}")
     if model not in SPECS:
         raise typer.BadParameter(f"unknown model {model!r}; available: {', '.join(SPECS)}")
+    moe = moe and expert_count(SPECS[model].kwargs) > 0  # dense models: no MoE setup
     options: dict[str, Any] = {"lowering": lowering, "attention": attention}
     if moe:
         options["moe"] = {}

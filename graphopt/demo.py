@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from graphopt.models import build_model, sample_batch
+from graphopt.models import build_model, expert_count, sample_batch
 from graphopt.verify import default_tolerance
 
 
@@ -39,13 +39,18 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     compiled model and an identical eager copy; record the largest differences.
 
     ``moe``: the compiled copy of an MoE model uses transformers' grouped_mm experts (one
-    graph per forward) and graphopt's MoE pass; the eager copy keeps the per-expert loop."""
+    graph per forward) and graphopt's MoE pass; the eager copy keeps the per-expert loop.
+    Dense models (no experts) ignore it.
+
+    Raises:
+        ConfigError: unknown ``model_name`` (lists the valid ones).
+    """
     progress(f"building {model_name}")
     eager = build_model(model_name, dtype=dtype)
     compiled_model = copy.deepcopy(eager)
     options: dict[str, Any] = {"lowering": lowering, "verify": verify,  # validated by the CLI
                                "attention": attention}
-    if moe and getattr(eager.config, "_experts_implementation", None) is not None:
+    if moe and expert_count(eager.config):
         compiled_model.set_experts_implementation("grouped_mm")  # type: ignore[operator]
         options["moe"] = {}
     ids = sample_batch(eager, batch, seq)

@@ -6,7 +6,7 @@ exact code users run (MiniMax's Python block loop, Mixtral's routing loop, ...).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,20 @@ SPECS: dict[str, ModelSpec] = {
                               linear_attn_alpha_factor=1.0, linear_attn_beta_factor=1.0,
                               mlp_alpha_factor=1.0, mlp_beta_factor=1.0)),
 }
+
+
+_EXPERT_FIELDS = ("num_local_experts", "n_routed_experts", "num_experts")
+"""Config fields that count routed experts (Mixtral/MiniMax, DeepSeek, Qwen-MoE)."""
+
+
+def expert_count(config: Any) -> int:
+    """Routed experts per MoE layer of a transformers config, or of the kwargs that build
+    one (a Mapping); 0 for a dense model."""
+    for name in _EXPERT_FIELDS:
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if value:
+            return int(value)
+    return 0
 
 
 def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,

@@ -1,5 +1,6 @@
 """The graphopt CLI: help, passes, explain on a real dump, demo on a real model."""
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -85,3 +86,26 @@ def test_error_text_with_brackets_is_printed_verbatim(tmp_path):
                     ["plan", "--model", missing, "--devices", "8", "--global-batch", "8"]):
         result = runner.invoke(app, command)
         assert result.exit_code == 2 and "config[bold].json" in result.output, result.output
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_demo_runs_dense_models(model):
+    """Dense models have no experts: the demo skips the MoE setup instead of crashing in
+    set_experts_implementation."""
+    from graphopt.demo import run_demo
+
+    result = run_demo(model, "eager", torch.float32, batch=1, seq=8, dump_dir=None,
+                      verify=False, moe=True)
+    assert result.ok, result.checks
+
+
+def test_demo_lists_every_model_and_rejects_unknown_ones():
+    from graphopt.demo import run_demo
+    from graphopt.errors import ConfigError
+    from graphopt.models import SPECS
+
+    help_text = " ".join(runner.invoke(app, ["demo", "--help"], terminal_width=300)
+                         .output.split())
+    assert all(name in help_text for name in SPECS)
+    with pytest.raises(ConfigError, match="unknown model 'llama9'; available: llama, qwen3"):
+        run_demo("llama9", "eager", torch.float32, 1, 8, None, False)
