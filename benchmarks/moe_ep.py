@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from graphopt.testing import run_distributed
+from graphopt.distributed import run_distributed
 
 SCHEDULES = ["flat", "chunked", "hierarchical", "peer"]
 

@@ -10,7 +10,8 @@ from torch import nn
 
 import graphopt
 import graphopt.capture
-from graphopt.testing import assert_matches_eager, run_distributed
+from graphopt.distributed import run_distributed
+from graphopt.testing import assert_matches_eager
 
 EAGER = {"lowering": "eager"}
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from graphopt.distributed import run_distributed
 from graphopt.kernels.comm import block_transpose
-from graphopt.testing import run_distributed
 
 E, H, F = 8, 12, 20
 

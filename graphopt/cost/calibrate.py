@@ -172,7 +172,7 @@ def _allreduce_worker(rank: int, world: int, sizes: list[int]) -> list[tuple[int
 def measure_allreduce(world: int = 2, sizes: tuple[int, ...] = (4096, 2**20, 16 * 2**20)
                       ) -> LinkProfile:
     """Fit latency and bandwidth of gloo all-reduce over ``world`` local ranks."""
-    from graphopt.testing import run_distributed
+    from graphopt.distributed import run_distributed
 
     data = run_distributed(_allreduce_worker, world, list(sizes))[0]
     # t = 2(n-1) alpha + 2(n-1)/n m / B: least squares on (1, m)
