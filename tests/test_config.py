@@ -118,3 +118,21 @@ def test_enable_and_pass_options_mean_the_same():
     remat = GraphoptConfig.from_options({"remat": {"budget": 0.5}})
     assert [p.name for p in build_pipeline(remat, "joint")] == ["remat"]
     assert GraphoptConfig.from_options({}).moe is None
+
+
+def test_readme_use_block_is_valid_verbatim(monkeypatch):
+    """The README's options example, executed as written, passes validation."""
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    seen = {}
+
+    def fake_compile(model, backend, options):
+        seen["options"] = options
+        return GraphoptConfig.from_options(options)
+
+    namespace = {"model": torch.nn.Linear(2, 2)}
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    exec(block, namespace)
+    assert namespace["model"].remat is not None and seen["options"]["attention"] == "exact"
