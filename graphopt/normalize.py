@@ -15,6 +15,7 @@ real example inputs, with Dynamo's symbolic context), so symbols and the ``item_
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,7 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
                          _allow_non_fake_inputs=True)(*fakes)
     _rename_placeholders(traced, gm)
     _fill_missing_meta(traced)
+    _clean_module_paths(traced)
     _run_meta(traced, fake_mode, fakes)
     traced.recompile()
     return traced
@@ -154,6 +156,30 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> None:
         if isinstance(module, fx.GraphModule):
             module.meta.setdefault("_checkpoint_context_fn", functools.partial(
                 create_selective_checkpoint_contexts, _always_prefer_recompute))
+
+
+_DYNAMO_SOURCE = re.compile(r"^(?:[LG]\[[^\]]*\](?:\[[^\]]*\])*|L__self___|L__self__)\.?")
+
+
+def clean_module_path(path: str) -> str:
+    """A module path as the user writes it: Dynamo's source prefix of the compiled object
+    (``L['self']``, ``L['args'][0]``, ``G['model']``, ``L['model']``) dropped and indexing
+    written with dots: ``G['m'].model.layers.0.mlp`` -> ``model.layers.0.mlp``; the compiled
+    module itself is ""."""
+    path = _DYNAMO_SOURCE.sub("", str(path), count=1).replace("_modules[", "[")
+    return path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "") \
+        .lstrip(".")
+
+
+def _clean_module_paths(gm: fx.GraphModule) -> None:
+    """Rewrite every node's ``nn_module_stack`` paths with :func:`clean_module_path`, so
+    reports and module-path options (``lightning.layers``) use the model's own paths
+    whichever way the model was handed to torch.compile."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {
+                key: (clean_module_path(value[0]), *value[1:]) for key, value in stack.items()}
 
 
 def _rename_placeholders(traced: fx.GraphModule, original: fx.GraphModule) -> None:

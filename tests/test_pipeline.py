@@ -150,3 +150,35 @@ def test_dynamo_restart_is_labelled_as_such():
     assert all(s == "compiled" or s.startswith("restarted by Dynamo: TensorifyScalar")
                for s in statuses), statuses
     assert any(s.startswith("restarted") for s in statuses), statuses
+
+
+@pytest.mark.parametrize("path, clean", [
+    ("G['m'].model.layers.0.mlp", "model.layers.0.mlp"), ("L['args'][0].lm_head", "lm_head"),
+    ("L['self'].model.layers.1", "model.layers.1"), ("L['model']", ""),
+    ("L['self']._modules['x']", "x"), ("L__self___model", "model"), ("model.norm", "model.norm")])
+def test_module_paths_are_the_models_own(path, clean):
+    from graphopt.normalize import clean_module_path
+
+    assert clean_module_path(path) == clean
+
+
+@pytest.mark.parametrize("how", ["module", "lambda"])
+def test_lightning_layer_patterns_select_by_the_models_paths(how):
+    """README's "model.layers.*" selects Llama's layers however the model is compiled (Dynamo
+    prefixes paths with L['args'][0]. or G['model']., which normalize drops)."""
+    from graphopt.models import build_model, sample_batch
+
+    model = build_model("llama", dtype=torch.float64)
+    ids = sample_batch(model, 1, 16)
+    target = model if how == "module" else (lambda i: model(input_ids=i).logits)
+    options = {"lowering": "eager", "attention": "lightning",
+               "lightning": {"layers": ["model.layers.0.*"]}}
+    with torch.no_grad():
+        if how == "module":
+            torch.compile(target, backend="graphopt", options=options)(input_ids=ids)
+        else:
+            torch.compile(target, backend="graphopt", options=options)(ids)
+    sites = {s.site.split(":")[0]: s.action
+             for p in graphopt.last_report().pass_records("attention") for s in p.sites}
+    assert sites == {"model.layers.0.self_attn": "rewritten",
+                     "model.layers.1.self_attn": "skipped"}
