@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from graphopt.models import SPECS, expert_count
+from graphopt.models import SPECS, ModelSource, expert_count, model_names
 from graphopt.report import CompileReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -22,6 +22,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 _DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16"}
+_MODEL_HELP = (f"A model name ({', '.join(model_names())}; the last {len(SPECS)} are toy test "
+               "configs) or a transformers config.json; built on the meta device.")
+_OVERRIDE_HELP = "Config override key=value (int/float), e.g. --override hidden_size=512."
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -178,8 +181,7 @@ def calibrate(
 
 @app.command()
 def estimate(
-    model: str = typer.Option("llama", help="A graphopt.models name (small config) or a "
-                              "transformers config.json (built on the meta device)."),
+    model: str = typer.Option("llama", help=_MODEL_HELP),
     profile: str | None = typer.Option(None, help="Cluster profile name or JSON/YAML file "
                                        "(default: 'local' when `graphopt calibrate` has "
                                        "run, else h100-sxm)."),
@@ -188,8 +190,7 @@ def estimate(
     dtype: str = typer.Option("float32", help="float32 | float64 | bfloat16."),
     train: bool = typer.Option(True, help="Forward + backward (else forward only)."),
     top: int = typer.Option(8, min=0, help="Cost contributors to list."),
-    override: list[str] = typer.Option([], help="Config override key=value (int/float), e.g. "
-                                       "--override hidden_size=512"),
+    override: list[str] = typer.Option([], help=_OVERRIDE_HELP),
 ) -> None:
     """Predict one step's time, MFU and memory of a model on a profile (no compile needed);
     the model is built on the meta device and traced with fake tensors."""
@@ -197,38 +198,17 @@ def estimate(
 
     from graphopt.cost import estimate as run
     from graphopt.errors import GraphoptError
-    from graphopt.models import build_model, sample_batch
+    from graphopt.models import build_architecture, resolve_model, sample_batch
 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(_DTYPES)}")
-    kwargs: dict[str, Any] = {}
-    for item in override:
-        key, _, value = item.partition("=")
-        try:
-            kwargs[key] = float(value) if "." in value else int(value)
-        except ValueError:
-            raise typer.BadParameter(f"--override takes key=number (int or float), got "
-                                     f"{item!r}") from None
+    overrides = _parse_overrides(override)
     try:
-        with torch.device("meta"):
-            try:
-                if model.endswith(".json"):
-                    net = _model_from_config(Path(model), getattr(torch, dtype), kwargs)
-                else:
-                    net = build_model(model, getattr(torch, dtype), **kwargs)
-            except GraphoptError:
-                raise
-            except Exception as exc:  # transformers' config validation, any exception class
-                raise GraphoptError(f"cannot build model {model!r} with {kwargs}: "
-                                    f"{type(exc).__name__}: {exc}") from exc
-        unknown = [k for k in kwargs if not hasattr(type(net.config)(), k)]
-        if unknown:
-            raise GraphoptError(f"--override: {', '.join(unknown)} not a field of "
-                                f"{type(net.config).__name__}")
+        source = resolve_model(model)
+        net = build_architecture(source, getattr(torch, dtype), overrides, seq=seq)
         ids = sample_batch(net, batch=batch, seq=seq).to("meta")
         est = run(net, {"input_ids": ids, "labels": ids, "use_cache": False}, profile,
-                  train=train,
-                  tracing="fake")
+                  train=train, tracing="fake")
     except (GraphoptError, ValueError, TypeError) as exc:  # transformers' config validation
         _fail(f"{type(exc).__name__}: {exc}")
     console.print(f"{escape(model)} batch {batch} seq {seq} {dtype} on "
@@ -238,6 +218,7 @@ def estimate(
                   f"{est.mfu * 100:.1f}%, memory {est.peak_bytes / 2**20:.1f} MiB "
                   f"(params {est.param_bytes / 2**20:.1f}, activations "
                   f"{est.activation_bytes / 2**20:.1f})")
+    _print_toy_note(source)
     table = Table(title="top cost contributors (by op)")
     for col in ("op", "ms", "GFLOP", "MB moved"):
         table.add_column(col)
@@ -249,9 +230,7 @@ def estimate(
 
 @app.command()
 def plan(
-    model: str = typer.Option(..., help="A planner model (llama3-8b, llama3-70b, llama3-405b, "
-                              "gpt3-175b, mixtral-8x22b, deepseek-v3, dense-310b), a "
-                              "graphopt.models name, or a transformers config.json."),
+    model: str = typer.Option(..., help=_MODEL_HELP),
     cluster: str = typer.Option("h100-sxm", help="Cluster profile name or JSON/YAML file."),
     devices: int = typer.Option(..., min=1, help="Number of devices."),
     seq: int = typer.Option(4096, min=2, help="Sequence length (tokens)."),
@@ -260,6 +239,7 @@ def plan(
     json_out: Path | None = typer.Option(None, "--json", help="Write the best plans (and the "
                                          "hand configurations' verdicts) here."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float32."),
+    override: list[str] = typer.Option([], help=_OVERRIDE_HELP),
 ) -> None:
     """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
     common hand configurations lose."""
@@ -267,6 +247,7 @@ def plan(
 
     from graphopt.cost.profiles import load_profile
     from graphopt.errors import GraphoptError
+    from graphopt.models import resolve_model
     from graphopt.planner.model import plan_model
     from graphopt.planner.search import search
 
@@ -275,10 +256,13 @@ def plan(
     if json_out is not None and (json_out.is_dir() or not json_out.parent.is_dir()):
         raise typer.BadParameter(f"--json {json_out}: not a writable file path (a directory, "
                                  "or its folder does not exist)")
+    overrides = _parse_overrides(override)
     try:
         profile = load_profile(cluster)
-        with console.status(f"[bold]tracing {model} (seq {seq}) on the meta device[/]") as st:
-            pm = plan_model(model, seq, profile, getattr(torch, dtype))
+        source = resolve_model(model)
+        with console.status(f"[bold]tracing {escape(model)} (seq {seq}) on the meta "
+                            "device[/]") as st:
+            pm = plan_model(model, seq, profile, getattr(torch, dtype), overrides=overrides)
             st.update("[bold]searching[/]")
             result = search(pm, profile, devices, global_batch, top_k=top,
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
@@ -286,7 +270,7 @@ def plan(
     except GraphoptError as exc:
         _fail(str(exc))
     table = Table(title=f"{escape(model)} ({pm.params / 1e9:.3g}B params), {devices} x "
-                        f"{profile.device.name}, seq {seq}, global batch {global_batch}: "
+                        f"{escape(profile.device.name)}, seq {seq}, global batch {global_batch}: "
                         f"{result.evaluated} plans in {result.seconds:.2f}s "
                         f"({result.pruned_memory} out of memory)")
     for col in ("#", "plan", "step s", "tokens/s", "MFU", "memory GiB", "bubble s",
@@ -306,6 +290,7 @@ def plan(
     for name, p, why in result.hand:
         hand.add_row(name, p.describe(), why)
     console.print(hand)
+    _print_toy_note(source)
     if json_out is not None:
         json_out.write_text(json.dumps({
             "model": model, "cluster": cluster, "devices": devices, "seq": seq,
@@ -315,16 +300,23 @@ def plan(
         console.print(f"wrote {escape(str(json_out))}")
 
 
-def _model_from_config(path: Path, dtype: Any, overrides: dict[str, Any]) -> Any:
-    """A causal LM from a transformers config.json (no weights; call under a meta device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--override key=value`` options as config kwargs (int, or float with a '.')."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = float(value) if "." in value else int(value)
+        except ValueError:
+            raise typer.BadParameter(f"--override takes key=number (int or float), got "
+                                     f"{item!r}") from None
+    return out
 
-    from graphopt.errors import ConfigError
 
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    config = AutoConfig.from_pretrained(str(path), **overrides)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+def _print_toy_note(source: ModelSource) -> None:
+    """Say so when the numbers are for a toy test config, not a real model size."""
+    if source.toy:
+        console.print(f"[yellow]{escape(source.toy_note())}[/]")
 
 
 def _print_reports(reports: list[CompileReport], sites: int) -> None:

@@ -1,13 +1,20 @@
-"""Small real transformers models (random weights, no downloads) for demo, tests, benchmarks.
+"""Models by name: small real transformers models (random weights, no downloads) for demo,
+tests and benchmarks, published architectures at full size, and the one loader the cost
+model and the planner share.
 
-Each entry builds the library's own model class from a small config, so graphopt sees the
-exact code users run (MiniMax's Python block loop, Mixtral's routing loop, ...).
+Each ``SPECS`` entry builds the library's own model class from a small ("toy") config, so
+graphopt sees the exact code users run (MiniMax's Python block loop, Mixtral's routing loop,
+...). ``PUBLISHED_MODELS`` are real architectures (built on the meta device only).
+:func:`resolve_model` turns either name, or a transformers config.json path, into a
+:class:`ModelSource`; :func:`build_architecture` instantiates it on the meta device.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +81,169 @@ def expert_count(config: Any) -> int:
         if value:
             return int(value)
     return 0
+
+
+# Published architectures at their real sizes: (config class, model class, config kwargs,
+# source). Build them on the meta device only (billions of parameters).
+PUBLISHED_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "llama3-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256), "Llama 3 paper (Dubey et al. 2024), Tab. 3"),
+    "llama3-70b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        intermediate_size=28672, vocab_size=128256), "Llama 3 paper, Tab. 3"),
+    "llama3-405b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+        num_key_value_heads=8, intermediate_size=53248, vocab_size=128256),
+        "Llama 3 paper, Tab. 3"),
+    "gpt3-175b": ("GPT2Config", "GPT2LMHeadModel", dict(
+        n_embd=12288, n_layer=96, n_head=96, vocab_size=51200),
+        "GPT-3 paper (Brown et al. 2020), Tab. 2.1; vocab as in Megatron-LM"),
+    "mixtral-8x22b": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=6144, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+        intermediate_size=16384, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=32768), "mistralai/Mixtral-8x22B-v0.1 config.json (141B total)"),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+        num_key_value_heads=128, intermediate_size=18432, moe_intermediate_size=2048,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+        topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280),
+        "deepseek-ai/DeepSeek-V3 config.json (671B total, 37B active)"),
+    "dense-310b": ("GPT2Config", "GPT2LMHeadModel", dict(
+        n_embd=16384, n_layer=96, n_head=128, vocab_size=51200),
+        "the 310B GPT of Megatron-LM SC'21 Tab. 1 (Hypertron's dense 310B: same size class)"),
+}
+
+
+def model_names() -> list[str]:
+    """Names :func:`resolve_model` accepts besides config.json paths."""
+    return [*PUBLISHED_MODELS, *SPECS]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model architecture resolved by :func:`resolve_model`: transformers class names and
+    the config kwargs that build it."""
+
+    name: str
+    config_class: str
+    model_class: str
+    kwargs: dict[str, Any]
+    toy: bool
+    """A ``SPECS`` test config: real model code at a tiny size, not a published model."""
+    source: str = ""
+
+    def toy_note(self) -> str:
+        """One line saying this is a toy model and what to use instead ("" if not a toy)."""
+        if not self.toy:
+            return ""
+        hidden = self.kwargs.get("hidden_size", self.kwargs.get("n_embd"))
+        layers = self.kwargs.get("num_hidden_layers", self.kwargs.get("n_layer"))
+        return (f"note: {self.name!r} is a toy model: graphopt's small test config of "
+                f"{self.model_class} (hidden {hidden}, {layers} layers), not a published "
+                f"model; for real sizes use one of {', '.join(PUBLISHED_MODELS)} or a "
+                "transformers config.json")
+
+
+def resolve_model(spec: str | Path) -> ModelSource:
+    """The architecture named by ``spec``: a ``PUBLISHED_MODELS`` name, a ``SPECS`` (toy)
+    name, or a transformers config.json path (its ``model_type`` and ``architectures``).
+
+    Raises:
+        ConfigError: unknown name (lists the valid ones), missing file, or a file that is
+            not a transformers config.json.
+    """
+    text = str(spec)
+    if text in PUBLISHED_MODELS:
+        config_class, model_class, kwargs, source = PUBLISHED_MODELS[text]
+        return ModelSource(text, config_class, model_class, dict(kwargs), False, source)
+    if text in SPECS:
+        s = SPECS[text]
+        return ModelSource(text, s.config_class, s.model_class, dict(s.kwargs), True,
+                           "graphopt.models.SPECS")
+    path = Path(text)
+    if not path.is_file():
+        what = "config file does not exist" if path.suffix == ".json" else "not a file"
+        raise ConfigError(f"unknown model {text!r}: {what}, and not one of "
+                          f"{', '.join(model_names())}")
+    return _from_config_json(path)
+
+
+def _from_config_json(path: Path) -> ModelSource:
+    """A :class:`ModelSource` from a transformers config.json (ConfigError if it is not)."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("the file holds no JSON object")
+        model_type = data.pop("model_type")
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(model_type)
+        arch = (data.pop("architectures", None) or [None])[0]
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{path}: not a transformers config.json ({exc})") from exc
+    if arch is None:
+        raise ConfigError(f"{path}: config.json has no 'architectures' entry naming the model "
+                          "class (e.g. LlamaForCausalLM)")
+    kwargs = {k: v for k, v in data.items() if not k.startswith("_") and k != "auto_map"}
+    return ModelSource(str(path), type(cfg).__name__, arch, kwargs, False, f"file {path}")
+
+
+def model_config(source: ModelSource, overrides: Mapping[str, Any] | None = None,
+                 seq: int | None = None) -> Any:
+    """The transformers config of ``source`` with ``overrides`` (config fields) applied;
+    GPT-2's learned positions are extended to ``seq``.
+
+    Raises:
+        ConfigError: an override that is not a field of the config class, or a value
+            transformers rejects (its message included).
+    """
+    import transformers
+
+    cls = getattr(transformers, source.config_class)
+    unknown = [k for k in overrides or {} if not hasattr(cls(), k)]
+    if unknown:
+        raise ConfigError(f"override(s) {', '.join(unknown)} not a field of "
+                          f"{source.config_class}; use its field names (e.g. hidden_size)")
+    try:
+        config = cls(**{**source.kwargs, **(overrides or {})})
+    except Exception as exc:  # transformers' validation raises several exception classes
+        raise ConfigError(f"transformers rejects this {source.config_class}: "
+                          f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+    if seq is not None and hasattr(config, "n_positions"):
+        config.n_positions = max(seq, config.n_positions)
+    return config
+
+
+def build_architecture(source: ModelSource, dtype: torch.dtype = torch.float32,
+                       overrides: Mapping[str, Any] | None = None, *, seq: int | None = None,
+                       attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """``source`` instantiated on the meta device (no weights) in ``dtype``, in training
+    mode; MoE models use transformers' grouped_mm experts (a fake trace cannot run the
+    eager per-expert loop). What ``graphopt estimate`` and the planner trace.
+
+    Raises:
+        ConfigError: as :func:`model_config`; an MoE model in a dtype other than bfloat16;
+            transformers cannot build the model class.
+    """
+    import transformers
+
+    config = model_config(source, overrides, seq)
+    config._attn_implementation = attn_implementation
+    if expert_count(config):
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"{source.name} is an MoE model: it is traced with transformers' "
+                              "grouped_mm experts (no data-dependent expert loop), and "
+                              f"torch._grouped_mm takes bfloat16 only, not {dtype}; use "
+                              "dtype bfloat16 (--dtype bfloat16)")
+        config._experts_implementation = "grouped_mm"
+    try:
+        with torch.device("meta"):
+            return getattr(transformers, source.model_class)(config).to(dtype)
+    except Exception as exc:  # model __init__ validation, any exception class
+        raise ConfigError(f"transformers cannot build {source.model_class} from this config: "
+                          f"{type(exc).__name__}: {str(exc)[:300]}") from exc
 
 
 def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,

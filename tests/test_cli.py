@@ -109,3 +109,28 @@ def test_demo_lists_every_model_and_rejects_unknown_ones():
     assert all(name in help_text for name in SPECS)
     with pytest.raises(ConfigError, match="unknown model 'llama9'; available: llama, qwen3"):
         run_demo("llama9", "eager", torch.float32, 1, 8, None, False)
+
+
+def test_plan_and_estimate_load_models_with_one_loader(tmp_path):
+    """Both commands take the same names (published, toy) and config.json files through
+    graphopt.models.resolve_model, and say when a model is a toy test config."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                  "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "vocab_size": 256}))
+    small = ["--override", "num_hidden_layers=2", "--override", "hidden_size=128",
+             "--override", "intermediate_size=256", "--override", "vocab_size=512"]
+    commands = {"estimate": ["estimate", "--seq", "32", "--dtype", "bfloat16"],
+                "plan": ["plan", "--seq", "64", "--devices", "2", "--global-batch", "2"]}
+    for name, args in commands.items():
+        for model, extra, toy in (("llama3-8b", small, False), ("llama", [], True),
+                                  (str(config), [], False)):
+            result = runner.invoke(app, [*args, "--model", model, *extra])
+            assert result.exit_code == 0, (name, model, result.output)
+            assert ("is a toy model" in result.output) == toy, (name, model, result.output)
+        unknown = runner.invoke(app, [*args, "--model", "llama9"])
+        assert unknown.exit_code == 2 and "unknown model 'llama9'" in unknown.output
+        assert "llama3-8b" in unknown.output and "qwen3_moe" in unknown.output

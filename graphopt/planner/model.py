@@ -16,7 +16,6 @@ accelerators run; MoE experts as transformers' grouped_mm experts (the FLOPs of 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,37 +24,7 @@ import torch
 
 from graphopt.cost.profiles import ClusterProfile
 from graphopt.errors import ConfigError
-
-# Published architectures (config kwargs for the transformers classes).
-PLAN_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
-    "llama3-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=14336, vocab_size=128256), "Llama 3 paper (Dubey et al. 2024), Tab. 3"),
-    "llama3-70b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-        intermediate_size=28672, vocab_size=128256), "Llama 3 paper, Tab. 3"),
-    "llama3-405b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
-        num_key_value_heads=8, intermediate_size=53248, vocab_size=128256),
-        "Llama 3 paper, Tab. 3"),
-    "gpt3-175b": ("GPT2Config", "GPT2LMHeadModel", dict(
-        n_embd=12288, n_layer=96, n_head=96, vocab_size=51200),
-        "GPT-3 paper (Brown et al. 2020), Tab. 2.1; vocab as in Megatron-LM"),
-    "mixtral-8x22b": ("MixtralConfig", "MixtralForCausalLM", dict(
-        hidden_size=6144, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
-        intermediate_size=16384, num_local_experts=8, num_experts_per_tok=2,
-        vocab_size=32768), "mistralai/Mixtral-8x22B-v0.1 config.json (141B total)"),
-    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
-        num_key_value_heads=128, intermediate_size=18432, moe_intermediate_size=2048,
-        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
-        topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280),
-        "deepseek-ai/DeepSeek-V3 config.json (671B total, 37B active)"),
-    "dense-310b": ("GPT2Config", "GPT2LMHeadModel", dict(
-        n_embd=16384, n_layer=96, n_head=128, vocab_size=51200),
-        "the 310B GPT of Megatron-LM SC'21 Tab. 1 (Hypertron's dense 310B: same size class)"),
-}
+from graphopt.models import build_architecture, expert_count, model_config, resolve_model
 
 
 @dataclass(frozen=True)
@@ -131,45 +100,11 @@ class PlanModel:
 _CACHE: dict[tuple[Any, ...], PlanModel] = {}
 
 
-def load_model_config(spec: str | Path) -> tuple[str, str, dict[str, Any]]:
-    """(config class, model class, kwargs) for a PLAN_MODELS name, a graphopt.models name or
-    a transformers config.json path.
-
-    Raises:
-        ConfigError: unknown name (lists them) or an unreadable/unsupported config.json.
-    """
-    from graphopt.models import SPECS
-
-    text = str(spec)
-    if text in PLAN_MODELS:
-        return PLAN_MODELS[text][:3]
-    if text in SPECS:
-        s = SPECS[text]
-        return s.config_class, s.model_class, dict(s.kwargs)
-    path = Path(text)
-    if not path.is_file():
-        raise ConfigError(f"unknown model {text!r}: not a file and not one of "
-                          f"{', '.join([*PLAN_MODELS, *SPECS])}")
-    try:
-        data = json.loads(path.read_text())
-        model_type = data.pop("model_type")
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.for_model(model_type)
-        arch = (data.pop("architectures", None) or [None])[0]
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(f"{path}: not a transformers config.json ({exc})") from exc
-    if arch is None:
-        raise ConfigError(f"{path}: config.json has no 'architectures' entry naming the model "
-                          "class (e.g. LlamaForCausalLM)")
-    allowed = {k: v for k, v in data.items() if not k.startswith("_") and k != "auto_map"}
-    return type(cfg).__name__, arch, allowed
-
-
 def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
                dtype: torch.dtype = torch.bfloat16, attention: str = "flash",
                overrides: dict[str, Any] | None = None) -> PlanModel:
-    """Measure ``spec`` (see :func:`load_model_config`) at sequence length ``seq`` on the
+    """Measure ``spec`` (see :func:`graphopt.models.resolve_model`: a published or toy
+    model name, or a transformers config.json) at sequence length ``seq`` on the
     cluster's device (see the module docstring). Cached per process.
 
     ``attention``: "flash" (the fused kernel, as today's frameworks run) or "megatron2021"
@@ -181,8 +116,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     """
     if attention not in ("flash", "megatron2021"):
         raise ConfigError(f"attention must be 'flash' or 'megatron2021', got {attention!r}")
-    config_class, model_class, kwargs = load_model_config(spec)
-    kwargs = {**kwargs, **(overrides or {})}
+    source = resolve_model(spec)
     key = (str(spec), seq, repr(cluster.device), dtype, attention,
            tuple(sorted((overrides or {}).items())))
     if key in _CACHE:
@@ -192,24 +126,19 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     from graphopt.cost.training import _megatron_attention
 
     transformers.AttentionInterface.register("graphopt_megatron_cost", _megatron_attention)
+    cfg = model_config(source, overrides, seq)
+    attn = "sdpa" if attention == "flash" else "graphopt_megatron_cost"
 
     def build(layers: int, dense: int) -> Any:
-        extra = {"first_k_dense_replace": dense} if "first_k_dense_replace" in kwargs else {}
-        layer_key = "n_layer" if config_class == "GPT2Config" else "num_hidden_layers"
-        config = _config(transformers, config_class, {**kwargs, layer_key: layers, **extra})
-        if config_class == "GPT2Config":
-            config.n_positions = max(seq, config.n_positions)
-        config._attn_implementation = "sdpa" if attention == "flash" else \
-            "graphopt_megatron_cost"
-        if any("expert" in k for k in kwargs):
-            config._experts_implementation = "grouped_mm"
-        with torch.device("meta"):
-            return getattr(transformers, model_class)(config).to(dtype)
+        extra = {"first_k_dense_replace": dense} if hasattr(cfg, "first_k_dense_replace") \
+            else {}
+        layer_key = "n_layer" if source.config_class == "GPT2Config" else "num_hidden_layers"
+        return build_architecture(source, dtype, {**(overrides or {}), layer_key: layers,
+                                                  **extra}, seq=seq, attn_implementation=attn)
 
-    cfg = _config(transformers, config_class, kwargs)
     layers = int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0)))
     dense_k = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
-    has_moe = any("expert" in k for k in kwargs)
+    has_moe = expert_count(cfg) > 0
     one = _measure(build(1, 1 if dense_k else 0), seq, cluster)
     moe: LayerCost | None
     if has_moe and dense_k:
@@ -227,24 +156,13 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     result = PlanModel(
         str(spec), seq, hidden, heads, int(getattr(cfg, "num_key_value_heads", heads) or heads),
         int(cfg.vocab_size), n_dense, n_moe, dense, moe, head,
-        experts=int(getattr(cfg, "num_local_experts", getattr(cfg, "n_routed_experts",
-                                                             getattr(cfg, "num_experts", 0)))
-                    or 0),
+        experts=expert_count(cfg),
         top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
         moe_ffn=int(getattr(cfg, "moe_intermediate_size", getattr(cfg, "intermediate_size", 0))
                     or 0),
         dtype_bytes=torch.finfo(dtype).bits // 8)
     _CACHE[key] = result
     return result
-
-
-def _config(transformers: Any, config_class: str, kwargs: dict[str, Any]) -> Any:
-    """The transformers config, or ConfigError naming what transformers rejected."""
-    try:
-        return getattr(transformers, config_class)(**kwargs)
-    except Exception as exc:  # transformers' validation raises several exception classes
-        raise ConfigError(f"transformers rejects this {config_class}: {type(exc).__name__}: "
-                          f"{str(exc)[:300]}") from exc
 
 
 def _sub(a: LayerCost, b: LayerCost) -> LayerCost:
