@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from graphopt.models import SPECS, ModelSource, expert_count, model_names
+from graphopt.planner.search import SearchResult
 from graphopt.report import CompileReport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -284,12 +285,7 @@ def plan(
                       f"{pred.mfu:.1%}", f"{pred.memory_bytes / 2**30:.1f}",
                       f"{pred.bubble_s:.2g}", comm)
     console.print(table)
-    hand = Table(title="common hand configurations")
-    for col in ("configuration", "plan", "verdict"):
-        hand.add_column(col)
-    for name, p, why in result.hand:
-        hand.add_row(name, p.describe(), why)
-    console.print(hand)
+    _print_hand_configurations(result)
     _print_toy_note(source)
     if json_out is not None:
         json_out.write_text(json.dumps({
@@ -311,6 +307,24 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
             raise typer.BadParameter(f"--override takes key=number (int or float), got "
                                      f"{item!r}") from None
     return out
+
+
+def _print_hand_configurations(result: SearchResult) -> None:
+    """The valid hand configurations as a table with verdicts; the others one per line with
+    what makes them invalid for this job (never an empty table)."""
+    if result.hand:
+        hand = Table(title="common hand configurations")
+        for col in ("configuration", "plan", "verdict"):
+            hand.add_column(col)
+        for name, p, why in result.hand:
+            hand.add_row(escape(name), p.describe(), escape(why))
+        console.print(hand)
+    else:
+        console.print("[yellow]none of the common hand configurations is valid for this job "
+                      "(reasons below)[/]")
+    for name, p, why in result.hand_invalid:
+        console.print(f"[yellow]not valid for this job:[/] {escape(name)} ({p.describe()}): "
+                      f"{escape(why)}")
 
 
 def _print_toy_note(source: ModelSource) -> None:

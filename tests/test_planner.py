@@ -130,7 +130,8 @@ def test_interleaved_schedule_needs_microbatches_divisible_by_pp():
 
 def test_device_counts_without_a_layout_and_best_hand_plans_are_explained():
     model = plan_model("llama3-8b", 2048, H100, overrides=SMALL)
-    with pytest.raises(ConfigError, match="no parallel layout of 7 devices"):
+    with pytest.raises(ConfigError, match=r"the global batch \(8\) is not divisible by any "
+                                          r"data-parallel degree .* multiple of 7, or 1 dev"):
         search(model, H100, 7, 8)
     result = search(model, H100, 8, 64)
     verdicts = [why for _, plan, why in result.hand
@@ -174,3 +175,35 @@ def test_plan_mfu_never_exceeds_one(dtype):
             assert plan.prediction is not None
             assert 0 < plan.prediction.mfu <= 1, (cluster.name, plan.describe(),
                                                   plan.prediction.mfu)
+
+
+def test_a_global_batch_no_layout_divides_says_why_and_what_to_change():
+    model = plan_model("llama", 128, H100)
+    with pytest.raises(ConfigError, match=r"global batch \(3\) is not divisible by any data-"
+                                          r"parallel degree x microbatch these devices allow "
+                                          r"\(dp = devices / \(pp x tp x cp\) is one of 2, 4, "
+                                          r"8, 16; .* multiple of 2, or 8 devices"):
+        search(model, H100, 16, 3)
+    result = search(model, H100, 8, 3)  # the suggested device count has plans
+    assert result.top and not result.hand  # every hand configuration has dp > 1
+    reasons = {name: why for name, _, why in result.hand_invalid}
+    assert reasons["data parallel (DDP)"] == \
+        "global batch (3) must divide into dp (8) x microbatch (1)"
+
+
+def test_cli_plan_explains_a_global_batch_without_plans():
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    args = ["plan", "--model", "llama", "--seq", "128", "--global-batch", "3"]
+    none = CliRunner().invoke(app, [*args, "--devices", "16"])
+    text = " ".join(none.output.split())
+    assert none.exit_code == 2 and "is not divisible by any data-parallel degree" in text
+    assert "use a global batch that is a multiple of 2, or 8 devices" in text
+    some = CliRunner().invoke(app, [*args, "--devices", "8"])
+    text = " ".join(some.output.split())
+    assert some.exit_code == 0, some.output
+    assert "none of the common hand configurations is valid for this job" in text
+    assert "not valid for this job: data parallel (DDP) (dp_replicate=8, mb=1): global batch " \
+        "(3) must divide into dp (8) x microbatch (1)" in text

@@ -3,7 +3,8 @@ pp x dp_replicate x dp_shard x cp x tp (with ep folded over dp_shard x cp x tp f
 models), pipeline schedule, microbatch size, ZeRO stage and recomputation, pruned by
 divisibility and memory, scored by :func:`graphopt.planner.perf.evaluate`.
 
-Pruning (each rule keeps the space's optimum under the performance model, or is a
+When nothing is left, :func:`no_layout_reason` says which rule emptied the space and
+what to change. Pruning (each rule keeps the space's optimum under the performance model, or is a
 structural rule of the frameworks that execute plans): tp and ep*expert_tp inside one node
 (their collectives sit on every layer's critical path; Megatron-Core and torchtitan place
 them on NVLink/HCCS), dividing the node size so groups never straddle nodes; tp divides the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -41,15 +43,18 @@ class SearchResult:
     evaluated: int
     pruned_memory: int
     seconds: float
+    hand_invalid: list[tuple[str, ParallelPlan, str]] = dataclasses.field(default_factory=list)
+    """(name, plan, what makes it invalid for this job): hand configurations left out."""
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(model: PlanModel, devices: int, global_batch: int, node: int
-               ) -> Iterator[ParallelPlan]:
-    """Structurally valid plans (see the module docstring)."""
+def _splits(model: PlanModel, devices: int, node: int) -> Iterator[tuple[int, int, int, int]]:
+    """(pp, tp, cp, dp) with pp dividing the layers, tp the heads and the node size, cp
+    splitting the sequence into 2*cp chunks of >= 1024 tokens, and their product
+    ``devices`` (the global batch is not considered)."""
     seq = model.seq
     for pp in _divisors(devices):
         if model.layers % pp:
@@ -57,13 +62,32 @@ def candidates(model: PlanModel, devices: int, global_batch: int, node: int
         for tp in (d for d in _divisors(devices // pp)
                    if node % d == 0 and model.heads % d == 0):
             rest = devices // (pp * tp)
-            cps = [c for c in _divisors(rest) if c == 1 or (seq % (2 * c) == 0
-                                                            and seq // (2 * c) >= 1024)]
-            for cp in cps:
-                dp = rest // cp
-                if global_batch % dp:
-                    continue
-                yield from _inner(model, pp, tp, cp, dp, global_batch, node)
+            for cp in _divisors(rest):
+                if cp == 1 or (seq % (2 * cp) == 0 and seq // (2 * cp) >= 1024):
+                    yield pp, tp, cp, rest // cp
+
+
+def candidates(model: PlanModel, devices: int, global_batch: int, node: int
+               ) -> Iterator[ParallelPlan]:
+    """Structurally valid plans (see the module docstring)."""
+    for pp, tp, cp, dp in _splits(model, devices, node):
+        if global_batch % dp == 0:
+            yield from _inner(model, pp, tp, cp, dp, global_batch, node)
+
+
+def no_layout_reason(model: PlanModel, devices: int, global_batch: int, node: int) -> str:
+    """Why :func:`candidates` yields nothing for this job, and what to change. Only the
+    global batch can empty it: pp = tp = cp = 1, dp = devices is always a split, and
+    microbatch 1 divides any per-replica batch, so no dp divides the global batch."""
+    splits = list(_splits(model, devices, node))
+    dps = sorted({dp for *_, dp in splits})
+    # the same pp/tp/cp with dp cut to a divisor of the batch is a valid layout
+    fewer = max(pp * tp * cp * math.gcd(dp, global_batch) for pp, tp, cp, dp in splits)
+    return (f"no plan for {model.name} on {devices} devices: the global batch "
+            f"({global_batch}) is not divisible by any data-parallel degree x microbatch "
+            f"these devices allow (dp = devices / (pp x tp x cp) is one of "
+            f"{', '.join(map(str, dps))}; microbatch >= 1); use a global batch that is a "
+            f"multiple of {dps[0]}, or {fewer} devices")
 
 
 def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: int,
@@ -118,30 +142,30 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         elif entry[:2] > heap[0][:2]:
             heapq.heapreplace(heap, entry)
     if not heap and evaluated == 0:
-        raise ConfigError(
-            f"no parallel layout of {devices} devices suits {model.name}: every split over "
-            f"pp x dp x cp x tp must divide the global batch ({global_batch}) by dp, the layers "
-            f"({model.layers}) by pp and the heads ({model.heads}) and node size ({node}) by "
-            "tp; choose a device count and global batch with common factors (e.g. powers "
-            "of 2)")
+        raise ConfigError(no_layout_reason(model, devices, global_batch, node))
     if not heap:
         raise ConfigError(f"no plan for {model.name} fits {devices} x {cluster.device.name} "
                           f"({capacity / 2**30:.0f} GiB usable): the smallest needs "
                           f"{smallest / 2**30:.1f} GiB per device; add devices or shorten "
                           "the sequence")
     ranked = [p for _, _, p in sorted(heap, key=lambda x: x[:2], reverse=True)]
-    hand = [(name, plan, why_slower(plan, ranked[0], capacity))
-            for name, plan in hand_configurations(model, devices, global_batch, node,
-                                                  cluster, dp_overlap)]
+    hand, invalid = [], []
+    for name, plan, problems in hand_configurations(model, devices, global_batch, node,
+                                                    cluster):
+        if problems:
+            invalid.append((name, plan, "; ".join(problems)))
+            continue
+        plan = replace(plan, prediction=evaluate(plan, model, cluster, global_batch,
+                                                 dp_overlap))
+        hand.append((name, plan, why_slower(plan, ranked[0], capacity)))
     return SearchResult(ranked[0], ranked, hand, evaluated, pruned,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, invalid)
 
 
 def hand_configurations(model: PlanModel, devices: int, global_batch: int, node: int,
-                        cluster: ClusterProfile, dp_overlap: bool = True
-                        ) -> list[tuple[str, ParallelPlan]]:
+                        cluster: ClusterProfile) -> list[tuple[str, ParallelPlan, list[str]]]:
     """Common hand-chosen plans (pure DP, FSDP, Megatron TP-in-node with PP to fit, ...),
-    evaluated; the ones invalid for this job are left out."""
+    without predictions, each with what makes it invalid for this job (empty: valid)."""
     tp = min(node, devices)
     while model.heads % tp or devices % tp:
         tp //= 2
@@ -162,14 +186,10 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
     }
     if model.experts:
         plans[f"FSDP + EP={ep}"] = ParallelPlan(dp_shard=devices, zero_stage=3, ep=ep)
-    out = []
-    for name, plan in plans.items():
-        if plan.problems(devices=devices, layers=model.layers, heads=model.heads,
-                         experts=model.experts, global_batch=global_batch, seq=model.seq):
-            continue
-        out.append((name, replace(plan, prediction=evaluate(plan, model, cluster,
-                                                             global_batch, dp_overlap))))
-    return out
+    return [(name, plan, plan.problems(devices=devices, layers=model.layers, heads=model.heads,
+                                       experts=model.experts, global_batch=global_batch,
+                                       seq=model.seq))
+            for name, plan in plans.items()]
 
 
 def _megatron(devices: int, tp: int, pp: int, layers: int) -> ParallelPlan:
