@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from graphopt.config import GraphoptConfig as Config
 from graphopt.kernels.lightning import lightning_attention
-from graphopt.passes.attention_patterns import minimax_slopes
+from graphopt.passes.attention import minimax_slopes
 from graphopt.testing import as_function, bind_inputs, run_pass, trace_for_pass
 
 LIGHTNING = "graphopt.lightning_attention_fwd.default"

@@ -61,7 +61,7 @@ from torch._guards import detect_fake_mode
 
 from graphopt.kernels.lightning.chunked import DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY
 from graphopt.passes import register_pass
-from graphopt.passes.attention_patterns import (
+from graphopt.passes.attention.patterns import (
     SDPA_OPS,
     BlockLoop,
     NoMatch,
