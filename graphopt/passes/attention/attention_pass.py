@@ -61,24 +61,28 @@ from torch._guards import detect_fake_mode
 
 from graphopt.kernels.lightning.chunked import DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY
 from graphopt.passes import register_pass
-from graphopt.passes.attention.patterns import (
-    SDPA_OPS,
-    BlockLoop,
+from graphopt.passes.attention.match_common import (
     NoMatch,
-    ParallelForm,
     aten,
-    check_decays,
-    decay_slopes,
     is_call,
-    is_handwritten_softmax_attention,
     layer_index,
-    match_minimax_loop,
-    match_parallel_form,
-    match_softmax_attention,
-    minimax_slopes,
     module_path,
+)
+from graphopt.passes.attention.match_linear import (
+    BlockLoop,
+    DecayedParallelForm,
+    check_loop_decays,
+    match_decayed_parallel_form,
+    match_minimax_block_loop,
+    parallel_form_slopes,
+)
+from graphopt.passes.attention.match_softmax import (
+    SDPA_OPS,
+    is_handwritten_softmax_attention,
+    match_handwritten_softmax_attention,
+    match_sdpa_causal,
     not_constant_causal,
-    num_layers,
+    num_decoder_layers,
 )
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
@@ -118,6 +122,17 @@ def _insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k:
         new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         new.meta["graphopt_replaced"] = [node.name]
     return out
+
+
+def minimax_slopes(heads: int, layer: int, num_layers: int, kind: str = "minimax"
+                   ) -> torch.Tensor:
+    """Per-head decay rates [heads] (float32) as MiniMax-01 assigns them: ALiBi's geometric
+    slopes 2^(-8 (h + 1) / H) (Press et al. 2022), scaled by the layer's depth factor
+    1 - layer / (num_layers - 1) (+1e-5 so the last layer keeps a small decay).
+    ``kind="alibi"``: the geometric slopes alone (no depth factor)."""
+    base = 2.0 ** (-8.0 / heads)
+    factor = 1.0 if kind == "alibi" else 1.0 - layer / (num_layers - 1 + 1e-5) + 1e-5
+    return torch.tensor([base ** (h + 1) * factor for h in range(heads)], dtype=torch.float32)
 
 
 @register_pass
@@ -168,7 +183,7 @@ class AttentionPass(GraphPass):
         in_loops: set[fx.Node] = set()  # per-block pieces of loops: not parallel forms
         for cat in [n for n in graph.nodes if is_call(n, aten.cat.default)]:
             try:
-                loop = match_minimax_loop(cat)
+                loop = match_minimax_block_loop(cat)
             except NoMatch:
                 continue  # not loop-shaped at all: nothing to report
             in_loops.update(b.intra for b in loop.blocks)
@@ -180,7 +195,7 @@ class AttentionPass(GraphPass):
                 ctx.record("kept", site, "linear-attention block loop (attention='keep')")
                 continue
             try:
-                check_decays(loop, env)
+                check_loop_decays(loop, env)
             except NoMatch as exc:
                 ctx.record("skipped", site, str(exc))
                 continue
@@ -198,7 +213,7 @@ class AttentionPass(GraphPass):
                     autocast_reason(node):
                 continue
             try:
-                form = match_parallel_form(node)
+                form = match_decayed_parallel_form(node)
             except NoMatch:
                 continue
             site = site_name(node)
@@ -209,7 +224,7 @@ class AttentionPass(GraphPass):
             q_val = tensor_meta(form.q)
             assert q_val is not None
             try:
-                slopes = decay_slopes(form.decay, int(q_val.shape[1]), env)
+                slopes = parallel_form_slopes(form.decay, int(q_val.shape[1]), env)
             except NoMatch as exc:
                 ctx.record("skipped", site, str(exc))
                 continue
@@ -234,10 +249,10 @@ class AttentionPass(GraphPass):
         report reason ("APPROXIMATE..." when done, "kept: ..." with the reason otherwise)."""
         try:
             if is_call(node, *SDPA_OPS):
-                q, k, v, scale, output = self._match_sdpa(node)
+                found = match_sdpa_causal(node, self._env)
             else:
-                found = match_softmax_attention(node, self._env)
-                q, k, v, scale, output = found.q, found.k, found.v, found.scale, found.output
+                found = match_handwritten_softmax_attention(node, self._env)
+            q, k, v, scale, output = found.q, found.k, found.v, found.scale, found.output
         except NoMatch as exc:
             return f"kept: {exc}"
         q_val, k_val = tensor_meta(q), tensor_meta(k)
@@ -251,7 +266,7 @@ class AttentionPass(GraphPass):
         if self.layers and not any(fnmatch.fnmatchcase(path, p) for p in self.layers):
             return f"kept: {path or 'this site'} is not selected by lightning.layers"
         heads = int(q_val.shape[1])
-        depth = self.num_layers or num_layers(gm)
+        depth = self.num_layers or num_decoder_layers(gm)
         if layer is None and self.slopes == "minimax" and depth > 1:
             return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
                     "several layers after a graph break), so MiniMax's per-layer slopes cannot "
@@ -279,29 +294,6 @@ class AttentionPass(GraphPass):
         node.args = (args.pop("query"), args.pop("key"), args.pop("value"))
         node.kwargs = args
         return True
-
-    def _match_sdpa(self, node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float, fx.Node]:
-        names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
-        args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
-        if node.target is not aten.scaled_dot_product_attention.default:
-            raise NoMatch(f"{node.target} is not the composite SDPA op")
-        mask = args.get("attn_mask")
-        if mask is not None:
-            problem = not_constant_causal(mask, self._env)
-            if problem:
-                raise NoMatch(problem)
-        elif not args.get("is_causal", False):
-            raise NoMatch("non-causal attention is not converted to causal Lightning Attention")
-        if args.get("dropout_p", 0.0) not in (0, 0.0):
-            raise NoMatch("attention dropout > 0 (training dropout)")
-        q, k, v = args["query"], args["key"], args["value"]
-        q_val, k_val = tensor_meta(q), tensor_meta(k)
-        if q_val is None or k_val is None or q_val.dim() != 4:
-            raise NoMatch("operands are not [B, H, S, D]")
-        if q_val.shape[2] != k_val.shape[2]:
-            raise NoMatch("query length != key length (KV cache); causal alignment differs")
-        scale = args.get("scale") or 1.0 / int(q_val.shape[3]) ** 0.5
-        return q, k, v, float(scale), node
 
     def _feature_map(self, gm: fx.GraphModule, before: fx.Node, x: fx.Node) -> fx.Node:
         """``lightning.feature_map`` applied to q or k (new nodes before ``before``)."""
@@ -338,7 +330,7 @@ class AttentionPass(GraphPass):
         node.replace_all_uses_with(out)
 
     @staticmethod
-    def _rewrite_parallel(gm: fx.GraphModule, node: fx.Node, form: ParallelForm,
+    def _rewrite_parallel(gm: fx.GraphModule, node: fx.Node, form: DecayedParallelForm,
                           slopes: torch.Tensor) -> None:
         node.replace_all_uses_with(
             _insert_with_frozen_slopes(gm, node, form.q, form.k, form.v, slopes, 1.0))

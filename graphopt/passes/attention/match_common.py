@@ -1,0 +1,93 @@
+"""Matching helpers shared by the attention pass's linear- and softmax-attention patterns.
+
+Vocabulary: a *matcher* takes a node and returns what it matched or raises :class:`NoMatch`
+whose message is the reason the report shows; matchers never edit a graph. Values of small
+subgraphs (decays, masks, scales) are *evaluated* from an environment that maps placeholders
+to the compile's real example inputs; a placeholder counts as a constant of the model only
+when it is a module buffer (:func:`is_buffer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.passes.fx_utils import tensor_meta
+
+aten = torch.ops.aten
+
+
+class NoMatch(Exception):
+    """The chain is not the pattern; the message is the reason for the report."""
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    """True when ``node`` is an FX node calling one of ``targets``."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def arg(node: Any, i: int) -> Any:
+    """The ``i``-th positional argument of ``node``, None when it has fewer."""
+    return node.args[i] if i < len(node.args) else None
+
+
+def is_batched(node: Any) -> bool:
+    """True for a node producing a tensor of 3 or more dims (scores, not a scalar or mask row)."""
+    val = tensor_meta(node) if isinstance(node, fx.Node) else None
+    return val is not None and val.dim() >= 3
+
+
+def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
+    """Value of a node computed from real placeholder values (small decay/mask subgraphs);
+    results are memoized in ``env``."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node not in env:
+        if node.op != "call_function":
+            raise NoMatch(f"{node.name} is not computable from the inputs")
+        args = torch.fx.node.map_arg(node.args, lambda n: evaluate(n, env))
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: evaluate(n, env))
+        env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+    return env[node]
+
+
+def ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node it is computed from."""
+    stack, seen = [node], {node}
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return list(seen)
+
+
+def is_buffer(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
+    """A graph input that is a module buffer (Dynamo source ``..._buffers[...]``) with a known
+    value. Buffers are treated as constants of the model: a causal mask or decay read from one
+    is frozen at compile time (a model that rewrites such a buffer in place is not supported)."""
+    value = env.get(node)
+    source = node.meta.get("grapharg")
+    name = str(getattr(getattr(source, "source", None), "name", ""))
+    return isinstance(value, torch.Tensor) and not value.requires_grad and "_buffers" in name
+
+
+def layer_index(node: fx.Node) -> int | None:
+    """The decoder layer index from the module path (``...layers.3.self_attn``)."""
+    for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        parts = str(path).replace("[", ".").replace("]", "").replace("'", "").split(".")
+        for prev, part in zip(parts, parts[1:]):
+            if prev in ("layers", "h", "layer", "blocks") and part.isdigit():
+                return int(part)
+    return None
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module path of a node (``model.layers.0.self_attn``), "" if unknown."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0]).replace("L['self'].", "").replace("L__self___", "")
+    return path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")

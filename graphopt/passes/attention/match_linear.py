@@ -1,0 +1,276 @@
+"""Linear-attention patterns of the attention pass (mode "exact"): what counts as a MiniMax
+block loop or a decayed quadratic parallel form, and the numeric checks that prove a match is
+Lightning Attention before it may be rewritten. Nothing here edits a graph.
+
+Patterns (each raises :class:`NoMatch` with the reason):
+    minimax_block_loop      ``cat(dim=-2)`` of per-block outputs
+                            ``(Q_b * qd) @ S + ((Q_b @ K_b^T) * D) @ V_b``, the state chain
+                            ``S * exp(-slope * L) + (K_b * kd)^T @ V_b`` starting at zeros
+                            (transformers' ``MiniMaxLightningAttention`` as Dynamo unrolls it).
+    decayed_parallel_form   ``((Q @ K^T) * D) @ V`` over [B, H, S, X] tensors (RetNet style).
+Checks:
+    check_loop_decays       every decay tensor of a loop, evaluated, equals
+                            exp(-slope * (i + 1)), exp(-slope * (L - 1 - j)),
+                            exp(-slope * (i - j)) masked, exp(-slope * L) (rtol 1e-5).
+    parallel_form_slopes    D is built from buffers/constants and equals
+                            exp(-slope_h * (i - j)) below the diagonal, 0 above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.passes.attention.match_common import (
+    NoMatch,
+    ancestors,
+    arg,
+    aten,
+    evaluate,
+    is_buffer,
+    is_call,
+)
+from graphopt.passes.fx_utils import tensor_meta
+
+
+@dataclass
+class LoopBlock:
+    """One block of a MiniMax block loop: slices [start, end) of Q, K, V and its decays."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    start: int
+    end: int
+    q_decay: fx.Node
+    diag_decay: fx.Node
+    state_in: fx.Node
+    intra: fx.Node
+
+
+@dataclass
+class BlockLoop:
+    """A matched MiniMax block loop over one Q, K, V (not yet checked numerically)."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    slope: fx.Node
+    blocks: list[LoopBlock]
+    final_state: fx.Node | None
+    checks: list[tuple[fx.Node, str, int]]  # (decay node, kind, block length)
+
+
+def _seq_slice(node: Any) -> tuple[fx.Node, int, int]:
+    """(base, start, end) of ``base[:, :, start:end]``; a whole-range slice is an alias."""
+    if is_call(node, aten.alias.default):
+        val = tensor_meta(arg(node, 0))
+        if val is None or val.dim() != 4:
+            raise NoMatch("block operand is not a [B, H, S, D] tensor")
+        return arg(node, 0), 0, int(val.shape[2])
+    if not is_call(node, aten.slice.Tensor) or arg(node, 1) not in (2, -2):
+        raise NoMatch("block operand is not a slice of the sequence dimension")
+    base, start, end = arg(node, 0), arg(node, 2) or 0, arg(node, 3)
+    val = tensor_meta(base)
+    if val is None or not isinstance(start, int) or not isinstance(end, int):
+        raise NoMatch("block bounds are not static integers")
+    return base, start, min(end, int(val.shape[2]))
+
+
+def _split_product(node: Any, target: Any) -> tuple[Any, Any]:
+    if not is_call(node, target):
+        found = node.target if isinstance(node, fx.Node) else node
+        raise NoMatch(f"expected {target}, found {found}")
+    return arg(node, 0), arg(node, 1)
+
+
+def _match_block_output(o: Any) -> LoopBlock:
+    """o = (Q_b * qd) @ S_in + ((Q_b @ K_b^T) * dd) @ V_b (either order of the sum)."""
+    if not is_call(o, aten.add.Tensor):
+        raise NoMatch("block output is not inter + intra")
+    for inter, intra in ((arg(o, 0), arg(o, 1)), (arg(o, 1), arg(o, 0))):
+        try:
+            scaled_q, state = _split_product(inter, aten.matmul.default)
+            q_b, qd = _split_product(scaled_q, aten.mul.Tensor)
+            weights, v_b = _split_product(intra, aten.matmul.default)
+            qk, dd = _split_product(weights, aten.mul.Tensor)
+            q_b2, k_t = _split_product(qk, aten.matmul.default)
+            if q_b2 is not q_b or not is_call(k_t, aten.transpose.int) or \
+                    sorted([arg(k_t, 1), arg(k_t, 2)]) != [-2, -1]:
+                raise NoMatch("intra scores are not Q_b @ K_b^T of the same block")
+            (q, s0, e0), (k, s1, e1), (v, s2, e2) = (_seq_slice(x) for x in (q_b, arg(k_t, 0),
+                                                                             v_b))
+            if not (s0 == s1 == s2 and e0 == e1 == e2):
+                raise NoMatch("q, k, v block bounds differ")
+            return LoopBlock(q, k, v, s0, e0, qd, dd, state, intra)
+        except NoMatch:
+            continue
+    raise NoMatch("block output is not (Q*qd) @ S + ((Q K^T) * D) @ V")
+
+
+def _match_state_update(new: fx.Node, block: LoopBlock
+                        ) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """new = S_in * exp(-slope * L) + (K_b * kd)^T @ V_b; returns (slope, block decay, kd)."""
+    if not is_call(new, aten.add.Tensor):
+        raise NoMatch("state update is not decayed state + K^T V")
+    for decayed, kv in ((arg(new, 0), arg(new, 1)), (arg(new, 1), arg(new, 0))):
+        if not (is_call(decayed, aten.mul.Tensor) and is_call(kv, aten.matmul.default)):
+            continue
+        s_in, bd = decayed.args
+        if s_in is not block.state_in:
+            s_in, bd = bd, s_in
+        kt, v_b = kv.args
+        if s_in is not block.state_in or not is_call(kt, aten.transpose.int):
+            continue
+        k_scaled = arg(kt, 0)
+        if not is_call(k_scaled, aten.mul.Tensor) or _seq_slice(v_b)[0] is not block.v:
+            continue
+        k_b, kd = k_scaled.args
+        if _seq_slice(k_b)[0] is not block.k:
+            continue
+        if not (is_call(bd, aten.exp.default) and is_call(arg(bd, 0), aten.mul.Tensor)
+                and is_call(arg(arg(bd, 0), 0), aten.neg.default)):
+            raise NoMatch("block decay is not exp(-slope * L)")
+        return arg(arg(arg(bd, 0), 0), 0), bd, kd
+    raise NoMatch("state update does not read this block's K and V")
+
+
+def _next_state(block: LoopBlock, i: int) -> fx.Node:
+    """The add that updates the state ``block`` reads (``S_in * decay + ...``)."""
+    users = [u for u in block.state_in.users if is_call(u, aten.mul.Tensor)
+             and u.users and any(is_call(w, aten.add.Tensor) for w in u.users)]
+    new_state = next((w for u in users for w in u.users if is_call(w, aten.add.Tensor)), None)
+    if new_state is None:
+        raise NoMatch(f"block {i} has no state update")
+    return new_state
+
+
+def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
+    """Match ``torch.cat(per-block outputs, dim=-2)`` of a MiniMax-style block loop."""
+    outputs = arg(cat, 0)
+    if len(cat.args) < 2 or arg(cat, 1) not in (-2, 2) or not isinstance(outputs, list) \
+            or len(outputs) < 1:
+        raise NoMatch("not a concatenation over the sequence dimension")
+    blocks = [_match_block_output(o) for o in outputs]
+    first = blocks[0]
+    if not is_call(first.state_in, aten.zeros.default, aten.zeros_like.default,
+                   aten.new_zeros.default):
+        raise NoMatch("the first block's state is not zeros (a cached state: decode path)")
+    checks: list[tuple[fx.Node, str, int]] = []
+    slope = None
+    final_state = None
+    for i, blk in enumerate(blocks):
+        if (blk.q, blk.k, blk.v) != (first.q, first.k, first.v):
+            raise NoMatch("blocks read different Q/K/V tensors")
+        expected_start = 0 if i == 0 else blocks[i - 1].end
+        if blk.start != expected_start:
+            raise NoMatch(f"block {i} starts at {blk.start}, expected {expected_start}")
+        length = blk.end - blk.start
+        new_state = _next_state(blk, i)
+        s, bd, kd = _match_state_update(new_state, blk)
+        if slope is not None and s is not slope:
+            raise NoMatch("blocks use different slopes")
+        slope = s
+        checks += [(blk.q_decay, "query", length), (kd, "key", length),
+                   (blk.diag_decay, "diagonal", length), (bd, "block", length)]
+        if i + 1 < len(blocks) and blocks[i + 1].state_in is not new_state:
+            raise NoMatch(f"block {i + 1} does not read block {i}'s state")
+        final_state = new_state
+    q_val = tensor_meta(first.q)
+    assert q_val is not None and slope is not None
+    if blocks[-1].end != int(q_val.shape[2]):
+        raise NoMatch("blocks do not cover the whole sequence")
+    return BlockLoop(first.q, first.k, first.v, slope, blocks, final_state, checks)
+
+
+def expected_decay(kind: str, slope: torch.Tensor, length: int) -> torch.Tensor:
+    """The decay Lightning Attention uses in a ``length``-long block (float64): "query"
+    exp(-s (i + 1)), "key" exp(-s (L - 1 - i)), "block" exp(-s L), else the masked
+    "diagonal" exp(-s (i - j)) for i >= j, 0 above."""
+    s = slope.reshape(-1, 1, 1).double()
+    i = torch.arange(length, dtype=torch.float64)
+    if kind == "query":
+        return torch.exp(-s * (i + 1).view(-1, 1))
+    if kind == "key":
+        return torch.exp(-s * (length - 1 - i).view(-1, 1))
+    if kind == "block":
+        return torch.exp(-s * length)
+    gap = i.view(-1, 1) - i.view(1, -1)
+    return (torch.exp(-s * gap.clamp(min=0)) * (gap >= 0)).unsqueeze(0)
+
+
+def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
+    """Raise NoMatch unless every decay of ``loop``, evaluated, is Lightning Attention's."""
+    slope = evaluate(loop.slope, env)
+    if not isinstance(slope, torch.Tensor) or slope.numel() != slope.shape[0]:
+        raise NoMatch("slope is not one value per head")
+    for node, kind, length in loop.checks:
+        got = evaluate(node, env)
+        want = expected_decay(kind, slope, length)
+        if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or not \
+                torch.allclose(got.double().reshape(want.shape), want, rtol=1e-5, atol=1e-7):
+            raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
+                          "-slope times the distance (the loop is not Lightning Attention)")
+
+
+@dataclass
+class DecayedParallelForm:
+    """``((Q @ K^T) * decay) @ V``; ``decay`` not yet checked."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    decay: fx.Node
+
+
+def match_decayed_parallel_form(node: fx.Node) -> DecayedParallelForm:
+    """``matmul((matmul(Q, K^T)) * D, V)`` over [B, H, S, X] tensors, D a square mask."""
+    weights, v = _split_product(node, aten.matmul.default)
+    if not is_call(weights, aten.mul.Tensor):
+        raise NoMatch("not a masked product")
+    for qk, decay in ((arg(weights, 0), arg(weights, 1)), (arg(weights, 1), arg(weights, 0))):
+        if not is_call(qk, aten.matmul.default):
+            continue
+        q, k_t = _split_product(qk, aten.matmul.default)
+        if not is_call(k_t, aten.transpose.int) or sorted([arg(k_t, 1), arg(k_t, 2)]) != [-2, -1]:
+            raise NoMatch("scores are not Q @ K^T over the last two dims")
+        k = arg(k_t, 0)
+        vals = [tensor_meta(x) for x in (q, k, v, decay)]
+        if any(x is None for x in vals) or any(x.dim() != 4 for x in vals[:3]):  # type: ignore
+            raise NoMatch("operands are not [B, H, S, D] tensors")
+        seq_q, seq_k = vals[0].shape[2], vals[1].shape[2]  # type: ignore[union-attr]
+        if seq_q != seq_k:
+            raise NoMatch("query length differs from key length (decode); causal alignment "
+                          "would be ambiguous")
+        return DecayedParallelForm(q, k, v, decay)
+    raise NoMatch("no Q @ K^T factor")
+
+
+def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) -> torch.Tensor:
+    """Slopes s_h with D = exp(-s_h (i - j)) masked causal; refuse anything else."""
+    for n in ancestors(decay):
+        if n.op == "placeholder" and not is_buffer(n, env):
+            raise NoMatch("the decay matrix depends on an input or a trainable "
+                          "parameter; only decays computed from buffers/constants are "
+                          "frozen into the kernel")
+    d = evaluate(decay, env)
+    if not isinstance(d, torch.Tensor) or d.dim() < 2 or d.shape[-1] != d.shape[-2]:
+        raise NoMatch("the mask is not a square [S, S] matrix")
+    seq = d.shape[-1]
+    d = d.double().reshape(-1, seq, seq)
+    if d.shape[0] not in (1, heads):
+        d = d.reshape(-1, heads, seq, seq)[0] if d.numel() % (heads * seq * seq) == 0 else d
+    if d.shape[0] not in (1, heads):
+        raise NoMatch("the decay matrix does not have one [S, S] matrix per head")
+    d = d.expand(heads, seq, seq)
+    if seq > 1 and bool((d[:, 1, 0] <= 0).any()):
+        raise NoMatch("the mask is not a positive decay below the diagonal")
+    slopes = -torch.log(d[:, 1, 0]) if seq > 1 else torch.zeros(heads, dtype=torch.float64)
+    if not torch.allclose(d.unsqueeze(0), expected_decay("diagonal", slopes, seq), rtol=1e-5,
+                          atol=1e-7):
+        raise NoMatch("the mask is not exp(-slope * (i - j)) below the diagonal and 0 above "
+                      "(non-causal or not a decay)")
+    return slopes

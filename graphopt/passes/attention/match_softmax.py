@@ -1,0 +1,326 @@
+"""Softmax-attention patterns of the attention pass: which nodes are softmax-attention sites,
+what a convertible site binds (q, k, v, scale), and the proof that a mask is causal.
+Matchers raise :class:`NoMatch` with the reason the report shows; nothing here edits a graph.
+
+Convertible (hand-written, :func:`match_handwritten_softmax_attention`):
+    softmax(Q @ K^T [* or / scale] [+ mask]) [casts, dropout p=0] @ V over [B, H, S, D],
+    scale a number or a one-element tensor of constants/buffers, K^T a transpose(-2, -1) or
+    permute(0, 1, 3, 2), the mask added (float), ``masked_fill``-ed or ``where``-selected
+    (bool) and proven causal by :func:`not_constant_causal`; GQA through ``repeat_kv``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.passes.attention.match_common import (
+    NoMatch,
+    ancestors,
+    arg,
+    aten,
+    evaluate,
+    is_batched,
+    is_buffer,
+    is_call,
+    layer_index,
+)
+from graphopt.passes.fx_utils import tensor_meta
+
+SDPA_OPS = {aten.scaled_dot_product_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default}
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default,
+          aten.contiguous.default, aten.to.dtype_layout}
+_NEG_INF = -1e30  # a fill value at or below this blocks a position (finfo.min, -inf)
+
+
+_PASS_THROUGH = {aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
+                 aten.where.ScalarOther, aten.where.ScalarSelf, aten.to.dtype,
+                 aten._to_copy.default, aten.dropout.default, aten.clone.default,
+                 aten.masked_fill.Scalar}
+
+
+@dataclass
+class SoftmaxAttention:
+    """softmax(Q K^T * scale [+ causal mask]) @ V, hand-written or as one SDPA call.
+
+    q: [B, Hq, S, D]; k: [B, Hk, S, D] and v: [B, Hk, S, Dv] before ``repeat_kv`` when both
+    are repeated the same way (GQA/MQA); ``output`` is the ``P @ V`` matmul (or SDPA) node."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    output: fx.Node
+
+
+def is_handwritten_softmax_attention(node: fx.Node) -> bool:
+    """softmax(Q K^T [*/ scale] [+ mask]) [dropout] @ V written out op by op (GPT-2 "eager",
+    Llama's eager_attention_forward): a softmax fed by Q @ K^T through element-wise ops and
+    feeding a matmul."""
+    if not is_call(node, aten.softmax.int, aten._softmax.default):
+        return False
+    upstream: Any = node.args[0]
+    for _ in range(6):
+        if is_call(upstream, aten.matmul.default):
+            if not is_call(arg(upstream, 1), aten.transpose.int, aten.permute.default):
+                return False
+            break
+        if not is_call(upstream, *_PASS_THROUGH):
+            return False
+        upstream = next((a for a in upstream.args if is_batched(a)), None)
+    else:
+        return False
+    frontier = [node]
+    for _ in range(4):
+        users = [u for n in frontier for u in n.users]
+        if any(is_call(u, aten.matmul.default) for u in users):
+            return True
+        frontier = [u for u in users if is_call(u, *_PASS_THROUGH)]
+    return False
+
+
+def num_decoder_layers(gm: fx.GraphModule) -> int:
+    """1 + the largest decoder-layer index of an attention site (SDPA or hand-written)."""
+    indices = [i for n in gm.graph.nodes
+               if is_call(n, *SDPA_OPS) or is_handwritten_softmax_attention(n)
+               if (i := layer_index(n)) is not None]
+    return max(indices) + 1 if indices else 1
+
+
+def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any]) -> SoftmaxAttention:
+    """``scaled_dot_product_attention`` with ``is_causal`` or a mask proven causal, no
+    dropout, query length = key length."""
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
+    args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
+    if node.target is not aten.scaled_dot_product_attention.default:
+        raise NoMatch(f"{node.target} is not the composite SDPA op")
+    mask = args.get("attn_mask")
+    if mask is not None:
+        problem = not_constant_causal(mask, env)
+        if problem:
+            raise NoMatch(problem)
+    elif not args.get("is_causal", False):
+        raise NoMatch("non-causal attention is not converted to causal Lightning Attention")
+    if args.get("dropout_p", 0.0) not in (0, 0.0):
+        raise NoMatch("attention dropout > 0 (training dropout)")
+    q, k, v = args["query"], args["key"], args["value"]
+    q_val, k_val = tensor_meta(q), tensor_meta(k)
+    if q_val is None or k_val is None or q_val.dim() != 4:
+        raise NoMatch("operands are not [B, H, S, D]")
+    if q_val.shape[2] != k_val.shape[2]:
+        raise NoMatch("query length != key length (KV cache); causal alignment differs")
+    scale = args.get("scale") or 1.0 / int(q_val.shape[3]) ** 0.5
+    return SoftmaxAttention(q, k, v, float(scale), node)
+
+
+def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any]
+                                        ) -> SoftmaxAttention:
+    """Match hand-written causal softmax attention around ``softmax`` (GPT-2's and Llama's
+    ``eager`` attention): scale by a multiply, a divide or a one-element constant tensor;
+    the causal mask added (float), ``masked_fill``-ed or ``where``-selected (bool), proven
+    causal by evaluation; casts and dropout with p = 0 after the softmax; GQA through
+    ``repeat_kv``. Raises NoMatch with the reason for anything else."""
+    if not is_call(softmax, aten.softmax.int, aten._softmax.default):
+        raise NoMatch("not a softmax")
+    val = tensor_meta(softmax)
+    if val is None or int(softmax.args[1]) % val.dim() != val.dim() - 1:  # type: ignore
+        raise NoMatch("softmax is not over the last (key) dimension")
+    scale, mask, qk = _scores(softmax.args[0], env)  # type: ignore[arg-type]
+    if mask is None:
+        raise NoMatch("no attention mask: non-causal attention is not converted to causal "
+                      "Lightning Attention")
+    mask_node, blocked = mask
+    problem = not_constant_causal(mask_node, env, blocked=blocked)
+    if problem:
+        raise NoMatch(problem)
+    output = _probabilities_times_v(softmax)
+    q, k = qk.args[0], _k_transposed(qk.args[1])
+    v = output.args[1]
+    vals = [tensor_meta(x) if isinstance(x, fx.Node) else None for x in (q, k, v)]
+    if any(x is None or x.dim() != 4 for x in vals):
+        raise NoMatch("q, k, v are not [B, H, S, D] tensors")
+    if vals[0].shape[2] != vals[1].shape[2]:  # type: ignore[union-attr]
+        raise NoMatch("query length != key length (KV cache); causal alignment differs")
+    (k0, nk), (v0, nv) = _unrepeat(k), _unrepeat(v)  # type: ignore[arg-type]
+    if nk == nv and nk > 1:
+        k, v = k0, v0
+    return SoftmaxAttention(q, k, v, scale, output)  # type: ignore[arg-type]
+
+
+def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = False) -> str:
+    """"" when ``mask`` is provably the causal mask for every call of this graph: it is built
+    from constants only (no graph input: so no padding mask, no symbolic size) and evaluates to
+    True / 0 on and below the diagonal and False / -inf (or < -1e30) above (a boolean mask
+    with ``blocked=True``, as ``masked_fill`` takes it: False on and below, True above).
+    Else the reason."""
+    for n in ancestors(mask):
+        if n.op == "placeholder" and not is_buffer(n, env):
+            return ("the attention mask depends on a graph input (a padding mask or a dynamic "
+                    "size), so it cannot be proven causal for every call")
+        if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
+            return "the attention mask is built by non-ATen code"
+    try:
+        m = evaluate(mask, env)
+    except Exception as exc:  # any failure means "not provable"
+        return f"the attention mask could not be evaluated ({type(exc).__name__})"
+    if not isinstance(m, torch.Tensor) or m.dim() < 2 or m.shape[-1] != m.shape[-2]:
+        return "the attention mask is not square (query length != key length)"
+    seq = m.shape[-1]
+    lower = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if m.dtype == torch.bool:
+        m = ~m if blocked else m
+        allowed, masked = m, ~m
+    else:
+        allowed, masked = (m == 0), (m < _NEG_INF)
+    if not (bool((allowed == lower).all()) and bool((masked == ~lower).all())):
+        return "the attention mask is not the causal (lower-triangular) mask"
+    return ""
+
+
+def _constant_scalar(node: Any, env: dict[fx.Node, Any], what: str) -> float:
+    """A Python number, or a one-element tensor computed from constants/buffers only."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    if not isinstance(node, fx.Node):
+        raise NoMatch(f"{what} is {node!r}, not a number")
+    for n in ancestors(node):
+        if n.op == "placeholder" and not is_buffer(n, env):
+            raise NoMatch(f"{what} depends on a graph input or a trainable parameter; only "
+                          "constants and buffers are folded into the kernel")
+    try:
+        value = evaluate(node, env)
+    except NoMatch:
+        raise
+    except Exception as exc:
+        raise NoMatch(f"{what} could not be evaluated ({type(exc).__name__})") from exc
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise NoMatch(f"{what} is not a single number (a per-position or per-head tensor)")
+    return float(value.reshape(()))
+
+
+def _k_transposed(k_t: Any) -> fx.Node:
+    """K from K^T; refuses permutes that are not a swap of the last two dims."""
+    val = tensor_meta(k_t) if isinstance(k_t, fx.Node) else None
+    if val is None or val.dim() != 4:
+        raise NoMatch("scores are not a product of [B, H, S, D] tensors")
+    if is_call(k_t, aten.transpose.int):
+        dims = sorted(int(d) % 4 for d in k_t.args[1:3])
+        if dims == [2, 3]:
+            return k_t.args[0]  # type: ignore[return-value]
+        raise NoMatch(f"K operand is transpose{tuple(k_t.args[1:3])}, not a transpose of the "
+                      "last two dims: the product is not Q K^T")
+    if is_call(k_t, aten.permute.default):
+        dims = [int(d) % 4 for d in k_t.args[1]]  # type: ignore[union-attr]
+        if dims == [0, 1, 3, 2]:
+            return k_t.args[0]  # type: ignore[return-value]
+        raise NoMatch(f"K operand is permute{tuple(dims)}, not a transpose of the last two "
+                      "dims: the product is not Q K^T")
+    raise NoMatch("the second factor of the scores is not a transposed K")
+
+
+def _unrepeat(x: fx.Node) -> tuple[fx.Node, int]:
+    """(kv, n) for transformers' ``repeat_kv``: reshape(expand(kv[:, :, None], [B, Hk, n, S,
+    D]), [B, Hk * n, S, D]); (x, 1) for anything else."""
+    if not is_call(x, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return x, 1
+    expand: Any = x.args[0]
+    if not is_call(expand, aten.expand.default) or \
+            not is_call(expand.args[0], aten.unsqueeze.default) or \
+            int(expand.args[0].args[1]) % 5 != 2:
+        return x, 1
+    base: fx.Node = expand.args[0].args[0]
+    bval, eval_, xval = tensor_meta(base), tensor_meta(expand), tensor_meta(x)
+    if bval is None or eval_ is None or xval is None or bval.dim() != 4:
+        return x, 1
+    b, hk, s, d = bval.shape
+    if tuple(eval_.shape) != (b, hk, eval_.shape[2], s, d) or \
+            tuple(xval.shape) != (b, hk * eval_.shape[2], s, d):
+        return x, 1
+    return base, int(eval_.shape[2])
+
+
+def _scores(x: fx.Node, env: dict[fx.Node, Any]
+            ) -> tuple[float, tuple[fx.Node, bool] | None, fx.Node]:
+    """Walk from the softmax input up to ``Q @ K^T``: (scale, (mask, blocked) or None, qk)."""
+    scale, mask = 1.0, None
+
+    def set_mask(node: fx.Node, blocked: bool) -> None:
+        nonlocal mask
+        if mask is not None:
+            raise NoMatch("two masks on the scores")
+        mask = (node, blocked)
+
+    for _ in range(12):
+        if is_call(x, aten.matmul.default):
+            return scale, mask, x
+        if is_call(x, *_CASTS):
+            x = x.args[0]  # type: ignore[assignment]
+        elif is_call(x, aten.mul.Tensor, aten.div.Tensor):
+            a, b = x.args
+            if not (isinstance(a, fx.Node) and is_batched(a)):
+                a, b = b, a
+            if x.target is aten.div.Tensor and a is not x.args[0]:
+                raise NoMatch("scores divide a tensor (not a scale)")
+            factor = _constant_scalar(b, env, "the scale")
+            scale = scale * factor if x.target is aten.mul.Tensor else scale / factor
+            x = a  # type: ignore[assignment]
+        elif is_call(x, aten.add.Tensor):
+            a, b = x.args
+            if _leads_to_scores(b) and not _leads_to_scores(a):
+                a, b = b, a
+            if not isinstance(b, fx.Node):
+                raise NoMatch("a constant is added to the scores")
+            set_mask(b, blocked=False)
+            x = a  # type: ignore[assignment]
+        elif is_call(x, aten.masked_fill.Scalar):
+            if _constant_scalar(x.args[2], env, "the fill value") > _NEG_INF:
+                raise NoMatch("masked_fill with a finite value is not a mask")
+            set_mask(x.args[1], blocked=True)  # type: ignore[arg-type]
+            x = x.args[0]  # type: ignore[assignment]
+        elif is_call(x, aten.where.self, aten.where.ScalarOther):
+            cond, a, other = x.args
+            if _constant_scalar(other, env, "the masked value") > _NEG_INF:
+                raise NoMatch("where() with a finite value is not a mask")
+            set_mask(cond, blocked=False)  # type: ignore[arg-type]
+            x = a  # type: ignore[assignment]
+        else:
+            target = getattr(x, "target", x)
+            raise NoMatch(f"the scores pass through {target}, which is not a scale, mask or "
+                          "cast")
+    raise NoMatch("softmax input is not Q @ K^T")
+
+
+def _leads_to_scores(node: Any) -> bool:
+    """True when ``node`` is (casts/scales/masks of) a matmul: the scores side of an add."""
+    for _ in range(12):
+        if is_call(node, aten.matmul.default):
+            return True
+        if not is_call(node, *_CASTS, aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor,
+                       aten.masked_fill.Scalar):
+            return False
+        node = next((a for a in node.args if isinstance(a, fx.Node) and is_batched(a)), None)
+    return False
+
+
+def _probabilities_times_v(softmax: fx.Node) -> fx.Node:
+    """The ``P @ V`` matmul fed by the softmax through casts and inactive dropout."""
+    node = softmax
+    for _ in range(6):
+        users = [u for u in node.users if is_call(u, aten.matmul.default) and u.args[0] is node]
+        if users:
+            return users[0]
+        nxt = [u for u in node.users if is_call(u, *_CASTS, aten.dropout.default)]
+        if not nxt:
+            break
+        node = nxt[0]
+        if is_call(node, aten.dropout.default):
+            p, train = arg(node, 1), arg(node, 2)
+            if train is not False and p not in (0, 0.0):
+                raise NoMatch("attention dropout > 0 (training dropout)")
+    raise NoMatch("the probabilities do not feed a matmul with V")
