@@ -85,6 +85,12 @@ def is_handwritten_softmax_attention(node: fx.Node) -> bool:
     return False
 
 
+def softmax_attention_sites(graph: fx.Graph) -> list[fx.Node]:
+    """Every softmax-attention site of ``graph`` (SDPA or hand-written), in graph order."""
+    return [n for n in graph.nodes
+            if is_call(n, *SDPA_OPS) or is_handwritten_softmax_attention(n)]
+
+
 def num_decoder_layers(gm: fx.GraphModule) -> int:
     """1 + the largest decoder-layer index of an attention site (SDPA or hand-written)."""
     indices = [i for n in gm.graph.nodes

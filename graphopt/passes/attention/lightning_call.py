@@ -1,0 +1,64 @@
+"""Inserting ``graphopt::lightning_attention_fwd`` calls: the one rewrite primitive the
+attention pass's exact linear-attention rewrites and its approximate softmax conversion share.
+
+New nodes get ``val`` (fake-run) and provenance: ``nn_module_stack`` of the node they replace
+and ``graphopt_replaced = [its name]``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphopt.kernels.lightning.chunked import DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY
+from graphopt.passes.fx_utils import fake_call, tensor_meta
+
+
+def insert_lightning_fwd(gm: fx.GraphModule, before: fx.Node, q: fx.Node, k: fx.Node,
+                         v: fx.Node, slope: fx.Node, scale: float, outputs: int = 1
+                         ) -> list[fx.Node]:
+    """Insert ``lightning_attention_fwd(q, k, v, slope, scale)`` before ``before`` (which it
+    will replace; ``slope`` is a new [H] node) and return its first ``outputs`` results
+    (output, final state), not yet wired in. The kernel's block length is used: the result
+    does not depend on it (exact math)."""
+    from graphopt.kernels.lightning.op import resolve_impl
+
+    graph = gm.graph
+    q_val, v_val = tensor_meta(q), tensor_meta(v)
+    assert q_val is not None
+    dims = max(int(q_val.shape[-1]), int(v_val.shape[-1]) if v_val is not None else 0)
+    op = torch.ops.graphopt.lightning_attention_fwd.default
+    with graph.inserting_before(before):
+        args = (q, k, v, slope, scale, None, DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY,
+                resolve_impl("auto", q_val.device, dims))
+        call = graph.call_function(op, args)
+        call.meta["val"] = fake_call(op, *args)
+        outs = []
+        for i in range(outputs):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta["val"] = call.meta["val"][i]
+            outs.append(item)
+    for new in (slope, call, *outs):
+        new.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+        new.meta["graphopt_replaced"] = [before.name]
+    return outs
+
+
+def insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
+                              v: fx.Node, slopes: torch.Tensor, scale: float) -> fx.Node:
+    """Insert ``lightning_attention_fwd(q, k, v, slopes)[0]`` before ``node``, the slopes
+    frozen as a float32 buffer of ``gm``; returns the output node (not yet wired in)."""
+    graph = gm.graph
+    q_val = tensor_meta(q)
+    mode = detect_fake_mode([q_val])
+    assert q_val is not None and mode is not None
+    name = f"_graphopt_slope_{node.name}"
+    gm.register_buffer(name, slopes.to(torch.float32, copy=True).to(q_val.device))
+    with graph.inserting_before(node):
+        slope = graph.get_attr(name)
+    slope.meta["val"] = mode.from_tensor(getattr(gm, name))
+    (out,) = insert_lightning_fwd(gm, node, q, k, v, slope, scale)
+    return out

@@ -1,0 +1,152 @@
+"""attention pass, steps 2 and 3 (mode "exact"): rewrite code that already computes decayed
+causal linear attention (Lightning Attention) in a slow form into one
+``graphopt::lightning_attention_fwd`` call.
+
+Matched (patterns in ``match_linear``): transformers' MiniMax ``MiniMaxLightningAttention``
+block loop, which Dynamo unrolls into one chain per block, and the quadratic "parallel form"
+``((Q K^T) * D) V`` (RetNet-style code) when the decay matrix D is computed from
+buffers/constants only and equals exp(-slope_h * (i - j)) below the diagonal, 0 above.
+
+Contract:
+    accepts: the normalized pre-autograd ATen graph with static shapes (a loop over a
+        symbolic number of blocks cannot be unrolled by Dynamo anyway) and the compile's real
+        example inputs (``env``: placeholder -> value) to evaluate decays.
+    guarantees: EXACT, i.e. the same function up to floating-point reassociation and the
+        rounding of the decay buffers: a loop is rewritten only when its decay tensors,
+        evaluated from the example inputs, equal exp(-slope * (i + 1)),
+        exp(-slope * (L - 1 - j)), exp(-slope * (i - j)) (masked) and exp(-slope * L) for
+        every block (rtol 1e-5); MiniMax builds them from ``slope_rate`` in ``__init__``. A
+        parallel form's fitted slopes become a float32 buffer of the graph module. Chains
+        inside an autocast region are left as written.
+    reads meta: ``val`` (shapes/dtypes), ``grapharg`` (buffers), ``autocast``.
+    writes meta: new nodes get ``val``, ``graphopt_replaced`` (the replaced output node's
+        name) and that node's ``nn_module_stack``.
+    records: "rewritten" per loop (blocks, block size, S) or parallel form (S); "skipped"
+        with the reason for a loop or parallel form that fails a check (or is in an autocast
+        region); "kept" for each in mode "keep".
+
+Pseudo-code:
+    for cat in graph where cat(dim=-2) of per-block outputs:
+        loop = match_minimax_block_loop(cat)                     # slices of one Q, K, V
+        check_loop_decays(loop, env)                             # numerically, vs slope
+        o, state = lightning_attention_fwd(Q, K, V, slope.view(H), 1.0)
+        replace cat by o and the loop's last state by state
+    (the pass removes dead code here)
+    for matmul not inside a loop: form = match_decayed_parallel_form(matmul)
+        slopes = parallel_form_slopes(form.decay, H, env)
+        replace matmul by lightning_attention_fwd(Q, K, V, buffer(slopes), 1.0)[0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from graphopt.passes.attention.lightning_call import (
+    insert_lightning_fwd,
+    insert_with_frozen_slopes,
+)
+from graphopt.passes.attention.match_common import NoMatch, aten, is_call
+from graphopt.passes.attention.match_linear import (
+    BlockLoop,
+    check_loop_decays,
+    match_decayed_parallel_form,
+    match_minimax_block_loop,
+    parallel_form_slopes,
+)
+from graphopt.passes.base import PassContext
+from graphopt.passes.fx_utils import autocast_reason, fake_call, site_name, tensor_meta
+
+
+def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node, Any],
+                        mode: str) -> tuple[bool, set[fx.Node]]:
+    """Rewrite every MiniMax block loop (mode "exact"; report them otherwise). Returns
+    (graph changed, the loops' per-block intra products: not parallel forms)."""
+    modified = False
+    in_loops: set[fx.Node] = set()
+    for cat in [n for n in gm.graph.nodes if is_call(n, aten.cat.default)]:
+        try:
+            loop = match_minimax_block_loop(cat)
+        except NoMatch:
+            continue  # not loop-shaped at all: nothing to report
+        in_loops.update(b.intra for b in loop.blocks)
+        site = site_name(cat)
+        if autocast_reason(cat):
+            ctx.record("skipped", site, autocast_reason(cat))
+            continue
+        if mode == "keep":
+            ctx.record("kept", site, "linear-attention block loop (attention='keep')")
+            continue
+        try:
+            check_loop_decays(loop, env)
+        except NoMatch as exc:
+            ctx.record("skipped", site, str(exc))
+            continue
+        _replace_loop(gm, cat, loop)
+        val = tensor_meta(loop.q)
+        assert val is not None
+        ctx.record("rewritten", site, f"block loop of {len(loop.blocks)} blocks "
+                   f"(block {loop.blocks[0].end}, S {int(val.shape[2])}) -> "
+                   "graphopt::lightning_attention")
+        modified = True
+    return modified, in_loops
+
+
+def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node, Any],
+                           mode: str, in_loops: set[fx.Node]) -> bool:
+    """Rewrite every decayed parallel form outside ``in_loops`` (mode "exact"; report them in
+    mode "keep"). Returns whether the graph changed."""
+    graph = gm.graph
+    modified = False
+    for node in [n for n in graph.nodes if is_call(n, aten.matmul.default)]:
+        if node in in_loops or node.graph is not graph or not node.users or \
+                autocast_reason(node):
+            continue
+        try:
+            form = match_decayed_parallel_form(node)
+        except NoMatch:
+            continue
+        site = site_name(node)
+        if mode == "keep":
+            ctx.record("kept", site, "decayed linear attention, parallel form "
+                       "(attention='keep')")
+            continue
+        q_val = tensor_meta(form.q)
+        assert q_val is not None
+        try:
+            slopes = parallel_form_slopes(form.decay, int(q_val.shape[1]), env)
+        except NoMatch as exc:
+            ctx.record("skipped", site, str(exc))
+            continue
+        node.replace_all_uses_with(
+            insert_with_frozen_slopes(gm, node, form.q, form.k, form.v, slopes, 1.0))
+        ctx.record("rewritten", site, f"parallel form (S {int(q_val.shape[2])}) -> "
+                   "graphopt::lightning_attention")
+        modified = True
+    return modified
+
+
+def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> None:
+    """Replace the loop's concatenated output by one Lightning call, and its last state
+    (when used) by the call's final state, cast back to the loop's state dtype."""
+    graph = gm.graph
+    q_val = tensor_meta(loop.q)
+    assert q_val is not None
+    heads = int(q_val.shape[1])
+    with graph.inserting_before(cat):
+        slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
+    slope.meta["val"] = fake_call(aten.view.default, loop.slope, [heads])
+    out, final = insert_lightning_fwd(gm, cat, loop.q, loop.k, loop.v, slope, 1.0, outputs=2)
+    cat.replace_all_uses_with(out)
+    state = loop.final_state
+    if state is not None and state.users:
+        want = tensor_meta(state)
+        new_state = final
+        if want is not None and want.dtype != final.meta["val"].dtype:
+            with graph.inserting_after(final):
+                new_state = graph.call_function(
+                    aten._to_copy.default, (final,), {"dtype": want.dtype})
+                new_state.meta["val"] = fake_call(aten._to_copy.default, final,
+                                                  dtype=want.dtype)
+        state.replace_all_uses_with(new_state)

@@ -1,0 +1,71 @@
+"""attention pass, step 1 (modes "keep" and "exact"): report softmax-attention sites, and in
+mode "exact" drop a constant causal mask from SDPA in favour of ``is_causal=True``.
+
+Contract:
+    accepts: the normalized pre-autograd ATen graph the attention pass runs on, and its
+        softmax-attention sites (``match_softmax.softmax_attention_sites``).
+    guarantees: EXACT. An SDPA call is changed only when its ``attn_mask`` is built from
+        constants/buffers, evaluates to the lower-triangular causal mask, and query length
+        equals key length: then ``attn_mask=None, is_causal=True`` gives every query the same
+        keys 0..i. Nothing else in the graph changes (the mask's construction becomes dead
+        code, removed by the pass). Sites inside an autocast region are left as written.
+    reads meta: ``val`` (shapes), ``grapharg`` (is a placeholder a module buffer),
+        ``autocast`` (through ``autocast_reason``); the example inputs (``env``) to evaluate
+        the mask.
+    writes meta: none (the SDPA node keeps its meta; only its arguments change).
+    records: per site "rewritten" (mask -> is_causal) or "kept" (softmax attention stays).
+
+Pseudo-code:
+    for site in softmax-attention sites:
+        if mode == "exact" and site is the composite SDPA with a mask proven causal and
+                q length == k length and not in an autocast region:
+            site.attn_mask, site.is_causal = None, True;  record rewritten
+        else: record kept
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from graphopt.passes.attention.match_common import aten
+from graphopt.passes.attention.match_softmax import not_constant_causal
+from graphopt.passes.base import PassContext
+from graphopt.passes.fx_utils import autocast_reason, site_name, tensor_meta
+
+
+def mask_to_is_causal(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
+    """SDPA with a mask proven causal (and q length = k length) -> ``is_causal=True``,
+    mask dropped; True when ``node`` was changed. Exact: both give every query its keys
+    0..i. Under torch.compile transformers materializes the causal mask that eager code
+    skips (S x S)."""
+    if node.target is not aten.scaled_dot_product_attention.default:
+        return False
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal"]
+    args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
+    mask = args.get("attn_mask")
+    q_val, k_val = tensor_meta(args["query"]), tensor_meta(args["key"])
+    if mask is None or q_val is None or k_val is None or q_val.dim() != 4 or \
+            q_val.shape[2] != k_val.shape[2] or not_constant_causal(mask, env):
+        return False
+    args.update(attn_mask=None, is_causal=True)
+    node.args = (args.pop("query"), args.pop("key"), args.pop("value"))
+    node.kwargs = args
+    return True
+
+
+def report_or_make_causal(sites: list[fx.Node], ctx: PassContext, env: dict[fx.Node, Any],
+                          mode: str) -> bool:
+    """Record every site as kept, or (mode "exact") rewritten to ``is_causal``; True when
+    the graph changed."""
+    modified = False
+    for node in sites:
+        if mode == "exact" and not autocast_reason(node) and mask_to_is_causal(node, env):
+            ctx.record("rewritten", site_name(node), "softmax attention kept; its causal mask "
+                       "(built from constants) -> is_causal=True (exact; the S x S mask is no "
+                       "longer built)")
+            modified = True
+        else:
+            ctx.record("kept", site_name(node), f"softmax attention (attention='{mode}')")
+    return modified

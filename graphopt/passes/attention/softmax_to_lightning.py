@@ -1,0 +1,163 @@
+"""attention pass, step 4 (mode "lightning", APPROXIMATE, opt-in): replace causal softmax
+attention by Lightning Attention, for linearizing a pretrained model before fine-tuning.
+
+Each converted site computes ``norm(lightning_attention(phi(q), phi(k), v, slopes, scale))``:
+per-head slopes (MiniMax-01's: ALiBi's geometric slopes times a depth factor, or ALiBi's),
+an optional q/k feature map phi and an RMS output norm. MiniMax-01's hybrid keeps every n-th
+layer's softmax (``lightning.every``); ``lightning.layers`` selects sites by module path.
+Spellings (``match_softmax``): SDPA (is_causal, or a mask proven causal) and hand-written
+``softmax(Q K^T * scale [+ mask]) [dropout 0] @ V`` (GPT-2's and Llama's eager attention).
+
+Contract:
+    accepts: the normalized pre-autograd ATen graph, its softmax-attention sites
+        (``match_softmax.softmax_attention_sites``) and the example inputs (``env``) to prove
+        masks causal and fold constant scales.
+    guarantees: APPROXIMATE: a converted site computes Lightning Attention, not softmax
+        attention (the pass's ``exact`` is False in this mode, so verify reports
+        "approximate"). Every site is either converted or reported "skipped" with the
+        matcher's reason: a mask from a graph input (padding, or a mask passed across a graph
+        break), non-causal or sliding-window masks, dropout > 0, query length != key length
+        (KV cache), a K permuted other than over its last two dims, a trainable or
+        input-dependent scale, an unknown layer index with per-layer slopes, an autocast
+        region, ``lightning.every`` / ``lightning.layers``. The output keeps the site's dtype.
+    reads meta: ``val``, ``nn_module_stack`` (layer index, module path), ``grapharg``,
+        ``autocast``.
+    writes meta: new nodes get ``val``, ``nn_module_stack`` and ``graphopt_replaced`` of the
+        replaced ``P @ V`` (or SDPA) node; slopes become a float32 buffer of the module.
+    records: per site "rewritten" ("APPROXIMATE: ...", slopes, feature map, norm, layer) or
+        "skipped" with the reason.
+
+Pseudo-code:
+    for site in softmax-attention sites:
+        q, k, v, scale, out = match SDPA or hand-written site      # or skipped: reason
+        check GQA heads, lightning.every, lightning.layers, a known layer index
+        slopes = minimax_slopes(H, layer, num_layers, kind)
+        o = lightning_attention_fwd(phi(q), phi(k), v, buffer(slopes), scale)[0]
+        replace out by cast(rms_norm(o), out.dtype)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes
+from graphopt.passes.attention.match_common import (
+    NoMatch,
+    aten,
+    is_call,
+    layer_index,
+    module_path,
+)
+from graphopt.passes.attention.match_softmax import (
+    SDPA_OPS,
+    match_handwritten_softmax_attention,
+    match_sdpa_causal,
+    num_decoder_layers,
+)
+from graphopt.passes.base import PassContext
+from graphopt.passes.fx_utils import autocast_reason, fake_call, site_name, tensor_meta
+
+_FEATURE_MAPS: dict[str, list[tuple[Any, tuple[Any, ...]]]] = {
+    "identity": [], "silu": [(aten.silu.default, ())], "relu": [(aten.relu.default, ())],
+    "elu1": [(aten.elu.default, ()), (aten.add.Tensor, (1.0,))],
+}
+
+
+def minimax_slopes(heads: int, layer: int, num_layers: int, kind: str = "minimax"
+                   ) -> torch.Tensor:
+    """Per-head decay rates [heads] (float32) as MiniMax-01 assigns them: ALiBi's geometric
+    slopes 2^(-8 (h + 1) / H) (Press et al. 2022), scaled by the layer's depth factor
+    1 - layer / (num_layers - 1) (+1e-5 so the last layer keeps a small decay).
+    ``kind="alibi"``: the geometric slopes alone (no depth factor)."""
+    base = 2.0 ** (-8.0 / heads)
+    factor = 1.0 if kind == "alibi" else 1.0 - layer / (num_layers - 1 + 1e-5) + 1e-5
+    return torch.tensor([base ** (h + 1) * factor for h in range(heads)], dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class SoftmaxToLightning:
+    """The ``lightning.*`` options of one conversion (see ``config.LightningOptions``)."""
+
+    every: int = 1
+    norm: str = "rms"
+    layers: tuple[str, ...] = ()
+    slopes: str = "minimax"
+    num_layers: int | None = None
+    feature_map: str = "identity"
+
+    def convert_sites(self, gm: fx.GraphModule, sites: list[fx.Node], ctx: PassContext,
+                      env: dict[fx.Node, Any]) -> bool:
+        """Convert or report every site; True when the graph changed."""
+        modified = False
+        for node in sites:
+            reason = autocast_reason(node) or self.convert(gm, node, env)
+            done = reason.startswith("APPROXIMATE")
+            ctx.record("rewritten" if done else "skipped", site_name(node), reason)
+            modified = modified or done
+        return modified
+
+    def convert(self, gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any]) -> str:
+        """Replace one softmax-attention site (SDPA node or hand-written softmax); returns the
+        report reason ("APPROXIMATE..." when done, "kept: ..." with the reason otherwise)."""
+        try:
+            if is_call(node, *SDPA_OPS):
+                found = match_sdpa_causal(node, env)
+            else:
+                found = match_handwritten_softmax_attention(node, env)
+        except NoMatch as exc:
+            return f"kept: {exc}"
+        q_val, k_val = tensor_meta(found.q), tensor_meta(found.k)
+        assert q_val is not None and k_val is not None
+        if q_val.shape[1] % k_val.shape[1]:
+            return "kept: query heads are not a multiple of key heads"
+        layer = layer_index(node)
+        if self.every > 1 and layer is not None and (layer + 1) % self.every == 0:
+            return f"kept: layer {layer} keeps softmax attention (lightning.every={self.every})"
+        path = module_path(node)
+        if self.layers and not any(fnmatch.fnmatchcase(path, p) for p in self.layers):
+            return f"kept: {path or 'this site'} is not selected by lightning.layers"
+        depth = self.num_layers or num_decoder_layers(gm)
+        if layer is None and self.slopes == "minimax" and depth > 1:
+            return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
+                    "several layers after a graph break), so MiniMax's per-layer slopes cannot "
+                    "be chosen; use lightning.slopes='alibi' or remove the graph break")
+        slopes = minimax_slopes(int(q_val.shape[1]), layer or 0, depth, self.slopes)
+        q, k = (self._feature_map(gm, found.output, x) for x in (found.q, found.k))
+        self._insert(gm, found.output, q, k, found.v, slopes, found.scale)
+        return (f"APPROXIMATE: softmax -> Lightning Attention ({self.slopes} slopes, feature "
+                f"map {self.feature_map}, norm {self.norm}, layer {layer} of {depth})")
+
+    def _feature_map(self, gm: fx.GraphModule, before: fx.Node, x: fx.Node) -> fx.Node:
+        """``lightning.feature_map`` applied to q or k (new nodes before ``before``)."""
+        for target, extra in _FEATURE_MAPS[self.feature_map]:
+            with gm.graph.inserting_before(before):
+                new = gm.graph.call_function(target, (x, *extra))
+            new.meta.update(val=fake_call(target, x, *extra),
+                            nn_module_stack=before.meta.get("nn_module_stack", {}),
+                            graphopt_replaced=[before.name])
+            x = new
+        return x
+
+    def _insert(self, gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
+                v: fx.Node, slopes: torch.Tensor, scale: float) -> None:
+        """Replace softmax attention ``node`` by Lightning Attention (+ RMS norm)."""
+        out = insert_with_frozen_slopes(gm, node, q, k, v, slopes, scale)
+        if self.norm == "rms":
+            dim = [int(out.meta["val"].shape[3])]
+            with gm.graph.inserting_after(out):
+                norm = gm.graph.call_function(aten.rms_norm.default, (out, dim))
+            norm.meta.update(out.meta, val=fake_call(aten.rms_norm.default, out, dim))
+            out = norm
+        want = tensor_meta(node)
+        if want is not None and want.dtype != out.meta["val"].dtype:
+            with gm.graph.inserting_after(out):
+                cast = gm.graph.call_function(aten._to_copy.default, (out,),
+                                              {"dtype": want.dtype})
+            cast.meta.update(out.meta, val=fake_call(aten._to_copy.default, out, dtype=want.dtype))
+            out = cast
+        node.replace_all_uses_with(out)
