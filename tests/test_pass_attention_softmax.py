@@ -171,6 +171,64 @@ def test_refusals_keep_the_graph_and_say_why(kind, reason):
     assert not record.modified and record.op_delta == {}
 
 
+class MissedByTheOldDetector(torch.nn.Module):
+    """Causal softmax attention that the site detector, before it became the matcher's first
+    step, did not see (it walked up the first batched operand through a fixed op list and
+    wanted K^T as a transpose/permute), so attention='lightning' neither converted nor
+    reported it; ``kind`` picks one."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("mask", _causal_additive(64)[None, None])
+
+    def forward(self, q, k, v):
+        s = q.shape[2]
+        if self.kind == "mask_first":  # the old walk followed the [1, 1, S, S] mask operand
+            scores = self.mask[:, :, :s, :s] + (q @ k.transpose(-1, -2)) * D ** -0.5
+        elif self.kind == "k_given_transposed":  # K^T is an input, not a transpose node
+            scores = (q @ k) * D ** -0.5 + _causal_additive(s)
+        else:  # .to(device, dtype) is aten.to.device, on neither op list
+            scores = ((q @ k.transpose(-1, -2)) * D ** -0.5 + _causal_additive(s)).to(
+                q.device, torch.float32)
+        return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("kind, action, reason", [
+    ("mask_first", "rewritten", "APPROXIMATE: softmax -> Lightning Attention"),
+    ("k_given_transposed", "skipped", "the second factor of the scores is not a transposed K"),
+    ("cast_to_device", "skipped", "the scores pass through aten.to.device"),
+])
+def test_every_site_the_matcher_sees_is_converted_or_reported(kind, action, reason):
+    model, args = MissedByTheOldDetector(kind), _inputs(kind)
+    if kind == "k_given_transposed":
+        args[1] = args[1].transpose(-1, -2).contiguous()
+    gm, record = _convert(model, args)
+    assert [s.action for s in record.sites] == [action], record.sites
+    assert reason in record.sites[0].reason, record.sites[0].reason
+    if action == "rewritten":
+        q, k, v = args
+        torch.testing.assert_close(as_function(gm, model)(*args), F.rms_norm(
+            lightning_attention(q, k, v, minimax_slopes(4, 0, 1), scale=D ** -0.5), [D]))
+    _, kept = run_pass("attention", trace_for_pass(model, *args), Config(attention="exact"))
+    assert [s.action for s in kept.sites] == ["kept"], kept.sites
+
+
+def test_a_softmax_that_is_not_attention_is_not_a_site():
+    """A router's softmax (feeds top-k) and mixing weights softmax(w) @ x are not attention:
+    nothing is reported for them."""
+    w = torch.nn.Parameter(torch.randn(3, 3))
+
+    def fn(x, router):
+        probs = torch.softmax(x @ router, dim=-1)
+        top, _ = torch.topk(probs, 2, dim=-1)
+        return top.sum() + (torch.softmax(w, -1) @ x[:3]).sum()
+
+    args = [torch.randn(5, 4), torch.randn(4, 6)]
+    _, record = _convert(fn, args)
+    assert record.sites == [] and not record.modified
+
+
 def test_decode_query_shorter_than_keys_is_refused():
     def fn(q, k, v):
         scores = (q @ k.transpose(-1, -2)) * 0.3 + _causal_additive(6)[-2:]

@@ -1,7 +1,17 @@
 """Softmax-attention patterns of the attention pass: which nodes are softmax-attention sites,
 what a convertible site binds (q, k, v, scale), and the proof that a mask is causal.
-Matchers raise :class:`NoMatch` with the reason the report shows; nothing here edits a graph.
 
+One detector = the matcher. :func:`match_softmax_attention_site` is the only matcher; its
+first step, :func:`is_softmax_attention_site`, is also how the pass finds sites. A node that
+passes the first step is a *site*: every later refusal raises :class:`NoMatch` with the
+reason, so a site is always either converted or reported with why not. Only that first step
+raises :class:`NotASite` (nothing to report: a router's softmax, a plain matmul).
+
+A site is
+    an SDPA call (any of ``SDPA_OPS``; only the composite op is converted), or
+    a softmax over scores computed from a product (matmul, bmm, mm, baddbmm, einsum)
+    through ops that keep the scores' [.., Sq, Sk] shape, whose probabilities reach a
+    product through such ops (``softmax(Q K^T ...) ... @ V`` in any spelling).
 Convertible (hand-written, :func:`match_handwritten_softmax_attention`):
     softmax(Q @ K^T [* or / scale] [+ mask]) [casts, dropout p=0] @ V over [B, H, S, D],
     scale a number or a one-element tensor of constants/buffers, K^T a transpose(-2, -1) or
@@ -34,15 +44,17 @@ SDPA_OPS = {aten.scaled_dot_product_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default}
+_SOFTMAX = (aten.softmax.int, aten._softmax.default)
+_PRODUCTS = (aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbmm.default,
+             aten.einsum.default)
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default,
           aten.contiguous.default, aten.to.dtype_layout}
 _NEG_INF = -1e30  # a fill value at or below this blocks a position (finfo.min, -inf)
+_SITE_DEPTH = 12  # ops between the softmax and each product; >= every walk of the matcher
 
 
-_PASS_THROUGH = {aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
-                 aten.where.ScalarOther, aten.where.ScalarSelf, aten.to.dtype,
-                 aten._to_copy.default, aten.dropout.default, aten.clone.default,
-                 aten.masked_fill.Scalar}
+class NotASite(NoMatch):
+    """The node is not a softmax-attention site at all; nothing to report."""
 
 
 @dataclass
@@ -59,44 +71,62 @@ class SoftmaxAttention:
     output: fx.Node
 
 
-def is_handwritten_softmax_attention(node: fx.Node) -> bool:
-    """softmax(Q K^T [*/ scale] [+ mask]) [dropout] @ V written out op by op (GPT-2 "eager",
-    Llama's eager_attention_forward): a softmax fed by Q @ K^T through element-wise ops and
-    feeding a matmul."""
-    if not is_call(node, aten.softmax.int, aten._softmax.default):
-        return False
-    upstream: Any = node.args[0]
-    for _ in range(6):
-        if is_call(upstream, aten.matmul.default):
-            if not is_call(arg(upstream, 1), aten.transpose.int, aten.permute.default):
-                return False
-            break
-        if not is_call(upstream, *_PASS_THROUGH):
-            return False
-        upstream = next((a for a in upstream.args if is_batched(a)), None)
-    else:
-        return False
-    frontier = [node]
-    for _ in range(4):
-        users = [u for n in frontier for u in n.users]
-        if any(is_call(u, aten.matmul.default) for u in users):
+def _reaches_product(start: list[fx.Node], step: str, shape: tuple[int, ...]) -> bool:
+    """True when a product is among ``start`` or reached from it by following ``step``
+    ("all_input_nodes" or "users") through call_function nodes of the scores' shape."""
+    frontier, seen = start, set(start)
+    for _ in range(_SITE_DEPTH):
+        calls = [n for n in frontier if n.op == "call_function"]
+        if any(is_call(n, *_PRODUCTS) for n in calls):
             return True
-        frontier = [u for u in users if is_call(u, *_PASS_THROUGH)]
+        frontier = []
+        for n in calls:
+            val = tensor_meta(n)
+            if val is None or val.dim() < 2 or tuple(val.shape[-2:]) != shape:
+                continue
+            for m in getattr(n, step):
+                if m not in seen:
+                    seen.add(m)
+                    frontier.append(m)
     return False
 
 
+def is_softmax_attention_site(node: fx.Node) -> bool:
+    """The first step of :func:`match_softmax_attention_site`: an SDPA call, or a softmax of
+    scores computed from a product whose probabilities feed a product (see module doc)."""
+    if is_call(node, *SDPA_OPS):
+        return True
+    val = tensor_meta(node)
+    if not is_call(node, *_SOFTMAX) or val is None or val.dim() < 2 or \
+            not isinstance(node.args[0], fx.Node):
+        return False
+    shape = tuple(val.shape[-2:])
+    return _reaches_product([node.args[0]], "all_input_nodes", shape) and \
+        _reaches_product(list(node.users), "users", shape)
+
+
 def softmax_attention_sites(graph: fx.Graph) -> list[fx.Node]:
-    """Every softmax-attention site of ``graph`` (SDPA or hand-written), in graph order."""
-    return [n for n in graph.nodes
-            if is_call(n, *SDPA_OPS) or is_handwritten_softmax_attention(n)]
+    """Every softmax-attention site of ``graph``, in graph order."""
+    return [n for n in graph.nodes if is_softmax_attention_site(n)]
 
 
 def num_decoder_layers(gm: fx.GraphModule) -> int:
-    """1 + the largest decoder-layer index of an attention site (SDPA or hand-written)."""
-    indices = [i for n in gm.graph.nodes
-               if is_call(n, *SDPA_OPS) or is_handwritten_softmax_attention(n)
+    """1 + the largest decoder-layer index of a softmax-attention site (1 if none known)."""
+    indices = [i for n in softmax_attention_sites(gm.graph)
                if (i := layer_index(n)) is not None]
     return max(indices) + 1 if indices else 1
+
+
+def match_softmax_attention_site(node: fx.Node, env: dict[fx.Node, Any]) -> SoftmaxAttention:
+    """Match a causal softmax-attention site convertible to Lightning Attention.
+
+    Raises NotASite when ``node`` is not a site, NoMatch with the reason for a site that is
+    not convertible (non-causal, padding mask, dropout, KV cache, not Q K^T, ...)."""
+    if not is_softmax_attention_site(node):
+        raise NotASite(f"{node.name} is not a softmax-attention site")
+    if is_call(node, *SDPA_OPS):
+        return match_sdpa_causal(node, env)
+    return match_handwritten_softmax_attention(node, env)
 
 
 def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any]) -> SoftmaxAttention:
@@ -132,7 +162,7 @@ def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any
     the causal mask added (float), ``masked_fill``-ed or ``where``-selected (bool), proven
     causal by evaluation; casts and dropout with p = 0 after the softmax; GQA through
     ``repeat_kv``. Raises NoMatch with the reason for anything else."""
-    if not is_call(softmax, aten.softmax.int, aten._softmax.default):
+    if not is_call(softmax, *_SOFTMAX):
         raise NoMatch("not a softmax")
     val = tensor_meta(softmax)
     if val is None or int(softmax.args[1]) % val.dim() != val.dim() - 1:  # type: ignore
@@ -295,6 +325,9 @@ def _scores(x: fx.Node, env: dict[fx.Node, Any]
                 raise NoMatch("where() with a finite value is not a mask")
             set_mask(cond, blocked=False)  # type: ignore[arg-type]
             x = a  # type: ignore[assignment]
+        elif is_call(x, *_PRODUCTS):
+            raise NoMatch(f"the scores are computed by {x.target}, not by a matmul Q @ K^T "
+                          "of [B, H, S, D] tensors")
         else:
             target = getattr(x, "target", x)
             raise NoMatch(f"the scores pass through {target}, which is not a scale, mask or "

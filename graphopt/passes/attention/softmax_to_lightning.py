@@ -29,7 +29,7 @@ Contract:
 
 Pseudo-code:
     for site in softmax-attention sites:
-        q, k, v, scale, out = match SDPA or hand-written site      # or skipped: reason
+        q, k, v, scale, out = match_softmax_attention_site(site)   # or skipped: reason
         check GQA heads, lightning.every, lightning.layers, a known layer index
         slopes = minimax_slopes(H, layer, num_layers, kind)
         o = lightning_attention_fwd(phi(q), phi(k), v, buffer(slopes), scale)[0]
@@ -46,17 +46,9 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes
-from graphopt.passes.attention.match_common import (
-    NoMatch,
-    aten,
-    is_call,
-    layer_index,
-    module_path,
-)
+from graphopt.passes.attention.match_common import NoMatch, aten, layer_index, module_path
 from graphopt.passes.attention.match_softmax import (
-    SDPA_OPS,
-    match_handwritten_softmax_attention,
-    match_sdpa_causal,
+    match_softmax_attention_site,
     num_decoder_layers,
 )
 from graphopt.passes.base import PassContext
@@ -105,10 +97,7 @@ class SoftmaxToLightning:
         """Replace one softmax-attention site (SDPA node or hand-written softmax); returns the
         report reason ("APPROXIMATE..." when done, "kept: ..." with the reason otherwise)."""
         try:
-            if is_call(node, *SDPA_OPS):
-                found = match_sdpa_causal(node, env)
-            else:
-                found = match_handwritten_softmax_attention(node, env)
+            found = match_softmax_attention_site(node, env)
         except NoMatch as exc:
             return f"kept: {exc}"
         q_val, k_val = tensor_meta(found.q), tensor_meta(found.k)
