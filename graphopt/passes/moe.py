@@ -370,12 +370,6 @@ def _feeds_topk(topk: fx.Node) -> bool:
     return False
 
 
-def _default_profile() -> str:
-    from graphopt.cost.calibrate import local_profile_path
-
-    return "local" if local_profile_path().exists() else "h100-sxm"
-
-
 def _ranks_per_node(opts: MoEOptions) -> int:
     if opts.ranks_per_node is not None:
         return opts.ranks_per_node

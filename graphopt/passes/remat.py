@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from graphopt.cost.profiles import default_profile_name
+from graphopt.cost.profiles import default_profile_name, load_profile
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import is_mutating, is_random, returns_alias, site_name
@@ -184,17 +184,6 @@ def _unsafe_to_recompute(node: fx.Node) -> bool:
                 target._schema.name:
             return True  # data-dependent sizes
     return False
-
-
-def _device(profile: Any) -> Any:
-    from graphopt.cost.profiles import CLUSTERS, load_profile
-
-    if profile is not None:
-        return load_profile(profile).device
-    try:
-        return load_profile("local").device
-    except Exception:  # not calibrated: relative costs from a GPU roofline are enough
-        return CLUSTERS["h100-sxm"].device
 
 
 def _node_times(gm: fx.GraphModule, device: Any) -> dict[str, float]:
@@ -376,7 +365,7 @@ def _plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
     needed = _needed(forward, backward)
     keep_all = sum(_bytes(v) for v in keep_everything(forward, needed)[0])
     budget = int(budget_of(keep_all))
-    device = _device(profile or default_profile_name())
+    device = load_profile(profile or default_profile_name()).device
     times = _node_times(gm, device)
     offload_cost = None
     if offload:
