@@ -1,5 +1,9 @@
 """Typed, frozen configuration parsed from ``torch.compile(..., options={...})``.
 
+This module holds the global options; a pass's own options (``moe``, ``remat``,
+``lightning``) are classes next to that pass, parsed through the pass registry
+(:func:`graphopt.passes.option_keys`).
+
 Every option is validated before any compile work starts (no tracing, no directory created
 other than the dump directory), and an error names the bad key or value and the valid ones.
 Options that later capabilities add (attention, moe, remat, parallel, cluster) are added here
@@ -22,8 +26,6 @@ from graphopt.errors import ConfigError
 
 LOWERING_NAMES = ("auto", "eager", "inductor", "npu")
 ATTENTION_MODES = ("keep", "exact", "lightning")
-LIGHTNING_SLOPES = ("minimax", "alibi")
-FEATURE_MAPS = ("identity", "silu", "relu", "elu1")
 DUMP_DIR_ENV = "GRAPHOPT_DUMP_DIR"
 
 
@@ -71,57 +73,6 @@ class VerifyConfig:
 
 
 @dataclass(frozen=True)
-class LightningOptions:
-    """``options={"attention": "lightning", "lightning": {...}}``: softmax -> Lightning."""
-
-    every: int = 1
-    """1 converts every layer; n > 1 keeps softmax attention in layers i with
-    (i + 1) % n == 0 (8: MiniMax-01's hybrid of 7 lightning layers to 1 softmax layer)."""
-    layers: tuple[str, ...] = ()
-    """Module-path patterns (``fnmatch``, e.g. ``"model.layers.[0-3].*"``) of the attention
-    sites to convert; empty converts all (subject to ``every``). Others are kept, reported."""
-    slopes: str = "minimax"
-    """Per-head decay rates: "minimax" (ALiBi's geometric slopes 2^(-8(h+1)/H) scaled by
-    MiniMax-01's depth factor 1 - l/(L-1)) or "alibi" (the geometric slopes alone)."""
-    num_layers: int | None = None
-    """Number of decoder layers for MiniMax's depth factor; None infers 1 + the largest layer
-    index among the graph's attention sites (set it when graph breaks split the model)."""
-    feature_map: str = "identity"
-    """Applied to q and k before Lightning Attention: "identity", "silu" (TransNormerLLM /
-    MiniMax-01), "relu", or "elu1" (elu(x) + 1, Katharopoulos et al. 2020)."""
-    norm: str = "rms"
-    """Output normalization per head: "rms" (RMSNorm without weight over Dv, as
-    TransNormerLLM/MiniMax normalize lightning outputs) or "none"."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ConfigError(f"lightning.every must be an int >= 1, got {self.every!r}")
-        if self.num_layers is not None and (isinstance(self.num_layers, bool) or not
-                                            isinstance(self.num_layers, int) or
-                                            self.num_layers < 1):
-            raise ConfigError(f"lightning.num_layers must be an int >= 1 or None, got "
-                              f"{self.num_layers!r}")
-        if self.norm not in ("rms", "none"):
-            raise ConfigError(f"lightning.norm must be 'rms' or 'none', got {self.norm!r}")
-        if self.slopes not in LIGHTNING_SLOPES:
-            raise ConfigError(f"lightning.slopes must be one of {', '.join(LIGHTNING_SLOPES)}; "
-                              f"got {self.slopes!r}")
-        if self.feature_map not in FEATURE_MAPS:
-            raise ConfigError(f"lightning.feature_map must be one of {', '.join(FEATURE_MAPS)}"
-                              f"; got {self.feature_map!r}")
-        layers = (self.layers,) if isinstance(self.layers, str) else self.layers
-        if not isinstance(layers, (tuple, list)) or \
-                not all(isinstance(p, str) and p for p in layers):
-            raise ConfigError("lightning.layers must be a list of module-path patterns such as "
-                              f"'model.layers.0.*'; got {self.layers!r}")
-        object.__setattr__(self, "layers", tuple(layers))
-
-    @classmethod
-    def parse(cls, value: Any) -> LightningOptions:
-        return parse_section(cls, value, "lightning")
-
-
-@dataclass(frozen=True)
 class GraphoptConfig:
     """All graphopt options. Build it with :meth:`from_options`.
 
@@ -139,8 +90,6 @@ class GraphoptConfig:
     graphopt::lightning_attention, numerics unchanged. "lightning": also replace causal
     softmax attention (SDPA) by Lightning Attention: APPROXIMATE, changes the model's function
     (for linearizing a pretrained model before fine-tuning); see ``lightning``."""
-    lightning: LightningOptions = field(default_factory=lambda: LightningOptions())
-    """How attention="lightning" converts softmax attention (ignored by other modes)."""
     pass_options: Mapping[str, Any] = field(default_factory=dict)
     """Options owned by passes, by option key (``options={"moe": {...}, "remat": {...}}``):
     each pass parses its own section (``GraphPass.options_cls``, found through the pass
@@ -178,7 +127,7 @@ class GraphoptConfig:
                         f"{did_you_mean(name, known)}; registered passes: {', '.join(known)}"
                     )
         defaults = default_pipeline_names()
-        owned = set(option_keys().values())
+        owned = {name for key, name in option_keys().items() if key == name}
         for name in self.enable:
             if name in defaults and name not in owned:
                 raise ConfigError(
@@ -197,6 +146,14 @@ class GraphoptConfig:
     def moe(self) -> Any:
         """The moe pass's options (``MoEOptions``), None when MoE sites are only reported."""
         return self.pass_options.get("moe")
+
+    @property
+    def lightning(self) -> Any:
+        """The attention pass's ``LightningOptions`` (how attention="lightning" converts
+        softmax attention); the defaults when not given."""
+        from graphopt.passes.attention.options import LightningOptions
+
+        return self.pass_options.get("lightning") or LightningOptions()
 
     @property
     def remat(self) -> Any:
@@ -230,8 +187,6 @@ class GraphoptConfig:
         for name in ("disable", "enable"):
             if name in options:
                 kwargs[name] = _names(options[name], name)
-        if "lightning" in options:
-            kwargs["lightning"] = LightningOptions.parse(options["lightning"])
         if "inductor_config" in options:
             kwargs["inductor_config"] = _inductor_patches(options["inductor_config"])
         kwargs["pass_options"] = _pass_options(options, kwargs.get("enable", ()))
@@ -260,7 +215,7 @@ def _pass_options(options: Mapping[str, Any], enable: Any) -> dict[str, Any]:
         parse = get_pass(pass_name).parse_options
         if key in options and options[key] not in (None, False):
             parsed[key] = parse(options[key])
-        elif pass_name in enable:
+        elif pass_name in enable and key == pass_name:
             try:
                 parsed[key] = parse({})
             except ConfigError as exc:

@@ -97,7 +97,7 @@ def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> Non
     # Data-dependent sizes get fresh unbacked symbols in this run; they are not the graph's.
     fresh = env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
     with fake_mode, fresh, torch.set_grad_enabled(torch.is_grad_enabled()):
-        _RuntimeMeta(gm).run(*fakes)
+        _RuntimeMeta(gm, fake_mode).run(*fakes)
 
 
 class _RuntimeMeta(fx.Interpreter):
@@ -114,9 +114,16 @@ class _RuntimeMeta(fx.Interpreter):
     about dtypes skip those nodes.
     """
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
         super().__init__(gm)
+        self.fake_mode = fake_mode
         self.regions: list[tuple[str, Any]] = []
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            return self.fake_mode.from_tensor(value)  # buffers/constants a pass added
+        return value
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)

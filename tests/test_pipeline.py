@@ -182,3 +182,18 @@ def test_lightning_layer_patterns_select_by_the_models_paths(how):
              for p in graphopt.last_report().pass_records("attention") for s in p.sites}
     assert sites == {"model.layers.0.self_attn": "rewritten",
                      "model.layers.1.self_attn": "skipped"}
+
+
+def test_a_layer_pattern_that_selects_nothing_is_reported_loudly():
+    from graphopt.models import build_model, sample_batch
+
+    model = build_model("llama", dtype=torch.float64)
+    ids = sample_batch(model, 1, 16)
+    options = {"lowering": "eager", "attention": "lightning",
+               "lightning": {"layers": ["layers.*"]}}  # missing the "model." prefix
+    with torch.no_grad(), pytest.warns(UserWarning, match="'layers.\\*' selects no attention"):
+        torch.compile(model, backend="graphopt", options=options)(input_ids=ids)
+    sites = [s for p in graphopt.last_report().pass_records("attention") for s in p.sites]
+    assert any(s.site == "lightning.layers" and "model.layers.0.self_attn" in s.reason
+               for s in sites)
+    assert not any(s.action == "rewritten" for s in sites)

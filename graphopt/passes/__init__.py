@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
     "moe": "graphopt.passes.moe:MoEPass",
 }
 _LOADED: dict[str, type[GraphPass]] = {}
-_OPTION_KEYS: dict[str, str] = {"moe": "moe", "remat": "remat"}
+_OPTION_KEYS: dict[str, str] = {"moe": "moe", "remat": "remat", "lightning": "attention"}
 """``torch.compile`` options key -> the pass that owns (parses) that section."""
 
 # The default pipeline. Order within a stage matters:

@@ -91,14 +91,18 @@ def mutated_nodes(graph: fx.Graph) -> set[fx.Node]:
     return out
 
 
+def module_path(node: fx.Node) -> str:
+    """The innermost module path of a node (``model.layers.0.self_attn``), "" if unknown.
+    normalize already rewrote Dynamo's paths into the model's own
+    (:func:`graphopt.normalize.clean_module_path`)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
 def site_name(node: fx.Node) -> str:
     """Where a node comes from in the user's model: ``module.path:node_name``."""
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        path = path.replace("L['self'].", "").replace("L__self___", "")
-        return f"{path}:{node.name}"
-    return node.name
+    path = module_path(node)
+    return f"{path}:{node.name}" if path else node.name
 
 
 def tensor_meta(node: fx.Node) -> torch.Tensor | None:

@@ -47,7 +47,6 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes import register_pass
-from graphopt.passes.attention_patterns import module_path
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
     autocast_reason,
@@ -55,6 +54,7 @@ from graphopt.passes.fx_utils import (
     fake_call,
     is_mutating,
     is_random,
+    module_path,
     site_name,
     tensor_meta,
 )

@@ -41,6 +41,7 @@ from graphopt.passes.attention.linear_to_lightning import (
     rewrite_parallel_forms,
 )
 from graphopt.passes.attention.match_softmax import softmax_attention_sites
+from graphopt.passes.attention.options import LightningOptions
 from graphopt.passes.attention.sdpa_causal_mask import report_or_make_causal
 from graphopt.passes.attention.softmax_to_lightning import SoftmaxToLightning
 from graphopt.passes.base import GraphPass, PassContext, PassResult
@@ -54,6 +55,8 @@ class AttentionPass(GraphPass):
 
     name = "attention"
     stage = "pre_autograd"
+    options_key = "lightning"
+    options_cls = LightningOptions
     mode: str = "keep"
     every: int = 1
     norm: str = "rms"

@@ -82,12 +82,3 @@ def layer_index(node: fx.Node) -> int | None:
             if prev in ("layers", "h", "layer", "blocks") and part.isdigit():
                 return int(part)
     return None
-
-
-def module_path(node: fx.Node) -> str:
-    """The innermost module path of a node (``model.layers.0.self_attn``), "" if unknown."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0]).replace("L['self'].", "").replace("L__self___", "")
-    return path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")

@@ -39,6 +39,7 @@ Pseudo-code:
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +47,13 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes
-from graphopt.passes.attention.match_common import NoMatch, aten, layer_index, module_path
+from graphopt.passes.attention.match_common import NoMatch, aten, layer_index
 from graphopt.passes.attention.match_softmax import (
     match_softmax_attention_site,
     num_decoder_layers,
 )
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import autocast_reason, fake_call, site_name, tensor_meta
+from graphopt.passes.fx_utils import autocast_reason, fake_call, module_path, site_name, tensor_meta
 
 _FEATURE_MAPS: dict[str, list[tuple[Any, tuple[Any, ...]]]] = {
     "identity": [], "silu": [(aten.silu.default, ())], "relu": [(aten.relu.default, ())],
@@ -73,7 +74,7 @@ def minimax_slopes(heads: int, layer: int, num_layers: int, kind: str = "minimax
 
 @dataclass(frozen=True)
 class SoftmaxToLightning:
-    """The ``lightning.*`` options of one conversion (see ``config.LightningOptions``)."""
+    """The ``lightning.*`` options of one conversion (``attention.options.LightningOptions``)."""
 
     every: int = 1
     norm: str = "rms"
@@ -91,7 +92,20 @@ class SoftmaxToLightning:
             done = reason.startswith("APPROXIMATE")
             ctx.record("rewritten" if done else "skipped", site_name(node), reason)
             modified = modified or done
+        self._report_unused_patterns(sites, ctx)
         return modified
+
+    def _report_unused_patterns(self, sites: list[fx.Node], ctx: PassContext) -> None:
+        """A ``lightning.layers`` pattern that selects no site of this graph is reported and
+        warned about (a typo would otherwise silently convert nothing)."""
+        paths = sorted({module_path(n) for n in sites})
+        for pattern in self.layers:
+            if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
+                message = (f"lightning.layers pattern {pattern!r} selects no attention site of "
+                           f"this graph; its sites are {paths[:4]}"
+                           + (" ..." if len(paths) > 4 else ""))
+                ctx.record("skipped", "lightning.layers", message)
+                warnings.warn(f"graphopt: {message}", stacklevel=2)
 
     def convert(self, gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any]) -> str:
         """Replace one softmax-attention site (SDPA node or hand-written softmax); returns the
