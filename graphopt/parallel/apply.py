@@ -1,0 +1,236 @@
+"""Apply a ``ParallelPlan`` to a model with torch.distributed's own engine.
+
+Contract: ``parallelize(model, plan)`` shards ``model`` in place over one DeviceMesh
+(:mod:`graphopt.parallel.mesh`) and returns it; a forward/backward of the result on this
+rank's share of the batch gives the single-process loss and, gathered, its gradients
+(checked in float64 by tests/test_parallel.py). What each axis becomes:
+
+- tp (+ sp): DTensor ``parallelize_module`` with the layout graphopt derives from the model's
+  data flow (:mod:`graphopt.parallel.tp_layout`): ColwiseParallel readers, RowwiseParallel
+  writers, vocab-parallel embedding and LM head; with SP, SequenceParallel norms and
+  PrepareModuleInput all-gathers in front of each mixer. SP needs every decoder layer's
+  mixers sharded; otherwise TP runs without SP and the report says why.
+- dp_shard: FSDP2 ``fully_shard`` per decoder layer and at the root over ``dp_shard_cp``;
+  ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them gathered until backward
+  (parameters, gradients and optimizer states stay sharded between steps). ZeRO-0/1 keep
+  replicas (``replicate``) and, for ZeRO-1, :func:`build_optimizer` shards the optimizer
+  states with ``ZeroRedundancyOptimizer`` over the dp_shard group.
+- dp_replicate: with dp_shard > 1, HSDP (``fully_shard`` on the 2-D mesh
+  dp_replicate x dp_shard_cp: shard inside, all-reduce across); else ``replicate``.
+- pp, cp, ep > 1: not executed yet (ConfigError naming what is missing).
+
+Pseudo-code::
+
+    mesh = build_mesh(plan)
+    if tp > 1: layout = derive_tp_layout(model); parallelize_module(model, mesh["tp"], ...)
+    if dp_shard > 1 and zero >= 2: fully_shard(layers..., root, mesh=dp mesh, reshard=zero==3)
+    elif dp > 1: replicate(model, mesh=dp mesh)
+    report: every parameter with its placements and local shape
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphopt.errors import ConfigError
+from graphopt.parallel.mesh import build_mesh
+from graphopt.parallel.tp_layout import CallSite, TPLayout, derive_tp_layout
+from graphopt.planner.plan import ParallelPlan
+
+
+@dataclass
+class ParallelReport:
+    """What :func:`parallelize` did: the plan, the TP layout, what stayed replicated and
+    why, and every parameter's placement ``(name, placements, local shape)``."""
+
+    plan: str
+    tp_layout: TPLayout | None = None
+    sp: bool = False
+    notes: list[str] = field(default_factory=list)
+    parameters: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
+
+    def to_markdown(self) -> str:
+        lines = [f"# parallel plan: {self.plan}", ""] + [f"- {n}" for n in self.notes]
+        if self.tp_layout is not None:
+            lines += [f"- kept replicated: `{p}`: {why}" for p, why in
+                      self.tp_layout.kept.items()]
+        lines += ["", "| parameter | placements | local shape |", "|---|---|---|"]
+        lines += [f"| {n} | {pl} | {tuple(s)} |" for n, pl, s in self.parameters]
+        return "\n".join(lines) + "\n"
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
+                sample: Callable[[], Any] | None = None) -> nn.Module:
+    """Shard ``model`` as ``plan`` says (module docstring); returns ``model``.
+
+    Args:
+        model: a module on this rank's device, identical on every rank (same seed/weights).
+        plan: a ParallelPlan or the path of its JSON (``graphopt plan --json``).
+        mesh: the DeviceMesh from :func:`graphopt.parallel.build_mesh` (built if None).
+        sample: runs one forward of ``model`` on a small input; TP derives its layout from
+            it (default: ``model(input_ids=<1 x 8 token ids>, use_cache=False)`` for
+            transformers models).
+
+    Raises:
+        ConfigError: an invalid plan, a plan that does not match the world size, an axis
+            that is not executed yet, a model TP cannot split (heads, sizes, vocabulary).
+    """
+    if isinstance(plan, str):
+        plan = ParallelPlan.load(plan)
+    for axis in ("pp", "cp", "ep"):
+        if getattr(plan, axis) > 1:
+            raise ConfigError(f"{axis}={getattr(plan, axis)}: executing {axis.upper()} is not "
+                              f"built yet (graphopt executes dp_replicate, dp_shard with "
+                              f"ZeRO-1/2/3, tp and sp); use {axis}=1")
+    mesh = mesh if mesh is not None else build_mesh(plan)
+    report = ParallelReport(plan.describe())
+    if plan.tp > 1:
+        layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
+        report.tp_layout = layout
+        report.sp = plan.sp and not layout.kept and bool(layout.layers)
+        if plan.sp and not report.sp:
+            report.notes.append("SP off: it needs every decoder layer's mixers sharded "
+                                f"({len(layout.kept)} kept replicated)")
+        _apply_tp(model, layout, mesh["tp"], report.sp)
+    _apply_dp(model, plan, mesh, report)
+    report.parameters = [(name, _placements(p), tuple(_local(p).shape))
+                         for name, p in model.named_parameters()]
+    model.graphopt_parallel = report  # type: ignore[assignment]
+    return model
+
+
+def _default_sample(model: nn.Module) -> Callable[[], Any]:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise ConfigError("tp > 1 needs a sample forward to derive the layout: pass "
+                          "parallelize(..., sample=lambda: model(example_input))")
+    device = next(model.parameters()).device
+    ids = torch.arange(8, device=device).remainder(vocab).unsqueeze(0)
+    return lambda: model(input_ids=ids, use_cache=False)
+
+
+def _prepare(site: CallSite, before: Any, after: Any) -> Any:
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    if site.keyword is not None:
+        return PrepareModuleInput(input_kwarg_layouts={site.keyword: before},
+                                  desired_input_kwarg_layouts={site.keyword: after},
+                                  use_local_output=True)
+    pos = site.position or 0
+    layouts = (None,) * pos
+    return PrepareModuleInput(input_layouts=(*layouts, before),
+                              desired_input_layouts=(*layouts, after), use_local_output=True)
+
+
+def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> None:
+    """Megatron-style TP (+ SP) through ``parallelize_module`` (module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {p: ColwiseParallel() for p in layout.colwise}
+    plan.update({p: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+                 for p in layout.rowwise})
+    if layout.embedding is not None:
+        plan[layout.embedding] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Replicate())
+        assert layout.lm_head is not None  # found together with the embedding
+        plan[layout.lm_head] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    if sp:
+        plan.update({p: SequenceParallel() for p in layout.norms})
+        plan.update({p: _prepare(site, Shard(1), Replicate())
+                     for p, site in layout.mixers.items()})
+        first = next(iter(layout.layers))  # the replicated embedding output -> its shard
+        plan[first] = _prepare(layout.layers[first], Replicate(), Shard(1))
+        if layout.lm_head is None:
+            raise ConfigError("SP needs the LM head sharded to gather the sequence back; this "
+                              "model's head stays replicated: use sp=False")
+    parallelize_module(model, tp_mesh, plan)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_grad_like_param)
+
+
+def _grad_like_param(param: torch.Tensor) -> None:
+    """Keep a gradient sharded like its parameter. DTensor's embedding backward returns the
+    vocab-parallel table's gradient Replicate (full size on every rank); resharding it at
+    once keeps gradient memory what the plan's memory model says."""
+    grad: Any = param.grad
+    placements = getattr(param, "placements", None)
+    if grad is not None and placements is not None and grad.placements != placements:
+        param.grad = grad.redistribute(placements=placements)
+
+
+def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelReport
+              ) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    shard = plan.dp_shard * plan.cp > 1 and plan.zero_stage >= 2
+    if shard:
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \
+            else mesh["dp_shard_cp"]
+        for block in _decoder_layers(model):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+        kind = "HSDP" if plan.dp_replicate > 1 else "FSDP"
+        report.notes.append(f"{kind} (ZeRO-{plan.zero_stage}) over {dp_mesh.mesh_dim_names}")
+    elif plan.dp > 1 and plan.tp == 1:  # DDP: plain tensors (ZeroRedundancyOptimizer's input)
+        from torch.distributed._composable import replicate as ddp
+
+        ddp(model, process_group=mesh["dp"].get_group())
+        report.notes.append(f"replicas over dp={plan.dp}" + (
+            " + ZeRO-1 optimizer sharding (build_optimizer)" if plan.dp_shard > 1 and
+            plan.zero_stage == 1 else ""))
+    elif plan.dp > 1:  # with TP: FSDP2's replicate handles the DTensor parameters
+        replicate(model, mesh=mesh["dp"])
+        report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp}")
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: the items of the largest ModuleList (FSDP's unit of sharding)."""
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best):
+            best = list(m)
+    return best
+
+
+def build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
+                    optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+                    ) -> torch.optim.Optimizer:
+    """The optimizer for a parallelized model: ZeRO-1 (``plan.zero_stage == 1`` with
+    dp_shard > 1) shards its states over the dp_shard group with
+    ``torch.distributed.optim.ZeroRedundancyOptimizer``; otherwise ``optimizer_class`` as
+    is (FSDP already shards states for ZeRO-2/3; a DTensor parameter's states are sharded
+    like it)."""
+    if plan.zero_stage == 1 and plan.dp_shard > 1:
+        if plan.tp > 1:
+            raise ConfigError("ZeRO-1 with tp > 1 is not built yet (ZeroRedundancyOptimizer "
+                              "takes plain tensors): use zero_stage=2 or 3 with tp")
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
+                                       process_group=mesh["dp_shard"].get_group(), **kwargs)
+    return optimizer_class(model.parameters(), **kwargs)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _placements(p: torch.Tensor) -> str:
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return "replicated (plain tensor)"
+    names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+    return ", ".join(f"{axis}: {pl}" for axis, pl in zip(names, placements))

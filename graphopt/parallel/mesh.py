@@ -1,0 +1,77 @@
+"""One DeviceMesh per plan: the only source of process groups when a plan runs.
+
+Vocabulary (as in :mod:`graphopt.planner.plan` and torchtitan's ``ParallelDims``): a mesh
+*axis* is a parallel dimension (dp_replicate, dp_shard, cp, tp, pp); a tensor *dim* is a
+dimension of a tensor. ``plan.mesh_order`` lists the axes innermost first (tp on the fastest
+links by default); ``init_device_mesh`` takes them outermost first, so the order is reversed.
+Every axis is in the mesh, size 1 included, so code can always ask ``mesh["tp"]``.
+
+Flattened axes (``DeviceMesh._flatten``), built once here:
+- ``dp``: dp_replicate x dp_shard (gradient all-reduce / data loading);
+- ``dp_shard_cp``: dp_shard x cp (the FSDP shard group: parameters are sharded over CP too,
+  as torchtitan does);
+- ``ep_fold``: dp_shard x cp x tp, the devices MoE layers fold EP over (Megatron-Core "MoE
+  parallel folding"); EP groups are consecutive blocks of ``plan.ep`` ranks in it.
+
+Picture for dp_shard=2, tp=2 on 4 ranks (mesh_order tp innermost)::
+
+    dp_shard 0: [rank 0 | rank 1]   <- a tp group
+    dp_shard 1: [rank 2 | rank 3]
+                  ^ a dp_shard group: ranks 0, 2
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+
+FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "ep_fold": ("dp_shard", "cp", "tp")}
+
+
+def mesh_shape(plan: ParallelPlan) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(axis names outermost first, sizes) for ``init_device_mesh``."""
+    names = tuple(reversed(plan.mesh_order))
+    return names, tuple(getattr(plan, name) for name in names)
+
+
+def build_mesh(plan: ParallelPlan, device_type: str | None = None) -> Any:
+    """The plan's DeviceMesh over the default process group (torchrun, or
+    ``torch.distributed.init_process_group``), with flattened axes (module docstring).
+
+    Args:
+        plan: a valid plan; its degrees must multiply to the world size.
+        device_type: "cpu" | "cuda" | "npu"; default: cuda if available, else cpu.
+
+    Raises:
+        ConfigError: torch.distributed is not initialized, or the plan's device count is
+            not the world size (the message names both and the fix).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError("running a parallel plan needs torch.distributed: launch with "
+                          "torchrun (or call torch.distributed.init_process_group) first")
+    world = dist.get_world_size()
+    if plan.devices != world:
+        raise ConfigError(f"the plan uses {plan.devices} devices ({plan.describe()}) but the "
+                          f"world size is {world}: launch {plan.devices} ranks or search a "
+                          f"plan for {world} devices (graphopt plan --devices {world})")
+    plan.validate()
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    names, sizes = mesh_shape(plan)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    for flat, axes in FLAT_AXES.items():
+        ordered = tuple(a for a in names if a in axes)  # flatten keeps mesh order
+        mesh[ordered]._flatten(flat)
+    return mesh
+
+
+def axis_group(mesh: Any, axis: str) -> Any:
+    """The process group of ``axis`` (a plan axis or a flattened one) for this rank."""
+    return mesh[axis].get_group()

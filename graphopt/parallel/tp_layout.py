@@ -1,0 +1,322 @@
+"""Derive a model's tensor-parallel layout from how it computes, not from a per-model table.
+
+Contract: :func:`derive_tp_layout` runs the model once (no gradients) with hooks that record
+which tensor each module reads and returns, and classifies from that data flow alone:
+
+- a *reader* is an ``nn.Linear`` whose input is the output of a normalization module (the
+  residual stream, normalized): column-parallel (Megatron-LM's first GEMM, "ColwiseParallel");
+- its *mixer* is the reader's parent module (attention, MLP); the mixer's other Linears
+  write back into the residual stream: exactly one is required, row-parallel
+  ("RowwiseParallel"). A mixer whose readers have no such partner (an MoE router next to
+  grouped experts) stays replicated, and the layout says why;
+- the *LM head* is a reader whose output size is the vocabulary: column-parallel over the
+  vocabulary; the token embedding (``nn.Embedding`` of the same vocabulary) is row-parallel
+  over the vocabulary (Megatron's vocab-parallel embedding). Tied weights keep both
+  replicated (reported);
+- with SP (sequence parallelism, Korthikanti et al. 2022) the residual stream inside the
+  decoder layers is split over the sequence: each normalization module of a layer, and the
+  final one, runs on its sequence shard (``SequenceParallel``), each mixer all-gathers its
+  input (``PrepareModuleInput``: Shard(1) -> Replicate), each writer reduce-scatters
+  (``RowwiseParallel(output_layouts=Shard(1))``), the first decoder layer takes its
+  sequence shard of the replicated embedding output, and the LM head all-gathers.
+
+Checked before anything is sharded (``ConfigError`` naming the fix): tp divides the
+attention heads and the KV heads, the readers' output sizes, the writers' input sizes, and
+the vocabulary.
+
+Pseudo-code::
+
+    record(module -> (input tensor ids, output tensor ids, how the input was passed))
+    readers = [lin for lin in linears if input(lin) in outputs(norms)]
+    for mixer in {parent(r) for r in readers}:
+        writers = mixer's linears - readers
+        colwise += readers if len(writers) == 1 else kept(mixer, why)
+        rowwise += writers
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphopt.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """How a module received its hidden-state input: positional index or keyword name."""
+
+    position: int | None = None
+    keyword: str | None = None
+
+
+@dataclass
+class TPLayout:
+    """Module paths by role (see the module docstring)."""
+
+    colwise: list[str] = field(default_factory=list)
+    rowwise: list[str] = field(default_factory=list)
+    mixers: dict[str, CallSite] = field(default_factory=dict)
+    """Mixer path -> how it receives the normalized hidden states (SP all-gathers there)."""
+    norms: list[str] = field(default_factory=list)
+    """Normalization modules inside decoder layers and the final one (SP runs them split)."""
+    layers: dict[str, CallSite] = field(default_factory=dict)
+    """Decoder layer path -> how it receives the residual stream (the first takes its shard)."""
+    embedding: str | None = None
+    lm_head: str | None = None
+    vocab: int | None = None
+    kept: dict[str, str] = field(default_factory=dict)
+    """Module path -> why it stays replicated."""
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("norm", "rmsnorm"))
+
+
+class _Recorder:
+    """Forward hooks recording tensor identities in and out of every module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.inputs: dict[str, tuple[list[int], dict[str, int]]] = {}
+        self.calls: dict[str, tuple[tuple, dict]] = {}
+        """First call's real arguments (the probe replays a mixer with them)."""
+        self.outputs: dict[str, list[int]] = {}
+        self.alive: list[torch.Tensor] = []  # ids stay unique while the tensors live
+        self.handles = []
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(
+                self._pre(path), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(path)))
+
+    def _pre(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.alive += [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            if path not in self.inputs:  # first call decides (the same module reused: same)
+                self.calls[path] = (args, dict(kwargs))
+                self.inputs[path] = ([id(a) if isinstance(a, torch.Tensor) else 0
+                                      for a in args],
+                                     {k: id(v) for k, v in kwargs.items()
+                                      if isinstance(v, torch.Tensor)})
+        return hook
+
+    def _post(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            leaves = torch.utils._pytree.tree_leaves(output)
+            self.alive += [t for t in leaves if isinstance(t, torch.Tensor)]
+            self.outputs.setdefault(path, [id(t) for t in leaves if isinstance(t, torch.Tensor)])
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def call_site(self, path: str, tensor_ids: set[int]) -> CallSite | None:
+        args, kwargs = self.inputs.get(path, ([], {}))
+        for i, a in enumerate(args):
+            if a in tensor_ids:
+                return CallSite(position=i)
+        for key, a in kwargs.items():
+            if a in tensor_ids:
+                return CallSite(keyword=key)
+        return None
+
+
+def derive_tp_layout(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
+    """The TP(+SP) layout of ``model`` for degree ``tp`` (module docstring).
+
+    Args:
+        model: the model (any device; it is run once under ``torch.no_grad``).
+        sample: a callable running one forward of ``model`` on a small input.
+        tp: the TP degree the divisibility checks use.
+
+    Raises:
+        ConfigError: heads, KV heads, projection sizes or the vocabulary not divisible by tp.
+    """
+    recorder = _Recorder(model)
+    try:
+        with torch.no_grad():
+            sample()
+    finally:
+        recorder.remove()
+    modules = dict(model.named_modules())
+    norm_out = {t for p, m in modules.items() if _is_norm(m) for t in recorder.outputs.get(p, [])}
+    readers = [p for p, m in modules.items() if isinstance(m, nn.Linear)
+               and set(recorder.inputs.get(p, ([], {}))[0][:1]) & norm_out]
+    layout = TPLayout()
+    try:
+        _classify_mixers(layout, modules, readers, recorder, norm_out, tp)
+        _vocab_parallel(layout, model, modules)
+        _layers_and_norms(layout, modules, recorder)
+    finally:
+        recorder.alive.clear()
+        recorder.calls.clear()
+    _check_divisible(layout, model, modules, tp)
+    return layout
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: list[str],
+                     recorder: _Recorder, norm_out: set[int], tp: int) -> None:
+    vocab_readers = {p for p in readers if _is_vocab_projection(modules, p)}
+    probed: dict[type, str] = {}
+    for mixer in sorted({_parent(p) for p in readers if p not in vocab_readers}):
+        mine = [p for p in readers if _parent(p) == mixer]
+        writers = [p for p, m in modules.items() if isinstance(m, nn.Linear)
+                   and _parent(p) == mixer and p not in mine]
+        if len(writers) != 1:
+            layout.kept[mixer] = (f"{len(mine)} Linear(s) read the normalized residual stream "
+                                  f"but {len(writers)} write back (a row-parallel partner is "
+                                  "needed; e.g. an MoE router next to grouped experts)")
+            continue
+        site = recorder.call_site(mixer, norm_out)
+        if site is None:
+            layout.kept[mixer] = "its hidden-state input could not be located in its call"
+            continue
+        kind = type(modules[mixer])
+        if kind not in probed:  # one probe per mixer class: same code, same answer
+            probed[kind] = probe_mixer(modules[mixer], mixer, mine, writers[0],
+                                       recorder.calls[mixer], tp)
+        if probed[kind]:
+            layout.kept[mixer] = probed[kind]
+            continue
+        layout.colwise += mine
+        layout.rowwise += writers
+        layout.mixers[mixer] = site
+
+
+def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
+                call: tuple[tuple, dict], tp: int) -> str:
+    """"" when ``mixer`` computes the same output with its readers split by output rows and
+    its writer by input columns into ``tp`` shards, summing the writer's partial outputs
+    (what column -> row parallelism computes), on its recorded real input; else why not
+    (e.g. the code reshapes by a configured head count, or mixes heads).
+
+    Each shard runs on a copy of the mixer with sliced weights; float64 on the inputs'
+    device; relative error 1e-6 (the check is structural, not about rounding)."""
+    import copy
+
+    args, kwargs = call
+    def to64(t: Any) -> Any:
+        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    args = tuple(to64(a) for a in args)
+    kwargs = {k: None if "cache" in type(v).__name__.lower() else to64(v)  # replays: no KV
+              for k, v in kwargs.items()}                                  # cache updates
+    reference = copy.deepcopy(mixer).double()
+    try:
+        with torch.no_grad():
+            want = _first_tensor(reference(*args, **kwargs))
+            got = torch.zeros_like(want)
+            for rank in range(tp):
+                shard = copy.deepcopy(reference)
+                _slice_shard(shard, path, readers, writer, rank, tp)
+                got += _first_tensor(shard(*args, **kwargs))
+    except Exception as exc:  # the sharded code cannot even run: not head-parallel
+        return (f"a {tp}-way column/row split of it fails to run "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
+    scale = float(want.abs().max()) or 1.0
+    error = float((got - want).abs().max()) / scale
+    if error > 1e-6:
+        return (f"a {tp}-way column/row split of it changes its output (relative error "
+                f"{error:.2g}): it mixes what the split separates; kept replicated")
+    return ""
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    return next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+def _slice_shard(shard: nn.Module, path: str, readers: list[str], writer: str, rank: int,
+                 tp: int) -> None:
+    """Keep ``rank``'s rows of each reader and columns of the writer (bias once, rank 0)."""
+    for name, module in shard.named_modules():
+        full = f"{path}.{name}" if name else path
+        if full in readers:
+            rows = module.out_features // tp
+            part = slice(rank * rows, (rank + 1) * rows)
+            module.weight = nn.Parameter(module.weight[part].clone())
+            if module.bias is not None:
+                module.bias = nn.Parameter(module.bias[part].clone())
+            module.out_features = rows
+        elif full == writer:
+            cols = module.in_features // tp
+            module.weight = nn.Parameter(module.weight[:, rank * cols:(rank + 1) * cols].clone())
+            if module.bias is not None and rank:
+                module.bias = nn.Parameter(torch.zeros_like(module.bias))
+            module.in_features = cols
+
+
+def _is_vocab_projection(modules: dict[str, nn.Module], path: str) -> bool:
+    vocab = {m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding)}
+    module = modules[path]
+    return isinstance(module, nn.Linear) and module.out_features in vocab
+
+
+def _vocab_parallel(layout: TPLayout, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    heads = [p for p in modules if _is_vocab_projection(modules, p)]
+    if len(heads) != 1:
+        return
+    head = modules[heads[0]]
+    embeds = [p for p, m in modules.items() if isinstance(m, nn.Embedding)
+              and m.num_embeddings == getattr(head, "out_features", -1)]
+    if len(embeds) != 1:
+        return
+    if modules[embeds[0]].weight is head.weight:
+        layout.kept[heads[0]] = "tied to the token embedding: both stay replicated"
+        return
+    layout.lm_head, layout.embedding = heads[0], embeds[0]
+    layout.vocab = int(getattr(head, "out_features", 0))
+
+
+def _layers_and_norms(layout: TPLayout, modules: dict[str, nn.Module],
+                      recorder: _Recorder) -> None:
+    """Decoder layers = parents of the sharded mixers; SP norms = their norms + final norm."""
+    layers = sorted({_parent(m) for m in layout.mixers}, key=_natural)
+    for layer in layers:
+        args, kwargs = recorder.inputs.get(layer, ([], {}))
+        if args and args[0]:
+            layout.layers[layer] = CallSite(position=0)
+        elif "hidden_states" in kwargs:
+            layout.layers[layer] = CallSite(keyword="hidden_states")
+        layout.norms += [p for p, m in modules.items() if _is_norm(m) and _parent(p) == layer]
+    stacks = {_parent(layer) for layer in layers}  # e.g. model.layers
+    outer = {_parent(stack) for stack in stacks}  # e.g. model: its norm is the final one
+    layout.norms += [p for p, m in modules.items() if _is_norm(m) and _parent(p) in outer
+                     and p in recorder.outputs]
+
+
+def _natural(path: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in path.split(".")]
+
+
+def _check_divisible(layout: TPLayout, model: nn.Module, modules: dict[str, nn.Module],
+                     tp: int) -> None:
+    config = getattr(model, "config", None)
+    problems = []
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value % tp:
+            problems.append(f"{name} ({value}) is not divisible by tp ({tp})")
+    for path in layout.colwise:
+        rows = int(getattr(modules[path], "out_features", 0))
+        if rows % tp:
+            problems.append(f"{path}.out_features ({rows}) is not divisible by tp ({tp})")
+    for path in layout.rowwise:
+        cols = int(getattr(modules[path], "in_features", 0))
+        if cols % tp:
+            problems.append(f"{path}.in_features ({cols}) is not divisible by tp ({tp})")
+    if layout.vocab is not None and layout.vocab % tp:
+        problems.append(f"the vocabulary ({layout.vocab}) is not divisible by tp ({tp}); pad "
+                        "the embedding to a multiple of tp")
+    if problems:
+        raise ConfigError("tensor parallelism cannot split this model: " + "; ".join(problems)
+                          + ". Choose a tp that divides them (graphopt plan checks heads), "
+                          "or tp=1")
