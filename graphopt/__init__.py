@@ -12,6 +12,7 @@ from graphopt.errors import (
     PassFailedError,
     VerificationError,
 )
+from graphopt.parallel import parallelize
 from graphopt.report import CompileReport, clear_reports, graph_breaks, last_report, reports
 
 __version__ = "0.1.0"
@@ -31,5 +32,6 @@ __all__ = [
     "graph_breaks",
     "graphopt_backend",
     "last_report",
+    "parallelize",
     "reports",
 ]

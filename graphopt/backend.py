@@ -10,16 +10,33 @@ from typing import Any
 from torch import fx
 
 from graphopt.config import GraphoptConfig
+from graphopt.errors import ConfigError
+
+PARALLEL_OPTION = "parallel"
 
 
 def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """``torch.compile(model, backend="graphopt", options=options, **kwargs)``, but the options
     are validated now, so a bad option raises :class:`ConfigError` here, not on the first
-    call wrapped in Dynamo's ``BackendCompilerFailed``."""
+    call wrapped in Dynamo's ``BackendCompilerFailed``.
+
+    ``options["parallel"]`` (a ``ParallelPlan`` or the path of its JSON) first shards the
+    module with :func:`graphopt.parallelize` (under torchrun), then compiles it.
+    """
     import torch
 
+    options = dict(options or {})
+    plan = options.pop(PARALLEL_OPTION, None)
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
-    return torch.compile(model, backend="graphopt", options=dict(options or {}), **kwargs)
+    if plan is not None:
+        from graphopt.parallel import parallelize
+
+        if plan == "auto":
+            raise ConfigError("parallel='auto' is not built yet: search a plan with `graphopt "
+                              "plan --model ... --devices N --json plan.json` and pass "
+                              "options={'parallel': 'plan.json'}")
+        model = parallelize(model, plan)
+    return torch.compile(model, backend="graphopt", options=options, **kwargs)
 
 
 def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -39,6 +56,11 @@ def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
         PassFailedError: a pass failed; names it and the passes before it.
         VerificationError: ``verify`` found a numeric mismatch caused by an exact pass.
     """
+    if isinstance(options, Mapping) and PARALLEL_OPTION in options:
+        raise ConfigError("option 'parallel' shards the module before Dynamo captures it, so "
+                          "torch.compile's backend cannot apply it: use graphopt.compile(model, "
+                          "options={'parallel': plan, ...}) or model = graphopt.parallelize("
+                          "model, plan) before torch.compile")
     config = GraphoptConfig.from_options(options, mode=mode)
     from graphopt.pipeline import compile_graph
 

@@ -163,3 +163,42 @@ def test_axes_not_executed_yet_and_world_mismatch_are_errors():
         parallelize(torch.nn.Linear(2, 2), ParallelPlan(pp=2))
     with pytest.raises(ConfigError, match="needs torch.distributed: launch with torchrun"):
         parallelize(torch.nn.Linear(2, 2), ParallelPlan(dp_shard=2))
+
+
+def _compiled_worker(rank, world, plan_path):
+    """graphopt.compile with options['parallel']: sharded, then compiled by graphopt (the
+    DTensor graph takes the capture guard's fallback: AOTAutograd as captured)."""
+    import graphopt
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    ref = build_model("llama", dtype=torch.float64)
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss(m):
+        return m(input_ids=ids, labels=ids, use_cache=False).loss
+
+    compiled = graphopt.compile(model, options={"parallel": plan_path, "lowering": "eager"})
+    got = loss(compiled)
+    got.backward()
+    loss(ref).backward()
+    grad_err = max(float((_full(p.grad) - r.grad).abs().max())
+                   for p, r in zip(model.parameters(), ref.parameters()))
+    reports = [r for r in graphopt.reports() if r.status == "compiled"]
+    return (abs(float(got - loss(ref))), grad_err, [r.fallback for r in reports],
+            model.graphopt_parallel.sp)
+
+
+def test_graphopt_compile_with_a_parallel_plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    ParallelPlan(tp=2).save(path)
+    for loss_err, grad_err, fallbacks, sp in run_distributed(_compiled_worker, 2, str(path)):
+        assert loss_err < 1e-6 and grad_err < 1e-9 and sp
+        assert fallbacks and all("DTensor" in f for f in fallbacks)
+
+
+def test_torch_compile_backend_refuses_the_parallel_option():
+    with pytest.raises(Exception, match="use graphopt.compile"):
+        torch.compile(torch.nn.Linear(2, 2), backend="graphopt",
+                      options={"parallel": "plan.json"})(torch.randn(1, 2))
