@@ -47,3 +47,29 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
         out = f"{tmp}/result"
         mp.spawn(_distributed_worker, args=(fn, world, free_port(), out, args), nprocs=world)
         return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+def _fake_worker(_: int, fn: Callable[..., Any], world: int, rank: int, out: str,
+                 args: tuple[Any, ...]) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fake_world(fn: Callable[..., Any], world: int, rank: int, *args: Any) -> Any:
+    """Run ``fn(rank, world, *args)`` in one spawned process that is ``rank`` of a ``world``
+    of ranks on torch's fake process group (collectives return without communicating):
+    meshes, placements and local shapes of large worlds, checked without the hardware."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/result"
+        mp.spawn(_fake_worker, args=(fn, world, rank, out, args), nprocs=1)
+        return torch.load(out, weights_only=False)

@@ -202,3 +202,54 @@ def test_torch_compile_backend_refuses_the_parallel_option():
     with pytest.raises(Exception, match="use graphopt.compile"):
         torch.compile(torch.nn.Linear(2, 2), backend="graphopt",
                       options={"parallel": "plan.json"})(torch.randn(1, 2))
+
+
+def _golden_plan_worker(rank, world, model_name, plan_kwargs):
+    """On torch's fake process group: the planner's plan applied to the real architecture
+    (2 layers, meta device): mesh groups and local shapes."""
+    from graphopt.models import build_architecture, resolve_model
+    from graphopt.parallel import build_mesh, parallelize
+
+    plan = ParallelPlan(**plan_kwargs)
+    mesh = build_mesh(plan)
+    model = build_architecture(resolve_model(model_name), overrides={"num_hidden_layers": 2})
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    parallelize(model, plan, mesh, sample=lambda: model(input_ids=ids, use_cache=False))
+    shapes = {n: (pl, s) for n, pl, s in model.graphopt_parallel.parameters}
+    return mesh["tp"].mesh.tolist(), mesh["dp_shard"].mesh.tolist(), shapes
+
+
+@pytest.mark.parametrize("model_name, devices, global_batch, rank", [
+    ("llama3-8b", 64, 256, 37), ("llama3-70b", 1024, 1024, 613)])
+def test_planner_golden_plans_on_large_fake_worlds(model_name, devices, global_batch, rank):
+    """The planner's best plan (HSDP for Llama-3 8B on 64 H100; FSDP x TP=2 with SP for 70B
+    on 1,024) runs through parallelize; each parameter's local shape is its full shape split
+    by tp (column/row) and then dim 0 by dp_shard (FSDP)."""
+    from graphopt.cost.profiles import CLUSTERS
+    from graphopt.distributed import run_fake_world
+    from graphopt.models import model_config, resolve_model
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.search import search
+
+    h100 = CLUSTERS["h100-sxm"]
+    plan = search(plan_model(model_name, 4096, h100), h100, devices, global_batch).best
+    assert plan.pp == plan.cp == plan.ep == 1, plan.describe()  # what part 1 executes
+    kwargs = {k: getattr(plan, k) for k in ("dp_replicate", "dp_shard", "tp", "sp",
+                                             "zero_stage")}
+    tp_ranks, shard_ranks, shapes = run_fake_world(_golden_plan_worker, devices, rank,
+                                                   model_name, kwargs)
+    start = rank // plan.tp * plan.tp  # tp innermost: consecutive ranks
+    assert tp_ranks == list(range(start, start + plan.tp))
+    assert rank in shard_ranks and shard_ranks[1] - shard_ranks[0] == plan.tp
+    config = model_config(resolve_model(model_name))
+    hidden, heads, kv = (config.hidden_size, config.num_attention_heads,
+                         config.num_key_value_heads)
+    head_dim = hidden // heads
+    q_rows, kv_rows = heads * head_dim // plan.tp, kv * head_dim // plan.tp
+    attn = "model.layers.1.self_attn"
+    assert shapes[f"{attn}.q_proj.weight"][1] == (-(-q_rows // plan.dp_shard), hidden)
+    assert shapes[f"{attn}.k_proj.weight"][1] == (-(-kv_rows // plan.dp_shard), hidden)
+    assert shapes[f"{attn}.o_proj.weight"][1] == (-(-hidden // plan.dp_shard),
+                                                  heads * head_dim // plan.tp)
+    placement = shapes[f"{attn}.q_proj.weight"][0]
+    assert ("tp: S(0)" in placement) == (plan.tp > 1) and "dp_shard_cp" in placement

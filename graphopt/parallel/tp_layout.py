@@ -137,6 +137,26 @@ def derive_tp_layout(model: nn.Module, sample: Callable[[], Any], tp: int) -> TP
     Raises:
         ConfigError: heads, KV heads, projection sizes or the vocabulary not divisible by tp.
     """
+    if any(p.is_meta for p in model.parameters()):
+        # a dry run (large model on the meta device): transformers' mask code reads values,
+        # which a fake trace lets it skip (is_tracing), so derive inside one
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        box: dict[str, TPLayout] = {}
+
+        def traced() -> torch.Tensor:
+            box["layout"] = _derive(model, sample, tp)
+            return torch.zeros(())
+
+        make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)()
+        layout = box["layout"]
+    else:
+        layout = _derive(model, sample, tp)
+    _check_divisible(layout, model, dict(model.named_modules()), tp)
+    return layout
+
+
+def _derive(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
     recorder = _Recorder(model)
     try:
         with torch.no_grad():
@@ -155,7 +175,6 @@ def derive_tp_layout(model: nn.Module, sample: Callable[[], Any], tp: int) -> TP
     finally:
         recorder.alive.clear()
         recorder.calls.clear()
-    _check_divisible(layout, model, modules, tp)
     return layout
 
 
@@ -204,13 +223,16 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
     import copy
 
     args, kwargs = call
+    dry = any(p.is_meta for p in mixer.parameters())  # shapes only, dtypes as they are
+
     def to64(t: Any) -> Any:
-        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() and \
+            not dry else t
 
     args = tuple(to64(a) for a in args)
     kwargs = {k: None if "cache" in type(v).__name__.lower() else to64(v)  # replays: no KV
               for k, v in kwargs.items()}                                  # cache updates
-    reference = copy.deepcopy(mixer).double()
+    reference = copy.deepcopy(mixer) if dry else copy.deepcopy(mixer).double()
     try:
         with torch.no_grad():
             want = _first_tensor(reference(*args, **kwargs))
@@ -222,6 +244,8 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
     except Exception as exc:  # the sharded code cannot even run: not head-parallel
         return (f"a {tp}-way column/row split of it fails to run "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
+    if want.is_meta:  # no data (a dry run of a large model): the split must still run
+        return "" if got.shape == want.shape else f"a {tp}-way split changes its output shape"
     scale = float(want.abs().max()) or 1.0
     error = float((got - want).abs().max()) / scale
     if error > 1e-6:
