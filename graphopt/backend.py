@@ -21,7 +21,12 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     call wrapped in Dynamo's ``BackendCompilerFailed``.
 
     ``options["parallel"]`` (a ``ParallelPlan`` or the path of its JSON) first shards the
-    module with :func:`graphopt.parallelize` (under torchrun), then compiles it.
+    module with :func:`graphopt.parallelize` (under torchrun), then compiles each decoder
+    layer's ``forward`` in place and returns the module (torchtitan compiles per block too). In
+    torch 2.13 a whole-model compile of FSDP2 with a vocab-parallel embedding fails inside
+    AOTAutograd, and compiling a layer together with SP's input hook (``module.compile()``)
+    silently drops the gradient of the layer's input (the embedding's), with ``aot_eager``
+    too; the hooks therefore run eagerly, outside the compiled forward.
     """
     import torch
 
@@ -35,7 +40,13 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
             raise ConfigError("parallel='auto' is not built yet: search a plan with `graphopt "
                               "plan --model ... --devices N --json plan.json` and pass "
                               "options={'parallel': 'plan.json'}")
+        from graphopt.parallel.apply import decoder_layers
+
         model = parallelize(model, plan)
+        for block in decoder_layers(model):  # forward only: the TP/SP input hooks stay eager
+            block.forward = torch.compile(block.forward, backend="graphopt", options=options,
+                                          **kwargs)
+        return model
     return torch.compile(model, backend="graphopt", options=options, **kwargs)
 
 

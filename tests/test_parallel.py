@@ -180,6 +180,7 @@ def _compiled_worker(rank, world, plan_path):
         return m(input_ids=ids, labels=ids, use_cache=False).loss
 
     compiled = graphopt.compile(model, options={"parallel": plan_path, "lowering": "eager"})
+    assert compiled is model
     got = loss(compiled)
     got.backward()
     loss(ref).backward()
@@ -253,3 +254,20 @@ def test_planner_golden_plans_on_large_fake_worlds(model_name, devices, global_b
                                                   heads * head_dim // plan.tp)
     placement = shapes[f"{attn}.q_proj.weight"][0]
     assert ("tp: S(0)" in placement) == (plan.tp > 1) and "dp_shard_cp" in placement
+
+
+def test_example_runs_under_torchrun():
+    """examples/parallel_train.py as README/docs run it: torchrun, 4 CPU ranks, gloo."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from graphopt.distributed import free_port
+
+    root = pathlib.Path(__file__).parent.parent
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         f"--master-port={free_port()}", str(root / "examples" / "parallel_train.py"),
+         "--steps", "2"], capture_output=True, text=True, timeout=300, cwd=root, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 1: loss" in out.stdout and "tp: S(0)" in out.stdout and "SP on" in out.stdout

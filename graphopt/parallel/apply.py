@@ -179,7 +179,7 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
     if shard:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \
             else mesh["dp_shard_cp"]
-        for block in _decoder_layers(model):
+        for block in decoder_layers(model):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
         kind = "HSDP" if plan.dp_replicate > 1 else "FSDP"
@@ -196,7 +196,7 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp}")
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks: the items of the largest ModuleList (FSDP's unit of sharding)."""
     best: list[nn.Module] = []
     for m in model.modules():
