@@ -133,6 +133,10 @@ def test_tp_layout_is_derived_from_the_data_flow():
     assert {f"{attn}.o_proj", f"{mlp}.down_proj"} <= set(layout.rowwise)
     assert (layout.embedding, layout.lm_head) == ("model.embed_tokens", "lm_head")
     assert "model.norm" in layout.norms and not layout.kept
+    square = build_model("llama", hidden_size=256, intermediate_size=512)  # hidden == vocab:
+    layout = derive_tp_layout(square, lambda: square(input_ids=ids, use_cache=False), 2)
+    assert layout.lm_head == "lm_head" and f"{attn}.q_proj" in layout.colwise  # the head is
+    # the last Linear to run, not any projection of the vocabulary's size
     minimax = build_model("minimax")
     layout = derive_tp_layout(minimax, lambda: minimax(input_ids=ids, use_cache=False), 2)
     assert "fails to run" in layout.kept["model.layers.0.self_attn"]

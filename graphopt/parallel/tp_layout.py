@@ -83,6 +83,8 @@ class _Recorder:
 
     def __init__(self, model: nn.Module) -> None:
         self.inputs: dict[str, tuple[list[int], dict[str, int]]] = {}
+        self.order: list[str] = []
+        """Module paths in the order their forwards finished."""
         self.calls: dict[str, tuple[tuple, dict]] = {}
         """First call's real arguments (the probe replays a mixer with them)."""
         self.outputs: dict[str, list[int]] = {}
@@ -109,6 +111,7 @@ class _Recorder:
             leaves = torch.utils._pytree.tree_leaves(output)
             self.alive += [t for t in leaves if isinstance(t, torch.Tensor)]
             self.outputs.setdefault(path, [id(t) for t in leaves if isinstance(t, torch.Tensor)])
+            self.order.append(path)
         return hook
 
     def remove(self) -> None:
@@ -170,7 +173,7 @@ def _derive(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
     layout = TPLayout()
     try:
         _classify_mixers(layout, modules, readers, recorder, norm_out, tp)
-        _vocab_parallel(layout, model, modules)
+        _vocab_parallel(layout, modules, recorder)
         _layers_and_norms(layout, modules, recorder)
     finally:
         recorder.alive.clear()
@@ -184,7 +187,7 @@ def _parent(path: str) -> str:
 
 def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: list[str],
                      recorder: _Recorder, norm_out: set[int], tp: int) -> None:
-    vocab_readers = {p for p in readers if _is_vocab_projection(modules, p)}
+    vocab_readers = {p for p in readers if p == _lm_head(modules, recorder)}
     probed: dict[type, str] = {}
     for mixer in sorted({_parent(p) for p in readers if p not in vocab_readers}):
         mine = [p for p in readers if _parent(p) == mixer]
@@ -278,25 +281,30 @@ def _slice_shard(shard: nn.Module, path: str, readers: list[str], writer: str, r
             module.in_features = cols
 
 
-def _is_vocab_projection(modules: dict[str, nn.Module], path: str) -> bool:
+def _lm_head(modules: dict[str, nn.Module], recorder: _Recorder) -> str | None:
+    """The output projection: the last Linear to run, if it maps to the vocabulary (the
+    size of an nn.Embedding)."""
     vocab = {m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding)}
-    module = modules[path]
-    return isinstance(module, nn.Linear) and module.out_features in vocab
+    linears = [p for p in recorder.order if isinstance(modules.get(p), nn.Linear)]
+    if linears and getattr(modules[linears[-1]], "out_features", None) in vocab:
+        return linears[-1]
+    return None
 
 
-def _vocab_parallel(layout: TPLayout, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-    heads = [p for p in modules if _is_vocab_projection(modules, p)]
-    if len(heads) != 1:
+def _vocab_parallel(layout: TPLayout, modules: dict[str, nn.Module],
+                    recorder: _Recorder) -> None:
+    head_path = _lm_head(modules, recorder)
+    if head_path is None:
         return
-    head = modules[heads[0]]
+    head = modules[head_path]
     embeds = [p for p, m in modules.items() if isinstance(m, nn.Embedding)
               and m.num_embeddings == getattr(head, "out_features", -1)]
     if len(embeds) != 1:
         return
     if modules[embeds[0]].weight is head.weight:
-        layout.kept[heads[0]] = "tied to the token embedding: both stay replicated"
+        layout.kept[head_path] = "tied to the token embedding: both stay replicated"
         return
-    layout.lm_head, layout.embedding = heads[0], embeds[0]
+    layout.lm_head, layout.embedding = head_path, embeds[0]
     layout.vocab = int(getattr(head, "out_features", 0))
 
 
