@@ -199,6 +199,10 @@ class GraphoptConfig:
             if key in config.pass_options and pass_name in config.disable:
                 raise ConfigError(f"option {key!r} is given but {pass_name!r} is in 'disable'; "
                                   "drop one of them")
+        if config.inductor_config and config.lowering in ("eager", "npu"):
+            raise ConfigError(f"option 'inductor_config' patches Inductor, but lowering is "
+                              f"{config.lowering!r}, which does not use it: drop "
+                              "inductor_config or use lowering 'inductor' (or 'auto')")
         if config.lowering == "npu":
             from graphopt.lowering import require_npu
 

@@ -15,6 +15,7 @@ real example inputs, with Dynamo's symbolic context), so symbols and the ``item_
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -63,14 +64,21 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
         A new GraphModule; ``gm`` is untouched.
     """
     fake_mode, fakes = fake_inputs(gm, example_inputs)
-    _default_checkpoint_context(gm)
+    ours_only = _default_checkpoint_context(gm)
 
     def run(*args: Any) -> Any:
         return fx.Interpreter(gm).run(*args)
 
-    with fx_traceback.preserve_node_meta(), fake_mode:
-        traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
-                         _allow_non_fake_inputs=True)(*fakes)
+    wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
+    level = wrap_log.level
+    if ours_only:  # its "context_fn is passed" warning would be about graphopt's default
+        wrap_log.setLevel(logging.ERROR)
+    try:
+        with fx_traceback.preserve_node_meta(), fake_mode:
+            traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
+                             _allow_non_fake_inputs=True)(*fakes)
+    finally:
+        wrap_log.setLevel(level)
     _rename_placeholders(traced, gm)
     _fill_missing_meta(traced)
     _clean_module_paths(traced)
@@ -142,11 +150,12 @@ class _RuntimeMeta(fx.Interpreter):
         return result
 
 
-def _default_checkpoint_context(gm: fx.GraphModule) -> None:
+def _default_checkpoint_context(gm: fx.GraphModule) -> bool:
     """Give each ``torch.utils.checkpoint`` region body the context function of plain
     activation checkpointing (always recompute) unless it has one: PyTorch's pre-dispatch
     rule for ``tag_activation_checkpoint`` reads ``meta["_checkpoint_context_fn"]`` without a
-    default (torch 2.13), so re-tracing a graph with a checkpoint region failed."""
+    default (torch 2.13), so re-tracing a graph with a checkpoint region failed. True when
+    every checkpoint body got graphopt's default (the user passed no ``context_fn``)."""
     import functools
 
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -154,15 +163,17 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> None:
     try:
         from torch._higher_order_ops.wrap import _always_prefer_recompute
     except ImportError:  # torch < 2.13 reads no such meta key: nothing to add
-        return
+        return False
     target = torch.ops.higher_order.tag_activation_checkpoint
-    for node in gm.graph.find_nodes(op="call_function", target=target):
-        body = node.args[0]
-        module = getattr(gm, str(body.target)) if isinstance(body, fx.Node) and \
-            body.op == "get_attr" else None
-        if isinstance(module, fx.GraphModule):
-            module.meta.setdefault("_checkpoint_context_fn", functools.partial(
-                create_selective_checkpoint_contexts, _always_prefer_recompute))
+    bodies = [getattr(gm, str(n.args[0].target)) for n in
+              gm.graph.find_nodes(op="call_function", target=target)
+              if isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
+    bodies = [b for b in bodies if isinstance(b, fx.GraphModule)]
+    users = sum("_checkpoint_context_fn" in b.meta for b in bodies)
+    for body in bodies:
+        body.meta.setdefault("_checkpoint_context_fn", functools.partial(
+            create_selective_checkpoint_contexts, _always_prefer_recompute))
+    return bool(bodies) and users == 0
 
 
 _DYNAMO_SOURCE = re.compile(r"^(?:[LG]\[[^\]]*\](?:\[[^\]]*\])*|L__self___|L__self__)\.?")

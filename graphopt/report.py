@@ -78,8 +78,10 @@ class CompileReport:
     notes: list[str] = field(default_factory=list)
     graph_breaks: dict[str, int] = field(default_factory=dict)
     """Dynamo's graph breaks in this process (since :func:`clear_reports`) when this graph
-    was compiled: first line of the reason -> count. A break splits the model into several
-    graphs (each its own report); code between them runs eagerly."""
+    was compiled: first line of the reason -> count. Dynamo counts them per process, not per
+    backend or model, so breaks of other ``torch.compile`` calls made since then are
+    included. A break splits the model into several graphs (each its own report); code
+    between them runs eagerly."""
 
     def pass_records(self, name: str) -> list[PassRecord]:
         return [p for p in self.passes if p.name == name]
@@ -114,7 +116,8 @@ class CompileReport:
             "- timing (s): " + ", ".join(f"{k} {v:.3f}" for k, v in self.timing.items()),
         ]
         if self.graph_breaks:
-            lines.append(f"- graph breaks so far: {sum(self.graph_breaks.values())} ("
+            lines.append(f"- graph breaks so far (this process, all torch.compile calls): "
+                         f"{sum(self.graph_breaks.values())} ("
                          + "; ".join(f"{n}x {r}" for r, n in self.graph_breaks.items()) + ")")
         if self.verify:
             lines.append(f"- verify: {self.verify.get('status')} {self.verify.get('detail', '')}"

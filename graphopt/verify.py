@@ -49,18 +49,21 @@ def clone_inputs(inputs: Sequence[Any]) -> list[Any]:
         elif isinstance(x, torch.Tensor):
             # Same sizes and strides (a sliced input stays non-contiguous): compiled graphs
             # assert the strides they were compiled for.
-            y = torch.zeros_like(x, memory_format=torch.preserve_format)
-            if y.stride() != x.stride():
-                y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-                span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-                with torch.no_grad():  # zero the gaps between rows too: no garbage NaN
-                    y.as_strided((span,), (1,)).zero_()
-            with torch.no_grad():
-                y.copy_(x)
+            y = _strided_copy(x.detach())
             out.append(y.requires_grad_(x.requires_grad))
         else:
             out.append(x)
     return out
+
+
+def _strided_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy with ``x``'s sizes and strides, gaps (a slice) and overlaps (an expand, stride
+    0) included: the storage span ``x`` covers is copied, then viewed the same way."""
+    if x.numel() == 0 or x.is_contiguous():
+        return x.clone(memory_format=torch.contiguous_format)
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    flat = torch.as_strided(x, (span,), (1,), x.storage_offset()).clone()
+    return flat.as_strided(x.shape, x.stride())
 
 
 def run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
@@ -92,12 +95,18 @@ def least_precise_dtype(gm: torch.fx.GraphModule) -> torch.dtype | None:
     tolerances follow the least precise dtype computed, not the output dtype.
     """
     worst: torch.dtype | None = None
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
-            if worst is None or torch.finfo(val.dtype).eps > torch.finfo(worst).eps:
+    for node in _all_nodes(gm):  # Dynamo's graph (fallback) has example_value, not val
+        for val in pytree.tree_leaves(node.meta.get("val", node.meta.get("example_value"))):
+            if isinstance(val, torch.Tensor) and val.dtype.is_floating_point and (
+                    worst is None or torch.finfo(val.dtype).eps > torch.finfo(worst).eps):
                 worst = val.dtype
     return worst
+
+
+def _all_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes of ``gm`` and of its subgraphs (checkpoint bodies, autograd.Function fwd/bwd)."""
+    return [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes]
 
 
 def compare_outcomes(expected: Outcome, actual: Outcome, config: GraphoptConfig,
@@ -188,7 +197,7 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
                    recompile: Callable[[Sequence[str]], Callable[..., Any]]) -> None:
     """Compare ``compiled`` with ``original`` (Dynamo's graph, run eagerly); see module doc."""
     grads = config.verify.grads and report.training
-    random_ops = [n.name for n in snapshots[0][2].graph.nodes if is_random(n)]
+    random_ops = [n.name for n in _all_nodes(snapshots[0][2]) if is_random(n)]
     if random_ops:
         report.verify = {"status": "skipped",
                          "detail": f"graph draws random numbers ({', '.join(random_ops[:3])}); "

@@ -29,6 +29,8 @@ def _compile_and_call(options):
     # an option that would do nothing is an error
     ({"enable": ["remat"]}, r"enable: \['remat'\] means options=\{'remat': \{\}\}, which is "
                             r"incomplete: remat needs a budget"),
+    ({"inductor_config": {"max_autotune": True}, "lowering": "eager"},
+     r"option 'inductor_config' patches Inductor, but lowering is 'eager'"),
     ({"remat": {}}, r"remat needs a budget, e.g. options=\{'remat': \{'budget': '50%'\}\}"),
 ])
 def test_bad_option_raises_before_compiling(options, message):

@@ -8,7 +8,7 @@ from graphopt.testing import as_function, assert_matches_eager, run_pass, trace_
 def test_removes_identity_ops():
     def fn(x):
         a = x.view(x.shape) * 1
-        b = a.reshape(4, 6)[:, :] + 0
+        b = a.reshape(4, 6)[:, :] - 0
         c = b.contiguous().to(torch.float64).expand(4, 6)
         return torch.sin(c)
 
@@ -34,7 +34,7 @@ def test_keeps_real_ops_that_look_like_noops():
 def test_refuses_when_result_is_returned_or_written_in_place():
     def fn(x):
         returned = x * 1          # removing it would hand the caller an alias of x
-        written = x + 0
+        written = x - 0
         written.add_(1)           # removing it would write into x
         return returned, written
 
@@ -58,3 +58,20 @@ def test_symbolic_shapes_only_removed_when_provably_equal():
     assert record.count("rewritten") == 3  # expand, view, reshape: same symbolic shape
     x, y = torch.randn(6, 5), torch.randn(6, 5)  # another size: the graph is symbolic
     torch.testing.assert_close(as_function(gm, fn)(x, y), fn(x, y))
+
+
+def test_adding_zero_is_kept_for_floats_signed_zero():
+    """IEEE: -0.0 + 0 = +0.0, so x + 0 is no identity for floats (1/(x + 0) at x = -0.0 is
+    +inf, 1/x is -inf); integers lose nothing."""
+    def fn(x, i):
+        return 1.0 / (x + 0), 1.0 / (x * 1), (i + 0) * 2
+
+    x = torch.tensor([-0.0, 1.0, -2.0], dtype=torch.float64)
+    i = torch.tensor([1, -2])
+    gm = trace_for_pass(fn, x, i)
+    gm, record = run_pass("remove_noops", gm)
+    removed = {s.reason.split(":")[0] for s in record.sites if s.action == "rewritten"}
+    assert removed == {"aten.mul.Tensor returns its input", "aten.add.Tensor returns its input"}
+    assert [n.target for n in gm.graph.nodes].count(torch.ops.aten.add.Tensor) == 1
+    torch.testing.assert_close(as_function(gm, fn)(x, i), fn(x, i))
+    assert as_function(gm, fn)(x, i)[0][0] == float("inf")

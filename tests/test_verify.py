@@ -113,3 +113,32 @@ def test_verify_keeps_the_strides_of_a_sliced_input():
     x = torch.randn(4, 16)[:, :8]
     torch.testing.assert_close(compiled(x), model(x))
     assert graphopt.last_report().verify["status"] == "passed", graphopt.last_report().verify
+
+
+def test_verify_copies_expanded_inputs_with_their_stride_0():
+    """position_ids = arange(S).expand(B, S) style inputs: a plain copy_ into the same
+    strides fails (overlapping memory); verify copies the storage span instead."""
+    compiled = torch.compile(lambda t: t * 2 + 1, backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    x = torch.randn(1, 4).expand(3, 4)
+    torch.testing.assert_close(compiled(x), x * 2 + 1)
+    assert graphopt.last_report().verify["status"] == "passed"
+
+
+class _Dropped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_random_ops_inside_a_checkpoint_region_skip_verification():
+    """The dropout sits in the checkpoint body (a subgraph): verify must see it and skip,
+    not blame a pass for the different random draws."""
+    compiled = torch.compile(_Dropped(), backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    compiled(torch.randn(4, 16)).sum().backward()
+    verify = graphopt.last_report().verify
+    assert verify["status"] == "skipped" and "random" in verify["detail"]

@@ -49,6 +49,13 @@ _ARITH_IDENTITY = {aten.mul.Tensor: 1, aten.div.Tensor: 1, aten.add.Tensor: 0,
                    aten.sub.Tensor: 0, aten.mul.Scalar: 1, aten.add.Scalar: 0}
 
 
+def _signed_zero_changes(target: Any, x: torch.Tensor) -> bool:
+    """IEEE: -0.0 + 0 is +0.0 (so 1/(x + 0) differs from 1/x at x = -0.0); x * 1, x / 1 and
+    x - 0 keep the sign. Adding zero is an identity only for integers."""
+    return target in (aten.add.Tensor, aten.add.Scalar) and (
+        x.dtype.is_floating_point or x.dtype.is_complex)
+
+
 def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype == b.dtype and a.device == b.device and a.dim() == b.dim()
             and all(statically_known_true(x == y)  # type: ignore[arg-type]
@@ -88,7 +95,8 @@ def identity_input(node: fx.Node) -> fx.Node | None:
         return None
     if target in _ARITH_IDENTITY and len(node.args) == 2 and not node.kwargs:
         other = node.args[1]
-        if type(other) in (int, float) and other == _ARITH_IDENTITY[target]:
+        if type(other) in (int, float) and other == _ARITH_IDENTITY[target] and \
+                not _signed_zero_changes(target, x):
             return x_node
     return None
 
