@@ -124,7 +124,7 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         cluster = cluster.scaled(devices)
     node = cluster.devices_per(0)
     capacity = USABLE_MEMORY * cluster.device.memory_bytes
-    heap: list[tuple[float, int, ParallelPlan]] = []
+    heap: list[tuple[float, float, int, ParallelPlan]] = []
     evaluated = pruned = 0
     smallest = float("inf")
     for i, plan in enumerate(candidates(model, devices, global_batch, node)):
@@ -136,10 +136,11 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
             pruned += 1
             smallest = min(smallest, pred.memory_bytes)
             continue
-        entry = (pred.tokens_per_s, -i, replace(plan, prediction=pred))
+        # equal throughput: less memory first (the plan with headroom), then search order
+        entry = (pred.tokens_per_s, -pred.memory_bytes, -i, replace(plan, prediction=pred))
         if len(heap) < top_k:
             heapq.heappush(heap, entry)
-        elif entry[:2] > heap[0][:2]:
+        elif entry[:3] > heap[0][:3]:
             heapq.heapreplace(heap, entry)
     if not heap and evaluated == 0:
         raise ConfigError(no_layout_reason(model, devices, global_batch, node))
@@ -148,7 +149,7 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
                           f"({capacity / 2**30:.0f} GiB usable): the smallest needs "
                           f"{smallest / 2**30:.1f} GiB per device; add devices or shorten "
                           "the sequence")
-    ranked = [p for _, _, p in sorted(heap, key=lambda x: x[:2], reverse=True)]
+    ranked = [p for *_, p in sorted(heap, key=lambda x: x[:3], reverse=True)]
     hand, invalid = [], []
     for name, plan, problems in hand_configurations(model, devices, global_batch, node,
                                                     cluster):
@@ -211,6 +212,9 @@ def why_slower(plan: ParallelPlan, best: ParallelPlan, capacity: float) -> str:
     extra = {k: terms[k] - _terms(b).get(k, 0.0) for k in terms}
     worst = max(extra, key=lambda k: extra[k])
     ratio = b.tokens_per_s / p.tokens_per_s
+    if ratio < 1.005:
+        return (f"ties the best plan ({ratio:.3f}x its step time; "
+                f"{p.memory_bytes / 2**30:.1f} vs {b.memory_bytes / 2**30:.1f} GiB per device)")
     kind = {"bubble": "bubble-bound", "compute": "compute (recomputation/less efficient "
             "split)"}.get(worst, f"comm-bound ({worst})")
     return (f"{ratio:.2f}x slower than the best plan: {kind}, +{extra[worst]:.3g} s per "
