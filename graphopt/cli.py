@@ -217,8 +217,14 @@ def estimate(
                   f"{'fwd+bwd' if train else 'fwd'} "
                   f"{est.time_s * 1e3:.2f} ms, {est.flops / 1e9:.2f} GFLOP, MFU "
                   f"{est.mfu * 100:.1f}%, memory {est.peak_bytes / 2**20:.1f} MiB "
-                  f"(params {est.param_bytes / 2**20:.1f}, activations "
-                  f"{est.activation_bytes / 2**20:.1f})")
+                  f"(params {est.param_bytes / 2**20:.1f}, activations and gradients "
+                  f"{est.activation_bytes / 2**20:.1f}; one device, no optimizer states: "
+                  "`graphopt plan` adds them and the sharding)")
+    capacity = est.profile.device.memory_bytes
+    if train and capacity and est.peak_bytes > capacity:
+        console.print(f"[yellow]does not fit one {escape(est.profile.device.name)} "
+                      f"({capacity / 2**30:.0f} GiB) even before optimizer states: see "
+                      "`graphopt plan` for a sharded plan[/]")
     _print_toy_note(source)
     table = Table(title="top cost contributors (by op)")
     for col in ("op", "ms", "GFLOP", "MB moved"):
