@@ -30,7 +30,7 @@ Pseudo-code (the order is today's; each step is one module):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
@@ -58,12 +58,7 @@ class AttentionPass(GraphPass):
     options_key = "lightning"
     options_cls = LightningOptions
     mode: str = "keep"
-    every: int = 1
-    norm: str = "rms"
-    layers: tuple[str, ...] = ()
-    slopes: str = "minimax"
-    num_layers: int | None = None
-    feature_map: str = "identity"
+    lightning: LightningOptions = field(default_factory=LightningOptions)
 
     @property
     def exact(self) -> bool:  # type: ignore[override]
@@ -72,9 +67,7 @@ class AttentionPass(GraphPass):
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionPass:
-        opts = config.lightning
-        return cls(mode=config.attention, every=opts.every, norm=opts.norm, layers=opts.layers,
-                   slopes=opts.slopes, num_layers=opts.num_layers, feature_map=opts.feature_map)
+        return cls(mode=config.attention, lightning=config.lightning)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         sites = softmax_attention_sites(gm.graph)
@@ -88,15 +81,10 @@ class AttentionPass(GraphPass):
             eliminate_dead_code(gm.graph)
         modified |= rewrite_parallel_forms(gm, ctx, env, self.mode, in_loops)
         if self.mode == "lightning":
-            modified |= self._conversion().convert_sites(gm, sites, ctx, env)
+            modified |= SoftmaxToLightning(self.lightning).convert_sites(gm, sites, ctx, env)
         if modified:
             eliminate_dead_code(gm.graph)
         return PassResult(gm, modified)
-
-    def _conversion(self) -> SoftmaxToLightning:
-        return SoftmaxToLightning(every=self.every, norm=self.norm, layers=self.layers,
-                                  slopes=self.slopes, num_layers=self.num_layers,
-                                  feature_map=self.feature_map)
 
     @staticmethod
     def _input_env(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ from graphopt.passes.attention.match_softmax import (
     match_softmax_attention_site,
     num_decoder_layers,
 )
+from graphopt.passes.attention.options import LightningOptions
 from graphopt.passes.base import PassContext
 from graphopt.passes.fx_utils import autocast_reason, fake_call, module_path, site_name, tensor_meta
 
@@ -74,14 +75,9 @@ def minimax_slopes(heads: int, layer: int, num_layers: int, kind: str = "minimax
 
 @dataclass(frozen=True)
 class SoftmaxToLightning:
-    """The ``lightning.*`` options of one conversion (``attention.options.LightningOptions``)."""
+    """One conversion with the ``lightning.*`` options."""
 
-    every: int = 1
-    norm: str = "rms"
-    layers: tuple[str, ...] = ()
-    slopes: str = "minimax"
-    num_layers: int | None = None
-    feature_map: str = "identity"
+    options: LightningOptions = field(default_factory=LightningOptions)
 
     def convert_sites(self, gm: fx.GraphModule, sites: list[fx.Node], ctx: PassContext,
                       env: dict[fx.Node, Any]) -> bool:
@@ -99,7 +95,7 @@ class SoftmaxToLightning:
         """A ``lightning.layers`` pattern that selects no site of this graph is reported and
         warned about (a typo would otherwise silently convert nothing)."""
         paths = sorted({module_path(n) for n in sites})
-        for pattern in self.layers:
+        for pattern in self.options.layers:
             if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
                 message = (f"lightning.layers pattern {pattern!r} selects no attention site of "
                            f"this graph; its sites are {paths[:4]}"
@@ -118,26 +114,26 @@ class SoftmaxToLightning:
         assert q_val is not None and k_val is not None
         if q_val.shape[1] % k_val.shape[1]:
             return "kept: query heads are not a multiple of key heads"
-        layer = layer_index(node)
-        if self.every > 1 and layer is not None and (layer + 1) % self.every == 0:
-            return f"kept: layer {layer} keeps softmax attention (lightning.every={self.every})"
+        opts, layer = self.options, layer_index(node)
+        if opts.every > 1 and layer is not None and (layer + 1) % opts.every == 0:
+            return f"kept: layer {layer} keeps softmax attention (lightning.every={opts.every})"
         path = module_path(node)
-        if self.layers and not any(fnmatch.fnmatchcase(path, p) for p in self.layers):
+        if opts.layers and not any(fnmatch.fnmatchcase(path, p) for p in opts.layers):
             return f"kept: {path or 'this site'} is not selected by lightning.layers"
-        depth = self.num_layers or num_decoder_layers(gm)
-        if layer is None and self.slopes == "minimax" and depth > 1:
+        depth = opts.num_layers or num_decoder_layers(gm)
+        if layer is None and opts.slopes == "minimax" and depth > 1:
             return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
                     "several layers after a graph break), so MiniMax's per-layer slopes cannot "
                     "be chosen; use lightning.slopes='alibi' or remove the graph break")
-        slopes = minimax_slopes(int(q_val.shape[1]), layer or 0, depth, self.slopes)
+        slopes = minimax_slopes(int(q_val.shape[1]), layer or 0, depth, opts.slopes)
         q, k = (self._feature_map(gm, found.output, x) for x in (found.q, found.k))
         self._insert(gm, found.output, q, k, found.v, slopes, found.scale)
-        return (f"APPROXIMATE: softmax -> Lightning Attention ({self.slopes} slopes, feature "
-                f"map {self.feature_map}, norm {self.norm}, layer {layer} of {depth})")
+        return (f"APPROXIMATE: softmax -> Lightning Attention ({opts.slopes} slopes, feature "
+                f"map {opts.feature_map}, norm {opts.norm}, layer {layer} of {depth})")
 
     def _feature_map(self, gm: fx.GraphModule, before: fx.Node, x: fx.Node) -> fx.Node:
         """``lightning.feature_map`` applied to q or k (new nodes before ``before``)."""
-        for target, extra in _FEATURE_MAPS[self.feature_map]:
+        for target, extra in _FEATURE_MAPS[self.options.feature_map]:
             with gm.graph.inserting_before(before):
                 new = gm.graph.call_function(target, (x, *extra))
             new.meta.update(val=fake_call(target, x, *extra),
@@ -150,7 +146,7 @@ class SoftmaxToLightning:
                 v: fx.Node, slopes: torch.Tensor, scale: float) -> None:
         """Replace softmax attention ``node`` by Lightning Attention (+ RMS norm)."""
         out = insert_with_frozen_slopes(gm, node, q, k, v, slopes, scale)
-        if self.norm == "rms":
+        if self.options.norm == "rms":
             dim = [int(out.meta["val"].shape[3])]
             with gm.graph.inserting_after(out):
                 norm = gm.graph.call_function(aten.rms_norm.default, (out, dim))
