@@ -228,8 +228,9 @@ def _golden_plan_worker(rank, world, model_name, plan_kwargs):
     ("llama3-8b", 64, 256, 37), ("llama3-70b", 1024, 1024, 613)])
 def test_planner_golden_plans_on_large_fake_worlds(model_name, devices, global_batch, rank):
     """The planner's best executable plan (FSDP over 64 ranks for Llama-3 8B on 64 H100,
-    which ties the CP plan ranked first; FSDP x TP=2 with SP for 70B on 1,024) runs through parallelize; each parameter's local shape is its full shape split
-    by tp (column/row) and then dim 0 by dp_shard (FSDP)."""
+    which ties the CP plan ranked first; FSDP x TP=2 with SP for 70B on 1,024) runs through
+    parallelize; each parameter's local shape is its full shape split by tp (column/row) and
+    then dim 0 by dp_shard (FSDP)."""
     from graphopt.cost.profiles import CLUSTERS
     from graphopt.distributed import run_fake_world
     from graphopt.models import model_config, resolve_model
