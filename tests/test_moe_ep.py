@@ -222,3 +222,46 @@ def test_real_moe_models_expert_parallel_equal_single_process(world):
             # (test_pass_moe checks it at float64 tolerance on one device, same batch)
             tol = 1e-5 if name == "deepseek_v3" else 1e-9
             _close(g, want_grads[pname], tol, tol * 1e-2, f"{label}: {pname}")
+
+
+def _two_groups_worker(rank: int, world: int, schedules: list[str]) -> dict:
+    """EP=2 inside a 4-rank world: two EP groups (ranks 0-1, 2-3) from graphopt's EP mesh, each
+    running the same 2-rank case; every schedule, the hierarchical one with 1 rank per node."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from graphopt.kernels.moe.op import moe_experts_op
+    from graphopt.passes.moe import ep_group
+
+    experts = _experts()
+    group = ep_group(2, E)
+    me = dist.get_rank(_resolve_process_group(group))
+    sizes, index, weights = _case("random", 2)
+    lo = sum(sizes[:me])
+    torch.manual_seed(1)
+    hidden_all = torch.randn(sum(sizes), H, dtype=torch.float64)
+    grad_all = torch.randn(sum(sizes), H, dtype=torch.float64)
+    results = {}
+    for schedule in schedules:
+        hidden = hidden_all[lo:lo + sizes[me]].clone().requires_grad_()
+        w = weights[lo:lo + sizes[me]].clone().requires_grad_()
+        out = moe_experts_op(hidden, index[lo:lo + sizes[me]], w, experts.gate_up_proj,
+                             experts.down_proj, -1.0, 2, group, schedule, 3, 1, True)[0]
+        grads = torch.autograd.grad(out, [hidden, w, experts.gate_up_proj, experts.down_proj],
+                                    grad_all[lo:lo + sizes[me]])
+        g_up = grads[2].clone()
+        dist.all_reduce(g_up, group=_resolve_process_group(group))
+        results[schedule] = (me, out.detach(), grads[0], g_up)
+    return results
+
+
+def test_ep_groups_smaller_than_the_world_come_from_the_mesh():
+    want = _reference("random", 2)
+    sizes = _case("random", 2)[0]
+    for per_rank in run_distributed(_two_groups_worker, 4, SCHEDULES):
+        for schedule, (me, out, g_hidden, g_up) in per_rank.items():
+            lo = sum(sizes[:me])
+            rows = slice(lo, lo + sizes[me])
+            _close(out, want[0][rows], 1e-9, 1e-9, f"{schedule} out")
+            _close(g_hidden, want[1][rows], 1e-9, 1e-9, f"{schedule} grad hidden")
+            _close(g_up, want[3], 1e-9, 1e-9, f"{schedule} grad gate_up")

@@ -75,3 +75,39 @@ def build_mesh(plan: ParallelPlan, device_type: str | None = None) -> Any:
 def axis_group(mesh: Any, axis: str) -> Any:
     """The process group of ``axis`` (a plan axis or a flattened one) for this rank."""
     return mesh[axis].get_group()
+
+
+_EP_MESHES: dict[tuple[int, int], Any] = {}
+
+
+def ep_mesh(ep: int, ranks_per_node: int | None = None) -> Any:
+    """The expert-parallel mesh ``(ep_replicas, ep_node, ep_local)`` over the default process
+    group, with ``ep`` = ep_node x ep_local flattened: EP groups are blocks of ``ep``
+    consecutive ranks, each split into nodes of ``ranks_per_node`` (the hierarchical and
+    peer all-to-all schedules' two levels). Created once per (ep, ranks_per_node), which
+    like any mesh is collective: every rank calls it in the same order (every rank compiles
+    the same graphs and runs the same schedule).
+
+    Raises:
+        ConfigError: torch.distributed is not initialized; ep does not divide the world size
+            or ranks_per_node does not divide ep.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(f"expert parallelism (ep={ep}) needs torch.distributed: run under "
+                          "torchrun (or call init_process_group) first")
+    rpn = ranks_per_node or ep
+    world = dist.get_world_size()
+    if world % ep or ep % rpn:
+        raise ConfigError(f"ep ({ep}) must divide the world size ({world}) and ranks per node "
+                          f"({rpn}) must divide ep")
+    key = (ep, rpn)
+    if key not in _EP_MESHES:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device, (world // ep, ep // rpn, rpn),
+                                mesh_dim_names=("ep_replicas", "ep_node", "ep_local"))
+        mesh["ep_node", "ep_local"]._flatten("ep")
+        _EP_MESHES[key] = mesh
+    return _EP_MESHES[key]

@@ -377,7 +377,6 @@ def _ranks_per_node(opts: MoEOptions) -> int:
     return math.gcd(local, opts.ep)
 
 
-_GROUPS: dict[int, str] = {}
 
 
 def ep_group(ep: int, num_experts: int) -> str:
@@ -402,7 +401,6 @@ def ep_group(ep: int, num_experts: int) -> str:
         raise ConfigError(f"moe.ep ({ep}) must divide the number of experts ({num_experts})")
     if ep == world:
         return ""
-    if ep not in _GROUPS:
-        group, _ = dist.new_subgroups(group_size=ep)
-        _GROUPS[ep] = group.group_name
-    return _GROUPS[ep]
+    from graphopt.parallel.mesh import ep_mesh
+
+    return str(ep_mesh(ep)["ep"].get_group().group_name)  # the mesh owns the groups

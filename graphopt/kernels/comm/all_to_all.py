@@ -228,20 +228,18 @@ class RoundTrip:
         return work
 
 
-_NODE_GROUPS: dict[tuple[str, int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-
-
 def _node_groups(group: dist.ProcessGroup | None, nodes: int,
                  lpn: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(intra-node group, inter-node group) of this rank for a (nodes x lpn) layout of the EP
-    group, created once (collectively, on every rank of the default group)."""
+    group: the ``ep_local`` and ``ep_node`` axes of graphopt's EP DeviceMesh
+    (:func:`graphopt.parallel.mesh.ep_mesh`), whose EP groups are consecutive ranks."""
+    from graphopt.parallel.mesh import ep_mesh
+
     assert group is not None
-    key = (group.group_name, nodes, lpn)
-    if key not in _NODE_GROUPS:
-        ranks = [dist.get_global_rank(group, i) for i in range(nodes * lpn)]
-        intra, _ = dist.new_subgroups_by_enumeration(
-            [ranks[n * lpn:(n + 1) * lpn] for n in range(nodes)])
-        inter, _ = dist.new_subgroups_by_enumeration(
-            [ranks[i::lpn] for i in range(lpn)])
-        _NODE_GROUPS[key] = (intra, inter)
-    return _NODE_GROUPS[key]
+    mesh = ep_mesh(nodes * lpn, lpn)
+    if dist.get_process_group_ranks(mesh["ep"].get_group()) != \
+            dist.get_process_group_ranks(group):
+        raise ValueError("the hierarchical/peer schedules need EP groups of consecutive ranks "
+                         "(graphopt's EP mesh); got ranks "
+                         f"{dist.get_process_group_ranks(group)}")
+    return mesh["ep_local"].get_group(), mesh["ep_node"].get_group()
