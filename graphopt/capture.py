@@ -211,11 +211,10 @@ def _has_key(gm: fx.GraphModule, key: str) -> bool:
 
 
 def _same_size(a: Any, b: Any) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return str(a) == str(b) or (  # symbolic: compare hints when the expressions differ
-        getattr(getattr(a, "node", None), "hint", a) == getattr(getattr(b, "node", None),
-                                                                  "hint", b))
+    """Equal ints, or the same symbolic expression (both graphs share Dynamo's shape env;
+    an expression that differs in form only costs a needless fallback, never a wrong
+    graph)."""
+    return a == b if isinstance(a, int) and isinstance(b, int) else str(a) == str(b)
 
 
 def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:

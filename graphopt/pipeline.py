@@ -220,6 +220,8 @@ def _joint_records_through_cache(model: fx.GraphModule, config: GraphoptConfig,
     """On a lowering cache hit the joint passes do not run: report the decisions they made
     when the cache entry was made (stored beside Inductor's cache), or say how to force a
     fresh compile."""
+    if report.lowering != "inductor":  # the only lowering with a compile cache
+        return
     key = joint_records_key(model.code, repr(config.pass_options), report.lowering,
                             sorted(config.disable), sorted(config.enable))
     if {"joint", "forward", "inference"} & set(report.graphs):

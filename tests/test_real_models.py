@@ -68,3 +68,4 @@ def test_dynamic_llama_recompiles_on_new_sequence_length():
             torch.testing.assert_close(compiled(ids), fn(ids), rtol=1e-9, atol=1e-9)
     assert len([r for r in graphopt.reports() if r.status == "compiled"]) == 1
     assert graphopt.last_report().dynamic
+    assert graphopt.last_report().fallback is None  # symbolic outputs pass the capture checks

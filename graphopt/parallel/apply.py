@@ -55,6 +55,7 @@ class ParallelReport:
     parameters: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
 
     def to_markdown(self) -> str:
+        """The plan, notes, what stayed replicated and a table of parameter placements."""
         lines = [f"# parallel plan: {self.plan}", ""] + [f"- {n}" for n in self.notes]
         if self.tp_layout is not None:
             lines += [f"- kept replicated: `{p}`: {why}" for p, why in
