@@ -169,6 +169,7 @@ def graph_breaks() -> dict[str, int]:
 
 
 def register(report: CompileReport) -> None:
+    """Keep ``report`` in this process's list, with the graph breaks counted so far."""
     report.graph_breaks = graph_breaks()
     with _lock:
         _reports.append(report)

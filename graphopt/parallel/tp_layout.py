@@ -119,6 +119,7 @@ class _Recorder:
             handle.remove()
 
     def call_site(self, path: str, tensor_ids: set[int]) -> CallSite | None:
+        """Where ``path``'s first call received one of ``tensor_ids`` (position or keyword)."""
         args, kwargs = self.inputs.get(path, ([], {}))
         for i, a in enumerate(args):
             if a in tensor_ids:
