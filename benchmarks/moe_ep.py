@@ -31,8 +31,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     e, h, f, t = args.experts, args.hidden, args.ffn, args.tokens
+    per = e // world  # this rank's local experts (EP shards the expert weights)
     gate_up = (torch.randn(e, 2 * f, h, generator=torch.Generator().manual_seed(0)) * 0.02)
     down = (torch.randn(e, h, f, generator=torch.Generator().manual_seed(1)) * 0.02)
+    gate_up, down = (w[rank * per:(rank + 1) * per].clone() for w in (gate_up, down))
     gate_up.requires_grad_()
     down.requires_grad_()
     hidden = torch.randn(t, h, generator=gen, requires_grad=True)

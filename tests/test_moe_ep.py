@@ -55,6 +55,14 @@ def _experts() -> Any:
     return experts
 
 
+def _local_experts(experts: Any, rank: int, ep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EP rank ``rank``'s experts, sliced from the full weights (autograd: the gradient of
+    the full weight is zero outside the slice)."""
+    per = E // ep
+    return (experts.gate_up_proj[rank * per:(rank + 1) * per],
+            experts.down_proj[rank * per:(rank + 1) * per])
+
+
 def _ep_worker(rank: int, world: int, cases: list[str], schedules: list[str]) -> dict:
     import torch.distributed as dist
 
@@ -71,8 +79,9 @@ def _ep_worker(rank: int, world: int, cases: list[str], schedules: list[str]) ->
         for schedule in schedules:
             hidden = hidden_all[lo:lo + sizes[rank]].clone().requires_grad_()
             w = weights[lo:lo + sizes[rank]].clone().requires_grad_()
-            out = moe_experts_op(hidden, index[lo:lo + sizes[rank]], w, experts.gate_up_proj,
-                                 experts.down_proj, -1.0, world, "", schedule, 3, 2, True)[0]
+            out = moe_experts_op(hidden, index[lo:lo + sizes[rank]], w,
+                                 *_local_experts(experts, rank, world), -1.0, world, "",
+                                 schedule, 3, 2, True)[0]
             grads = torch.autograd.grad(out, [hidden, w, experts.gate_up_proj,
                                               experts.down_proj],
                                         grad_all[lo:lo + sizes[rank]])
@@ -234,8 +243,8 @@ def _two_groups_worker(rank: int, world: int, schedules: list[str]) -> dict:
     from graphopt.passes.moe import ep_group
 
     experts = _experts()
-    group = ep_group(2, E)
-    me = dist.get_rank(_resolve_process_group(group))
+    group, me = ep_group(2, E)
+    assert me == dist.get_rank(_resolve_process_group(group))
     sizes, index, weights = _case("random", 2)
     lo = sum(sizes[:me])
     torch.manual_seed(1)
@@ -245,8 +254,9 @@ def _two_groups_worker(rank: int, world: int, schedules: list[str]) -> dict:
     for schedule in schedules:
         hidden = hidden_all[lo:lo + sizes[me]].clone().requires_grad_()
         w = weights[lo:lo + sizes[me]].clone().requires_grad_()
-        out = moe_experts_op(hidden, index[lo:lo + sizes[me]], w, experts.gate_up_proj,
-                             experts.down_proj, -1.0, 2, group, schedule, 3, 1, True)[0]
+        out = moe_experts_op(hidden, index[lo:lo + sizes[me]], w,
+                             *_local_experts(experts, me, 2), -1.0, 2, group, schedule, 3, 1,
+                             True)[0]
         grads = torch.autograd.grad(out, [hidden, w, experts.gate_up_proj, experts.down_proj],
                                     grad_all[lo:lo + sizes[me]])
         g_up = grads[2].clone()

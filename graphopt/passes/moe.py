@@ -305,14 +305,19 @@ class MoEPass(GraphPass):
         assert opts is not None
         e, f2, h = _meta(region.gate_up).shape
         group, ep, schedule, chunks, rpn, note = "", 1, "flat", 1, 1, "one device"
+        gate_up, down = region.gate_up, region.down
         if opts.ep > 1:
-            group, rpn = ep_group(opts.ep, e), _ranks_per_node(opts)
+            (group, rank), rpn = ep_group(opts.ep, e), _ranks_per_node(opts)
             ep = opts.ep
             schedule, chunks, note = self._schedule(region, opts, rpn)
         cf = -1.0 if opts.capacity_factor is None else float(opts.capacity_factor)
-        args = (region.hidden, region.index, region.weights, region.gate_up, region.down, cf,
-                ep, group, schedule, chunks, rpn, training)
         with gm.graph.inserting_before(region.output):
+            if ep > 1:  # the module holds every expert: the op takes this rank's E / ep
+                per = e // ep
+                gate_up, down = (_slice(gm.graph, w, rank * per, (rank + 1) * per)
+                                 for w in (gate_up, down))
+            args = (region.hidden, region.index, region.weights, gate_up, down, cf,
+                    ep, group, schedule, chunks, rpn, training)
             call = gm.graph.call_function(moe_experts_op, args)
             out = gm.graph.call_function(operator.getitem, (call, 0))
         call.meta["val"] = fake_call(moe_experts_op, *args)
@@ -351,6 +356,14 @@ class MoEPass(GraphPass):
                                        f"{profile}: {pred}")
 
 
+def _slice(graph: fx.Graph, weight: fx.Node, start: int, end: int) -> fx.Node:
+    """``weight[start:end]`` (dim 0) as a graph node with its meta."""
+    node = graph.call_function(aten.slice.Tensor, (weight, 0, start, end))
+    node.meta["val"] = _meta(weight)[start:end]
+    node.meta["nn_module_stack"] = weight.meta.get("nn_module_stack", {})
+    return node
+
+
 def _symbolic(topk: fx.Node) -> bool:
     val = topk.args[0].meta.get("val") if isinstance(topk.args[0], fx.Node) else None
     return isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
@@ -379,9 +392,9 @@ def _ranks_per_node(opts: MoEOptions) -> int:
 
 
 
-def ep_group(ep: int, num_experts: int) -> str:
-    """The name of this rank's EP group (consecutive ranks; created once per ep, collectively:
-    every rank compiles the same graphs in the same order).
+def ep_group(ep: int, num_experts: int) -> tuple[str, int]:
+    """(name of this rank's EP group, this rank's index in it): consecutive ranks, created
+    once per ep, collectively (every rank compiles the same graphs in the same order).
 
     Raises:
         ConfigError: torch.distributed not initialized, ep not dividing the world size or the
@@ -400,7 +413,8 @@ def ep_group(ep: int, num_experts: int) -> str:
     if num_experts % ep:
         raise ConfigError(f"moe.ep ({ep}) must divide the number of experts ({num_experts})")
     if ep == world:
-        return ""
+        return "", dist.get_rank()
     from graphopt.parallel.mesh import ep_mesh
 
-    return str(ep_mesh(ep)["ep"].get_group().group_name)  # the mesh owns the groups
+    mesh = ep_mesh(ep)["ep"]  # the mesh owns the groups
+    return str(mesh.get_group().group_name), mesh.get_local_rank()

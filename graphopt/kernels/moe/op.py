@@ -3,8 +3,9 @@ autograd), on one device or expert-parallel over a process group.
 
 Inputs (T tokens, K experts per token, E experts, H hidden, F expert intermediate):
     hidden [T, H]; top_k_index [T, K] int64 in [0, E); top_k_weights [T, K] (any float
-    dtype, e.g. float32 from a float32 router next to bf16 experts); gate_up [E, 2F, H] and
-    down [E, H, F] in hidden's dtype (transformers' layout). Output [T, H], hidden's dtype;
+    dtype, e.g. float32 from a float32 router next to bf16 experts); gate_up [El, 2F, H] and
+    down [El, H, F] in hidden's dtype (transformers' layout): this rank's El = E / ep local
+    experts, experts r*El .. (r+1)*El - 1 on EP rank r (El = E with ep = 1). Output [T, H], hidden's dtype;
     the weighted sum over the K experts is accumulated in promote(hidden, weights) dtype, as
     transformers' grouped_mm experts do.
 
@@ -19,10 +20,10 @@ Algorithm (Megablocks sec. 5; Megatron-Core's alltoall token dispatcher):
        experts there and returns the rows;
     4. combine: out[t] = sum_k w[t, k] * y[t, k] (index_add in sorted order).
 The backward runs the same round trip with the gradient rows (owner ranks compute the
-expert backward and the weight gradients of their experts). With EP the weights are passed
-whole (replicated, as every rank's module holds them); gradients of the experts a rank does
-not own are zero on that rank, so a sum over the EP group (the data-parallel gradient
-reduction) gives the full gradient.
+expert backward and the weight gradients of their experts). With EP each rank passes only
+its local experts and gets only their gradients: expert weights are sharded for real
+(graphopt.parallel.expert stores each rank's share; the moe pass, when it runs EP on a model
+whose modules hold every expert, slices the local ones out in the graph).
 
 Outputs beyond ``out`` carry what the backward needs: the expert output rows (sorted,
 unweighted), the gate/up activations (EP = 1; with EP they stay on the owner rank, kept in a
@@ -86,14 +87,6 @@ def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
     return order, order // k, counts, int(counts.sum())
 
 
-def _local(weight: Tensor, group: dist.ProcessGroup | None, ep: int) -> Tensor:
-    if group is None:
-        return weight
-    per = weight.shape[0] // ep
-    rank = dist.get_rank(group)
-    return weight[rank * per:(rank + 1) * per]
-
-
 def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int) -> Tensor:
     if group is None:
         return counts.view(1, -1)
@@ -117,12 +110,12 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
                    chunks: int, ranks_per_node: int, stash: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] or [0, 2F], handle [1], counts [ep, E])."""
-    num_experts = gate_up.shape[0]
+    num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
     order, token, counts, valid = _sort(top_k_index, num_experts, capacity_factor)
     rows = hidden.index_select(0, token[:valid])
     counts_all = _gather_counts(counts, pg, ep)
-    w1, w2 = _local(gate_up, pg, ep), _local(down, pg, ep)
+    w1, w2 = gate_up, down
     handle = next(_HANDLES) if pg is not None and stash else 0  # 0: nothing stashed
     saved: dict[Any, tuple[Tensor, Tensor]] = {}
 
@@ -161,7 +154,7 @@ def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tenso
     return (hidden.new_empty(hidden.shape), hidden.new_empty(n, hidden.shape[1]),
             hidden.new_empty(n if ep == 1 else 0, gate_up.shape[1]),
             top_k_index.new_empty(1, dtype=torch.int64),
-            top_k_index.new_empty(ep, gate_up.shape[0], dtype=torch.int64))
+            top_k_index.new_empty(ep, gate_up.shape[0] * ep, dtype=torch.int64))
 
 
 @torch.library.custom_op("graphopt::moe_experts_backward", mutates_args=())
@@ -171,7 +164,7 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
                          ep: int, group: str, schedule: str, chunks: int, ranks_per_node: int
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad hidden, grad top_k_weights, grad gate_up, grad down) of moe_experts' ``out``."""
-    num_experts = gate_up.shape[0]
+    num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
     order, token, _, valid = _sort(top_k_index, num_experts, capacity_factor)
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
@@ -181,7 +174,7 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     grad_weights = torch.zeros(top_k_index.numel(), dtype=acc, device=hidden.device)
     grad_weights[order[:valid]] = grad_w_sorted
     grad_y = (grad_rows * weights.unsqueeze(-1)).to(hidden.dtype)
-    w1, w2 = _local(gate_up, pg, ep), _local(down, pg, ep)
+    w1, w2 = gate_up, down
     local: dict[str, Tensor] = {}  # this rank's experts' weight gradients, accumulated
     if pg is None:
         saved = {0: (hidden.index_select(0, token[:valid]), gu[:valid])}
@@ -201,22 +194,11 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
 
     trip = RoundTrip(counts_all, pg, schedule, chunks, ranks_per_node)
     grad_x = trip(grad_y, backward, tag=2)
-    grad_gate_up, grad_down = _full_grad(gate_up, local.get("up"), pg, ep), \
-        _full_grad(down, local.get("down"), pg, ep)
+    grad_gate_up = local["up"] if "up" in local else torch.zeros_like(gate_up)
+    grad_down = local["down"] if "down" in local else torch.zeros_like(down)
     grad_hidden = torch.zeros_like(hidden).index_add(0, token[:valid], grad_x)
     return (grad_hidden, grad_weights.view(top_k_weights.shape).to(top_k_weights.dtype),
             grad_gate_up, grad_down)
-
-
-def _full_grad(weight: Tensor, local: Tensor | None, pg: dist.ProcessGroup | None,
-               ep: int) -> Tensor:
-    """The gradient of the whole [E, ...] weight: this rank's experts' part, zeros elsewhere."""
-    if pg is None and local is not None:
-        return local
-    full = torch.zeros_like(weight)
-    if local is not None:
-        _local(full, pg, ep).copy_(local)
-    return full
 
 
 @moe_experts_backward.register_fake
