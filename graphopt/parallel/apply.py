@@ -93,10 +93,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if plan.tp > 1:
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
         report.tp_layout = layout
-        report.sp = plan.sp and not layout.kept and bool(layout.layers)
+        report.sp = plan.sp and bool(layout.layers)
         if plan.sp and not report.sp:
-            report.notes.append("SP off: it needs every decoder layer's mixers sharded "
-                                f"({len(layout.kept)} kept replicated)")
+            report.notes.append("SP off: no decoder layer has a mixer TP splits")
+        elif report.sp and layout.replicated:
+            report.notes.append(f"SP: {len(layout.replicated)} replicated module(s) all-gather "
+                                "their input and keep their sequence shard of the output")
         _apply_tp(model, layout, mesh["tp"], report.sp)
     _apply_dp(model, plan, mesh, report)
     report.parameters = [(name, _placements(p), tuple(_local(p).shape))
@@ -115,17 +117,24 @@ def _default_sample(model: nn.Module) -> Callable[[], Any]:
     return lambda: model(input_ids=ids, use_cache=False)
 
 
-def _prepare(site: CallSite, before: Any, after: Any) -> Any:
-    from torch.distributed.tensor.parallel import PrepareModuleInput
+def _prepare(site: CallSite, before: Any, after: Any, outputs: int | None = None) -> Any:
+    """PrepareModuleInput redistributing the hidden-state argument at ``site`` from
+    ``before`` to ``after``; with ``outputs`` (0: one tensor, n: an n-tuple led by the hidden
+    states) also the output back from ``after`` to ``before`` (PrepareModuleInputOutput)."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
 
     if site.keyword is not None:
-        return PrepareModuleInput(input_kwarg_layouts={site.keyword: before},
-                                  desired_input_kwarg_layouts={site.keyword: after},
-                                  use_local_output=True)
-    pos = site.position or 0
-    layouts = (None,) * pos
-    return PrepareModuleInput(input_layouts=(*layouts, before),
-                              desired_input_layouts=(*layouts, after), use_local_output=True)
+        kw: dict[str, Any] = dict(input_kwarg_layouts={site.keyword: before},
+                                  desired_input_kwarg_layouts={site.keyword: after})
+    else:
+        layouts = (None,) * (site.position or 0)
+        kw = dict(input_layouts=(*layouts, before), desired_input_layouts=(*layouts, after))
+    if outputs is None:
+        return PrepareModuleInput(**kw, use_local_output=True)
+    rest = (None,) * (outputs - 1) if outputs else ()
+    return PrepareModuleInputOutput(
+        **kw, use_local_input=True, output_layouts=(after, *rest) if outputs else after,
+        desired_output_layouts=(before, *rest) if outputs else before, use_local_output=True)
 
 
 def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> None:
@@ -148,9 +157,11 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
         plan[layout.lm_head] = ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
     if sp:
-        plan.update({p: SequenceParallel() for p in layout.norms})
+        plan.update({p: SequenceParallel(use_local_output=True) for p in layout.norms})
         plan.update({p: _prepare(site, Shard(1), Replicate())
                      for p, site in layout.mixers.items()})
+        plan.update({p: _prepare(site, Shard(1), Replicate(), outputs)
+                     for p, (site, outputs) in layout.replicated.items()})
         first = next(iter(layout.layers))  # the replicated embedding output -> its shard
         plan[first] = _prepare(layout.layers[first], Replicate(), Shard(1))
         if layout.lm_head is None:

@@ -71,6 +71,11 @@ class TPLayout:
     vocab: int | None = None
     kept: dict[str, str] = field(default_factory=dict)
     """Module path -> why it stays replicated."""
+    replicated: dict[str, tuple[CallSite, int]] = field(default_factory=dict)
+    """Decoder-layer modules that read the normalized residual stream and stay replicated
+    (an MoE block, a mixer that cannot split) -> (call site, outputs: 0 for one tensor, n
+    for an n-tuple whose first item is the hidden states). With SP they all-gather their
+    input and keep their sequence shard of the output."""
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -88,6 +93,8 @@ class _Recorder:
         self.calls: dict[str, tuple[tuple, dict]] = {}
         """First call's real arguments (the probe replays a mixer with them)."""
         self.outputs: dict[str, list[int]] = {}
+        self.arity: dict[str, int] = {}
+        """Module path -> items of its output tuple (0: not a tuple)."""
         self.alive: list[torch.Tensor] = []  # ids stay unique while the tensors live
         self.handles = []
         for path, module in model.named_modules():
@@ -111,6 +118,7 @@ class _Recorder:
             leaves = torch.utils._pytree.tree_leaves(output)
             self.alive += [t for t in leaves if isinstance(t, torch.Tensor)]
             self.outputs.setdefault(path, [id(t) for t in leaves if isinstance(t, torch.Tensor)])
+            self.arity.setdefault(path, len(output) if isinstance(output, tuple) else 0)
             self.order.append(path)
         return hook
 
@@ -175,6 +183,7 @@ def _derive(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
     try:
         _classify_mixers(layout, modules, readers, recorder, norm_out, tp)
         _vocab_parallel(layout, modules, recorder)
+        _replicated_readers(layout, modules, recorder, norm_out)
         _layers_and_norms(layout, modules, recorder)
     finally:
         recorder.alive.clear()
@@ -309,10 +318,28 @@ def _vocab_parallel(layout: TPLayout, modules: dict[str, nn.Module],
     layout.vocab = int(getattr(head, "out_features", 0))
 
 
+def _replicated_readers(layout: TPLayout, modules: dict[str, nn.Module],
+                        recorder: _Recorder, norm_out: set[int]) -> None:
+    """Modules of a layer that holds norms, reading a norm's output, not split by TP: an
+    MoE block (its router is no nn.Linear), a mixer kept replicated. The outermost one of
+    a nest counts (a child reading the same tensor is inside it)."""
+    norm_parents = {_parent(p) for p, m in modules.items() if _is_norm(m)}
+    found: dict[str, tuple[CallSite, int]] = {}
+    for path, module in modules.items():
+        if isinstance(module, nn.Linear) or _is_norm(module) or path in layout.mixers \
+                or _parent(path) not in norm_parents or not path:
+            continue
+        site = recorder.call_site(path, norm_out)
+        if site is not None and not any(path.startswith(f + ".") for f in found):
+            found[path] = (site, recorder.arity.get(path, 0))
+    layout.replicated = found
+
+
 def _layers_and_norms(layout: TPLayout, modules: dict[str, nn.Module],
                       recorder: _Recorder) -> None:
-    """Decoder layers = parents of the sharded mixers; SP norms = their norms + final norm."""
-    layers = sorted({_parent(m) for m in layout.mixers}, key=_natural)
+    """Decoder layers = parents of the sharded mixers and of the replicated readers; SP
+    norms = their norms + final norm."""
+    layers = sorted({_parent(m) for m in (*layout.mixers, *layout.replicated)}, key=_natural)
     for layer in layers:
         args, kwargs = recorder.inputs.get(layer, ([], {}))
         if args and args[0]:
