@@ -39,18 +39,18 @@ def _lm_loss(model, ids):
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def _full_precision_rmsnorm():
-    """Llama's RMSNorm computes in float32 whatever the model dtype; CPU float32 reductions
-    round differently for different batch sizes, so a 3-way split differs from one process
-    at float32 level (and AdamW amplifies that near zero gradients). Both sides compute it
-    in the model's dtype here, so the comparison stays float64-tight."""
-    from transformers.models.llama import modeling_llama
-
+def _full_precision_rmsnorm(model):
+    """transformers' RMSNorms compute in float32 whatever the model dtype; CPU float32
+    reductions round differently for different batch sizes, so a 3-way split differs from one
+    process at float32 level (and AdamW amplifies that near zero gradients). Both sides
+    compute them in the model's dtype here, so the comparison stays float64-tight."""
     def forward(self, hidden_states):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
-    modeling_llama.LlamaRMSNorm.forward = forward
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            type(module).forward = forward
 
 
 def _run_plan(name, plan, steps=3):
@@ -61,13 +61,14 @@ def _run_plan(name, plan, steps=3):
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, build_optimizer, parallelize
 
-    _full_precision_rmsnorm()
     torch.manual_seed(0)
     ref = build_model(name, dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
     mesh = build_mesh(plan)
     model = parallelize(copy.deepcopy(ref), plan, mesh)
     ids = torch.randint(0, 256, (12, 16), generator=torch.Generator().manual_seed(1))
     local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+    report = model.graphopt_parallel
     opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     loss_err = grad_err = 0.0
@@ -81,26 +82,37 @@ def _run_plan(name, plan, steps=3):
         mean /= plan.devices
         loss_err = max(loss_err, abs(float(mean - ref_loss)) / abs(float(ref_loss)))
         if step == 0:
-            grad_err = max(float((_full(p.grad) - r.grad).abs().max())
-                           for p, r in zip(model.parameters(), ref.parameters()))
+            grad_err = max(float((_full(p.grad) - _held(n, r.grad, report)).abs().max())
+                           for (n, p), r in zip(model.named_parameters(), ref.parameters()))
             measured = {"params": sum(_bytes(p) for p in model.parameters()),
                         "grads": sum(_bytes(p.grad) for p in model.parameters())}
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    param_err = max(float((_full(p.detach()) - r.detach()).abs().max())
-                    for p, r in zip(model.parameters(), ref.parameters()))
+    param_err = max(float((_full(p.detach()) - _held(n, r.detach(), report)).abs().max())
+                    for (n, p), r in zip(model.named_parameters(), ref.parameters()))
     states = opt.optim.state if hasattr(opt, "optim") else opt.state
     measured["optimizer"] = sum(_bytes(v) for s in states.values() for v in s.values()
                                 if isinstance(v, torch.Tensor) and v.dim())
     measured["full_params"] = sum(r.numel() for r in ref.parameters())
+    measured["expert_params"] = sum(r.numel() for n, r in ref.named_parameters()
+                                    if any(n.startswith(e + ".") for e in report.experts))
     measured["tp_params"] = sum(r.numel() for r, p in zip(ref.parameters(), model.parameters())
                                 if "tp" in str(getattr(p, "device_mesh", "")) and any(
                                     pl.is_shard() for pl, axis in zip(
                                         p.placements, p.device_mesh.mesh_dim_names)
                                     if axis == "tp"))
     return loss_err, grad_err, param_err, measured, model.graphopt_parallel.notes
+
+
+def _held(name, full, report):
+    """The part of the single-process tensor ``full`` that parameter ``name`` holds: its
+    experts under EP (report.experts), else all of it."""
+    for path, (start, end, _) in report.experts.items():
+        if name.startswith(path + "."):
+            return full[start:end]
+    return full
 
 
 def _plans_worker(rank, world, name, plans):

@@ -39,6 +39,11 @@ class ModelStates:
     def total(self) -> float:
         return self.params + self.grads + self.optimizer
 
+    def __add__(self, other: ModelStates) -> ModelStates:
+        """States of two parameter sets held by one device (e.g. dense + experts)."""
+        return ModelStates(self.params + other.params, self.grads + other.grads,
+                           self.optimizer + other.optimizer)
+
 
 def model_state_bytes(num_params: float, *, param_bytes: int = 2, grad_bytes: int = 2,
                       optimizer: str = "adam", mixed_precision: bool = True,

@@ -17,7 +17,11 @@ rank's share of the batch gives the single-process loss and, gathered, its gradi
   states with ``ZeroRedundancyOptimizer`` over the dp_shard group.
 - dp_replicate: with dp_shard > 1, HSDP (``fully_shard`` on the 2-D mesh
   dp_replicate x dp_shard_cp: shard inside, all-reduce across); else ``replicate``.
-- pp, cp, ep > 1: not executed yet (ConfigError naming what is missing).
+- ep: each rank keeps only its experts (:mod:`graphopt.parallel.expert`: EP folded over
+  dp_shard x cp x tp, ``graphopt::moe_experts`` all-to-all dispatch/combine); dense data
+  parallelism ignores the expert parameters, whose gradients are reduced over the ranks
+  holding the same experts.
+- pp, cp > 1: not executed yet (ConfigError naming what is missing).
 
 Pseudo-code::
 
@@ -25,6 +29,7 @@ Pseudo-code::
     if tp > 1: layout = derive_tp_layout(model); parallelize_module(model, mesh["tp"], ...)
     if dp_shard > 1 and zero >= 2: fully_shard(layers..., root, mesh=dp mesh, reshard=zero==3)
     elif dp > 1: replicate(model, mesh=dp mesh)
+    if ep > 1: keep this rank's experts; experts' forward = moe_experts over the EP group
     report: every parameter with its placements and local shape
 """
 
@@ -53,6 +58,8 @@ class ParallelReport:
     sp: bool = False
     notes: list[str] = field(default_factory=list)
     parameters: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
+    experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """EP: experts module path -> (first expert, end, E) this rank holds."""
 
     def to_markdown(self) -> str:
         """The plan, notes, what stayed replicated and a table of parameter placements."""
@@ -66,7 +73,7 @@ class ParallelReport:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
-                sample: Callable[[], Any] | None = None) -> nn.Module:
+                sample: Callable[[], Any] | None = None, moe: Any = None) -> nn.Module:
     """Shard ``model`` as ``plan`` says (module docstring); returns ``model``.
 
     Args:
@@ -76,6 +83,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         sample: runs one forward of ``model`` on a small input; TP derives its layout from
             it (default: ``model(input_ids=<1 x 8 token ids>, use_cache=False)`` for
             transformers models).
+        moe: with ep > 1, the all-to-all choices of ``options["moe"]`` (a dict or
+            MoEOptions: ``all_to_all``, ``chunks``, ``ranks_per_node``, ``profile``; ``ep``
+            comes from the plan). "auto" (default) is resolved by the cost model at the
+            first step.
 
     Raises:
         ConfigError: an invalid plan, a plan that does not match the world size, an axis
@@ -83,11 +94,22 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     """
     if isinstance(plan, str):
         plan = ParallelPlan.load(plan)
-    for axis in ("pp", "cp", "ep"):
+    for axis in ("pp", "cp"):
         if getattr(plan, axis) > 1:
             raise ConfigError(f"{axis}={getattr(plan, axis)}: executing {axis.upper()} is not "
                               f"built yet (graphopt executes dp_replicate, dp_shard with "
-                              f"ZeRO-1/2/3, tp and sp); use {axis}=1")
+                              f"ZeRO-1/2/3, tp, sp and ep); use {axis}=1")
+    moe_opts = _moe_options(moe, plan)
+    if plan.ep > 1:  # refuse before anything changes
+        from graphopt.parallel.expert import check_experts, find_experts
+
+        found = find_experts(model)
+        if not found:
+            raise ConfigError(f"ep={plan.ep} but the model has no routed-experts module "
+                              "(parameters gate_up_proj [E, 2F, H], down_proj [E, H, F]): "
+                              "use ep=1")
+        for path, module in found.items():
+            check_experts(path, module, plan.ep)
     mesh = mesh if mesh is not None else build_mesh(plan)
     report = ParallelReport(plan.describe())
     if plan.tp > 1:
@@ -100,11 +122,51 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             report.notes.append(f"SP: {len(layout.replicated)} replicated module(s) all-gather "
                                 "their input and keep their sequence shard of the output")
         _apply_tp(model, layout, mesh["tp"], report.sp)
+    if plan.ep > 1:
+        from graphopt.parallel.expert import apply_ep, choose_schedule_at_first_step
+
+        assert moe_opts is not None
+        auto = moe_opts.all_to_all == "auto" or moe_opts.chunks == "auto"
+        report.experts = apply_ep(
+            model, plan, mesh, "flat" if auto else moe_opts.all_to_all,
+            1 if moe_opts.chunks == "auto" else moe_opts.chunks, moe_opts.ranks_per_node)
+        report.notes.append(f"EP={plan.ep}: this rank holds experts "
+                            f"{_expert_ranges(report.experts)}"
+                            + (f", tokens split over tp={plan.tp}" if plan.tp > 1 else ""))
+        if auto:
+            choose_schedule_at_first_step(model, plan, moe_opts, report.notes)
     _apply_dp(model, plan, mesh, report)
-    report.parameters = [(name, _placements(p), tuple(_local(p).shape))
-                         for name, p in model.named_parameters()]
+    report.parameters = [(name, _expert_placement(name, report) + _placements(p),
+                          tuple(_local(p).shape)) for name, p in model.named_parameters()]
     model.graphopt_parallel = report  # type: ignore[assignment]
     return model
+
+
+def _moe_options(moe: Any, plan: ParallelPlan) -> Any:
+    """MoEOptions for the plan's EP (its ``ep`` is the plan's); None without EP."""
+    from graphopt.passes.moe_options import MoEOptions
+
+    if plan.ep == 1:
+        return None
+    if moe is None or isinstance(moe, dict):
+        fields = dict(moe or {})
+        if fields.get("ep", plan.ep) != plan.ep:
+            raise ConfigError(f"moe.ep ({fields['ep']}) differs from the plan's ep "
+                              f"({plan.ep}): drop moe.ep, the plan decides it")
+        fields["ep"] = plan.ep
+        return MoEOptions.parse(fields)
+    if moe.ep not in (1, plan.ep):
+        raise ConfigError(f"moe.ep ({moe.ep}) differs from the plan's ep ({plan.ep}): drop "
+                          "moe.ep, the plan decides it")
+    import dataclasses
+
+    return dataclasses.replace(moe, ep=plan.ep)
+
+
+def _expert_ranges(held: dict[str, tuple[int, int, int]]) -> str:
+    ranges = {(a, b, e) for a, b, e in held.values()}
+    return ", ".join(f"{a}..{b - 1} of {e}" for a, b, e in sorted(ranges)) + \
+        f" in {len(held)} MoE layer(s)"
 
 
 def _default_sample(model: nn.Module) -> Callable[[], Any]:
@@ -188,23 +250,32 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
     from torch.distributed.fsdp import fully_shard
 
     shard = plan.dp_shard * plan.cp > 1 and plan.zero_stage >= 2
+    experts: set[nn.Parameter] = set()
+    if plan.ep > 1:  # the experts' own reduction first: FSDP2 then skips them
+        from graphopt.parallel.expert import expert_params, find_experts, reduce_expert_grads
+
+        report.notes.append(reduce_expert_grads(model, plan, mesh, shard))
+        experts = {p for p in expert_params(model) if not hasattr(p, "placements")}
+    ignored = {"ignored_params": experts} if experts else {}
     if shard:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \
             else mesh["dp_shard_cp"]
         for block in decoder_layers(model):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
+                        **ignored)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3, **ignored)
         kind = "HSDP" if plan.dp_replicate > 1 else "FSDP"
         report.notes.append(f"{kind} (ZeRO-{plan.zero_stage}) over {dp_mesh.mesh_dim_names}")
     elif plan.dp > 1 and plan.tp == 1:  # DDP: plain tensors (ZeroRedundancyOptimizer's input)
         from torch.distributed._composable import replicate as ddp
 
-        ddp(model, process_group=mesh["dp"].get_group())
+        ddp(model, process_group=mesh["dp"].get_group(),
+            ignored_modules=list(find_experts(model).values()) if experts else None)
         report.notes.append(f"replicas over dp={plan.dp}" + (
             " + ZeRO-1 optimizer sharding (build_optimizer)" if plan.dp_shard > 1 and
             plan.zero_stage == 1 else ""))
     elif plan.dp > 1:  # with TP: FSDP2's replicate handles the DTensor parameters
-        replicate(model, mesh=mesh["dp"])
+        replicate(model, mesh=mesh["dp"], **ignored)
         report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp}")
 
 
@@ -234,6 +305,13 @@ def build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
                                        process_group=mesh["dp_shard"].get_group(), **kwargs)
     return optimizer_class(model.parameters(), **kwargs)
+
+
+def _expert_placement(name: str, report: ParallelReport) -> str:
+    for path, (start, end, e) in report.experts.items():
+        if name.startswith(path + "."):
+            return f"ep: experts {start}..{end - 1} of {e} (dim 0); "
+    return ""
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

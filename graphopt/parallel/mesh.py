@@ -72,6 +72,46 @@ def build_mesh(plan: ParallelPlan, device_type: str | None = None) -> Any:
     return mesh
 
 
+EXPERT_AXES = ("pp", "dp_replicate", "edp_shard", "ep")
+
+
+def expert_mesh(mesh: Any, plan: ParallelPlan) -> Any:
+    """The MoE layers' mesh over the same ranks as ``mesh`` (MoE parallel folding,
+    Megatron-Core; torchtitan's ``dp_shard_in_ep``): axes ``(pp, dp_replicate, edp_shard,
+    ep)``. The fold dp_shard x cp x tp (ranks in ``mesh``'s order, innermost fastest) is cut
+    into blocks of ``plan.ep`` consecutive ranks: an EP group; ranks at the same place in
+    different blocks hold the same experts and form ``edp_shard`` (the experts' FSDP group;
+    with dp_replicate, ``edp`` = dp_replicate x edp_shard is flattened). Built once per
+    mesh (collective: every rank calls it).
+
+    Picture for dp_shard=2, tp=2, ep=2 on 4 ranks: EP groups [0, 1] and [2, 3] (the TP
+    groups); edp_shard groups [0, 2] and [1, 3].
+
+    Raises:
+        ConfigError: expert_tp > 1 (not executed yet) or ep not dividing the fold.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    cached = getattr(mesh, "_graphopt_expert_mesh", None)
+    if cached is not None:
+        return cached
+    if plan.expert_tp > 1:
+        raise ConfigError(f"expert_tp={plan.expert_tp}: tensor-parallel experts are not built "
+                          "yet (graphopt folds EP over dp_shard x cp x tp): use expert_tp=1")
+    names = mesh.mesh_dim_names
+    fold = [a for a in names if a in ("dp_shard", "cp", "tp")]
+    size = plan.dp_shard * plan.cp * plan.tp
+    if size % plan.ep:
+        raise ConfigError(f"ep ({plan.ep}) must divide dp_shard*cp*tp ({size})")
+    order = [names.index("pp"), names.index("dp_replicate")] + [names.index(a) for a in fold]
+    grid = mesh.mesh.permute(order).reshape(plan.pp, plan.dp_replicate, size // plan.ep,
+                                            plan.ep)
+    experts = DeviceMesh(mesh.device_type, grid, mesh_dim_names=EXPERT_AXES)
+    experts["dp_replicate", "edp_shard"]._flatten("edp")
+    mesh._graphopt_expert_mesh = experts
+    return experts
+
+
 def axis_group(mesh: Any, axis: str) -> Any:
     """The process group of ``axis`` (a plan axis or a flattened one) for this rank."""
     return mesh[axis].get_group()

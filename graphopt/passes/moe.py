@@ -137,6 +137,10 @@ def find_region(topk: fx.Node) -> Region:
                    f"{[tuple(_meta(p).shape) for p in params]} are not transformers' "
                    "[E, 2F, H] / [E, H, F], or routing is not [T, K]")
     gate_up, down = pairs[0]
+    done = [n.name for n in nodes if str(n.target).startswith("graphopt.")]
+    if done:
+        raise Skip(f"experts module {path} already runs graphopt ops ({done[0]}): it was made "
+                   "expert-parallel by graphopt.parallelize")
     return Region(path, nodes, outputs[0], hidden[0], ints[0], weights[0], gate_up, down)
 
 
@@ -307,7 +311,7 @@ class MoEPass(GraphPass):
         group, ep, schedule, chunks, rpn, note = "", 1, "flat", 1, 1, "one device"
         gate_up, down = region.gate_up, region.down
         if opts.ep > 1:
-            (group, rank), rpn = ep_group(opts.ep, e), _ranks_per_node(opts)
+            (group, rank), rpn = ep_group(opts.ep, e), ranks_per_node(opts)
             ep = opts.ep
             schedule, chunks, note = self._schedule(region, opts, rpn)
         cf = -1.0 if opts.capacity_factor is None else float(opts.capacity_factor)
@@ -331,29 +335,36 @@ class MoEPass(GraphPass):
 
     @staticmethod
     def _schedule(region: Region, opts: MoEOptions, rpn: int) -> tuple[str, int, str]:
-        from graphopt.cost.moe import MoELayerShape, choose_schedule, schedule_times
-
         t, k = _meta(region.index).shape
         e, f2, h = _meta(region.gate_up).shape
-        dtype = _meta(region.hidden).dtype
-        shape = MoELayerShape(int(t), int(k), int(h), int(f2) // 2, dtype.itemsize,
-                              str(dtype).replace("torch.", ""))
-        from graphopt.cost.profiles import default_profile_name, load_profile
+        return ep_schedule(int(t), int(k), int(h), int(f2) // 2, _meta(region.hidden).dtype,
+                           opts, rpn)
 
-        profile = opts.profile or default_profile_name()
-        cluster = load_profile(profile)
-        if opts.ep > cluster.max_devices:  # e.g. the local profile: more ranks than devices
-            cluster = cluster.scaled(opts.ep)
-        best, best_chunks, times = choose_schedule(shape, opts.ep, cluster, rpn)
-        schedule = best if opts.all_to_all == "auto" else opts.all_to_all
-        chunks = opts.chunks if opts.chunks != "auto" else (
-            best_chunks if schedule == "chunked" else
-            schedule_times(shape, opts.ep, cluster, rpn, backward=True)["chunked"][1])
-        pred = ", ".join(f"{s} {v * 1e3:.3g} ms" for s, v in times.items())
-        how = "chosen by the cost model" if opts.all_to_all == "auto" else "set by moe.all_to_all"
-        return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
-                                       f"({how}; chunks {chunks}); predicted fwd+bwd on "
-                                       f"{profile}: {pred}")
+
+def ep_schedule(tokens: int, top_k: int, hidden: int, ffn: int, dtype: torch.dtype,
+                opts: MoEOptions, rpn: int) -> tuple[str, int, str]:
+    """(schedule, chunks, note) for an EP layer of this shape: ``opts.all_to_all`` and
+    ``opts.chunks``, "auto" ones chosen by the cost model (graphopt.cost.moe) on
+    ``opts.profile``; the note gives every schedule's predicted forward+backward time."""
+    from graphopt.cost.moe import MoELayerShape, choose_schedule, schedule_times
+    from graphopt.cost.profiles import default_profile_name, load_profile
+
+    shape = MoELayerShape(tokens, top_k, hidden, ffn, dtype.itemsize,
+                          str(dtype).replace("torch.", ""))
+    profile = opts.profile or default_profile_name()
+    cluster = load_profile(profile)
+    if opts.ep > cluster.max_devices:  # e.g. the local profile: more ranks than devices
+        cluster = cluster.scaled(opts.ep)
+    best, best_chunks, times = choose_schedule(shape, opts.ep, cluster, rpn)
+    schedule = best if opts.all_to_all == "auto" else opts.all_to_all
+    chunks = opts.chunks if opts.chunks != "auto" else (
+        best_chunks if schedule == "chunked" else
+        schedule_times(shape, opts.ep, cluster, rpn, backward=True)["chunked"][1])
+    pred = ", ".join(f"{s} {v * 1e3:.3g} ms" for s, v in times.items())
+    how = "chosen by the cost model" if opts.all_to_all == "auto" else "set by moe.all_to_all"
+    return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
+                                   f"({how}; chunks {chunks}); predicted fwd+bwd on "
+                                   f"{profile}: {pred}")
 
 
 def _slice(graph: fx.Graph, weight: fx.Node, start: int, end: int) -> fx.Node:
@@ -383,7 +394,8 @@ def _feeds_topk(topk: fx.Node) -> bool:
     return False
 
 
-def _ranks_per_node(opts: MoEOptions) -> int:
+def ranks_per_node(opts: MoEOptions) -> int:
+    """``opts.ranks_per_node``, else the gcd of $LOCAL_WORLD_SIZE (torchrun) and ep."""
     if opts.ranks_per_node is not None:
         return opts.ranks_per_node
     local = int(os.environ.get("LOCAL_WORLD_SIZE", opts.ep))

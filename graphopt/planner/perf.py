@@ -137,8 +137,13 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
     exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
     total += exposed_dp
     # memory on the first stage
-    states = model_state_bytes(params, zero_stage=plan.zero_stage if plan.dp_shard > 1 else 0,
-                               dp=plan.dp_shard)
+    # experts' data-parallel shard group: the fold's ranks that hold the same experts
+    # (dp_shard*cp*tp / (ep*expert_tp)), as graphopt.parallel.expert executes it
+    edp_shard = plan.dp_shard * plan.cp * plan.tp // (plan.ep * plan.expert_tp)
+    states = model_state_bytes(dense_params, zero_stage=plan.zero_stage if plan.dp_shard > 1
+                               else 0, dp=plan.dp_shard) + \
+        model_state_bytes(expert_params, zero_stage=plan.zero_stage if edp_shard > 1 else 0,
+                          dp=edp_shard)
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
     per_layer_act = [model.dense.activation_bytes] * round(dense_n) + \
         ([model.moe.activation_bytes] * round(moe_n) if model.moe else [])

@@ -1,0 +1,102 @@
+"""Split replicated token rows over a group and gather them back, with the gradients of
+Megatron-LM's "scatter to / gather from the model-parallel region" (Shoeybi et al. 2019,
+``mappings.py``): used where a layer's input is replicated over a group (TP without
+sequence parallelism) but its work should not be (expert parallelism folded over TP ranks:
+each token is dispatched once, by one rank of the group).
+
+Vocabulary: ``x`` [T, ...] is identical on the ``size`` ranks of ``group``; rank r's *share*
+is rows ``share_bounds(T, size)[r]`` (contiguous; the first T % size ranks get one more).
+
+    scatter_rows(x)   forward: this rank's share;  backward: all-gather of the shares'
+                      gradients (the replicated input's gradient is the whole one, on every
+                      rank, as TP expects of a replicated activation).
+    gather_rows(y)    forward: all-gather of the shares -> [T, ...];  backward: this rank's
+                      share of the (replicated) output gradient.
+
+Both are ``torch.library`` custom ops (opaque to Dynamo, autograd registered), so graphs
+that contain them compile. Errors: RuntimeError when the group is not initialized or its
+size is not ``size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def share_bounds(rows: int, size: int) -> list[tuple[int, int]]:
+    """[(start, end)] of each rank's contiguous share of ``rows`` rows."""
+    base, extra = divmod(rows, size)
+    bounds, start = [], 0
+    for r in range(size):
+        end = start + base + (r < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _group(name: str, size: int) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("scatter_rows/gather_rows need an initialized torch.distributed")
+    group = _resolve_process_group(name) if name else dist.group.WORLD
+    assert group is not None
+    if dist.get_world_size(group) != size:
+        raise RuntimeError(f"group {name!r} has {dist.get_world_size(group)} ranks, expected "
+                           f"{size}")
+    return group
+
+
+@torch.library.custom_op("graphopt::scatter_rows", mutates_args=())
+def scatter_rows(x: Tensor, group: str, size: int) -> Tensor:
+    """This rank's share of ``x`` [T, ...] (module docstring)."""
+    start, end = share_bounds(x.shape[0], size)[dist.get_rank(_group(group, size))]
+    return x[start:end].clone()
+
+
+@scatter_rows.register_fake
+def _(x: Tensor, group: str, size: int) -> Tensor:
+    start, end = share_bounds(x.shape[0], size)[dist.get_rank(_group(group, size))]
+    return x.new_empty(end - start, *x.shape[1:])
+
+
+@torch.library.custom_op("graphopt::gather_rows", mutates_args=())
+def gather_rows(share: Tensor, group: str, size: int, rows: int) -> Tensor:
+    """The ``rows`` rows whose shares the ranks hold, on every rank (module docstring)."""
+    pg = _group(group, size)
+    bounds = share_bounds(rows, size)
+    width = bounds[0][1] - bounds[0][0]  # the largest share: pad to it (gloo needs equal sizes)
+    padded = share.new_zeros(width, *share.shape[1:])
+    padded[:share.shape[0]] = share
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded.contiguous(), group=pg)
+    return torch.cat([p[:end - start] for p, (start, end) in zip(parts, bounds)])
+
+
+@gather_rows.register_fake
+def _(share: Tensor, group: str, size: int, rows: int) -> Tensor:
+    return share.new_empty(rows, *share.shape[1:])
+
+
+def _scatter_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.group, ctx.size, ctx.rows = inputs[1], inputs[2], inputs[0].shape[0]
+
+
+def _scatter_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    return gather_rows(grad.contiguous(), ctx.group, ctx.size, ctx.rows), None, None
+
+
+def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.group, ctx.size = inputs[1], inputs[2]
+
+
+def _gather_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    return scatter_rows(grad.contiguous(), ctx.group, ctx.size), None, None, None
+
+
+scatter_rows.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+gather_rows.register_autograd(_gather_backward, setup_context=_gather_setup)

@@ -1,0 +1,241 @@
+"""Expert parallelism for a plan: each rank stores, computes and updates only its experts.
+
+Contract: :func:`apply_ep` finds the model's routed-experts modules (transformers'
+``*Experts``: parameters ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F], SwiGLU,
+called as ``experts(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``),
+replaces both parameters by this rank's ``E / ep`` experts (plain ``nn.Parameter``s, the
+slice ``[r * E/ep, (r+1) * E/ep)`` for EP rank r) and the module's forward by
+``graphopt::moe_experts`` over the plan's EP group (:func:`graphopt.parallel.mesh.
+expert_mesh`): sorted dispatch, all-to-all to the experts' owners, grouped expert GEMMs,
+all-to-all back, weighted combine (one of the four schedules of
+:mod:`graphopt.kernels.comm.all_to_all`). Router, shared experts and everything else stay
+as they are, so routing numerics are the model's own.
+
+Tokens and gradients (every token is dispatched exactly once in the world):
+- EP folds over dp_shard x cp x tp (Megatron-Core's MoE parallel folding). Ranks of one TP
+  group hold the same tokens when the MoE block's input is replicated over TP (TP without
+  SP, and with SP too: the replicated MoE block all-gathers its input), so with tp > 1 each
+  TP rank dispatches its share of the rows (``graphopt::scatter_rows``) and the outputs are
+  all-gathered back (``graphopt::gather_rows``; Megatron's scatter/gather region mappings).
+- An expert's gradient on its owner is the sum over the tokens every DP rank routed to it;
+  ranks holding the same experts (the ``edp`` group: dp_replicate x edp_shard) sum their
+  gradients and divide by dp = dp_replicate x dp_shard, the dense parameters' average:
+  with ZeRO-2/3 and edp_shard > 1 by FSDP2 (``fully_shard`` over edp_shard, HSDP with
+  dp_replicate; ``set_gradient_divide_factor(dp)``), otherwise by a gradient hook
+  (all-reduce over edp, then / dp). Dense data parallelism ignores the expert parameters.
+
+Refused with ConfigError before anything changes: no experts module, E not divisible by
+ep, expert layouts other than transformers' concatenated, untransposed, bias-free SwiGLU,
+ZeRO-1 with ep > 1 (ZeroRedundancyOptimizer would broadcast one rank's experts over ranks
+that hold others: use ZeRO-2/3 or 0).
+
+Pseudo-code::
+
+    emesh = expert_mesh(mesh, plan); r = emesh["ep"].local_rank
+    for experts in model: keep rows r*E/ep .. (r+1)*E/ep of gate_up_proj, down_proj
+        forward = gather_rows(moe_experts(scatter_rows(x, idx, w), local experts, ep group))
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+
+
+@dataclass
+class EPState:
+    """What an expert-parallel experts module's forward needs (set by :func:`apply_ep`)."""
+
+    ep: int
+    group: str
+    ranks_per_node: int
+    schedule: str
+    chunks: int
+    split_group: str
+    split: int
+    """TP degree whose ranks share the same tokens (1: none)."""
+
+
+def find_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules holding routed experts as 3-D ``gate_up_proj`` / ``down_proj`` parameters."""
+    found = {}
+    for path, module in model.named_modules():
+        up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter) and \
+                up.dim() == down.dim() == 3 and up.shape[0] == down.shape[0]:
+            found[path] = module
+    return found
+
+
+def check_experts(path: str, module: nn.Module, ep: int) -> None:
+    """Raise ConfigError unless ``module`` is SwiGLU experts in transformers' layout with
+    E divisible by ep."""
+    e = module.gate_up_proj.shape[0]
+    if e % ep:
+        raise ConfigError(f"{path}: {e} experts are not divisible by ep={ep}: choose an ep "
+                          f"that divides {e}")
+    layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False,
+              "has_bias": False, "has_post_expert_norm": False}
+    odd = {k: getattr(module, k) for k, v in layout.items() if getattr(module, k, v) != v}
+    act = type(getattr(module, "act_fn", None)).__name__
+    if odd or act not in ("SiLU", "SiLUActivation"):
+        raise ConfigError(f"{path}: expert parallelism runs transformers' concatenated SwiGLU "
+                          f"experts; this module has {odd or ''} activation {act}: use ep=1")
+
+
+def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = "flat",
+             chunks: int = 1, ranks_per_node: int | None = None
+             ) -> dict[str, tuple[int, int, int]]:
+    """Shard the experts of ``model`` over the plan's EP groups (module docstring).
+
+    Returns:
+        {experts module path: (first expert, end, E)} held by this rank.
+    Raises:
+        ConfigError: see the module docstring.
+    """
+    from graphopt.parallel.mesh import expert_mesh
+
+    experts = find_experts(model)
+    if not experts:
+        raise ConfigError(f"ep={plan.ep} but the model has no routed-experts module "
+                          "(parameters gate_up_proj [E, 2F, H] and down_proj [E, H, F]): "
+                          "use ep=1")
+    if plan.zero_stage == 1 and plan.dp_shard > 1:
+        raise ConfigError("ZeRO-1 with ep > 1 is not executed (ZeroRedundancyOptimizer would "
+                          "broadcast one rank's experts over ranks holding others): use "
+                          "zero_stage 2 or 3")
+    for path, module in experts.items():
+        check_experts(path, module, plan.ep)
+    emesh = expert_mesh(mesh, plan)
+    rank = emesh["ep"].get_local_rank()
+    rpn = ranks_per_node or plan.ep
+    if plan.ep % rpn:
+        raise ConfigError(f"ranks_per_node ({rpn}) must divide ep ({plan.ep})")
+    state = EPState(plan.ep, str(emesh["ep"].get_group().group_name), rpn, all_to_all, chunks,
+                    str(mesh["tp"].get_group().group_name) if plan.tp > 1 else "", plan.tp)
+    held = {}
+    for path, module in experts.items():
+        e = module.gate_up_proj.shape[0]
+        per = e // plan.ep
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            local = nn.Parameter(full.detach()[rank * per:(rank + 1) * per].clone(),
+                                 requires_grad=full.requires_grad)
+            local._graphopt_expert = True  # type: ignore[attr-defined]
+            setattr(module, name, local)
+        module.graphopt_ep = state  # type: ignore[assignment]
+        module.forward = types.MethodType(_ep_forward, module)  # type: ignore[method-assign]
+        held[path] = (rank * per, (rank + 1) * per, e)
+    return held
+
+
+def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts of this rank, expert-parallel (module docstring); shapes as the module's
+    own forward: [T, H], [T, K], [T, K] -> [T, H]."""
+    import graphopt.kernels.comm.tokens  # noqa: F401  (registers the ops)
+    import graphopt.kernels.moe.op  # noqa: F401
+
+    st: EPState = self.graphopt_ep  # type: ignore[assignment]
+    ops = torch.ops.graphopt
+    rows = hidden_states.shape[0]
+    x, idx, w = hidden_states, top_k_index, top_k_weights
+    if st.split > 1:
+        x, idx, w = (ops.scatter_rows(t, st.split_group, st.split) for t in (x, idx, w))
+    out = ops.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj, -1.0, st.ep, st.group,
+                          st.schedule, st.chunks, st.ranks_per_node,
+                          torch.is_grad_enabled())[0]
+    if st.split > 1:
+        out = ops.gather_rows(out, st.split_group, st.split, rows)
+    return out
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters :func:`apply_ep` sharded (each rank's own experts)."""
+    return [p for p in model.parameters() if getattr(p, "_graphopt_expert", False)]
+
+
+def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: bool) -> str:
+    """Make expert gradients the average over dp of the per-DP-rank gradients (module
+    docstring): FSDP2 over edp_shard when ``fsdp`` (ZeRO-2/3) and edp_shard > 1, else a
+    gradient hook. Returns a note for the report."""
+    from torch.distributed.fsdp import fully_shard
+
+    from graphopt.parallel.mesh import expert_mesh
+
+    emesh = expert_mesh(mesh, plan)
+    edp_shard = emesh["edp_shard"].size()
+    if fsdp and edp_shard > 1:
+        fs_mesh = emesh["dp_replicate", "edp_shard"] if plan.dp_replicate > 1 \
+            else emesh["edp_shard"]
+        for module in find_experts(model).values():
+            fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3)
+            module.set_gradient_divide_factor(float(plan.dp))  # type: ignore[operator]
+        return (f"experts: FSDP (ZeRO-{plan.zero_stage}) over edp_shard={edp_shard}"
+                + (f" x dp_replicate={plan.dp_replicate}" if plan.dp_replicate > 1 else "")
+                + f", gradients summed and divided by dp={plan.dp}")
+    group = emesh["edp"].get_group() if emesh["edp"].size() > 1 else None
+    dp = plan.dp
+    if group is None and dp == 1:
+        return "experts: no data-parallel copy (each EP rank's experts are unique)"
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        return grad.div_(dp) if dp > 1 else grad
+
+    for p in expert_params(model):
+        p.register_hook(hook)
+    return (f"experts: gradients " + (f"summed over edp ({emesh['edp'].size()} ranks), "
+                                      if group is not None else "")
+            + f"divided by dp={dp} (gradient hook)")
+
+
+def choose_schedule_at_first_step(model: nn.Module, plan: ParallelPlan, opts: Any,
+                                  notes: list[str]) -> None:
+    """Resolve ``all_to_all``/``chunks`` "auto" with the cost model
+    (:func:`graphopt.passes.moe.ep_schedule`) for the token count of the first forward:
+    a forward pre-hook on ``model`` reads the tokens of ``input_ids``/``inputs_embeds`` (or
+    the first tensor argument), takes the largest over the ranks (one all-reduce, so every
+    rank picks the same schedule), sets every experts module's schedule, appends the
+    choice to ``notes`` and removes itself. Until then (or if the first forward is traced
+    by torch.compile) the schedule is "flat"."""
+    from graphopt.passes.moe import ep_schedule
+
+    experts = find_experts(model)
+    first = next(iter(experts.values()))
+    state: EPState = first.graphopt_ep  # type: ignore[assignment]
+    top_k = int(getattr(getattr(model, "config", None), "num_experts_per_tok", 0) or 0)
+    if not top_k:
+        notes.append("EP schedule: flat (the model's config has no num_experts_per_tok)")
+        return
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return
+        handle.remove()
+        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if x is None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            return
+        tokens = x.numel() if not x.is_floating_point() else x.shape[:-1].numel()
+        count = torch.tensor([-(-tokens // state.split)], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        hidden, ffn = int(first.down_proj.shape[1]), int(first.down_proj.shape[2])
+        schedule, chunks, note = ep_schedule(int(count), top_k, hidden, ffn,
+                                             first.down_proj.dtype, opts, state.ranks_per_node)
+        for m in experts.values():
+            m.graphopt_ep.schedule, m.graphopt_ep.chunks = schedule, chunks
+        notes.append(f"{note} (at the first step: {int(count)} tokens per rank)")
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
