@@ -120,23 +120,64 @@ def _plans_worker(rank, world, name, plans):
 
 
 def _expected_bytes(plan, measured, ranks):
-    """The cost model's per-rank bytes (graphopt.cost.memory.model_state_bytes) for float64
-    parameters and gradients; Adam's two states in float64 = 16 bytes per parameter."""
+    """The cost model's per-rank bytes (graphopt.cost.memory.model_state_bytes, dense and
+    expert parameters as graphopt.planner.perf adds them) for float64 parameters and
+    gradients; Adam's two states in float64 = 16 bytes per parameter."""
     from graphopt.cost.memory import model_state_bytes
 
-    held = measured["full_params"] - measured["tp_params"] + measured["tp_params"] / plan.tp
-    zero = plan.zero_stage if plan.dp_shard > 1 else 0
-    states = model_state_bytes(held, param_bytes=8, grad_bytes=8, optimizer="adam",
-                               mixed_precision=False, zero_stage=zero, dp=plan.dp_shard)
-    # FSDP2's ZeRO-2 keeps parameters sharded between steps (gathered only in forward and
-    # backward): at rest it holds ZeRO-3's parameter bytes
-    params = held * 8 / plan.dp_shard if zero == 2 else states.params
-    return {"params": params, "grads": states.grads, "optimizer": states.optimizer * 2}
+    experts = measured["expert_params"]
+    dense = measured["full_params"] - experts - measured["tp_params"] + \
+        measured["tp_params"] / plan.tp
+    edp_shard = plan.dp_shard * plan.cp * plan.tp // plan.ep
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for held, shards in ((dense, plan.dp_shard), (experts / plan.ep, edp_shard)):
+        zero = plan.zero_stage if shards > 1 else 0
+        states = model_state_bytes(held, param_bytes=8, grad_bytes=8, optimizer="adam",
+                                   mixed_precision=False, zero_stage=zero, dp=shards)
+        # FSDP2's ZeRO-2 keeps parameters sharded between steps (gathered only in forward
+        # and backward): at rest it holds ZeRO-3's parameter bytes
+        out["params"] += held * 8 / shards if zero == 2 else states.params
+        out["grads"] += states.grads
+        out["optimizer"] += states.optimizer * 2
+    return out
 
 
 @pytest.mark.parametrize("world, plans", [(2, PLANS_2), (3, PLANS_3), (4, PLANS_4)])
 def test_plans_train_like_one_process_llama(world, plans):
-    results = run_distributed(_plans_worker, world, "llama", plans)
+    _check_plans(run_distributed(_plans_worker, world, "llama", plans), plans, world)
+
+
+# MoE models with EP (experts sharded), folded over dp_shard, tp or both; Qwen3's per-head
+# q_norm/k_norm under TP (their weight gradients are partial per rank: summed over TP)
+MOE_RUNS = {
+    2: [("mixtral", dict(dp_shard=2, ep=2, zero_stage=3)), ("qwen3_moe", dict(tp=2, ep=2)),
+        ("minimax", dict(dp_shard=2, ep=2, zero_stage=0)), ("qwen3", dict(tp=2))],
+    4: [("qwen3_moe", dict(dp_shard=4, ep=4, zero_stage=3)),
+        ("mixtral", dict(dp_shard=4, ep=2, zero_stage=3)),
+        ("minimax", dict(dp_shard=2, tp=2, ep=4, zero_stage=3)),
+        ("mixtral", dict(dp_replicate=2, dp_shard=2, ep=2, zero_stage=3)),
+        ("qwen3_moe", dict(dp_shard=2, tp=2, ep=2, zero_stage=2))],
+}
+
+
+def _named_plans_worker(rank, world, runs):
+    return [_run_plan(name, ParallelPlan(**kw)) for name, kw in runs]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_plans_with_sharded_experts_train_like_one_process(world):
+    """Each rank holds E/ep experts (their local shapes prove it), three AdamW steps equal
+    the single process on every rank's share, and the bytes include the experts' share."""
+    runs = MOE_RUNS[world]
+    results = run_distributed(_named_plans_worker, world, runs)
+    _check_plans(results, [kw for _, kw in runs], world)
+    for i, (name, kw) in enumerate(runs):
+        notes = results[0][i][4]
+        if kw.get("ep", 1) > 1:
+            assert any(f"EP={kw['ep']}: this rank holds experts" in n for n in notes), notes
+
+
+def _check_plans(results, plans, world):
     for i, kw in enumerate(plans):
         plan = ParallelPlan(**kw)
         per_rank = [r[i] for r in results]

@@ -210,6 +210,8 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
     )
 
     plan: dict[str, Any] = {p: ColwiseParallel() for p in layout.colwise}
+    plan.update({p: SequenceParallel(sequence_dim=dim, use_local_output=True)
+                 for p, dim in layout.head_norms.items()})
     plan.update({p: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
                  for p in layout.rowwise})
     if layout.embedding is not None:

@@ -71,6 +71,11 @@ class TPLayout:
     vocab: int | None = None
     kept: dict[str, str] = field(default_factory=dict)
     """Module path -> why it stays replicated."""
+    head_norms: dict[str, int] = field(default_factory=dict)
+    """Normalization modules inside a split mixer, between its readers and its writer (Qwen3's
+    q_norm/k_norm over each head) -> the dim their input is split on (heads). They run on
+    this rank's heads with a replicated weight whose gradient is summed over TP
+    (``SequenceParallel(sequence_dim=dim)``, as torchtitan does for Qwen3)."""
     replicated: dict[str, tuple[CallSite, int]] = field(default_factory=dict)
     """Decoder-layer modules that read the normalized residual stream and stay replicated
     (an MoE block, a mixer that cannot split) -> (call site, outputs: 0 for one tensor, n
@@ -219,9 +224,42 @@ def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: l
         if probed[kind]:
             layout.kept[mixer] = probed[kind]
             continue
+        why = _inner_params(layout, modules, mixer, mine, writers[0], recorder)
+        if why:
+            layout.kept[mixer] = why
+            continue
         layout.colwise += mine
         layout.rowwise += writers
         layout.mixers[mixer] = site
+
+
+def _inner_params(layout: TPLayout, modules: dict[str, nn.Module], mixer: str,
+                  readers: list[str], writer: str, recorder: _Recorder) -> str:
+    """Classify the split mixer's parameters outside its readers and writer: a norm module
+    that runs between the readers and the writer computes on this rank's heads (its weight
+    gradient is partial: recorded in ``layout.head_norms``); one that runs after the writer
+    sees the reduced output (replicated, nothing to do). Anything else (a parameter of the
+    mixer itself, a non-norm module between readers and writer) -> the reason to keep the
+    mixer replicated; "" when all are handled."""
+    first = {}
+    for i, p in enumerate(recorder.order):
+        first.setdefault(p, i)
+    start = min(first.get(r, -1) for r in readers)
+    end = first.get(writer, -1)
+    found: dict[str, int] = {}
+    for name, _ in modules[mixer].named_parameters():
+        owner = f"{mixer}.{name.rsplit('.', 1)[0]}" if "." in name else mixer
+        if owner in readers or owner == writer or first.get(owner, end + 1) > end:
+            continue
+        call = recorder.calls.get(owner)
+        if owner == mixer or not _is_norm(modules[owner]) or not call or \
+                not isinstance(call[0][:1] and call[0][0], torch.Tensor) or \
+                not start < first[owner] < end:
+            return (f"its parameter {name} is used between the split projections outside a "
+                    "normalization module: TP cannot tell how it splits; kept replicated")
+        found[owner] = call[0][0].dim() - 2
+    layout.head_norms.update(found)
+    return ""
 
 
 def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
