@@ -26,23 +26,29 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     torch 2.13 a whole-model compile of FSDP2 with a vocab-parallel embedding fails inside
     AOTAutograd, and compiling a layer together with SP's input hook (``module.compile()``)
     silently drops the gradient of the layer's input (the embedding's), with ``aot_eager``
-    too; the hooks therefore run eagerly, outside the compiled forward.
+    too; the hooks therefore run eagerly, outside the compiled forward. With the plan's
+    ep > 1, ``options["moe"]`` (all_to_all, chunks, ranks_per_node, profile) configures
+    the plan's expert parallelism instead of the moe pass.
     """
     import torch
 
     options = dict(options or {})
     plan = options.pop(PARALLEL_OPTION, None)
+    if plan == "auto":
+        raise ConfigError("parallel='auto' is not built yet: search a plan with `graphopt "
+                          "plan --model ... --devices N --json plan.json` and pass "
+                          "options={'parallel': 'plan.json'}")
+    if plan is not None:
+        from graphopt.planner.plan import ParallelPlan
+
+        plan = ParallelPlan.load(plan) if isinstance(plan, str) else plan
+    moe = options.pop("moe", None) if plan is not None and plan.ep > 1 else None
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
     if plan is not None:
         from graphopt.parallel import parallelize
-
-        if plan == "auto":
-            raise ConfigError("parallel='auto' is not built yet: search a plan with `graphopt "
-                              "plan --model ... --devices N --json plan.json` and pass "
-                              "options={'parallel': 'plan.json'}")
         from graphopt.parallel.apply import decoder_layers
 
-        model = parallelize(model, plan)
+        model = parallelize(model, plan, moe=moe)  # moe: the plan's EP runs it
         for block in decoder_layers(model):  # forward only: the TP/SP input hooks stay eager
             block.forward = torch.compile(block.forward, backend="graphopt", options=options,
                                           **kwargs)

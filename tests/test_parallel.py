@@ -244,6 +244,27 @@ def test_axes_not_executed_yet_and_world_mismatch_are_errors():
         parallelize(torch.nn.Linear(2, 2), ParallelPlan(dp_shard=2))
 
 
+@pytest.mark.parametrize("model, plan, message", [
+    ("mixtral", dict(dp_shard=4, ep=4, zero_stage=3, num_local_experts=6),
+     r"6 experts are not divisible by ep=4: choose an ep that divides 6"),
+    ("mixtral", dict(dp_shard=2, ep=2, zero_stage=1), r"ZeRO-1 with ep > 1 is not executed"),
+    ("mixtral", dict(dp_shard=4, ep=2, expert_tp=2, zero_stage=3),
+     r"expert_tp=2: tensor-parallel experts are not built yet"),
+    ("llama", dict(dp_shard=2, ep=2, zero_stage=3), r"ep=2 but the model has no routed-experts"),
+])
+def test_impossible_expert_parallel_plans_are_refused_before_anything_changes(model, plan,
+                                                                              message):
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+
+    experts = plan.pop("num_local_experts", None)
+    net = build_model(model, **({"num_local_experts": experts} if experts else {}))
+    before = {n: p.shape for n, p in net.named_parameters()}
+    with pytest.raises(ConfigError, match=message):
+        parallelize(net, ParallelPlan(**plan))
+    assert {n: p.shape for n, p in net.named_parameters()} == before
+
+
 def _compiled_worker(rank, world, plan_path):
     """graphopt.compile with options['parallel']: sharded, then compiled by graphopt (the
     DTensor graph takes the capture guard's fallback: AOTAutograd as captured)."""
@@ -276,6 +297,39 @@ def test_graphopt_compile_with_a_parallel_plan_file(tmp_path):
     for loss_err, grad_err, fallbacks, sp in run_distributed(_compiled_worker, 2, str(path)):
         assert loss_err < 1e-6 and grad_err < 1e-9 and sp
         assert fallbacks and all("DTensor" in f for f in fallbacks)
+
+
+def _compiled_ep_worker(rank, world):
+    """graphopt.compile of Mixtral with an EP plan (ZeRO-0: plain parameters, so graphopt
+    captures the layers itself) and the plan's all-to-all set through options['moe']."""
+    import graphopt
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    ref = build_model("mixtral", dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
+    model = copy.deepcopy(ref)
+    plan = ParallelPlan(dp_shard=2, ep=2, zero_stage=0)
+    compiled = graphopt.compile(model, options={
+        "parallel": plan, "lowering": "eager", "moe": {"all_to_all": "chunked", "chunks": 2}})
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    _lm_loss(compiled, ids.chunk(2)[rank]).backward()
+    _lm_loss(ref, ids).backward()
+    report = model.graphopt_parallel
+    grad_err = max(float((p.grad - _held(n, r.grad, report)).abs().max())
+                   for (n, p), r in zip(model.named_parameters(), ref.parameters()))
+    moe = [s.reason for r in graphopt.reports() if r.status == "compiled"
+           for rec in r.passes if rec.name == "moe" for s in rec.sites]
+    fallbacks = [r.fallback for r in graphopt.reports() if r.status == "compiled"]
+    return grad_err, moe, fallbacks, report.notes
+
+
+def test_graphopt_compile_runs_an_expert_parallel_plan():
+    for grad_err, moe, fallbacks, notes in run_distributed(_compiled_ep_worker, 2):
+        assert grad_err < 1e-9, grad_err
+        assert fallbacks and not any(fallbacks), fallbacks  # captured by graphopt itself
+        assert moe and all("made expert-parallel by graphopt.parallelize" in m for m in moe)
+        assert "EP schedule chunked (chunks 2), set by moe.all_to_all" in notes
 
 
 def test_torch_compile_backend_refuses_the_parallel_option():

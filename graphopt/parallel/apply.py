@@ -110,6 +110,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "use ep=1")
         for path, module in found.items():
             check_experts(path, module, plan.ep)
+        if plan.zero_stage == 1 and plan.dp_shard > 1:
+            raise ConfigError("ZeRO-1 with ep > 1 is not executed (ZeroRedundancyOptimizer "
+                              "would broadcast one rank's experts over ranks holding others): "
+                              "use zero_stage 2 or 3")
+        if plan.expert_tp > 1:
+            raise ConfigError(f"expert_tp={plan.expert_tp}: tensor-parallel experts are not "
+                              "built yet (graphopt folds EP over dp_shard x cp x tp): use "
+                              "expert_tp=1")
     mesh = mesh if mesh is not None else build_mesh(plan)
     report = ParallelReport(plan.describe())
     if plan.tp > 1:
@@ -135,6 +143,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                             + (f", tokens split over tp={plan.tp}" if plan.tp > 1 else ""))
         if auto:
             choose_schedule_at_first_step(model, plan, moe_opts, report.notes)
+        else:
+            report.notes.append(f"EP schedule {moe_opts.all_to_all} (chunks "
+                                f"{moe_opts.chunks}), set by moe.all_to_all")
     _apply_dp(model, plan, mesh, report)
     report.parameters = [(name, _expert_placement(name, report) + _placements(p),
                           tuple(_local(p).shape)) for name, p in model.named_parameters()]

@@ -24,7 +24,8 @@ Tokens and gradients (every token is dispatched exactly once in the world):
   dp_replicate; ``set_gradient_divide_factor(dp)``), otherwise by a gradient hook
   (all-reduce over edp, then / dp). Dense data parallelism ignores the expert parameters.
 
-Refused with ConfigError before anything changes: no experts module, E not divisible by
+Refused by :func:`graphopt.parallelize` with ConfigError before anything changes: no
+experts module, E not divisible by
 ep, expert layouts other than transformers' concatenated, untransposed, bias-free SwiGLU,
 ZeRO-1 with ep > 1 (ZeroRedundancyOptimizer would broadcast one rank's experts over ranks
 that hold others: use ZeRO-2/3 or 0).
@@ -103,17 +104,7 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = 
     """
     from graphopt.parallel.mesh import expert_mesh
 
-    experts = find_experts(model)
-    if not experts:
-        raise ConfigError(f"ep={plan.ep} but the model has no routed-experts module "
-                          "(parameters gate_up_proj [E, 2F, H] and down_proj [E, H, F]): "
-                          "use ep=1")
-    if plan.zero_stage == 1 and plan.dp_shard > 1:
-        raise ConfigError("ZeRO-1 with ep > 1 is not executed (ZeroRedundancyOptimizer would "
-                          "broadcast one rank's experts over ranks holding others): use "
-                          "zero_stage 2 or 3")
-    for path, module in experts.items():
-        check_experts(path, module, plan.ep)
+    experts = find_experts(model)  # checked by parallelize before anything changed
     emesh = expert_mesh(mesh, plan)
     rank = emesh["ep"].get_local_rank()
     rpn = ranks_per_node or plan.ep
