@@ -156,12 +156,39 @@ MOE_RUNS = {
         ("mixtral", dict(dp_shard=4, ep=2, zero_stage=3)),
         ("minimax", dict(dp_shard=2, tp=2, ep=4, zero_stage=3)),
         ("mixtral", dict(dp_replicate=2, dp_shard=2, ep=2, zero_stage=3)),
-        ("qwen3_moe", dict(dp_shard=2, tp=2, ep=2, zero_stage=2))],
+        ("qwen3_moe", dict(dp_shard=2, tp=2, ep=2, zero_stage=2)),
+        ("mixtral/idle-experts", dict(dp_shard=4, ep=4, zero_stage=3))],
 }
 
 
 def _named_plans_worker(rank, world, runs):
-    return [_run_plan(name, ParallelPlan(**kw)) for name, kw in runs]
+    out = []
+    for name, kw in runs:
+        model, _, variant = name.partition("/")
+        if variant == "idle-experts":
+            out.append(_with_routing_to_first_experts(model, ParallelPlan(**kw)))
+        else:
+            out.append(_run_plan(model, ParallelPlan(**kw)))
+    return out
+
+
+def _with_routing_to_first_experts(name, plan):
+    """The plan with a router that only picks the first E/2 experts: the last EP rank's
+    experts get no token (their gradients are zero) on every step."""
+    from graphopt.models import build_model
+
+    router = type(build_model(name).model.layers[0].mlp.gate)
+    original = router.forward
+
+    def forward(self, hidden_states):
+        logits, scores, index = original(self, hidden_states)
+        return logits, scores, index % (logits.shape[-1] // 2)
+
+    router.forward = forward
+    try:
+        return _run_plan(name, plan)
+    finally:
+        router.forward = original
 
 
 @pytest.mark.parametrize("world", [2, 4])
