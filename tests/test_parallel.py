@@ -373,10 +373,16 @@ def _golden_plan_worker(rank, world, model_name, plan_kwargs):
 
     plan = ParallelPlan(**plan_kwargs)
     mesh = build_mesh(plan)
-    model = build_architecture(resolve_model(model_name), overrides={"num_hidden_layers": 2})
+    model = build_architecture(resolve_model(model_name), overrides={"num_hidden_layers": 2},
+                               dtype=torch.bfloat16)
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     parallelize(model, plan, mesh, sample=lambda: model(input_ids=ids, use_cache=False))
     shapes = {n: (pl, s) for n, pl, s in model.graphopt_parallel.parameters}
+    if plan.ep > 1:
+        from graphopt.parallel.mesh import expert_mesh
+
+        emesh = expert_mesh(mesh, plan)
+        return emesh["ep"].mesh.tolist(), emesh["edp_shard"].mesh.tolist(), shapes
     return mesh["tp"].mesh.tolist(), mesh["dp_shard"].mesh.tolist(), shapes
 
 
@@ -417,6 +423,36 @@ def test_planner_golden_plans_on_large_fake_worlds(model_name, devices, global_b
                                                   heads * head_dim // plan.tp)
     placement = shapes[f"{attn}.q_proj.weight"][0]
     assert ("tp: S(0)" in placement) == (plan.tp > 1) and "dp_shard_cp" in placement
+
+
+def test_planner_expert_parallel_golden_plan_on_a_large_fake_world():
+    """Mixtral-8x22B on 64 H100: the planner's best plan without PP/CP folds EP=8 over
+    dp_shard=32 x tp=2. On rank 45 of a fake 64-rank world: the EP group is the 8
+    consecutive ranks 40-47, the ranks holding the same expert (edp_shard) are 8 apart,
+    each rank keeps E/ep = 1 expert of 8, and FSDP splits that expert's rows over the 8
+    edp_shard ranks (dim 1: one expert cannot be split on dim 0)."""
+    from graphopt.cost.profiles import CLUSTERS
+    from graphopt.distributed import run_fake_world
+    from graphopt.models import model_config, resolve_model
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.search import search
+
+    h100 = CLUSTERS["h100-sxm"]
+    result = search(plan_model("mixtral-8x22b", 4096, h100), h100, 64, 256, top_k=50)
+    plan = next(p for p in result.top if p.pp == p.cp == 1 and p.ep > 1)
+    assert (plan.dp_shard, plan.tp, plan.ep, plan.zero_stage) == (32, 2, 8, 3)
+    kwargs = {k: getattr(plan, k) for k in ("dp_replicate", "dp_shard", "tp", "sp",
+                                             "zero_stage", "ep")}
+    ep_ranks, edp_ranks, shapes = run_fake_world(_golden_plan_worker, 64, 45, "mixtral-8x22b",
+                                                 kwargs)
+    assert ep_ranks == list(range(40, 48)) and edp_ranks == list(range(5, 64, 8))
+    config = model_config(resolve_model("mixtral-8x22b"))
+    hidden, ffn = config.hidden_size, config.intermediate_size
+    placement, shape = shapes["model.layers.1.mlp.experts.gate_up_proj"]
+    assert placement.startswith("ep: experts 5..5 of 8") and "edp_shard: S(1)" in placement
+    assert shape == (1, 2 * ffn // 8, hidden)
+    placement, shape = shapes["model.layers.1.mlp.experts.down_proj"]
+    assert shape == (1, hidden // 8, ffn)
 
 
 def test_example_runs_under_torchrun():

@@ -21,7 +21,8 @@ Tokens and gradients (every token is dispatched exactly once in the world):
   ranks holding the same experts (the ``edp`` group: dp_replicate x edp_shard) sum their
   gradients and divide by dp = dp_replicate x dp_shard, the dense parameters' average:
   with ZeRO-2/3 and edp_shard > 1 by FSDP2 (``fully_shard`` over edp_shard, HSDP with
-  dp_replicate; ``set_gradient_divide_factor(dp)``), otherwise by a gradient hook
+  dp_replicate; ``set_gradient_divide_factor(dp)``; dim 0 when the local experts divide
+  into the shards, else dim 1 as torchtitan does), otherwise by a gradient hook
   (all-reduce over edp, then / dp). Dense data parallelism ignores the expert parameters.
 
 Refused by :func:`graphopt.parallelize` with ConfigError before anything changes: no
@@ -159,6 +160,7 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
     docstring): FSDP2 over edp_shard when ``fsdp`` (ZeRO-2/3) and edp_shard > 1, else a
     gradient hook. Returns a note for the report."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     from graphopt.parallel.mesh import expert_mesh
 
@@ -168,7 +170,10 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
         fs_mesh = emesh["dp_replicate", "edp_shard"] if plan.dp_replicate > 1 \
             else emesh["edp_shard"]
         for module in find_experts(model).values():
-            fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3)
+            local = module.gate_up_proj.shape[0]
+            dim = 0 if local % edp_shard == 0 else 1  # fewer local experts than shards:
+            fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3,
+                        shard_placement_fn=lambda _, d=dim: Shard(d))  # split inside them
             module.set_gradient_divide_factor(float(plan.dp))  # type: ignore[operator]
         return (f"experts: FSDP (ZeRO-{plan.zero_stage}) over edp_shard={edp_shard}"
                 + (f" x dp_replicate={plan.dp_replicate}" if plan.dp_replicate > 1 else "")
