@@ -275,3 +275,31 @@ def test_ep_groups_smaller_than_the_world_come_from_the_mesh():
             _close(out, want[0][rows], 1e-9, 1e-9, f"{schedule} out")
             _close(g_hidden, want[1][rows], 1e-9, 1e-9, f"{schedule} grad hidden")
             _close(g_up, want[3], 1e-9, 1e-9, f"{schedule} grad gate_up")
+
+
+def _rows_worker(rank: int, world: int) -> tuple:
+    """7 replicated rows over 3 ranks (shares 3, 2, 2): scatter, scale by the rank, gather."""
+    from graphopt.kernels.comm.tokens import gather_rows, scatter_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(7, 4, dtype=torch.float64)  # the same on every rank (replicated)
+    share = scatter_rows(x, "", world)
+    y = gather_rows(share * (rank + 1), "", world, 7)
+    (grad,) = torch.autograd.grad(y, x, upstream)
+    return share.shape[0], y.detach(), grad
+
+
+def test_scatter_and_gather_rows_have_the_region_mapping_gradients():
+    """gather_rows(scatter_rows(x) * s_r): rows of share r are scaled by r + 1 on every rank
+    (forward all-gathers); the gradient of the replicated x is the whole one on every rank
+    (scatter's backward all-gathers, gather's backward takes the share)."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    upstream = torch.randn(7, 4, dtype=torch.float64)
+    scale = torch.tensor([1.0] * 3 + [2.0] * 2 + [3.0] * 2, dtype=torch.float64)[:, None]
+    results = run_distributed(_rows_worker, 3)
+    assert [r[0] for r in results] == [3, 2, 2]
+    for _, y, grad in results:
+        _close(y, x * scale, 0, 0, "gathered rows")
+        _close(grad, upstream * scale, 0, 0, "gradient of the replicated input")
