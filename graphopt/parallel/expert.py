@@ -175,6 +175,8 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
             fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3,
                         shard_placement_fn=lambda _, d=dim: Shard(d))  # split inside them
             module.set_gradient_divide_factor(float(plan.dp))  # type: ignore[operator]
+            if dist.get_backend(fs_mesh.get_group(0)) == "gloo":  # no PREMUL_SUM in gloo:
+                module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return (f"experts: FSDP (ZeRO-{plan.zero_stage}) over edp_shard={edp_shard}"
                 + (f" x dp_replicate={plan.dp_replicate}" if plan.dp_replicate > 1 else "")
                 + f", gradients summed and divided by dp={plan.dp}")
