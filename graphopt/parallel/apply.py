@@ -94,11 +94,19 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     """
     if isinstance(plan, str):
         plan = ParallelPlan.load(plan)
-    for axis in ("pp", "cp"):
-        if getattr(plan, axis) > 1:
-            raise ConfigError(f"{axis}={getattr(plan, axis)}: executing {axis.upper()} is not "
-                              f"built yet (graphopt executes dp_replicate, dp_shard with "
-                              f"ZeRO-1/2/3, tp, sp and ep); use {axis}=1")
+    if plan.cp > 1:
+        raise ConfigError(f"cp={plan.cp}: executing CP is not built yet (graphopt executes "
+                          "dp_replicate, dp_shard with ZeRO-1/2/3, tp, sp, ep and pp); use "
+                          "cp=1")
+    if plan.pp > 1:
+        from graphopt.parallel.pipeline import check_pipeline
+
+        check_pipeline(model, plan)
+        if plan.tp > 1:
+            raise ConfigError("pp > 1 with tp > 1 is not executed yet: use pp with data "
+                              "parallelism and EP, or tp without pp")
+        if plan.zero_stage == 1 and plan.dp_shard > 1:
+            raise ConfigError("ZeRO-1 with pp > 1 is not executed: use zero_stage 2 or 3")
     moe_opts = _moe_options(moe, plan)
     if plan.ep > 1:  # refuse before anything changes
         from graphopt.parallel.expert import check_experts, find_experts
@@ -146,8 +154,20 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         else:
             report.notes.append(f"EP schedule {moe_opts.all_to_all} (chunks "
                                 f"{moe_opts.chunks}), set by moe.all_to_all")
+    if plan.pp > 1:
+        from graphopt.parallel.pipeline import pipeline
+
+        model = pipeline(model, plan, mesh)
+        report.notes.append(
+            f"PP={plan.pp} ({plan.pp_schedule}, {plan.virtual_stages} stage(s) per rank): "
+            "this rank runs " + ", ".join(
+                f"stage {p.index} (layers {p.start}..{p.end - 1}"
+                + (", embedding" if p.first else "") + (", norm + LM head" if p.last else "")
+                + ")" for p in model.parts))
     _apply_dp(model, plan, mesh, report)
-    report.parameters = [(name, _expert_placement(name, report) + _placements(p),
+    names = getattr(model, "original_names", {})
+    report.parameters = [(names.get(name, name), _expert_placement(names.get(name, name),
+                                                                   report) + _placements(p),
                           tuple(_local(p).shape)) for name, p in model.named_parameters()]
     model.graphopt_parallel = report  # type: ignore[assignment]
     return model
@@ -270,15 +290,22 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         report.notes.append(reduce_expert_grads(model, plan, mesh, shard))
         experts = {p for p in expert_params(model) if not hasattr(p, "placements")}
     ignored = {"ignored_params": experts} if experts else {}
+    units = list(getattr(model, "parts", [model]))  # PP: each stage is an FSDP root
     if shard:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \
             else mesh["dp_shard_cp"]
-        for block in decoder_layers(model):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
+        for unit in units:
+            for block in _blocks(unit):
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
+                            **ignored)
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
                         **ignored)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3, **ignored)
         kind = "HSDP" if plan.dp_replicate > 1 else "FSDP"
         report.notes.append(f"{kind} (ZeRO-{plan.zero_stage}) over {dp_mesh.mesh_dim_names}")
+    elif plan.dp > 1 and plan.pp > 1:  # replicas of each stage
+        for unit in units:
+            replicate(unit, mesh=mesh["dp"], **ignored)
+        report.notes.append(f"replicas (FSDP2 replicate) of each stage over dp={plan.dp}")
     elif plan.dp > 1 and plan.tp == 1:  # DDP: plain tensors (ZeroRedundancyOptimizer's input)
         from torch.distributed._composable import replicate as ddp
 
@@ -290,6 +317,14 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
     elif plan.dp > 1:  # with TP: FSDP2's replicate handles the DTensor parameters
         replicate(model, mesh=mesh["dp"], **ignored)
         report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp}")
+
+
+def _blocks(unit: nn.Module) -> list[nn.Module]:
+    """FSDP's units inside ``unit``: a pipeline stage's layers, else the decoder layers."""
+    layers = getattr(unit, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    return decoder_layers(unit)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

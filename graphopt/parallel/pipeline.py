@@ -1,0 +1,232 @@
+"""Pipeline parallelism for a plan: decoder-layer stages run by torch.distributed.pipelining.
+
+Contract: :func:`pipeline` cuts a transformers decoder-only LM (``*ForCausalLM``: token
+embedding, a ModuleList of decoder layers, final norm, LM head) into ``pp x
+virtual_stages`` stages at decoder-layer boundaries (:func:`stage_layers`: as even as
+possible, the first and last stages, which also hold the embedding and the head, take the
+fewer layers when the count does not divide), keeps this rank's stages (1F1B: stage
+``pp_rank``; interleaved 1F1B: stages ``pp_rank + k * pp``, looped as Megatron-LM's
+interleaved schedule, Narayanan et al. SC'21 sec. 2.2) and returns a
+:class:`PipelinedModel` whose :meth:`~PipelinedModel.step` runs forward and backward of
+all microbatches with torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (PipeDream-
+Flush 1F1B, Narayanan et al. 2021). Gradients are those of the mean loss over the
+microbatches (the schedule divides by their count), i.e. of the whole batch.
+
+A stage computes what the model's own forward does for its layers, with no padding mask
+(causal attention through SDPA's ``is_causal``; padding masks are refused, see
+:meth:`PipelinedModel.step`): first stage ``embed(input_ids)``; every stage the rotary
+position embeddings for positions ``0..S-1`` (transformers' ``rotary_emb``) and its layers
+``layer(h, attention_mask=None, position_ids=..., position_embeddings=...)``; last stage
+``lm_head(norm(h))``. Tied embeddings (one weight on the first and the last stage) are
+refused for pp > 1 with the reason (their gradient would need a sum across stages).
+
+Errors (ConfigError, before anything changes): a model without that structure, more
+stages than decoder layers, a batch that the microbatch size does not divide, fewer
+microbatches than pipeline ranks for interleaving (torch's requirement), tied embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+
+
+def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """[(first layer, end)] per stage: ``layers // stages`` each, the remainder given to the
+    middle stages first (the first and last stages also run the embedding / LM head).
+
+    Raises:
+        ConfigError: more stages than layers.
+    """
+    if stages > layers:
+        raise ConfigError(f"{stages} pipeline stages (pp x virtual_stages) but only {layers} "
+                          "decoder layers: every stage needs a layer; lower pp or "
+                          "virtual_stages")
+    base, extra = divmod(layers, stages)
+    order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), abs(s - stages / 2)))
+    sizes = [base + (s in order[:extra]) for s in range(stages)]
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+class DecoderStage(nn.Module):
+    """Stage ``index`` of ``count``: [embedding] + decoder layers [start, end) + [final norm +
+    LM head] of a transformers causal LM (module docstring). Input: token ids [B, S]
+    (int64, first stage) or hidden states [B, S, H]; output: hidden states [B, S, H] or
+    logits [B, S, V] (last stage)."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], start: int, end: int,
+                 index: int, count: int) -> None:
+        super().__init__()
+        inner = model.model  # type: ignore[union-attr]
+        self.first, self.last = index == 0, index == count - 1
+        self.index, self.start, self.end = index, start, end
+        self.embed_tokens = model.get_input_embeddings() if self.first else None
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, end)})
+        self.rotary_emb = getattr(inner, "rotary_emb", None)
+        self.norm = inner.norm if self.last else None
+        self.lm_head = model.get_output_embeddings() if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
+        if self.rotary_emb is not None:
+            kwargs["position_embeddings"] = self.rotary_emb(h, positions)
+        for layer in self.layers.values():
+            out = layer(h, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            assert self.norm is not None
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [B, S, V] for labels [B, S] (int64), in the
+    logits' dtype (transformers' ``labels`` loss, without its float32 upcast)."""
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+class PipelinedModel(nn.Module):
+    """This rank's pipeline stages (``parts``) and the schedule that runs them.
+
+    ``parameters()`` are this rank's (give them to the optimizer); ``original_names`` maps
+    each of this module's parameter names to the full model's name (checkpoints, tests).
+    """
+
+    def __init__(self, parts: list[DecoderStage], plan: ParallelPlan, group: Any,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 prefix: str) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.plan, self.group, self.loss_fn = plan, group, loss_fn
+        self._schedules: dict[int, Any] = {}
+        self.original_names = {}
+        for i, part in enumerate(parts):
+            for name, _ in part.named_parameters():
+                self.original_names[f"parts.{i}.{name}"] = _original(name, prefix)
+
+    @property
+    def is_first(self) -> bool:
+        return any(p.first for p in self.parts)
+
+    @property
+    def is_last(self) -> bool:
+        return any(p.last for p in self.parts)
+
+    def _schedule(self, microbatches: int) -> Any:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleInterleaved1F1B,
+        )
+
+        if microbatches not in self._schedules:
+            count = self.plan.pp * self.plan.virtual_stages
+            device = next(self.parameters()).device
+            stages = [PipelineStage(p, p.index, count, device, group=self.group)
+                      for p in self.parts]
+            if self.plan.virtual_stages > 1:
+                self._schedules[microbatches] = ScheduleInterleaved1F1B(
+                    stages, microbatches, loss_fn=self.loss_fn)
+            else:
+                self._schedules[microbatches] = Schedule1F1B(stages[0], microbatches,
+                                                             loss_fn=self.loss_fn)
+        return self._schedules[microbatches]
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward and backward of the batch ``input_ids`` [B, S] (int64, this DP rank's
+        share, the same on every pipeline rank) in microbatches of ``plan.microbatch``
+        sequences; gradients accumulate into this rank's parameters.
+
+        Returns:
+            the mean loss over the microbatches on the last stage's ranks, else None.
+        Raises:
+            ConfigError: a padding ``attention_mask`` (not all ones), B not divisible by the
+                microbatch size, fewer microbatches than pp with interleaving.
+        """
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ConfigError("pipeline stages run causal attention without a padding mask; "
+                              "this batch has padding: pack sequences without padding or "
+                              "use pp=1")
+        batch, mb = input_ids.shape[0], self.plan.microbatch
+        if batch % mb:
+            raise ConfigError(f"the batch ({batch} sequences) is not divisible by the "
+                              f"microbatch size ({mb}): change the batch or plan.microbatch")
+        count = batch // mb
+        if self.plan.virtual_stages > 1 and count % self.plan.pp:
+            raise ConfigError(f"interleaved 1F1B needs the microbatch count ({count}) to be "
+                              f"a multiple of pp ({self.plan.pp}): change the batch or "
+                              "plan.microbatch")
+        schedule = self._schedule(count)
+        losses: list[torch.Tensor] = []
+        target = labels if labels is not None else input_ids
+        if self.is_first:
+            schedule.step(input_ids, target=target if self.is_last else None, losses=losses)
+        elif self.is_last:
+            schedule.step(target=target, losses=losses)
+        else:
+            schedule.step()
+        return torch.stack(losses).mean() if losses else None
+
+
+def _original(name: str, prefix: str) -> str:
+    """A stage's parameter name -> the full model's."""
+    head, _, rest = name.partition(".")
+    if head == "layers":
+        return f"{prefix}.{rest}"
+    return {"embed_tokens": "model.embed_tokens", "norm": "model.norm",
+            "lm_head": "lm_head"}[head] + f".{rest}"
+
+
+def pipeline(model: nn.Module, plan: ParallelPlan, mesh: Any,
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+             ) -> PipelinedModel:
+    """This rank's stages of ``model`` (module docstring) as a :class:`PipelinedModel`.
+
+    Raises:
+        ConfigError: see the module docstring.
+    """
+    check_pipeline(model, plan)
+    from graphopt.parallel.apply import decoder_layers
+
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is _parent_list(model, layers))
+    count = plan.pp * plan.virtual_stages
+    bounds = stage_layers(len(layers), count)
+    rank = mesh["pp"].get_local_rank()
+    mine = [s for s in range(count) if s % plan.pp == rank]
+    parts = [DecoderStage(model, layers, *bounds[s], s, count) for s in mine]
+    return PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
+                          prefix)
+
+
+def _parent_list(model: nn.Module, layers: list[nn.Module]) -> nn.Module:
+    return next(m for m in model.modules() if isinstance(m, nn.ModuleList) and
+                len(m) == len(layers) and m[0] is layers[0])
+
+
+def check_pipeline(model: nn.Module, plan: ParallelPlan) -> None:
+    """Raise ConfigError unless ``model`` can be cut into the plan's stages."""
+    from graphopt.parallel.apply import decoder_layers
+
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "norm") or model.get_output_embeddings() is None:
+        raise ConfigError("pp > 1 cuts transformers causal LMs (embedding, decoder layers, "
+                          "final norm, LM head); this model has another structure: use pp=1")
+    stage_layers(len(decoder_layers(model)), plan.pp * plan.virtual_stages)
+    if model.get_input_embeddings().weight is model.get_output_embeddings().weight:
+        raise ConfigError("tied embeddings (one weight on the first and the last stage) are "
+                          "not executed with pp > 1 yet: untie them (tie_word_embeddings="
+                          "False) or use pp=1")
