@@ -28,7 +28,9 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     silently drops the gradient of the layer's input (the embedding's), with ``aot_eager``
     too; the hooks therefore run eagerly, outside the compiled forward. With the plan's
     ep > 1, ``options["moe"]`` (all_to_all, chunks, ranks_per_node, profile) configures
-    the plan's expert parallelism instead of the moe pass.
+    the plan's expert parallelism instead of the moe pass. With pp > 1 the result is a
+    :class:`graphopt.parallel.pipeline.PipelinedModel` (train with its ``step``); the
+    layers of this rank's stages are compiled.
     """
     import torch
 
@@ -49,7 +51,10 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         from graphopt.parallel.apply import decoder_layers
 
         model = parallelize(model, plan, moe=moe)  # moe: the plan's EP runs it
-        for block in decoder_layers(model):  # forward only: the TP/SP input hooks stay eager
+        parts = getattr(model, "parts", None)  # pp > 1: this rank's pipeline stages
+        blocks = [b for p in parts for b in p.layers.values()] if parts is not None \
+            else decoder_layers(model)
+        for block in blocks:  # forward only: the TP/SP input hooks stay eager
             block.forward = torch.compile(block.forward, backend="graphopt", options=options,
                                           **kwargs)
         return model

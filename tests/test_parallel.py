@@ -54,8 +54,8 @@ def _full_precision_rmsnorm(model):
 
 
 def _run_plan(name, plan, steps=3):
-    """One plan on this rank: (max relative loss error, max grad error, max param error
-    after steps, measured bytes, the parallel report's notes)."""
+    """One plan on this rank: (max relative loss error, max logits and grad error, max param
+    error after steps, measured bytes, the parallel report's notes)."""
     import torch.distributed as dist
 
     from graphopt.models import build_model
@@ -71,7 +71,11 @@ def _run_plan(name, plan, steps=3):
     report = model.graphopt_parallel
     opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    loss_err = grad_err = 0.0
+    with torch.no_grad():  # logits of this rank's share of the batch
+        logits = _full(model(input_ids=local, use_cache=False).logits)
+        want = ref(input_ids=ids, use_cache=False).logits.chunk(plan.dp)[
+            mesh["dp"].get_local_rank()]
+    loss_err, grad_err = 0.0, float((logits - want).abs().max())
     for step in range(steps):
         loss = _lm_loss(model, local)
         loss.backward()
@@ -82,8 +86,9 @@ def _run_plan(name, plan, steps=3):
         mean /= plan.devices
         loss_err = max(loss_err, abs(float(mean - ref_loss)) / abs(float(ref_loss)))
         if step == 0:
-            grad_err = max(float((_full(p.grad) - _held(n, r.grad, report)).abs().max())
-                           for (n, p), r in zip(model.named_parameters(), ref.parameters()))
+            grad_err = max([grad_err] + [
+                float((_full(p.grad) - _held(n, r.grad, report)).abs().max())
+                for (n, p), r in zip(model.named_parameters(), ref.parameters())])
             measured = {"params": sum(_bytes(p) for p in model.parameters()),
                         "grads": sum(_bytes(p.grad) for p in model.parameters())}
         opt.step()

@@ -1,0 +1,180 @@
+"""Pipeline-parallel plans (graphopt.parallelize with pp > 1, torch.distributed.pipelining) on
+real gloo process groups, float64: each rank's stages give the single-process loss, every
+gradient of the parameters it holds and, after three AdamW steps, the same parameters.
+One spawn per world size runs every plan of that size."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from graphopt.distributed import run_distributed
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+from tests.test_parallel import _full, _full_precision_rmsnorm, _lm_loss
+
+RUNS = {
+    2: [("llama", 4, dict(pp=2)),
+        ("llama", 4, dict(pp=2, virtual_stages=2, pp_schedule="interleaved", microbatch=2)),
+        ("llama", 5, dict(pp=2, microbatch=2))],  # 5 layers: uneven stages (2, 3)
+    4: [("llama", 4, dict(pp=4)),
+        ("llama", 4, dict(pp=2, dp_shard=2, zero_stage=3)),
+        ("llama", 4, dict(pp=2, dp_replicate=2, virtual_stages=2, pp_schedule="interleaved")),
+        ("mixtral", 2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
+        ("minimax", 2, dict(pp=2, dp_shard=2, zero_stage=2))],
+}
+
+
+def _run(name, layers, plan, steps=3):
+    """(loss error or None off the last stage, grad error, param error, notes, held names)."""
+    import torch.distributed as dist
+
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, build_optimizer, parallelize
+
+    torch.manual_seed(0)
+    ref = build_model(name, dtype=torch.float64, num_hidden_layers=layers)
+    _full_precision_rmsnorm(ref)
+    mesh = build_mesh(plan)
+    pipe = parallelize(copy.deepcopy(ref), plan, mesh)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    dp_rank = mesh["dp"].get_local_rank()
+    local = ids.chunk(plan.dp)[dp_rank]
+    opt = build_optimizer(pipe, plan, mesh, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    report = pipe.graphopt_parallel
+    held = {}
+    for path, (start, end, _) in report.experts.items():
+        held[path] = slice(start, end)
+    refs = dict(ref.named_parameters())
+
+    def want(name, t):
+        for path, part in held.items():
+            if name.startswith(path + "."):
+                return t[part]
+        return t
+
+    loss_err, grad_err = None, 0.0
+    for step in range(steps):
+        loss = pipe.step(local)
+        ref_loss = _lm_loss(ref, ids)
+        ref_loss.backward()
+        if loss is not None:  # last stage: this dp rank's mean; the dp mean is the batch's
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=mesh["dp"].get_group())
+            err = abs(float(mean / plan.dp - ref_loss)) / abs(float(ref_loss))
+            loss_err = max(loss_err or 0.0, err)
+        if step == 0:
+            grad_err = max(float((_full(p.grad) - want(pipe.original_names[n],
+                                                        refs[pipe.original_names[n]].grad))
+                                 .abs().max()) for n, p in pipe.named_parameters())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    param_err = max(float((_full(p.detach()) - want(pipe.original_names[n],
+                                                    refs[pipe.original_names[n]].detach()))
+                          .abs().max()) for n, p in pipe.named_parameters())
+    return loss_err, grad_err, param_err, report.notes, sorted(set(pipe.original_names.values()))
+
+
+def _worker(rank, world, runs):
+    return [_run(name, layers, ParallelPlan(**kw)) for name, layers, kw in runs]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_plans_train_like_one_process(world):
+    runs = RUNS[world]
+    results = run_distributed(_worker, world, runs)
+    for i, (name, layers, kw) in enumerate(runs):
+        per_rank = [r[i] for r in results]
+        label = (name, kw)
+        losses = [r[0] for r in per_rank if r[0] is not None]
+        assert losses and all(e < 1e-12 for e in losses), (label, losses)
+        for _, grad_err, param_err, notes, _ in per_rank:
+            assert grad_err < 1e-9 and param_err < 1e-9, (label, grad_err, param_err, notes)
+        # together the ranks hold every parameter of the model
+        from graphopt.models import build_model
+
+        names = {n for n, _ in build_model(name, num_hidden_layers=layers).named_parameters()}
+        assert set().union(*(set(r[4]) for r in per_rank)) == names, label
+        assert any(f"PP={kw['pp']}" in n for n in per_rank[0][3]), per_rank[0][3]
+
+
+def test_stage_layers_are_balanced_and_contiguous():
+    from graphopt.parallel.pipeline import stage_layers
+
+    bounds = stage_layers(126, 16)  # Llama 3 405B on 16 stages: 14 stages of 8, 2 of 7
+    sizes = [b - a for a, b in bounds]
+    assert sum(sizes) == 126 and bounds[0][0] == 0 and bounds[-1][1] == 126
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(15))
+    assert sorted(sizes) == [7, 7] + [8] * 14 and sizes[0] == sizes[-1] == 7
+    assert stage_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("overrides, plan, message", [
+    ({}, dict(pp=4), r"4 pipeline stages \(pp x virtual_stages\) but only 2 decoder layers"),
+    ({"tie_word_embeddings": True}, dict(pp=2), r"tied embeddings .* untie them"),
+    ({}, dict(pp=2, tp=2), r"pp > 1 with tp > 1 is not executed yet"),
+])
+def test_impossible_pipeline_plans_are_refused_before_anything_changes(overrides, plan,
+                                                                      message):
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+
+    model = build_model("llama", **overrides)
+    with pytest.raises(ConfigError, match=message):
+        parallelize(model, ParallelPlan(**plan))
+
+
+def _bad_batch_worker(rank, world):
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+
+    pipe = parallelize(build_model("llama", num_hidden_layers=4),
+                       ParallelPlan(pp=2, virtual_stages=2, pp_schedule="interleaved",
+                                    microbatch=2))
+    ids = torch.zeros(6, 8, dtype=torch.long)
+    out = []
+    for batch, mask in ((ids[:5], None), (ids, None), (ids[:4], torch.zeros(4, 8))):
+        try:
+            pipe.step(batch, attention_mask=mask)
+            out.append("ran")
+        except ConfigError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_bad_batches_for_a_pipeline_are_clear_errors():
+    for messages in run_distributed(_bad_batch_worker, 2):
+        assert "not divisible by the microbatch size (2)" in messages[0]
+        assert "microbatch count (3) to be a multiple of pp (2)" in messages[1]
+        assert "this batch has padding" in messages[2]
+
+
+def _compiled_worker(rank, world):
+    import graphopt
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    ref = build_model("llama", dtype=torch.float64, num_hidden_layers=4)
+    _full_precision_rmsnorm(ref)
+    pipe = graphopt.compile(copy.deepcopy(ref), options={"parallel": ParallelPlan(pp=2),
+                                                         "lowering": "eager"})
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    loss = pipe.step(ids)
+    _lm_loss(ref, ids).backward()
+    refs = dict(ref.named_parameters())
+    grad_err = max(float((p.grad - refs[pipe.original_names[n]].grad).abs().max())
+                   for n, p in pipe.named_parameters())
+    compiled = [r for r in graphopt.reports() if r.status == "compiled"]
+    return grad_err, loss is not None, len(compiled), [r.fallback for r in compiled]
+
+
+def test_graphopt_compile_with_a_pipeline_plan_compiles_each_stage_s_layers():
+    results = run_distributed(_compiled_worker, 2)
+    assert [r[1] for r in results] == [False, True]  # the loss lives on the last stage
+    for grad_err, _, compiled, fallbacks in results:
+        assert grad_err < 1e-9 and compiled >= 1 and not any(fallbacks), (grad_err, fallbacks)
