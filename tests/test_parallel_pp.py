@@ -15,19 +15,23 @@ from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
 from tests.test_parallel import _full, _full_precision_rmsnorm, _lm_loss
 
+L4, L2 = dict(num_hidden_layers=4), dict(num_hidden_layers=2)
+TIED = dict(num_hidden_layers=4, tie_word_embeddings=True)
 RUNS = {
-    2: [("llama", 4, dict(pp=2)),
-        ("llama", 4, dict(pp=2, virtual_stages=2, pp_schedule="interleaved", microbatch=2)),
-        ("llama", 5, dict(pp=2, microbatch=2))],  # 5 layers: uneven stages (2, 3)
-    4: [("llama", 4, dict(pp=4)),
-        ("llama", 4, dict(pp=2, dp_shard=2, zero_stage=3)),
-        ("llama", 4, dict(pp=2, dp_replicate=2, virtual_stages=2, pp_schedule="interleaved")),
-        ("mixtral", 2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
-        ("minimax", 2, dict(pp=2, dp_shard=2, zero_stage=2))],
+    2: [("llama", L4, dict(pp=2)),
+        ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="interleaved", microbatch=2)),
+        ("llama", dict(num_hidden_layers=5), dict(pp=2, microbatch=2)),  # uneven: 2 + 3
+        ("llama", TIED, dict(pp=2))],  # one weight on the first and last stage
+    4: [("llama", L4, dict(pp=4)),
+        ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
+        ("llama", L4, dict(pp=2, dp_replicate=2, virtual_stages=2, pp_schedule="interleaved")),
+        ("llama", TIED, dict(pp=4)),
+        ("mixtral", L2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
+        ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2))],
 }
 
 
-def _run(name, layers, plan, steps=3):
+def _run(name, overrides, plan, steps=3):
     """(loss error or None off the last stage, grad error, param error, notes, held names)."""
     import torch.distributed as dist
 
@@ -35,7 +39,7 @@ def _run(name, layers, plan, steps=3):
     from graphopt.parallel import build_mesh, build_optimizer, parallelize
 
     torch.manual_seed(0)
-    ref = build_model(name, dtype=torch.float64, num_hidden_layers=layers)
+    ref = build_model(name, dtype=torch.float64, **overrides)
     _full_precision_rmsnorm(ref)
     mesh = build_mesh(plan)
     pipe = parallelize(copy.deepcopy(ref), plan, mesh)
@@ -81,16 +85,16 @@ def _run(name, layers, plan, steps=3):
 
 
 def _worker(rank, world, runs):
-    return [_run(name, layers, ParallelPlan(**kw)) for name, layers, kw in runs]
+    return [_run(name, overrides, ParallelPlan(**kw)) for name, overrides, kw in runs]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_plans_train_like_one_process(world):
     runs = RUNS[world]
     results = run_distributed(_worker, world, runs)
-    for i, (name, layers, kw) in enumerate(runs):
+    for i, (name, overrides, kw) in enumerate(runs):
         per_rank = [r[i] for r in results]
-        label = (name, kw)
+        label = (name, overrides, kw)
         losses = [r[0] for r in per_rank if r[0] is not None]
         assert losses and all(e < 1e-12 for e in losses), (label, losses)
         for _, grad_err, param_err, notes, _ in per_rank:
@@ -98,7 +102,7 @@ def test_pipeline_plans_train_like_one_process(world):
         # together the ranks hold every parameter of the model
         from graphopt.models import build_model
 
-        names = {n for n, _ in build_model(name, num_hidden_layers=layers).named_parameters()}
+        names = {n for n, _ in build_model(name, **overrides).named_parameters()}
         assert set().union(*(set(r[4]) for r in per_rank)) == names, label
         assert any(f"PP={kw['pp']}" in n for n in per_rank[0][3]), per_rank[0][3]
 
@@ -116,7 +120,6 @@ def test_stage_layers_are_balanced_and_contiguous():
 
 @pytest.mark.parametrize("overrides, plan, message", [
     ({}, dict(pp=4), r"4 pipeline stages \(pp x virtual_stages\) but only 2 decoder layers"),
-    ({"tie_word_embeddings": True}, dict(pp=2), r"tied embeddings .* untie them"),
     ({}, dict(pp=2, tp=2), r"pp > 1 with tp > 1 is not executed yet"),
 ])
 def test_impossible_pipeline_plans_are_refused_before_anything_changes(overrides, plan,

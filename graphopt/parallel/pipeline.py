@@ -17,12 +17,15 @@ A stage computes what the model's own forward does for its layers, with no paddi
 :meth:`PipelinedModel.step`): first stage ``embed(input_ids)``; every stage the rotary
 position embeddings for positions ``0..S-1`` (transformers' ``rotary_emb``) and its layers
 ``layer(h, attention_mask=None, position_ids=..., position_embeddings=...)``; last stage
-``lm_head(norm(h))``. Tied embeddings (one weight on the first and the last stage) are
-refused for pp > 1 with the reason (their gradient would need a sum across stages).
+``lm_head(norm(h))``. Tied embeddings (one weight used by the first stage's embedding and
+the last stage's LM head): each of the two ranks holds a copy and computes its part of the
+gradient; after the schedule, the two parts are summed over the pair (an all-reduce in a
+group of the first and last pipeline rank of each pipeline, Megatron-LM's "embedding
+group"), so both copies get the exact gradient and stay equal through the optimizer.
 
 Errors (ConfigError, before anything changes): a model without that structure, more
-stages than decoder layers, a batch that the microbatch size does not divide, fewer
-microbatches than pipeline ranks for interleaving (torch's requirement), tied embeddings.
+stages than decoder layers, a batch that the microbatch size does not divide, a
+microbatch count that is not a multiple of pp for interleaving (torch's requirement).
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ class PipelinedModel(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
         self._schedules: dict[int, Any] = {}
+        self.tied: tuple[nn.Parameter, Any] | None = None
+        """(tied embedding weight, group of the first and last pipeline rank) if any."""
         self.original_names = {}
         for i, part in enumerate(parts):
             for name, _ in part.named_parameters():
@@ -178,6 +183,12 @@ class PipelinedModel(nn.Module):
             schedule.step(target=target, losses=losses)
         else:
             schedule.step()
+        if self.tied is not None:  # the first and last stage each hold part of the gradient
+            weight, group = self.tied
+            grad: Any = weight.grad
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                torch.distributed.all_reduce(local, group=group)
         return torch.stack(losses).mean() if losses else None
 
 
@@ -208,8 +219,32 @@ def pipeline(model: nn.Module, plan: ParallelPlan, mesh: Any,
     rank = mesh["pp"].get_local_rank()
     mine = [s for s in range(count) if s % plan.pp == rank]
     parts = [DecoderStage(model, layers, *bounds[s], s, count) for s in mine]
-    return PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
+    pipe = PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
                           prefix)
+    weight = model.get_input_embeddings().weight
+    if weight is model.get_output_embeddings().weight:
+        group = _embedding_group(mesh)
+        if rank in (0, plan.pp - 1):
+            pipe.tied = (weight, group)
+        shared = next(n for n, p in model.named_parameters() if p is weight)
+        pipe.original_names = {k: shared if p is weight else pipe.original_names[k]
+                               for k, p in pipe.named_parameters()}
+    return pipe
+
+
+def _embedding_group(mesh: Any) -> Any:
+    """This rank's group of {first, last} pipeline rank with the same other coordinates.
+    ``dist.new_group`` is collective: every rank creates every pair, in the same order."""
+    import torch.distributed as dist
+
+    names = mesh.mesh_dim_names
+    ranks = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, mesh["pp"].size())
+    mine = None
+    for row in ranks.tolist():
+        group = dist.new_group([row[0], row[-1]])
+        if dist.get_rank() in (row[0], row[-1]):
+            mine = group
+    return mine
 
 
 def _parent_list(model: nn.Module, layers: list[nn.Module]) -> nn.Module:
@@ -226,7 +261,3 @@ def check_pipeline(model: nn.Module, plan: ParallelPlan) -> None:
         raise ConfigError("pp > 1 cuts transformers causal LMs (embedding, decoder layers, "
                           "final norm, LM head); this model has another structure: use pp=1")
     stage_layers(len(decoder_layers(model)), plan.pp * plan.virtual_stages)
-    if model.get_input_embeddings().weight is model.get_output_embeddings().weight:
-        raise ConfigError("tied embeddings (one weight on the first and the last stage) are "
-                          "not executed with pp > 1 yet: untie them (tie_word_embeddings="
-                          "False) or use pp=1")
