@@ -26,6 +26,8 @@ RUNS = {
         ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
         ("llama", L4, dict(pp=2, dp_replicate=2, virtual_stages=2, pp_schedule="interleaved")),
         ("llama", TIED, dict(pp=4)),
+        ("llama", L4, dict(pp=2, tp=2)),
+        ("llama", L4, dict(pp=2, tp=2, sp=False, virtual_stages=2, pp_schedule="interleaved")),
         ("mixtral", L2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
         ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2))],
 }
@@ -120,7 +122,6 @@ def test_stage_layers_are_balanced_and_contiguous():
 
 @pytest.mark.parametrize("overrides, plan, message", [
     ({}, dict(pp=4), r"4 pipeline stages \(pp x virtual_stages\) but only 2 decoder layers"),
-    ({}, dict(pp=2, tp=2), r"pp > 1 with tp > 1 is not executed yet"),
 ])
 def test_impossible_pipeline_plans_are_refused_before_anything_changes(overrides, plan,
                                                                       message):

@@ -102,9 +102,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         from graphopt.parallel.pipeline import check_pipeline
 
         check_pipeline(model, plan)
-        if plan.tp > 1:
-            raise ConfigError("pp > 1 with tp > 1 is not executed yet: use pp with data "
-                              "parallelism and EP, or tp without pp")
         if plan.zero_stage == 1 and plan.dp_shard > 1:
             raise ConfigError("ZeRO-1 with pp > 1 is not executed: use zero_stage 2 or 3")
     moe_opts = _moe_options(moe, plan)
@@ -157,7 +154,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if plan.pp > 1:
         from graphopt.parallel.pipeline import pipeline
 
-        model = pipeline(model, plan, mesh)
+        model = pipeline(model, plan, mesh, sp=report.sp)
         report.notes.append(
             f"PP={plan.pp} ({plan.pp_schedule}, {plan.virtual_stages} stage(s) per rank): "
             "this rank runs " + ", ".join(

@@ -68,8 +68,10 @@ class DecoderStage(nn.Module):
     logits [B, S, V] (last stage)."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], start: int, end: int,
-                 index: int, count: int) -> None:
+                 index: int, count: int, seq_split: int = 1) -> None:
         super().__init__()
+        self.seq_split = 1 if index == 0 else seq_split
+        """SP: a later stage receives its sequence shard (positions count the whole)."""
         inner = model.model  # type: ignore[union-attr]
         self.first, self.last = index == 0, index == count - 1
         self.index, self.start, self.end = index, start, end
@@ -81,7 +83,7 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        positions = torch.arange(h.shape[1] * self.seq_split, device=h.device).unsqueeze(0)
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
         if self.rotary_emb is not None:
             kwargs["position_embeddings"] = self.rotary_emb(h, positions)
@@ -202,8 +204,8 @@ def _original(name: str, prefix: str) -> str:
 
 
 def pipeline(model: nn.Module, plan: ParallelPlan, mesh: Any,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-             ) -> PipelinedModel:
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             sp: bool = False) -> PipelinedModel:
     """This rank's stages of ``model`` (module docstring) as a :class:`PipelinedModel`.
 
     Raises:
@@ -218,7 +220,8 @@ def pipeline(model: nn.Module, plan: ParallelPlan, mesh: Any,
     bounds = stage_layers(len(layers), count)
     rank = mesh["pp"].get_local_rank()
     mine = [s for s in range(count) if s % plan.pp == rank]
-    parts = [DecoderStage(model, layers, *bounds[s], s, count) for s in mine]
+    parts = [DecoderStage(model, layers, *bounds[s], s, count, plan.tp if sp else 1)
+             for s in mine]
     pipe = PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
                           prefix)
     weight = model.get_input_embeddings().weight
