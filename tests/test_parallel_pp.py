@@ -30,6 +30,8 @@ RUNS = {
         ("llama", L4, dict(pp=2, tp=2, sp=False, virtual_stages=2, pp_schedule="interleaved")),
         ("mixtral", L2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
         ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2))],
+    8: [("llama", L4, dict(pp=2, dp_shard=2, tp=2, zero_stage=3)),  # three axes
+        ("mixtral", L2, dict(pp=2, dp_shard=2, tp=2, ep=4, zero_stage=3))],  # + EP over both
 }
 
 
@@ -90,7 +92,7 @@ def _worker(rank, world, runs):
     return [_run(name, overrides, ParallelPlan(**kw)) for name, overrides, kw in runs]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_pipeline_plans_train_like_one_process(world):
     runs = RUNS[world]
     results = run_distributed(_worker, world, runs)
