@@ -21,7 +21,11 @@ rank's share of the batch gives the single-process loss and, gathered, its gradi
   dp_shard x cp x tp, ``graphopt::moe_experts`` all-to-all dispatch/combine); dense data
   parallelism ignores the expert parameters, whose gradients are reduced over the ranks
   holding the same experts.
-- pp, cp > 1: not executed yet (ConfigError naming what is missing).
+- pp: decoder-layer stages run by torch.distributed.pipelining (:mod:`graphopt.parallel.
+  pipeline`); the result is a PipelinedModel trained with its ``step``.
+- cp: the sequence split over CP ranks, softmax attention by Ulysses all-to-all
+  (:mod:`graphopt.parallel.context`); parameters are replicated over CP (FSDP's shard
+  group is dp_shard x cp, DDP's dp x cp).
 
 Pseudo-code::
 
@@ -95,9 +99,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if isinstance(plan, str):
         plan = ParallelPlan.load(plan)
     if plan.cp > 1:
-        raise ConfigError(f"cp={plan.cp}: executing CP is not built yet (graphopt executes "
-                          "dp_replicate, dp_shard with ZeRO-1/2/3, tp, sp, ep and pp); use "
-                          "cp=1")
+        from graphopt.parallel.context import check_cp
+
+        check_cp(model, plan)
+        if plan.pp > 1:
+            raise ConfigError("cp > 1 with pp > 1 is not executed yet: use one of them")
+        if plan.zero_stage == 1 and plan.dp_shard > 1:
+            raise ConfigError("ZeRO-1 with cp > 1 is not executed: use zero_stage 2 or 3")
     if plan.pp > 1:
         from graphopt.parallel.pipeline import check_pipeline
 
@@ -151,6 +159,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         else:
             report.notes.append(f"EP schedule {moe_opts.all_to_all} (chunks "
                                 f"{moe_opts.chunks}), set by moe.all_to_all")
+    if plan.cp > 1:
+        from graphopt.parallel.context import apply_cp
+
+        report.notes.append(apply_cp(model, plan, mesh))
     if plan.pp > 1:
         from graphopt.parallel.pipeline import pipeline
 
@@ -303,17 +315,18 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         for unit in units:
             replicate(unit, mesh=mesh["dp"], **ignored)
         report.notes.append(f"replicas (FSDP2 replicate) of each stage over dp={plan.dp}")
-    elif plan.dp > 1 and plan.tp == 1:  # DDP: plain tensors (ZeroRedundancyOptimizer's input)
+    elif plan.dp * plan.cp > 1 and plan.tp == 1:  # DDP: plain tensors (ZeRO-1's input)
         from torch.distributed._composable import replicate as ddp
 
-        ddp(model, process_group=mesh["dp"].get_group(),
+        ddp(model, process_group=mesh["dp_cp"].get_group(),
             ignored_modules=list(find_experts(model).values()) if experts else None)
         report.notes.append(f"replicas over dp={plan.dp}" + (
+            f" x cp={plan.cp}" if plan.cp > 1 else "") + (
             " + ZeRO-1 optimizer sharding (build_optimizer)" if plan.dp_shard > 1 and
             plan.zero_stage == 1 else ""))
-    elif plan.dp > 1:  # with TP: FSDP2's replicate handles the DTensor parameters
-        replicate(model, mesh=mesh["dp"], **ignored)
-        report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp}")
+    elif plan.dp * plan.cp > 1:  # with TP: FSDP2's replicate handles DTensor parameters
+        replicate(model, mesh=mesh["dp_cp"], **ignored)
+        report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp} x cp={plan.cp}")
 
 
 def _blocks(unit: nn.Module) -> list[nn.Module]:

@@ -19,7 +19,8 @@ Tokens and gradients (every token is dispatched exactly once in the world):
   all-gathered back (``graphopt::gather_rows``; Megatron's scatter/gather region mappings).
 - An expert's gradient on its owner is the sum over the tokens every DP rank routed to it;
   ranks holding the same experts (the ``edp`` group: dp_replicate x edp_shard) sum their
-  gradients and divide by dp = dp_replicate x dp_shard, the dense parameters' average:
+  gradients and divide by dp x cp, the dense parameters' average (CP ranks' losses carry
+  a factor cp, see graphopt.parallel.context.cp_loss):
   with ZeRO-2/3 and edp_shard > 1 by FSDP2 (``fully_shard`` over edp_shard, HSDP with
   dp_replicate; ``set_gradient_divide_factor(dp)``; dim 0 when the local experts divide
   into the shards, else dim 1 as torchtitan does), otherwise by a gradient hook
@@ -166,6 +167,8 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
 
     emesh = expert_mesh(mesh, plan)
     edp_shard = emesh["edp_shard"].size()
+    dp = plan.dp * plan.cp  # the dense parameters' average runs over dp x cp (CP ranks'
+    # losses carry a factor cp: graphopt.parallel.context.cp_loss)
     if fsdp and edp_shard > 1:
         fs_mesh = emesh["dp_replicate", "edp_shard"] if plan.dp_replicate > 1 \
             else emesh["edp_shard"]
@@ -174,14 +177,13 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
             dim = 0 if local % edp_shard == 0 else 1  # fewer local experts than shards:
             fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3,
                         shard_placement_fn=lambda _, d=dim: Shard(d))  # split inside them
-            module.set_gradient_divide_factor(float(plan.dp))  # type: ignore[operator]
+            module.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
             if dist.get_backend(fs_mesh.get_group(0)) == "gloo":  # no PREMUL_SUM in gloo:
                 module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return (f"experts: FSDP (ZeRO-{plan.zero_stage}) over edp_shard={edp_shard}"
                 + (f" x dp_replicate={plan.dp_replicate}" if plan.dp_replicate > 1 else "")
-                + f", gradients summed and divided by dp={plan.dp}")
+                + f", gradients summed and divided by dp x cp={dp}")
     group = emesh["edp"].get_group() if emesh["edp"].size() > 1 else None
-    dp = plan.dp
     if group is None and dp == 1:
         return "experts: no data-parallel copy (each EP rank's experts are unique)"
 
@@ -195,7 +197,7 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
         p.register_hook(hook)
     return (f"experts: gradients " + (f"summed over edp ({emesh['edp'].size()} ranks), "
                                       if group is not None else "")
-            + f"divided by dp={dp} (gradient hook)")
+            + f"divided by dp x cp={dp} (gradient hook)")
 
 
 def choose_schedule_at_first_step(model: nn.Module, plan: ParallelPlan, opts: Any,

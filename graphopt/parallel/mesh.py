@@ -10,6 +10,8 @@ Flattened axes (``DeviceMesh._flatten``), built once here:
 - ``dp``: dp_replicate x dp_shard (gradient all-reduce / data loading);
 - ``dp_shard_cp``: dp_shard x cp (the FSDP shard group: parameters are sharded over CP too,
   as torchtitan does);
+- ``dp_cp``: dp_replicate x dp_shard x cp (replicas' gradient all-reduce when CP ranks hold
+  copies of the parameters);
 - ``ep_fold``: dp_shard x cp x tp, the devices MoE layers fold EP over (Megatron-Core "MoE
   parallel folding"); EP groups are consecutive blocks of ``plan.ep`` ranks in it.
 
@@ -28,7 +30,7 @@ from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
 
 FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-             "ep_fold": ("dp_shard", "cp", "tp")}
+             "dp_cp": ("dp_replicate", "dp_shard", "cp"), "ep_fold": ("dp_shard", "cp", "tp")}
 
 
 def mesh_shape(plan: ParallelPlan) -> tuple[tuple[str, ...], tuple[int, ...]]:

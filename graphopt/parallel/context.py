@@ -1,0 +1,164 @@
+"""Context parallelism for a plan: the sequence is split over the CP ranks; softmax attention
+exchanges heads for sequence with all-to-all (DeepSpeed-Ulysses, Jacobs et al. 2023).
+
+Contract: :func:`apply_cp` makes a transformers model run on this rank's contiguous chunk
+of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
+- attention goes through transformers' attention interface as ``"graphopt_cp"``: q, k, v
+  [B, H, S/P, D] are all-to-all'ed to [B, H/P, S, D] (this rank's heads, the whole
+  sequence), causal SDPA runs on them, and a second all-to-all returns [B, S/P, H, D]
+  (``all_to_all_single_autograd``: the backward is the reverse all-to-all). KV heads that
+  P does not divide are repeated to the query heads first. Exact: every head sees every
+  key; causality is global (SDPA's ``is_causal`` on the whole sequence), so no load
+  balancing is needed.
+- positions: a forward pre-hook passes ``position_ids`` of the chunk (global positions) when
+  the caller gives none, so rotary embeddings are those of the whole sequence.
+- masks: the mask function registered for ``"graphopt_cp"`` accepts no padding (a padding
+  ``attention_mask`` raises ConfigError: packed sequences without padding are what CP runs).
+
+:func:`shard_sequence` gives a rank its chunk (and next-token labels across chunk
+boundaries); :func:`cp_loss` is the next-token loss whose gradients, averaged by data
+parallelism over dp x cp ranks, are the whole batch's mean-loss gradients.
+
+Refused (ConfigError): cp_kind "ring" (not built: use "all_to_all"), heads not divisible
+by cp, sliding-window attention, models with linear-attention layers (MiniMax: their
+recurrence needs the state passing of graphopt.kernels.lightning.cp, not wired into the
+model yet), a sequence length the CP size does not divide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+
+ATTENTION = "graphopt_cp"
+_GROUPS: dict[int, Any] = {}
+
+
+def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
+    """Raise ConfigError unless ``model`` can run the plan's CP (module docstring)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ConfigError("cp > 1 runs transformers models (attention interface): this model "
+                          "has no config; use cp=1")
+    if plan.cp_kind != "all_to_all":
+        raise ConfigError(f"cp_kind={plan.cp_kind!r}: ring attention is not executed yet; "
+                          "use cp_kind='all_to_all' (Ulysses)")
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    if not heads or heads % (plan.cp * plan.tp):
+        raise ConfigError(f"Ulysses CP splits the attention heads ({heads}) over cp x tp "
+                          f"({plan.cp} x {plan.tp}): choose a cp dividing heads / tp")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ConfigError("sliding-window attention under CP is not executed (the window "
+                          "crosses chunks): use cp=1")
+    if "linear_attention" in (getattr(config, "layer_types", None) or []):
+        raise ConfigError("linear-attention layers (MiniMax) under CP need the recurrent state "
+                          "passed between ranks (graphopt.kernels.lightning.cp), which is not "
+                          "wired into the model yet: use cp=1")
+
+
+def _ulysses(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, dropout: float = 0.0,
+             scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q [B, H, L, D], k/v [B, Hk, L, D] of this rank's
+    chunk -> ([B, L, H, D], None); module docstring."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = _GROUPS[id(module.config)]
+    size = dist.get_world_size(group)
+    heads = query.shape[1]
+    if key.shape[1] % size:  # repeat KV heads so they split like the query heads
+        key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+
+    def scatter_heads(x: torch.Tensor) -> torch.Tensor:  # [B, h, L, D] -> [B, h/P, P*L, D]
+        b, h, length, d = x.shape
+        x = x.reshape(b, size, h // size, length, d).permute(1, 0, 2, 3, 4).contiguous()
+        x = funcol.all_to_all_single_autograd(x, None, None, group)
+        return x.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * length, d)
+
+    q, k, v = (scatter_heads(t) for t in (query, key, value))
+    out = nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scaling, dropout_p=dropout if module.training else 0.0,
+        enable_gqa=k.shape[1] != q.shape[1])
+    b, h, seq, d = out.shape  # gather heads back, scatter the sequence
+    out = out.reshape(b, h, size, seq // size, d).permute(2, 0, 1, 3, 4).contiguous()
+    out = funcol.all_to_all_single_autograd(out, None, None, group)
+    out = out.permute(1, 0, 2, 3, 4).reshape(b, h * size, seq // size, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None,
+                     **kwargs: Any) -> None:
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ConfigError("context parallelism runs causal attention without padding; this "
+                          "batch has a padding mask: pack sequences without padding or use "
+                          "cp=1")
+    return None
+
+
+def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
+    """Make ``model`` run on this rank's sequence chunk (module docstring); returns a note."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, _ulysses)
+    AttentionMaskInterface.register(ATTENTION, _no_padding_mask)
+    group = mesh["cp"].get_group()
+    rank = mesh["cp"].get_local_rank()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION
+            _GROUPS[id(config)] = group
+
+    def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
+            length = ids.shape[1]
+            kwargs["position_ids"] = (torch.arange(length, device=ids.device)
+                                      + rank * length).unsqueeze(0)
+        return args, kwargs
+
+    model.register_forward_pre_hook(positions, with_kwargs=True)
+    return (f"CP={plan.cp} (Ulysses all-to-all): this rank holds sequence chunk {rank} of "
+            f"{plan.cp}; attention heads exchanged for the sequence")
+
+
+def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this CP rank's chunk of ``ids`` [B, S], its next-token labels [B, S/P] with -100
+    past the last position): the label of a chunk's last token is the next chunk's first.
+
+    Raises:
+        ConfigError: S not divisible by the CP size.
+    """
+    size, rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+    seq = ids.shape[1]
+    if seq % size:
+        raise ConfigError(f"sequence length {seq} is not divisible by cp={size}: pad or "
+                          "pack sequences to a multiple of the CP size")
+    length = seq // size
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    chunk = slice(rank * length, (rank + 1) * length)
+    return ids[:, chunk], labels[:, chunk]
+
+
+def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """Next-token cross-entropy of this chunk (logits [B, L, V], labels [B, L] from
+    :func:`shard_sequence`) scaled so that data parallelism's average over the dp x cp ranks
+    gives the gradient of the whole batch's mean loss: cp * (this chunk's sum) / (labelled
+    positions of the whole sequence, all-reduced over CP). Its value summed over the CP
+    ranks and divided by cp is that mean loss."""
+    total = logits.new_zeros(())
+    summed = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                         ignore_index=-100, reduction="sum")
+    count = (labels != -100).sum().to(torch.float64)
+    group = mesh["cp"].get_group()
+    count = count.clone()
+    dist.all_reduce(count, group=group)
+    total = summed * mesh["cp"].size() / count.to(summed.dtype)
+    return total
