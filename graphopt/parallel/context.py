@@ -14,15 +14,20 @@ of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
   the caller gives none, so rotary embeddings are those of the whole sequence.
 - masks: the mask function registered for ``"graphopt_cp"`` accepts no padding (a padding
   ``attention_mask`` raises ConfigError: packed sequences without padding are what CP runs).
+- linear attention (MiniMax's lightning layers: ``layer_type == "linear_attention"`` with
+  ``qkv_proj``, ``slope_rate``, ``norm``, ``output_gate``, ``out_proj``): the block loop
+  is replaced by :func:`graphopt.kernels.lightning.cp.lightning_attention_cp`, which passes
+  the recurrent KV state between ranks (each rank's chunk state, one all-gather, a decayed
+  prefix as the chunk's initial state); the projections, norm and gate are the module's
+  own, in the module's order.
 
 :func:`shard_sequence` gives a rank its chunk (and next-token labels across chunk
 boundaries); :func:`cp_loss` is the next-token loss whose gradients, averaged by data
 parallelism over dp x cp ranks, are the whole batch's mean-loss gradients.
 
 Refused (ConfigError): cp_kind "ring" (not built: use "all_to_all"), heads not divisible
-by cp, sliding-window attention, models with linear-attention layers (MiniMax: their
-recurrence needs the state passing of graphopt.kernels.lightning.cp, not wired into the
-model yet), a sequence length the CP size does not divide.
+by cp, sliding-window attention, linear-attention layers of another form than MiniMax's, a
+sequence length the CP size does not divide.
 """
 
 from __future__ import annotations
@@ -56,10 +61,33 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ConfigError("sliding-window attention under CP is not executed (the window "
                           "crosses chunks): use cp=1")
-    if "linear_attention" in (getattr(config, "layer_types", None) or []):
-        raise ConfigError("linear-attention layers (MiniMax) under CP need the recurrent state "
-                          "passed between ranks (graphopt.kernels.lightning.cp), which is not "
-                          "wired into the model yet: use cp=1")
+    for path, module in model.named_modules():
+        if getattr(module, "layer_type", None) == "linear_attention" and \
+                not all(hasattr(module, a) for a in _LIGHTNING_PARTS):
+            raise ConfigError(f"{path}: a linear-attention layer without MiniMax's parts "
+                              f"({', '.join(_LIGHTNING_PARTS)}); graphopt passes the state of "
+                              "that form only: use cp=1")
+
+
+_LIGHTNING_PARTS = ("qkv_proj", "act_fn", "slope_rate", "norm", "output_gate", "out_proj",
+                    "num_attention_heads", "head_dim")
+
+
+def _lightning_cp_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """MiniMax's lightning attention layer on this rank's chunk (module docstring): hidden
+    [B, L, hidden] -> ([B, L, hidden], None)."""
+    from graphopt.kernels.lightning.cp import lightning_attention_cp
+
+    b, length, _ = hidden_states.shape
+    heads, dim = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(b, length, heads, 3 * dim)
+    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
+    out = lightning_attention_cp(q, k, v, self.slope_rate.reshape(-1).to(q.dtype),
+                                 self.graphopt_cp_group)
+    out = self.norm(out.transpose(1, 2).reshape(b, length, heads * dim))
+    out = torch.sigmoid(self.output_gate(hidden_states)) * out
+    return self.out_proj(out), None
 
 
 def _ulysses(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -116,6 +144,15 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
             config._attn_implementation = ATTENTION
             _GROUPS[id(config)] = group
 
+    import types
+
+    swapped = 0
+    for module in model.modules():
+        if getattr(module, "layer_type", None) == "linear_attention":
+            module.graphopt_cp_group = str(group.group_name)
+            module.forward = types.MethodType(_lightning_cp_forward, module)
+            swapped += 1
+
     def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
@@ -126,7 +163,9 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
 
     model.register_forward_pre_hook(positions, with_kwargs=True)
     return (f"CP={plan.cp} (Ulysses all-to-all): this rank holds sequence chunk {rank} of "
-            f"{plan.cp}; attention heads exchanged for the sequence")
+            f"{plan.cp}; attention heads exchanged for the sequence" + (
+                f"; {swapped} lightning layer(s) pass their KV state between ranks"
+                if swapped else ""))
 
 
 def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
