@@ -20,7 +20,9 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     are validated now, so a bad option raises :class:`ConfigError` here, not on the first
     call wrapped in Dynamo's ``BackendCompilerFailed``.
 
-    ``options["parallel"]`` (a ``ParallelPlan`` or the path of its JSON) first shards the
+    ``options["parallel"]`` (a ``ParallelPlan``, the path of its JSON, or "auto" with
+    ``options["cluster"] = {"seq": ..., "global_batch": ..., "profile": ...}``: the planner's
+    best executable plan for the world size, :mod:`graphopt.parallel.auto`) first shards the
     module with :func:`graphopt.parallelize` (under torchrun), then compiles each decoder
     layer's ``forward`` in place and returns the module (torchtitan compiles per block too). In
     torch 2.13 a whole-model compile of FSDP2 with a vocab-parallel embedding fails inside
@@ -36,11 +38,21 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
 
     options = dict(options or {})
     plan = options.pop(PARALLEL_OPTION, None)
+    cluster = options.pop("cluster", None)
+    if cluster is not None and plan != "auto":
+        raise ConfigError("option 'cluster' describes the job for parallel='auto'; drop it "
+                          "or set 'parallel': 'auto'")
+    auto_notes: list[str] = []
     if plan == "auto":
-        raise ConfigError("parallel='auto' is not built yet: search a plan with `graphopt "
-                          "plan --model ... --devices N --json plan.json` and pass "
-                          "options={'parallel': 'plan.json'}")
-    if plan is not None:
+        import torch.distributed as dist
+
+        from graphopt.parallel.auto import auto_plan
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("parallel='auto' plans for the world this process runs in: "
+                              "launch with torchrun (or init_process_group) first")
+        plan, auto_notes = auto_plan(model, dist.get_world_size(), cluster)
+    elif plan is not None:
         from graphopt.planner.plan import ParallelPlan
 
         plan = ParallelPlan.load(plan) if isinstance(plan, str) else plan
@@ -51,6 +63,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         from graphopt.parallel.apply import decoder_layers
 
         model = parallelize(model, plan, moe=moe)  # moe: the plan's EP runs it
+        model.graphopt_parallel.notes[:0] = auto_notes
         parts = getattr(model, "parts", None)  # pp > 1: this rank's pipeline stages
         blocks = [b for p in parts for b in p.layers.values()] if parts is not None \
             else decoder_layers(model)

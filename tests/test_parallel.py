@@ -364,6 +364,49 @@ def test_graphopt_compile_runs_an_expert_parallel_plan():
         assert "EP schedule chunked (chunks 2), set by moe.all_to_all" in notes
 
 
+def _auto_worker(rank, world):
+    """parallel='auto': the planner's best executable plan for this world, then training
+    on it equals one process."""
+    import torch.distributed as dist
+
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import optimizer_for
+
+    torch.manual_seed(0)
+    ref = build_model("llama", dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
+    model = graphopt.compile(copy.deepcopy(ref), options={
+        "parallel": "auto", "lowering": "eager",
+        "cluster": {"profile": "h100-sxm", "seq": 16, "global_batch": 8}})
+    report = model.graphopt_parallel
+    plan, mesh = report.parallel_plan, report.mesh
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+    optimizer_for(model, torch.optim.AdamW, lr=1e-2)
+    _lm_loss(model, local).backward()
+    _lm_loss(ref, ids).backward()
+    grad_err = max(float((_full(p.grad) - r.grad).abs().max())
+                   for p, r in zip(model.parameters(), ref.parameters()))
+    dist.barrier()
+    return grad_err, plan.describe(), report.notes
+
+
+def test_parallel_auto_executes_the_planner_s_best_executable_plan():
+    for grad_err, plan, notes in run_distributed(_auto_worker, 4):
+        assert grad_err < 1e-9, (plan, grad_err)
+        assert notes[0].startswith(f"auto: {plan} for 4 ranks of 'h100-sxm' (seq 16, global "
+                                   "batch 8): predicted step"), notes
+
+
+def test_auto_without_the_job_s_sizes_is_a_clear_error():
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import auto_plan
+
+    with pytest.raises(ConfigError, match=r"missing \['global_batch'\]"):
+        auto_plan(build_model("llama"), 4, {"seq": 16})
+
+
 def test_torch_compile_backend_refuses_the_parallel_option():
     with pytest.raises(Exception, match="use graphopt.compile"):
         torch.compile(torch.nn.Linear(2, 2), backend="graphopt",

@@ -1,15 +1,24 @@
 """Executing parallel plans: one DeviceMesh, torch.distributed's engines, derived TP layout.
 
     mesh = graphopt.parallel.build_mesh(plan)          # under torchrun
-    model = graphopt.parallelize(model, plan, mesh)     # TP/SP, FSDP/HSDP (ZeRO), DDP
+    model = graphopt.parallelize(model, plan, mesh)     # TP/SP, EP, CP, PP, FSDP/HSDP, DDP
     opt = graphopt.parallel.build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=...)
+    # pp > 1: model is a PipelinedModel; train with model.step(input_ids)
+    # cp > 1: feed shard_sequence(ids, mesh)'s chunk and train on cp_loss
 
 See docs/parallel.md.
 """
 
-from graphopt.parallel.apply import ParallelReport, build_optimizer, parallelize
+from graphopt.parallel.apply import (
+    ParallelReport,
+    build_optimizer,
+    optimizer_for,
+    parallelize,
+)
+from graphopt.parallel.context import cp_loss, shard_sequence
 from graphopt.parallel.mesh import build_mesh
+from graphopt.parallel.pipeline import PipelinedModel
 from graphopt.parallel.tp_layout import TPLayout, derive_tp_layout
 
-__all__ = ["ParallelReport", "TPLayout", "build_mesh", "build_optimizer", "derive_tp_layout",
-           "parallelize"]
+__all__ = ["ParallelReport", "PipelinedModel", "TPLayout", "build_mesh", "build_optimizer",
+           "cp_loss", "derive_tp_layout", "optimizer_for", "parallelize", "shard_sequence"]

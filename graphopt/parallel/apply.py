@@ -64,6 +64,10 @@ class ParallelReport:
     parameters: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
     experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """EP: experts module path -> (first expert, end, E) this rank holds."""
+    parallel_plan: ParallelPlan | None = None
+    """The plan executed (with the planner's prediction when it came from a search)."""
+    mesh: Any = None
+    """The DeviceMesh it runs on."""
 
     def to_markdown(self) -> str:
         """The plan, notes, what stayed replicated and a table of parameter placements."""
@@ -132,7 +136,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "built yet (graphopt folds EP over dp_shard x cp x tp): use "
                               "expert_tp=1")
     mesh = mesh if mesh is not None else build_mesh(plan)
-    report = ParallelReport(plan.describe())
+    report = ParallelReport(plan.describe(), parallel_plan=plan, mesh=mesh)
     if plan.tp > 1:
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
         report.tp_layout = layout
@@ -344,6 +348,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         if isinstance(m, nn.ModuleList) and len(m) > len(best):
             best = list(m)
     return best
+
+
+def optimizer_for(model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
+                  **kwargs: Any) -> torch.optim.Optimizer:
+    """:func:`build_optimizer` with the plan and mesh :func:`parallelize` recorded on
+    ``model`` (e.g. after ``graphopt.compile(options={"parallel": "auto", ...})``).
+
+    Raises:
+        ConfigError: ``model`` was not parallelized by graphopt.
+    """
+    report = getattr(model, "graphopt_parallel", None)
+    if report is None or report.parallel_plan is None:
+        raise ConfigError("optimizer_for needs a model returned by graphopt.parallelize or "
+                          "graphopt.compile(options={'parallel': ...})")
+    return build_optimizer(model, report.parallel_plan, report.mesh, optimizer_class, **kwargs)
 
 
 def build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,

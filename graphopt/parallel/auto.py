@@ -1,0 +1,99 @@
+"""``options={"parallel": "auto", "cluster": {...}}``: search the plan for the world this
+process runs in, and keep the best one graphopt executes.
+
+Contract: :func:`auto_plan` describes the live model to the planner (its transformers
+config, written as config.json, traced on the meta device by
+:func:`graphopt.planner.model.plan_model`), searches ``world`` devices of the cluster
+profile (:func:`graphopt.planner.search.search`, top 200 by predicted throughput) and
+returns the first plan :func:`not_executable` accepts, with notes saying what won, its
+predicted step time and throughput, and which better plans were passed over and why.
+
+The cluster dict: ``profile`` (a profile name, default: "local" when calibrated, else
+h100-sxm), ``seq`` (tokens per sequence) and ``global_batch`` (sequences per step), both
+required: they decide the plan (activation memory, microbatches).
+
+Errors (ConfigError): torch.distributed not initialized, a missing or unknown cluster key,
+no executable plan among the top 200 (names the best and why it is not executable).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+
+CLUSTER_KEYS = ("profile", "seq", "global_batch")
+
+
+def not_executable(plan: ParallelPlan) -> str:
+    """Why graphopt.parallelize cannot run ``plan`` ("" when it can)."""
+    if plan.cp > 1 and plan.cp_kind != "all_to_all":
+        return "ring CP is not executed (Ulysses all-to-all is)"
+    if plan.cp > 1 and plan.pp > 1:
+        return "CP with PP is not executed"
+    if plan.expert_tp > 1:
+        return "tensor-parallel experts are not executed"
+    if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or
+                                                        plan.pp > 1 or plan.cp > 1):
+        return "ZeRO-1 is executed with data parallelism alone"
+    return ""
+
+
+def auto_plan(model: nn.Module, world: int, cluster: Any = None
+              ) -> tuple[ParallelPlan, list[str]]:
+    """(the best executable plan for ``world`` ranks, notes); module docstring."""
+    from graphopt.cost.profiles import default_profile_name, load_profile
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.search import search
+
+    spec = dict(cluster or {})
+    unknown = sorted(set(spec) - set(CLUSTER_KEYS))
+    missing = [k for k in ("seq", "global_batch") if k not in spec]
+    if unknown or missing:
+        raise ConfigError(f"parallel='auto' needs options['cluster'] = {{'seq': tokens per "
+                          f"sequence, 'global_batch': sequences per step, 'profile': name "
+                          f"(optional)}}; unknown {unknown}, missing {missing}")
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ConfigError("parallel='auto' plans transformers models (it reads model.config)")
+    profile_name = spec.get("profile") or default_profile_name()
+    profile = load_profile(profile_name)
+    dtype = next(model.parameters()).dtype
+    dtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    if any(getattr(m, "gate_up_proj", None) is not None for m in model.modules()):
+        dtype = torch.bfloat16  # MoE models are traced with grouped_mm (bf16 meta kernel)
+    with tempfile.TemporaryDirectory() as tmp:
+        import copy
+
+        config = copy.deepcopy(config)
+        config.architectures = [type(model).__name__]  # the class the planner builds
+        config.to_json_file(str(Path(tmp) / "config.json"))
+        planned = plan_model(str(Path(tmp) / "config.json"), int(spec["seq"]), profile,
+                             dtype=dtype)
+    result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
+    passed = []
+    for plan in result.top:
+        why = not_executable(plan)
+        if not why:
+            break
+        passed.append(f"{plan.describe()} ({why})")
+    else:
+        raise ConfigError(f"none of the planner's top {len(result.top)} plans for {world} "
+                          f"ranks is executable; the best, {result.best.describe()}: "
+                          f"{not_executable(result.best)}")
+    pred = plan.prediction
+    assert pred is not None
+    notes = [f"auto: {plan.describe()} for {world} ranks of {profile_name!r} (seq "
+             f"{spec['seq']}, global batch {spec['global_batch']}): predicted step "
+             f"{pred.step_s * 1e3:.3g} ms, {pred.tokens_per_s:.4g} tokens/s, MFU "
+             f"{pred.mfu:.1%}; best of {result.evaluated} plans evaluated"]
+    if passed:
+        notes.append(f"auto: passed over {len(passed)} faster plan(s) graphopt does not "
+                     f"execute: {'; '.join(passed[:3])}")
+    return plan, notes
