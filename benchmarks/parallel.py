@@ -100,11 +100,7 @@ def _predict(args: argparse.Namespace, plan: ParallelPlan) -> tuple[str, float, 
         # MoE models are traced with grouped_mm experts, whose meta kernel takes bf16 only;
         # the steps run in fp32, so the bf16 trace is costed at the profile's fp32 rate
         # (this CPU's bf16 GEMM is 200x slower than fp32: calibrated 0.7 GFLOP/s)
-        import dataclasses
-
-        peak = dict(cluster.device.peak_flops, bfloat16=cluster.device.peak_flops["float32"])
-        cluster = dataclasses.replace(
-            cluster, device=dataclasses.replace(cluster.device, peak_flops=peak))
+        cluster = cluster.with_rate_of("bfloat16", "float32")
         dtype = torch.bfloat16
     model = plan_model(args.model, args.seq, cluster, dtype=dtype, overrides=_sizes(args))
     pred = evaluate(plan, model, cluster, args.batch, dp_overlap=False)

@@ -93,3 +93,133 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     result.checks.append(("inference logits after the update", _max_err(logits_c, logits_e),
                           10 * rtol * scale))
     return result
+
+
+@dataclass
+class ParallelDemoResult:
+    """What ``graphopt demo --parallel N`` measured (every rank's view merged)."""
+
+    plan: str
+    why: list[str]
+    predicted_s: float
+    measured_s: float
+    loss_error: float
+    grad_error: float
+    notes: list[str]
+
+
+MIN_AXES = 3
+FALLBACK_PLAN = dict(pp=2, dp_shard=2, ep=2, zero_stage=3)
+
+
+def demo_plan(world: int, batch: int, seq: int) -> tuple[Any, list[str]]:
+    """The planner's fastest plan graphopt executes for the demo's MiniMax on ``world``
+    ranks of the cost model's default profile that uses at least three parallel axes
+    (among dp_replicate, dp_shard, tp, cp, pp, ep); pp=2 x dp_shard=2 x ep=2 when no
+    searched plan does (named as such)."""
+    import dataclasses
+
+    from graphopt.cost.profiles import default_profile_name, load_profile
+    from graphopt.models import resolve_model
+    from graphopt.parallel.auto import not_executable
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.perf import evaluate
+    from graphopt.planner.plan import ParallelPlan
+    from graphopt.planner.search import search
+
+    name = default_profile_name()
+    # traced in bf16 (grouped_mm experts), run in float64: costed at the float64 rate
+    profile = load_profile(name).with_rate_of("bfloat16", "float64")
+    model = plan_model(str(resolve_model("minimax").name), seq, profile, dtype=torch.bfloat16)
+    result = search(model, profile, world, batch, top_k=500)
+
+    def axes(p: Any) -> int:
+        return sum(getattr(p, a) > 1 for a in ("dp_replicate", "dp_shard", "tp", "cp", "pp",
+                                               "ep"))
+
+    for plan in result.top:
+        if axes(plan) >= MIN_AXES and not not_executable(plan) and \
+                (plan.cp == 1 and plan.tp == 1):  # eager MiniMax: exact vs one process
+            return plan, [f"the planner's fastest executable plan with {MIN_AXES}+ axes on "
+                          f"{name!r} (of {result.evaluated}; its overall best: "
+                          f"{result.best.describe()})"]
+    plan = ParallelPlan(**FALLBACK_PLAN)
+    plan = dataclasses.replace(plan, prediction=evaluate(plan, model, profile, batch))
+    return plan, [f"no searched plan uses {MIN_AXES}+ axes; the demo's fixed "
+                  f"{plan.describe()} (the planner's best: {result.best.describe()})"]
+
+
+def _parallel_worker(rank: int, world: int, plan_kwargs: dict, batch: int, seq: int
+                     ) -> dict:
+    import torch.distributed as dist
+
+    from graphopt.parallel import build_mesh, parallelize
+    from graphopt.planner.plan import ParallelPlan
+
+    plan = ParallelPlan(**plan_kwargs)
+    reference = build_model("minimax", dtype=torch.float64)
+    mesh = build_mesh(plan)
+    model = parallelize(copy.deepcopy(reference), plan, mesh)
+    ids = sample_batch(reference, batch, seq)
+    local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+
+    def next_token(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 labels[:, 1:].flatten())
+
+    dist.barrier()
+    start = time.perf_counter()
+    if plan.pp > 1:
+        loss = model.step(local)
+    else:
+        loss = next_token(model(input_ids=local, use_cache=False).logits, local)
+        loss.backward()
+    elapsed = time.perf_counter() - start
+    ref_loss = next_token(reference(input_ids=ids, use_cache=False).logits, ids)
+    ref_loss.backward()
+    refs = dict(reference.named_parameters())
+    names = getattr(model, "original_names", {})
+    report = model.graphopt_parallel
+    grad_error = 0.0
+    for name, param in model.named_parameters():
+        full = names.get(name, name)
+        want = refs[full].grad
+        for path, (a, b, _) in report.experts.items():
+            if full.startswith(path + "."):
+                want = want[a:b]
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        grad_error = max(grad_error, float((grad - want).abs().max()))
+    # the dp ranks' mean loss on the last stage: gather it to every rank
+    value = torch.tensor([float(loss.detach()) if loss is not None else 0.0,
+                          1.0 if loss is not None else 0.0], dtype=torch.float64)
+    dist.all_reduce(value)
+    mean = value[0] / value[1]
+    return {"loss_error": abs(float(mean - ref_loss)), "grad_error": grad_error,
+            "seconds": elapsed, "notes": report.notes}
+
+
+def run_parallel_demo(world: int, batch: int = 8, seq: int = 32) -> ParallelDemoResult:
+    """One planned training step of MiniMax (float64, eager modules) on ``world`` spawned
+    gloo ranks (no torchrun needed), compared with the single-process step: loss and every
+    gradient (each rank's share), and the measured step time next to the prediction.
+
+    Raises:
+        ConfigError: the planner finds no plan for this world and batch.
+    """
+    from graphopt.distributed import run_distributed
+
+    plan, why = demo_plan(world, batch, seq)
+    kwargs = {f.name: getattr(plan, f.name) for f in dataclasses_fields(plan)
+              if f.name != "prediction"}
+    ranks = run_distributed(_parallel_worker, world, kwargs, batch, seq)
+    assert plan.prediction is not None
+    return ParallelDemoResult(
+        plan.describe(), why, plan.prediction.step_s,
+        max(r["seconds"] for r in ranks), max(r["loss_error"] for r in ranks),
+        max(r["grad_error"] for r in ranks), ranks[-1]["notes"])
+
+
+def dataclasses_fields(obj: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.fields(obj)

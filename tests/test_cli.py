@@ -134,3 +134,16 @@ def test_plan_and_estimate_load_models_with_one_loader(tmp_path):
         unknown = runner.invoke(app, [*args, "--model", "llama9"])
         assert unknown.exit_code == 2 and "unknown model 'llama9'" in unknown.output
         assert "llama3-8b" in unknown.output and "qwen3_moe" in unknown.output
+
+
+def test_demo_parallel_runs_a_planned_step_on_local_ranks():
+    """`graphopt demo --parallel 4`: 4 spawned gloo ranks (no torchrun), a 3+-axis plan for
+    MiniMax, loss and gradients equal one process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "graphopt.cli", "demo", "--parallel", "4"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "MiniMax on 4 ranks" in out.stdout and "every gradient vs one process" in out.stdout
+    assert out.stdout.count("yes") >= 2 and "NO" not in out.stdout

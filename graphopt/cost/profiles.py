@@ -155,6 +155,16 @@ class ClusterProfile:
         """Devices in one unit of ``level`` (0: a node)."""
         return math.prod(lv.size for lv in self.levels[:level + 1])
 
+    def with_rate_of(self, traced: str, runs: str) -> ClusterProfile:
+        """This cluster with ``traced``'s FLOP rate set to ``runs``'s: for a model the planner
+        traces in one dtype (MoE models: bf16, grouped_mm's meta kernel) that runs in
+        another (fp32 on a CPU, whose bf16 GEMM is far slower)."""
+        import dataclasses
+
+        peak = dict(self.device.peak_flops, **{traced: self.device.flops_for(runs)})
+        return dataclasses.replace(self, device=dataclasses.replace(self.device,
+                                                                    peak_flops=peak))
+
     def scaled(self, devices: int) -> ClusterProfile:
         """The same cluster with its outermost level sized for at least ``devices``."""
         inner = self.devices_per(len(self.levels) - 2) if len(self.levels) > 1 else 1

@@ -132,6 +132,9 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     def build(layers: int, dense: int) -> Any:
         extra = {"first_k_dense_replace": dense} if hasattr(cfg, "first_k_dense_replace") \
             else {}
+        types = getattr(cfg, "layer_types", None)  # mixed layers (MiniMax: linear, full):
+        if types:  # the first ones; the per-layer cost is then the second layer's kind and
+            extra["layer_types"] = list(types)[:layers]  # the head absorbs the difference
         layer_key = "n_layer" if source.config_class == "GPT2Config" else "num_hidden_layers"
         return build_architecture(source, dtype, {**(overrides or {}), layer_key: layers,
                                                   **extra}, seq=seq, attn_implementation=attn)
