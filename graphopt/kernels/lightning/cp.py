@@ -13,7 +13,7 @@ boundaries (Lightning Attention-2's inter-block term, arXiv:2401.04658 eq. (3), 
 chunk per rank instead of a block per loop step; the prefix over ranks is the associative
 scan of (lambda^L, S) pairs). Communication: one all-gather of the P local states
 (B*H*D*Dv elements each, independent of L) forward, its reduce-scatter backward; the
-backward is autograd's through the all-gather (``all_gather_tensor_autograd``: the
+backward is autograd's through the all-gather (``all_gather_single_autograd``: the
 reduce-scatter sums every later rank's dS_in into dS_j, the reverse scan), the prefix
 combine and the op's own gradient for ``initial_state``. Causal, so no load balancing is
 needed: every rank does the same work.
@@ -84,7 +84,7 @@ def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, group
                          f"of the CP size ({size})")
     hq = q.shape[1]
     local = chunk_state(expand_kv(k, hq), expand_kv(v, hq), slope)
-    states = funcol.all_gather_tensor_autograd(local.contiguous(), gather_dim=0, group=pg)
+    states = funcol.all_gather_single_autograd(local.contiguous(), gather_dim=0, group=pg)
     states = states.view(size, *local.shape)
     # rank 0 too (an empty sum: zeros), so every rank's backward runs the all-gather's
     # reduce-scatter (a collective: skipping it on one rank would hang the others)

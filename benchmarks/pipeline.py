@@ -1,0 +1,107 @@
+"""Pipeline bubble on 4 gloo ranks (CPU), measured next to the planner's formula, in one run.
+
+    python benchmarks/pipeline.py [--layers 8] [--hidden 256] [--seq 128] [--reps 3]
+
+A Llama (transformers class, fp32, random weights) runs as graphopt.parallelize's pipeline
+(pp=4, 1F1B; and interleaved 1F1B with 2 virtual stages) for m = 4, 8, 16 microbatches of
+one sequence. The step time of 1F1B is T(m) = (m + pp - 1) x t, t the time of one
+microbatch's forward + backward on one stage (PipeDream-Flush; Narayanan et al. SC'21,
+eq. (1): bubble fraction (pp - 1) / (m + pp - 1)), and (m + (pp - 1) / v) x t interleaved.
+The benchmark fits T(m) = a m + b over the measured m by least squares: a is the measured
+t, and the measured bubble fraction at m is b / T(m); the planner's is
+graphopt.planner.perf's ``bubble_s / step_s`` for the same plan (its formula). Each rank
+uses 1 thread on this 2-core machine, so compute slows when more than 2 stages are busy:
+the fit absorbs a constant slowdown, not a varying one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from graphopt.distributed import run_distributed
+from graphopt.planner.plan import ParallelPlan
+
+PLANS = [dict(pp=4), dict(pp=4, virtual_stages=2, pp_schedule="interleaved")]
+MICROBATCHES = (4, 8, 16)
+
+
+def _sizes(args: argparse.Namespace) -> dict:
+    return dict(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden, num_attention_heads=8,
+                num_key_value_heads=4)
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, plan_kwargs: dict) -> dict:
+    import torch.distributed as dist
+
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+
+    torch.set_num_threads(1)
+    plan = ParallelPlan(**plan_kwargs)
+    torch.manual_seed(0)
+    pipe = parallelize(copy.deepcopy(build_model("llama", **_sizes(args))), plan,
+                       build_mesh(plan))
+    out = {}
+    for m in MICROBATCHES:
+        ids = torch.randint(0, 256, (m, args.seq), generator=torch.Generator().manual_seed(1))
+        times = []
+        for _ in range(args.reps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(ids)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+            for p in pipe.parameters():
+                p.grad = None
+        out[m] = statistics.median(times[1:])
+    return out
+
+
+def _predicted_bubble(args: argparse.Namespace, plan: ParallelPlan, m: int) -> float:
+    from graphopt.cost.profiles import default_profile_name, load_profile
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.perf import evaluate
+
+    cluster = load_profile(default_profile_name())
+    model = plan_model("llama", args.seq, cluster, dtype=torch.float32, overrides=_sizes(args))
+    pred = evaluate(plan, model, cluster, m, dp_overlap=False)
+    return pred.bubble_s / pred.step_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, fp32, 4 gloo "
+          f"ranks x 1 thread, microbatch = 1 sequence; medians of {args.reps}")
+    print(f"{'plan':40s} {'m':>3s} {'step ms':>8s} {'t ms':>7s} {'bubble':>7s} "
+          f"{'formula':>8s} {'planner':>8s}")
+    for kwargs in PLANS:
+        plan = ParallelPlan(**kwargs)
+        steps = run_distributed(_worker, 4, args, kwargs)[0]
+        ms = list(MICROBATCHES)
+        mean_m = sum(ms) / len(ms)
+        mean_t = sum(steps[m] for m in ms) / len(ms)
+        slope = sum((m - mean_m) * (steps[m] - mean_t) for m in ms) / \
+            sum((m - mean_m) ** 2 for m in ms)
+        intercept = mean_t - slope * mean_m
+        for m in ms:
+            formula = (plan.pp - 1) / plan.virtual_stages / (m + (plan.pp - 1) /
+                                                             plan.virtual_stages)
+            print(f"{plan.describe():40s} {m:3d} {steps[m] * 1e3:8.1f} {slope * 1e3:7.1f} "
+                  f"{intercept / steps[m]:7.3f} {formula:8.3f} "
+                  f"{_predicted_bubble(args, plan, m):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
