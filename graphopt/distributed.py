@@ -31,6 +31,7 @@ def _distributed_worker(rank: int, fn: Callable[..., Any], world: int, port: int
     try:
         result = fn(rank, world, *args)
         torch.save(result, f"{out}.{rank}")
+        dist.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -115,3 +115,31 @@ def test_impossible_context_parallel_plans_are_refused(model, plan, message):
 
     with pytest.raises(ConfigError, match=message):
         parallelize(build_model(model), ParallelPlan(**plan))
+
+
+def _bad_input_worker(rank, world):
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+    from graphopt.parallel.context import shard_sequence
+
+    plan = ParallelPlan(cp=2, **A2A)
+    mesh = build_mesh(plan)
+    model = parallelize(build_model("llama"), plan, mesh)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    out = []
+    mask = torch.ones(2, 4, dtype=torch.long)
+    mask[0, 0] = 0  # one padded position
+    for call in (lambda: shard_sequence(torch.zeros(2, 7, dtype=torch.long), mesh),
+                 lambda: model(input_ids=shard_sequence(ids, mesh)[0], attention_mask=mask)):
+        try:
+            call()
+            out.append("ran")
+        except ConfigError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_cp_with_padding_or_an_indivisible_sequence_is_a_clear_error():
+    for messages in run_distributed(_bad_input_worker, 2):
+        assert "sequence length 7 is not divisible by cp=2" in messages[0]
+        assert "this batch has a padding mask" in messages[1]
