@@ -17,11 +17,13 @@ from tests.test_parallel import _full, _full_precision_rmsnorm, _lm_loss
 A2A = dict(cp_kind="all_to_all")
 RUNS = {
     2: [("llama", dict(cp=2, **A2A)), ("qwen3", dict(cp=2, **A2A)),
+        ("llama", dict(cp=2)), ("qwen3", dict(cp=2, cp_kind="ring")),  # ring (default kind)
         ("minimax", dict(cp=2, **A2A))],  # lightning layers pass their state
     4: [("llama", dict(cp=4, **A2A)), ("llama", dict(cp=2, dp_shard=2, zero_stage=3, **A2A)),
         ("llama", dict(cp=2, dp_replicate=2, **A2A)), ("llama", dict(cp=2, tp=2, **A2A)),
         ("mixtral", dict(cp=2, dp_shard=2, ep=4, zero_stage=3, **A2A)),
-        ("minimax", dict(cp=4, **A2A))],
+        ("minimax", dict(cp=4, **A2A)), ("llama", dict(cp=2, dp_shard=2, zero_stage=3)),
+        ("llama", dict(cp=4))],
 }
 
 
@@ -30,7 +32,7 @@ def _run(name, plan, steps=3):
 
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, build_optimizer, parallelize
-    from graphopt.parallel.context import cp_loss, shard_sequence
+    from graphopt.parallel.context import _chunk_positions, cp_loss, shard_sequence
 
     torch.manual_seed(0)
     ref = build_model(name, dtype=torch.float64)
@@ -47,8 +49,9 @@ def _run(name, plan, steps=3):
     rank, length = mesh["cp"].get_local_rank(), local.shape[1]
     with torch.no_grad():
         logits = _full(model(input_ids=local, use_cache=False).logits)
+        positions = _chunk_positions(length, rank, plan.cp, plan.cp_kind == "ring")
         want = ref(input_ids=ids, use_cache=False).logits.chunk(plan.dp)[
-            mesh["dp"].get_local_rank()][:, rank * length:(rank + 1) * length]
+            mesh["dp"].get_local_rank()][:, positions]
     errors = {"logits": float((logits - want).abs().max()), "loss": 0.0}
     for step in range(steps):
         loss = cp_loss(model(input_ids=local, use_cache=False).logits, labels, mesh)
@@ -102,11 +105,12 @@ def test_context_parallel_plans_train_like_one_process(world):
             label = (name, kw, errors, notes)
             assert errors["loss"] < 1e-12 and errors["logits"] < 1e-9, label
             assert errors["grads"] < 1e-9 and errors["params"] < 1e-9, label
-            assert any(f"CP={kw['cp']} (Ulysses" in n for n in notes), label
+            kind = "ring" if kw.get("cp_kind", "ring") == "ring" else "Ulysses"
+            assert any(f"CP={kw['cp']} ({kind}" in n for n in notes), label
 
 
 @pytest.mark.parametrize("model, plan, message", [
-    ("llama", dict(cp=2), r"ring attention is not executed yet; use cp_kind='all_to_all'"),
+    ("minimax", dict(cp=2), r"the ring holds zigzag chunks: use cp_kind='all_to_all'"),
     ("llama", dict(cp=8, **A2A), r"splits the attention heads \(4\) over cp x tp \(8 x 1\)"),
 ])
 def test_impossible_context_parallel_plans_are_refused(model, plan, message):
@@ -141,5 +145,5 @@ def _bad_input_worker(rank, world):
 
 def test_cp_with_padding_or_an_indivisible_sequence_is_a_clear_error():
     for messages in run_distributed(_bad_input_worker, 2):
-        assert "sequence length 7 is not divisible by cp=2" in messages[0]
+        assert "sequence length 7 is not divisible by 2 (cp=2)" in messages[0]
         assert "this batch has a padding mask" in messages[1]

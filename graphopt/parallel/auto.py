@@ -33,8 +33,6 @@ CLUSTER_KEYS = ("profile", "seq", "global_batch")
 
 def not_executable(plan: ParallelPlan) -> str:
     """Why graphopt.parallelize cannot run ``plan`` ("" when it can)."""
-    if plan.cp > 1 and plan.cp_kind != "all_to_all":
-        return "ring CP is not executed (Ulysses all-to-all is)"
     if plan.cp > 1 and plan.pp > 1:
         return "CP with PP is not executed"
     if plan.expert_tp > 1:

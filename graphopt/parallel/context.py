@@ -1,5 +1,8 @@
 """Context parallelism for a plan: the sequence is split over the CP ranks; softmax attention
-exchanges heads for sequence with all-to-all (DeepSpeed-Ulysses, Jacobs et al. 2023).
+exchanges heads for sequence with all-to-all (DeepSpeed-Ulysses, Jacobs et al. 2023,
+``cp_kind="all_to_all"``) or passes keys and values around a ring (``cp_kind="ring"``:
+graphopt.kernels.comm.ring_attention, zigzag load balancing: rank r holds chunks r and
+2P-1-r of 2P).
 
 Contract: :func:`apply_cp` makes a transformers model run on this rank's contiguous chunk
 of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
@@ -25,9 +28,10 @@ of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
 boundaries); :func:`cp_loss` is the next-token loss whose gradients, averaged by data
 parallelism over dp x cp ranks, are the whole batch's mean-loss gradients.
 
-Refused (ConfigError): cp_kind "ring" (not built: use "all_to_all"), heads not divisible
-by cp, sliding-window attention, linear-attention layers of another form than MiniMax's, a
-sequence length the CP size does not divide.
+Refused (ConfigError): heads not divisible by cp (Ulysses), sliding-window attention,
+linear-attention layers of another form than MiniMax's or with the ring's zigzag layout
+(their state passing needs contiguous chunks), a sequence length the CP size (x 2 for the
+ring) does not divide, dropout in attention under the ring.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
 
 ATTENTION = "graphopt_cp"
+RING = "graphopt_cp_ring"
 _GROUPS: dict[int, Any] = {}
 
 
@@ -51,17 +56,19 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
     if config is None:
         raise ConfigError("cp > 1 runs transformers models (attention interface): this model "
                           "has no config; use cp=1")
-    if plan.cp_kind != "all_to_all":
-        raise ConfigError(f"cp_kind={plan.cp_kind!r}: ring attention is not executed yet; "
-                          "use cp_kind='all_to_all' (Ulysses)")
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    if not heads or heads % (plan.cp * plan.tp):
+    if plan.cp_kind == "all_to_all" and (not heads or heads % (plan.cp * plan.tp)):
         raise ConfigError(f"Ulysses CP splits the attention heads ({heads}) over cp x tp "
                           f"({plan.cp} x {plan.tp}): choose a cp dividing heads / tp")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ConfigError("sliding-window attention under CP is not executed (the window "
                           "crosses chunks): use cp=1")
     for path, module in model.named_modules():
+        if getattr(module, "layer_type", None) == "linear_attention" and \
+                plan.cp_kind == "ring":
+            raise ConfigError(f"{path}: lightning layers pass their state over contiguous "
+                              "chunks, the ring holds zigzag chunks: use "
+                              "cp_kind='all_to_all'")
         if getattr(module, "layer_type", None) == "linear_attention" and \
                 not all(hasattr(module, a) for a in _LIGHTNING_PARTS):
             raise ConfigError(f"{path}: a linear-attention layer without MiniMax's parts "
@@ -120,6 +127,23 @@ def _ulysses(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     return out.transpose(1, 2).contiguous(), None
 
 
+def _ring(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attention_mask: torch.Tensor | None, dropout: float = 0.0,
+          scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function: this rank's zigzag chunks q [B, H, 2c, D], k/v
+    [B, Hk, 2c, D] -> ([B, 2c, H, D], None) by ring attention (module docstring)."""
+    from graphopt.kernels.comm.ring_attention import ring_attention
+
+    if dropout and module.training:
+        raise ConfigError("ring attention runs without attention dropout: set the model's "
+                          "attention_dropout to 0 or use cp_kind='all_to_all'")
+    heads = query.shape[1]
+    key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads
+                  else t for t in (key, value))
+    out = ring_attention(query, key, value, _GROUPS[id(module.config)], scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _no_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None,
                      **kwargs: Any) -> None:
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -135,13 +159,17 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, _ulysses)
-    AttentionMaskInterface.register(ATTENTION, _no_padding_mask)
+    AttentionInterface.register(RING, _ring)
+    for name in (ATTENTION, RING):
+        AttentionMaskInterface.register(name, _no_padding_mask)
     group = mesh["cp"].get_group()
     rank = mesh["cp"].get_local_rank()
+    ring = plan.cp_kind == "ring"
+    mesh._graphopt_cp_kind = plan.cp_kind  # shard_sequence cuts the same layout
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ATTENTION
+            config._attn_implementation = RING if ring else ATTENTION
             _GROUPS[id(config)] = group
 
     import types
@@ -156,34 +184,51 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
     def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
-            length = ids.shape[1]
-            kwargs["position_ids"] = (torch.arange(length, device=ids.device)
-                                      + rank * length).unsqueeze(0)
+            kwargs["position_ids"] = _chunk_positions(ids.shape[1], rank, plan.cp, ring,
+                                                      ids.device).unsqueeze(0)
         return args, kwargs
 
     model.register_forward_pre_hook(positions, with_kwargs=True)
-    return (f"CP={plan.cp} (Ulysses all-to-all): this rank holds sequence chunk {rank} of "
-            f"{plan.cp}; attention heads exchanged for the sequence" + (
+    what = (f"ring attention): this rank holds chunks {rank} and {2 * plan.cp - 1 - rank} of "
+            f"{2 * plan.cp} (zigzag); keys and values pass around the ring" if ring else
+            f"Ulysses all-to-all): this rank holds sequence chunk {rank} of {plan.cp}; "
+            "attention heads exchanged for the sequence")
+    return (f"CP={plan.cp} ({what}" + (
                 f"; {swapped} lightning layer(s) pass their KV state between ranks"
                 if swapped else ""))
 
 
+def _chunk_positions(local: int, rank: int, size: int, ring: bool,
+                     device: Any = None) -> torch.Tensor:
+    """Global positions of this rank's ``local`` tokens: a contiguous chunk, or the ring's
+    zigzag chunks r and 2P-1-r."""
+    if not ring:
+        return torch.arange(local, device=device) + rank * local
+    c = local // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c,
+                               device=device)])
+
+
 def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this CP rank's chunk of ``ids`` [B, S], its next-token labels [B, S/P] with -100
-    past the last position): the label of a chunk's last token is the next chunk's first.
+    """(this CP rank's tokens of ``ids`` [B, S], their next-token labels, -100 past the last
+    position): a contiguous chunk (Ulysses) or chunks r and 2P-1-r of 2P (ring), as the
+    plan that :func:`apply_cp` ran says.
 
     Raises:
-        ConfigError: S not divisible by the CP size.
+        ConfigError: S not divisible by the CP size (x 2 for the ring).
     """
     size, rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+    ring = getattr(mesh, "_graphopt_cp_kind", "all_to_all") == "ring"
     seq = ids.shape[1]
-    if seq % size:
-        raise ConfigError(f"sequence length {seq} is not divisible by cp={size}: pad or "
-                          "pack sequences to a multiple of the CP size")
-    length = seq // size
+    parts = 2 * size if ring else size
+    if seq % parts:
+        raise ConfigError(f"sequence length {seq} is not divisible by {parts} (cp={size}"
+                          + (", two chunks per rank for the ring" if ring else "") + "): pad "
+                          "or pack sequences to a multiple")
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    chunk = slice(rank * length, (rank + 1) * length)
-    return ids[:, chunk], labels[:, chunk]
+    index = _chunk_positions(seq // size, rank, size, ring, ids.device)
+    return ids[:, index], labels[:, index]
 
 
 def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tensor:
