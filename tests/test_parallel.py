@@ -267,11 +267,13 @@ def test_tp_that_cannot_split_the_model_is_refused_before_sharding(overrides, me
         derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), 4)
 
 
-def test_axes_not_executed_yet_and_world_mismatch_are_errors():
+def test_models_an_axis_cannot_split_and_world_mismatch_are_errors():
     from graphopt.parallel import parallelize
 
-    with pytest.raises(ConfigError, match="executing PP is not built yet"):
+    with pytest.raises(ConfigError, match="pp > 1 cuts transformers causal LMs"):
         parallelize(torch.nn.Linear(2, 2), ParallelPlan(pp=2))
+    with pytest.raises(ConfigError, match="cp > 1 runs transformers models"):
+        parallelize(torch.nn.Linear(2, 2), ParallelPlan(cp=2))
     with pytest.raises(ConfigError, match="needs torch.distributed: launch with torchrun"):
         parallelize(torch.nn.Linear(2, 2), ParallelPlan(dp_shard=2))
 
