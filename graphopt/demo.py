@@ -109,7 +109,7 @@ class ParallelDemoResult:
 
 
 MIN_AXES = 3
-FALLBACK_PLAN = dict(pp=2, dp_shard=2, ep=2, zero_stage=3)
+FALLBACK_PLAN: dict[str, Any] = dict(pp=2, dp_shard=2, ep=2, zero_stage=3)
 
 
 def demo_plan(world: int, batch: int, seq: int) -> tuple[Any, list[str]]:
@@ -149,8 +149,8 @@ def demo_plan(world: int, batch: int, seq: int) -> tuple[Any, list[str]]:
                   f"{plan.describe()} (the planner's best: {result.best.describe()})"]
 
 
-def _parallel_worker(rank: int, world: int, plan_kwargs: dict, batch: int, seq: int
-                     ) -> dict:
+def _parallel_worker(rank: int, world: int, plan_kwargs: dict[str, Any], batch: int,
+                     seq: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from graphopt.parallel import build_mesh, parallelize
@@ -159,7 +159,7 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict, batch: int, seq: 
     plan = ParallelPlan(**plan_kwargs)
     reference = build_model("minimax", dtype=torch.float64)
     mesh = build_mesh(plan)
-    model = parallelize(copy.deepcopy(reference), plan, mesh)
+    model: Any = parallelize(copy.deepcopy(reference), plan, mesh)
     ids = sample_batch(reference, batch, seq)
     local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
 
@@ -183,7 +183,7 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict, batch: int, seq: 
     grad_error = 0.0
     for name, param in model.named_parameters():
         full = names.get(name, name)
-        want = refs[full].grad
+        want: Any = refs[full].grad
         for path, (a, b, _) in report.experts.items():
             if full.startswith(path + "."):
                 want = want[a:b]

@@ -203,7 +203,7 @@ def test_moe_plans_with_sharded_experts_train_like_one_process(world):
     runs = MOE_RUNS[world]
     results = run_distributed(_named_plans_worker, world, runs)
     _check_plans(results, [kw for _, kw in runs], world)
-    for i, (name, kw) in enumerate(runs):
+    for i, (_, kw) in enumerate(runs):
         notes = results[0][i][4]
         if kw.get("ep", 1) > 1:
             assert any(f"EP={kw['ep']}: this rank holds experts" in n for n in notes), notes

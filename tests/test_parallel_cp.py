@@ -12,7 +12,7 @@ import torch
 from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
-from tests.test_parallel import _full, _full_precision_rmsnorm, _lm_loss
+from tests.test_parallel import _full, _full_precision_rmsnorm, _held, _lm_loss
 
 A2A = dict(cp_kind="all_to_all")
 RUNS = {
@@ -83,13 +83,6 @@ def _float64_decays(model):
         if hasattr(module, "decay_factors") and hasattr(module, "slope_rate"):
             decays = module.decay_factors(module.slope_rate)
             module.query_decay, module.key_decay, module.diagonal_decay = decays
-
-
-def _held(name, full, report):
-    for path, (start, end, _) in report.experts.items():
-        if name.startswith(path + "."):
-            return full[start:end]
-    return full
 
 
 def _worker(rank, world, runs):

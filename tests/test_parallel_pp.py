@@ -13,7 +13,7 @@ import torch
 from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
-from tests.test_parallel import _full, _full_precision_rmsnorm, _lm_loss
+from tests.test_parallel import _full, _full_precision_rmsnorm, _held, _lm_loss
 
 L4, L2 = dict(num_hidden_layers=4), dict(num_hidden_layers=2)
 TIED = dict(num_hidden_layers=4, tie_word_embeddings=True)
@@ -53,16 +53,10 @@ def _run(name, overrides, plan, steps=3):
     opt = build_optimizer(pipe, plan, mesh, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     report = pipe.graphopt_parallel
-    held = {}
-    for path, (start, end, _) in report.experts.items():
-        held[path] = slice(start, end)
     refs = dict(ref.named_parameters())
 
     def want(name, t):
-        for path, part in held.items():
-            if name.startswith(path + "."):
-                return t[part]
-        return t
+        return _held(name, t, report)
 
     loss_err, grad_err = None, 0.0
     for step in range(steps):

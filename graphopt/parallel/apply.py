@@ -176,7 +176,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             "this rank runs " + ", ".join(
                 f"stage {p.index} (layers {p.start}..{p.end - 1}"
                 + (", embedding" if p.first else "") + (", norm + LM head" if p.last else "")
-                + ")" for p in model.parts))
+                + ")" for p in list[Any](model.parts)))
     _apply_dp(model, plan, mesh, report)
     names = getattr(model, "original_names", {})
     report.parameters = [(names.get(name, name), _expert_placement(names.get(name, name),
@@ -237,7 +237,7 @@ def _prepare(site: CallSite, before: Any, after: Any, outputs: int | None = None
         kw = dict(input_layouts=(*layouts, before), desired_input_layouts=(*layouts, after))
     if outputs is None:
         return PrepareModuleInput(**kw, use_local_output=True)
-    rest = (None,) * (outputs - 1) if outputs else ()
+    rest: tuple[Any, ...] = (None,) * (outputs - 1) if outputs else ()
     return PrepareModuleInputOutput(
         **kw, use_local_input=True, output_layouts=(after, *rest) if outputs else after,
         desired_output_layouts=(before, *rest) if outputs else before, use_local_output=True)
@@ -302,7 +302,7 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
 
         report.notes.append(reduce_expert_grads(model, plan, mesh, shard))
         experts = {p for p in expert_params(model) if not hasattr(p, "placements")}
-    ignored = {"ignored_params": experts} if experts else {}
+    ignored: dict[str, Any] = {"ignored_params": experts} if experts else {}
     units = list(getattr(model, "parts", [model]))  # PP: each stage is an FSDP root
     if shard:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \

@@ -80,7 +80,7 @@ _LIGHTNING_PARTS = ("qkv_proj", "act_fn", "slope_rate", "norm", "output_gate", "
                     "num_attention_heads", "head_dim")
 
 
-def _lightning_cp_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any,
+def _lightning_cp_forward(self: Any, hidden_states: torch.Tensor, *args: Any,
                           **kwargs: Any) -> tuple[torch.Tensor, None]:
     """MiniMax's lightning attention layer on this rank's chunk (module docstring): hidden
     [B, L, hidden] -> ([B, L, hidden], None)."""
@@ -177,7 +177,7 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
     swapped = 0
     for module in model.modules():
         if getattr(module, "layer_type", None) == "linear_attention":
-            module.graphopt_cp_group = str(group.group_name)
+            module.graphopt_cp_group = str(group.group_name)  # type: ignore[assignment]
             module.forward = types.MethodType(_lightning_cp_forward, module)
             swapped += 1
 

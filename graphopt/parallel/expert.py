@@ -78,7 +78,7 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def check_experts(path: str, module: nn.Module, ep: int) -> None:
+def check_experts(path: str, module: Any, ep: int) -> None:
     """Raise ConfigError unless ``module`` is SwiGLU experts in transformers' layout with
     E divisible by ep."""
     e = module.gate_up_proj.shape[0]
@@ -106,7 +106,7 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = 
     """
     from graphopt.parallel.mesh import expert_mesh
 
-    experts = find_experts(model)  # checked by parallelize before anything changed
+    experts: dict[str, Any] = find_experts(model)  # parallelize checked them already
     emesh = expert_mesh(mesh, plan)
     rank = emesh["ep"].get_local_rank()
     rpn = ranks_per_node or plan.ep
@@ -151,6 +151,13 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     return out
 
 
+def _shard_on(dim: int) -> Any:
+    """FSDP2's ``shard_placement_fn``: every parameter sharded on ``dim``."""
+    from torch.distributed.tensor import Shard
+
+    return lambda _: Shard(dim)
+
+
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters :func:`apply_ep` sharded (each rank's own experts)."""
     return [p for p in model.parameters() if getattr(p, "_graphopt_expert", False)]
@@ -161,7 +168,6 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
     docstring): FSDP2 over edp_shard when ``fsdp`` (ZeRO-2/3) and edp_shard > 1, else a
     gradient hook. Returns a note for the report."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
 
     from graphopt.parallel.mesh import expert_mesh
 
@@ -173,10 +179,10 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
         fs_mesh = emesh["dp_replicate", "edp_shard"] if plan.dp_replicate > 1 \
             else emesh["edp_shard"]
         for module in find_experts(model).values():
-            local = module.gate_up_proj.shape[0]
+            local = int(module.gate_up_proj.shape[0])  # type: ignore[index]
             dim = 0 if local % edp_shard == 0 else 1  # fewer local experts than shards:
             fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3,
-                        shard_placement_fn=lambda _, d=dim: Shard(d))  # split inside them
+                        shard_placement_fn=_shard_on(dim))  # split inside them
             module.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
             if dist.get_backend(fs_mesh.get_group(0)) == "gloo":  # no PREMUL_SUM in gloo:
                 module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
@@ -195,7 +201,7 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
 
     for p in expert_params(model):
         p.register_hook(hook)
-    return (f"experts: gradients " + (f"summed over edp ({emesh['edp'].size()} ranks), "
+    return ("experts: gradients " + (f"summed over edp ({emesh['edp'].size()} ranks), "
                                       if group is not None else "")
             + f"divided by dp x cp={dp} (gradient hook)")
 
@@ -211,7 +217,7 @@ def choose_schedule_at_first_step(model: nn.Module, plan: ParallelPlan, opts: An
     by torch.compile) the schedule is "flat"."""
     from graphopt.passes.moe import ep_schedule
 
-    experts = find_experts(model)
+    experts: dict[str, Any] = find_experts(model)
     first = next(iter(experts.values()))
     state: EPState = first.graphopt_ep  # type: ignore[assignment]
     top_k = int(getattr(getattr(model, "config", None), "num_experts_per_tok", 0) or 0)

@@ -67,12 +67,17 @@ class DecoderStage(nn.Module):
     (int64, first stage) or hidden states [B, S, H]; output: hidden states [B, S, H] or
     logits [B, S, V] (last stage)."""
 
-    def __init__(self, model: nn.Module, layers: list[nn.Module], start: int, end: int,
+    embed_tokens: Any
+    rotary_emb: Any
+    norm: Any
+    lm_head: Any
+
+    def __init__(self, model: Any, layers: list[nn.Module], start: int, end: int,
                  index: int, count: int, seq_split: int = 1) -> None:
         super().__init__()
         self.seq_split = 1 if index == 0 else seq_split
         """SP: a later stage receives its sequence shard (positions count the whole)."""
-        inner = model.model  # type: ignore[union-attr]
+        inner = model.model
         self.first, self.last = index == 0, index == count - 1
         self.index, self.start, self.end = index, start, end
         self.embed_tokens = model.get_input_embeddings() if self.first else None
@@ -141,8 +146,9 @@ class PipelinedModel(nn.Module):
         if microbatches not in self._schedules:
             count = self.plan.pp * self.plan.virtual_stages
             device = next(self.parameters()).device
-            stages = [PipelineStage(p, p.index, count, device, group=self.group)
-                      for p in self.parts]
+            parts: list[Any] = list(self.parts)
+            stages: list[Any] = [PipelineStage(p, p.index, count, device, group=self.group)
+                                 for p in parts]
             if self.plan.virtual_stages > 1:
                 self._schedules[microbatches] = ScheduleInterleaved1F1B(
                     stages, microbatches, loss_fn=self.loss_fn)
@@ -203,7 +209,7 @@ def _original(name: str, prefix: str) -> str:
             "lm_head": "lm_head"}[head] + f".{rest}"
 
 
-def pipeline(model: nn.Module, plan: ParallelPlan, mesh: Any,
+def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              sp: bool = False) -> PipelinedModel:
     """This rank's stages of ``model`` (module docstring) as a :class:`PipelinedModel`.
@@ -255,7 +261,7 @@ def _parent_list(model: nn.Module, layers: list[nn.Module]) -> nn.Module:
                 len(m) == len(layers) and m[0] is layers[0])
 
 
-def check_pipeline(model: nn.Module, plan: ParallelPlan) -> None:
+def check_pipeline(model: Any, plan: ParallelPlan) -> None:
     """Raise ConfigError unless ``model`` can be cut into the plan's stages."""
     from graphopt.parallel.apply import decoder_layers
 

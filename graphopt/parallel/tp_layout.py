@@ -241,7 +241,7 @@ def _inner_params(layout: TPLayout, modules: dict[str, nn.Module], mixer: str,
     sees the reduced output (replicated, nothing to do). Anything else (a parameter of the
     mixer itself, a non-norm module between readers and writer) -> the reason to keep the
     mixer replicated; "" when all are handled."""
-    first = {}
+    first: dict[str, int] = {}
     for i, p in enumerate(recorder.order):
         first.setdefault(p, i)
     start = min(first.get(r, -1) for r in readers)

@@ -130,8 +130,8 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     attn = "sdpa" if attention == "flash" else "graphopt_megatron_cost"
 
     def build(layers: int, dense: int) -> Any:
-        extra = {"first_k_dense_replace": dense} if hasattr(cfg, "first_k_dense_replace") \
-            else {}
+        extra: dict[str, Any] = {"first_k_dense_replace": dense} \
+            if hasattr(cfg, "first_k_dense_replace") else {}
         types = getattr(cfg, "layer_types", None)  # mixed layers (MiniMax: linear, full):
         if types:  # the first ones; the per-layer cost is then the second layer's kind and
             extra["layer_types"] = list(types)[:layers]  # the head absorbs the difference

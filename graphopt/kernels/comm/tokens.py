@@ -43,7 +43,7 @@ def _group(name: str, size: int) -> dist.ProcessGroup:
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("scatter_rows/gather_rows need an initialized torch.distributed")
-    group = _resolve_process_group(name) if name else dist.group.WORLD
+    group = _resolve_process_group(name) if name else dist.group.WORLD  # type: ignore[arg-type]
     assert group is not None
     if dist.get_world_size(group) != size:
         raise RuntimeError(f"group {name!r} has {dist.get_world_size(group)} ranks, expected "

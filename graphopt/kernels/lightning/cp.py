@@ -39,7 +39,7 @@ def _group(name: str) -> dist.ProcessGroup:
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context-parallel lightning attention needs torch.distributed")
-    group = _resolve_process_group(name) if name else dist.group.WORLD
+    group = _resolve_process_group(name) if name else dist.group.WORLD  # type: ignore[arg-type]
     assert group is not None
     return group
 
@@ -92,6 +92,8 @@ def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, group
     hops = torch.arange(rank - 1, -1, -1, device=q.device, dtype=acc)  # r - 1 - j
     decay = torch.exp(-slope.to(acc)[None, :] * (length * hops)[:, None])  # [r, H]
     initial = (states[:rank] * decay[:, None, :, None, None]).sum(0)
-    return lightning_attention(q, k, v, slope, scale=scale, initial_state=initial,
-                               block_size=block_size, checkpoint_every=checkpoint_every,
-                               impl=impl)
+    out = lightning_attention(q, k, v, slope, scale=scale, initial_state=initial,
+                              block_size=block_size, checkpoint_every=checkpoint_every,
+                              impl=impl)
+    assert isinstance(out, torch.Tensor)  # output_final_state=False: the output alone
+    return out

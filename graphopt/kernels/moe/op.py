@@ -5,7 +5,8 @@ Inputs (T tokens, K experts per token, E experts, H hidden, F expert intermediat
     hidden [T, H]; top_k_index [T, K] int64 in [0, E); top_k_weights [T, K] (any float
     dtype, e.g. float32 from a float32 router next to bf16 experts); gate_up [El, 2F, H] and
     down [El, H, F] in hidden's dtype (transformers' layout): this rank's El = E / ep local
-    experts, experts r*El .. (r+1)*El - 1 on EP rank r (El = E with ep = 1). Output [T, H], hidden's dtype;
+    experts, experts r*El .. (r+1)*El - 1 on EP rank r (El = E with ep = 1). Output [T, H],
+    hidden's dtype;
     the weighted sum over the K experts is accumulated in promote(hidden, weights) dtype, as
     transformers' grouped_mm experts do.
 
