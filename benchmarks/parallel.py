@@ -7,12 +7,13 @@ A Llama, or a Mixtral with 8 experts (top-2; transformers' grouped_mm experts wh
 experts are not expert-parallel), transformers classes, fp32, random weights, is sharded by
 graphopt.parallelize for each plan; a step is forward + backward + AdamW on this rank's
 share of the global batch (eager modules; compile time would dominate at this size).
-Reported per plan: median step time of the slowest rank, the planner's predicted step
-time for the same model and plan on the cost model's profile (``local`` when `graphopt calibrate` ran, else h100-sxm, named in the
-output), their ratio, and the measured per-rank bytes of parameters + gradients + optimizer
-states next to the plan's memory model. 4 ranks share this machine's cores (1 thread each),
-and gloo's collectives are CPU copies on those same cores: communication here is not
-overlapped the way NCCL on GPUs overlaps it, so the ratio mostly measures that.
+Reported per plan: median step time of the slowest rank, the planner's predicted step time
+for the same model and plan on the cost model's profile (``local`` when `graphopt calibrate`
+ran, else h100-sxm, named in the output), their ratio, and the measured per-rank bytes of
+parameters + gradients + optimizer states next to the plan's memory model. 4 ranks share
+this machine's cores (1 thread each), and gloo's collectives are CPU copies on those same
+cores: communication here is not overlapped the way NCCL on GPUs overlaps it, so the ratio
+mostly measures that.
 """
 
 from __future__ import annotations
