@@ -385,13 +385,17 @@ def _auto_worker(rank, world):
     plan, mesh = report.parallel_plan, report.mesh
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
     local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-    optimizer_for(model, torch.optim.AdamW, lr=1e-2)
+    opt = optimizer_for(model, torch.optim.AdamW, lr=1e-2)
     _lm_loss(model, local).backward()
     _lm_loss(ref, ids).backward()
     grad_err = max(float((_full(p.grad) - r.grad).abs().max())
                    for p, r in zip(model.parameters(), ref.parameters()))
+    for _ in range(3):  # the report times steps from the forwards' starts
+        opt.step()
+        opt.zero_grad()
+        _lm_loss(model, local).backward()
     dist.barrier()
-    return grad_err, plan.describe(), report.notes
+    return grad_err, plan.describe(), report.notes + [report.step_time()]
 
 
 def test_parallel_auto_executes_the_planner_s_best_executable_plan():
@@ -399,6 +403,8 @@ def test_parallel_auto_executes_the_planner_s_best_executable_plan():
         assert grad_err < 1e-9, (plan, grad_err)
         assert notes[0].startswith(f"auto: {plan} for 4 ranks of 'h100-sxm' (seq 16, global "
                                    "batch 8): predicted step"), notes
+        assert notes[-1].startswith("step: predicted ") and "measured " in notes[-1] and \
+            "(median of 2)" in notes[-1], notes[-1]
 
 
 def test_auto_without_the_job_s_sizes_is_a_clear_error():

@@ -68,6 +68,32 @@ class ParallelReport:
     """The plan executed (with the planner's prediction when it came from a search)."""
     mesh: Any = None
     """The DeviceMesh it runs on."""
+    step_starts: list[float] = field(default_factory=list)
+    """perf_counter() at the start of each training step (each forward of the model, or
+    each PipelinedModel.step): consecutive differences are measured step times."""
+
+    def record_step_start(self) -> None:
+        import time
+
+        self.step_starts.append(time.perf_counter())
+
+    @property
+    def measured_step_s(self) -> float | None:
+        """Median time between consecutive step starts (forward + backward + optimizer +
+        data), the first step excluded (compilation, lazy init); None before 3 steps."""
+        import statistics
+
+        gaps = [b - a for a, b in zip(self.step_starts[1:], self.step_starts[2:])]
+        return statistics.median(gaps) if gaps else None
+
+    def step_time(self) -> str:
+        """"predicted X ms (the planner), measured Y ms" for the executed plan."""
+        pred = getattr(self.parallel_plan, "prediction", None)
+        measured = self.measured_step_s
+        return (f"step: predicted {pred.step_s * 1e3:.3g} ms" if pred else
+                "step: no prediction (a hand-written plan)") + (
+            f", measured {measured * 1e3:.3g} ms (median of {len(self.step_starts) - 2})"
+            if measured is not None else ", measured: run 3 steps first")
 
     def to_markdown(self) -> str:
         """The plan, notes, what stayed replicated and a table of parameter placements."""
@@ -75,6 +101,7 @@ class ParallelReport:
         if self.tp_layout is not None:
             lines += [f"- kept replicated: `{p}`: {why}" for p, why in
                       self.tp_layout.kept.items()]
+        lines += [f"- {self.step_time()}"]
         lines += ["", "| parameter | placements | local shape |", "|---|---|---|"]
         lines += [f"| {n} | {pl} | {tuple(s)} |" for n, pl, s in self.parameters]
         return "\n".join(lines) + "\n"
@@ -178,6 +205,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                 + (", embedding" if p.first else "") + (", norm + LM head" if p.last else "")
                 + ")" for p in list[Any](model.parts)))
     _apply_dp(model, plan, mesh, report)
+    if plan.pp == 1:  # PipelinedModel.step records its own starts
+        model.register_forward_pre_hook(lambda *_: report.record_step_start())
     names = getattr(model, "original_names", {})
     report.parameters = [(names.get(name, name), _expert_placement(names.get(name, name),
                                                                    report) + _placements(p),

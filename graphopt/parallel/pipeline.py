@@ -183,6 +183,9 @@ class PipelinedModel(nn.Module):
                               f"a multiple of pp ({self.plan.pp}): change the batch or "
                               "plan.microbatch")
         schedule = self._schedule(count)
+        report = getattr(self, "graphopt_parallel", None)
+        if report is not None:
+            report.record_step_start()
         losses: list[torch.Tensor] = []
         target = labels if labels is not None else input_ids
         if self.is_first:
