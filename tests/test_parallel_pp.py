@@ -21,7 +21,8 @@ RUNS = {
     2: [("llama", L4, dict(pp=2)),
         ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="interleaved", microbatch=2)),
         ("llama", dict(num_hidden_layers=5), dict(pp=2, microbatch=2)),  # uneven: 2 + 3
-        ("llama", TIED, dict(pp=2))],  # one weight on the first and last stage
+        ("llama", TIED, dict(pp=2)),  # one weight on the first and last stage
+        ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=2))],
     4: [("llama", L4, dict(pp=4)),
         ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
         ("llama", L4, dict(pp=2, dp_replicate=2, virtual_stages=2, pp_schedule="interleaved")),

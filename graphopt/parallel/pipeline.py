@@ -9,8 +9,10 @@ fewer layers when the count does not divide), keeps this rank's stages (1F1B: st
 interleaved schedule, Narayanan et al. SC'21 sec. 2.2) and returns a
 :class:`PipelinedModel` whose :meth:`~PipelinedModel.step` runs forward and backward of
 all microbatches with torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (PipeDream-
-Flush 1F1B, Narayanan et al. 2021). Gradients are those of the mean loss over the
-microbatches (the schedule divides by their count), i.e. of the whole batch.
+Flush 1F1B, Narayanan et al. 2021), or ``ScheduleInterleavedZeroBubble`` for
+``pp_schedule="zero_bubble"`` (Qi et al. 2024: weight gradients deferred into the bubbles).
+Gradients are those of the mean loss over the microbatches (the schedule divides by their
+count), i.e. of the whole batch.
 
 A stage computes what the model's own forward does for its layers, with no padding mask
 (causal attention through SDPA's ``is_causal``; padding masks are refused, see
@@ -141,6 +143,7 @@ class PipelinedModel(nn.Module):
             PipelineStage,
             Schedule1F1B,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
         )
 
         if microbatches not in self._schedules:
@@ -149,7 +152,10 @@ class PipelinedModel(nn.Module):
             parts: list[Any] = list(self.parts)
             stages: list[Any] = [PipelineStage(p, p.index, count, device, group=self.group)
                                  for p in parts]
-            if self.plan.virtual_stages > 1:
+            if self.plan.pp_schedule == "zero_bubble":
+                self._schedules[microbatches] = ScheduleInterleavedZeroBubble(
+                    stages, microbatches, loss_fn=self.loss_fn)
+            elif self.plan.virtual_stages > 1:
                 self._schedules[microbatches] = ScheduleInterleaved1F1B(
                     stages, microbatches, loss_fn=self.loss_fn)
             else:

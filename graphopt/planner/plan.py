@@ -59,6 +59,10 @@ class ParallelPlan:
     microbatch: int = 1
     """Sequences per microbatch."""
     pp_schedule: str = "1f1b"
+    """"1f1b" | "interleaved" (virtual_stages > 1) | "zero_bubble" (interleaved with the
+    weight-gradient computation deferred into the bubbles: Qi et al. 2024, torch's
+    ScheduleInterleavedZeroBubble; executed, not searched: the planner prices it as
+    interleaved)."""
     ep: int = 1
     expert_tp: int = 1
     recompute_layers: int = 0
@@ -113,9 +117,14 @@ class ParallelPlan:
             return out
         if self.cp_kind not in ("ring", "all_to_all"):
             out.append(f"cp_kind must be 'ring' or 'all_to_all', got {self.cp_kind!r}")
-        if self.pp_schedule not in ("1f1b", "interleaved"):
-            out.append(f"pp_schedule must be '1f1b' or 'interleaved', got {self.pp_schedule!r}")
-        if (self.pp_schedule == "interleaved") != (self.virtual_stages > 1):
+        if self.pp_schedule not in ("1f1b", "interleaved", "zero_bubble"):
+            out.append(f"pp_schedule must be '1f1b', 'interleaved' or 'zero_bubble', got "
+                       f"{self.pp_schedule!r}")
+        if self.pp_schedule == "zero_bubble" and self.virtual_stages < 2:
+            out.append("the zero-bubble schedule (interleaved, weight gradients deferred) "
+                       "needs virtual_stages >= 2")
+        elif self.pp_schedule != "zero_bubble" and \
+                (self.pp_schedule == "interleaved") != (self.virtual_stages > 1):
             out.append("interleaved 1F1B needs virtual_stages > 1 (and 1F1B exactly 1)")
         if sorted(self.mesh_order) != sorted(AXES):
             out.append(f"mesh_order must order all of {AXES}, got {self.mesh_order}")
@@ -216,7 +225,8 @@ class ParallelPlan:
         if self.cp > 1:
             parts.append(f"CP {self.cp_kind}")
         if self.virtual_stages > 1:
-            parts.append(f"interleaved v={self.virtual_stages}")
+            kind = "zero-bubble" if self.pp_schedule == "zero_bubble" else "interleaved"
+            parts.append(f"{kind} v={self.virtual_stages}")
         parts.append(f"mb={self.microbatch}")
         if self.recompute_layers:
             parts.append(f"recompute {self.recompute_layers} layers/stage")
