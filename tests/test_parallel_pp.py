@@ -24,6 +24,8 @@ RUNS = {
         ("llama", TIED, dict(pp=2)),  # one weight on the first and last stage
         ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=2))],
     4: [("llama", L4, dict(pp=4)),
+        ("llama", dict(num_hidden_layers=8), dict(pp=4, virtual_stages=2,
+                                                  pp_schedule="interleaved")),
         ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
         ("llama", L4, dict(pp=2, dp_replicate=2, virtual_stages=2, pp_schedule="interleaved")),
         ("llama", L4, dict(pp=2, tp=2)),
