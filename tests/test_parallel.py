@@ -415,6 +415,23 @@ def test_auto_without_the_job_s_sizes_is_a_clear_error():
         auto_plan(build_model("llama"), 4, {"seq": 16})
 
 
+def _sp_odd_length_worker(rank, world):
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+
+    model = parallelize(build_model("llama"), ParallelPlan(tp=2))
+    try:
+        model(input_ids=torch.zeros(3, 7, dtype=torch.long), use_cache=False)
+    except ConfigError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_sp_with_a_sequence_tp_does_not_divide_is_a_clear_error():
+    for message in run_distributed(_sp_odd_length_worker, 2):
+        assert "sequence length 7 is not divisible by tp=2 under SP" in message
+
+
 def test_torch_compile_backend_refuses_the_parallel_option():
     with pytest.raises(Exception, match="use graphopt.compile"):
         torch.compile(torch.nn.Linear(2, 2), backend="graphopt",

@@ -139,9 +139,12 @@ def _bad_batch_worker(rank, world):
                                     microbatch=2))
     ids = torch.zeros(6, 8, dtype=torch.long)
     out = []
-    for batch, mask in ((ids[:5], None), (ids, None), (ids[:4], torch.zeros(4, 8))):
+    for call in (lambda: pipe.step(ids[:5]), lambda: pipe.step(ids),
+                 lambda: pipe.step(ids[:4], attention_mask=torch.zeros(4, 8)),
+                 lambda: pipe.step(ids[0]), lambda: pipe.step(ids[:2]), lambda: pipe(ids),
+                 lambda: pipe.step(ids[:4], labels=ids[:4, :5])):
         try:
-            pipe.step(batch, attention_mask=mask)
+            call()
             out.append("ran")
         except ConfigError as exc:
             out.append(str(exc))
@@ -153,6 +156,50 @@ def test_bad_batches_for_a_pipeline_are_clear_errors():
         assert "not divisible by the microbatch size (2)" in messages[0]
         assert "microbatch count (3) to be a multiple of pp (2)" in messages[1]
         assert "this batch has padding" in messages[2]
+        assert "input_ids must be [B, S] token ids" in messages[3]
+        assert "1 microbatch(es) of 2 for 2 pipeline ranks" in messages[4]
+        assert "trains with loss = model.step(input_ids" in messages[5]
+        assert "labels (4, 5) must have input_ids' shape (4, 8)" in messages[6]
+
+
+def _varying_worker(rank, world):
+    """Steps with another sequence length, and labels with ignored (-100) positions spread
+    unevenly over the microbatches: each step equals one process's mean loss."""
+    import torch.distributed as dist
+
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+
+    torch.manual_seed(0)
+    ref = build_model("llama", dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
+    plan = ParallelPlan(pp=2)
+    pipe = parallelize(copy.deepcopy(ref), plan, build_mesh(plan))
+    refs = dict(ref.named_parameters())
+    errors = []
+    for seq in (8, 12, 8):
+        ids = torch.randint(0, 256, (4, seq), generator=torch.Generator().manual_seed(seq))
+        labels = ids.clone()
+        labels[0, 2:] = -100  # the first microbatch has few labelled positions
+        loss = pipe.step(ids, labels=labels)
+        logits = ref(input_ids=ids, use_cache=False).logits
+        want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 labels[:, 1:].flatten(), ignore_index=-100)
+        want.backward()
+        grad = max(float((p.grad - refs[pipe.original_names[n]].grad).abs().max())
+                   for n, p in pipe.named_parameters())
+        value = torch.tensor([float(loss.detach()) if loss is not None else 0.0],
+                             dtype=torch.float64)
+        dist.all_reduce(value)  # only the last stage holds it
+        errors.append((abs(float(value) - float(want.detach())), grad))
+        for p in list(pipe.parameters()) + list(ref.parameters()):
+            p.grad = None
+    return errors
+
+
+def test_pipeline_steps_with_other_lengths_and_ignored_labels_equal_one_process():
+    for errors in run_distributed(_varying_worker, 2):
+        assert all(loss < 1e-12 and grad < 1e-9 for loss, grad in errors), errors
 
 
 def _compiled_worker(rank, world):

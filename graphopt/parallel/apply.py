@@ -205,8 +205,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                 + (", embedding" if p.first else "") + (", norm + LM head" if p.last else "")
                 + ")" for p in list[Any](model.parts)))
     _apply_dp(model, plan, mesh, report)
-    if plan.pp == 1:  # PipelinedModel.step records its own starts
+    if plan.pp == 1:  # PipelinedModel.step records its own starts (and checks S under SP)
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
+        if report.sp:
+            model.register_forward_pre_hook(_sp_length_check(plan.tp), with_kwargs=True)
     names = getattr(model, "original_names", {})
     report.parameters = [(names.get(name, name), _expert_placement(names.get(name, name),
                                                                    report) + _placements(p),
@@ -307,6 +309,20 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
     parallelize_module(model, tp_mesh, plan)
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(_grad_like_param)
+
+
+def _sp_length_check(tp: int) -> Callable[..., None]:
+    """Forward pre-hook: under SP the sequence is split over the TP ranks; a length tp does
+    not divide would make the ranks' collectives disagree (gloo aborts the process)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if x is None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
+            raise ConfigError(f"sequence length {x.shape[1]} is not divisible by tp={tp} "
+                              "under SP (the sequence is split over the TP ranks): pad to a "
+                              "multiple of tp or use sp=False")
+    return hook
 
 
 def _grad_like_param(param: torch.Tensor) -> None:

@@ -122,7 +122,11 @@ class PipelinedModel(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
-        self._schedules: dict[int, Any] = {}
+        self._schedules: dict[tuple[int, ...], Any] = {}
+        self.seq_split = 1
+        """TP degree whose ranks split the sequence (SP): S must divide by it (set by
+        :func:`pipeline`, the same on every rank so all of them refuse a bad batch)."""
+        self._microbatches, self._labelled = 1, 1
         self.tied: tuple[nn.Parameter, Any] | None = None
         """(tied embedding weight, group of the first and last pipeline rank) if any."""
         self.original_names = {}
@@ -138,7 +142,13 @@ class PipelinedModel(nn.Module):
     def is_last(self) -> bool:
         return any(p.last for p in self.parts)
 
-    def _schedule(self, microbatches: int) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not a forward: raises ConfigError (pipeline stages run inside ``step``)."""
+        raise ConfigError("a PipelinedModel (pp > 1) trains with loss = model.step(input_ids, "
+                          "labels=None); its stages run inside the pipeline schedule, not "
+                          "through model(...)")
+
+    def _schedule(self, microbatches: int, shape: tuple[int, ...] = ()) -> Any:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -146,22 +156,34 @@ class PipelinedModel(nn.Module):
             ScheduleInterleavedZeroBubble,
         )
 
-        if microbatches not in self._schedules:
+        key = (microbatches, *shape)  # stages size their buffers from the first batch
+        if key not in self._schedules:
             count = self.plan.pp * self.plan.virtual_stages
             device = next(self.parameters()).device
             parts: list[Any] = list(self.parts)
             stages: list[Any] = [PipelineStage(p, p.index, count, device, group=self.group)
                                  for p in parts]
+            loss = self._microbatch_loss
             if self.plan.pp_schedule == "zero_bubble":
-                self._schedules[microbatches] = ScheduleInterleavedZeroBubble(
-                    stages, microbatches, loss_fn=self.loss_fn)
+                self._schedules[key] = ScheduleInterleavedZeroBubble(stages, microbatches,
+                                                                     loss_fn=loss)
             elif self.plan.virtual_stages > 1:
-                self._schedules[microbatches] = ScheduleInterleaved1F1B(
-                    stages, microbatches, loss_fn=self.loss_fn)
+                self._schedules[key] = ScheduleInterleaved1F1B(stages, microbatches,
+                                                               loss_fn=loss)
             else:
-                self._schedules[microbatches] = Schedule1F1B(stages[0], microbatches,
-                                                             loss_fn=self.loss_fn)
-        return self._schedules[microbatches]
+                self._schedules[key] = Schedule1F1B(stages[0], microbatches, loss_fn=loss)
+        return self._schedules[key]
+
+    def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The default loss weighted so the schedule's mean over microbatches is the batch's
+        mean over labelled positions (microbatches may hold different numbers of -100
+        labels); a custom loss_fn is averaged over microbatches as torch does."""
+        if self.loss_fn is not next_token_loss:
+            return self.loss_fn(logits, labels)
+        summed = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                             labels[:, 1:].flatten(), ignore_index=-100,
+                                             reduction="sum")
+        return summed * self._microbatches / self._labelled
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -170,11 +192,25 @@ class PipelinedModel(nn.Module):
         sequences; gradients accumulate into this rank's parameters.
 
         Returns:
-            the mean loss over the microbatches on the last stage's ranks, else None.
+            on the last stage's ranks the batch's mean loss (the default next-token loss:
+            mean over labelled positions, -100 ignored; a custom ``loss_fn``: the mean of its
+            microbatch values), else None.
         Raises:
-            ConfigError: a padding ``attention_mask`` (not all ones), B not divisible by the
-                microbatch size, fewer microbatches than pp with interleaving.
+            ConfigError: input_ids not [B, S] integers, labels of another shape, a padding
+                ``attention_mask``, B not divisible by the microbatch size, fewer
+                microbatches than pp, a microbatch count that interleaving cannot split
+                (not a multiple of pp), S not divisible by tp under SP.
         """
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise ConfigError(f"input_ids must be [B, S] token ids (int64); got "
+                              f"{input_ids.dtype} of shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ConfigError(f"labels {tuple(labels.shape)} must have input_ids' shape "
+                              f"{tuple(input_ids.shape)}")
+        if self.seq_split > 1 and input_ids.shape[1] % self.seq_split:
+            raise ConfigError(f"sequence length {input_ids.shape[1]} is not divisible by "
+                              f"tp={self.seq_split} under SP: pad to a multiple or use "
+                              "sp=False")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ConfigError("pipeline stages run causal attention without a padding mask; "
                               "this batch has padding: pack sequences without padding or "
@@ -184,16 +220,22 @@ class PipelinedModel(nn.Module):
             raise ConfigError(f"the batch ({batch} sequences) is not divisible by the "
                               f"microbatch size ({mb}): change the batch or plan.microbatch")
         count = batch // mb
+        if count < self.plan.pp:
+            raise ConfigError(f"{count} microbatch(es) of {mb} for {self.plan.pp} pipeline "
+                              "ranks: a pipeline needs at least one microbatch per rank; "
+                              "use a larger batch or a smaller plan.microbatch")
         if self.plan.virtual_stages > 1 and count % self.plan.pp:
             raise ConfigError(f"interleaved 1F1B needs the microbatch count ({count}) to be "
                               f"a multiple of pp ({self.plan.pp}): change the batch or "
                               "plan.microbatch")
-        schedule = self._schedule(count)
+        schedule = self._schedule(count, tuple(input_ids.shape[1:]))
+        target = labels if labels is not None else input_ids
+        self._microbatches = count
+        self._labelled = max(1, int((target[:, 1:] != -100).sum()))
         report = getattr(self, "graphopt_parallel", None)
         if report is not None:
             report.record_step_start()
         losses: list[torch.Tensor] = []
-        target = labels if labels is not None else input_ids
         if self.is_first:
             schedule.step(input_ids, target=target if self.is_last else None, losses=losses)
         elif self.is_last:
@@ -239,6 +281,7 @@ def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
              for s in mine]
     pipe = PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
                           prefix)
+    pipe.seq_split = plan.tp if sp else 1
     weight = model.get_input_embeddings().weight
     if weight is model.get_output_embeddings().weight:
         group = _embedding_group(mesh)
