@@ -140,3 +140,16 @@ def test_cp_with_padding_or_an_indivisible_sequence_is_a_clear_error():
     for messages in run_distributed(_bad_input_worker, 2):
         assert "sequence length 7 is not divisible by 2 (cp=2)" in messages[0]
         assert "this batch has a padding mask" in messages[1]
+
+
+@pytest.mark.parametrize("kind", ["_ulysses", "_ring"])
+def test_bidirectional_attention_is_refused_under_cp(kind):
+    """An encoder-style layer (is_causal False) would be computed causally: refused before
+    any communication."""
+    from graphopt.parallel import context
+
+    layer = torch.nn.Module()
+    layer.is_causal = False
+    x = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="is bidirectional .* use cp=1"):
+        getattr(context, kind)(layer, x, x, x, None)

@@ -104,6 +104,7 @@ def _ulysses(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     chunk -> ([B, L, H, D], None); module docstring."""
     import torch.distributed._functional_collectives as funcol
 
+    _require_causal(module, kwargs)
     group = _GROUPS[id(module.config)]
     size = dist.get_world_size(group)
     heads = query.shape[1]
@@ -134,6 +135,7 @@ def _ring(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
     [B, Hk, 2c, D] -> ([B, 2c, H, D], None) by ring attention (module docstring)."""
     from graphopt.kernels.comm.ring_attention import ring_attention
 
+    _require_causal(module, kwargs)
     if dropout and module.training:
         raise ConfigError("ring attention runs without attention dropout: set the model's "
                           "attention_dropout to 0 or use cp_kind='all_to_all'")
@@ -142,6 +144,14 @@ def _ring(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
                   else t for t in (key, value))
     out = ring_attention(query, key, value, _GROUPS[id(module.config)], scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _require_causal(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """CP attention is causal over the whole sequence; a bidirectional layer would be
+    computed wrongly, so it is refused (before any communication: every rank refuses)."""
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ConfigError(f"{type(module).__name__} is bidirectional (is_causal=False); "
+                          "context parallelism runs causal attention only: use cp=1")
 
 
 def _no_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None,
