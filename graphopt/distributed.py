@@ -1,4 +1,5 @@
-"""Spawning real torch.distributed process groups on this machine (gloo on 127.0.0.1).
+"""Spawning real torch.distributed process groups on this machine (gloo on 127.0.0.1), and
+finding a group by the name graphopt's custom ops carry.
 
 Used by the cost model's calibration (a measured all-reduce), by the expert-parallel
 benchmark and by the multi-rank tests. ``torch.multiprocessing.spawn`` starts the ranks; each
@@ -11,6 +12,29 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def group_by_name(name: str, size: int | None = None, what: str = "this op"
+                  ) -> Any:
+    """The process group named ``name`` ("" = the world), as custom ops receive it (a
+    string argument survives tracing; a ProcessGroup object does not).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized (names ``what`` and the fix), or
+            the group does not have ``size`` ranks.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs an initialized torch.distributed process group "
+                           "(run under torchrun, or call init_process_group first)")
+    group = _resolve_process_group(name) if name else dist.group.WORLD  # type: ignore[arg-type]
+    assert group is not None
+    if size is not None and dist.get_world_size(group) != size:
+        raise RuntimeError(f"group {name!r} has {dist.get_world_size(group)} ranks, expected "
+                           f"{size}")
+    return group
 
 
 def free_port() -> int:

@@ -39,16 +39,9 @@ def share_bounds(rows: int, size: int) -> list[tuple[int, int]]:
 
 
 def _group(name: str, size: int) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from graphopt.distributed import group_by_name
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("scatter_rows/gather_rows need an initialized torch.distributed")
-    group = _resolve_process_group(name) if name else dist.group.WORLD  # type: ignore[arg-type]
-    assert group is not None
-    if dist.get_world_size(group) != size:
-        raise RuntimeError(f"group {name!r} has {dist.get_world_size(group)} ranks, expected "
-                           f"{size}")
-    return group
+    return group_by_name(name, size, "scatter_rows/gather_rows")
 
 
 @torch.library.custom_op("graphopt::scatter_rows", mutates_args=())

@@ -35,13 +35,9 @@ from graphopt.kernels.lightning.reference import expand_kv
 
 
 def _group(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from graphopt.distributed import group_by_name
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("context-parallel lightning attention needs torch.distributed")
-    group = _resolve_process_group(name) if name else dist.group.WORLD  # type: ignore[arg-type]
-    assert group is not None
-    return group
+    return group_by_name(name, None, "context-parallel lightning attention")
 
 
 def chunk_state(k: Tensor, v: Tensor, slope: Tensor) -> Tensor:

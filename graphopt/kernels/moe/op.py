@@ -62,17 +62,9 @@ def resolve_group(name: str, ep: int) -> dist.ProcessGroup | None:
     """
     if ep == 1:
         return None
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"moe ep={ep} needs an initialized torch.distributed process group "
-                           "(run under torchrun, or call init_process_group first)")
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from graphopt.distributed import group_by_name
 
-    group = _resolve_process_group(name) if name else dist.group.WORLD  # type: ignore[arg-type]
-    assert group is not None
-    if dist.get_world_size(group) != ep:
-        raise RuntimeError(f"EP group {name!r} has {dist.get_world_size(group)} ranks, "
-                           f"expected ep={ep}")
-    return group
+    return group_by_name(name, ep, f"moe ep={ep}")
 
 
 def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
