@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from graphopt.distributed import run_distributed
+from graphopt.distributed import run_distributed, slowest_rank_seconds
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> list[float]:
-    import torch.distributed as dist
 
     from graphopt.kernels.lightning.cp import lightning_attention_cp
 
@@ -36,13 +34,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[float]:
     grad = torch.randn(1, args.heads, length, args.dim, generator=gen)
     times = []
     for _ in range(args.reps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        out = lightning_attention_cp(q, k, v, slope, "", block_size=64)
-        out.backward(grad)
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
+        times.append(slowest_rank_seconds(
+            lambda: lightning_attention_cp(q, k, v, slope, "", block_size=64).backward(grad)))
     return times[1:]  # the first step warms up allocations: not timed
 
 

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from graphopt.distributed import run_distributed
+from graphopt.distributed import run_distributed, slowest_rank_seconds
 
 SCHEDULES = ["flat", "chunked", "hierarchical", "peer"]
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
-    import torch.distributed as dist
 
     from graphopt.kernels.moe.op import moe_experts_op
 
@@ -46,15 +44,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
                                      for s, c in runs}
     for rep in range(args.reps + 2):
         for (schedule, chunks), key in zip(runs, times):
-            dist.barrier()
-            start = time.perf_counter()
-            out = moe_experts_op(hidden, index, weights, gate_up, down, -1.0, world, "",
-                                 schedule, chunks, 2, True)[0]
-            out.backward(torch.ones_like(out))
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            def step(schedule: str = schedule, chunks: int = chunks) -> None:
+                out = moe_experts_op(hidden, index, weights, gate_up, down, -1.0, world, "",
+                                     schedule, chunks, 2, True)[0]
+                out.backward(torch.ones_like(out))
+
+            elapsed = slowest_rank_seconds(step)
             if rep >= 2:
-                times[key].append(float(elapsed))
+                times[key].append(elapsed)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
-from graphopt.distributed import run_distributed
+from graphopt.distributed import run_distributed, slowest_rank_seconds
 from graphopt.planner.plan import ParallelPlan
 
 PLANS = [dict(pp=2), dict(pp=4), dict(pp=4, virtual_stages=2, pp_schedule="interleaved")]
@@ -39,7 +38,6 @@ def _sizes(args: argparse.Namespace) -> dict:
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, plan_kwargs: dict) -> dict:
-    import torch.distributed as dist
 
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, parallelize
@@ -54,12 +52,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, plan_kwargs: dict) 
         ids = torch.randint(0, 256, (m, args.seq), generator=torch.Generator().manual_seed(1))
         times = []
         for _ in range(args.reps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            pipe.step(ids)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times.append(float(elapsed))
+            times.append(slowest_rank_seconds(lambda ids=ids: pipe.step(ids)))
             for p in pipe.parameters():
                 p.grad = None
         out[m] = statistics.median(times[1:])

@@ -214,7 +214,9 @@ def run_parallel_demo(world: int, batch: int = 8, seq: int = 32) -> ParallelDemo
     from graphopt.distributed import run_distributed
 
     plan, why = demo_plan(world, batch, seq)
-    kwargs = {f.name: getattr(plan, f.name) for f in dataclasses_fields(plan)
+    import dataclasses
+
+    kwargs = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)
               if f.name != "prediction"}
     ranks = run_distributed(_parallel_worker, world, kwargs, batch, seq)
     assert plan.prediction is not None
@@ -223,8 +225,3 @@ def run_parallel_demo(world: int, batch: int = 8, seq: int = 32) -> ParallelDemo
         max(r["seconds"] for r in ranks), max(r["loss_error"] for r in ranks),
         max(r["grad_error"] for r in ranks), ranks[-1]["notes"])
 
-
-def dataclasses_fields(obj: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.fields(obj)

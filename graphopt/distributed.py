@@ -37,6 +37,22 @@ def group_by_name(name: str, size: int | None = None, what: str = "this op"
     return group
 
 
+def slowest_rank_seconds(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` takes on the slowest rank: all ranks start together (a barrier) and
+    the maximum of their wall times is all-reduced (what a synchronous step costs). Every
+    rank of the default group must call it."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
     import socket

@@ -128,3 +128,18 @@ def calibrated_like_cpu() -> ClusterProfile:
                    "memory_efficiency": 1.0, "kernel_overhead_s": 5e-6,
                    "peak_flops": {"float32": 100e9, "bfloat16": 4e9, "float16": 4e9},
                    "matmul_curve": [[32, 5e9], [256, 60e9], [2048, 100e9]]}})
+
+
+def config_errors(*calls) -> list[str]:
+    """Each call's ConfigError message, or "ran" when it raised none (multi-rank tests
+    collect them on every rank: all ranks must refuse the same inputs)."""
+    from graphopt.errors import ConfigError
+
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("ran")
+        except ConfigError as exc:
+            out.append(str(exc))
+    return out

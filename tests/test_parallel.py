@@ -404,7 +404,7 @@ def test_parallel_auto_executes_the_planner_s_best_executable_plan():
         assert notes[0].startswith(f"auto: {plan} for 4 ranks of 'h100-sxm' (seq 16, global "
                                    "batch 8): predicted step"), notes
         assert notes[-1].startswith("step: predicted ") and "measured " in notes[-1] and \
-            "(median of 2)" in notes[-1], notes[-1]
+            "(median of 2 steps)" in notes[-1], notes[-1]
 
 
 def test_auto_without_the_job_s_sizes_is_a_clear_error():

@@ -12,6 +12,7 @@ import torch
 from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
+from tests.helpers import config_errors
 from tests.test_parallel import _full, _full_precision_rmsnorm, _held, _lm_loss
 
 A2A = dict(cp_kind="all_to_all")
@@ -123,17 +124,11 @@ def _bad_input_worker(rank, world):
     mesh = build_mesh(plan)
     model = parallelize(build_model("llama"), plan, mesh)
     ids = torch.zeros(2, 8, dtype=torch.long)
-    out = []
     mask = torch.ones(2, 4, dtype=torch.long)
     mask[0, 0] = 0  # one padded position
-    for call in (lambda: shard_sequence(torch.zeros(2, 7, dtype=torch.long), mesh),
-                 lambda: model(input_ids=shard_sequence(ids, mesh)[0], attention_mask=mask)):
-        try:
-            call()
-            out.append("ran")
-        except ConfigError as exc:
-            out.append(str(exc))
-    return out
+    return config_errors(
+        lambda: shard_sequence(torch.zeros(2, 7, dtype=torch.long), mesh),
+        lambda: model(input_ids=shard_sequence(ids, mesh)[0], attention_mask=mask))
 
 
 def test_cp_with_padding_or_an_indivisible_sequence_is_a_clear_error():

@@ -13,6 +13,7 @@ import torch
 from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
+from tests.helpers import config_errors
 from tests.test_parallel import _full, _full_precision_rmsnorm, _held, _lm_loss
 
 L4, L2 = dict(num_hidden_layers=4), dict(num_hidden_layers=2)
@@ -138,17 +139,11 @@ def _bad_batch_worker(rank, world):
                        ParallelPlan(pp=2, virtual_stages=2, pp_schedule="interleaved",
                                     microbatch=2))
     ids = torch.zeros(6, 8, dtype=torch.long)
-    out = []
-    for call in (lambda: pipe.step(ids[:5]), lambda: pipe.step(ids),
-                 lambda: pipe.step(ids[:4], attention_mask=torch.zeros(4, 8)),
-                 lambda: pipe.step(ids[0]), lambda: pipe.step(ids[:2]), lambda: pipe(ids),
-                 lambda: pipe.step(ids[:4], labels=ids[:4, :5])):
-        try:
-            call()
-            out.append("ran")
-        except ConfigError as exc:
-            out.append(str(exc))
-    return out
+    return config_errors(
+        lambda: pipe.step(ids[:5]), lambda: pipe.step(ids),
+        lambda: pipe.step(ids[:4], attention_mask=torch.zeros(4, 8)),
+        lambda: pipe.step(ids[0]), lambda: pipe.step(ids[:2]), lambda: pipe(ids),
+        lambda: pipe.step(ids[:4], labels=ids[:4, :5]))
 
 
 def test_bad_batches_for_a_pipeline_are_clear_errors():

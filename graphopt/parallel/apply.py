@@ -69,13 +69,15 @@ class ParallelReport:
     mesh: Any = None
     """The DeviceMesh it runs on."""
     step_starts: list[float] = field(default_factory=list)
-    """perf_counter() at the start of each training step (each forward of the model, or
-    each PipelinedModel.step): consecutive differences are measured step times."""
+    """perf_counter() at the start of the first step and of the last 64 (each forward of the
+    model, or each PipelinedModel.step): consecutive differences are measured step times."""
 
     def record_step_start(self) -> None:
         import time
 
         self.step_starts.append(time.perf_counter())
+        if len(self.step_starts) > 66:  # bounded over a long training run
+            del self.step_starts[1]
 
     @property
     def measured_step_s(self) -> float | None:
@@ -92,7 +94,8 @@ class ParallelReport:
         measured = self.measured_step_s
         return (f"step: predicted {pred.step_s * 1e3:.3g} ms" if pred else
                 "step: no prediction (a hand-written plan)") + (
-            f", measured {measured * 1e3:.3g} ms (median of {len(self.step_starts) - 2})"
+            f", measured {measured * 1e3:.3g} ms (median of {len(self.step_starts) - 2} "
+            "steps)"
             if measured is not None else ", measured: run 3 steps first")
 
     def to_markdown(self) -> str:

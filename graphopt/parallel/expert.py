@@ -104,6 +104,8 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = 
     Raises:
         ConfigError: see the module docstring.
     """
+    import graphopt.kernels.comm.tokens  # noqa: F401  (registers the ops the forward calls)
+    import graphopt.kernels.moe.op  # noqa: F401
     from graphopt.parallel.mesh import expert_mesh
 
     experts: dict[str, Any] = find_experts(model)  # parallelize checked them already
@@ -134,9 +136,6 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
                 top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts of this rank, expert-parallel (module docstring); shapes as the module's
     own forward: [T, H], [T, K], [T, K] -> [T, H]."""
-    import graphopt.kernels.comm.tokens  # noqa: F401  (registers the ops)
-    import graphopt.kernels.moe.op  # noqa: F401
-
     st: EPState = self.graphopt_ep  # type: ignore[assignment]
     ops = torch.ops.graphopt
     rows = hidden_states.shape[0]
