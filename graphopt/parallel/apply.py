@@ -73,6 +73,8 @@ class ParallelReport:
     model, or each PipelinedModel.step): consecutive differences are measured step times."""
 
     def record_step_start(self) -> None:
+        """Note the start of a training step (perf_counter seconds); called by a forward
+        pre-hook that :func:`parallelize` registers, or by ``PipelinedModel.step``."""
         import time
 
         self.step_starts.append(time.perf_counter())

@@ -89,6 +89,8 @@ class DecoderStage(nn.Module):
         self.lm_head = model.get_output_embeddings() if self.last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, S] (first stage) or hidden states [B, S(/tp under SP), H] ->
+        hidden states, or logits [B, S, V] on the last stage (class docstring)."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         positions = torch.arange(h.shape[1] * self.seq_split, device=h.device).unsqueeze(0)
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
@@ -136,10 +138,12 @@ class PipelinedModel(nn.Module):
 
     @property
     def is_first(self) -> bool:
+        """Whether this rank holds the first stage (it feeds the token ids)."""
         return any(p.first for p in self.parts)
 
     @property
     def is_last(self) -> bool:
+        """Whether this rank holds the last stage (it computes the loss)."""
         return any(p.last for p in self.parts)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
