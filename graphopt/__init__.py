@@ -12,6 +12,7 @@ from graphopt.errors import (
     PassFailedError,
     VerificationError,
 )
+from graphopt.export.onnx import export_onnx
 from graphopt.parallel import parallelize
 from graphopt.report import CompileReport, clear_reports, graph_breaks, last_report, reports
 
@@ -29,6 +30,7 @@ __all__ = [
     "__version__",
     "clear_reports",
     "compile",
+    "export_onnx",
     "graph_breaks",
     "graphopt_backend",
     "last_report",

@@ -13,7 +13,8 @@ graph breaks (data-dependent ``nonzero``), so it never reaches one graph: those 
 reported as skipped with the fix (``experts_implementation="grouped_mm"``).
 
 Contract:
-    accepts: a normalized pre-autograd ATen graph (static token count).
+    accepts: a normalized pre-autograd ATen graph (a symbolic token count with ep = 1
+        only: the probes run at its example value).
     guarantees: exact. A region is replaced only when (1) it has the interface above, (2) it
         uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU experts), and
         (4) on three probes with the region's shapes and dtypes (random routing; every token's
@@ -115,11 +116,13 @@ def find_region(topk: fx.Node) -> Region:
     graph = topk.graph
     nodes = [n for n in graph.nodes if n.op == "call_function" and _under(n, path)]
     inside = set(nodes)
-    inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside}
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    # Sizes (SymInt values of a dynamic-shape graph) are not data: they may come from outside
+    # and be used outside; the probes evaluate them at their example values.
+    inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside and not _is_size(a)}
+    outputs = [n for n in nodes if any(u not in inside for u in n.users) and not _is_size(n)]
     if len(outputs) != 1:
         raise Skip(f"experts module {path} has {len(outputs)} outputs, expected 1")
-    params = [n for n in inputs if n.op == "placeholder" and _rank(n) == 3]
+    params = [n for n in inputs if n.op in ("placeholder", "get_attr") and _rank(n) == 3]
     ints = [n for n in inputs if _rank(n) == 2 and not _meta(n).is_floating_point()]
     floats = [n for n in inputs if n not in params and _rank(n) == 2
               and _meta(n).is_floating_point()]
@@ -186,7 +189,7 @@ def _extract(region: Region) -> fx.GraphModule:
     for name in ("hidden", "index", "weights", "gate_up", "down"):
         env[getattr(region, name)] = graph.placeholder(name)
     for node in region.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+        env[node] = graph.node_copy(node, lambda n: env[n] if n in env else _hint(n.meta["val"]))
     graph.output(env[region.output])
     return fx.GraphModule(torch.nn.Module(), graph)
 
@@ -195,7 +198,7 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
     gen = torch.Generator().manual_seed(0)
     h, idx, w = _meta(region.hidden), _meta(region.index), _meta(region.weights)
     device = h.device
-    t, k = idx.shape
+    t, k = (_hint(n) for n in idx.shape)  # a symbolic token count: probed at its example
     e = _meta(region.gate_up).shape[0]
     params = []
     for node in (region.gate_up, region.down):
@@ -210,8 +213,8 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
         if kind == "expert0":
             index = torch.where(index == 0, index[:, :1], index)
             index[:, 0] = 0
-        hidden = torch.randn(h.shape, generator=gen).to(device, h.dtype)
-        weights = torch.rand(w.shape, generator=gen).to(device, w.dtype)
+        hidden = torch.randn(t, _hint(h.shape[1]), generator=gen).to(device, h.dtype)
+        weights = torch.rand(t, k, generator=gen).to(device, w.dtype)
         probes.append((hidden, index.to(device, idx.dtype), weights, *params))
     return probes
 
@@ -263,6 +266,13 @@ class MoEPass(GraphPass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         real = dict(zip(gm.graph.find_nodes(op="placeholder"),
                         ctx.extras.get("example_inputs") or []))
+        for node in gm.graph.find_nodes(op="get_attr"):  # weights held by the graph (export)
+            try:
+                value = gm.get_parameter(str(node.target))
+            except AttributeError:  # a buffer or a submodule
+                continue
+            if isinstance(value, torch.Tensor):
+                real[node] = value
         modified = False
         for topk in list(gm.graph.find_nodes(op="call_function", target=aten.topk.default)):
             if topk.graph is not gm.graph or not topk.users:
@@ -271,9 +281,10 @@ class MoEPass(GraphPass):
                 continue  # a group top-k (DeepSeek-V3): the expert top-k comes after it
             site = site_name(topk)
             try:
-                if _symbolic(topk):
-                    raise Skip("the token count is symbolic (torch.compile dynamic shapes); "
-                               "the pass needs static shapes: compile with dynamic=False")
+                if _symbolic(topk) and self.options is not None and self.options.ep > 1:
+                    raise Skip("the token count is symbolic (dynamic shapes); the expert-"
+                               "parallel schedule is chosen for a token count: compile with "
+                               "dynamic=False")
                 region = find_region(topk)
                 if autocast_reason(region.nodes):
                     raise Skip(autocast_reason(region.nodes))
@@ -373,6 +384,21 @@ def _slice(graph: fx.Graph, weight: fx.Node, start: int, end: int) -> fx.Node:
     node.meta["val"] = _meta(weight)[start:end]
     node.meta["nn_module_stack"] = weight.meta.get("nn_module_stack", {})
     return node
+
+
+def _is_size(node: fx.Node) -> bool:
+    """A SymInt-valued node (size arithmetic of a dynamic-shape graph)."""
+    return isinstance(node.meta.get("val"), torch.SymInt)
+
+
+def _hint(size: Any) -> int:
+    """A size as an int: a symbolic size's example value (no guard is added)."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise Skip("the token count has no example value (data-dependent size)")
+        return int(hint)
+    return int(size)
 
 
 def _symbolic(topk: fx.Node) -> bool:

@@ -5,7 +5,7 @@ MiniMax use after their transpose). ``layout="bshd"`` (flash-linear-attention's 
 is accepted and costs two transposes (views, no copy).
 
 The forward op returns (o, final state, checkpoints); the checkpoints (the state at the start
-of every r-th block) are what the backward op needs, so autograd saves q, k, v, slope and
+of every r-th block, n states flattened to [B, Hq, n * D, Dv]) are what the backward op needs, so autograd saves q, k, v, slope and
 those states only (see chunked.py for the selective rematerialization).
 """
 
@@ -88,8 +88,10 @@ def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scal
     o, state, ckpt = forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
                              initial_state, block_size, checkpoint_every)
     # Outputs are contiguous whatever the input strides: the fake implementation says so.
+    # Checkpoints are returned as [B, Hq, n * D, Dv] (see the fake implementation).
+    b, h, n, d, dv = ckpt.shape
     return (o.to(q.dtype).contiguous(), state.to(acc_dtype(q.dtype)).contiguous(),
-            ckpt.to(acc_dtype(q.dtype)).contiguous())
+            ckpt.to(acc_dtype(q.dtype)).reshape(b, h, n * d, dv).contiguous())
 
 
 @lightning_attention_fwd.register_fake
@@ -100,8 +102,11 @@ def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     dv = v.shape[-1]
     acc = acc_dtype(q.dtype)
     n = num_checkpoints(s, block_size, checkpoint_every)
+    # The n checkpoint states are flattened into one [n * D] dim: with a symbolic sequence
+    # length, n may be 1 for some lengths, and tracing (torch.export) would guard on n != 1
+    # when it computes the output's contiguity; n * D >= D > 1 is known without a guard.
     return (q.new_empty(b, hq, s, dv), q.new_empty(b, hq, d, dv, dtype=acc),
-            q.new_empty(b, hq, n, d, dv, dtype=acc))
+            q.new_empty(b, hq, n * d, dv, dtype=acc))
 
 
 @torch.library.custom_op("graphopt::lightning_attention_bwd", mutates_args=())
@@ -111,6 +116,8 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
                             impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     hq, hk = q.shape[1], k.shape[1]
     backward = triton_backward if impl == "triton" else chunked_backward
+    b, _, _, d = q.shape
+    checkpoints = checkpoints.view(b, hq, -1, d, v.shape[-1])
     dq, dk, dv, dslope, dstate = backward(
         grad_o, grad_state, q, expand_kv(k, hq), expand_kv(v, hq), slope, scale, checkpoints,
         block_size, checkpoint_every, need_slope_grad)

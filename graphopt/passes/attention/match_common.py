@@ -45,6 +45,12 @@ def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
     if not isinstance(node, fx.Node):
         return node
     if node not in env:
+        if node.op == "get_attr":  # a parameter/buffer held by the graph module (torch.export)
+            value: Any = node.graph.owning_module
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            env[node] = value
+            return value
         if node.op != "call_function":
             raise NoMatch(f"{node.name} is not computable from the inputs")
         args = torch.fx.node.map_arg(node.args, lambda n: evaluate(n, env))

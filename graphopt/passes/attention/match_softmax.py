@@ -189,18 +189,64 @@ def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any
     return SoftmaxAttention(q, k, v, scale, output)  # type: ignore[arg-type]
 
 
+SIZE_PROBES = (1, 2, 5, 16, 37)
+"""Sizes a mask that depends on input sizes only is evaluated at (besides the example's)."""
+
+
 def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = False) -> str:
-    """"" when ``mask`` is provably the causal mask for every call of this graph: it is built
-    from constants only (no graph input: so no padding mask, no symbolic size) and evaluates to
-    True / 0 on and below the diagonal and False / -inf (or < -1e30) above (a boolean mask
-    with ``blocked=True``, as ``masked_fill`` takes it: False on and below, True above).
-    Else the reason."""
+    """"" when ``mask`` is the causal mask for every call of this graph, else the reason.
+
+    Accepted: a mask built from constants and buffers only, or from those and the *sizes* of
+    graph inputs (``aten.sym_size`` of an input, or a size input of a dynamic-shape graph:
+    transformers builds its causal mask from ``arange(seq)``), never from input values (a
+    padding mask). It must evaluate to True / 0 on and below the diagonal and False / -inf (or
+    < -1e30) above (a boolean mask with ``blocked=True``, as ``masked_fill`` takes it: False
+    on and below, True above). A size-dependent mask is evaluated at the example's sizes and
+    with every size set to each of SIZE_PROBES: the graph is one fixed dataflow of size
+    arithmetic, so a mask causal at all of them is the causal construction (a probe, not a
+    symbolic proof; the report names it).
+    """
+    sizes: list[fx.Node] = []
     for n in ancestors(mask):
-        if n.op == "placeholder" and not is_buffer(n, env):
-            return ("the attention mask depends on a graph input (a padding mask or a dynamic "
-                    "size), so it cannot be proven causal for every call")
+        if _is_size(n, env):
+            sizes.append(n)
+            continue
+        if n.op == "placeholder" and not is_buffer(n, env) and not _only_sizes_read(n, mask):
+            return ("the attention mask depends on a graph input's values (a padding mask), "
+                    "so it cannot be proven causal for every call")
         if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
             return "the attention mask is built by non-ATen code"
+    probes: list[dict[fx.Node, Any]] = [env]
+    for size in SIZE_PROBES if sizes else ():
+        probes.append({**{k: v for k, v in env.items() if k not in sizes},
+                       **{n: size for n in sizes}})
+    for probe_env in probes:
+        problem = _causal_at(mask, dict(probe_env), blocked)
+        if problem:
+            return problem + (" (at input sizes " + str(probe_env[sizes[0]]) + ")"
+                              if sizes and probe_env is not env else "")
+    return ""
+
+
+def _is_size(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
+    """A size of a graph input: ``aten.sym_size.int(input, dim)`` or an int graph input."""
+    if node.op == "placeholder":
+        return isinstance(env.get(node), int) and not isinstance(env.get(node), bool)
+    return node.op == "call_function" and node.target is torch.ops.aten.sym_size.int and \
+        isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+
+
+def _only_sizes_read(node: fx.Node, mask: fx.Node) -> bool:
+    """``node`` is not the mask itself and every use of it on the way to ``mask`` reads only
+    its size."""
+    if node is mask:
+        return False
+    on_path = set(ancestors(mask))
+    uses = [user for user in node.users if user in on_path]
+    return bool(uses) and all(user.target is torch.ops.aten.sym_size.int for user in uses)
+
+
+def _causal_at(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool) -> str:
     try:
         m = evaluate(mask, env)
     except Exception as exc:  # any failure means "not provable"

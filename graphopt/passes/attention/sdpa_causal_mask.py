@@ -63,8 +63,8 @@ def report_or_make_causal(sites: list[fx.Node], ctx: PassContext, env: dict[fx.N
     for node in sites:
         if mode == "exact" and not autocast_reason(node) and mask_to_is_causal(node, env):
             ctx.record("rewritten", site_name(node), "softmax attention kept; its causal mask "
-                       "(built from constants) -> is_causal=True (exact; the S x S mask is no "
-                       "longer built)")
+                       "(built from constants and input sizes only) -> is_causal=True (exact; "
+                       "the S x S mask is no longer built)")
             modified = True
         else:
             ctx.record("kept", site_name(node), f"softmax attention (attention='{mode}')")

@@ -1,0 +1,1 @@
+"""Exporting graphopt-transformed models: ONNX (:func:`graphopt.export.onnx.export_onnx`)."""

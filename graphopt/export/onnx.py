@@ -1,0 +1,485 @@
+"""ONNX export of graphopt-transformed models: ``graphopt.export_onnx``.
+
+Pipeline (inference graphs; the model runs in eval mode under ``torch.no_grad``):
+
+    model (transformers *ForCausalLM: input_ids [B, S] -> logits [B, S, V]; or any module)
+     -> module rewrites          only where a graph cannot hold the pattern (below)
+     -> torch.export             dynamic batch and sequence axes (Dim "batch", "seq")
+     -> ep.module()              parameters as attributes, the user inputs as placeholders
+     -> stage "pre_autograd"     graphopt's model passes (attention, moe, cse, ...), as in
+                                 torch.compile, with the same report entries and dumps
+     -> checks                   outputs unchanged; every graphopt op has an ONNX translation;
+                                 no backward-only output is used
+     -> torch.export again       the rewritten graph (graphopt ops are leaves: fake impls)
+     -> torch.onnx.export        dynamo=True, custom_translation_table (translations.py),
+                                 opset 18, the exporter's onnxscript optimizer
+     -> onnx.checker             full check (with shape inference)
+
+Module rewrite: MiniMax's lightning-attention block loop is Python control flow over the
+sequence length (``for i in range(ceil(S / block))``), so torch.export specializes it to the
+example length and a dynamic sequence axis is impossible. With ``attention`` "exact" or
+"lightning" and a dynamic sequence, each such layer's forward is replaced, for the export only,
+by the same layer calling ``graphopt::lightning_attention_fwd`` (the function the attention
+pass's loop rewrite produces: exact); with static shapes the graph pass does it. The model's
+own forward is restored afterwards.
+
+Not exported: training graphs (backward, optimizer), collectives (expert parallelism ep > 1,
+parallel plans), ``remat`` (a training-graph pass). Each is refused with a ConfigError naming
+the fix. Source: torch.onnx's dynamo exporter (``torch.onnx.export(..., dynamo=True)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphopt.config import GraphoptConfig
+from graphopt.errors import ConfigError, GraphoptError
+from graphopt.report import CompileReport
+
+OPSET = 18
+
+_NOT_FOR_EXPORT = {
+    "remat": "remat plans the saved activations of training graphs; an ONNX export is an "
+             "inference graph: drop 'remat'",
+    "verify": "verify compares torch.compile with eager; export_onnx(check=True) compares "
+              "onnxruntime with the PyTorch model: drop 'verify'",
+    "lowering": "the ONNX runtime is the lowering of an exported model: drop 'lowering'",
+    "inductor_config": "Inductor does not run in an ONNX export: drop 'inductor_config'",
+}
+
+
+class ExportError(GraphoptError, RuntimeError):
+    """The transformed graph cannot be exported to ONNX (names the op or value and the fix)."""
+
+
+@dataclasses.dataclass
+class OnnxExport:
+    """What :func:`export_onnx` did.
+
+    Attributes:
+        path: the written .onnx file.
+        report: the model passes' report (the same entries as a torch.compile report).
+        translations: graphopt op -> the ONNX form it was exported as.
+        module_rewrites: module paths replaced before tracing (see the module docstring).
+        dynamic: the dynamic axes of each input, e.g. {"input_ids": {0: "batch", 1: "seq"}}.
+        checks: (what, max abs error, tolerance) of onnxruntime vs PyTorch, filled by
+            :func:`check_onnx`.
+        seconds: time per step.
+    """
+
+    path: Path
+    report: CompileReport
+    translations: dict[str, str] = dataclasses.field(default_factory=dict)
+    module_rewrites: list[str] = dataclasses.field(default_factory=list)
+    dynamic: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
+    checks: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    example_inputs: tuple = ()
+    transformed: fx.GraphModule | None = dataclasses.field(default=None, repr=False)
+    """The PyTorch graph after graphopt's passes (what the ONNX file computes)."""
+    eager: nn.Module | None = dataclasses.field(default=None, repr=False)
+    """The module as given (a causal LM wrapped as input_ids -> logits)."""
+
+    @property
+    def ok(self) -> bool:
+        """Every check within tolerance (True when nothing was checked)."""
+        return all(err <= tol for _, err, tol in self.checks)
+
+    def to_markdown(self) -> str:
+        """The pass report plus what the export did."""
+        lines = [self.report.to_markdown(), "", f"## ONNX export: {self.path}", ""]
+        for name, axes in self.dynamic.items():
+            lines.append(f"- input `{name}`: dynamic axes {axes or 'none'}")
+        for op_name, form in self.translations.items():
+            lines.append(f"- `{op_name}` exported as {form}")
+        for path in self.module_rewrites:
+            lines.append(f"- module rewrite: `{path}` (MiniMax lightning layer -> "
+                         "graphopt::lightning_attention_fwd before tracing)")
+        for what, err, tol in self.checks:
+            lines.append(f"- check {what}: max abs error {err:.3g} (tolerance {tol:.3g})")
+        return "\n".join(lines)
+
+
+class CausalLMLogits(nn.Module):
+    """``input_ids [B, S] int64 -> logits [B, S, V]`` of a transformers causal LM, without the
+    KV cache: the function an exported decoder-only model serves (prefill/scoring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
+                options: Mapping[str, Any] | None = None, path: str | Path = "model.onnx", *,
+                dynamic: bool = True, dynamic_shapes: Any = None, moe_form: str = "gather",
+                check: bool = False) -> OnnxExport:
+    """Export ``model`` after graphopt's model passes to an ONNX file of standard ops.
+
+    Args:
+        model: a transformers causal LM (exported as ``input_ids -> logits``, see
+            :class:`CausalLMLogits`) or any ``nn.Module`` taking tensors.
+        example_inputs: input_ids [B, S] int64 for a causal LM (B >= 2 and S >= 2, so the
+            traced sizes are not specialized to 1), else the module's positional inputs.
+        options: graphopt options for the model passes: ``attention`` ("keep" | "exact" |
+            "lightning", approximate), ``lightning``, ``moe`` (ep must be 1), ``disable``,
+            ``enable``, ``dump_dir``. ``remat``, ``verify``, ``lowering`` are refused.
+        path: the .onnx file to write (parent directories are created).
+        dynamic: causal LMs: batch and sequence axes of input_ids dynamic ("batch", "seq").
+            False: static shapes (the example's).
+        dynamic_shapes: other modules: torch.export's ``dynamic_shapes`` for the inputs.
+        moe_form: how ``graphopt::moe_experts`` is exported: "gather" (routed tokens only) or
+            "dense" (every expert on every token, masked; static-shape runtimes).
+        check: run onnxruntime on the example inputs (and, when dynamic, on a second batch
+            and sequence length) against the PyTorch model; see :func:`check_onnx`.
+
+    Returns:
+        :class:`OnnxExport` (path, pass report, forms, module rewrites, dynamic axes, checks).
+
+    Raises:
+        ConfigError: an option that does not apply to an export, moe ep > 1, an unknown
+            moe_form, bad example inputs.
+        ExportError: a graphopt op without a translation (named), a backward-only output in
+            use, torch.export specializing a dynamic axis (with the reason and the fix).
+        ImportError: onnx / onnxscript missing (``pip install 'graphopt[onnx]'``).
+    """
+    from graphopt.export.translations import MOE_FORMS
+
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("ONNX export needs onnx and onnxscript: pip install "
+                          "'graphopt[onnx]'") from exc
+    config = _export_config(options)
+    if moe_form not in MOE_FORMS:
+        raise ConfigError(f"moe_form must be one of {', '.join(MOE_FORMS)}, got {moe_form!r}")
+    module, args, shapes, names = _prepare(model, example_inputs, dynamic, dynamic_shapes)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
+    result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
+                        example_inputs=args, eager=module)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), _module_rewrites(model, config, _seq_dynamic(shapes)) as swapped:
+            result.module_rewrites = swapped
+            t0 = time.perf_counter()
+            exported = _torch_export(module, args, shapes, config)
+            result.seconds["torch_export"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            gm = _run_model_passes(exported, args, config, report)
+            result.transformed = gm
+            result.seconds["passes"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            table, result.translations = _translations(gm, moe_form)
+            final = _torch_export(gm, args, shapes, config)
+            result.seconds["retrace"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            program = torch.onnx.export(final, custom_translation_table=table, dynamo=True,
+                                        opset_version=OPSET, optimize=True, verbose=False)
+            assert program is not None  # dynamo=True returns the program
+            program.save(str(path))
+            result.seconds["onnx"] = time.perf_counter() - t0
+    finally:
+        model.train(was_training)
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=True)
+    report.status = "exported"
+    if check:
+        check_onnx(result)
+    return result
+
+
+def _export_config(options: Mapping[str, Any] | None) -> GraphoptConfig:
+    for key, why in _NOT_FOR_EXPORT.items():
+        if options and key in options:
+            raise ConfigError(f"option {key!r} does not apply to an ONNX export: {why}")
+    config = GraphoptConfig.from_options(options)
+    if config.moe is not None and config.moe.ep > 1:
+        raise ConfigError(f"moe ep={config.moe.ep} exchanges tokens between ranks (all-to-all); "
+                          "an ONNX graph runs on one device: export with ep=1 (the default)")
+    return config
+
+
+def _prepare(model: nn.Module, example_inputs: Any, dynamic: bool, dynamic_shapes: Any
+             ) -> tuple[nn.Module, tuple, Any, list[str]]:
+    """(module to trace, positional args, torch.export dynamic_shapes, input names)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"export_onnx takes an nn.Module, got {type(model).__name__}")
+    if getattr(model, "config", None) is not None and hasattr(model, "get_input_embeddings"):
+        ids = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
+            raise ConfigError("a causal LM is exported as input_ids -> logits: pass input_ids "
+                              "[B, S] int64 as example_inputs")
+        if dynamic and (ids.shape[0] < 2 or ids.shape[1] < 2):
+            raise ConfigError(f"example input_ids {tuple(ids.shape)}: with dynamic axes use "
+                              "B >= 2 and S >= 2 (torch.export specializes sizes 0 and 1)")
+        if dynamic_shapes is not None:
+            raise ConfigError("dynamic_shapes is for other modules; a causal LM takes "
+                              "dynamic=True (batch and seq) or False")
+        shapes = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},) \
+            if dynamic else None
+        return CausalLMLogits(model), (ids,), shapes, ["input_ids"]
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+        else (example_inputs,)
+    names = [f"input_{i}" for i in range(len(args))]
+    return model, args, dynamic_shapes, names
+
+
+def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]]:
+    if shapes is None:
+        return {name: {} for name in names}
+    specs = list(shapes.values()) if isinstance(shapes, dict) else list(shapes)
+    out = {}
+    for name, spec in zip(names, specs):
+        spec = spec or {}
+        out[name] = {axis: getattr(dim, "__name__", str(dim)) for axis, dim in spec.items()} \
+            if isinstance(spec, dict) else {}
+    return out
+
+
+def _seq_dynamic(shapes: Any) -> bool:
+    return shapes is not None
+
+
+def _torch_export(module: nn.Module, args: tuple, shapes: Any,
+                  config: GraphoptConfig) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+    except torch._dynamo.exc.UserError as exc:
+        hint = ""
+        if config.attention == "keep" and "Constraints violated" in str(exc):
+            hint = (" A Python loop over the sequence (MiniMax's lightning-attention blocks) "
+                    "specializes the sequence axis: use options={'attention': 'exact'} (graphopt "
+                    "replaces the loop) or dynamic=False.")
+        raise ExportError(f"torch.export could not keep the requested dynamic axes: "
+                          f"{str(exc).splitlines()[0]}{hint}") from exc
+
+
+def _run_model_passes(exported: torch.export.ExportedProgram, args: tuple,
+                      config: GraphoptConfig, report: CompileReport) -> fx.GraphModule:
+    """Run stage "pre_autograd" on the exported graph (parameters as attributes)."""
+    from graphopt.capture import check_outputs
+    from graphopt.dump import Dumper
+    from graphopt.pipeline import PassRunner, copy_graph_module
+
+    gm = exported.module(check_guards=False)  # the retrace checks the shapes again
+    assert isinstance(gm, fx.GraphModule)
+    _fake_attr_meta(gm)
+    # torch.export's dtype assertions on intermediate values: side-effecting nodes that would
+    # keep a region a pass replaced alive (the retrace checks dtypes again).
+    for node in list(gm.graph.find_nodes(op="call_function",
+                                         target=torch.ops.aten._assert_tensor_metadata.default)):
+        gm.graph.erase_node(node)
+    gm.recompile()
+    original = copy_graph_module(gm)
+    flat = [x for x in torch.utils._pytree.tree_leaves(args)]
+    dumper = Dumper(config.dump_dir, report.graph_id, report)
+    dumper.graph("01_exported", gm, render=True)
+    runner = PassRunner(config, report, dumper, flat)
+    gm = runner.run_stage("pre_autograd", gm, "inference", training=False)
+    problem = check_outputs(original, gm)
+    if problem:
+        raise ExportError(f"graphopt's model passes ({', '.join(runner.ran)}) changed the "
+                          f"exported graph's outputs: {problem}; export with those passes "
+                          "disabled (options={'disable': [...]}) and please report it")
+    dumper.graph("02_after_passes", gm, render=True)
+    dumper.write_report()
+    return gm
+
+
+def _fake_attr_meta(gm: fx.GraphModule) -> None:
+    """``meta['val']`` for get_attr tensors (parameters, buffers) as fakes of the export's
+    fake mode, so passes that fake-run new nodes mix no real tensors in."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta])
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = _attr(gm, str(node.target))
+        if isinstance(value, torch.Tensor) and "val" not in node.meta and mode is not None:
+            node.meta["val"] = mode.from_tensor(value, static_shapes=True)
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _translations(gm: fx.GraphModule, moe_form: str) -> tuple[dict[Any, Any], dict[str, str]]:
+    """The translation table; ExportError for a graphopt op without one or a backward-only
+    output in use."""
+    from graphopt.export.translations import translation_table
+
+    table = translation_table(moe_form)
+    forms = {"graphopt.lightning_attention_fwd": "ONNX Loop over chunks (chunked form, "
+                                                  "recurrent If-branch for S == 1)",
+             "graphopt.moe_experts": f"{moe_form} form" + (
+                 " (per expert: NonZero, Gather, MatMul, ScatterND add)" if moe_form == "gather"
+                 else " (every expert on every token, routing-weight mask)")}
+    used: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                target.namespace != "graphopt":
+            continue
+        name = f"graphopt.{target._opname}"
+        if target not in table:
+            raise ExportError(f"{name} (node {node.name}) has no ONNX translation; graphopt "
+                              f"translates {', '.join(sorted(forms))}. Disable the pass that "
+                              "inserted it (options={'disable': [...]}) to export the "
+                              "model's own ops")
+        if target._opname == "moe_experts":
+            dead = [u.name for u in node.users if u.target is not _getitem() or u.args[1] != 0]
+            if dead:
+                raise ExportError(f"{node.name}: the backward-only outputs of "
+                                  f"graphopt.moe_experts are used ({dead}); ONNX export covers "
+                                  "inference graphs")
+        used[name] = forms[name]
+    return table, used
+
+
+def _getitem() -> Any:
+    import operator
+
+    return operator.getitem
+
+
+# -------------------------------------------------------------------- module rewrites
+
+LIGHTNING_PARTS = ("qkv_proj", "act_fn", "slope_rate", "norm", "output_gate", "out_proj",
+                   "num_attention_heads", "head_dim")
+"""The parts of transformers' MiniMaxLightningAttention that the module rewrites read."""
+
+
+def lightning_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of MiniMax-form linear-attention layers (``layer_type ==
+    "linear_attention"`` with :data:`LIGHTNING_PARTS`)."""
+    return [(path, m) for path, m in model.named_modules()
+            if getattr(m, "layer_type", None) == "linear_attention"
+            and all(hasattr(m, a) for a in LIGHTNING_PARTS)]
+
+
+def minimax_lightning_forward(self: Any, hidden_states: torch.Tensor, *args: Any,
+                              attention_mask: torch.Tensor | None = None, **kwargs: Any
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax's lightning-attention layer with its block loop as one
+    ``graphopt::lightning_attention_fwd`` call (no cache): hidden [B, S, hidden] ->
+    ([B, S, hidden], final state [B, H, D, D]). Padding positions are zeroed as transformers'
+    ``apply_mask_to_padding_states`` does."""
+    from graphopt.kernels.lightning.op import lightning_attention
+
+    b, length, _ = hidden_states.shape
+    heads, dim = self.num_attention_heads, self.head_dim
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] > 1 \
+            and attention_mask.shape[1] > 1:
+        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+    qkv = qkv.reshape(b, length, heads, 3 * dim)
+    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
+    out, state = lightning_attention(q, k, v, self.slope_rate.reshape(-1).to(q.dtype),
+                                     output_final_state=True, impl="chunked")
+    out = self.norm(out.transpose(1, 2).reshape(b, length, heads * dim))
+    out = torch.sigmoid(self.output_gate(hidden_states)) * out
+    return self.out_proj(out), state
+
+
+@contextlib.contextmanager
+def _module_rewrites(model: nn.Module, config: GraphoptConfig, dynamic_seq: bool
+                     ) -> Iterator[list[str]]:
+    """Swap MiniMax lightning layers' forward for the export (module docstring)."""
+    swapped: list[tuple[nn.Module, Any]] = []
+    if dynamic_seq and config.attention != "keep" and "attention" not in config.disable:
+        for _, module in lightning_layers(model):
+            swapped.append((module, module.__dict__.get("forward")))
+            module.forward = types.MethodType(minimax_lightning_forward, module)
+    try:
+        yield [path for path, m in lightning_layers(model) if any(m is s for s, _ in swapped)]
+    finally:
+        for module, previous in swapped:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_onnx(result: OnnxExport, rtol: float = 1e-4, atol: float = 1e-4) -> OnnxExport:
+    """Run the exported file with onnxruntime and compare with PyTorch.
+
+    Inputs: the export's example inputs and, when it has dynamic axes, inputs grown by one
+    along the batch axis and by three along the others. References: the graphopt-transformed
+    PyTorch model (``result.transformed``: the graph after the passes, the function the ONNX
+    file must compute) and the eager model (``result.eager``); after an approximate rewrite
+    (attention="lightning", moe capacity) the second differs by design and is reported with
+    an infinite tolerance. Appends (what, max abs error, tolerance) to ``result.checks``;
+    tolerance = atol + rtol * max |reference|.
+
+    Raises:
+        ImportError: onnxruntime is not installed (``pip install onnxruntime``).
+    """
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    cases = [("example inputs", result.example_inputs)]
+    grown = _grown(result.example_inputs, result)
+    if grown is not None:
+        cases.append(("batch+1, seq+3", grown))
+    exact = all(p.exact for p in result.report.passes if p.modified)
+    references = [("graphopt-transformed model", result.transformed, True),
+                  ("eager model", result.eager, exact)]
+    for what, inputs in cases:
+        got = session.run(None, dict(zip(names, [x.numpy() for x in inputs])))
+        for ref_name, module, binding in references:
+            if module is None:
+                continue
+            with torch.no_grad():
+                want = module(*inputs)
+            wants = [want] if isinstance(want, torch.Tensor) else list(want)
+            for i, (w, g) in enumerate(zip(wants, got)):
+                w = w.detach().to(torch.float64)
+                g64 = torch.from_numpy(g).to(torch.float64)
+                err = float((g64 - w).abs().max()) if g64.shape == w.shape else float("inf")
+                tol = atol + rtol * float(w.abs().max()) if binding else float("inf")
+                label = f"onnxruntime vs {ref_name}, {what}" + (f", output {i}" if i else "")
+                result.checks.append((label + ("" if binding else " (approximate rewrite)"),
+                                      err, tol))
+    return result
+
+
+def _grown(args: tuple, result: OnnxExport) -> tuple | None:
+    axes = list(result.dynamic.values())
+    if not any(axes):
+        return None
+    out = []
+    gen = torch.Generator().manual_seed(1)
+    for x, dyn in zip(args, axes):
+        if not isinstance(x, torch.Tensor) or not dyn:
+            out.append(x)
+            continue
+        shape = [n + (1 if axis == 0 else 3) if axis in dyn else n
+                 for axis, n in enumerate(x.shape)]
+        if x.dtype == torch.int64:
+            high = int(x.max()) + 1
+            out.append(torch.randint(0, max(high, 1), shape, generator=gen))
+        else:
+            out.append(torch.randn(shape, generator=gen, dtype=x.dtype))
+    return tuple(out)
