@@ -1,4 +1,5 @@
-"""The ``graphopt`` command line (typer + rich): demo, explain, passes, calibrate, estimate."""
+"""The ``graphopt`` command line (typer + rich): demo, export, explain, passes, calibrate,
+estimate, plan."""
 
 from __future__ import annotations
 
@@ -139,6 +140,71 @@ def _parallel_demo(world: int, batch: int, seq: int) -> None:
                   "float64 rate); the measured step is the first (FSDP's lazy init and "
                   "Python overheads of a tiny model included)")
     if not good:
+        raise typer.Exit(1)
+
+
+@app.command()
+def export(
+    onnx: Path = typer.Option(..., "--onnx", help="The .onnx file to write."),
+    model: str = typer.Option("minimax", help=f"Real transformers model: {', '.join(SPECS)} "
+                              "(small config, random weights), exported as input_ids -> logits."),
+    attention: str = typer.Option("exact", help="keep | exact | lightning (approximate)."),
+    moe: bool = typer.Option(True, help="MoE models: rewrite the experts (grouped_mm "
+                             "experts -> graphopt::moe_experts) before exporting."),
+    moe_form: str = typer.Option("gather", help="How moe_experts is exported: gather (routed "
+                                 "tokens only) | dense (every expert, masked; static shapes)."),
+    batch: int = typer.Option(2, min=2, help="Example batch (dynamic axis unless --static)."),
+    seq: int = typer.Option(32, min=2, help="Example sequence length."),
+    static: bool = typer.Option(False, help="Export the example's shapes (no dynamic axes)."),
+    check: bool = typer.Option(True, help="Compare onnxruntime with PyTorch (needs "
+                               "onnxruntime)."),
+    dump_dir: Path | None = typer.Option(None, help="Write the graphs before/after each pass."),
+) -> None:
+    """Export a real model after graphopt's passes to ONNX (standard ops, dynamic batch and
+    sequence axes) and check it with onnxruntime."""
+    import graphopt
+    from graphopt.models import build_model, sample_batch
+
+    if model not in SPECS:
+        raise typer.BadParameter(f"unknown model {model!r}; available: {', '.join(SPECS)}")
+    options: dict[str, Any] = {"attention": attention}
+    moe = moe and expert_count(SPECS[model].kwargs) > 0
+    if moe:
+        options["moe"] = {}
+    if dump_dir is not None:
+        options["dump_dir"] = str(dump_dir)
+    try:
+        net = build_model(model)
+        if moe:
+            net.set_experts_implementation("grouped_mm")
+        with console.status("[bold]exporting[/]"):
+            result = graphopt.export_onnx(net, sample_batch(net, batch, seq), options, onnx,
+                                          dynamic=not static, moe_form=moe_form, check=check)
+    except graphopt.GraphoptError as exc:
+        _fail(str(exc))
+    _print_reports([result.report], sites=10)
+    table = Table(title=f"{model} -> {onnx}")
+    for col in ("what", "how"):
+        table.add_column(col)
+    for name, axes in result.dynamic.items():
+        table.add_row(f"input {name}", f"dynamic axes {axes}" if axes else "static")
+    for op_name, form in result.translations.items():
+        table.add_row(op_name, form)
+    for path in result.module_rewrites:
+        table.add_row(path, "module rewrite before tracing (MiniMax lightning loop -> "
+                            "graphopt::lightning_attention_fwd)")
+    console.print(table)
+    if result.checks:
+        checks = Table(title="onnxruntime vs PyTorch")
+        for col in ("check", "max abs error", "tolerance", "ok"):
+            checks.add_column(col)
+        for what, err, tol in result.checks:
+            checks.add_row(what, f"{err:.3g}", f"{tol:.3g}",
+                           "[green]yes[/]" if err <= tol else "[red]NO[/]")
+        console.print(checks)
+    console.print(f"wrote {escape(str(onnx))} ({onnx.stat().st_size / 1e6:.1f} MB) in "
+                  f"{sum(result.seconds.values()):.1f}s")
+    if not result.ok:
         raise typer.Exit(1)
 
 

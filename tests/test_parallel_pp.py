@@ -28,9 +28,7 @@ RUNS = {
         ("llama", dict(num_hidden_layers=8), dict(pp=4, virtual_stages=2,
                                                   pp_schedule="interleaved")),
         ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
-        ("llama", L4, dict(pp=2, dp_replicate=2, virtual_stages=2, pp_schedule="interleaved")),
         ("llama", L4, dict(pp=2, tp=2)),
-        ("llama", L4, dict(pp=2, tp=2, sp=False, virtual_stages=2, pp_schedule="interleaved")),
         ("mixtral", L2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
         ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2))],
     8: [("mixtral", L2, dict(pp=2, dp_shard=2, tp=2, ep=4, zero_stage=3))],  # 3 axes + EP

@@ -188,8 +188,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
             final = _torch_export(gm, args, shapes, config)
             result.seconds["retrace"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            program = torch.onnx.export(final, custom_translation_table=table, dynamo=True,
-                                        opset_version=OPSET, optimize=True, verbose=False)
+            program = _onnx_export(final, table)
             assert program is not None  # dynamo=True returns the program
             program.save(str(path))
             result.seconds["onnx"] = time.perf_counter() - t0
@@ -258,8 +257,16 @@ def _seq_dynamic(shapes: Any) -> bool:
 
 def _torch_export(module: nn.Module, args: tuple, shapes: Any,
                   config: GraphoptConfig) -> torch.export.ExportedProgram:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     try:
         return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+    except GuardOnDataDependentSymNode as exc:
+        hint = (" transformers' eager experts loop iterates over the experts that received "
+                "tokens: call model.set_experts_implementation('grouped_mm') before exporting"
+                if "expert" in str(exc) else "")
+        raise ExportError("torch.export met data-dependent Python control flow: "
+                          f"{str(exc).splitlines()[0]}.{hint}") from exc
     except torch._dynamo.exc.UserError as exc:
         hint = ""
         if config.attention == "keep" and "Constraints violated" in str(exc):
@@ -352,6 +359,26 @@ def _translations(gm: fx.GraphModule, moe_form: str) -> tuple[dict[Any, Any], di
                                   "inference graphs")
         used[name] = forms[name]
     return table, used
+
+
+def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) -> Any:
+    """torch.onnx.export; an op ONNX cannot express becomes an ExportError naming it."""
+    import re
+
+    try:
+        return torch.onnx.export(exported, custom_translation_table=table, dynamo=True,
+                                 opset_version=OPSET, optimize=True, verbose=False)
+    except Exception as exc:
+        found = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)'", str(exc))
+        if found is None:
+            raise
+        name = found.group(1)
+        hint = (" transformers' grouped_mm experts: rewrite them with options={'moe': {}} "
+                "(graphopt's moe_experts has a translation)" if "grouped_mm" in name else
+                " replace the module that calls it, or register a translation in "
+                "graphopt/export/translations.py")
+        raise ExportError(f"ONNX has no translation of {name} (torch.onnx and graphopt know "
+                          f"none).{hint}") from None
 
 
 def _getitem() -> Any:

@@ -5,8 +5,9 @@ MiniMax use after their transpose). ``layout="bshd"`` (flash-linear-attention's 
 is accepted and costs two transposes (views, no copy).
 
 The forward op returns (o, final state, checkpoints); the checkpoints (the state at the start
-of every r-th block, n states flattened to [B, Hq, n * D, Dv]) are what the backward op needs, so autograd saves q, k, v, slope and
-those states only (see chunked.py for the selective rematerialization).
+of every r-th block, n states flattened to [B, Hq, n * D, Dv]) are what the backward op
+needs, so autograd saves q, k, v, slope and those states only (see chunked.py for the
+selective rematerialization).
 """
 
 from __future__ import annotations

@@ -1,0 +1,235 @@
+"""ONNX export (graphopt.export_onnx, graphopt export --onnx): op translations against the ops
+in float64 under onnxruntime at several dynamic shapes, real transformers models (MiniMax
+exact, Llama lightning, Mixtral moe) against PyTorch in float32, and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("onnxscript")
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+import graphopt  # noqa: E402
+import graphopt.kernels.lightning.op  # noqa: E402,F401  (registers the graphopt ops)
+import graphopt.kernels.moe.op  # noqa: E402,F401
+from graphopt.errors import ConfigError  # noqa: E402
+from graphopt.export.onnx import ExportError  # noqa: E402
+from graphopt.models import build_model, sample_batch  # noqa: E402
+
+Dim = torch.export.Dim
+
+
+def _op_types(path: Path) -> set[str]:
+    model = onnx.load(str(path))
+    types = {(n.domain, n.op_type) for n in model.graph.node}
+    for node in model.graph.node:  # If/Loop bodies
+        for attr in node.attribute:
+            for g in [attr.g] if attr.g.node else []:
+                types |= {(n.domain, n.op_type) for n in g.node}
+    for function in model.functions:
+        types |= {(n.domain, n.op_type) for n in function.node}
+    assert not any(domain.startswith("graphopt") for domain, _ in types)
+    return {op for _, op in types}
+
+
+def _run(path: Path, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return [torch.from_numpy(x) for x in session.run(None, dict(zip(names, [
+        t.numpy() for t in inputs])))]
+
+
+class Lightning(torch.nn.Module):
+    def forward(self, q, k, v, slope, state):  # type: ignore[no-untyped-def]
+        o, final, checkpoints = torch.ops.graphopt.lightning_attention_fwd(
+            q, k, v, slope, 0.5, state, 8, 2, "chunked")
+        return o, final, checkpoints
+
+
+def test_lightning_translation_is_the_op_at_every_length(tmp_path: Path) -> None:
+    """GQA (4 query heads on 2), an initial state, D != Dv, float64: output, final state and
+    the backward's checkpoints equal the op for lengths off the chunk grid, a multiple of
+    it, and S = 1 (the recurrent branch), at other batch sizes than the traced one."""
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(b: int, s: int) -> list[torch.Tensor]:
+        return [torch.randn(b, 4, s, 8, generator=gen, dtype=torch.float64),
+                torch.randn(b, 2, s, 8, generator=gen, dtype=torch.float64),
+                torch.randn(b, 2, s, 6, generator=gen, dtype=torch.float64),
+                torch.rand(4, generator=gen, dtype=torch.float64),
+                torch.randn(b, 4, 8, 6, generator=gen, dtype=torch.float64)]
+
+    b, s = Dim("b"), Dim("s")
+    spec = ({0: b, 2: s}, {0: b, 2: s}, {0: b, 2: s}, None, {0: b})
+    exported = torch.export.export(Lightning(), tuple(inputs(2, 21)), dynamic_shapes=spec)
+    from graphopt.export.translations import translation_table
+
+    program = torch.onnx.export(exported, custom_translation_table=translation_table(),
+                                dynamo=True, verbose=False)
+    path = tmp_path / "lightning.onnx"
+    program.save(str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    assert {"Loop", "If"} <= _op_types(path)
+    for batch, length in ((2, 21), (3, 1), (1, 64), (2, 5)):
+        x = inputs(batch, length)
+        for got, want in zip(_run(path, x), Lightning()(*x)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class Experts(torch.nn.Module):
+    def __init__(self, capacity_factor: float) -> None:
+        super().__init__()
+        self.capacity_factor = capacity_factor
+
+    def forward(self, h, index, weights, gate_up, down):  # type: ignore[no-untyped-def]
+        return torch.ops.graphopt.moe_experts(h, index, weights, gate_up, down,
+                                              self.capacity_factor, 1, "", "flat", 1, 1,
+                                              False)[0]
+
+
+@pytest.mark.parametrize("form, capacity_factor", [("gather", -1.0), ("dense", 0.5)])
+def test_moe_translation_is_the_op_for_any_token_count(tmp_path: Path, form: str,
+                                                       capacity_factor: float) -> None:
+    """float64 experts, float32 router weights (promoted as the op does); capacity 0.5 drops
+    assignments in token order; one token, and every token's first choice on expert 0."""
+    gen = torch.Generator().manual_seed(0)
+    e, k, h, f = 4, 2, 8, 6
+    gate_up = torch.randn(e, 2 * f, h, generator=gen, dtype=torch.float64)
+    down = torch.randn(e, h, f, generator=gen, dtype=torch.float64)
+
+    def inputs(t: int, first_on_zero: bool = False) -> list[torch.Tensor]:
+        w, i = torch.randn(t, e, generator=gen).softmax(-1).topk(k)
+        if first_on_zero:
+            i = torch.where(i == 0, i[:, 1:], i)
+            i[:, 0] = 0
+        return [torch.randn(t, h, generator=gen, dtype=torch.float64), i, w, gate_up, down]
+
+    t = Dim("t")
+    module = Experts(capacity_factor)
+    exported = torch.export.export(module, tuple(inputs(13)),
+                                   dynamic_shapes=({0: t}, {0: t}, {0: t}, None, None))
+    from graphopt.export.translations import translation_table
+
+    program = torch.onnx.export(exported, custom_translation_table=translation_table(form),
+                                dynamo=True, verbose=False)
+    path = tmp_path / "moe.onnx"
+    program.save(str(path))
+    assert ("NonZero" in _op_types(path)) == (form == "gather")
+    for x in (inputs(13), inputs(1), inputs(40, first_on_zero=True)):
+        torch.testing.assert_close(_run(path, x)[0], module(*x), rtol=1e-12, atol=1e-12)
+
+
+def _exported_sites(result: graphopt.export.onnx.OnnxExport, name: str) -> list:
+    return [s for p in result.report.passes if p.name == name for s in p.sites]
+
+
+def test_minimax_exact_exports_with_dynamic_axes_and_equals_transformers(tmp_path: Path
+                                                                         ) -> None:
+    """MiniMax (lightning + softmax layers, MoE): the block loop becomes the Loop translation
+    (module rewrite: the dynamic sequence), the experts the gather form; onnxruntime equals
+    transformers' own eager model at the traced shape and at batch+1, seq+3 (a partial
+    chunk)."""
+    model = build_model("minimax")
+    model.set_experts_implementation("grouped_mm")
+    path = tmp_path / "minimax.onnx"
+    result = graphopt.export_onnx(model, sample_batch(model, 2, 32),
+                                  {"attention": "exact", "moe": {}}, path, check=True)
+    assert result.module_rewrites == ["model.layers.0.self_attn"]
+    assert set(result.translations) == {"graphopt.lightning_attention_fwd",
+                                        "graphopt.moe_experts"}
+    assert [s.action for s in _exported_sites(result, "moe")] == ["rewritten", "rewritten"]
+    assert result.dynamic == {"input_ids": {0: "batch", 1: "seq"}}
+    assert {"Loop", "NonZero", "ScatterND"} <= _op_types(path)
+    assert len(result.checks) == 4 and result.ok, result.checks
+    assert "forward" not in vars(model.model.layers[0].self_attn)  # the rewrite was undone
+    # Static shapes: no module rewrite, the attention pass rewrites the traced block loop
+    # (3 blocks of 16, the last partial).
+    static = graphopt.export_onnx(model, sample_batch(model, 2, 40),
+                                  {"attention": "exact", "moe": {}}, tmp_path / "static.onnx",
+                                  dynamic=False, check=True)
+    assert static.module_rewrites == [] and static.ok, static.checks
+    assert any("block loop of 3 blocks" in s.reason
+               for s in _exported_sites(static, "attention"))
+
+
+def test_llama_lightning_export_equals_the_transformed_model(tmp_path: Path) -> None:
+    """attention="lightning" (approximate): both softmax sites are converted on the dynamic
+    graph (the causal mask reads only input sizes); onnxruntime equals the converted PyTorch
+    graph, and its difference from eager is reported as approximate."""
+    model = build_model("llama")
+    result = graphopt.export_onnx(model, sample_batch(model, 2, 24), {"attention": "lightning"},
+                                  tmp_path / "llama.onnx", check=True)
+    sites = _exported_sites(result, "attention")
+    assert [s.action for s in sites] == ["rewritten", "rewritten"], sites
+    assert all("APPROXIMATE" in s.reason for s in sites)
+    assert "Loop" in _op_types(result.path)
+    binding = [c for c in result.checks if "transformed" in c[0]]
+    approximate = [c for c in result.checks if "approximate" in c[0]]
+    assert len(binding) == 2 and all(err <= tol for _, err, tol in binding)
+    assert approximate and all(err > 1e-3 for _, err, _ in approximate)  # it did convert
+
+
+def test_cli_exports_mixtral_in_the_dense_form(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    out = tmp_path / "mixtral.onnx"
+    result = CliRunner().invoke(app, ["export", "--model", "mixtral", "--onnx", str(out),
+                                      "--moe-form", "dense", "--seq", "16"])
+    assert result.exit_code == 0, result.output
+    assert "dense form" in result.output and "NO" not in result.output
+    assert "MatMul" in _op_types(out) and "NonZero" not in _op_types(out)
+
+
+@torch.library.custom_op("graphopt::test_only_untranslated", mutates_args=())
+def _untranslated(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_untranslated.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class UsesUntranslated(torch.nn.Module):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.ops.graphopt.test_only_untranslated(x) + 1
+
+
+def test_refusals_name_the_problem_and_the_fix(tmp_path: Path) -> None:
+    x = torch.randn(3, 4)
+    with pytest.raises(ExportError, match="graphopt.test_only_untranslated .*no ONNX "
+                                          "translation"):
+        graphopt.export_onnx(UsesUntranslated(), (x,), None, tmp_path / "a.onnx")
+    model = build_model("mixtral")
+    ids = sample_batch(model, 2, 8)
+    for options, message in (({"remat": {"budget": "50%"}}, "training graphs"),
+                             ({"verify": True}, "check=True"),
+                             ({"lowering": "eager"}, "lowering"),
+                             ({"moe": {"ep": 2}}, "ep=1")):
+        with pytest.raises(ConfigError, match=message):
+            graphopt.export_onnx(model, ids, options, tmp_path / "b.onnx")
+    model.set_experts_implementation("grouped_mm")  # without the moe pass: a transformers op
+    with pytest.raises(ExportError, match="no translation of transformers.grouped_mm.*'moe'"):
+        graphopt.export_onnx(model, ids, None, tmp_path / "e.onnx")
+    with pytest.raises(ConfigError, match="moe_form"):
+        graphopt.export_onnx(model, ids, None, tmp_path / "c.onnx", moe_form="sparse")
+    with pytest.raises(ConfigError, match="B >= 2 and S >= 2"):
+        graphopt.export_onnx(model, ids[:1], None, tmp_path / "d.onnx")
+
+
+def test_python_control_flow_that_blocks_an_export_says_how_to_export(tmp_path: Path
+                                                                      ) -> None:
+    model = build_model("minimax")
+    ids = sample_batch(model, 2, 32)
+    with pytest.raises(ExportError, match="set_experts_implementation\\('grouped_mm'\\)"):
+        graphopt.export_onnx(model, ids, {"attention": "exact"}, tmp_path / "m.onnx")
+    model.set_experts_implementation("grouped_mm")
+    with pytest.raises(ExportError, match="attention': 'exact'.*dynamic=False"):
+        graphopt.export_onnx(model, ids, {"attention": "keep"}, tmp_path / "m.onnx")
