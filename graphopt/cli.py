@@ -176,7 +176,7 @@ def export(
     try:
         net = build_model(model)
         if moe:
-            net.set_experts_implementation("grouped_mm")
+            net.set_experts_implementation("grouped_mm")  # type: ignore[operator]
         with console.status("[bold]exporting[/]"):
             result = graphopt.export_onnx(net, sample_batch(net, batch, seq), options, onnx,
                                           dynamic=not static, moe_form=moe_form, check=check)
