@@ -43,6 +43,7 @@ from torch import fx, nn
 
 from graphopt.config import GraphoptConfig
 from graphopt.errors import ConfigError, GraphoptError
+from graphopt.kernels.lightning.minimax import lightning_layers, minimax_lightning_layer
 from graphopt.report import CompileReport
 
 OPSET = 18
@@ -389,41 +390,20 @@ def _getitem() -> Any:
 
 # -------------------------------------------------------------------- module rewrites
 
-LIGHTNING_PARTS = ("qkv_proj", "act_fn", "slope_rate", "norm", "output_gate", "out_proj",
-                   "num_attention_heads", "head_dim")
-"""The parts of transformers' MiniMaxLightningAttention that the module rewrites read."""
-
-
-def lightning_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, module) of MiniMax-form linear-attention layers (``layer_type ==
-    "linear_attention"`` with :data:`LIGHTNING_PARTS`)."""
-    return [(path, m) for path, m in model.named_modules()
-            if getattr(m, "layer_type", None) == "linear_attention"
-            and all(hasattr(m, a) for a in LIGHTNING_PARTS)]
-
-
 def minimax_lightning_forward(self: Any, hidden_states: torch.Tensor, *args: Any,
                               attention_mask: torch.Tensor | None = None, **kwargs: Any
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MiniMax's lightning-attention layer with its block loop as one
-    ``graphopt::lightning_attention_fwd`` call (no cache): hidden [B, S, hidden] ->
-    ([B, S, hidden], final state [B, H, D, D]). Padding positions are zeroed as transformers'
-    ``apply_mask_to_padding_states`` does."""
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MiniMax's lightning layer with its block loop as one ``graphopt::lightning_attention_fwd``
+    call (no cache): ([B, S, hidden], final state [B, H, D, D])."""
     from graphopt.kernels.lightning.op import lightning_attention
 
-    b, length, _ = hidden_states.shape
-    heads, dim = self.num_attention_heads, self.head_dim
-    qkv = self.act_fn(self.qkv_proj(hidden_states))
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] > 1 \
-            and attention_mask.shape[1] > 1:
-        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
-    qkv = qkv.reshape(b, length, heads, 3 * dim)
-    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
-    out, state = lightning_attention(q, k, v, self.slope_rate.reshape(-1).to(q.dtype),
-                                     output_final_state=True, impl="chunked")
-    out = self.norm(out.transpose(1, 2).reshape(b, length, heads * dim))
-    out = torch.sigmoid(self.output_gate(hidden_states)) * out
-    return self.out_proj(out), state
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, state = lightning_attention(q, k, v, slope, output_final_state=True,
+                                         impl="chunked")
+        return out, state
+
+    return minimax_lightning_layer(self, hidden_states, attention_mask, kernel)
 
 
 @contextlib.contextmanager

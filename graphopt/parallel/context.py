@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphopt.errors import ConfigError
+from graphopt.kernels.lightning.minimax import LIGHTNING_PARTS, minimax_lightning_layer
 from graphopt.planner.plan import ParallelPlan
 
 ATTENTION = "graphopt_cp"
@@ -70,14 +71,10 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
                               "chunks, the ring holds zigzag chunks: use "
                               "cp_kind='all_to_all'")
         if getattr(module, "layer_type", None) == "linear_attention" and \
-                not all(hasattr(module, a) for a in _LIGHTNING_PARTS):
+                not all(hasattr(module, a) for a in LIGHTNING_PARTS):
             raise ConfigError(f"{path}: a linear-attention layer without MiniMax's parts "
-                              f"({', '.join(_LIGHTNING_PARTS)}); graphopt passes the state of "
+                              f"({', '.join(LIGHTNING_PARTS)}); graphopt passes the state of "
                               "that form only: use cp=1")
-
-
-_LIGHTNING_PARTS = ("qkv_proj", "act_fn", "slope_rate", "norm", "output_gate", "out_proj",
-                    "num_attention_heads", "head_dim")
 
 
 def _lightning_cp_forward(self: Any, hidden_states: torch.Tensor, *args: Any,
@@ -86,15 +83,12 @@ def _lightning_cp_forward(self: Any, hidden_states: torch.Tensor, *args: Any,
     [B, L, hidden] -> ([B, L, hidden], None)."""
     from graphopt.kernels.lightning.cp import lightning_attention_cp
 
-    b, length, _ = hidden_states.shape
-    heads, dim = self.num_attention_heads, self.head_dim
-    qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(b, length, heads, 3 * dim)
-    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
-    out = lightning_attention_cp(q, k, v, self.slope_rate.reshape(-1).to(q.dtype),
-                                 self.graphopt_cp_group)
-    out = self.norm(out.transpose(1, 2).reshape(b, length, heads * dim))
-    out = torch.sigmoid(self.output_gate(hidden_states)) * out
-    return self.out_proj(out), None
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor
+               ) -> tuple[torch.Tensor, None]:
+        return lightning_attention_cp(q, k, v, slope, self.graphopt_cp_group), None
+
+    out, _ = minimax_lightning_layer(self, hidden_states, None, kernel)
+    return out, None
 
 
 def _ulysses(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

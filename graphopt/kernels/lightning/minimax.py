@@ -1,0 +1,51 @@
+"""MiniMax's lightning-attention layer (transformers' ``MiniMaxLightningAttention``) around a
+Lightning Attention kernel: the module-level form of the attention pass's block-loop rewrite,
+for where a graph cannot hold the loop (context parallelism: the sequence is split over
+ranks; ONNX export with a dynamic sequence axis: the loop count depends on it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+Tensor = torch.Tensor
+
+LIGHTNING_PARTS = ("qkv_proj", "act_fn", "slope_rate", "norm", "output_gate", "out_proj",
+                   "num_attention_heads", "head_dim")
+"""The parts of transformers' MiniMaxLightningAttention the layer reads."""
+
+
+def lightning_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of MiniMax-form linear-attention layers (``layer_type ==
+    "linear_attention"`` with :data:`LIGHTNING_PARTS`)."""
+    return [(path, m) for path, m in model.named_modules()
+            if getattr(m, "layer_type", None) == "linear_attention"
+            and all(hasattr(m, a) for a in LIGHTNING_PARTS)]
+
+
+def minimax_lightning_layer(layer: Any, hidden_states: Tensor, attention_mask: Tensor | None,
+                            kernel: Callable[[Tensor, Tensor, Tensor, Tensor],
+                                             tuple[Tensor, Tensor | None]]
+                            ) -> tuple[Tensor, Tensor | None]:
+    """hidden [B, S, hidden] -> ([B, S, hidden], what ``kernel`` returns as the state).
+
+    ``kernel(q, k, v, slope)`` takes q, k, v [B, H, S, D] and slope [H] and returns (o [B, H,
+    S, D], state or None). Projections, SiLU, padding zeroing (as transformers'
+    ``apply_mask_to_padding_states``), the norm, the output gate and the output projection
+    are the layer's own, as in its forward.
+    """
+    b, length, _ = hidden_states.shape
+    heads, dim = layer.num_attention_heads, layer.head_dim
+    qkv = layer.act_fn(layer.qkv_proj(hidden_states))
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] > 1 \
+            and attention_mask.shape[1] > 1:
+        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+    qkv = qkv.reshape(b, length, heads, 3 * dim)
+    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
+    out, state = kernel(q, k, v, layer.slope_rate.reshape(-1).to(q.dtype))
+    out = layer.norm(out.transpose(1, 2).reshape(b, length, heads * dim))
+    out = torch.sigmoid(layer.output_gate(hidden_states)) * out
+    return layer.out_proj(out), state
