@@ -1,16 +1,26 @@
-"""Lightning Attention on one CUDA GPU: graphopt's Triton kernels (forward + backward)
-checked against the float32 reference, and timed next to graphopt's chunked PyTorch kernel,
-causal flash attention (SDPA) and flash-linear-attention's chunk_simple_gla when it is
-importable (same function: decay g = -slope per step).
+"""Lightning Attention on one CUDA GPU: graphopt's chunk-parallel Triton kernels (forward and
+forward+backward) checked against the float32 reference, then timed and measured (peak memory)
+next to flash-linear-attention's chunk_simple_gla (same function: decay g = -slope per step)
+and causal flash attention (SDPA), side by side in one run.
 
-    python benchmarks/lightning_gpu.py
+    python benchmarks/lightning_gpu.py [--quick]
 
-B=1, H=8, D=Dv=64 (issue 3's shapes), bf16, forward+backward, CUDA-event
-medians of 10 after 3 warm-ups.
+Grid: B in {1, 8}, H in {8, 32}, D = Dv in {64, 128}, S in {2k, 8k, 32k, 64k} where
+B * H * S <= 2^21 (head-tokens; the rest would not fit the 8-minute budget with SDPA), bf16,
+CUDA-event medians of 5 after 2 warm-ups. Prints a markdown table and the geometric means of
+(fla time / graphopt time) and (graphopt peak / fla peak) (issue 16's targets: >= 1.2x and
+<= 0.67x), and for S >= 4k whether graphopt beats SDPA.
+
+flash-linear-attention on a machine without internet: here run
+``pip download fla-core==0.6.0 einops --no-deps -d benchmarks/.wheels`` (ignored by git),
+carry ``benchmarks/.wheels`` and install it there with
+``pip install --no-index --no-deps benchmarks/.wheels/*.whl`` before this script.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,80 +31,107 @@ from graphopt.kernels.lightning import lightning_attention
 from graphopt.kernels.lightning.reference import lightning_attention_reference
 
 
-def timed(fn: Callable[[], object]) -> float:
-    return cuda_median_ms(fn, reps=10, warmups=3)
-
-
 def check() -> None:
+    """fp32 Triton vs the float64 reference: o and dq, dk, dv, dslope, dstate (GQA, D != Dv,
+    multi-tile head dims, initial state)."""
     torch.manual_seed(0)
-    for s, d in ((300, 64), (1024, 64)):
-        q, k, v = (torch.randn(2, 4, s, d, device="cuda") * 0.3 for _ in range(3))
-        slope = torch.linspace(0.01, 0.3, 4, device="cuda")
-        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-        want = lightning_attention_reference(qs, ks, vs, slope)[0]
-        g = torch.randn_like(want)
-        wg = torch.autograd.grad(want, (qs, ks, vs), g)
-        qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
-        try:
-            got = lightning_attention(qt, kt, vt, slope, impl="triton")
-        except Exception as exc:
-            print(f"triton failed at S={s} D={d}: {type(exc).__name__}: {str(exc)[:200]}")
-            continue
-        gg = torch.autograd.grad(got, (qt, kt, vt), g)
-        err = max([((got - want).abs().max() / want.abs().max()).item()] +
-                  [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(gg, wg)])
-        print(f"triton fp32 vs reference, S={s} D={d}: max rel error (o, dq, dk, dv) {err:.2e}")
-        assert err < 1e-2
+    for s, hq, hk, d, dv in ((300, 4, 4, 64, 64), (1000, 4, 2, 128, 96), (257, 2, 2, 256, 256)):
+        q = torch.randn(2, hq, s, d, device="cuda") * 0.3
+        k = torch.randn(2, hk, s, d, device="cuda") * 0.3
+        v = torch.randn(2, hk, s, dv, device="cuda") * 0.3
+        slope = torch.linspace(0.01, 0.3, hq, device="cuda")
+        h0 = torch.randn(2, hq, d, dv, device="cuda") * 0.1
+        ins = [t.clone().requires_grad_() for t in (q, k, v, slope, h0)]
+        ref = [t.double().clone().requires_grad_() for t in (q, k, v, slope, h0)]
+        o, st = lightning_attention(*ins[:4], initial_state=ins[4], output_final_state=True,
+                                    impl="triton")
+        o_r, st_r = lightning_attention_reference(*ref[:4], 1.0, ref[4])
+        go, gs = torch.randn_like(o), torch.randn_like(st)
+        got = torch.autograd.grad((o * go).sum() + (st * gs).sum(), ins)
+        want = torch.autograd.grad((o_r * go.double()).sum() + (st_r * gs.double()).sum(), ref)
+        errs = [float((a.double() - b).abs().max() / b.abs().max())
+                for a, b in zip((o, st, *got), (o_r, st_r, *want))]
+        print(f"triton fp32 vs float64 reference S={s} Hq/Hk={hq}/{hk} D={d} Dv={dv}: max rel "
+              f"error (o, state, dq, dk, dv, dslope, dh0) {max(errs):.2e}")
+        assert max(errs) < 1e-2, errs
+
+
+def measure(fn: Callable[[], object]) -> tuple[float, float]:
+    """(median ms, peak GiB above the inputs)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms = cuda_median_ms(fn, reps=5, warmups=2)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="B=1, H=8, D=64 only")
+    args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     check()
     try:
         from fla.ops.simple_gla import chunk_simple_gla
-    except Exception as exc:  # not installed, or incompatible with this torch/triton
+    except Exception as exc:  # not installed, or refused by its triton-version guard
         print(f"flash-linear-attention unavailable: {type(exc).__name__}: {exc}")
         chunk_simple_gla = None
-    print("| S | D | graphopt triton ms | graphopt chunked ms | fla chunk_simple_gla ms | "
-          "SDPA flash (causal) ms | triton vs fla | triton vs SDPA |")
-    print("|---|---|---|---|---|---|---|---|")
-    for d in (64,):  # D=128: the backward kernel needs 416 KB of shared memory (see docs)
-        for s in (4096, 16384, 65536):
-            q, k, v = (torch.randn(1, 8, s, d, device="cuda", dtype=torch.bfloat16) * 0.3
-                       for _ in range(3))
-            for t in (q, k, v):
-                t.requires_grad_()
-            slope = torch.linspace(0.01, 0.3, 8, device="cuda")
-            go = torch.randn_like(q)
-            try:
-                tri = timed(lambda: lightning_attention(q, k, v, slope, impl="triton")
-                            .backward(go))
-            except Exception as exc:
-                print(f"triton failed at S={s} D={d}: {type(exc).__name__}: {str(exc)[:200]}")
-                tri = float("nan")
-            chk = timed(lambda: lightning_attention(q, k, v, slope, impl="chunked").backward(go))
-            sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                         .backward(go))
-            fla = float("nan")
-            if chunk_simple_gla is not None:
-                try:
-                    qf, kf, vf = (t.detach().transpose(1, 2).contiguous().requires_grad_()
-                                  for t in (q, k, v))
-                    gate = (-slope).view(1, 1, 8).expand(1, s, 8).contiguous()
-                    gof = go.transpose(1, 2).contiguous()
-                    fla = timed(lambda: chunk_simple_gla(qf, kf, vf, g=gate, scale=1.0)[0]
-                                .backward(gof))
-                    if s == 4096:
-                        ours = lightning_attention(q, k, v, slope, impl="triton").float()
-                        theirs = chunk_simple_gla(qf, kf, vf, g=gate, scale=1.0)[0]
-                        diff = (theirs.transpose(1, 2).float() - ours).abs().max() / \
-                            ours.abs().max()
-                        print(f"fla vs graphopt output, S={s} D={d}: max rel diff "
-                              f"{diff.item():.2e}")
-                except Exception as exc:
-                    print(f"fla failed: {type(exc).__name__}: {str(exc)[:200]}")
-            print(f"| {s} | {d} | {tri:.2f} | {chk:.2f} | {fla:.2f} | {sdpa:.2f} | "
-                  f"{fla / tri:.2f}x | {sdpa / tri:.2f}x |", flush=True)
+    print("| B | H | D | S | mode | graphopt ms | fla ms | SDPA ms | graphopt GiB | fla GiB | "
+          "fla/graphopt time | graphopt/fla memory | SDPA/graphopt time |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    speed, memory, beats = [], [], []
+    for b in (1,) if args.quick else (1, 8):
+        for h in (8,) if args.quick else (8, 32):
+            for d in (64,) if args.quick else (64, 128):
+                for s in (2048, 8192, 32768, 65536):
+                    if b * h * s > 2**21:
+                        continue
+                    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+                               * 0.3 for _ in range(3))
+                    slope = torch.linspace(0.01, 0.3, h, device="cuda")
+                    go = torch.randn_like(q)
+                    qf, kf, vf, gof = (t.transpose(1, 2).contiguous() for t in (q, k, v, go))
+                    gate = (-slope).view(1, 1, h).expand(b, s, h).contiguous()
+                    for mode in ("fwd", "fwd+bwd"):
+                        train = mode != "fwd"
+                        for t in (q, k, v, qf, kf, vf):
+                            t.requires_grad_(train)
+
+                        def ours() -> None:
+                            o = lightning_attention(q, k, v, slope, impl="triton")
+                            if train:
+                                o.backward(go)
+
+                        def sdpa() -> None:
+                            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                            if train:
+                                o.backward(go)
+
+                        def fla() -> None:
+                            o = chunk_simple_gla(qf, kf, vf, g=gate, scale=1.0)[0]
+                            if train:
+                                o.backward(gof)
+
+                        with torch.set_grad_enabled(train):
+                            t_ours, m_ours = measure(ours)
+                            t_sdpa, _ = measure(sdpa)
+                            t_fla, m_fla = measure(fla) if chunk_simple_gla else (math.nan,
+                                                                                 math.nan)
+                        if chunk_simple_gla:
+                            speed.append(t_fla / t_ours)
+                            memory.append(m_ours / m_fla)
+                        if s >= 4096:
+                            beats.append(t_sdpa > t_ours)
+                        print(f"| {b} | {h} | {d} | {s} | {mode} | {t_ours:.2f} | {t_fla:.2f} | "
+                              f"{t_sdpa:.2f} | {m_ours:.3f} | {m_fla:.3f} | "
+                              f"{t_fla / t_ours:.2f}x | {m_ours / m_fla:.2f}x | "
+                              f"{t_sdpa / t_ours:.2f}x |", flush=True)
+    if speed:
+        geo = math.exp(sum(map(math.log, speed)) / len(speed))
+        geo_mem = math.exp(sum(map(math.log, memory)) / len(memory))
+        print(f"geometric mean fla/graphopt time {geo:.2f}x (target >= 1.2x), graphopt/fla "
+              f"peak memory {geo_mem:.2f}x (target <= 0.67x)")
+    print(f"faster than SDPA flash at S >= 4k: {sum(beats)}/{len(beats)} rows")
 
 
 if __name__ == "__main__":

@@ -207,3 +207,40 @@ def test_mixed_devices_dtypes_and_float_block_are_rejected():
         lightning_attention(q, k.to("meta"), v, torch.rand(2))
     with pytest.raises(TypeError, match="block_size must be an int, got 2.7"):
         lightning_attention(q, k, v, torch.rand(2), block_size=2.7)
+
+
+def test_packed_variable_length_sequences_reset_the_state_at_each_boundary():
+    """cu_seqlens: three sequences of 5, 17 and 33 positions packed in one row (GQA, one
+    initial state per sequence), float64: outputs, final states and every gradient equal
+    three separate reference calls; nothing leaks across a boundary."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 17, 33]
+    total = sum(lengths)
+    q = torch.randn(1, 4, total, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, total, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, total, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    slope = torch.rand(4, generator=gen, dtype=torch.float64).requires_grad_()
+    h0 = torch.randn(3, 4, 8, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 5, 22, 55])
+    o, states = lightning_attention(q, k, v, slope, initial_state=h0, output_final_state=True,
+                                    cu_seqlens=cu, block_size=8)
+    go = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    gs = torch.randn(states.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((o * go).sum() + (states * gs).sum(), (q, k, v, slope, h0))
+    want_o, want_s = [], []
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        o_i, s_i = lightning_attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                 slope, 1.0, h0[i:i + 1])
+        want_o.append(o_i)
+        want_s.append(s_i)
+    want_o, want_s = torch.cat(want_o, 2), torch.cat(want_s, 0)
+    want = torch.autograd.grad((want_o * go).sum() + (want_s * gs).sum(), (q, k, v, slope, h0))
+    torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(states, want_s, rtol=1e-10, atol=1e-10)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="increase strictly from 0 to S = 55"):
+        lightning_attention(q, k, v, slope, cu_seqlens=torch.tensor([0, 5, 5, 55]))
+    with pytest.raises(ValueError, match="must be \\[1, Hq, S, D\\]"):
+        lightning_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
+                            v.expand(2, -1, -1, -1), slope, cu_seqlens=cu)

@@ -1,4 +1,4 @@
-"""The Triton Lightning Attention kernels, run on CPU by Triton's interpreter
+"""The chunk-parallel Triton Lightning Attention kernels, run on CPU by Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported), against the quadratic reference."""
 
 import os
@@ -40,6 +40,7 @@ run(1, 2, 1, 37, 16, 16, 16, True, 0)      # GQA, S not a multiple of the block,
 run(2, 2, 2, 20, 8, 12, 16, False, 1)      # D != Dv (padded tiles), B > 1
 run(1, 2, 2, 64, 16, 16, 32, True, 2)      # S a multiple of the block
 run(1, 1, 1, 5, 16, 16, 16, True, 3)       # shorter than one block
+run(1, 2, 1, 70, 80, 72, 16, True, 4)      # D, Dv over one 64-wide tile: 2 x 2 tiles, 5 chunks
 print("ok")
 """
 
@@ -53,8 +54,8 @@ def test_triton_kernels_match_reference_under_interpreter():
 
 
 def test_gpu_head_dims_beyond_the_triton_limit_use_the_chunked_kernel():
-    """Measured on an H200: D = Dv = 128 needs 416 KB of shared memory in the Triton
-    backward (limit 227 KB); "auto" takes the chunked kernel there, "triton" says why not."""
+    """The chunk-parallel kernels tile D and Dv by 64: head dims up to 256 run on Triton;
+    beyond, "auto" takes the chunked kernel and "triton" says why not."""
     import torch
 
     from graphopt.kernels.lightning.op import TRITON_MAX_HEAD_DIM, resolve_impl, triton_available
@@ -62,8 +63,9 @@ def test_gpu_head_dims_beyond_the_triton_limit_use_the_chunked_kernel():
     if not triton_available():
         pytest.skip("triton not installed")
     gpu = torch.device("cuda")
-    assert resolve_impl("auto", gpu, TRITON_MAX_HEAD_DIM) == "triton"
-    assert resolve_impl("auto", gpu, 128) == "chunked"
-    with pytest.raises(ValueError, match="head dims up to 64"):
-        resolve_impl("triton", gpu, 128)
-    assert resolve_impl("triton", torch.device("cpu"), 128) == "triton"  # interpreter: fine
+    assert TRITON_MAX_HEAD_DIM == 256
+    assert resolve_impl("auto", gpu, 128) == resolve_impl("auto", gpu, 256) == "triton"
+    assert resolve_impl("auto", gpu, 512) == "chunked"
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        resolve_impl("triton", gpu, 512)
+    assert resolve_impl("triton", torch.device("cpu"), 512) == "triton"  # interpreter: fine

@@ -43,14 +43,16 @@ def _reduce_kv(x: Tensor, hk: int) -> Tensor:
 IMPLS = ("auto", "chunked", "triton")
 
 
-TRITON_MAX_HEAD_DIM = 64
-"""Largest D / Dv the Triton kernels run on a GPU (measured on an H200: D = Dv = 128 needs
-416 KB of shared memory in the backward). "auto" takes the chunked kernel above it."""
+TRITON_MAX_HEAD_DIM = 256
+"""Largest D / Dv the Triton kernels take on a GPU. The chunk-parallel kernels tile D and Dv
+by at most 64, so a program holds [C, C] and [C, 64] fp32 tiles whatever the head dim (the
+per-(batch, head) kernel they replaced kept the whole [D, Dv] state and needed 416 KB of
+shared memory at D = Dv = 128 on an H200). Beyond 256 "auto" takes the chunked kernel."""
 
 
 def resolve_impl(impl: str, device: torch.device, head_dim: int = 0) -> str:
     """"auto": Triton on GPU/NPU when triton is installed and ``head_dim`` (max of D, Dv)
-    <= TRITON_MAX_HEAD_DIM, else the chunked PyTorch code.
+    <= TRITON_MAX_HEAD_DIM (256), else the chunked PyTorch code.
 
     Raises:
         ValueError: unknown impl, or impl="triton" on a GPU with a head dim it cannot run.
@@ -67,10 +69,8 @@ def resolve_impl(impl: str, device: torch.device, head_dim: int = 0) -> str:
                            "(triton-ascend on NPU); on CPU also set TRITON_INTERPRET=1")
     if impl == "triton" and too_big:
         raise ValueError(
-            f"impl='triton' supports head dims up to {TRITON_MAX_HEAD_DIM} on GPUs (its "
-            "backward keeps [D, Dv] float32 state tiles per program in shared memory; "
-            f"{head_dim} x {head_dim} needed 416 KB on an H200 at 128, limit 227 KB); use "
-            "impl='chunked' or 'auto'")
+            f"impl='triton' supports head dims up to {TRITON_MAX_HEAD_DIM} on GPUs, got "
+            f"{head_dim}; use impl='chunked' or 'auto'")
     return impl
 
 
@@ -217,7 +217,8 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
                         scale: float | None = None, initial_state: Tensor | None = None,
                         output_final_state: bool = False, block_size: int | None = None,
                         checkpoint_every: int | None = None, layout: str = "bhsd",
-                        impl: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+                        impl: str = "auto", cu_seqlens: Tensor | None = None
+                        ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal linear attention with per-head decay (Lightning Attention), exact.
 
     o_t = sum_{u <= t} exp(-slope_h)^(t - u) (scale q_t . k_u) v_u, plus
@@ -241,13 +242,20 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
         layout: "bhsd" or "bshd".
         impl: "auto" (Triton on GPU/NPU when installed, chunked PyTorch elsewhere),
             "chunked", or "triton" (block_size rounded up to a power of two >= 16).
+        cu_seqlens: [N + 1] int, packed variable-length sequences (flash-attention's
+            convention): B must be 1 and sequence i is positions cu_seqlens[i] ..
+            cu_seqlens[i+1] - 1; the state resets at every boundary (no attention across
+            sequences); ``initial_state`` and the final state are then [N, Hq, D, Dv], one
+            per sequence. Each sequence runs as one call of the op (the boundaries are read
+            on the host).
 
     Returns:
         o in q's dtype and layout, and the final state if ``output_final_state``.
 
     Raises:
         ValueError / TypeError: wrong ranks, mismatched shapes or heads, non-float inputs,
-            slope of the wrong length, bad layout/block_size.
+            slope of the wrong length, bad layout/block_size, cu_seqlens not increasing from
+            0 to S or with B > 1.
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -255,6 +263,13 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
         for name, x in (("q", q), ("k", k), ("v", v)):
             _check(name, x, 4)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    if cu_seqlens is not None:
+        o, state = _varlen(q, k, v, slope, cu_seqlens, scale=scale,
+                           initial_state=initial_state, block_size=block_size,
+                           checkpoint_every=checkpoint_every, impl=impl)
+        if layout == "bshd":
+            o = o.transpose(1, 2)
+        return (o, state) if output_final_state else o
     validate(q, k, v, slope, initial_state)
     for name, value in (("block_size", block_size), ("checkpoint_every", checkpoint_every)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -270,3 +285,34 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
     if layout == "bshd":
         o = o.transpose(1, 2)
     return (o, state) if output_final_state else o
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
+            initial_state: Tensor | None, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """Packed sequences: one op call per sequence, each from its own initial state (zero by
+    default); outputs concatenated, final states stacked."""
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens packs sequences along S of one batch row: q must be "
+                         f"[1, Hq, S, D], got {tuple(q.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} "
+                        f"{tuple(cu_seqlens.shape)}")
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    total = q.shape[2]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or \
+            any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must increase strictly from 0 to S = {total}, got "
+                         f"{bounds}")
+    n = len(bounds) - 1
+    hq, d, dv = q.shape[1], q.shape[3], v.shape[3]
+    if initial_state is not None and tuple(initial_state.shape) != (n, hq, d, dv):
+        raise ValueError(f"with cu_seqlens, initial_state must be [N, Hq, D, Dv] = "
+                         f"{[n, hq, d, dv]}, got {tuple(initial_state.shape)}")
+    outs, states = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        h0 = initial_state[i:i + 1] if initial_state is not None else None
+        o, st = lightning_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slope,
+                                    initial_state=h0, output_final_state=True, **kwargs)
+        outs.append(o)
+        states.append(st)
+    return torch.cat(outs, dim=2), torch.cat(states, dim=0)

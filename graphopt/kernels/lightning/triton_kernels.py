@@ -1,18 +1,33 @@
-"""Triton forward/backward of Lightning Attention (GPU via triton, Ascend NPU via
+"""Chunk-parallel Triton forward/backward of Lightning Attention (GPU via triton, Ascend NPU via
 triton-ascend; CPU tests via ``TRITON_INTERPRET=1``).
 
-Same math as chunked.py (equations (2)-(3) and their gradients). One program per (batch,
-head) walks the blocks of its sequence, keeping the [D, Dv] state in registers: forward in
-order; backward first recomputes the state before every block from the saved initial state
-(kernel ``_states``), then walks the blocks in reverse carrying dS. Only portable Triton is
-used (tl.dot, tl.exp, masks, program ids): no CUDA-specific intrinsics, inline PTX, TMA or
-warp-specialization, so the same source is what triton-ascend compiles for NPU cores.
+Same math as chunked.py (equations (2)-(3) and their gradients), organised as
+flash-linear-attention's chunk kernels (``chunk_simple_gla``: per-chunk states, a scan over
+chunks, then an output pass parallel over chunks), written from the equations:
+
+    forward   kv[c]     = (K_c * b)^T V_c                     grid (chunks, B*H, D/Bk x Dv/Bv)
+              S[c]      = lambda^L S[c-1] + kv[c-1]  (scan)   grid (B*H, D/Bk x Dv/Bv)
+              O_c       = ((Q_c K_c^T) * M) V_c + (Q_c * a) S[c]          grid (chunks, B*H, Dv/Bv)
+    backward  S[c] again from the initial state (the op's checkpoint 0): two launches
+              g[c]      = (Q_c * a)^T dO_c                   grid (chunks, B*H, D/Bk x Dv/Bv)
+              E[c-1]    = lambda^L_c E[c] + g[c]  (reverse scan; E[N-1] = dS_T; E[c] is the
+                          gradient of the state after chunk c; what is left: dS_0)
+              dQ, dK, dslope parts                          grid (chunks, B*H, D/Bk)
+              dV                                            grid (chunks, B*H, Dv/Bv)
+
+Per chunk c of length L (L = C except the tail) and in-chunk positions i, j:
+M_ij = lambda^(i-j) (i >= j), a_i = lambda^(i+1), b_j = lambda^(L-1-j), lambda = exp(-slope).
+Only the scans are sequential (N = S / C steps of one [Bk, Bv] tile each); every other launch
+is parallel over chunks x heads x batch. Head dims up to 256: tiles of Bk x Bv <= 64 x 64 with
+loops over the other tiles, so shared memory per program stays bounded. fp32 accumulation for
+any input dtype; the state buffer is written in place by the scan (kv[c] is read before
+S[c] overwrites it), so the forward keeps one [B*H, N, D, Dv] fp32 buffer.
+Portable Triton only (tl.dot, tl.exp, masks, program ids), as triton-ascend needs.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 import torch
 
@@ -28,208 +43,282 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _block_setup(SLOPE, pid, heads, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-                     BDV: tl.constexpr, C: tl.constexpr):
-        """Per (batch, head) program: the slope, index ranges and masks of a D x Dv state,
-        and a block's masked decay matrix m[i, j] = exp(-s (i - j)) (i >= j) and query
-        decays a[i] = exp(-s (i + 1)); shared by the forward and backward kernels."""
-        s = tl.load(SLOPE + pid % heads).to(tl.float32)
+    def _decays(SLOPE, bh, heads, seq, c, C: tl.constexpr):
+        """Chunk ``c``'s slope, length, row mask, positions and decays a, b (masked)."""
+        s = tl.load(SLOPE + bh % heads).to(tl.float32)
         oc = tl.arange(0, C)
-        od = tl.arange(0, BD)
-        ov = tl.arange(0, BDV)
-        md, mv = od < D, ov < DV
-        state_ptr = od[:, None] * DV + ov[None, :]
-        smask = md[:, None] & mv[None, :]
+        length = tl.minimum(C, seq - c * C)
+        mrow = oc < length
         fi = oc.to(tl.float32)
+        a = tl.where(mrow, tl.exp(-s * (fi + 1.0)), 0.0)
+        kpos = tl.maximum(length - 1 - fi, 0.0)
+        b = tl.where(mrow, tl.exp(-s * kpos), 0.0)
+        return s, oc, length, mrow, fi, a, kpos, b
+
+    @triton.jit
+    def _chunk_outer(X, Y, SLOPE, OUT, seq, heads, n_chunks, x_scale,
+                     DX: tl.constexpr, DY: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, QUERY: tl.constexpr):
+        """OUT[bh, c] tile = (x_scale * X_c * w)^T Y_c with w = a (QUERY) or b (keys)."""
+        c, bh, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        nv = tl.cdiv(DY, BV)
+        ik, iv = t // nv, t % nv
+        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
+        ok = ik * BK + tl.arange(0, BK)
+        ov = iv * BV + tl.arange(0, BV)
+        rows = bh * seq + c * C + oc
+        x = tl.load(X + rows[:, None] * DX + ok[None, :], mask=mrow[:, None] & (ok < DX)[None, :],
+                    other=0.0).to(tl.float32) * x_scale
+        y = tl.load(Y + rows[:, None] * DY + ov[None, :], mask=mrow[:, None] & (ov < DY)[None, :],
+                    other=0.0).to(tl.float32)
+        w = a if QUERY else b
+        out = tl.dot(tl.trans(x * w[:, None]), y)
+        base = OUT + (bh * n_chunks + c) * DX * DY
+        tl.store(base + ok[:, None] * DY + ov[None, :], out,
+                 mask=(ok < DX)[:, None] & (ov < DY)[None, :])
+
+    @triton.jit
+    def _scan(BUF, SLOPE, INIT, FINAL, seq, heads, n_chunks,
+              D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr):
+        """In place over BUF [B*H, N, D, Dv]: forward, BUF[c] <- state before chunk c and
+        state <- lambda^L_c state + BUF[c]; REVERSE walks c = N-1..0 (dS_end scan). FINAL gets
+        the last state (final state / gradient of the initial state)."""
+        bh, t = tl.program_id(0), tl.program_id(1)
+        nv = tl.cdiv(DV, BV)
+        ik, iv = t // nv, t % nv
+        s = tl.load(SLOPE + bh % heads).to(tl.float32)
+        ok = ik * BK + tl.arange(0, BK)
+        ov = iv * BV + tl.arange(0, BV)
+        tile = ok[:, None] * DV + ov[None, :]
+        mask = (ok < D)[:, None] & (ov < DV)[None, :]
+        if HAS_INIT:
+            state = tl.load(INIT + bh * D * DV + tile, mask=mask, other=0.0).to(tl.float32)
+        else:
+            state = tl.zeros([BK, BV], dtype=tl.float32)
+        for step in range(0, n_chunks):
+            c = n_chunks - 1 - step if REVERSE else step
+            length = tl.minimum(C, seq - c * C)
+            ptr = BUF + (bh * n_chunks + c) * D * DV + tile
+            local = tl.load(ptr, mask=mask, other=0.0)
+            tl.store(ptr, state, mask=mask)
+            state = tl.exp(-s * length) * state + local
+        tl.store(FINAL + bh * D * DV + tile, state, mask=mask)
+
+    @triton.jit
+    def _chunk_out(Q, K, V, SLOPE, STATES, OUT, seq, heads, n_chunks, scale,
+                   D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr):
+        """O_c[:, v tile] = ((Q_c K_c^T) * M) V_c + (Q_c * a) S[c] (q scaled)."""
+        c, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
+        ov = iv * BV + tl.arange(0, BV)
+        mv = ov < DV
+        rows = bh * seq + c * C + oc
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        inter = tl.zeros([C, BV], dtype=tl.float32)
+        base = STATES + (bh * n_chunks + c) * D * DV
+        for ik in range(0, tl.cdiv(D, BK)):
+            ok = ik * BK + tl.arange(0, BK)
+            mk = ok < D
+            q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32) * scale
+            k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            st = tl.load(base + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
+                         other=0.0)
+            qk += tl.dot(q, tl.trans(k))
+            inter += tl.dot(q * a[:, None], st)
         gap = fi[:, None] - fi[None, :]
         m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
-        a = tl.exp(-s * (fi + 1.0))
-        return s, oc, od, ov, md, mv, state_ptr, smask, fi, gap, m, a
+        v = tl.load(V + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
+                    other=0.0).to(tl.float32)
+        o = tl.dot(qk * m, v) + inter
+        tl.store(OUT + rows[:, None] * DV + ov[None, :], o.to(OUT.dtype.element_ty),
+                 mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
-    def _fwd(Q, K, V, SLOPE, H0, OUT, HT, CKPT, seq, heads, n_full, n_ckpt, scale,
-             D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-             C: tl.constexpr, R: tl.constexpr, HAS_H0: tl.constexpr):
-        pid = tl.program_id(0)
-        s, oc, od, ov, md, mv, state_ptr, smask, fi, gap, m, a = _block_setup(
-            SLOPE, pid, heads, D, DV, BD, BDV, C)
-        if HAS_H0:
-            state = tl.load(H0 + pid * D * DV + state_ptr, mask=smask, other=0.0).to(tl.float32)
-        else:
-            state = tl.zeros([BD, BDV], dtype=tl.float32)
-        for n in range(0, tl.cdiv(seq, C)):
-            start = n * C
-            length = tl.minimum(C, seq - start)
-            if n < n_full:
-                if n % R == 0:
-                    tl.store(CKPT + (pid * n_ckpt + n // R) * D * DV + state_ptr, state,
-                             mask=smask)
-            else:
-                tl.store(CKPT + (pid * n_ckpt + n_ckpt - 1) * D * DV + state_ptr, state,
-                         mask=smask)
-            mrow = oc < length
-            rows = pid * seq + start + oc
-            q = tl.load(Q + rows[:, None] * D + od[None, :], mask=mrow[:, None] & md[None, :],
-                        other=0.0).to(tl.float32) * scale
-            k = tl.load(K + rows[:, None] * D + od[None, :], mask=mrow[:, None] & md[None, :],
-                        other=0.0).to(tl.float32)
+    def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, seq, heads, n_chunks,
+                    scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr):
+        """dQ, dK of chunk c on one D tile, and this tile's part of dslope (linear in the D
+        tiles: every term is a sum over D)."""
+        c, bh, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        nk = tl.cdiv(D, BK)
+        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
+        ok = ik * BK + tl.arange(0, BK)
+        mk = ok < D
+        rows = bh * seq + c * C + oc
+        q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32) * scale
+        k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                    other=0.0).to(tl.float32)
+        dov = tl.zeros([C, C], dtype=tl.float32)
+        dsp = tl.zeros([C, BK], dtype=tl.float32)
+        vds = tl.zeros([C, BK], dtype=tl.float32)
+        ssum = tl.zeros([BK], dtype=tl.float32)
+        sbase = STATES + (bh * n_chunks + c) * D * DV
+        dbase = DSEND + (bh * n_chunks + c) * D * DV
+        for iv in range(0, tl.cdiv(DV, BV)):
+            ov = iv * BV + tl.arange(0, BV)
+            mv = ov < DV
+            do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
+                         other=0.0).to(tl.float32)
             v = tl.load(V + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
                         other=0.0).to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * m
-            o = tl.dot(qk, v) + tl.dot(q * a[:, None], state)
-            tl.store(OUT + rows[:, None] * DV + ov[None, :], o.to(OUT.dtype.element_ty),
-                     mask=mrow[:, None] & mv[None, :])
-            b = tl.where(mrow, tl.exp(-s * tl.maximum(length - 1 - fi, 0.0)), 0.0)
-            state = tl.exp(-s * length) * state + tl.dot(tl.trans(k * b[:, None]), v)
-        if seq % C == 0:
-            tl.store(CKPT + (pid * n_ckpt + n_ckpt - 1) * D * DV + state_ptr, state, mask=smask)
-        tl.store(HT + pid * D * DV + state_ptr, state, mask=smask)
-
-    @triton.jit
-    def _states(K, V, SLOPE, CKPT, SPREV, seq, heads, n_ckpt,
-                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                C: tl.constexpr):
-        pid = tl.program_id(0)
-        s = tl.load(SLOPE + pid % heads).to(tl.float32)
-        oc = tl.arange(0, C)
-        od = tl.arange(0, BD)
-        ov = tl.arange(0, BDV)
-        md, mv = od < D, ov < DV
-        state_ptr = od[:, None] * DV + ov[None, :]
-        smask = md[:, None] & mv[None, :]
-        state = tl.load(CKPT + pid * n_ckpt * D * DV + state_ptr, mask=smask, other=0.0)
-        fi = oc.to(tl.float32)
-        nblocks = tl.cdiv(seq, C)
-        for n in range(0, nblocks):
-            tl.store(SPREV + (pid * nblocks + n) * D * DV + state_ptr, state, mask=smask)
-            start = n * C
-            length = tl.minimum(C, seq - start)
-            mrow = oc < length
-            rows = pid * seq + start + oc
-            k = tl.load(K + rows[:, None] * D + od[None, :], mask=mrow[:, None] & md[None, :],
-                        other=0.0).to(tl.float32)
-            v = tl.load(V + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
-                        other=0.0).to(tl.float32)
-            b = tl.where(mrow, tl.exp(-s * tl.maximum(length - 1 - fi, 0.0)), 0.0)
-            state = tl.exp(-s * length) * state + tl.dot(tl.trans(k * b[:, None]), v)
-
-    @triton.jit
-    def _bwd(Q, K, V, SLOPE, DO, DHT, SPREV, DQ, DK, DV_, DH0, DSLOPE, seq, heads, scale,
-             D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-             C: tl.constexpr, HAS_DHT: tl.constexpr):
-        pid = tl.program_id(0)
-        s, oc, od, ov, md, mv, state_ptr, smask, fi, gap, m, a = _block_setup(
-            SLOPE, pid, heads, D, DV, BD, BDV, C)
-        if HAS_DHT:
-            ds = tl.load(DHT + pid * D * DV + state_ptr, mask=smask, other=0.0).to(tl.float32)
-        else:
-            ds = tl.zeros([BD, BDV], dtype=tl.float32)
+            st = tl.load(sbase + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
+                         other=0.0)
+            ds = tl.load(dbase + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
+                         other=0.0)
+            dov += tl.dot(do, tl.trans(v))
+            dsp += tl.dot(do, tl.trans(st))
+            vds += tl.dot(v, tl.trans(ds))
+            ssum += tl.sum(ds * st, axis=1)
+        gap = fi[:, None] - fi[None, :]
         gapm = tl.maximum(gap, 0.0)
-        acc = tl.zeros([C], dtype=tl.float32)
-        nblocks = tl.cdiv(seq, C)
-        for back in range(0, nblocks):
-            n = nblocks - 1 - back
-            start = n * C
-            length = tl.minimum(C, seq - start)
-            mrow = oc < length
-            rows = pid * seq + start + oc
-            mq = mrow[:, None] & md[None, :]
-            mo = mrow[:, None] & mv[None, :]
-            q = tl.load(Q + rows[:, None] * D + od[None, :], mask=mq, other=0.0).to(
-                tl.float32) * scale
-            k = tl.load(K + rows[:, None] * D + od[None, :], mask=mq, other=0.0).to(tl.float32)
-            v = tl.load(V + rows[:, None] * DV + ov[None, :], mask=mo, other=0.0).to(tl.float32)
-            do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mo, other=0.0).to(
-                tl.float32)
-            sprev = tl.load(SPREV + (pid * nblocks + n) * D * DV + state_ptr, mask=smask,
-                            other=0.0)
-            kpos = tl.maximum(length - 1 - fi, 0.0)
-            b = tl.where(mrow, tl.exp(-s * kpos), 0.0)
-            lam = tl.exp(-s * length)
-            dovm = tl.dot(do, tl.trans(v)) * m
-            qk = tl.dot(q, tl.trans(k))
-            qkm = qk * m
-            dsp = tl.dot(do, tl.trans(sprev))
-            vds = tl.dot(v, tl.trans(ds))
-            dq = tl.dot(dovm, k) + dsp * a[:, None]
-            dk = tl.dot(tl.trans(dovm), q) + vds * b[:, None]
-            dv = tl.dot(tl.trans(qkm), do) + tl.dot(k * b[:, None], ds)
-            tl.store(DQ + rows[:, None] * D + od[None, :], dq * scale, mask=mq)
-            tl.store(DK + rows[:, None] * D + od[None, :], dk, mask=mq)
-            tl.store(DV_ + rows[:, None] * DV + ov[None, :], dv, mask=mo)
-            acc -= tl.sum(dovm * qk * gapm, axis=1)
-            acc -= tl.sum(dsp * q, axis=1) * (fi + 1.0) * a
-            acc -= tl.sum(vds * k, axis=1) * kpos * b
-            acc -= tl.where(oc == 0, length * lam * tl.sum(tl.sum(ds * sprev, axis=1), axis=0),
-                            0.0)
-            ds = lam * ds + tl.dot(tl.trans(q * a[:, None]), do)
-        tl.store(DH0 + pid * D * DV + state_ptr, ds, mask=smask)
-        tl.store(DSLOPE + pid, tl.sum(acc, axis=0))
+        m = tl.where(gap >= 0, tl.exp(-s * gapm), 0.0)
+        dovm = dov * m
+        qk = tl.dot(q, tl.trans(k))
+        dq = tl.dot(dovm, k) + dsp * a[:, None]
+        dk = tl.dot(tl.trans(dovm), q) + vds * b[:, None]
+        tl.store(DQ + rows[:, None] * D + ok[None, :], dq * scale,
+                 mask=mrow[:, None] & mk[None, :])
+        tl.store(DK + rows[:, None] * D + ok[None, :], dk, mask=mrow[:, None] & mk[None, :])
+        acc = -tl.sum(dovm * qk * gapm, axis=1)
+        acc -= tl.sum(dsp * q, axis=1) * (fi + 1.0) * a
+        acc -= tl.sum(vds * k, axis=1) * kpos * b
+        lam = tl.exp(-s * length)
+        part = tl.sum(acc, axis=0) - length * lam * tl.sum(ssum, axis=0)
+        tl.store(DSLOPE + (bh * n_chunks + c) * nk + ik, part)
+
+    @triton.jit
+    def _chunk_dv(Q, K, DO, SLOPE, DSEND, DVOUT, seq, heads, n_chunks, scale,
+                  D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr):
+        """dV_c[:, v tile] = ((Q_c K_c^T) * M)^T dO_c + (K_c * b) dS_end[c]."""
+        c, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
+        ov = iv * BV + tl.arange(0, BV)
+        mv = ov < DV
+        rows = bh * seq + c * C + oc
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        kds = tl.zeros([C, BV], dtype=tl.float32)
+        dbase = DSEND + (bh * n_chunks + c) * D * DV
+        for ik in range(0, tl.cdiv(D, BK)):
+            ok = ik * BK + tl.arange(0, BK)
+            mk = ok < D
+            q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32) * scale
+            k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            ds = tl.load(dbase + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
+                         other=0.0)
+            qk += tl.dot(q, tl.trans(k))
+            kds += tl.dot(k * b[:, None], ds)
+        gap = fi[:, None] - fi[None, :]
+        m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
+        do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
+        dv = tl.dot(tl.trans(qk * m), do) + kds
+        tl.store(DVOUT + rows[:, None] * DV + ov[None, :], dv, mask=mrow[:, None] & mv[None, :])
 
 
-def _launch_shapes(q: Tensor, v: Tensor, block_size: int) -> dict[str, Any]:
-    d, dv = q.shape[-1], v.shape[-1]
-    return dict(D=d, DV=dv, BD=max(16, triton.next_power_of_2(d)),
-                BDV=max(16, triton.next_power_of_2(dv)), C=max(16, triton.next_power_of_2(
-                    block_size)))
+def _tiles(d: int, dv: int, block_size: int) -> dict[str, int]:
+    """Chunk length C (a power of two >= 16) and D / Dv tiles of at most 64 (>= 16, tl.dot's
+    minimum): a program holds [C, C] and [C, 64] fp32 tiles, within shared memory at D = 256."""
+    return dict(C=max(16, triton.next_power_of_2(block_size)),
+                BK=min(64, max(16, triton.next_power_of_2(d))),
+                BV=min(64, max(16, triton.next_power_of_2(dv))))
+
+
+def _options(c: int) -> dict[str, int]:
+    return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
+
+
+def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict[str, int]
+            ) -> tuple[Tensor, Tensor]:
+    """(S[c] for every chunk [B*H, N, D, Dv] fp32, final state [B*H, D, Dv] fp32)."""
+    bh, seq, d = k.shape
+    dv = v.shape[-1]
+    n = triton.cdiv(seq, t["C"])
+    heads = slope.shape[0]
+    buf = torch.empty(bh, n, d, dv, dtype=torch.float32, device=k.device)
+    tiles = triton.cdiv(d, t["BK"]) * triton.cdiv(dv, t["BV"])
+    _chunk_outer[(n, bh, tiles)](k, v, slope, buf, seq, heads, n, 1.0, DX=d, DY=dv,
+                                 QUERY=False, **t, **_options(t["C"]))
+    final = torch.empty(bh, d, dv, dtype=torch.float32, device=k.device)
+    init = initial.reshape(bh, d, dv).float().contiguous() if initial is not None else final
+    _scan[(bh, tiles)](buf, slope, init, final, seq, heads, n, D=d, DV=dv,
+                       HAS_INIT=initial is not None, REVERSE=False, **t, **_options(t["C"]))
+    return buf, final
 
 
 def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
-                   initial_state: Tensor | None, block_size: int, checkpoint_every: int
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """Same contract as ``chunked.chunked_forward`` (heads already expanded for GQA).
-
-    The block length is rounded up to a power of two >= 16 (Triton tile shapes).
-    """
+                  initial_state: Tensor | None, block_size: int, checkpoint_every: int
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Same contract as ``chunked.chunked_forward`` (heads expanded for GQA): (o [B, H, S, Dv]
+    fp32, final state [B, H, D, Dv] fp32, checkpoints [B, H, n, D, Dv] fp32). The block
+    length is rounded up to a power of two >= 16."""
     from graphopt.kernels.lightning.chunked import num_checkpoints
 
     b, h, seq, d = q.shape
     dv = v.shape[-1]
-    shapes = _launch_shapes(q, v, block_size)
-    c = shapes["C"]
+    t = _tiles(d, dv, block_size)
+    c = t["C"]
+    n = triton.cdiv(seq, c)
+    q_, k_, v_ = (x.reshape(b * h, seq, x.shape[-1]).contiguous() for x in (q, k, v))
+    slope_f = slope.float().contiguous()
+    states, final = _states(k_, v_, slope_f, initial_state, t)
+    o = torch.empty(b * h, seq, dv, dtype=torch.float32, device=q.device)
+    _chunk_out[(n, b * h, triton.cdiv(dv, t["BV"]))](
+        q_, k_, v_, slope_f, states, o, seq, h, n, float(scale), D=d, DV=dv, **t,
+        **_options(c))
     n_full = seq // c
-    n_ckpt = num_checkpoints(seq, c, checkpoint_every)
-    q_, k_, v_ = (x.contiguous() for x in (q, k, v))
-    o = torch.empty(b, h, seq, dv, dtype=torch.float32, device=q.device)
-    ht = torch.empty(b, h, d, dv, dtype=torch.float32, device=q.device)
-    ckpt = torch.zeros(b, h, n_ckpt, d, dv, dtype=torch.float32, device=q.device)
-    h0 = initial_state.float().contiguous() if initial_state is not None else ht
-    _fwd[(b * h,)](q_, k_, v_, slope.float().contiguous(), h0, o, ht, ckpt, seq, h, n_full,
-                   n_ckpt, float(scale), R=checkpoint_every,
-                   HAS_H0=initial_state is not None, **shapes, **_launch_options(d, dv))
-    return o, ht, ckpt
-
-
-def _launch_options(d: int, dv: int) -> dict[str, int]:
-    """One pipeline stage: each program keeps its [D, Dv] float32 state and block tiles in
-    shared memory; Triton's default multi-stage pipelining of the tile loads needed 320 KB
-    for D = Dv = 128 on an H200 (limit 227 KB). More warps for the larger tiles."""
-    return {"num_stages": 1, "num_warps": 8 if d * dv >= 128 * 128 else 4}
+    picks = [states[:, i] for i in range(0, n_full, checkpoint_every)]
+    picks.append(states[:, n_full] if seq % c else final)  # where the tail starts
+    checkpoints = torch.stack(picks, dim=1)
+    assert checkpoints.shape[1] == num_checkpoints(seq, c, checkpoint_every)
+    return (o.view(b, h, seq, dv), final.view(b, h, d, dv),
+            checkpoints.view(b, h, -1, d, dv))
 
 
 def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
-                    v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
-                    block_size: int, checkpoint_every: int, need_slope_grad: bool
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Same contract as ``chunked.chunked_backward``. States are recomputed from the saved
-    initial state (checkpoint 0) into a transient [B, H, N, D, Dv] buffer."""
+                   v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
+                   block_size: int, checkpoint_every: int, need_slope_grad: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Same contract as ``chunked.chunked_backward``. The chunk states are recomputed from
+    the initial state (checkpoint 0) by the forward's two parallel launches: the forward
+    saves q, k, v, slope and the checkpoints only (selective rematerialization)."""
     b, h, seq, d = q.shape
     dv = v.shape[-1]
-    shapes = _launch_shapes(q, v, block_size)
-    nblocks = triton.cdiv(seq, shapes["C"])
-    q_, k_, v_, go = (x.contiguous() for x in (q, k, v, grad_o))
+    t = _tiles(d, dv, block_size)
+    c = t["C"]
+    n = triton.cdiv(seq, c)
+    bh = b * h
+    q_, k_, v_, go = (x.reshape(bh, seq, x.shape[-1]).contiguous()
+                      for x in (q, k, v, grad_o))
     slope_f = slope.float().contiguous()
-    sprev = torch.empty(b, h, max(nblocks, 1), d, dv, dtype=torch.float32, device=q.device)
-    _states[(b * h,)](k_, v_, slope_f, checkpoints.contiguous(), sprev, seq, h,
-                      checkpoints.shape[2], **shapes, **_launch_options(d, dv))
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-    dvv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
-    dh0 = torch.empty(b, h, d, dv, dtype=torch.float32, device=q.device)
-    dslope = torch.empty(b * h, dtype=torch.float32, device=q.device)
-    dht = grad_state.float().contiguous() if grad_state is not None else dh0
-    _bwd[(b * h,)](q_, k_, v_, slope_f, go, dht, sprev, dq, dk, dvv, dh0, dslope, seq, h,
-                   float(scale), HAS_DHT=grad_state is not None, **shapes,
-                   **_launch_options(d, dv))
-    ds = dslope.view(b, h).sum(0) if need_slope_grad else None
-    return dq, dk, dvv, ds, dh0
+    states, _ = _states(k_, v_, slope_f, checkpoints[:, :, 0], t)
+    tiles = triton.cdiv(d, t["BK"]) * triton.cdiv(dv, t["BV"])
+    # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
+    # E[N-1] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial state.
+    dsend = torch.empty(bh, n, d, dv, dtype=torch.float32, device=q.device)
+    _chunk_outer[(n, bh, tiles)](q_, go, slope_f, dsend, seq, h, n, float(scale), DX=d,
+                                 DY=dv, QUERY=True, **t, **_options(c))
+    dh0 = torch.empty(bh, d, dv, dtype=torch.float32, device=q.device)
+    dht = grad_state.reshape(bh, d, dv).float().contiguous() if grad_state is not None \
+        else dh0
+    _scan[(bh, tiles)](dsend, slope_f, dht, dh0, seq, h, n, D=d, DV=dv,
+                       HAS_INIT=grad_state is not None, REVERSE=True, **t, **_options(c))
+    dq = torch.empty(bh, seq, d, dtype=torch.float32, device=q.device)
+    dk = torch.empty_like(dq)
+    dvv = torch.empty(bh, seq, dv, dtype=torch.float32, device=q.device)
+    nk = triton.cdiv(d, t["BK"])
+    parts = torch.empty(bh, n, nk, dtype=torch.float32, device=q.device)
+    _chunk_dqdk[(n, bh, nk)](q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, seq, h,
+                             n, float(scale), D=d, DV=dv, **t, **_options(c))
+    _chunk_dv[(n, bh, triton.cdiv(dv, t["BV"]))](q_, k_, go, slope_f, dsend, dvv, seq, h, n,
+                                                 float(scale), D=d, DV=dv, **t, **_options(c))
+    dslope = parts.sum(dim=(1, 2)).view(b, h).sum(0) if need_slope_grad else None
+    return (dq.view(b, h, seq, d), dk.view(b, h, seq, d), dvv.view(b, h, seq, dv), dslope,
+            dh0.view(b, h, d, dv))
