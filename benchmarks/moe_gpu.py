@@ -19,7 +19,9 @@ from common import cuda_median_ms
 from graphopt.kernels.moe import moe_experts
 
 SHAPES = [(4096, 8, 1024, 3584), (4096, 8, 4096, 14336), (16384, 8, 4096, 14336),
-          (4096, 64, 2048, 1408)]  # (tokens, experts, hidden, ffn): Mixtral-style, DeepSeek-ish
+          (4096, 64, 2048, 1408), (4096, 128, 2048, 768), (8192, 256, 2048, 512)]
+# (tokens, experts, hidden, ffn): Mixtral size (issue 16: >= 1.2x transformers' grouped_mm
+# experts, >= 2x its eager loop), then DeepSeek-like small experts (64-256).
 
 
 def experts_module(e: int, h: int, f: int, impl: str) -> torch.nn.Module:
@@ -56,6 +58,25 @@ def check_op() -> None:
     assert err < 3e-2
 
 
+def check_no_host_sync() -> None:
+    """One dropless bf16 forward+backward of the op with CUDA's sync debug mode set to error:
+    counts, offsets and the sort stay on the device."""
+    ex = experts_module(8, 256, 512, "eager")
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, i = torch.randn(1024, 8, device="cuda").softmax(-1).topk(2, dim=-1)
+    w = w.requires_grad_()
+    moe_experts(x, i, w, ex.gate_up_proj, ex.down_proj).sum().backward()  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_experts(x, i, w, ex.gate_up_proj, ex.down_proj).sum().backward()
+        print("host synchronizations in forward+backward: none")
+    except RuntimeError as exc:
+        print(f"host synchronization found: {str(exc)[:300]}")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def check_pass() -> None:
     from graphopt.models import build_model, sample_batch
     from graphopt.report import clear_reports, reports
@@ -86,6 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     check_op()
+    check_no_host_sync()
     check_pass()
     print("| tokens | experts | hidden | ffn | transformers loop ms | transformers grouped_mm ms "
           "| graphopt ms | vs loop | vs grouped_mm |")

@@ -166,3 +166,35 @@ def test_every_differentiable_input_gets_its_gradient():
     hidden, index, weights, gate_up, down = _op_args(t=5, e=3, h=4, f=3)
     assert torch.autograd.gradcheck(
         lambda h, w, gu, d: moe_experts(h, index, w, gu, d), (hidden, weights, gate_up, down))
+
+
+def test_dropless_forward_reads_nothing_on_the_host_and_backward_reuses_the_sort(monkeypatch):
+    """Counts, grouped-GEMM offsets and the sort stay tensors (on a GPU: no host sync): the
+    op's forward on the float32 grouped path (what the moe pass inserts) calls no
+    tolist/item/int on a tensor; the backward gets the forward's order (no second sort)."""
+    import graphopt.kernels.moe.op as moe_op
+    from graphopt.kernels.moe import moe_experts
+
+    def op(*args):
+        return torch.ops.graphopt.moe_experts(*args, -1.0, 1, "", "flat", 1, 1, False)[0]
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=gen, requires_grad=True)
+    w, i = torch.topk(torch.randn(64, 4, generator=gen).softmax(-1), 2)
+    gate_up = torch.randn(4, 32, 16, generator=gen, requires_grad=True)
+    down = torch.randn(4, 16, 16, generator=gen, requires_grad=True)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a host read of a tensor in the dropless forward")
+
+    with monkeypatch.context() as patch:
+        for name in ("tolist", "item", "__int__", "__index__", "__bool__"):
+            patch.setattr(torch.Tensor, name, host_read)
+        out = op(x, i, w, gate_up, down)
+    sorts = []
+    real_sort = moe_op._sort
+    monkeypatch.setattr(moe_op, "_sort", lambda *a: sorts.append(1) or real_sort(*a))
+    out.square().sum().backward()
+    assert sorts == []  # the backward used the forward's order
+    ref = moe_experts(x.double(), i, w.double(), gate_up.double(), down.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)

@@ -19,7 +19,7 @@ runtime runs the exported model without graphopt.
   weighted by a dense [T, E] routing matrix that is zero off the top-k: E/K times the FLOPs,
   static shapes only, for runtimes without NonZero). Capacity (token dropping) follows
   ``capacity_keep_mask``: the first C = ceil(cf * T * K / E) assignments per expert in
-  token order. Backward-only outputs (expert rows, activations, counts) are not produced:
+  token order. Backward-only outputs (expert rows, activations, counts, the sort) are not produced:
   they are dead in an inference graph, and the exporter refuses graphs that use them.
 
 Shapes and dtypes are the ops' (graphopt/kernels/lightning/op.py, graphopt/kernels/moe/op.py).
@@ -190,8 +190,8 @@ def moe_experts(form: str) -> Any:
                        capacity_factor, num_experts)
         # Backward-only outputs (dead in the inference graphs the exporter accepts).
         empty = op.ConstantOfShape(_ints(0))
-        return out, empty, empty, op.Cast(empty, to=ir.DataType.INT64), \
-            op.Cast(empty, to=ir.DataType.INT64)
+        empty_int = op.Cast(empty, to=ir.DataType.INT64)
+        return out, empty, empty, empty_int, empty_int, empty_int
 
     translate.__name__ = f"moe_experts_{form}"
     return translate

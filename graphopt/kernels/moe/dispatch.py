@@ -95,7 +95,10 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     if capacity_factor is not None and not (0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
     flat = top_k_index.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
+    if flat.is_cuda:  # checked on the device: no host synchronization on the hot path
+        torch._assert_async(((flat >= 0) & (flat < e)).all(),
+                            f"graphopt moe_experts: top_k_index has values outside [0, {e})")
+    elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
         raise ValueError(f"top_k_index has values outside [0, {e}): min {int(flat.min())}, "
                          f"max {int(flat.max())}")
     from graphopt.kernels.moe.op import moe_experts_op

@@ -69,15 +69,22 @@ def resolve_group(name: str, ep: int) -> dist.ProcessGroup | None:
 
 def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
           ) -> tuple[Tensor, Tensor, Tensor, int]:
-    """(order [T*K], token [T*K], counts [E], valid): sorted assignments, sentinels last."""
+    """(order [T*K], token [T*K], counts [E], valid): sorted assignments, sentinels last.
+
+    Dropless (capacity_factor <= 0), every assignment is valid: ``valid`` = T*K comes from
+    the shape and the counts stay on the device (no host synchronization); with a capacity
+    the number kept is read from the device."""
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     if capacity_factor > 0:
         keep = capacity_keep_mask(top_k_index, num_experts, capacity_factor).reshape(-1)
         flat = torch.where(keep, flat, num_experts)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    return order, order // k, counts, int(counts.sum())
+    # A histogram by scatter_add: torch.bincount reads the maximum on the host (CUDA sync).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))[:num_experts]
+    valid = flat.numel() if capacity_factor <= 0 else int(counts.sum())
+    return order, order // k, counts, valid
 
 
 def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int) -> Tensor:
@@ -101,8 +108,9 @@ def _pad_rows(x: Tensor, n: int) -> Tensor:
 def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                    down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
                    chunks: int, ranks_per_node: int, stash: bool
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] or [0, 2F], handle [1], counts [ep, E])."""
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] or [0, 2F], handle [1], counts [ep, E],
+    order [T*K] (the sort, reused by the backward))."""
     num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
     order, token, counts, valid = _sort(top_k_index, num_experts, capacity_factor)
@@ -135,31 +143,34 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
     out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device).index_add(
         0, token[:valid], y_valid.to(acc) * weights.to(acc).unsqueeze(-1))
-    return (out.to(hidden.dtype), y_rows, gu_out, torch.tensor([handle], device=top_k_index.device),
-            counts_all.to(torch.int64))
+    return (out.to(hidden.dtype), y_rows, gu_out, top_k_index.new_full((1,), handle),
+            counts_all.to(torch.int64), order)
 
 
 @moe_experts_op.register_fake
 def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
       down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
-      ranks_per_node: int, stash: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+      ranks_per_node: int, stash: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     n = top_k_index.numel()
     return (hidden.new_empty(hidden.shape), hidden.new_empty(n, hidden.shape[1]),
             hidden.new_empty(n if ep == 1 else 0, gate_up.shape[1]),
             top_k_index.new_empty(1, dtype=torch.int64),
-            top_k_index.new_empty(ep, gate_up.shape[0] * ep, dtype=torch.int64))
+            top_k_index.new_empty(ep, gate_up.shape[0] * ep, dtype=torch.int64),
+            top_k_index.new_empty(n, dtype=torch.int64))
 
 
 @torch.library.custom_op("graphopt::moe_experts_backward", mutates_args=())
 def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
                          top_k_weights: Tensor, gate_up: Tensor, down: Tensor, y_rows: Tensor,
-                         gu: Tensor, handle: Tensor, counts_all: Tensor, capacity_factor: float,
-                         ep: int, group: str, schedule: str, chunks: int, ranks_per_node: int
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(grad hidden, grad top_k_weights, grad gate_up, grad down) of moe_experts' ``out``."""
-    num_experts = gate_up.shape[0] * ep
+                         gu: Tensor, handle: Tensor, counts_all: Tensor, order: Tensor,
+                         capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
+                         ranks_per_node: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad hidden, grad top_k_weights, grad gate_up, grad down) of moe_experts' ``out``;
+    ``order`` is the forward's sort (not sorted again)."""
     pg = resolve_group(group, ep)
-    order, token, _, valid = _sort(top_k_index, num_experts, capacity_factor)
+    token = order // top_k_index.shape[1]
+    valid = order.numel() if capacity_factor <= 0 else int(
+        counts_all[dist.get_rank(pg) if pg is not None else 0].sum())
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
     grad_rows = grad_out.index_select(0, token[:valid]).to(acc)
     weights = top_k_weights.reshape(-1)[order[:valid]].to(acc)
@@ -197,8 +208,8 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
 @moe_experts_backward.register_fake
 def _(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
       gate_up: Tensor, down: Tensor, y_rows: Tensor, gu: Tensor, handle: Tensor,
-      counts_all: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
-      chunks: int, ranks_per_node: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+      counts_all: Tensor, order: Tensor, capacity_factor: float, ep: int, group: str,
+      schedule: str, chunks: int, ranks_per_node: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up),
             torch.empty_like(down))
 
@@ -210,9 +221,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
 
 
 def _backward(ctx: Any, grad_out: Tensor, *unused: Any) -> tuple[Any, ...]:
-    hidden, index, weights, gate_up, down, y_rows, gu, handle, counts = ctx.saved_tensors
+    hidden, index, weights, gate_up, down, y_rows, gu, handle, counts, order = ctx.saved_tensors
     grads = moe_experts_backward(grad_out.contiguous(), hidden, index, weights, gate_up, down,
-                                 y_rows, gu, handle, counts, *ctx.options)
+                                 y_rows, gu, handle, counts, order, *ctx.options)
     return (grads[0], None, grads[1], grads[2], grads[3]) + (None,) * 7
 
 
