@@ -41,6 +41,19 @@ run(2, 2, 2, 20, 8, 12, 16, False, 1)      # D != Dv (padded tiles), B > 1
 run(1, 2, 2, 64, 16, 16, 32, True, 2)      # S a multiple of the block
 run(1, 1, 1, 5, 16, 16, 16, True, 3)       # shorter than one block
 run(1, 2, 1, 70, 80, 72, 16, True, 4)      # D, Dv over one 64-wide tile: 2 x 2 tiles, 5 chunks
+
+# Packed variable-length sequences: the state resets at each boundary.
+gen = torch.Generator().manual_seed(5)
+q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+slope = torch.rand(2, generator=gen) * 0.5
+cu = torch.tensor([0, 7, 25, 40])
+o, st = lightning_attention(q, k, v, slope, cu_seqlens=cu, output_final_state=True,
+                            impl="triton", block_size=16)
+for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+    o_r, st_r = lightning_attention_reference(q[:, :, a:b].double(), k[:, :, a:b].double(),
+                                              v[:, :, a:b].double(), slope.double())
+    torch.testing.assert_close(o[:, :, a:b].double(), o_r, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(st[i:i + 1].double(), st_r, rtol=1e-4, atol=1e-4)
 print("ok")
 """
 
