@@ -354,6 +354,18 @@ def plan(
                                          "hand configurations' verdicts) here."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float32."),
     override: list[str] = typer.Option([], help=_OVERRIDE_HELP),
+    published: list[Path] = typer.Option([], help="A plan JSON (graphopt.parallelize's "
+                                          "format) a job is known to run with: evaluated "
+                                          "with the search, so the result never loses to "
+                                          "it; repeatable."),
+    seq_buckets: str | None = typer.Option(None, help="Comma-separated sequence lengths "
+                                           "(2k,8k,32k,128k): plan each and say where the "
+                                           "best plan changes (global batch in tokens is "
+                                           "kept: sequences scale inversely)."),
+    plot: Path | None = typer.Option(None, help="Draw the step-time breakdown (compute, "
+                                     "bubble, exposed TP/CP/EP/PP/DP) and memory of the top "
+                                     "plans and the hand configurations to this PNG "
+                                     "(needs matplotlib)."),
 ) -> None:
     """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
     common hand configurations lose."""
@@ -371,6 +383,15 @@ def plan(
         raise typer.BadParameter(f"--json {json_out}: not a writable file path (a directory, "
                                  "or its folder does not exist)")
     overrides = _parse_overrides(override)
+    from graphopt.planner.plan import ParallelPlan
+
+    try:
+        known = [(path.stem, ParallelPlan.load(path)) for path in published]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        _fail(f"--published: {type(exc).__name__}: {exc}")
+    if seq_buckets is not None:
+        _plan_buckets(model, cluster, devices, seq, global_batch, dtype, overrides, seq_buckets)
+        return
     try:
         profile = load_profile(cluster)
         source = resolve_model(model)
@@ -380,7 +401,7 @@ def plan(
             st.update("[bold]searching[/]")
             result = search(pm, profile, devices, global_batch, top_k=top,
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
-                                                         "evaluated[/]"))
+                                                         "evaluated[/]"), published=known)
     except GraphoptError as exc:
         _fail(str(exc))
     table = Table(title=f"{escape(model)} ({pm.params / 1e9:.3g}B params), {devices} x "
@@ -400,6 +421,15 @@ def plan(
     console.print(table)
     _print_hand_configurations(result)
     _print_toy_note(source)
+    if plot is not None:
+        from graphopt.planner.plot import plot_plans
+
+        try:
+            plot_plans(result, plot, title=f"{model}, {devices} x {profile.device.name}, seq "
+                                           f"{seq}, global batch {global_batch}")
+        except ImportError as exc:
+            _fail(str(exc))
+        console.print(f"wrote {escape(str(plot))}")
     if json_out is not None:
         json_out.write_text(json.dumps({
             "model": model, "cluster": cluster, "devices": devices, "seq": seq,
@@ -407,6 +437,58 @@ def plan(
             "hand": [{"name": n, "plan": p.to_dict(), "verdict": w}
                      for n, p, w in result.hand]}, indent=2))
         console.print(f"wrote {escape(str(json_out))}")
+
+
+def _parse_length(text: str) -> int:
+    """'8k' -> 8192, '4096' -> 4096."""
+    text = text.strip().lower()
+    try:
+        return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+    except ValueError:
+        raise typer.BadParameter(f"--seq-buckets takes lengths such as 2k,8k,32768; got "
+                                 f"{text!r}") from None
+
+
+def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch: int,
+                  dtype: str, overrides: dict[str, Any], buckets: str) -> None:
+    """Plan each sequence-length bucket at the same tokens per iteration and print where the
+    best plan changes (the basis for re-planning per batch bucket)."""
+    import torch
+
+    from graphopt.cost.profiles import load_profile
+    from graphopt.errors import GraphoptError
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.search import search
+
+    lengths = [_parse_length(x) for x in buckets.split(",") if x.strip()]
+    tokens = seq * global_batch
+    table = Table(title=f"{escape(model)} on {devices} devices, {tokens:,} tokens per "
+                        "iteration, best plan per sequence bucket")
+    for col in ("seq", "global batch", "best plan", "step s", "MFU", "memory GiB", "change"):
+        table.add_column(col)
+    previous = None
+    try:
+        profile = load_profile(cluster)
+        for length in lengths:
+            batch = max(1, tokens // length)
+            pm = plan_model(model, length, profile, getattr(torch, dtype), overrides=overrides)
+            try:
+                best = search(pm, profile, devices, batch, top_k=1).best
+            except GraphoptError as exc:
+                table.add_row(str(length), str(batch), f"[red]{escape(str(exc)[:90])}[/]",
+                              "", "", "", "")
+                continue
+            pred = best.prediction
+            assert pred is not None
+            shape = best.describe().replace(f", mb={best.microbatch}", "")
+            change = "" if previous is None else ("same" if shape == previous else
+                                                  "[yellow]re-plan[/]")
+            previous = shape
+            table.add_row(str(length), str(batch), best.describe(), f"{pred.step_s:.3g}",
+                          f"{pred.mfu:.1%}", f"{pred.memory_bytes / 2**30:.1f}", change)
+    except GraphoptError as exc:
+        _fail(str(exc))
+    console.print(table)
 
 
 def _parse_overrides(items: list[str]) -> dict[str, Any]:

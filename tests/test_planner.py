@@ -207,3 +207,48 @@ def test_cli_plan_explains_a_global_batch_without_plans():
     assert "none of the common hand configurations is valid for this job" in text
     assert "not valid for this job: data parallel (DDP) (dp_replicate=8, mb=1): global batch " \
         "(3) must divide into dp (8) x microbatch (1)" in text
+
+
+def test_search_covers_any_virtual_stage_count_and_never_loses_to_a_published_plan():
+    """24 layers on pp=4: interleaving with v = 2, 3 and 6 is in the space (Megatron's
+    published runs use v = 3, not only 2); a published plan is evaluated with the search, so
+    the best plan is never slower than it under the same model, and it is reported."""
+    from graphopt.planner.search import candidates
+
+    model = plan_model("llama3-8b", 2048, H100, overrides=SMALL)
+    vs = {p.virtual_stages for p in candidates(model, 32, 256, 8) if p.pp == 4}
+    assert vs == {1, 2, 3, 6}
+    published = ParallelPlan(dp_replicate=4, tp=2, pp=4, virtual_stages=3,
+                             pp_schedule="interleaved", microbatch=2)
+    result = search(model, H100, 32, 256, published=[("paper", published)])
+    mine = next(p for name, p, _ in result.hand if name == "published: paper")
+    assert mine.prediction is not None
+    assert result.best.prediction.tokens_per_s >= mine.prediction.tokens_per_s
+    with pytest.raises(ConfigError, match="published configuration 'odd'.*not valid"):
+        search(model, H100, 32, 256, published=[("odd", ParallelPlan(tp=3, dp_replicate=10))])
+
+
+def test_cli_plan_buckets_and_plot(tmp_path):
+    """--seq-buckets plans each length at the same tokens per iteration and marks where the
+    best plan changes; --plot writes the step-time/memory picture; --published is listed."""
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    pytest.importorskip("matplotlib")
+    published = tmp_path / "paper.json"
+    ParallelPlan(dp_replicate=4, tp=2).save(published)
+    picture = tmp_path / "plans.png"
+    result = CliRunner().invoke(app, ["plan", "--model", "llama", "--devices", "8", "--seq",
+                                      "256", "--global-batch", "16", "--plot", str(picture),
+                                      "--published", str(published)])
+    assert result.exit_code == 0, result.output
+    assert "published: paper" in result.output
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    buckets = CliRunner().invoke(app, ["plan", "--model", "llama", "--devices", "8", "--seq",
+                                       "256", "--global-batch", "16", "--seq-buckets",
+                                       "128,1k"])
+    assert buckets.exit_code == 0, buckets.output
+    assert "best plan per sequence bucket" in buckets.output
+    assert "1024" in buckets.output and ("same" in buckets.output or
+                                         "re-plan" in buckets.output)

@@ -8,7 +8,7 @@ what to change. Pruning (each rule keeps the space's optimum under the performan
 structural rule of the frameworks that execute plans): tp and ep*expert_tp inside one node
 (their collectives sit on every layer's critical path; Megatron-Core and torchtitan place
 them on NVLink/HCCS), dividing the node size so groups never straddle nodes; tp divides the
-heads; pp x virtual stages divides the layers; cp only
+heads; pp x virtual stages (any v dividing the layers per stage) divides the layers; cp only
 when the sequence splits into 2*cp chunks of >= 1024 tokens; microbatch in {1, 2, 4, 8};
 ZeRO 1 or 3 over dp_shard; recomputation none, half or all layers of a stage. Memory is
 checked before time. The per-layer costs are measured once per model (graphopt.planner.model)
@@ -45,6 +45,8 @@ class SearchResult:
     seconds: float
     hand_invalid: list[tuple[str, ParallelPlan, str]] = dataclasses.field(default_factory=list)
     """(name, plan, what makes it invalid for this job): hand configurations left out."""
+    device_memory_bytes: float = 0.0
+    """Memory of one device of the cluster searched (the plot's capacity line)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -93,7 +95,9 @@ def no_layout_reason(model: PlanModel, devices: int, global_batch: int, node: in
 def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: int,
            node: int) -> Iterator[ParallelPlan]:
     per_stage = model.layers // pp
-    vs = [1] + ([2] if pp > 1 and model.layers % (2 * pp) == 0 else [])
+    # Interleaved 1F1B: any virtual stage count v >= 2 with pp x v dividing the layers
+    # (Megatron-LM's published runs use v = 3 and others, not only 2).
+    vs = [1] + ([v for v in _divisors(per_stage) if v > 1] if pp > 1 else [])
     for shard in _divisors(dp):
         fold = shard * cp * tp
         eps = [e for e in _divisors(fold) if node % e == 0 and model.experts % e == 0] \
@@ -113,8 +117,14 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
 
 def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch: int,
            top_k: int = 5, progress: Callable[[int], None] | None = None,
-           dp_overlap: bool = True) -> SearchResult:
+           dp_overlap: bool = True, published: list[tuple[str, ParallelPlan]] | None = None
+           ) -> SearchResult:
     """Best plans for ``devices`` devices of ``cluster`` (see the module docstring).
+
+    ``published``: (name, plan) of configurations a job is known to run with (a paper's or a
+    team's); each valid one is evaluated with the candidates, so the result is never slower
+    than it under the same model even when the pruned space lacks it (e.g. uneven stages or
+    schedules the enumeration leaves out), and it is reported with the hand configurations.
 
     Raises:
         ConfigError: no plan fits in memory (the message gives the smallest footprint).
@@ -127,7 +137,18 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
     heap: list[tuple[float, float, int, ParallelPlan]] = []
     evaluated = pruned = 0
     smallest = float("inf")
-    for i, plan in enumerate(candidates(model, devices, global_batch, node)):
+    extra = []
+    for name, plan in published or []:
+        problems = plan.problems(devices=devices, layers=model.layers, heads=model.heads,
+                                 experts=model.experts, global_batch=global_batch,
+                                 seq=model.seq)
+        if problems:
+            raise ConfigError(f"published configuration {name!r} ({plan.describe()}) is not "
+                              f"valid for this job: {'; '.join(problems)}")
+        extra.append(plan)
+    seen = set(extra)
+    rest = (p for p in candidates(model, devices, global_batch, node) if p not in seen)
+    for i, plan in enumerate(itertools.chain(extra, rest)):
         pred = evaluate(plan, model, cluster, global_batch, dp_overlap)
         evaluated += 1
         if progress is not None and evaluated % 2000 == 0:
@@ -151,8 +172,10 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
                           "the sequence")
     ranked = [p for *_, p in sorted(heap, key=lambda x: x[:3], reverse=True)]
     hand, invalid = [], []
-    for name, plan, problems in hand_configurations(model, devices, global_batch, node,
-                                                    cluster):
+    listed: list[tuple[str, ParallelPlan, list[str]]] = [
+        (f"published: {n}", p, []) for n, p in published or []]
+    for name, plan, problems in listed + hand_configurations(model, devices, global_batch,
+                                                             node, cluster):
         if problems:
             invalid.append((name, plan, "; ".join(problems)))
             continue
@@ -160,7 +183,7 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
                                                  dp_overlap))
         hand.append((name, plan, why_slower(plan, ranked[0], capacity)))
     return SearchResult(ranked[0], ranked, hand, evaluated, pruned,
-                        time.perf_counter() - start, invalid)
+                        time.perf_counter() - start, invalid, cluster.device.memory_bytes)
 
 
 def hand_configurations(model: PlanModel, devices: int, global_batch: int, node: int,
