@@ -153,7 +153,8 @@ def export(
                              "experts -> graphopt::moe_experts) before exporting."),
     moe_form: str = typer.Option("gather", help="How moe_experts is exported: gather (routed "
                                  "tokens only) | dense (every expert, masked; static shapes)."),
-    batch: int = typer.Option(2, min=2, help="Example batch (dynamic axis unless --static)."),
+    batch: int = typer.Option(2, min=1, help="Example batch (dynamic axis unless --static; "
+                              ">= 2 then)."),
     seq: int = typer.Option(32, min=2, help="Example sequence length."),
     static: bool = typer.Option(False, help="Export the example's shapes (no dynamic axes)."),
     check: bool = typer.Option(True, help="Compare onnxruntime with PyTorch (needs "
@@ -168,6 +169,10 @@ def export(
     if model not in SPECS:
         raise typer.BadParameter(f"unknown model {model!r}; available: {', '.join(SPECS)}")
     options: dict[str, Any] = {"attention": attention}
+    if not moe and expert_count(SPECS[model].kwargs) > 0:
+        _fail(f"{model} is a MoE model: its experts export through graphopt's moe translation "
+              "(transformers' eager experts loop is data-dependent and its grouped_mm op has "
+              "no ONNX form); drop --no-moe")
     moe = moe and expert_count(SPECS[model].kwargs) > 0
     if moe:
         options["moe"] = {}

@@ -233,3 +233,55 @@ def test_python_control_flow_that_blocks_an_export_says_how_to_export(tmp_path: 
     model.set_experts_implementation("grouped_mm")
     with pytest.raises(ExportError, match="attention': 'exact'.*dynamic=False"):
         graphopt.export_onnx(model, ids, {"attention": "keep"}, tmp_path / "m.onnx")
+
+
+def test_a_sliding_window_mask_is_not_taken_for_causal(tmp_path: Path) -> None:
+    """Mistral with a 40-token window (longer than the example and than every fixed probe
+    size): its mask equals the causal one up to 40 tokens only. The attention pass probes
+    past the constants of the mask's construction, keeps the mask, and the file equals
+    eager at 100 tokens (found by a hostile-input review: it was rewritten to is_causal)."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=256,
+                                        sliding_window=40)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    result = graphopt.export_onnx(model, torch.randint(0, 256, (2, 16)), {"attention": "exact"},
+                                  tmp_path / "mistral.onnx")
+    assert all(s.action == "kept" for s in _exported_sites(result, "attention"))
+    ids = torch.randint(0, 256, (1, 100))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(_run(result.path, [ids])[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_review_findings_are_clear_errors_or_correct_checks(tmp_path: Path) -> None:
+    """From a hostile-input review: a model left in train mode is checked in eval mode (as
+    exported); a directory as the path, a conflicting dynamic=False + dynamic_shapes, an
+    example longer than the model's positions are refused first; generic modules with
+    nested outputs and named inputs are checked; the check's longer input stays within the
+    model's positions."""
+    model = build_model("gpt2")  # dropout 0.1 in its config
+    model.train()
+    ids = sample_batch(model, 2, 254)  # n_positions 256: the check shortens its second input
+    result = graphopt.export_onnx(model, ids, None, tmp_path / "gpt2.onnx", check=True)
+    assert result.ok and model.training, result.checks
+    with pytest.raises(ConfigError, match="is a directory"):
+        graphopt.export_onnx(model, ids, None, tmp_path)
+    with pytest.raises(ConfigError, match="at most 256"):
+        graphopt.export_onnx(model, sample_batch(model, 2, 300), None, tmp_path / "x.onnx")
+
+    class Nested(torch.nn.Module):
+        def forward(self, x, y):  # type: ignore[no-untyped-def]
+            return {"sum": x + y, "pair": (x * y, x - y)}
+
+    b = Dim("b")
+    nested = graphopt.export_onnx(Nested(), (torch.randn(3, 4), torch.randn(3, 4)), None,
+                                  tmp_path / "n.onnx", dynamic_shapes=({0: b}, {0: b}),
+                                  check=True)
+    assert nested.ok and len(nested.checks) == 12 and set(nested.dynamic) == {"x", "y"}
+    with pytest.raises(ConfigError, match="contradict"):
+        graphopt.export_onnx(Nested(), (torch.randn(3, 4), torch.randn(3, 4)), None,
+                             tmp_path / "n.onnx", dynamic=False, dynamic_shapes=({0: b}, {0: b}))

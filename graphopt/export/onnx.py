@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -168,6 +169,8 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
         raise ConfigError(f"moe_form must be one of {', '.join(MOE_FORMS)}, got {moe_form!r}")
     module, args, shapes, names = _prepare(model, example_inputs, dynamic, dynamic_shapes)
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"path {path} is a directory: give the .onnx file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
     result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
@@ -178,7 +181,8 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
         with torch.no_grad(), _module_rewrites(model, config, _seq_dynamic(shapes)) as swapped:
             result.module_rewrites = swapped
             t0 = time.perf_counter()
-            exported = _torch_export(module, args, shapes, config)
+            exported = _torch_export(module, args, shapes, config,
+                                     loops=bool(lightning_layers(model)))
             result.seconds["torch_export"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             gm = _run_model_passes(exported, args, config, report)
@@ -231,13 +235,36 @@ def _prepare(model: nn.Module, example_inputs: Any, dynamic: bool, dynamic_shape
         if dynamic_shapes is not None:
             raise ConfigError("dynamic_shapes is for other modules; a causal LM takes "
                               "dynamic=True (batch and seq) or False")
+        if isinstance(example_inputs, (tuple, list)) and len(example_inputs) != 1:
+            raise ConfigError(f"a causal LM is exported as input_ids -> logits: pass one "
+                              f"tensor, got {len(example_inputs)} inputs")
+        longest = max_positions(model)
+        if longest is not None and ids.shape[1] > longest:
+            raise ConfigError(f"example input_ids have {ids.shape[1]} positions; the model "
+                              f"takes at most {longest} (its max_position_embeddings)")
         shapes = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},) \
             if dynamic else None
         return CausalLMLogits(model), (ids,), shapes, ["input_ids"]
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
-    names = [f"input_{i}" for i in range(len(args))]
+    if not dynamic and dynamic_shapes is not None:
+        raise ConfigError("dynamic=False and dynamic_shapes contradict each other: drop one")
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+    names = [params[i] if i < len(params) else f"input_{i}" for i in range(len(args))]
     return model, args, dynamic_shapes, names
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence a transformers model takes (None when its config does not say)."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]]:
@@ -247,8 +274,8 @@ def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]]:
     out = {}
     for name, spec in zip(names, specs):
         spec = spec or {}
-        out[name] = {axis: getattr(dim, "__name__", str(dim)) for axis, dim in spec.items()} \
-            if isinstance(spec, dict) else {}
+        out[name] = {axis: dim.__name__ if hasattr(dim, "__name__") else "auto"
+                     for axis, dim in spec.items()} if isinstance(spec, dict) else {}
     return out
 
 
@@ -256,8 +283,8 @@ def _seq_dynamic(shapes: Any) -> bool:
     return shapes is not None
 
 
-def _torch_export(module: nn.Module, args: tuple, shapes: Any,
-                  config: GraphoptConfig) -> torch.export.ExportedProgram:
+def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptConfig,
+                  loops: bool = False) -> torch.export.ExportedProgram:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
@@ -270,7 +297,7 @@ def _torch_export(module: nn.Module, args: tuple, shapes: Any,
                           f"{str(exc).splitlines()[0]}.{hint}") from exc
     except torch._dynamo.exc.UserError as exc:
         hint = ""
-        if config.attention == "keep" and "Constraints violated" in str(exc):
+        if loops and config.attention == "keep" and "Constraints violated" in str(exc):
             hint = (" A Python loop over the sequence (MiniMax's lightning-attention blocks) "
                     "specializes the sequence axis: use options={'attention': 'exact'} (graphopt "
                     "replaces the loop) or dynamic=False.")
@@ -428,7 +455,8 @@ def _module_rewrites(model: nn.Module, config: GraphoptConfig, dynamic_seq: bool
 # ------------------------------------------------------------------------------ checks
 
 
-def check_onnx(result: OnnxExport, rtol: float = 1e-4, atol: float = 1e-4) -> OnnxExport:
+def check_onnx(result: OnnxExport, rtol: float | None = None, atol: float | None = None
+               ) -> OnnxExport:
     """Run the exported file with onnxruntime and compare with PyTorch.
 
     Inputs: the export's example inputs and, when it has dynamic axes, inputs grown by one
@@ -437,13 +465,23 @@ def check_onnx(result: OnnxExport, rtol: float = 1e-4, atol: float = 1e-4) -> On
     file must compute) and the eager model (``result.eager``); after an approximate rewrite
     (attention="lightning", moe capacity) the second differs by design and is reported with
     an infinite tolerance. Appends (what, max abs error, tolerance) to ``result.checks``;
-    tolerance = atol + rtol * max |reference|.
+    tolerance = atol + rtol * max |reference| (1e-4 each; 1e-2 for float16 models). The
+    references run in eval mode, as the export traced them.
 
     Raises:
         ImportError: onnxruntime is not installed (``pip install onnxruntime``).
+        ConfigError: a bfloat16 model (onnxruntime's CPU provider lacks the kernels).
     """
     import onnxruntime as ort
 
+    dtypes = {p.dtype for p in (result.eager.parameters() if result.eager is not None else ())}
+    if torch.bfloat16 in dtypes:
+        raise ConfigError("check=True runs onnxruntime's CPU provider, which has no bf16 "
+                          "kernels for this graph; the file is written: check a float32 "
+                          "export (or run check=False)")
+    default = 1e-2 if torch.float16 in dtypes else 1e-4
+    rtol = default if rtol is None else rtol
+    atol = default if atol is None else atol
     session = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     cases = [("example inputs", result.example_inputs)]
@@ -454,13 +492,19 @@ def check_onnx(result: OnnxExport, rtol: float = 1e-4, atol: float = 1e-4) -> On
     references = [("graphopt-transformed model", result.transformed, True),
                   ("eager model", result.eager, exact)]
     for what, inputs in cases:
-        got = session.run(None, dict(zip(names, [x.numpy() for x in inputs])))
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        got = session.run(None, dict(zip(names, [x.numpy() for x in tensors])))
         for ref_name, module, binding in references:
             if module is None:
                 continue
-            with torch.no_grad():
+            with torch.no_grad(), _eval_mode(module):  # as exported: no dropout
                 want = module(*inputs)
-            wants = [want] if isinstance(want, torch.Tensor) else list(want)
+            wants = [w for w in torch.utils._pytree.tree_leaves(want)
+                     if isinstance(w, torch.Tensor)]
+            if len(wants) != len(got):
+                result.checks.append((f"onnxruntime vs {ref_name}, {what}: {len(got)} outputs "
+                                      f"for {len(wants)}", float("inf"), 0.0))
+                continue
             for i, (w, g) in enumerate(zip(wants, got)):
                 w = w.detach().to(torch.float64)
                 g64 = torch.from_numpy(g).to(torch.float64)
@@ -472,18 +516,43 @@ def check_onnx(result: OnnxExport, rtol: float = 1e-4, atol: float = 1e-4) -> On
     return result
 
 
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block (an exported graph module has no train/eval)."""
+    if isinstance(module, fx.GraphModule):
+        yield
+        return
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
 def _grown(args: tuple, result: OnnxExport) -> tuple | None:
+    """The example grown by one along batch axes (axis 0) and by three along the other
+    dynamic axes (three fewer when that would pass the model's max positions); None when no
+    axis is dynamic. Axes left to torch.export (Dim.AUTO) are not grown."""
     axes = list(result.dynamic.values())
-    if not any(axes):
+    if not any(name != "auto" for spec in axes for name in spec.values()):
         return None
+    longest = max_positions(result.eager.model) if isinstance(result.eager, CausalLMLogits) \
+        else None
     out = []
     gen = torch.Generator().manual_seed(1)
     for x, dyn in zip(args, axes):
         if not isinstance(x, torch.Tensor) or not dyn:
             out.append(x)
             continue
-        shape = [n + (1 if axis == 0 else 3) if axis in dyn else n
-                 for axis, n in enumerate(x.shape)]
+        shape = list(x.shape)
+        for axis, name in dyn.items():
+            if name == "auto":
+                continue
+            step = 1 if axis == 0 else 3
+            if axis > 0 and longest is not None and shape[axis] + step > longest:
+                step = -min(3, shape[axis] - 2)
+            shape[axis] += step
         if x.dtype == torch.int64:
             high = int(x.max()) + 1
             out.append(torch.randint(0, max(high, 1), shape, generator=gen))

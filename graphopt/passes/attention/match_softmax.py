@@ -21,6 +21,7 @@ Convertible (hand-written, :func:`match_handwritten_softmax_attention`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +191,12 @@ def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any
 
 
 SIZE_PROBES = (1, 2, 5, 16, 37)
-"""Sizes a mask that depends on input sizes only is evaluated at (besides the example's)."""
+"""Sizes a mask that depends on input sizes only is evaluated at (besides the example's), and
+past every integer constant of its construction (see :func:`not_constant_causal`)."""
+
+MAX_PROBED_CONSTANT = 4096
+"""A size-dependent mask whose construction uses a larger integer constant (a sliding window
+of 8k, say) is not accepted: probing past it would build masks of more than 8k x 8k."""
 
 
 def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = False) -> str:
@@ -201,12 +207,14 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     transformers builds its causal mask from ``arange(seq)``), never from input values (a
     padding mask). It must evaluate to True / 0 on and below the diagonal and False / -inf (or
     < -1e30) above (a boolean mask with ``blocked=True``, as ``masked_fill`` takes it: False
-    on and below, True above). A size-dependent mask is evaluated at the example's sizes and
-    with every size set to each of SIZE_PROBES: the graph is one fixed dataflow of size
-    arithmetic, so a mask causal at all of them is the causal construction (a probe, not a
-    symbolic proof; the report names it).
+    on and below, True above). A size-dependent mask is evaluated at the example sizes, at
+    every size of SIZE_PROBES, and just past each integer constant of its construction (a
+    sliding window of w is causal up to size w and not beyond: its w is such a constant; the
+    mask of a graph is a fixed dataflow of comparisons, whose outcome changes only where a
+    size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused.
     """
     sizes: list[fx.Node] = []
+    constants: set[int] = set()
     for n in ancestors(mask):
         if _is_size(n, env):
             sizes.append(n)
@@ -216,8 +224,18 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
                     "so it cannot be proven causal for every call")
         if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
             return "the attention mask is built by non-ATen code"
+        if n.op == "call_function":
+            constants |= {abs(int(a)) for a in (*n.args, *n.kwargs.values())
+                          if isinstance(a, int | float) and not isinstance(a, bool)
+                          and math.isfinite(a) and float(a).is_integer() and abs(a) < 2**31}
+    if sizes and max(constants, default=0) > MAX_PROBED_CONSTANT:
+        return (f"the attention mask reads input sizes and the constant "
+                f"{max(constants)} (a sliding window?); masks past {MAX_PROBED_CONSTANT} are "
+                "not probed, so it is not proven causal for every size")
+    probe_sizes = sorted(set(SIZE_PROBES) | {c + d for c in constants for d in (1, 2)
+                                              if 2 < c + d <= MAX_PROBED_CONSTANT + 2})
     probes: list[dict[fx.Node, Any]] = [env]
-    for size in SIZE_PROBES if sizes else ():
+    for size in probe_sizes if sizes else ():
         probes.append({**{k: v for k, v in env.items() if k not in sizes},
                        **{n: size for n in sizes}})
     for probe_env in probes:
