@@ -106,6 +106,28 @@ if triton_available():
         tl.store(FINAL + bh * D * DV + tile, state, mask=mask)
 
     @triton.jit
+    def _scores_and_state_term(Q, K, rows, mrow, w, ov, mv, base, scale,
+                               D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                               BK: tl.constexpr, BV: tl.constexpr, FROM_Q: tl.constexpr):
+        """Over the D tiles of chunk rows ``rows``: (Q K^T [C, C], (X * w) B [C, Bv]) with X = Q
+        (FROM_Q) or K and B the chunk's [D, Dv] buffer at ``base`` (a state or its gradient)."""
+        qk = tl.zeros([C, C], dtype=tl.float32)
+        acc = tl.zeros([C, BV], dtype=tl.float32)
+        for ik in range(0, tl.cdiv(D, BK)):
+            ok = ik * BK + tl.arange(0, BK)
+            mk = ok < D
+            q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32) * scale
+            k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            tile = tl.load(base + ok[:, None] * DV + ov[None, :],
+                           mask=mk[:, None] & mv[None, :], other=0.0)
+            qk += tl.dot(q, tl.trans(k))
+            x = q if FROM_Q else k
+            acc += tl.dot(x * w[:, None], tile)
+        return qk, acc
+
+    @triton.jit
     def _chunk_out(Q, K, V, SLOPE, STATES, OUT, seq, heads, n_chunks, scale,
                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr):
@@ -115,20 +137,9 @@ if triton_available():
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
         rows = bh * seq + c * C + oc
-        qk = tl.zeros([C, C], dtype=tl.float32)
-        inter = tl.zeros([C, BV], dtype=tl.float32)
-        base = STATES + (bh * n_chunks + c) * D * DV
-        for ik in range(0, tl.cdiv(D, BK)):
-            ok = ik * BK + tl.arange(0, BK)
-            mk = ok < D
-            q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32) * scale
-            k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32)
-            st = tl.load(base + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
-                         other=0.0)
-            qk += tl.dot(q, tl.trans(k))
-            inter += tl.dot(q * a[:, None], st)
+        qk, inter = _scores_and_state_term(Q, K, rows, mrow, a, ov, mv,
+                                           STATES + (bh * n_chunks + c) * D * DV, scale,
+                                           D, DV, C, BK, BV, True)
         gap = fi[:, None] - fi[None, :]
         m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
         v = tl.load(V + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
@@ -201,20 +212,9 @@ if triton_available():
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
         rows = bh * seq + c * C + oc
-        qk = tl.zeros([C, C], dtype=tl.float32)
-        kds = tl.zeros([C, BV], dtype=tl.float32)
-        dbase = DSEND + (bh * n_chunks + c) * D * DV
-        for ik in range(0, tl.cdiv(D, BK)):
-            ok = ik * BK + tl.arange(0, BK)
-            mk = ok < D
-            q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32) * scale
-            k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32)
-            ds = tl.load(dbase + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
-                         other=0.0)
-            qk += tl.dot(q, tl.trans(k))
-            kds += tl.dot(k * b[:, None], ds)
+        qk, kds = _scores_and_state_term(Q, K, rows, mrow, b, ov, mv,
+                                         DSEND + (bh * n_chunks + c) * D * DV, scale,
+                                         D, DV, C, BK, BV, False)
         gap = fi[:, None] - fi[None, :]
         m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
         do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
