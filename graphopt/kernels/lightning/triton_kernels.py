@@ -13,7 +13,7 @@ chunks, then an output pass parallel over chunks), written from the equations:
               E[c-1]    = lambda^L_c E[c] + g[c]  (reverse scan; E[N-1] = dS_T; E[c] is the
                           gradient of the state after chunk c; what is left: dS_0)
               dQ, dK, dslope parts                          grid (chunks, B*H, D/Bk)
-              dV                                            grid (chunks, B*H, Dv/Bv)
+              dV (the output kernel, transposed scores)     grid (chunks, B*H, Dv/Bv)
 
 Per chunk c of length L (L = C except the tail) and in-chunk positions i, j:
 M_ij = lambda^(i-j) (i >= j), a_i = lambda^(i+1), b_j = lambda^(L-1-j), lambda = exp(-slope).
@@ -128,24 +128,28 @@ if triton_available():
         return qk, acc
 
     @triton.jit
-    def _chunk_out(Q, K, V, SLOPE, STATES, OUT, seq, heads, n_chunks, scale,
+    def _chunk_out(Q, K, X, SLOPE, BUF, OUT, seq, heads, n_chunks, scale,
                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr):
-        """O_c[:, v tile] = ((Q_c K_c^T) * M) V_c + (Q_c * a) S[c] (q scaled)."""
+                   BV: tl.constexpr, GRAD_V: tl.constexpr):
+        """Per chunk c and Dv tile, with M the masked decay:
+        forward (X = V, BUF = S):        O_c  = ((Q_c K_c^T) * M) V_c + (Q_c * a) S[c];
+        GRAD_V (X = dO, BUF = dS_end):   dV_c = ((Q_c K_c^T) * M)^T dO_c + (K_c * b) dS_end[c]
+        (q scaled)."""
         c, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
         rows = bh * seq + c * C + oc
-        qk, inter = _scores_and_state_term(Q, K, rows, mrow, a, ov, mv,
-                                           STATES + (bh * n_chunks + c) * D * DV, scale,
-                                           D, DV, C, BK, BV, True)
+        qk, term = _scores_and_state_term(Q, K, rows, mrow, b if GRAD_V else a, ov, mv,
+                                          BUF + (bh * n_chunks + c) * D * DV, scale,
+                                          D, DV, C, BK, BV, not GRAD_V)
         gap = fi[:, None] - fi[None, :]
         m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
-        v = tl.load(V + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
+        x = tl.load(X + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
                     other=0.0).to(tl.float32)
-        o = tl.dot(qk * m, v) + inter
-        tl.store(OUT + rows[:, None] * DV + ov[None, :], o.to(OUT.dtype.element_ty),
+        scores = tl.trans(qk * m) if GRAD_V else qk * m
+        out = tl.dot(scores, x) + term
+        tl.store(OUT + rows[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
@@ -202,26 +206,6 @@ if triton_available():
         part = tl.sum(acc, axis=0) - length * lam * tl.sum(ssum, axis=0)
         tl.store(DSLOPE + (bh * n_chunks + c) * nk + ik, part)
 
-    @triton.jit
-    def _chunk_dv(Q, K, DO, SLOPE, DSEND, DVOUT, seq, heads, n_chunks, scale,
-                  D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr):
-        """dV_c[:, v tile] = ((Q_c K_c^T) * M)^T dO_c + (K_c * b) dS_end[c]."""
-        c, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
-        ov = iv * BV + tl.arange(0, BV)
-        mv = ov < DV
-        rows = bh * seq + c * C + oc
-        qk, kds = _scores_and_state_term(Q, K, rows, mrow, b, ov, mv,
-                                         DSEND + (bh * n_chunks + c) * D * DV, scale,
-                                         D, DV, C, BK, BV, False)
-        gap = fi[:, None] - fi[None, :]
-        m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
-        do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)
-        dv = tl.dot(tl.trans(qk * m), do) + kds
-        tl.store(DVOUT + rows[:, None] * DV + ov[None, :], dv, mask=mrow[:, None] & mv[None, :])
-
 
 def _tiles(d: int, dv: int, block_size: int) -> dict[str, int]:
     """Chunk length C (a power of two >= 16) and D / Dv tiles of at most 64 (>= 16, tl.dot's
@@ -271,8 +255,8 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     states, final = _states(k_, v_, slope_f, initial_state, t)
     o = torch.empty(b * h, seq, dv, dtype=torch.float32, device=q.device)
     _chunk_out[(n, b * h, triton.cdiv(dv, t["BV"]))](
-        q_, k_, v_, slope_f, states, o, seq, h, n, float(scale), D=d, DV=dv, **t,
-        **_options(c))
+        q_, k_, v_, slope_f, states, o, seq, h, n, float(scale), D=d, DV=dv, GRAD_V=False,
+        **t, **_options(c))
     n_full = seq // c
     picks = [states[:, i] for i in range(0, n_full, checkpoint_every)]
     picks.append(states[:, n_full] if seq % c else final)  # where the tail starts
@@ -317,8 +301,9 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
     parts = torch.empty(bh, n, nk, dtype=torch.float32, device=q.device)
     _chunk_dqdk[(n, bh, nk)](q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, seq, h,
                              n, float(scale), D=d, DV=dv, **t, **_options(c))
-    _chunk_dv[(n, bh, triton.cdiv(dv, t["BV"]))](q_, k_, go, slope_f, dsend, dvv, seq, h, n,
-                                                 float(scale), D=d, DV=dv, **t, **_options(c))
+    _chunk_out[(n, bh, triton.cdiv(dv, t["BV"]))](q_, k_, go, slope_f, dsend, dvv, seq, h,
+                                                  n, float(scale), D=d, DV=dv, GRAD_V=True,
+                                                  **t, **_options(c))
     dslope = parts.sum(dim=(1, 2)).view(b, h).sum(0) if need_slope_grad else None
     return (dq.view(b, h, seq, d), dk.view(b, h, seq, d), dvv.view(b, h, seq, dv), dslope,
             dh0.view(b, h, d, dv))
