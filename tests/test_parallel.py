@@ -160,7 +160,6 @@ MOE_RUNS = {
     4: [("mixtral", dict(dp_shard=4, ep=2, zero_stage=3)),
         ("minimax", dict(dp_shard=2, tp=2, ep=4, zero_stage=3)),
         ("mixtral", dict(dp_replicate=2, dp_shard=2, ep=2, zero_stage=3)),
-        ("qwen3_moe", dict(dp_shard=2, tp=2, ep=2, zero_stage=2)),
         ("mixtral/idle-experts", dict(dp_shard=4, ep=4, zero_stage=3))],
 }
 

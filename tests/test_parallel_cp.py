@@ -23,8 +23,7 @@ RUNS = {
     4: [("llama", dict(cp=4, **A2A)),
         ("llama", dict(cp=2, tp=2, **A2A)),
         ("mixtral", dict(cp=2, dp_shard=2, ep=4, zero_stage=3, **A2A)),
-        ("minimax", dict(cp=4, **A2A)), ("llama", dict(cp=2, dp_shard=2, zero_stage=3)),
-        ("llama", dict(cp=4))],
+        ("minimax", dict(cp=4, **A2A)), ("llama", dict(cp=2, dp_shard=2, zero_stage=3))],
 }
 
 

@@ -24,14 +24,13 @@ RUNS = {
         ("llama", dict(num_hidden_layers=5), dict(pp=2, microbatch=2)),  # uneven: 2 + 3
         ("llama", TIED, dict(pp=2)),  # one weight on the first and last stage
         ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=2))],
-    4: [("llama", L4, dict(pp=4)),
-        ("llama", dict(num_hidden_layers=8), dict(pp=4, virtual_stages=2,
+    4: [("llama", dict(num_hidden_layers=8), dict(pp=4, virtual_stages=2,
                                                   pp_schedule="interleaved")),
         ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
         ("llama", L4, dict(pp=2, tp=2)),
         ("mixtral", L2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
+        ("mixtral", L2, dict(pp=2, tp=2, ep=2)),  # PP x TP with EP over TP
         ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2))],
-    8: [("mixtral", L2, dict(pp=2, dp_shard=2, tp=2, ep=4, zero_stage=3))],  # 3 axes + EP
 }
 
 
@@ -86,7 +85,7 @@ def _worker(rank, world, runs):
     return [_run(name, overrides, ParallelPlan(**kw)) for name, overrides, kw in runs]
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_plans_train_like_one_process(world):
     runs = RUNS[world]
     results = run_distributed(_worker, world, runs)
