@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import operator
 import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -178,7 +179,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _module_rewrites(model, config, _seq_dynamic(shapes)) as swapped:
+        with torch.no_grad(), _module_rewrites(model, config, shapes is not None) as swapped:
             result.module_rewrites = swapped
             t0 = time.perf_counter()
             exported = _torch_export(module, args, shapes, config,
@@ -279,10 +280,6 @@ def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]]:
     return out
 
 
-def _seq_dynamic(shapes: Any) -> bool:
-    return shapes is not None
-
-
 def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptConfig,
                   loops: bool = False) -> torch.export.ExportedProgram:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -380,7 +377,8 @@ def _translations(gm: fx.GraphModule, moe_form: str) -> tuple[dict[Any, Any], di
                               "inserted it (options={'disable': [...]}) to export the "
                               "model's own ops")
         if target._opname == "moe_experts":
-            dead = [u.name for u in node.users if u.target is not _getitem() or u.args[1] != 0]
+            dead = [u.name for u in node.users
+                    if u.target is not operator.getitem or u.args[1] != 0]
             if dead:
                 raise ExportError(f"{node.name}: the backward-only outputs of "
                                   f"graphopt.moe_experts are used ({dead}); ONNX export covers "
@@ -407,12 +405,6 @@ def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) 
                 "graphopt/export/translations.py")
         raise ExportError(f"ONNX has no translation of {name} (torch.onnx and graphopt know "
                           f"none).{hint}") from None
-
-
-def _getitem() -> Any:
-    import operator
-
-    return operator.getitem
 
 
 # -------------------------------------------------------------------- module rewrites
