@@ -130,9 +130,11 @@ def test_interleaved_schedule_needs_microbatches_divisible_by_pp():
 
 def test_device_counts_without_a_layout_and_best_hand_plans_are_explained():
     model = plan_model("llama3-8b", 2048, H100, overrides=SMALL)
+    shallow = plan_model("llama3-8b", 2048, H100, overrides={**SMALL, "num_hidden_layers": 4})
     with pytest.raises(ConfigError, match=r"the global batch \(8\) is not divisible by any "
                                           r"data-parallel degree .* multiple of 7, or 1 dev"):
-        search(model, H100, 7, 8)
+        search(shallow, H100, 7, 8)  # 4 layers: no pp = 7 (24 layers run as 7 uneven stages)
+    assert search(model, H100, 7, 8).best.pp == 7
     result = search(model, H100, 8, 64)
     verdicts = [why for _, plan, why in result.hand
                 if dataclasses.replace(plan, prediction=None) ==
@@ -252,3 +254,67 @@ def test_cli_plan_buckets_and_plot(tmp_path):
     assert "best plan per sequence bucket" in buckets.output
     assert "1024" in buckets.output and ("same" in buckets.output or
                                          "re-plan" in buckets.output)
+
+
+def test_selective_checkpointing_keeps_what_torchtitans_policy_keeps():
+    """Per-op selective checkpointing measured on the trace: a Llama layer keeps its input,
+    Q, V (K's GEMM is the second and is recomputed), the attention output and its
+    log-sum-exp, and the gate GEMM's output (up, the sixth GEMM, is recomputed): exactly
+    2*s*(h + h + kv*d + h + f) + 4*heads*s bytes in bf16 (and a few scalars), and recomputes
+    3 GEMMs."""
+    import torch
+    import transformers
+
+    from graphopt.cost.estimate import trace_step
+    from graphopt.cost.memory import recomputed_nodes, saved_for_backward
+    from graphopt.models import build_architecture, resolve_model
+    from graphopt.planner.model import _fused_cost_attention, selective_checkpoint_context
+
+    transformers.AttentionInterface.register("graphopt_fused_cost", _fused_cost_attention)
+    s, h, heads, kv, d, f = 256, 256, 4, 2, 64, 704
+    cfg = {"hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "intermediate_size": f, "vocab_size": 512}
+    saved, mms = [], []
+    for layers in (1, 2):
+        model = build_architecture(resolve_model("llama3-8b"), torch.bfloat16,
+                                   {**cfg, "num_hidden_layers": layers}, seq=s,
+                                   attn_implementation="graphopt_fused_cost")
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": selective_checkpoint_context})
+        model.train()
+        ids = torch.zeros(1, s, dtype=torch.long, device="meta")
+        gm = trace_step(model, {"input_ids": ids, "labels": ids, "use_cache": False},
+                        tracing="fake")
+        saved.append(saved_for_backward(gm))
+        mms.append(sum(n.target == torch.ops.aten.mm.default for n in recomputed_nodes(gm)))
+    expected = 2 * s * (3 * h + kv * d + f) + 4 * heads * s
+    assert 0 <= saved[1] - saved[0] - expected <= 64  # + a few scalars (24 bytes)
+    assert mms[1] - mms[0] == 3  # K, O (the second norm's input is rebuilt) and up
+
+
+def test_selective_recompute_and_uneven_stages_in_the_search():
+    """Selective recomputation is a plan choice (less memory than none, faster than full);
+    uneven stages place layer counts pp does not divide, and a lighter last stage balances
+    the LM head; the executor's stage split follows the plan."""
+    from graphopt.parallel.pipeline import _plan_bounds
+    from graphopt.planner.search import stage_layouts
+
+    model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 30})
+    none, sel, full = (evaluate(ParallelPlan(dp_shard=8, zero_stage=3, **kw), model, H100, 64)
+                       for kw in ({}, {"selective_recompute": True}, {"recompute_layers": 30}))
+    assert full.memory_bytes < sel.memory_bytes < none.memory_bytes
+    assert none.step_s < sel.step_s < full.step_s
+    assert stage_layouts(126, 16)[0] == (7,) + (8,) * 14 + (7,)
+    assert stage_layouts(32, 4) == [(), (7, 9, 9, 7)]
+    even, light = (evaluate(ParallelPlan(dp_shard=2, pp=4, stage_layers=st), model, H100, 64)
+                   for st in ((), (7, 8, 8, 7)))
+    assert light.step_s < even.step_s  # 30 layers: 8/8/7/7 vs the head on the 7-layer end
+    problems = " ".join(ParallelPlan(pp=4, stage_layers=(8, 8, 8)).problems(layers=30))
+    assert "stage_layers has 3 entries; pp is 4" in problems
+    assert "add up to 24 layers, the model has 30" in problems
+    plan = ParallelPlan(pp=4, stage_layers=(7, 8, 8, 7))
+    assert _plan_bounds(plan, 30) == [(0, 7), (7, 15), (15, 23), (23, 30)]
+    assert ParallelPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    best = search(model, H100, 64, 64, published=[("uneven", plan := ParallelPlan(
+        dp_shard=16, pp=4, stage_layers=(7, 8, 8, 7)))]).best
+    assert best.prediction.tokens_per_s >= evaluate(plan, model, H100, 64).tokens_per_s

@@ -102,8 +102,11 @@ class _FlashAttention(TorchFunctionMode):
         mask, p = a.get("attn_mask"), float(a.get("dropout_p", 0.0) or 0.0)
         scale = a.get("scale")
         if mask is None:
+            dv = v.shape[-1]  # V's head dim below Q's (MLA): padded, as FA2 callers do
+            if dv < q.shape[-1]:
+                v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
             return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, p, bool(a.get("is_causal", False)), False, scale=scale)[0]
+                q, k, v, p, bool(a.get("is_causal", False)), False, scale=scale)[0][..., :dv]
         bias = mask if mask.dtype != torch.bool else torch.zeros(
             mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -134,18 +137,12 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
 
     def step(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
              args: tuple, kwargs: dict[str, Any]) -> Any:
-        out = torch.func.functional_call(model, (params, buffers), args, kwargs)
-        if not train:
-            return out
-        loss = _loss(out)
-        wrt = [params[k] for k in trainable] + [
-            t for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not wrt:
-            raise ConfigError("nothing to differentiate: no trainable parameter and no input "
-                              "with requires_grad; use train=False")
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-        return loss, grads
+        # the parameters stay swapped in through the backward too: activation
+        # checkpointing's recomputation (torch.utils.checkpoint) runs the module again there
+        wrapper = _Step(model, train, [params[k] for k in trainable])
+        prefixed = ({f"model.{k}": v for k, v in params.items()},
+                    {f"model.{k}": v for k, v in buffers.items()})
+        return torch.func.functional_call(wrapper, prefixed, args, kwargs)
 
     if tracing == "real":
         return record_step(model, args, kwargs, train)
@@ -163,6 +160,28 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
                 "loop); build the model with real weights and use tracing='real', or use "
                 "experts_implementation='grouped_mm'") from exc
         raise
+
+
+class _Step(torch.nn.Module):
+    """Forward, loss and gradients of ``model`` as one module call (see :func:`trace_step`)."""
+
+    def __init__(self, model: torch.nn.Module, train: bool,
+                 params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.train_step, self.wrt_params = model, train, params
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        if not self.train_step:
+            return out
+        loss = _loss(out)
+        wrt = self.wrt_params + [
+            t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not wrt:
+            raise ConfigError("nothing to differentiate: no trainable parameter and no input "
+                              "with requires_grad; use train=False")
+        return loss, torch.autograd.grad(loss, wrt, allow_unused=True)
 
 
 class _Recorder(TorchDispatchMode):

@@ -122,7 +122,30 @@ def liveness_peak(gm: fx.GraphModule) -> int:
 def saved_for_backward(gm: fx.GraphModule) -> int:
     """Bytes of the forward values a traced training step keeps for its backward: tensors
     made before the loss (the graph's first output) and read after it; views count as their
-    base's storage once, and graph inputs (parameters, data) are not counted."""
+    base's storage once, and graph inputs (parameters, data) are not counted.
+
+    Activation checkpointing traced by make_fx (torch.utils.checkpoint, selective or not)
+    marks each op of a checkpointed region with ``meta["recompute"]`` (a
+    ``torch.utils.checkpoint.CheckpointPolicy``) instead of recomputing it in the graph: a
+    value marked for recomputation is not kept; the values it is recomputed from are (the
+    nearest ones marked to save, or made outside a checkpointed region), as the compiler's
+    partitioner does for such regions (see :func:`recomputed_nodes`)."""
+    saved, _ = _saved_and_recomputed(gm)
+    return sum(_bytes(r.meta.get("val")) for r in saved if r.op == "call_function")
+
+
+def recomputed_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Forward nodes of a traced training step (see :func:`saved_for_backward`) that its
+    backward recomputes under the checkpoint policies marked on them: the ones the backward
+    needs, directly or through other recomputed nodes, and marked for recomputation. Empty
+    without activation checkpointing."""
+    return _saved_and_recomputed(gm)[1]
+
+
+def _saved_and_recomputed(gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
     nodes = list(gm.graph.nodes)
     output = next(n for n in reversed(nodes) if n.op == "output")
     first = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
@@ -133,6 +156,22 @@ def saved_for_backward(gm: fx.GraphModule) -> int:
         if node.op == "call_function" and (_is_view(node) or node.target.__name__ ==
                                            "getitem") and node.all_input_nodes:
             roots[node] = _storage_root(node.all_input_nodes[0], roots)
-    saved = {_storage_root(n, roots) for n in nodes[:loss]
-             if n.op == "call_function" and any(position[u] > loss for u in n.users)}
-    return sum(_bytes(r.meta.get("val")) for r in saved if r.op == "call_function")
+    saved: set[fx.Node] = set()
+    recomputed: set[fx.Node] = set()
+    # (value, the checkpointed region that needs it: None for the backward itself)
+    stack: list[tuple[fx.Node, Any]] = [
+        (n, None) for n in nodes[:loss]
+        if n.op == "call_function" and any(position[u] > loss for u in n.users)]
+    while stack:
+        node, region = stack.pop()
+        node = _storage_root(node, roots)  # a view's storage is its base's
+        own = node.meta.get("ac_graph_id")
+        # recomputed inside its own region; a region's inputs are kept (checkpoint inputs)
+        if node.op == "call_function" and node.meta.get("recompute") in recompute and \
+                (region is None or own == region):
+            if node not in recomputed:  # rebuilt in the backward from its inputs
+                recomputed.add(node)
+                stack.extend((a, own) for a in node.all_input_nodes)
+        else:
+            saved.add(node)
+    return saved, recomputed

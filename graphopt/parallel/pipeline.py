@@ -32,6 +32,7 @@ microbatch count that is not a multiple of pp for interleaving (torch's requirem
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -278,7 +279,7 @@ def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
     layers = decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is _parent_list(model, layers))
     count = plan.pp * plan.virtual_stages
-    bounds = stage_layers(len(layers), count)
+    bounds = _plan_bounds(plan, len(layers))
     rank = mesh["pp"].get_local_rank()
     mine = [s for s in range(count) if s % plan.pp == rank]
     parts = [DecoderStage(model, layers, *bounds[s], s, count, plan.tp if sp else 1)
@@ -325,4 +326,16 @@ def check_pipeline(model: Any, plan: ParallelPlan) -> None:
     if inner is None or not hasattr(inner, "norm") or model.get_output_embeddings() is None:
         raise ConfigError("pp > 1 cuts transformers causal LMs (embedding, decoder layers, "
                           "final norm, LM head); this model has another structure: use pp=1")
-    stage_layers(len(decoder_layers(model)), plan.pp * plan.virtual_stages)
+    _plan_bounds(plan, len(decoder_layers(model)))
+
+
+def _plan_bounds(plan: ParallelPlan, layers: int) -> list[tuple[int, int]]:
+    """The plan's stages: its ``stage_layers`` when given (ConfigError unless they add up to
+    the model's layers), else :func:`stage_layers`."""
+    if not plan.stage_layers:
+        return stage_layers(layers, plan.pp * plan.virtual_stages)
+    if sum(plan.stage_layers) != layers:
+        raise ConfigError(f"the plan's stage_layers {list(plan.stage_layers)} add up to "
+                          f"{sum(plan.stage_layers)} layers; the model has {layers}")
+    ends = list(itertools.accumulate(plan.stage_layers))
+    return list(zip([0] + ends[:-1], ends))

@@ -16,6 +16,7 @@ accelerators run; MoE experts as transformers' grouped_mm experts (the FLOPs of 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,16 @@ class LayerCost:
     peak_s: float = 0.0
     """Seconds of ``flops`` at the peak FLOP/s of each op's dtype (MFU's denominator; at
     most the layer's time, see :mod:`graphopt.cost.graph_cost`)."""
+    selective_activation_bytes: float = 0.0
+    """Saved for backward under selective (per-op) activation checkpointing: the layer keeps
+    its input, its attention outputs and every other GEMM output and recomputes the rest
+    (:data:`SELECTIVE_SAVE`, torchtitan's op-level policy)."""
+    selective_gemm_s: float = 0.0
+    """Recomputation that policy adds in the backward, split as ``gemm_s`` ..."""
+    selective_split_s: float = 0.0
+    """... ``split_s`` ..."""
+    selective_replicated_s: float = 0.0
+    """... and ``replicated_s``."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,51 @@ class PlanModel:
 
 _CACHE: dict[tuple[Any, ...], PlanModel] = {}
 
+SELECTIVE_SAVE = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                  torch.ops.aten._grouped_mm.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention.default,
+                  torch.ops.aten._scaled_dot_product_efficient_attention.default)
+"""Ops whose outputs selective activation checkpointing keeps (every second ``mm``/``addmm``
+is recomputed instead): torchtitan's per-op policy (torchtitan's ``_save_list`` in
+parallelize_llama.py: GEMMs and attention kept, pointwise ops and norms recomputed; addmm
+counted as mm for models with biased linears)."""
+
+
+_REGIONS = itertools.count(1)
+
+
+def selective_checkpoint_context() -> tuple[Any, Any]:
+    """``context_fn`` for ``torch.utils.checkpoint`` applying :data:`SELECTIVE_SAVE`."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        gemm = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        count[mode] += gemm
+        save = func in SELECTIVE_SAVE and not (gemm and count[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    forward, recompute = create_selective_checkpoint_contexts(policy,
+                                                              allow_cache_entry_mutation=True)
+    # traced by make_fx, each op is marked with its policy and this region id (read by
+    # graphopt.cost.memory: a region's inputs are kept, not recomputed from other regions)
+    forward.ac_graph_id = next(_REGIONS)
+    return forward, recompute
+
+
+def _fused_cost_attention(*args: Any, **kwargs: Any) -> Any:
+    """transformers' SDPA attention routed to the fused kernels an accelerator runs (see
+    ``graphopt.cost.estimate._FlashAttention``), entered per call so that activation
+    checkpointing's recomputation in the backward takes the same kernels."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from graphopt.cost.estimate import _FlashAttention
+
+    with _FlashAttention():
+        return sdpa_attention_forward(*args, **kwargs)
+
 
 def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
                dtype: torch.dtype = torch.bfloat16, attention: str = "flash",
@@ -126,8 +182,9 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     from graphopt.cost.training import _megatron_attention
 
     transformers.AttentionInterface.register("graphopt_megatron_cost", _megatron_attention)
+    transformers.AttentionInterface.register("graphopt_fused_cost", _fused_cost_attention)
     cfg = model_config(source, overrides, seq)
-    attn = "sdpa" if attention == "flash" else "graphopt_megatron_cost"
+    attn = "graphopt_fused_cost" if attention == "flash" else "graphopt_megatron_cost"
 
     def build(layers: int, dense: int) -> Any:
         extra: dict[str, Any] = {"first_k_dense_replace": dense} \
@@ -174,9 +231,13 @@ def _sub(a: LayerCost, b: LayerCost) -> LayerCost:
 
 
 def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
+    """Two fake traces of one training step: as built, and with every decoder layer under
+    selective activation checkpointing (:func:`selective_checkpoint_context`; make_fx marks
+    the policy on each op and :mod:`graphopt.cost.memory` reads what is saved and
+    recomputed)."""
     from graphopt.cost.estimate import trace_step
     from graphopt.cost.graph_cost import graph_cost
-    from graphopt.cost.memory import saved_for_backward
+    from graphopt.cost.memory import recomputed_nodes, saved_for_backward
     from graphopt.cost.training import tp_split_times
 
     hidden = int(getattr(model.config, "hidden_size", getattr(model.config, "n_embd", 0)))
@@ -188,5 +249,22 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
     gemm, split, repl = tp_split_times(gm, cost, hidden)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     total = sum(p.numel() for p in model.parameters())
+    selective = (float(saved_for_backward(gm)), 0.0, 0.0, 0.0)
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": selective_checkpoint_context})
+        model.train()
+        try:
+            sac = trace_step(model, inputs, tracing="fake", fused_attention=True)
+        except RuntimeError:  # the recomputation replays ops in another order (DeepSeek-V3
+            sac = None        # in transformers 5): no selective choice for this model
+        finally:
+            model.activation_checkpointing_disable()
+        if sac is not None:
+            rec = {n.name for n in recomputed_nodes(sac)}
+            rec_cost = graph_cost(sac, device)
+            rec_cost.nodes = [c for c in rec_cost.nodes if c.name in rec]
+            selective = (float(saved_for_backward(sac)),
+                         *tp_split_times(sac, rec_cost, hidden))
     return LayerCost(gemm, split, repl, float(cost.flops), float(saved_for_backward(gm)),
-                     float(total - experts), float(experts), float(cost.peak_s))
+                     float(total - experts), float(experts), float(cost.peak_s), *selective)

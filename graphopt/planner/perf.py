@@ -77,6 +77,20 @@ def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> flo
     return per_seq * mb / plan.cp
 
 
+def _selective_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> float:
+    """Recomputation selective checkpointing adds to one layer (split like the layer)."""
+    per_seq = (cost.selective_gemm_s / eff + cost.selective_split_s) / plan.tp + \
+        cost.selective_replicated_s / (plan.tp if plan.sp else 1)
+    return per_seq * mb / plan.cp
+
+
+def stage_sizes(plan: ParallelPlan, layers: int) -> tuple[float, ...]:
+    """Decoder layers of each pipeline stage: the plan's ``stage_layers``, else layers/pp
+    each (per virtual stage chunk summed over a rank's chunks)."""
+    return tuple(map(float, plan.stage_layers)) if plan.stage_layers else \
+        (layers / plan.pp,) * plan.pp
+
+
 def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, global_batch: int,
              dp_overlap: bool = True) -> Prediction:
     """Predict one iteration of ``plan`` (see the module docstring). The plan is assumed
@@ -88,14 +102,38 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
     m = global_batch // (plan.dp * mb)
     seq, h, nb = model.seq, model.hidden, model.dtype_bytes
     act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
-    dense_n, moe_n = model.dense_layers / pp, model.moe_layers / pp
-    recomputed = min(plan.recompute_layers, model.layers // pp)
-    rec_share = recomputed / max(model.layers / pp, 1)
-
+    dense_share = model.dense_layers / max(model.layers, 1)
+    sizes = stage_sizes(plan, model.layers)
+    # the stages that can be the slowest or the fullest: first (most microbatches in
+    # flight, embedding), the largest middle one (next most in flight), last (LM head)
+    picks = sorted({0, pp - 1} | ({max(range(1, pp - 1), key=lambda i: sizes[i])}
+                                  if pp > 2 else set()))
     t_dense = _layer_time(model.dense, plan, eff, mb)
     t_moe = _layer_time(model.moe, plan, eff, mb) if model.moe else 0.0
-    compute = (dense_n * t_dense + moe_n * t_moe) * (1 + rec_share / 3)
-    compute += _layer_time(model.head, plan, eff, mb) / pp
+    t_head = _layer_time(model.head, plan, eff, mb)
+    sel_dense = sel_moe = 0.0
+    if plan.selective_recompute:
+        sel_dense = _selective_time(model.dense, plan, eff, mb)
+        sel_moe = _selective_time(model.moe, plan, eff, mb) if model.moe else 0.0
+
+    def stage_compute(i: int) -> tuple[float, float, float, float]:
+        """(compute s, dense layers, MoE layers, fully recomputed layers) of stage i."""
+        n = sizes[i]
+        dense_n, moe_n = n * dense_share, n * (1 - dense_share)
+        rec = min(plan.recompute_layers, n)
+        rec_share = rec / max(n, 1)
+        t = (dense_n * t_dense + moe_n * t_moe) * (1 + rec_share / 3)
+        t += (dense_n * sel_dense + moe_n * sel_moe) * (1 - rec_share)
+        if pp == 1:
+            t += t_head
+        elif i == pp - 1:  # LM head + loss on the last stage, the embedding (a lookup)
+            t += t_head    # on the first
+        return t, dense_n, moe_n, rec
+
+    stages = {i: stage_compute(i) for i in picks}
+    slowest = max(picks, key=lambda i: stages[i][0])
+    compute, dense_n, moe_n, recomputed = stages[slowest]
+    rec_share = recomputed / max(sizes[slowest], 1)
     # communication per microbatch and stage
     tp_stride = plan.stride("tp")
     n_tp = 4 + 2 * rec_share
@@ -136,30 +174,57 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
                      plan.dp_replicate, cluster, plan.stride("dp_replicate"))
     exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
     total += exposed_dp
-    # memory on the first stage
+    # memory: the fullest stage
     # experts' data-parallel shard group: the fold's ranks that hold the same experts
     # (dp_shard*cp*tp / (ep*expert_tp)), as graphopt.parallel.expert executes it
     edp_shard = plan.dp_shard * plan.cp * plan.tp // (plan.ep * plan.expert_tp)
-    states = model_state_bytes(dense_params, zero_stage=plan.zero_stage if plan.dp_shard > 1
-                               else 0, dp=plan.dp_shard) + \
-        model_state_bytes(expert_params, zero_stage=plan.zero_stage if edp_shard > 1 else 0,
-                          dp=edp_shard)
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
-    per_layer_act = [model.dense.activation_bytes] * round(dense_n) + \
-        ([model.moe.activation_bytes] * round(moe_n) if model.moe else [])
-    kept = sorted(per_layer_act)[:max(0, len(per_layer_act) - recomputed)]
-    stage_act = (sum(kept) * mb / cp * tp_share + recomputed * act / tp)
-    if recomputed:
-        stage_act += max(per_layer_act) * mb / cp * tp_share  # one layer rebuilt at a time
-    in_flight = min(m, pp) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
-    activations = stage_act * in_flight + model.head.activation_bytes * mb / cp / tp
-    memory = states.total + activations
+
+    def layer_bytes(cost: LayerCost) -> float:
+        return cost.selective_activation_bytes if plan.selective_recompute and \
+            cost.selective_activation_bytes else cost.activation_bytes
+
+    def stage_memory(i: int) -> tuple[float, float]:
+        """(activations, extra parameters) of stage i: its layers' saved activations for
+        each microbatch in flight (1F1B: pp - i on stage i; interleaved: the first stage's
+        pp x (1 + (pp-1)/(pp v))), the LM head's on the last stage."""
+        n = sizes[i]
+        per_layer = [layer_bytes(model.dense)] * round(n * dense_share) + \
+            ([layer_bytes(model.moe)] * (round(n) - round(n * dense_share)) if model.moe
+             else [])
+        rec = min(plan.recompute_layers, len(per_layer))
+        kept = sorted(per_layer)[:len(per_layer) - rec]
+        stage_act = sum(kept) * mb / cp * tp_share + rec * act / tp
+        if rec:
+            stage_act += max(per_layer) * mb / cp * tp_share  # one layer rebuilt at a time
+        in_flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        acts = stage_act * in_flight
+        if i == pp - 1:
+            acts += model.head.activation_bytes * mb / cp / tp
+        ends = (i == 0) + (i == pp - 1)  # embedding on the first, LM head on the last
+        return acts, model.head.params / tp * ends / 2
+
+    def full_stage(i: int) -> tuple[float, float, float]:
+        acts, extra = stage_memory(i)
+        n = sizes[i]
+        layer_params = (model.dense.params * n * dense_share +
+                        (model.moe.params * n * (1 - dense_share) if model.moe else 0.0)) / tp
+        experts = model.moe.expert_params * n * (1 - dense_share) / (
+            plan.ep * plan.expert_tp) if model.moe else 0.0
+        st = model_state_bytes(layer_params + extra, zero_stage=plan.zero_stage
+                               if plan.dp_shard > 1 else 0, dp=plan.dp_shard) + \
+            model_state_bytes(experts, zero_stage=plan.zero_stage if edp_shard > 1 else 0,
+                              dp=edp_shard)
+        return st.total + acts, st.total, acts
+
+    fullest = max((full_stage(i) for i in picks), key=lambda x: x[0])
+    memory, states_total, activations = fullest
     at_peak = model.peak_s_per_sequence() * global_batch
     return Prediction(
         step_s=total, compute_s=compute * m, bubble_s=bubble,
         comm_s={"tp": tp_comm * m, "cp": cp_comm * m, "ep": ep_comm * m, "pp": p2p * m,
                 "dp": exposed_dp},
         memory_bytes=memory,
-        memory_parts={"params+grads+optimizer": states.total, "activations": activations},
+        memory_parts={"params+grads+optimizer": states_total, "activations": activations},
         mfu=at_peak / (total * plan.devices) if total > 0 else 0.0,
         tokens_per_s=global_batch * seq / total if total > 0 else math.inf)

@@ -67,6 +67,16 @@ class ParallelPlan:
     expert_tp: int = 1
     recompute_layers: int = 0
     """Layers per pipeline stage whose activations are fully recomputed (0: none)."""
+    selective_recompute: bool = False
+    """The other layers keep only their input, attention outputs and every second GEMM
+    output and recompute the rest in the backward (torchtitan's per-op selective activation
+    checkpointing; Korthikanti et al. 2022 sec. 5 recompute the attention core instead,
+    which flash attention already does)."""
+    stage_layers: tuple[int, ...] = ()
+    """Decoder layers of each pipeline stage, first to last (empty: layers / pp each). Uneven
+    stages balance the embedding on the first and the LM head + loss on the last stage, or
+    place layer counts pp does not divide (Llama 3 405B: 126 layers on 16 stages, 7 on the
+    first and last); 1F1B only (virtual_stages 1)."""
     mesh_order: tuple[str, ...] = AXES
     prediction: Prediction | None = field(default=None, compare=False)
 
@@ -105,8 +115,15 @@ class ParallelPlan:
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3) or \
                 not isinstance(self.zero_stage, int):
             out.append(f"zero_stage must be one of the ints 0, 1, 2, 3, got {self.zero_stage!r}")
-        if not isinstance(self.sp, bool):
-            out.append(f"sp must be True or False, got {self.sp!r}")
+        for name in ("sp", "selective_recompute"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be True or False, got {getattr(self, name)!r}")
+        stages = self.stage_layers
+        if not isinstance(stages, tuple) or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in stages):
+            out.append(f"stage_layers must be a list of ints >= 1 (one per pipeline stage) or "
+                       f"empty, got {stages!r}")
+            stages = ()
         for name, value in (("devices", devices), ("layers", layers), ("heads", heads),
                             ("experts", experts), ("global_batch", global_batch),
                             ("seq", seq)):
@@ -134,12 +151,20 @@ class ParallelPlan:
                        f"dp_shard*cp*tp ({fold}): MoE layers fold EP over those devices")
         if devices is not None and self.devices != devices:
             out.append(f"the degrees multiply to {self.devices} devices, the job has {devices}")
-        if layers is not None and layers % (self.pp * self.virtual_stages):
+        if stages and len(stages) != self.pp:
+            out.append(f"stage_layers has {len(stages)} entries; pp is {self.pp}")
+        if stages and self.virtual_stages > 1:
+            out.append("uneven stages (stage_layers) take 1F1B: set virtual_stages to 1 or "
+                       "drop stage_layers")
+        if stages and layers is not None and sum(stages) != layers:
+            out.append(f"stage_layers add up to {sum(stages)} layers, the model has {layers}")
+        if not stages and layers is not None and layers % (self.pp * self.virtual_stages):
             out.append(f"layers ({layers}) must divide into pp ({self.pp}) x virtual stages "
-                       f"({self.virtual_stages})")
-        if layers is not None and self.recompute_layers > layers // self.pp:
+                       f"({self.virtual_stages}), or give stage_layers (uneven stages)")
+        most = max(stages) if stages else (layers // self.pp if layers is not None else None)
+        if most is not None and self.recompute_layers > most:
             out.append(f"recompute_layers ({self.recompute_layers}) exceeds the layers per "
-                       f"stage ({layers // self.pp})")
+                       f"stage ({most})")
         if heads is not None and heads % self.tp:
             out.append(f"attention heads ({heads}) must be divisible by tp ({self.tp})")
         if heads is not None and self.cp_kind == "all_to_all" and heads % (self.tp * self.cp):
@@ -174,6 +199,7 @@ class ParallelPlan:
         """JSON-ready dict of every field (prediction included)."""
         data = dataclasses.asdict(self)
         data["mesh_order"] = list(self.mesh_order)
+        data["stage_layers"] = list(self.stage_layers)
         return data
 
     @classmethod
@@ -195,6 +221,8 @@ class ParallelPlan:
                 raise ConfigError(f"plan 'prediction' must be null or an object with keys "
                                   f"{sorted(fields)}")
             data["prediction"] = Prediction(**pred)
+        if isinstance(data.get("stage_layers"), list):
+            data["stage_layers"] = tuple(data["stage_layers"])
         if "mesh_order" in data:
             if not isinstance(data["mesh_order"], (list, tuple)):
                 raise ConfigError(f"mesh_order must be a list of axes {list(AXES)}")
@@ -227,7 +255,11 @@ class ParallelPlan:
         if self.virtual_stages > 1:
             kind = "zero-bubble" if self.pp_schedule == "zero_bubble" else "interleaved"
             parts.append(f"{kind} v={self.virtual_stages}")
+        if self.stage_layers:
+            parts.append("stages " + "/".join(map(str, self.stage_layers)))
         parts.append(f"mb={self.microbatch}")
         if self.recompute_layers:
             parts.append(f"recompute {self.recompute_layers} layers/stage")
+        if self.selective_recompute:
+            parts.append("selective recompute")
         return ", ".join(parts) or "single device"

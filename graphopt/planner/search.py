@@ -59,7 +59,7 @@ def _splits(model: PlanModel, devices: int, node: int) -> Iterator[tuple[int, in
     ``devices`` (the global batch is not considered)."""
     seq = model.seq
     for pp in _divisors(devices):
-        if model.layers % pp:
+        if pp > model.layers:
             continue
         for tp in (d for d in _divisors(devices // pp)
                    if node % d == 0 and model.heads % d == 0):
@@ -92,12 +92,43 @@ def no_layout_reason(model: PlanModel, devices: int, global_batch: int, node: in
             f"multiple of {dps[0]}, or {fewer} devices")
 
 
+def stage_layouts(layers: int, pp: int) -> list[tuple[int, ...]]:
+    """Pipeline stage sizes the search tries: even (``()``) when pp divides the layers, else
+    the executor's balanced split (the remainder on middle stages); and, for pp > 1, the
+    first and last stages one layer lighter than the heaviest middle one (the embedding and
+    the LM head + loss take their place: Llama 3 405B's 126 layers on 16 stages are 7, 8 x
+    14, 7)."""
+    from graphopt.parallel.pipeline import stage_layers
+
+    if pp == 1:
+        return [()]
+    out = [()] if layers % pp == 0 else \
+        [tuple(end - start for start, end in stage_layers(layers, pp))]
+    for ends in (-(-layers // pp) - 1, -(-layers // pp) - 2):
+        middle = layers - 2 * ends if pp > 2 else 0
+        if ends < 1 or (pp == 2 and ends * 2 >= layers) or (pp > 2 and middle < pp - 2):
+            continue
+        if pp == 2:
+            layout = (layers - ends, ends)  # only the last stage has the LM head
+        else:
+            base, extra = divmod(middle, pp - 2)
+            layout = (ends, *(base + (k < extra) for k in range(pp - 2)), ends)
+        if min(layout[1:-1] or layout) >= ends and layout not in out and \
+                sorted(layout) != sorted(out[0] or (layers // pp,) * pp):
+            out.append(layout)
+            break
+    return out
+
+
 def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: int,
            node: int) -> Iterator[ParallelPlan]:
+    layouts = stage_layouts(model.layers, pp)
+    even = layouts[0] == ()
     per_stage = model.layers // pp
     # Interleaved 1F1B: any virtual stage count v >= 2 with pp x v dividing the layers
     # (Megatron-LM's published runs use v = 3 and others, not only 2).
-    vs = [1] + ([v for v in _divisors(per_stage) if v > 1] if pp > 1 else [])
+    vs = [1] + ([v for v in _divisors(per_stage) if v > 1] if pp > 1 and even else [])
+    selective = model.dense.selective_activation_bytes < model.dense.activation_bytes
     for shard in _divisors(dp):
         fold = shard * cp * tp
         eps = [e for e in _divisors(fold) if node % e == 0 and model.experts % e == 0] \
@@ -108,11 +139,17 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                 continue
             if v > 1 and (global_batch // (dp * mb)) % pp:
                 continue  # interleaved 1F1B: microbatches a multiple of pp
-            for rec in sorted({0, per_stage // 2, per_stage}):
-                yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero,
-                                   tp=tp, sp=tp > 1, cp=cp, pp=pp, virtual_stages=v,
-                                   pp_schedule="interleaved" if v > 1 else "1f1b",
-                                   microbatch=mb, ep=ep, recompute_layers=rec)
+            for layout in layouts if v == 1 else [()]:
+                most = max(layout) if layout else per_stage
+                # recomputation: none, selective (per-op), half or all layers of a stage
+                for rec, sel in [(0, False)] + [(0, True)] * selective + \
+                        [(r, False) for r in sorted({most // 2, most} - {0})]:
+                    yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard,
+                                       zero_stage=zero, tp=tp, sp=tp > 1, cp=cp, pp=pp,
+                                       virtual_stages=v,
+                                       pp_schedule="interleaved" if v > 1 else "1f1b",
+                                       microbatch=mb, ep=ep, recompute_layers=rec,
+                                       selective_recompute=sel, stage_layers=layout)
 
 
 def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch: int,
