@@ -318,3 +318,65 @@ def test_selective_recompute_and_uneven_stages_in_the_search():
     best = search(model, H100, 64, 64, published=[("uneven", plan := ParallelPlan(
         dp_shard=16, pp=4, stage_layers=(7, 8, 8, 7)))]).best
     assert best.prediction.tokens_per_s >= evaluate(plan, model, H100, 64).tokens_per_s
+
+
+STATS_BYTES = 2  # LayerNorm mean/rstd of a bf16 input on the CPU (fp32 on GPUs)
+
+
+@pytest.mark.parametrize("t,sp,recompute", [(1, False, "none"), (4, False, "none"),
+                                            (4, True, "none"), (4, False, "selective"),
+                                            (4, True, "selective"), (4, True, "full")])
+def test_traced_activations_of_a_megatron_layer_match_korthikanti_table_2(t, sp, recompute):
+    """What autograd keeps for one Megatron-LM GPT layer (one TP rank of degree t, with or
+    without SP, attention core or whole layer recomputed), read off the traced step and
+    measured by saved-tensor hooks on a real CPU run, equals Korthikanti et al. Table 2 (+ the
+    two LayerNorms' mean and rstd per token, in bf16 on the CPU)."""
+    import torch
+
+    from graphopt.cost.estimate import trace_step
+    from graphopt.cost.memory import saved_for_backward
+    from graphopt.planner.activations import MegatronGPTLayer, korthikanti_activation_bytes
+
+    s, b, h, a = 64, 2, 128, 8
+    torch.manual_seed(0)
+    layer = MegatronGPTLayer(h, a, s, t, sp, selective=recompute == "selective").to(
+        torch.bfloat16)
+    x = torch.randn(s // t if sp else s, b, h, dtype=torch.bfloat16, requires_grad=True)
+    expected = korthikanti_activation_bytes(s, b, h, a, t, sp, recompute)
+    tokens = s * b // (t if sp else 1)
+    stats = 0 if recompute == "full" else 2 * 2 * tokens * STATS_BYTES
+    # the layer input (the first LayerNorm's) is the traced graph's input, which
+    # saved_for_backward does not count: added here
+    traced = saved_for_backward(trace_step(_Wrap(layer, recompute == "full"), (x,),
+                                          tracing="fake"))
+    assert traced + x.numel() * 2 == expected + stats
+    if recompute != "none":
+        return
+    storages: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()} | \
+        {buf.untyped_storage().data_ptr() for buf in layer.buffers()}
+
+    def pack(tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(x)
+    out.float().sum().backward()
+    assert sum(storages.values()) == expected + stats
+
+
+class _Wrap(__import__("torch").nn.Module):
+    """The layer, or the layer under full activation checkpointing."""
+
+    def __init__(self, layer, full):
+        super().__init__()
+        self.layer, self.full = layer, full
+
+    def forward(self, x):
+        if self.full:
+            return __import__("torch").utils.checkpoint.checkpoint(self.layer, x,
+                                                                   use_reentrant=False)
+        return self.layer(x)
