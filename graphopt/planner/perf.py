@@ -136,7 +136,10 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
     rec_share = recomputed / max(sizes[slowest], 1)
     # communication per microbatch and stage
     tp_stride = plan.stride("tp")
-    n_tp = 4 + 2 * rec_share
+    # 4 per layer; recomputation repeats the forward's 2 (full: Megatron-LM SC'21 sec. 3;
+    # selective: torchtitan's policy keeps reduce-scatter outputs, not all-gather ones)
+    n_tp = 4 + 2 * rec_share + (2 * (1 - rec_share) if plan.selective_recompute and plan.sp
+                                else 0.0)
     tp_comm = (dense_n + moe_n) * n_tp * _coll("all_reduce", act, tp, cluster, tp_stride)
     cp_comm = 0.0
     if cp > 1:
