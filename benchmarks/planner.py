@@ -56,6 +56,7 @@ def megatron(rows: list[tuple]) -> list[float]:
     jobs, models = [], {}
     for params, heads, hidden, layers, tp, pp, gpus, batch, published in rows:
         models[params] = plan_model("gpt3-175b", 2048, base, torch.float16, "megatron2021",
+                                    "fused",
                                     {"n_embd": hidden, "n_layer": layers, "n_head": heads})
         flops = GPTConfig(layers=layers, hidden=hidden, heads=heads).model_flops_per_iteration(
             batch)
@@ -181,7 +182,7 @@ def megatron_core() -> list[float]:
     for label, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops in MEGATRON_CORE_H100:
         plan = ParallelPlan(dp_shard=dp, zero_stage=1, tp=tp, sp=tp > 1, pp=pp)
         plan.validate(devices=gpus, layers=layers, heads=heads, global_batch=batch)
-        models[label] = plan_model("gpt3-175b", 4096, base, torch.bfloat16, "flash",
+        models[label] = plan_model("gpt3-175b", 4096, base, torch.bfloat16, "flash", "fused",
                                    {"n_embd": hidden, "n_layer": layers, "n_head": heads,
                                     "vocab_size": 131072, "n_positions": 4096})
         # Megatron-LM r0.8.0 num_floating_point_operations (no GQA, 4h GeLU MLP)
@@ -220,13 +221,13 @@ def torchtitan() -> list[float]:
     base = CLUSTERS["h100-sxm"]
     rows, models = [], {}
     for label, name, gpus, shard, tp, local, ac, tps, gib, source in TORCHTITAN_H100:
-        layers = plan_model(name, 8192, base).layers
+        layers = plan_model(name, 8192, base, activations="fused").layers
         plan = ParallelPlan(dp_shard=shard, zero_stage=3, tp=tp, sp=tp > 1, microbatch=local,
                             selective_recompute=ac == "selective",
                             recompute_layers=layers if ac == "full" else 0)
         batch = shard * local
         plan.validate(devices=gpus, layers=layers, global_batch=batch)
-        models[label] = plan_model(name, 8192, base)
+        models[label] = plan_model(name, 8192, base, activations="fused")
         rows.append((label, plan, batch, gpus, gib, source, batch * 8192 / (tps * gpus)))
 
     def predict(row, eff: float) -> float:

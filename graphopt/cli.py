@@ -371,6 +371,10 @@ def plan(
                                      "bubble, exposed TP/CP/EP/PP/DP) and memory of the top "
                                      "plans and the hand configurations to this PNG "
                                      "(needs matplotlib)."),
+    activations: str = typer.Option("traced", help="What dense layers keep for the "
+                                    "backward: traced (the transformers model's eager "
+                                    "autograd) | fused (fused norm/activation/attention "
+                                    "kernels, as Megatron-Core runs; Korthikanti et al. 2022)."),
 ) -> None:
     """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
     common hand configurations lose."""
@@ -384,6 +388,8 @@ def plan(
 
     if dtype not in ("bfloat16", "float32"):
         raise typer.BadParameter("dtype must be bfloat16 or float32")
+    if activations not in ("traced", "fused"):
+        raise typer.BadParameter("--activations must be traced or fused")
     if json_out is not None and (json_out.is_dir() or not json_out.parent.is_dir()):
         raise typer.BadParameter(f"--json {json_out}: not a writable file path (a directory, "
                                  "or its folder does not exist)")
@@ -395,14 +401,16 @@ def plan(
     except (OSError, ValueError, TypeError, KeyError) as exc:
         _fail(f"--published: {type(exc).__name__}: {exc}")
     if seq_buckets is not None:
-        _plan_buckets(model, cluster, devices, seq, global_batch, dtype, overrides, seq_buckets)
+        _plan_buckets(model, cluster, devices, seq, global_batch, dtype, overrides, seq_buckets,
+                      activations)
         return
     try:
         profile = load_profile(cluster)
         source = resolve_model(model)
         with console.status(f"[bold]tracing {escape(model)} (seq {seq}) on the meta "
                             "device[/]") as st:
-            pm = plan_model(model, seq, profile, getattr(torch, dtype), overrides=overrides)
+            pm = plan_model(model, seq, profile, getattr(torch, dtype),
+                            activations=activations, overrides=overrides)
             st.update("[bold]searching[/]")
             result = search(pm, profile, devices, global_batch, top_k=top,
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
@@ -455,7 +463,8 @@ def _parse_length(text: str) -> int:
 
 
 def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch: int,
-                  dtype: str, overrides: dict[str, Any], buckets: str) -> None:
+                  dtype: str, overrides: dict[str, Any], buckets: str,
+                  activations: str = "traced") -> None:
     """Plan each sequence-length bucket at the same tokens per iteration and print where the
     best plan changes (the basis for re-planning per batch bucket)."""
     import torch
@@ -476,7 +485,8 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
         profile = load_profile(cluster)
         for length in lengths:
             batch = max(1, tokens // length)
-            pm = plan_model(model, length, profile, getattr(torch, dtype), overrides=overrides)
+            pm = plan_model(model, length, profile, getattr(torch, dtype),
+                            activations=activations, overrides=overrides)
             try:
                 best = search(pm, profile, devices, batch, top_k=1).best
             except GraphoptError as exc:

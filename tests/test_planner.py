@@ -157,6 +157,11 @@ def test_cli_plan_checks_the_json_path_and_config_values_first(tmp_path):
     bad_config = CliRunner().invoke(app, [*args, "--model", str(config)])
     assert bad_config.exit_code == 2 and "transformers rejects this LlamaConfig" in \
         bad_config.output, bad_config.output
+    bad_kind = CliRunner().invoke(app, [*args, "--model", "llama", "--activations", "eager"])
+    assert bad_kind.exit_code == 2 and "--activations must be traced or fused" in \
+        bad_kind.output
+    fused = CliRunner().invoke(app, [*args, "--model", "llama", "--activations", "fused"])
+    assert fused.exit_code == 0, fused.output
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -384,3 +389,44 @@ class _Wrap(__import__("torch").nn.Module):
             return __import__("torch").utils.checkpoint.checkpoint(self.layer, x,
                                                                    use_reentrant=False)
         return self.layer(x)
+
+
+@pytest.mark.parametrize("heads,hidden,layers,tp,pp,dp,batch", [
+    (32, 4096, 30, 2, 1, 48, 192),       # Megatron-Core r0.8.0 on H100: 7.1B
+    (144, 18432, 112, 8, 16, 48, 3072),  # 462B (README of July 2024, model_table.png)
+])
+def test_published_megatron_core_configurations_fit_and_are_never_beaten(
+        heads, hidden, layers, tp, pp, dp, batch):
+    """Configurations that really ran (GPT, vocabulary 131,072, sequence 4096, 80 GB H100s)
+    fit in memory under the planner's model of Megatron-Core's fused kernels, and its search
+    never returns a slower plan. (With the traced transformers GPT-2 layer's activations,
+    gelu_new's unfused intermediates, the 462B one does not: 79.3 GB.)"""
+    model = plan_model("gpt3-175b", 4096, H100, activations="fused", overrides={
+        "n_embd": hidden, "n_layer": layers, "n_head": heads, "vocab_size": 131072,
+        "n_positions": 4096})
+    published = ParallelPlan(dp_shard=dp, tp=tp, sp=tp > 1, pp=pp)
+    pred = evaluate(published, model, H100, batch)
+    assert pred.memory_bytes <= 0.92 * H100.device.memory_bytes
+    result = search(model, H100, tp * pp * dp, batch, top_k=1,
+                    published=[("published", published)])
+    assert result.best.prediction.tokens_per_s >= pred.tokens_per_s
+    assert any(name == "published: published" for name, *_ in result.hand)
+
+
+def test_fused_activation_count_is_korthikanti_for_gpt_and_refuses_bad_input():
+    from graphopt.planner.activations import (fused_layer_activation_bytes,
+                                              korthikanti_activation_bytes)
+
+    s, h, a = 2048, 1024, 16
+    assert fused_layer_activation_bytes(s, h, a, a, 4 * h, gated=False, dropout=True,
+                                        flash=False) == korthikanti_activation_bytes(s, 1, h, a)
+    # Llama 3 405B at 8k: input, norm output, Q, K/V (8 of 128 heads), output, two MLP
+    # inputs, gate, up and their product
+    llama = fused_layer_activation_bytes(8192, 16384, 128, 8, 53248, gated=True, dropout=False)
+    assert llama == 2 * 8192 * (16384 * (6 + 2 * 8 / 128) + 3 * 53248) + 4 * 128 * 8192
+    with pytest.raises(ConfigError, match="heads divisible by kv_heads"):
+        fused_layer_activation_bytes(8, 64, 6, 4, 128, gated=True, dropout=False)
+    with pytest.raises(ConfigError, match="recompute must be"):
+        korthikanti_activation_bytes(8, 1, 64, 4, recompute="some")
+    with pytest.raises(ConfigError, match="activations must be 'traced' or 'fused'"):
+        plan_model("llama3-8b", 2048, H100, activations="compiled")

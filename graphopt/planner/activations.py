@@ -134,3 +134,30 @@ class MegatronGPTLayer(nn.Module):
         x = x + self._dropout(self._row(ctx, self.proj))
         mlp = F.gelu(self._column(self.ln2(x), self.fc1))
         return x + self._dropout(self._row(mlp, self.fc2))
+
+
+def fused_layer_activation_bytes(s: int, h: int, heads: int, kv_heads: int, ffn: int,
+                                 gated: bool, dropout: bool, flash: bool = True) -> float:
+    """Bytes one decoder layer keeps for its backward per sequence (b = 1, 16-bit
+    activations, no parallelism, no recomputation) with Megatron-Core's fused kernels:
+    Korthikanti et al.'s per-tensor count (module docstring) for pre-norm layers with grouped
+    K/V heads and a gated (SwiGLU) or plain (GeLU) MLP. Kept: the first norm's input and the
+    QKV GEMM's input (2 sh each), Q (2 sh) and K, V (2 sh kv/heads each), the attention
+    output (2 sh, also the projection's input) and, with flash attention, its fp32
+    log-sum-exp (4 heads s; without flash the 5 heads s^2 of the unfused core), the second
+    norm's and the MLP GEMM's inputs (2 sh each), the activation's input (2 s ffn; gated: gate
+    and up, 4 s ffn) and output (2 s ffn, the down GEMM's input), 1-byte dropout masks after
+    both blocks (s h each) when ``dropout``. For a GPT layer this is Table 2's 34 sbh +
+    5 as^2 b.
+
+    Raises:
+        ConfigError: sizes < 1, or heads not divisible by kv_heads.
+    """
+    if min(s, h, heads, kv_heads, ffn) < 1 or heads % kv_heads:
+        raise ConfigError(f"sizes must be >= 1 with heads divisible by kv_heads, got s={s}, "
+                          f"h={h}, heads={heads}, kv_heads={kv_heads}, ffn={ffn}")
+    sh = s * h
+    attention = 2 * sh * (2 + 1 + 2 * kv_heads / heads + 1)  # norm in, QKV in, Q, K+V, out
+    attention += 4 * heads * s if flash else 5 * heads * s * s
+    mlp = 2 * sh * 2 + (4 if gated else 2) * s * ffn + 2 * s * ffn  # norm in, GEMM in, act
+    return attention + mlp + (2 * sh if dropout else 0)

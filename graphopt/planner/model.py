@@ -83,6 +83,10 @@ class PlanModel:
     top_k: int = 0
     moe_ffn: int = 0
     dtype_bytes: int = 2
+    activations: str = "traced"
+    """What dense layers' ``activation_bytes`` count: "traced" (what the transformers
+    model's eager autograd keeps) or "fused" (what Megatron-Core's fused kernels keep:
+    :func:`graphopt.planner.activations.fused_layer_activation_bytes`)."""
 
     @property
     def layers(self) -> int:
@@ -158,22 +162,28 @@ def _fused_cost_attention(*args: Any, **kwargs: Any) -> Any:
 
 def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
                dtype: torch.dtype = torch.bfloat16, attention: str = "flash",
-               overrides: dict[str, Any] | None = None) -> PlanModel:
+               activations: str = "traced", overrides: dict[str, Any] | None = None) -> PlanModel:
     """Measure ``spec`` (see :func:`graphopt.models.resolve_model`: a published or toy
     model name, or a transformers config.json) at sequence length ``seq`` on the
     cluster's device (see the module docstring). Cached per process.
 
     ``attention``: "flash" (the fused kernel, as today's frameworks run) or "megatron2021"
     (Q K^T and P V GEMMs around a fused softmax, as Megatron-LM ran in its SC'21 paper; used
-    to validate against that paper). ``overrides``: config fields to change (e.g. sizes).
+    to validate against that paper). ``activations``: "traced" (dense layers keep what the
+    transformers model's eager autograd keeps: fp32 norm copies, unfused activation
+    intermediates) or "fused" (what fused norm/activation/attention kernels keep, as
+    Megatron-Core runs: Korthikanti et al.'s count, :mod:`graphopt.planner.activations`;
+    MoE layers stay traced). ``overrides``: config fields to change (e.g. sizes).
 
     Raises:
-        ConfigError: unknown model or attention kind.
+        ConfigError: unknown model, attention or activations kind.
     """
     if attention not in ("flash", "megatron2021"):
         raise ConfigError(f"attention must be 'flash' or 'megatron2021', got {attention!r}")
     source = resolve_model(spec)
-    key = (str(spec), seq, repr(cluster.device), dtype, attention,
+    if activations not in ("traced", "fused"):
+        raise ConfigError(f"activations must be 'traced' or 'fused', got {activations!r}")
+    key = (str(spec), seq, repr(cluster.device), dtype, attention, activations,
            tuple(sorted((overrides or {}).items())))
     if key in _CACHE:
         return _CACHE[key]
@@ -213,14 +223,26 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         n_dense, n_moe = (layers, 0) if not has_moe else (0, layers)
     hidden = int(getattr(cfg, "hidden_size", getattr(cfg, "n_embd", 0)))
     heads = int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 0)))
+    kv_heads = int(getattr(cfg, "num_key_value_heads", heads) or heads)
+    if activations == "fused":
+        from graphopt.planner.activations import fused_layer_activation_bytes
+
+        act = str(getattr(cfg, "hidden_act", getattr(cfg, "activation_function", "")))
+        ffn = int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+                  or 4 * hidden)
+        dropout = any(float(getattr(cfg, k, 0) or 0) > 0 for k in (
+            "resid_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout"))
+        dense = dataclasses.replace(dense, activation_bytes=fused_layer_activation_bytes(
+            seq, hidden, heads, kv_heads, ffn, act in ("silu", "swish"), dropout,
+            flash=attention == "flash"))
     result = PlanModel(
-        str(spec), seq, hidden, heads, int(getattr(cfg, "num_key_value_heads", heads) or heads),
+        str(spec), seq, hidden, heads, kv_heads,
         int(cfg.vocab_size), n_dense, n_moe, dense, moe, head,
         experts=expert_count(cfg),
         top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
         moe_ffn=int(getattr(cfg, "moe_intermediate_size", getattr(cfg, "intermediate_size", 0))
                     or 0),
-        dtype_bytes=torch.finfo(dtype).bits // 8)
+        dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations)
     _CACHE[key] = result
     return result
 

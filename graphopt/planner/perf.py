@@ -2,12 +2,17 @@
 performance model), from per-layer costs measured on the traced model
 (:mod:`graphopt.planner.model`) and the collective models of :mod:`graphopt.cost`.
 
-Per device, m = B / (dp * mb) microbatches of mb sequences, a stage of L/pp layers:
+Per device, m = B / (dp * mb) microbatches of mb sequences; stage i has L_i layers (L/pp, or
+the plan's ``stage_layers``); the slowest stage sets the pipeline's slot and the fullest its
+memory (the first, the largest middle and the last stage are priced):
 
     layer    t = [(gemm/eff + split)/tp + repl/(tp if SP else 1)] * mb/cp   (x 4/3 if
-             recomputed: one more forward); MoE layers likewise (experts' grouped GEMMs)
+             recomputed: one more forward; + the traced recomputation of the recomputed ops
+             under selective checkpointing); MoE layers likewise (experts' grouped GEMMs);
+             the LM head + loss on the last stage
     TP       4 all-reduces (or all-gather + reduce-scatter with SP) of mb*s/cp*h per layer,
-             6 with recomputation (Megatron-LM SC'21 sec. 3)
+             6 with recomputation (Megatron-LM SC'21 sec. 3) or with selective
+             checkpointing under SP (the forward's all-gathers are recomputed)
     CP       ring: KV blocks of the local chunk passed cp-1 times forward, 2(cp-1) backward,
              overlapped with the layer's attention except what exceeds half its time;
              all-to-all (Ulysses): 8 all-to-alls of mb*s/cp*h/tp per layer, exposed
@@ -22,11 +27,13 @@ Per device, m = B / (dp * mb) microbatches of mb sequences, a stage of L/pp laye
              reshard-after-forward); all-reduce over dp_replicate; overlapped with
              the last microbatch's backward unless ``dp_overlap=False`` (Megatron-LM 2021
              measured without overlap: the published-table validation uses that)
-    memory   parameters/gradients/Adam states (graphopt.cost.memory.model_state_bytes, ZeRO
-             over dp_shard) + saved activations of min(m, pp) in-flight microbatches on the
-             first stage (x (1 + (pp-1)/(pp v)) interleaved), /tp with SP (without SP the
+    memory   parameters/gradients/Adam states of the stage's layers (+ the embedding on the
+             first, the LM head on the last; graphopt.cost.memory.model_state_bytes, ZeRO
+             over dp_shard) + saved activations of min(m, pp - i) in-flight microbatches on
+             stage i (x (1 + (pp-1)/(pp v)) interleaved), /tp with SP (without SP the
              [b, s, h] share, 10/34 after Korthikanti et al. 2022, stays whole); a recomputed
-             layer keeps only its input
+             layer keeps only its input; selective checkpointing keeps what the traced
+             policy keeps; the LM head's activations on the last stage
     MFU      model FLOPs (traced, no recomputation) priced at the peak FLOP/s of each op's
              dtype (the rates the layer times are bounded by) * B / (time * devices); for a
              one-dtype model, model FLOPs * B / (time * devices * peak(dtype)); at most 1
