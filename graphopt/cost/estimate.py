@@ -149,8 +149,9 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
     detached = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
     context = torch.enable_grad() if train else torch.no_grad()
     attention = _FlashAttention() if fused_attention else contextlib.nullcontext()
-    try:
-        with context, attention:
+    try:  # activation checkpointing's tracing marks torch.fx.traceback's current node
+        # meta with its policy; restored so that later traces do not inherit the marks
+        with context, attention, torch.fx.traceback.preserve_node_meta():
             return make_fx(step, tracing_mode=tracing)(  # type: ignore[arg-type]
                 detached, buffers, args, kwargs)
     except Exception as exc:

@@ -276,9 +276,8 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={
             "use_reentrant": False, "context_fn": selective_checkpoint_context})
         model.train()
-        try:  # checkpointing's tracing marks torch.fx.traceback's current node meta:
-            with torch.fx.traceback.preserve_node_meta():  # restored for later traces
-                sac = trace_step(model, inputs, tracing="fake", fused_attention=True)
+        try:
+            sac = trace_step(model, inputs, tracing="fake", fused_attention=True)
         except RuntimeError:  # the recomputation replays ops in another order (DeepSeek-V3
             sac = None        # in transformers 5): no selective choice for this model
         finally:
