@@ -198,15 +198,18 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
         """(activations, extra parameters) of stage i: its layers' saved activations for
         each microbatch in flight (1F1B: pp - i on stage i; interleaved: the first stage's
         pp x (1 + (pp-1)/(pp v))), the LM head's on the last stage."""
-        n = sizes[i]
-        per_layer = [layer_bytes(model.dense)] * round(n * dense_share) + \
-            ([layer_bytes(model.moe)] * (round(n) - round(n * dense_share)) if model.moe
-             else [])
-        rec = min(plan.recompute_layers, len(per_layer))
-        kept = sorted(per_layer)[:len(per_layer) - rec]
-        stage_act = sum(kept) * mb / cp * tp_share + rec * act / tp
-        if rec:
-            stage_act += max(per_layer) * mb / cp * tp_share  # one layer rebuilt at a time
+        n_dense = round(sizes[i] * dense_share)
+        n_moe = round(sizes[i]) - n_dense if model.moe else 0
+        a_dense = layer_bytes(model.dense)
+        a_moe = layer_bytes(model.moe) if model.moe else 0.0
+        rec = min(plan.recompute_layers, n_dense + n_moe)
+        # the largest layers are the recomputed ones
+        rec_moe = min(rec, n_moe) if a_moe >= a_dense else max(0, rec - n_dense)
+        kept = (n_dense - (rec - rec_moe)) * a_dense + (n_moe - rec_moe) * a_moe
+        stage_act = kept * mb / cp * tp_share + rec * act / tp
+        if rec:  # one layer rebuilt at a time
+            stage_act += max(a_dense if n_dense else 0.0, a_moe if n_moe else 0.0) * mb / cp \
+                * tp_share
         in_flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
         acts = stage_act * in_flight
         if i == pp - 1:
