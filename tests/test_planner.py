@@ -324,6 +324,10 @@ def test_selective_recompute_and_uneven_stages_in_the_search():
     plan = ParallelPlan(pp=4, stage_layers=(7, 8, 8, 7))
     assert _plan_bounds(plan, 30) == [(0, 7), (7, 15), (15, 23), (23, 30)]
     assert ParallelPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    from graphopt.planner.search import candidates
+
+    kinds = {p.cp_kind for p in candidates(model, 64, 64, 8) if p.cp > 1}
+    assert kinds == {"ring", "all_to_all"}  # both CP kinds are searched
     best = search(model, H100, 64, 64, published=[("uneven", plan := ParallelPlan(
         dp_shard=16, pp=4, stage_layers=(7, 8, 8, 7)))]).best
     assert best.prediction.tokens_per_s >= evaluate(plan, model, H100, 64).tokens_per_s

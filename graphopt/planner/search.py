@@ -9,7 +9,8 @@ structural rule of the frameworks that execute plans): tp and ep*expert_tp insid
 (their collectives sit on every layer's critical path; Megatron-Core and torchtitan place
 them on NVLink/HCCS), dividing the node size so groups never straddle nodes; tp divides the
 heads; pp x virtual stages (any v dividing the layers per stage) divides the layers; cp only
-when the sequence splits into 2*cp chunks of >= 1024 tokens; microbatch in {1, 2, 4, 8};
+when the sequence splits into 2*cp chunks of >= 1024 tokens, as ring attention or (heads
+dividing over tp x cp) Ulysses all-to-all; microbatch in {1, 2, 4, 8};
 ZeRO 1 or 3 over dp_shard; recomputation none, half or all layers of a stage. Memory is
 checked before time. The per-layer costs are measured once per model (graphopt.planner.model)
 and collective times are cached, so a plan costs microseconds.
@@ -134,7 +135,10 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
         eps = [e for e in _divisors(fold) if node % e == 0 and model.experts % e == 0] \
             if model.experts else [1]
         zeros = (1, 3) if shard > 1 else (1,)
-        for ep, zero, v, mb in itertools.product(eps, zeros, vs, (1, 2, 4, 8)):
+        # ring attention always; Ulysses all-to-all when the heads split over tp x cp
+        kinds = ("ring", "all_to_all") if cp > 1 and model.heads % (tp * cp) == 0 and \
+            model.kv_heads % (tp * cp) == 0 else ("ring",)
+        for ep, zero, v, mb, kind in itertools.product(eps, zeros, vs, (1, 2, 4, 8), kinds):
             if (global_batch // dp) % mb:
                 continue
             if v > 1 and (global_batch // (dp * mb)) % pp:
@@ -145,7 +149,8 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                 for rec, sel in [(0, False)] + [(0, True)] * selective + \
                         [(r, False) for r in sorted({most // 2, most} - {0})]:
                     yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard,
-                                       zero_stage=zero, tp=tp, sp=tp > 1, cp=cp, pp=pp,
+                                       zero_stage=zero, tp=tp, sp=tp > 1, cp=cp, cp_kind=kind,
+                                       pp=pp,
                                        virtual_stages=v,
                                        pp_schedule="interleaved" if v > 1 else "1f1b",
                                        microbatch=mb, ep=ep, recompute_layers=rec,
