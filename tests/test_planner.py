@@ -434,3 +434,12 @@ def test_fused_activation_count_is_korthikanti_for_gpt_and_refuses_bad_input():
         korthikanti_activation_bytes(8, 1, 64, 4, recompute="some")
     with pytest.raises(ConfigError, match="activations must be 'traced' or 'fused'"):
         plan_model("llama3-8b", 2048, H100, activations="compiled")
+
+
+def test_auto_parallel_passes_over_plans_it_would_run_without_their_recomputation():
+    from graphopt.parallel.auto import not_executable
+
+    assert not_executable(ParallelPlan(dp_shard=8, zero_stage=3)) == ""
+    for plan in (ParallelPlan(selective_recompute=True), ParallelPlan(recompute_layers=2)):
+        assert "recomputation is planned but graphopt.parallelize does not apply" in \
+            not_executable(plan)

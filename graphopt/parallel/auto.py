@@ -37,6 +37,9 @@ def not_executable(plan: ParallelPlan) -> str:
         return "CP with PP is not executed"
     if plan.expert_tp > 1:
         return "tensor-parallel experts are not executed"
+    if plan.recompute_layers or plan.selective_recompute:
+        return ("activation recomputation is planned but graphopt.parallelize does not apply "
+                "it (the plan would need more memory than predicted)")
     if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or
                                                         plan.pp > 1 or plan.cp > 1):
         return "ZeRO-1 is executed with data parallelism alone"
