@@ -10,7 +10,8 @@ Hypertron setting, and search speed.
    batch and sequence under the same cost function; TFLOP/s per GPU as the paper counts
    them (eq. 3 with recomputation / time / GPUs). The A100 GEMM efficiency is fitted on the
    table's rows and each row's error is leave-one-out (as for source 4); per-layer costs are
-   traced from transformers' GPT-2 block with Megatron-2021 attention (GEMMs around a fused softmax).
+   traced from transformers' GPT-2 block with Megatron-2021 attention (GEMMs around a fused
+   softmax), activations counted as Megatron's fused kernels keep them.
 2. Hypertron (2,048 Ascend 910B NPUs; 141B sparse = Mixtral 8x22B, 310B dense): graphopt's
    best plan and its predicted MFU next to the paper's 56.7%. Sequence 4096 and a global
    batch of 2048 sequences (8M tokens) are assumptions (not given in our summary of the

@@ -301,10 +301,10 @@ def test_selective_recompute_and_uneven_stages_in_the_search():
     """Selective recomputation is a plan choice (less memory than none, faster than full);
     uneven stages place layer counts pp does not divide, and a lighter last stage balances
     the LM head; the executor's stage split follows the plan."""
+    import torch
+
     from graphopt.parallel.pipeline import _plan_bounds
     from graphopt.planner.search import stage_layouts
-
-    import torch
 
     model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 30})
     # the checkpointed traces leave no policy marks for later traces (they once leaked)
@@ -418,8 +418,10 @@ def test_published_megatron_core_configurations_fit_and_are_never_beaten(
 
 
 def test_fused_activation_count_is_korthikanti_for_gpt_and_refuses_bad_input():
-    from graphopt.planner.activations import (fused_layer_activation_bytes,
-                                              korthikanti_activation_bytes)
+    from graphopt.planner.activations import (
+        fused_layer_activation_bytes,
+        korthikanti_activation_bytes,
+    )
 
     s, h, a = 2048, 1024, 16
     assert fused_layer_activation_bytes(s, h, a, a, 4 * h, gated=False, dropout=True,

@@ -22,6 +22,8 @@ kept. Selective recomputation recomputes the attention core (the 5as/h term).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,13 +59,15 @@ class _GatheredLinear(torch.autograd.Function):
     values do not matter for what is kept)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, weight: torch.Tensor, t: int) -> torch.Tensor:
+    def forward(ctx: Any, shard: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                t: int) -> torch.Tensor:
         ctx.save_for_backward(shard, weight)
         ctx.t = t
         return shard.repeat(t, 1, 1) @ weight.t()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor  # type: ignore[override]
+                 ) -> tuple[torch.Tensor, torch.Tensor, None]:
         shard, weight = ctx.saved_tensors
         full = shard.repeat(ctx.t, 1, 1)
         grad_in = (grad @ weight).chunk(ctx.t)[0]  # reduce-scatter over the sequence
@@ -114,7 +118,7 @@ class MegatronGPTLayer(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = q.shape[1]
-        causal = self.causal[:s, :s]
+        causal = self.get_buffer("causal")[:s, :s]
         scores = torch.baddbmm(q.new_empty(q.shape[0], s, s), q, k.transpose(1, 2),
                                beta=0.0, alpha=q.shape[-1] ** -0.5)
         probs = self._dropout(torch.softmax(scores.masked_fill(causal, float("-inf")), -1))

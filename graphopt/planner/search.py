@@ -103,12 +103,13 @@ def stage_layouts(layers: int, pp: int) -> list[tuple[int, ...]]:
 
     if pp == 1:
         return [()]
-    out = [()] if layers % pp == 0 else \
+    out: list[tuple[int, ...]] = [()] if layers % pp == 0 else \
         [tuple(end - start for start, end in stage_layers(layers, pp))]
     for ends in (-(-layers // pp) - 1, -(-layers // pp) - 2):
         middle = layers - 2 * ends if pp > 2 else 0
         if ends < 1 or (pp == 2 and ends * 2 >= layers) or (pp > 2 and middle < pp - 2):
             continue
+        layout: tuple[int, ...]
         if pp == 2:
             layout = (layers - ends, ends)  # only the last stage has the LM head
         else:
