@@ -278,8 +278,8 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
         model.train()
         try:
             sac = trace_step(model, inputs, tracing="fake", fused_attention=True)
-        except RuntimeError:  # the recomputation replays ops in another order (DeepSeek-V3
-            sac = None        # in transformers 5): no selective choice for this model
+        except RuntimeError:  # checkpointing refused the recomputation (ops replayed
+            sac = None        # differently): no selective choice for this model
         finally:
             model.activation_checkpointing_disable()
         if sac is not None:
