@@ -89,11 +89,8 @@ def megatron(rows: list[tuple]) -> list[float]:
               f"{published:.0f} | {published / (1 + err):.0f} ({err:+.1%}) | "
               f"{best.describe()} | {got_best:.0f} | {t_hand / best.prediction.step_s:.2f}x | "
               f"{took:.1f} |", flush=True)
-    errors = [abs(e) for e in loo]
-    print(f"fitted A100 GEMM efficiency {eff:.3f} (benchmarks/cost_model_published.py fits "
-          f"{A100_EFFICIENCY} to its own step model); leave-one-out |error|: median "
-          f"{statistics.median(errors):.1%}, worst {max(errors):.1%} ({len(errors)} rows)")
-    return errors
+    return _summary(loo, f"fitted A100 GEMM efficiency {eff:.3f} (benchmarks/"
+                         f"cost_model_published.py fits {A100_EFFICIENCY} to its own step model)")
 
 
 def hypertron() -> None:
@@ -171,6 +168,13 @@ def _fit(rows: list, predict) -> tuple[float, list[float]]:
     return best(None), loo
 
 
+def _summary(loo: list[float], fitted: str) -> list[float]:
+    errors = [abs(e) for e in loo]
+    print(f"{fitted}; leave-one-out |error|: median {statistics.median(errors):.1%}, worst "
+          f"{max(errors):.1%} ({len(errors)} rows)")
+    return errors
+
+
 def _with_efficiency(cluster, eff: float, memory: float | None = None):
     device = dataclasses.replace(cluster.device, matmul_efficiency=eff,
                                  memory_bytes=memory or cluster.device.memory_bytes)
@@ -212,10 +216,7 @@ def megatron_core() -> list[float]:
               f"{tf / (1 + err):.1f} ({err:+.1%}) | {pred.memory_bytes / 2**30:.1f} | "
               f"{best.describe()} | {flops / best.prediction.step_s / gpus / 1e12:.1f} | "
               f"{pred.step_s / best.prediction.step_s:.2f}x |", flush=True)
-    errors = [abs(e) for e in loo]
-    print(f"fitted H100 GEMM efficiency {eff:.3f}; leave-one-out |error|: median "
-          f"{statistics.median(errors):.1%}, worst {max(errors):.1%} ({len(errors)} rows)")
-    return errors
+    return _summary(loo, f"fitted H100 GEMM efficiency {eff:.3f}")
 
 
 def torchtitan() -> list[float]:
@@ -247,10 +248,7 @@ def torchtitan() -> list[float]:
         print(f"| {label} | {tps:,.0f} | {tps / (1 + err):,.0f} ({err:+.1%}) | "
               f"{gib if gib else '-'} | {pred.memory_bytes / 2**30:.1f} | {source} |",
               flush=True)
-    errors = [abs(e) for e in loo]
-    print(f"fitted GEMM efficiency {eff:.3f} (500 W); leave-one-out |error|: median "
-          f"{statistics.median(errors):.1%}, worst {max(errors):.1%} ({len(errors)} rows)")
-    return errors
+    return _summary(loo, f"fitted GEMM efficiency {eff:.3f} (500 W)")
 
 
 def main() -> None:

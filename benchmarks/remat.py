@@ -100,23 +100,13 @@ def cell(kind: str, budget: float, args: argparse.Namespace) -> dict:
         fn(ids).backward()
         times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip.add(ids.untyped_storage().data_ptr())
-    seen: dict[int, int] = {}
+    from graphopt.cost.memory import measured_saved_bytes
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(ids)
-    out.backward()
+    saved = measured_saved_bytes(lambda: fn(ids), [*model.parameters(), ids])
     model.zero_grad(set_to_none=True)
     peak = _step_peak_rss(lambda: fn(ids).backward())
     return {"ms": statistics.median(times) * 1e3, "peak_mib": peak / 2**20,
-            "saved_mib": sum(seen.values()) / 2**20, "compile_s": compile_s,
+            "saved_mib": saved / 2**20, "compile_s": compile_s,
             "solve_s": solve_s}
 
 

@@ -347,7 +347,7 @@ def test_traced_activations_of_a_megatron_layer_match_korthikanti_table_2(t, sp,
     import torch
 
     from graphopt.cost.estimate import trace_step
-    from graphopt.cost.memory import saved_for_backward
+    from graphopt.cost.memory import measured_saved_bytes, saved_for_backward
     from graphopt.planner.activations import MegatronGPTLayer, korthikanti_activation_bytes
 
     s, b, h, a = 64, 2, 128, 8
@@ -365,20 +365,8 @@ def test_traced_activations_of_a_megatron_layer_match_korthikanti_table_2(t, sp,
     assert traced + x.numel() * 2 == expected + stats
     if recompute != "none":
         return
-    storages: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()} | \
-        {buf.untyped_storage().data_ptr() for buf in layer.buffers()}
-
-    def pack(tensor):
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = layer(x)
-    out.float().sum().backward()
-    assert sum(storages.values()) == expected + stats
+    measured = measured_saved_bytes(lambda: layer(x), [*layer.parameters(), *layer.buffers()])
+    assert measured == expected + stats
 
 
 class _Wrap(__import__("torch").nn.Module):
@@ -447,3 +435,17 @@ def test_auto_parallel_passes_over_plans_it_would_run_without_their_recomputatio
     for plan in (ParallelPlan(selective_recompute=True), ParallelPlan(recompute_layers=2)):
         assert "recomputation is planned but graphopt.parallelize does not apply" in \
             not_executable(plan)
+
+
+def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():
+    from graphopt.planner.perf import USABLE_MEMORY
+    from graphopt.planner.search import candidates
+
+    model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 30})
+    fits = []
+    for plan in candidates(model, 64, 128, 8):
+        pred = evaluate(plan, model, H100, 128)
+        if pred.memory_bytes <= USABLE_MEMORY * H100.device.memory_bytes:
+            fits.append(pred.tokens_per_s)
+    top = [p.prediction.tokens_per_s for p in search(model, H100, 64, 128, top_k=5).top]
+    assert top == sorted(fits, reverse=True)[:5]

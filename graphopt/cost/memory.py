@@ -175,3 +175,23 @@ def _saved_and_recomputed(gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node
         else:
             saved.add(node)
     return saved, recomputed
+
+
+def measured_saved_bytes(step: Any, exclude: list[torch.Tensor] | tuple = ()) -> int:
+    """Bytes autograd saves for the backward while ``step()`` (a callable returning a
+    tensor) runs for real, counted by saved-tensor hooks (torch.autograd.graph): each
+    storage once, storages of ``exclude`` (parameters, inputs) not at all. Runs the backward
+    of the output's sum to free what was saved. Returns bytes."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = step()
+    out.float().sum().backward()
+    return sum(seen.values())

@@ -102,6 +102,16 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
              dp_overlap: bool = True) -> Prediction:
     """Predict one iteration of ``plan`` (see the module docstring). The plan is assumed
     valid (:meth:`ParallelPlan.validate`)."""
+    pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, math.inf)
+    assert pred is not None
+    return pred
+
+
+def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile,
+                    global_batch: int, dp_overlap: bool, bound_s: float) -> Prediction | None:
+    """:func:`evaluate`, or None as soon as the plan's compute and bubble alone (a lower
+    bound of its step time: communication, exposed or not, only adds) exceed ``bound_s``
+    seconds: the search skips plans that cannot enter its top list."""
     cluster = cluster.scaled(plan.devices) if plan.devices > cluster.max_devices else cluster
     dev = cluster.device
     eff = dev.matmul_efficiency
@@ -140,6 +150,9 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
     stages = {i: stage_compute(i) for i in picks}
     slowest = max(picks, key=lambda i: stages[i][0])
     compute, dense_n, moe_n, recomputed = stages[slowest]
+    v = plan.virtual_stages
+    if (m + (pp - 1) / v) * compute > bound_s:
+        return None
     rec_share = recomputed / max(sizes[slowest], 1)
     # communication per microbatch and stage
     tp_stride = plan.stride("tp")
@@ -159,7 +172,6 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
         cp_comm = (dense_n + moe_n) * per_layer
     ep_comm = moe_n * _ep_comm(mb * seq // (cp * tp), model.top_k, h, model.moe_ffn, nb,
                                plan.ep, cluster) if model.moe else 0.0
-    v = plan.virtual_stages
     p2p = 2 * v * _coll("p2p", act / tp, 2, cluster, plan.stride("pp")) if pp > 1 else 0.0
     slot = compute + tp_comm + cp_comm + ep_comm + p2p
     total = m * slot + (pp - 1) * slot / v

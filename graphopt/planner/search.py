@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from graphopt.cost.profiles import ClusterProfile
 from graphopt.errors import ConfigError
 from graphopt.planner.model import PlanModel
-from graphopt.planner.perf import USABLE_MEMORY, evaluate
+from graphopt.planner.perf import USABLE_MEMORY, evaluate, evaluate_within
 from graphopt.planner.plan import ParallelPlan, Prediction
 
 
@@ -191,11 +191,17 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         extra.append(plan)
     seen = set(extra)
     rest = (p for p in candidates(model, devices, global_batch, node) if p not in seen)
+    tokens = global_batch * model.seq
     for i, plan in enumerate(itertools.chain(extra, rest)):
-        pred = evaluate(plan, model, cluster, global_batch, dp_overlap)
         evaluated += 1
         if progress is not None and evaluated % 2000 == 0:
             progress(evaluated)
+        # once the top list is full, a plan whose compute + bubble alone is slower than its
+        # last entry cannot enter it (published plans are always evaluated)
+        bound = tokens / heap[0][0] if len(heap) == top_k and i >= len(extra) else math.inf
+        pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, bound)
+        if pred is None:
+            continue
         if pred.memory_bytes > capacity:
             pruned += 1
             smallest = min(smallest, pred.memory_bytes)
