@@ -21,13 +21,13 @@ TIED = dict(num_hidden_layers=4, tie_word_embeddings=True)
 RUNS = {
     2: [("llama", L4, dict(pp=2)),
         ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="interleaved", microbatch=2)),
-        ("llama", dict(num_hidden_layers=5), dict(pp=2, microbatch=2)),  # uneven: 2 + 3
+        ("llama", dict(num_hidden_layers=5),  # uneven, the plan's own split: 1 + 4
+         dict(pp=2, microbatch=2, stage_layers=(1, 4))),
         ("llama", TIED, dict(pp=2)),  # one weight on the first and last stage
         ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=2))],
     4: [("llama", dict(num_hidden_layers=8), dict(pp=4, virtual_stages=2,
                                                   pp_schedule="interleaved")),
         ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
-        ("llama", L4, dict(pp=2, tp=2)),
         ("mixtral", L2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
         ("mixtral", L2, dict(pp=2, tp=2, ep=2)),  # PP x TP with EP over TP
         ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2))],
@@ -102,6 +102,10 @@ def test_pipeline_plans_train_like_one_process(world):
         names = {n for n, _ in build_model(name, **overrides).named_parameters()}
         assert set().union(*(set(r[4]) for r in per_rank)) == names, label
         assert any(f"PP={kw['pp']}" in n for n in per_rank[0][3]), per_rank[0][3]
+        if kw.get("stage_layers"):  # rank 0 runs the plan's first stage
+            first = kw["stage_layers"][0]
+            assert any(f"stage 0 (layers 0..{first - 1}, embedding)" in n
+                       for n in per_rank[0][3]), per_rank[0][3]
 
 
 def test_stage_layers_are_balanced_and_contiguous():

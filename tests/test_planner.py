@@ -443,9 +443,9 @@ def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():
 
     model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 30})
     fits = []
-    for plan in candidates(model, 64, 128, 8):
-        pred = evaluate(plan, model, H100, 128)
+    for plan in candidates(model, 32, 64, 8):
+        pred = evaluate(plan, model, H100, 64)
         if pred.memory_bytes <= USABLE_MEMORY * H100.device.memory_bytes:
             fits.append(pred.tokens_per_s)
-    top = [p.prediction.tokens_per_s for p in search(model, H100, 64, 128, top_k=5).top]
+    top = [p.prediction.tokens_per_s for p in search(model, H100, 32, 64, top_k=5).top]
     assert top == sorted(fits, reverse=True)[:5]
