@@ -78,22 +78,25 @@ def _ep_comm(tokens: int, top_k: int, hidden: int, ffn: int, nbytes: int, ep: in
     return _CACHE[key]
 
 
-def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> float:
-    per_seq = (cost.gemm_s / eff + cost.split_s) / plan.tp + \
-        cost.replicated_s / (plan.tp if plan.sp else 1)
+def _split_time(gemm_s: float, split_s: float, replicated_s: float, plan: ParallelPlan,
+                eff: float, mb: int) -> float:
+    per_seq = (gemm_s / eff + split_s) / plan.tp + replicated_s / (plan.tp if plan.sp else 1)
     return per_seq * mb / plan.cp
+
+
+def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> float:
+    return _split_time(cost.gemm_s, cost.split_s, cost.replicated_s, plan, eff, mb)
 
 
 def _selective_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> float:
     """Recomputation selective checkpointing adds to one layer (split like the layer)."""
-    per_seq = (cost.selective_gemm_s / eff + cost.selective_split_s) / plan.tp + \
-        cost.selective_replicated_s / (plan.tp if plan.sp else 1)
-    return per_seq * mb / plan.cp
+    return _split_time(cost.selective_gemm_s, cost.selective_split_s,
+                       cost.selective_replicated_s, plan, eff, mb)
 
 
 def stage_sizes(plan: ParallelPlan, layers: int) -> tuple[float, ...]:
-    """Decoder layers of each pipeline stage: the plan's ``stage_layers``, else layers/pp
-    each (per virtual stage chunk summed over a rank's chunks)."""
+    """Decoder layers of each pipeline stage (all of a rank's virtual-stage chunks): the
+    plan's ``stage_layers``, else layers / pp each."""
     return tuple(map(float, plan.stage_layers)) if plan.stage_layers else \
         (layers / plan.pp,) * plan.pp
 
@@ -206,9 +209,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         return cost.selective_activation_bytes if plan.selective_recompute and \
             cost.selective_activation_bytes else cost.activation_bytes
 
-    def stage_memory(i: int) -> tuple[float, float]:
-        """(activations, extra parameters) of stage i: its layers' saved activations for
-        each microbatch in flight (1F1B: pp - i on stage i; interleaved: the first stage's
+    def stage_memory(i: int) -> tuple[float, float, float]:
+        """(total, model states, activations) bytes of stage i: its layers' and (first,
+        last) the embedding's / LM head's states; its layers' saved activations for each
+        microbatch in flight (1F1B: pp - i on stage i; interleaved: the first stage's
         pp x (1 + (pp-1)/(pp v))), the LM head's on the last stage."""
         n_dense = round(sizes[i] * dense_share)
         n_moe = round(sizes[i]) - n_dense if model.moe else 0
@@ -227,10 +231,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         if i == pp - 1:
             acts += model.head.activation_bytes * mb / cp / tp
         ends = (i == 0) + (i == pp - 1)  # embedding on the first, LM head on the last
-        return acts, model.head.params / tp * ends / 2
-
-    def full_stage(i: int) -> tuple[float, float, float]:
-        acts, extra = stage_memory(i)
+        extra = model.head.params / tp * ends / 2
         n = sizes[i]
         layer_params = (model.dense.params * n * dense_share +
                         (model.moe.params * n * (1 - dense_share) if model.moe else 0.0)) / tp
@@ -242,7 +243,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                               dp=edp_shard)
         return st.total + acts, st.total, acts
 
-    fullest = max((full_stage(i) for i in picks), key=lambda x: x[0])
+    fullest = max((stage_memory(i) for i in picks), key=lambda x: x[0])
     memory, states_total, activations = fullest
     at_peak = model.peak_s_per_sequence() * global_batch
     return Prediction(
