@@ -42,18 +42,51 @@ run(1, 2, 2, 64, 16, 16, 32, True, 2)      # S a multiple of the block
 run(1, 1, 1, 5, 16, 16, 16, True, 3)       # shorter than one block
 run(1, 2, 1, 70, 80, 72, 16, True, 4)      # D, Dv over one 64-wide tile: 2 x 2 tiles, 5 chunks
 
-# Packed variable-length sequences: the state resets at each boundary.
+# Packed variable-length sequences in one launch per kernel (GQA, one initial state per
+# sequence, a sequence shorter than a chunk, one of several chunks with a tail): outputs,
+# final states and every gradient equal separate reference calls.
 gen = torch.Generator().manual_seed(5)
-q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
-slope = torch.rand(2, generator=gen) * 0.5
-cu = torch.tensor([0, 7, 25, 40])
-o, st = lightning_attention(q, k, v, slope, cu_seqlens=cu, output_final_state=True,
-                            impl="triton", block_size=16)
+cu = torch.tensor([0, 7, 25, 61])
+q = torch.randn(1, 2, 61, 16, generator=gen).requires_grad_()
+k, v = (torch.randn(1, 1, 61, 16, generator=gen).requires_grad_() for _ in range(2))
+slope = (torch.rand(2, generator=gen) * 0.5).requires_grad_()
+h0 = torch.randn(3, 2, 16, 16, generator=gen).requires_grad_()
+o, st = lightning_attention(q, k, v, slope, cu_seqlens=cu, initial_state=h0,
+                            output_final_state=True, impl="triton", block_size=16)
+ins = [q, k, v, slope, h0]
+ref_in = [x.detach().double().requires_grad_() for x in ins]
+o_r, st_r = [], []
 for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
-    o_r, st_r = lightning_attention_reference(q[:, :, a:b].double(), k[:, :, a:b].double(),
-                                              v[:, :, a:b].double(), slope.double())
-    torch.testing.assert_close(o[:, :, a:b].double(), o_r, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(st[i:i + 1].double(), st_r, rtol=1e-4, atol=1e-4)
+    o_i, s_i = lightning_attention_reference(*(x[:, :, a:b] for x in ref_in[:3]), ref_in[3],
+                                             1.0, ref_in[4][i:i + 1])
+    o_r.append(o_i)
+    st_r.append(s_i)
+o_r, st_r = torch.cat(o_r, 2), torch.cat(st_r, 0)
+torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
+torch.testing.assert_close(st.double(), st_r, rtol=1e-4, atol=1e-4)
+go, gs = torch.randn(o.shape, generator=gen), torch.randn(st.shape, generator=gen)
+got = torch.autograd.grad((o * go).sum() + (st * gs).sum(), ins)
+want = torch.autograd.grad((o_r * go.double()).sum() + (st_r * gs.double()).sum(), ref_in)
+for name, g, w in zip("q k v slope h0".split(), got, want):
+    m = max(1.0, float(w.abs().max()))
+    torch.testing.assert_close(g.double() / m, w / m, rtol=1e-4, atol=1e-4,
+                               msg=lambda x, name=name: f"varlen d{name}: {x}")
+# bf16 / fp16 inputs: fp32 accumulation, outputs and gradients in the input dtype, within
+# the dtype's rounding of the float64 reference (errors relative to the largest entry).
+for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen).to(dtype).requires_grad_()
+               for _ in range(3))
+    slope = torch.rand(2, generator=gen) * 0.5
+    o = lightning_attention(q, k, v, slope, impl="triton", block_size=16, scale=0.25)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o_r, _ = lightning_attention_reference(*ref_in, slope.double(), 0.25)
+    go = torch.randn(o.shape, generator=gen).to(dtype)
+    got = torch.autograd.grad((o * go).sum(), (q, k, v))
+    want = torch.autograd.grad((o_r * go.double()).sum(), ref_in)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), (o,) + got, (o_r,) + want):
+        assert g.dtype == dtype, (name, g.dtype)
+        err = float((g.detach().double() - w.detach()).abs().max() / w.detach().abs().max())
+        assert err < tol, (dtype, name, err)
 print("ok")
 """
 

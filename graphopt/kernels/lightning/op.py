@@ -29,6 +29,8 @@ from graphopt.kernels.lightning.triton_kernels import (
     triton_available,
     triton_backward,
     triton_forward,
+    triton_varlen_backward,
+    triton_varlen_forward,
 )
 
 Tensor = torch.Tensor
@@ -167,6 +169,120 @@ def _backward(ctx: Any, grad_o: Tensor | None,
 lightning_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _chunked_varlen_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+                            initial_state: Tensor | None, block_size: int, cu_seqlens: Tensor
+                            ) -> tuple[Tensor, Tensor]:
+    """The chunked PyTorch path of packed sequences: one chunked forward per sequence (the
+    boundaries are read on the host: this is the CPU / fallback path)."""
+    outs, finals = [], []
+    for i, (a, b) in enumerate(_spans(cu_seqlens)):
+        h0 = initial_state[i:i + 1] if initial_state is not None else None
+        o, final, _ = chunked_forward(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slope, scale,
+                                      h0, block_size, DEFAULT_CHECKPOINT_EVERY)
+        outs.append(o)
+        finals.append(final)
+    return torch.cat(outs, dim=2), torch.cat(finals, dim=0)
+
+
+def _chunked_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
+                             v: Tensor, slope: Tensor, scale: float,
+                             initial_state: Tensor | None, block_size: int,
+                             cu_seqlens: Tensor, need_slope_grad: bool
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Per sequence: its checkpoints again (one chunked forward), then its backward."""
+    every = DEFAULT_CHECKPOINT_EVERY
+    grads: list[tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]] = []
+    for i, (a, b) in enumerate(_spans(cu_seqlens)):
+        h0 = initial_state[i:i + 1] if initial_state is not None else None
+        qs, ks, vs = q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]
+        _, _, ckpt = chunked_forward(qs, ks, vs, slope, scale, h0, block_size, every)
+        gs = grad_state[i:i + 1] if grad_state is not None else None
+        grads.append(chunked_backward(grad_o[:, :, a:b], gs, qs, ks, vs, slope, scale, ckpt,
+                                      block_size, every, need_slope_grad))
+    dq, dk, dv = (torch.cat([g[j] for g in grads], dim=2) for j in range(3))  # type: ignore
+    dslope = torch.stack([g[3] for g in grads]).sum(0) if need_slope_grad else None  # type: ignore
+    return dq, dk, dv, dslope, torch.cat([g[4] for g in grads], dim=0)
+
+
+@torch.library.custom_op("graphopt::lightning_attention_varlen_fwd", mutates_args=())
+def lightning_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
+                                   scale: float, initial_state: Tensor | None,
+                                   cu_seqlens: Tensor, block_size: int, impl: str
+                                   ) -> tuple[Tensor, Tensor]:
+    hq = q.shape[1]
+    forward = triton_varlen_forward if impl == "triton" else _chunked_varlen_forward
+    o, final = forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale, initial_state,
+                       block_size, cu_seqlens)
+    return o.to(q.dtype).contiguous(), final.to(acc_dtype(q.dtype)).contiguous()
+
+
+@lightning_attention_varlen_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+      initial_state: Tensor | None, cu_seqlens: Tensor, block_size: int, impl: str
+      ) -> tuple[Tensor, Tensor]:
+    _, hq, total, d = q.shape
+    return (q.new_empty(1, hq, total, v.shape[-1]),
+            q.new_empty(cu_seqlens.shape[0] - 1, hq, d, v.shape[-1],
+                        dtype=acc_dtype(q.dtype)))
+
+
+@torch.library.custom_op("graphopt::lightning_attention_varlen_bwd", mutates_args=())
+def lightning_attention_varlen_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor,
+                                   k: Tensor, v: Tensor, slope: Tensor, scale: float,
+                                   initial_state: Tensor | None, cu_seqlens: Tensor,
+                                   block_size: int, need_slope_grad: bool, impl: str
+                                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    hq, hk = q.shape[1], k.shape[1]
+    backward = triton_varlen_backward if impl == "triton" else _chunked_varlen_backward
+    dq, dk, dv, dslope, dstate = backward(
+        grad_o, grad_state, q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
+        initial_state, block_size, cu_seqlens, need_slope_grad)
+    if dslope is None:
+        dslope = slope.new_zeros(slope.shape)
+    grads = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
+             dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+
+
+@lightning_attention_varlen_bwd.register_fake
+def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+      slope: Tensor, scale: float, initial_state: Tensor | None, cu_seqlens: Tensor,
+      block_size: int, need_slope_grad: bool, impl: str
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            slope.new_empty(slope.shape),
+            q.new_empty(cu_seqlens.shape[0] - 1, q.shape[1], q.shape[3], v.shape[-1],
+                        dtype=acc_dtype(q.dtype)))
+
+
+def _varlen_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, slope, scale, initial_state, cu_seqlens, block_size, impl = inputs
+    ctx.save_for_backward(q, k, v, slope, initial_state, cu_seqlens)
+    ctx.scale, ctx.block_size, ctx.impl = scale, block_size, impl
+    ctx.has_initial_state = initial_state is not None
+
+
+def _varlen_backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None) -> tuple:
+    q, k, v, slope, initial_state, cu_seqlens = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    need = ctx.needs_input_grad
+    dq, dk, dv, dslope, dstate = lightning_attention_varlen_bwd(
+        grad_o, grad_state, q, k, v, slope, ctx.scale, initial_state, cu_seqlens,
+        ctx.block_size, bool(need[3]), ctx.impl)
+    return (dq, dk, dv, dslope if need[3] else None, None,
+            dstate if ctx.has_initial_state else None, None, None, None)
+
+
+lightning_attention_varlen_fwd.register_autograd(_varlen_backward,
+                                                 setup_context=_varlen_setup_context)
+
+
 def _check(name: str, x: Tensor, rank: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
@@ -246,8 +362,10 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
             convention): B must be 1 and sequence i is positions cu_seqlens[i] ..
             cu_seqlens[i+1] - 1; the state resets at every boundary (no attention across
             sequences); ``initial_state`` and the final state are then [N, Hq, D, Dv], one
-            per sequence. Each sequence runs as one call of the op (the boundaries are read
-            on the host).
+            per sequence. On Triton every kernel is one launch for all sequences (a chunk
+            table built on the device, nothing read on the host; cu_seqlens is checked by
+            an asynchronous device assert); the chunked path runs one call per sequence.
+            checkpoint_every does not apply: one state per sequence is saved.
 
     Returns:
         o in q's dtype and layout, and the final state if ``output_final_state``.
@@ -287,32 +405,55 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
     return (o, state) if output_final_state else o
 
 
+def _check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
+    """cu_seqlens must be a 1-D integer tensor increasing strictly from 0 to S. On the CPU
+    this is checked here (ValueError); on an accelerator by an asynchronous device assert
+    (no host synchronization on the hot path)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
+            cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or \
+            cu_seqlens.shape[0] < 2:
+        raise TypeError("cu_seqlens must be a 1-D integer tensor of N + 1 >= 2 offsets, got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
+                        f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    message = f"cu_seqlens must increase strictly from 0 to S = {total}"
+    if cu_seqlens.device.type == "cpu":
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        if bounds[0] != 0 or bounds[-1] != total or \
+                any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"{message}, got {bounds}")
+    elif cu_seqlens.device.type != "meta":  # meta: shapes only, nothing to check
+        ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & \
+            (cu_seqlens[1:] > cu_seqlens[:-1]).all()
+        torch._assert_async(ok, message)
+
+
 def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
-            initial_state: Tensor | None, **kwargs: Any) -> tuple[Tensor, Tensor]:
-    """Packed sequences: one op call per sequence, each from its own initial state (zero by
-    default); outputs concatenated, final states stacked."""
-    if q.dim() != 4 or q.shape[0] != 1:
+            initial_state: Tensor | None, scale: float | None, block_size: int | None,
+            checkpoint_every: int | None, impl: str) -> tuple[Tensor, Tensor]:
+    """Packed sequences through ``graphopt::lightning_attention_varlen_fwd``: on Triton one
+    launch per kernel for all sequences (a chunk table built on the device), on the chunked
+    path one chunked call per sequence."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check(name, x, 4)
+    if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens packs sequences along S of one batch row: q must be "
                          f"[1, Hq, S, D], got {tuple(q.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-        raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} "
-                        f"{tuple(cu_seqlens.shape)}")
-    bounds = [int(x) for x in cu_seqlens.tolist()]
-    total = q.shape[2]
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or \
-            any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must increase strictly from 0 to S = {total}, got "
-                         f"{bounds}")
-    n = len(bounds) - 1
+    validate(q, k, v, slope, None)
+    _check_cu_seqlens(cu_seqlens, q.shape[2])
+    n = cu_seqlens.shape[0] - 1
     hq, d, dv = q.shape[1], q.shape[3], v.shape[3]
-    if initial_state is not None and tuple(initial_state.shape) != (n, hq, d, dv):
-        raise ValueError(f"with cu_seqlens, initial_state must be [N, Hq, D, Dv] = "
-                         f"{[n, hq, d, dv]}, got {tuple(initial_state.shape)}")
-    outs, states = [], []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        h0 = initial_state[i:i + 1] if initial_state is not None else None
-        o, st = lightning_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slope,
-                                    initial_state=h0, output_final_state=True, **kwargs)
-        outs.append(o)
-        states.append(st)
-    return torch.cat(outs, dim=2), torch.cat(states, dim=0)
+    if initial_state is not None:
+        _check("initial_state", initial_state, 4)
+        if tuple(initial_state.shape) != (n, hq, d, dv):
+            raise ValueError(f"with cu_seqlens, initial_state must be [N, Hq, D, Dv] = "
+                             f"{[n, hq, d, dv]}, got {tuple(initial_state.shape)}")
+    if block_size is not None and (isinstance(block_size, bool) or
+                                   not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    del checkpoint_every  # one state per sequence is saved; chunk states are recomputed
+    chosen = resolve_impl(impl, q.device, max(d, dv))
+    block = _effective_block(chosen, DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+    cu = cu_seqlens.to(q.device)
+    return torch.ops.graphopt.lightning_attention_varlen_fwd(
+        q, k, v, slope, 1.0 if scale is None else float(scale), initial_state, cu, block,
+        chosen)

@@ -28,6 +28,7 @@ Portable Triton only (tl.dot, tl.exp, masks, program ids), as triton-ascend need
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import torch
 
@@ -43,67 +44,98 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _decays(SLOPE, bh, heads, seq, c, C: tl.constexpr):
-        """Chunk ``c``'s slope, length, row mask, positions and decays a, b (masked)."""
-        s = tl.load(SLOPE + bh % heads).to(tl.float32)
+    def _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C: tl.constexpr, VARLEN: tl.constexpr):
+        """Chunk slot ``p`` of head ``h``: (first row of the chunk in the [B * H * S] or
+        [H * T] row space (int64), chunk length L, 0 for an unused slot)."""
+        if VARLEN:
+            i = tl.load(CHUNKS + 2 * p)
+            c = tl.load(CHUNKS + 2 * p + 1)
+            bos = tl.load(CU + i)
+            seqlen = tl.load(CU + i + 1) - bos
+            first = h.to(tl.int64) * seq + bos
+        else:
+            i = p // n_per
+            c = p % n_per
+            seqlen = seq
+            first = (i.to(tl.int64) * heads + h) * seq
+        length = tl.maximum(tl.minimum(C, seqlen - c * C), 0)
+        return first + c * C, length
+
+    @triton.jit
+    def _decays(SLOPE, h, length, C: tl.constexpr):
+        """Head ``h``'s slope and, for a chunk of ``length`` rows: positions, row mask and the
+        decays a, b (0 on masked rows)."""
+        s = tl.load(SLOPE + h).to(tl.float32)
         oc = tl.arange(0, C)
-        length = tl.minimum(C, seq - c * C)
         mrow = oc < length
         fi = oc.to(tl.float32)
         a = tl.where(mrow, tl.exp(-s * (fi + 1.0)), 0.0)
         kpos = tl.maximum(length - 1 - fi, 0.0)
         b = tl.where(mrow, tl.exp(-s * kpos), 0.0)
-        return s, oc, length, mrow, fi, a, kpos, b
+        return s, oc, mrow, fi, a, kpos, b
 
     @triton.jit
-    def _chunk_outer(X, Y, SLOPE, OUT, seq, heads, n_chunks, x_scale,
+    def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, n_per, x_scale,
                      DX: tl.constexpr, DY: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, QUERY: tl.constexpr):
-        """OUT[bh, c] tile = (x_scale * X_c * w)^T Y_c with w = a (QUERY) or b (keys)."""
-        c, bh, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                     BV: tl.constexpr, QUERY: tl.constexpr, VARLEN: tl.constexpr):
+        """OUT[p, h] tile = (x_scale * X_c * w)^T Y_c with w = a (QUERY) or b (keys)."""
+        p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nv = tl.cdiv(DY, BV)
         ik, iv = t // nv, t % nv
-        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
+        start, length = _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C, VARLEN)
+        s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
         ok = ik * BK + tl.arange(0, BK)
         ov = iv * BV + tl.arange(0, BV)
-        rows = bh * seq + c * C + oc
+        rows = start + oc
         x = tl.load(X + rows[:, None] * DX + ok[None, :], mask=mrow[:, None] & (ok < DX)[None, :],
                     other=0.0).to(tl.float32) * x_scale
         y = tl.load(Y + rows[:, None] * DY + ov[None, :], mask=mrow[:, None] & (ov < DY)[None, :],
                     other=0.0).to(tl.float32)
         w = a if QUERY else b
         out = tl.dot(tl.trans(x * w[:, None]), y)
-        base = OUT + (bh * n_chunks + c) * DX * DY
+        base = OUT + (p.to(tl.int64) * heads + h) * DX * DY
         tl.store(base + ok[:, None] * DY + ov[None, :], out,
                  mask=(ok < DX)[:, None] & (ov < DY)[None, :])
 
     @triton.jit
-    def _scan(BUF, SLOPE, INIT, FINAL, seq, heads, n_chunks,
+    def _scan(BUF, SLOPE, INIT, FINAL, CU, OFFS, seq, heads, n_per,
               D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr):
-        """In place over BUF [B*H, N, D, Dv]: forward, BUF[c] <- state before chunk c and
-        state <- lambda^L_c state + BUF[c]; REVERSE walks c = N-1..0 (dS_end scan). FINAL gets
-        the last state (final state / gradient of the initial state)."""
-        bh, t = tl.program_id(0), tl.program_id(1)
+              BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
+              VARLEN: tl.constexpr):
+        """In place over BUF [P, H, D, Dv] for sequence i, head h: forward, BUF[c] <- state
+        before chunk c and state <- lambda^L_c state + BUF[c]; REVERSE walks the chunks from
+        the last (dS_end scan). FINAL [N, H, D, Dv] gets the last state (final state /
+        gradient of the initial state); INIT [N, H, D, Dv] is the first."""
+        ih, t = tl.program_id(0), tl.program_id(1)
+        i, h = ih // heads, ih % heads
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
-        s = tl.load(SLOPE + bh % heads).to(tl.float32)
+        s = tl.load(SLOPE + h).to(tl.float32)
+        if VARLEN:
+            p0 = tl.load(OFFS + i)
+            count = tl.load(OFFS + i + 1) - p0
+            seqlen = tl.load(CU + i + 1) - tl.load(CU + i)
+        else:
+            p0 = i * n_per
+            count = n_per
+            seqlen = seq
         ok = ik * BK + tl.arange(0, BK)
         ov = iv * BV + tl.arange(0, BV)
         tile = ok[:, None] * DV + ov[None, :]
         mask = (ok < D)[:, None] & (ov < DV)[None, :]
         if HAS_INIT:
-            state = tl.load(INIT + bh * D * DV + tile, mask=mask, other=0.0).to(tl.float32)
+            state = tl.load(INIT + ih.to(tl.int64) * D * DV + tile, mask=mask,
+                            other=0.0).to(tl.float32)
         else:
             state = tl.zeros([BK, BV], dtype=tl.float32)
-        for step in range(0, n_chunks):
-            c = n_chunks - 1 - step if REVERSE else step
-            length = tl.minimum(C, seq - c * C)
-            ptr = BUF + (bh * n_chunks + c) * D * DV + tile
+        for step in range(0, count):
+            c = count - 1 - step if REVERSE else step
+            length = tl.minimum(C, seqlen - c * C)
+            ptr = BUF + ((p0 + c).to(tl.int64) * heads + h) * D * DV + tile
             local = tl.load(ptr, mask=mask, other=0.0)
             tl.store(ptr, state, mask=mask)
             state = tl.exp(-s * length) * state + local
-        tl.store(FINAL + bh * D * DV + tile, state, mask=mask)
+        tl.store(FINAL + ih.to(tl.int64) * D * DV + tile, state, mask=mask)
 
     @triton.jit
     def _scores_and_state_term(Q, K, rows, mrow, w, ov, mv, base, scale,
@@ -128,20 +160,21 @@ if triton_available():
         return qk, acc
 
     @triton.jit
-    def _chunk_out(Q, K, X, SLOPE, BUF, OUT, seq, heads, n_chunks, scale,
+    def _chunk_out(Q, K, X, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, n_per, scale,
                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, GRAD_V: tl.constexpr):
+                   BV: tl.constexpr, GRAD_V: tl.constexpr, VARLEN: tl.constexpr):
         """Per chunk c and Dv tile, with M the masked decay:
         forward (X = V, BUF = S):        O_c  = ((Q_c K_c^T) * M) V_c + (Q_c * a) S[c];
         GRAD_V (X = dO, BUF = dS_end):   dV_c = ((Q_c K_c^T) * M)^T dO_c + (K_c * b) dS_end[c]
         (q scaled)."""
-        c, bh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
+        p, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start, length = _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C, VARLEN)
+        s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
-        rows = bh * seq + c * C + oc
+        rows = start + oc
         qk, term = _scores_and_state_term(Q, K, rows, mrow, b if GRAD_V else a, ov, mv,
-                                          BUF + (bh * n_chunks + c) * D * DV, scale,
+                                          BUF + (p.to(tl.int64) * heads + h) * D * DV, scale,
                                           D, DV, C, BK, BV, not GRAD_V)
         gap = fi[:, None] - fi[None, :]
         m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
@@ -153,17 +186,18 @@ if triton_available():
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
-    def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, seq, heads, n_chunks,
-                    scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr):
+    def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
+                    n_per, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr):
         """dQ, dK of chunk c on one D tile, and this tile's part of dslope (linear in the D
-        tiles: every term is a sum over D)."""
-        c, bh, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        tiles: every term is a sum over D). An unused slot (L = 0) adds 0."""
+        p, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nk = tl.cdiv(D, BK)
-        s, oc, length, mrow, fi, a, kpos, b = _decays(SLOPE, bh, heads, seq, c, C)
+        start, length = _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C, VARLEN)
+        s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
         ok = ik * BK + tl.arange(0, BK)
         mk = ok < D
-        rows = bh * seq + c * C + oc
+        rows = start + oc
         q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
                     other=0.0).to(tl.float32) * scale
         k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
@@ -172,8 +206,9 @@ if triton_available():
         dsp = tl.zeros([C, BK], dtype=tl.float32)
         vds = tl.zeros([C, BK], dtype=tl.float32)
         ssum = tl.zeros([BK], dtype=tl.float32)
-        sbase = STATES + (bh * n_chunks + c) * D * DV
-        dbase = DSEND + (bh * n_chunks + c) * D * DV
+        slot = (p.to(tl.int64) * heads + h) * D * DV
+        sbase = STATES + slot
+        dbase = DSEND + slot
         for iv in range(0, tl.cdiv(DV, BV)):
             ov = iv * BV + tl.arange(0, BV)
             mv = ov < DV
@@ -204,7 +239,7 @@ if triton_available():
         acc -= tl.sum(vds * k, axis=1) * kpos * b
         lam = tl.exp(-s * length)
         part = tl.sum(acc, axis=0) - length * lam * tl.sum(ssum, axis=0)
-        tl.store(DSLOPE + (bh * n_chunks + c) * nk + ik, part)
+        tl.store(DSLOPE + (p.to(tl.int64) * heads + h) * nk + ik, part)
 
 
 def _tiles(d: int, dv: int, block_size: int) -> dict[str, int]:
@@ -219,22 +254,119 @@ def _options(c: int) -> dict[str, int]:
     return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
 
 
-def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict[str, int]
-            ) -> tuple[Tensor, Tensor]:
-    """(S[c] for every chunk [B*H, N, D, Dv] fp32, final state [B*H, D, Dv] fp32)."""
-    bh, seq, d = k.shape
-    dv = v.shape[-1]
-    n = triton.cdiv(seq, t["C"])
+class _Chunks(NamedTuple):
+    """Where the chunk slots are: dense batches (B sequences of S, slot p = i * N_per + c) or
+    packed sequences (slot p -> (sequence, chunk) from the CHUNKS table, built on the device
+    from cu_seqlens: no host synchronization, one launch per kernel for every sequence)."""
+
+    n_seqs: int
+    n_per: int  # chunks per sequence (dense only)
+    slots: int  # P: chunk slots (an upper bound for packed sequences; spare slots idle)
+    cu: Tensor  # [N + 1] int32 (packed) or a placeholder
+    table: Tensor  # [P, 2] int32 (sequence, chunk) (packed) or a placeholder
+    offsets: Tensor  # [N + 1] int32 first slot of each sequence (packed) or a placeholder
+    varlen: bool
+
+
+def _chunks(batch: int, seq: int, c: int, cu_seqlens: Tensor | None, placeholder: Tensor
+            ) -> _Chunks:
+    if cu_seqlens is None:
+        n = triton.cdiv(seq, c)
+        return _Chunks(batch, n, batch * n, placeholder, placeholder, placeholder, False)
+    cu = cu_seqlens.to(device=placeholder.device, dtype=torch.int32).contiguous()
+    n_seqs = cu.shape[0] - 1
+    counts = (cu[1:] - cu[:-1] + (c - 1)) // c
+    offsets = torch.cat([cu.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
+    # sum_i ceil(L_i / C) <= floor(T / C) + N: a static bound, so no count leaves the device.
+    slots = seq // c + n_seqs
+    p = torch.arange(slots, dtype=torch.int32, device=cu.device)
+    owner = torch.searchsorted(offsets[1:], p, right=True).clamp_(max=n_seqs - 1)
+    table = torch.stack([owner.to(torch.int32), p - offsets[owner]], dim=1).contiguous()
+    return _Chunks(n_seqs, 0, slots, cu, table, offsets, True)
+
+
+def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict[str, int],
+            g: _Chunks, seq: int) -> tuple[Tensor, Tensor]:
+    """(S[c] for every chunk slot [P, H, D, Dv] fp32, final states [N, H, D, Dv] fp32);
+    k, v: [B * H * S | H * T, D | Dv] rows, initial: [N, H, D, Dv] or None."""
     heads = slope.shape[0]
-    buf = torch.empty(bh, n, d, dv, dtype=torch.float32, device=k.device)
+    d, dv = k.shape[-1], v.shape[-1]
+    buf = torch.empty(g.slots, heads, d, dv, dtype=torch.float32, device=k.device)
     tiles = triton.cdiv(d, t["BK"]) * triton.cdiv(dv, t["BV"])
-    _chunk_outer[(n, bh, tiles)](k, v, slope, buf, seq, heads, n, 1.0, DX=d, DY=dv,
-                                 QUERY=False, **t, **_options(t["C"]))
-    final = torch.empty(bh, d, dv, dtype=torch.float32, device=k.device)
-    init = initial.reshape(bh, d, dv).float().contiguous() if initial is not None else final
-    _scan[(bh, tiles)](buf, slope, init, final, seq, heads, n, D=d, DV=dv,
-                       HAS_INIT=initial is not None, REVERSE=False, **t, **_options(t["C"]))
+    _chunk_outer[(g.slots, heads, tiles)](k, v, slope, buf, g.cu, g.table, seq, heads,
+                                          g.n_per, 1.0, DX=d, DY=dv, QUERY=False,
+                                          VARLEN=g.varlen, **t, **_options(t["C"]))
+    final = torch.empty(g.n_seqs, heads, d, dv, dtype=torch.float32, device=k.device)
+    init = initial.float().contiguous() if initial is not None else final
+    _scan[(g.n_seqs * heads, tiles)](buf, slope, init, final, g.cu, g.offsets, seq, heads,
+                                     g.n_per, D=d, DV=dv, HAS_INIT=initial is not None,
+                                     REVERSE=False, VARLEN=g.varlen, **t,
+                                     **_options(t["C"]))
     return buf, final
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[B, H, S, X] -> contiguous [B * H * S, X] rows (the kernels' layout)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+             initial: Tensor | None, block_size: int, cu_seqlens: Tensor | None
+             ) -> tuple[Tensor, Tensor, Tensor, _Chunks]:
+    """(o [B, H, S, Dv] fp32, states [P, H, D, Dv], final [N, H, D, Dv], chunk slots)."""
+    b, h, seq, d = q.shape
+    dv = v.shape[-1]
+    t = _tiles(d, dv, block_size)
+    slope_f = slope.float().contiguous()
+    g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
+    q_, k_, v_ = _rows(q), _rows(k), _rows(v)
+    states, final = _states(k_, v_, slope_f, initial, t, g, seq)
+    o = torch.empty(b, h, seq, dv, dtype=torch.float32, device=q.device)
+    _chunk_out[(g.slots, h, triton.cdiv(dv, t["BV"]))](
+        q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, g.n_per, float(scale), D=d,
+        DV=dv, GRAD_V=False, VARLEN=g.varlen, **t, **_options(t["C"]))
+    return o, states, final, g
+
+
+def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+              slope: Tensor, scale: float, initial: Tensor | None, block_size: int,
+              cu_seqlens: Tensor | None, need_slope_grad: bool
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Gradients from the initial states [N, H, D, Dv] (the chunk states are recomputed by
+    the forward's two parallel launches: selective rematerialization)."""
+    b, h, seq, d = q.shape
+    dv = v.shape[-1]
+    t = _tiles(d, dv, block_size)
+    slope_f = slope.float().contiguous()
+    g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
+    q_, k_, v_, go = _rows(q), _rows(k), _rows(v), _rows(grad_o)
+    states, _ = _states(k_, v_, slope_f, initial, t, g, seq)
+    tiles = triton.cdiv(d, t["BK"]) * triton.cdiv(dv, t["BV"])
+    common = dict(VARLEN=g.varlen, **t, **_options(t["C"]))
+    # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
+    # E[last] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial
+    # state.
+    dsend = torch.empty(g.slots, h, d, dv, dtype=torch.float32, device=q.device)
+    _chunk_outer[(g.slots, h, tiles)](q_, go, slope_f, dsend, g.cu, g.table, seq, h, g.n_per,
+                                      float(scale), DX=d, DY=dv, QUERY=True, **common)
+    dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
+    dht = grad_state.float().contiguous() if grad_state is not None else dh0
+    _scan[(g.n_seqs * h, tiles)](dsend, slope_f, dht, dh0, g.cu, g.offsets, seq, h, g.n_per,
+                                 D=d, DV=dv, HAS_INIT=grad_state is not None, REVERSE=True,
+                                 **common)
+    dq = torch.empty(b, h, seq, d, dtype=torch.float32, device=q.device)
+    dk = torch.empty_like(dq)
+    dvv = torch.empty(b, h, seq, dv, dtype=torch.float32, device=q.device)
+    nk = triton.cdiv(d, t["BK"])
+    parts = torch.empty(g.slots, h, nk, dtype=torch.float32, device=q.device)
+    _chunk_dqdk[(g.slots, h, nk)](q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, g.cu,
+                                  g.table, seq, h, g.n_per, float(scale), D=d, DV=dv,
+                                  **common)
+    _chunk_out[(g.slots, h, triton.cdiv(dv, t["BV"]))](
+        q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, g.n_per, float(scale), D=d,
+        DV=dv, GRAD_V=True, **common)
+    dslope = parts.sum(dim=(0, 2)) if need_slope_grad else None
+    return dq, dk, dvv, dslope, dh0
 
 
 def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
@@ -247,23 +379,15 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
 
     b, h, seq, d = q.shape
     dv = v.shape[-1]
-    t = _tiles(d, dv, block_size)
-    c = t["C"]
-    n = triton.cdiv(seq, c)
-    q_, k_, v_ = (x.reshape(b * h, seq, x.shape[-1]).contiguous() for x in (q, k, v))
-    slope_f = slope.float().contiguous()
-    states, final = _states(k_, v_, slope_f, initial_state, t)
-    o = torch.empty(b * h, seq, dv, dtype=torch.float32, device=q.device)
-    _chunk_out[(n, b * h, triton.cdiv(dv, t["BV"]))](
-        q_, k_, v_, slope_f, states, o, seq, h, n, float(scale), D=d, DV=dv, GRAD_V=False,
-        **t, **_options(c))
+    o, states, final, g = _forward(q, k, v, slope, scale, initial_state, block_size, None)
+    c = _tiles(d, dv, block_size)["C"]
+    states = states.view(b, g.n_per, h, d, dv)
     n_full = seq // c
     picks = [states[:, i] for i in range(0, n_full, checkpoint_every)]
     picks.append(states[:, n_full] if seq % c else final)  # where the tail starts
-    checkpoints = torch.stack(picks, dim=1)
-    assert checkpoints.shape[1] == num_checkpoints(seq, c, checkpoint_every)
-    return (o.view(b, h, seq, dv), final.view(b, h, d, dv),
-            checkpoints.view(b, h, -1, d, dv))
+    checkpoints = torch.stack(picks, dim=2)
+    assert checkpoints.shape[2] == num_checkpoints(seq, c, checkpoint_every)
+    return o, final, checkpoints
 
 
 def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
@@ -273,37 +397,26 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
     """Same contract as ``chunked.chunked_backward``. The chunk states are recomputed from
     the initial state (checkpoint 0) by the forward's two parallel launches: the forward
     saves q, k, v, slope and the checkpoints only (selective rematerialization)."""
-    b, h, seq, d = q.shape
-    dv = v.shape[-1]
-    t = _tiles(d, dv, block_size)
-    c = t["C"]
-    n = triton.cdiv(seq, c)
-    bh = b * h
-    q_, k_, v_, go = (x.reshape(bh, seq, x.shape[-1]).contiguous()
-                      for x in (q, k, v, grad_o))
-    slope_f = slope.float().contiguous()
-    states, _ = _states(k_, v_, slope_f, checkpoints[:, :, 0], t)
-    tiles = triton.cdiv(d, t["BK"]) * triton.cdiv(dv, t["BV"])
-    # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
-    # E[N-1] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial state.
-    dsend = torch.empty(bh, n, d, dv, dtype=torch.float32, device=q.device)
-    _chunk_outer[(n, bh, tiles)](q_, go, slope_f, dsend, seq, h, n, float(scale), DX=d,
-                                 DY=dv, QUERY=True, **t, **_options(c))
-    dh0 = torch.empty(bh, d, dv, dtype=torch.float32, device=q.device)
-    dht = grad_state.reshape(bh, d, dv).float().contiguous() if grad_state is not None \
-        else dh0
-    _scan[(bh, tiles)](dsend, slope_f, dht, dh0, seq, h, n, D=d, DV=dv,
-                       HAS_INIT=grad_state is not None, REVERSE=True, **t, **_options(c))
-    dq = torch.empty(bh, seq, d, dtype=torch.float32, device=q.device)
-    dk = torch.empty_like(dq)
-    dvv = torch.empty(bh, seq, dv, dtype=torch.float32, device=q.device)
-    nk = triton.cdiv(d, t["BK"])
-    parts = torch.empty(bh, n, nk, dtype=torch.float32, device=q.device)
-    _chunk_dqdk[(n, bh, nk)](q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, seq, h,
-                             n, float(scale), D=d, DV=dv, **t, **_options(c))
-    _chunk_out[(n, bh, triton.cdiv(dv, t["BV"]))](q_, k_, go, slope_f, dsend, dvv, seq, h,
-                                                  n, float(scale), D=d, DV=dv, GRAD_V=True,
-                                                  **t, **_options(c))
-    dslope = parts.sum(dim=(1, 2)).view(b, h).sum(0) if need_slope_grad else None
-    return (dq.view(b, h, seq, d), dk.view(b, h, seq, d), dvv.view(b, h, seq, dv), dslope,
-            dh0.view(b, h, d, dv))
+    return _backward(grad_o, grad_state, q, k, v, slope, scale, checkpoints[:, :, 0],
+                     block_size, None, need_slope_grad)
+
+
+def triton_varlen_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+                          initial_state: Tensor | None, block_size: int, cu_seqlens: Tensor
+                          ) -> tuple[Tensor, Tensor]:
+    """Packed sequences in one launch per kernel. q, k, v: [1, H, T, D | Dv] (heads
+    expanded), cu_seqlens [N + 1] on q's device (validated by the caller), initial_state
+    [N, H, D, Dv] or None. Returns (o [1, H, T, Dv] fp32, final states [N, H, D, Dv] fp32)."""
+    o, _, final, _ = _forward(q, k, v, slope, scale, initial_state, block_size, cu_seqlens)
+    return o, final
+
+
+def triton_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
+                           v: Tensor, slope: Tensor, scale: float,
+                           initial_state: Tensor | None, block_size: int,
+                           cu_seqlens: Tensor, need_slope_grad: bool
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Gradients of :func:`triton_varlen_forward` (dq, dk, dv fp32 as the inputs' shapes,
+    dslope [H] or None, d initial_state [N, H, D, Dv])."""
+    return _backward(grad_o, grad_state, q, k, v, slope, scale, initial_state, block_size,
+                     cu_seqlens, need_slope_grad)
