@@ -1,7 +1,8 @@
 """MoE experts on one CUDA GPU: graphopt::moe_experts (sorted dispatch, torch._grouped_mm,
 explicit backward) vs transformers' per-expert loop (MixtralExperts eager) and transformers'
 own grouped_mm experts, forward+backward, bf16, side by side; plus correctness checks of the
-op and of the moe pass on a small Mixtral on the GPU.
+op and of the moe pass on a small Mixtral on the GPU, and the combine (unpermute) alone:
+fused Triton gather vs index_add.
 
     python benchmarks/moe_gpu.py [--reps 20]
 
@@ -117,6 +118,32 @@ def main() -> None:
         print(f"| {t} | {e} | {h} | {f} | {a:.2f} | {b:.2f} | {c:.2f} | {a / c:.2f}x | "
               f"{b / c:.2f}x |", flush=True)
         torch.cuda.empty_cache()
+    combine_rows(args.reps)
+
+
+def combine_rows(reps: int) -> None:
+    """The combine (unpermute) forward+backward alone: the fused Triton gather vs torch's
+    index_add path, bf16 rows, fp32 routing weights (graphopt.kernels.moe.combine)."""
+    from graphopt.kernels.moe.combine import combine, combine_backward
+
+    print("\n| tokens | top-k | hidden | index_add ms | fused Triton ms | speedup | max diff |")
+    print("|---|---|---|---|---|---|---|")
+    for t, k, h in ((4096, 2, 4096), (16384, 2, 4096), (8192, 8, 2048)):
+        y = torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(t, k, device="cuda").softmax(-1)
+        order = torch.argsort(torch.randint(0, 64, (t * k,), device="cuda"), stable=True)
+        go = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+
+        def step(fused: bool) -> Callable[[], object]:
+            return lambda: (combine(y, w, order, torch.bfloat16, torch.float32, fused),
+                            combine_backward(go, y, w, order, torch.float32, fused))
+
+        diff = max(float((a.float() - b.float()).abs().max())
+                   for a, b in zip((step(True)()[0], *step(True)()[1]),
+                                   (step(False)()[0], *step(False)()[1])))
+        plain, fused = time_step(step(False), reps), time_step(step(True), reps)
+        print(f"| {t} | {k} | {h} | {plain:.3f} | {fused:.3f} | {plain / fused:.2f}x | "
+              f"{diff:.1e} |", flush=True)
 
 
 def measure(t: int, e: int, h: int, f: int, reps: int) -> tuple[float, float, float]:

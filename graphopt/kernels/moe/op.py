@@ -19,7 +19,8 @@ Algorithm (Megablocks sec. 5; Megatron-Core's alltoall token dispatcher):
        all-gathered, then a :class:`~graphopt.kernels.comm.RoundTrip` (schedule flat,
        chunked, hierarchical or peer) sends each row to its expert's rank, runs the local
        experts there and returns the rows;
-    4. combine: out[t] = sum_k w[t, k] * y[t, k] (index_add in sorted order).
+    4. combine: out[t] = sum_k w[t, k] * y[t, k] (graphopt.kernels.moe.combine: a fused
+       Triton gather on GPU/NPU, index_add in sorted order elsewhere).
 The backward runs the same round trip with the gradient rows (owner ranks compute the
 expert backward and the weight gradients of their experts). With EP each rank passes only
 its local experts and gets only their gradients: expert weights are sharded for real
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from graphopt.kernels.comm import RoundTrip
+from graphopt.kernels.moe.combine import combine, combine_backward
 from graphopt.kernels.moe.dispatch import capacity_keep_mask
 from graphopt.kernels.moe.experts import swiglu_experts_backward, swiglu_experts_forward
 
@@ -139,11 +141,9 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
                               "run without backward?)", stacklevel=2)
                 _STASH.pop(next(iter(_STASH)))
             _STASH[handle] = saved
-    weights = top_k_weights.reshape(-1)[order[:valid]]
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
-    out = torch.zeros(hidden.shape, dtype=acc, device=hidden.device).index_add(
-        0, token[:valid], y_valid.to(acc) * weights.to(acc).unsqueeze(-1))
-    return (out.to(hidden.dtype), y_rows, gu_out, top_k_index.new_full((1,), handle),
+    out = combine(y_valid, top_k_weights, order, hidden.dtype, acc)
+    return (out, y_rows, gu_out, top_k_index.new_full((1,), handle),
             counts_all.to(torch.int64), order)
 
 
@@ -172,12 +172,7 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     valid = order.numel() if capacity_factor <= 0 else int(
         counts_all[dist.get_rank(pg) if pg is not None else 0].sum())
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
-    grad_rows = grad_out.index_select(0, token[:valid]).to(acc)
-    weights = top_k_weights.reshape(-1)[order[:valid]].to(acc)
-    grad_w_sorted = (grad_rows * y_rows[:valid].to(acc)).sum(-1)
-    grad_weights = torch.zeros(top_k_index.numel(), dtype=acc, device=hidden.device)
-    grad_weights[order[:valid]] = grad_w_sorted
-    grad_y = (grad_rows * weights.unsqueeze(-1)).to(hidden.dtype)
+    grad_y, grad_weights = combine_backward(grad_out, y_rows[:valid], top_k_weights, order, acc)
     w1, w2 = gate_up, down
     local: dict[str, Tensor] = {}  # this rank's experts' weight gradients, accumulated
     if pg is None:

@@ -1,0 +1,127 @@
+"""The MoE combine (unpermute) and its backward, fused: Triton on GPU/NPU, torch elsewhere.
+
+Shapes (T tokens, K experts per token, H hidden, n <= T*K kept assignments):
+    y_rows [n, H] expert outputs in sorted order (unweighted, hidden's dtype);
+    weights [T, K] routing weights (any float dtype); order [T*K] int64, the sort: sorted
+    row i is assignment order[i] = t * K + k (rows i >= n were dropped by a capacity).
+
+Forward:  out[t] = sum_k w[t, k] * y_rows[slot[t * K + k]]  (slot: the inverse permutation,
+          -1 for a dropped assignment), accumulated in promote(hidden, weights) dtype and
+          stored in hidden's dtype.
+Backward: for sorted row i with assignment j = order[i], token t = j // K:
+          grad_y[i] = w[j] * grad_out[t]  (hidden's dtype),
+          grad_w[j] = grad_out[t] . y_rows[i]  (0 for a dropped assignment).
+
+The torch path (index_add over the sorted rows) materializes the weighted rows in the
+accumulation dtype and scatter-adds them with atomics; the Triton kernels gather instead
+(each program owns one output row: deterministic, no atomics) and fuse the weighting, the
+dtype casts and the reduction into one pass over the rows (Megatron-Core's fused
+``moe_unpermute`` does the same on CUDA; written here from the equations above).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from graphopt.kernels.lightning.triton_kernels import triton_available
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _combine(Y, W, SLOT, OUT, H, K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t, block] = sum_k w[t, k] y[slot[t, k], block] (fp32), one program per
+        (token, H block)."""
+        t, ih = tl.program_id(0), tl.program_id(1)
+        cols = ih * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, K):
+            j = t.to(tl.int64) * K + k
+            slot = tl.load(SLOT + j)
+            w = tl.load(W + j).to(tl.float32)
+            keep = mask & ((cols * 0 + slot) >= 0)  # a dropped assignment reads nothing
+            y = tl.load(Y + tl.maximum(slot, 0).to(tl.int64) * H + cols, mask=keep,
+                        other=0.0).to(tl.float32)
+            acc += w * y
+        tl.store(OUT + t.to(tl.int64) * H + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_backward(GO, Y, W, ORDER, GY, GW, H, K: tl.constexpr, BLOCK: tl.constexpr):
+        """Sorted row i: grad_y[i] = w[j] grad_out[j // K], grad_w[j] = grad_out[j // K] .
+        y[i] with j = order[i]; one program per kept row, looping over H."""
+        i = tl.program_id(0).to(tl.int64)
+        j = tl.load(ORDER + i)
+        t = j // K
+        w = tl.load(W + j).to(tl.float32)
+        dot = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < H
+            go = tl.load(GO + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(Y + i * H + cols, mask=mask, other=0.0).to(tl.float32)
+            dot += go * y
+            tl.store(GY + i * H + cols, (go * w).to(GY.dtype.element_ty), mask=mask)
+        tl.store(GW + j, tl.sum(dot, axis=0).to(GW.dtype.element_ty))
+
+
+def use_triton(x: Tensor) -> bool:
+    """The Triton kernels run for GPU/NPU tensors when triton is installed, and on CPU under
+    Triton's interpreter (TRITON_INTERPRET=1, for tests); float64 stays on torch."""
+    if not triton_available() or x.dtype == torch.float64:
+        return False
+    return x.device.type in ("cuda", "npu", "xpu") or (
+        x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _block(h: int) -> int:
+    return min(1024, triton.next_power_of_2(max(h, 16)))
+
+
+def combine(y_rows: Tensor, weights: Tensor, order: Tensor, out_dtype: torch.dtype,
+            acc: torch.dtype, fused: bool | None = None) -> Tensor:
+    """out [T, H] in ``out_dtype`` = the routing-weighted sum of each token's expert rows
+    (module doc), accumulated in ``acc``. Dropped assignments (rows beyond y_rows) add 0.
+    ``fused``: the Triton kernel (True), torch's index_add (False), None: :func:`use_triton`."""
+    t, k = weights.shape
+    n, h = y_rows.shape
+    token = order[:n] // k
+    if not (use_triton(y_rows) if fused is None else fused):
+        w = weights.reshape(-1)[order[:n]].to(acc)
+        out = torch.zeros(t, h, dtype=acc, device=y_rows.device).index_add(
+            0, token, y_rows.to(acc) * w.unsqueeze(-1))
+        return out.to(out_dtype)
+    slot = torch.full((t * k,), -1, dtype=torch.int32, device=y_rows.device)
+    slot[order[:n]] = torch.arange(n, dtype=torch.int32, device=y_rows.device)
+    out = torch.empty(t, h, dtype=out_dtype, device=y_rows.device)
+    block = _block(h)
+    if t:
+        _combine[(t, triton.cdiv(h, block))](y_rows.contiguous(), weights.contiguous(), slot,
+                                             out, h, K=k, BLOCK=block)
+    return out
+
+
+def combine_backward(grad_out: Tensor, y_rows: Tensor, weights: Tensor, order: Tensor,
+                     acc: torch.dtype, fused: bool | None = None) -> tuple[Tensor, Tensor]:
+    """(grad_y [n, H] in y_rows' dtype, grad_weights [T, K] in ``acc``) of :func:`combine`
+    for grad_out [T, H]; ``fused`` as in :func:`combine`."""
+    t, k = weights.shape
+    n, h = y_rows.shape
+    if not (use_triton(y_rows) if fused is None else fused):
+        token = order[:n] // k
+        grad_rows = grad_out.index_select(0, token).to(acc)
+        w = weights.reshape(-1)[order[:n]].to(acc)
+        grad_w = torch.zeros(t * k, dtype=acc, device=y_rows.device)
+        grad_w[order[:n]] = (grad_rows * y_rows.to(acc)).sum(-1)
+        return (grad_rows * w.unsqueeze(-1)).to(y_rows.dtype), grad_w.view(t, k)
+    grad_y = torch.empty_like(y_rows)
+    grad_w = torch.zeros(t * k, dtype=acc, device=y_rows.device)
+    if n:
+        _combine_backward[(n,)](grad_out.contiguous(), y_rows.contiguous(),
+                                weights.contiguous(), order.contiguous(), grad_y, grad_w, h,
+                                K=k, BLOCK=min(_block(h), 512))
+    return grad_y, grad_w.view(t, k)
