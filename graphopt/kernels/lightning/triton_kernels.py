@@ -28,7 +28,10 @@ Portable Triton only (tl.dot, tl.exp, masks, program ids), as triton-ascend need
 from __future__ import annotations
 
 import importlib.util
-from typing import NamedTuple
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,26 +79,26 @@ if triton_available():
 
     @triton.jit
     def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, n_per, x_scale,
-                     DX: tl.constexpr, DY: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, QUERY: tl.constexpr, VARLEN: tl.constexpr):
         """OUT[p, h] tile = (x_scale * X_c * w)^T Y_c with w = a (QUERY) or b (keys)."""
         p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        nv = tl.cdiv(DY, BV)
+        nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
         start, length = _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C, VARLEN)
         s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
         ok = ik * BK + tl.arange(0, BK)
         ov = iv * BV + tl.arange(0, BV)
         rows = start + oc
-        x = tl.load(X + rows[:, None] * DX + ok[None, :], mask=mrow[:, None] & (ok < DX)[None, :],
+        x = tl.load(X + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & (ok < D)[None, :],
                     other=0.0).to(tl.float32) * x_scale
-        y = tl.load(Y + rows[:, None] * DY + ov[None, :], mask=mrow[:, None] & (ov < DY)[None, :],
+        y = tl.load(Y + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & (ov < DV)[None, :],
                     other=0.0).to(tl.float32)
         w = a if QUERY else b
         out = tl.dot(tl.trans(x * w[:, None]), y)
-        base = OUT + (p.to(tl.int64) * heads + h) * DX * DY
-        tl.store(base + ok[:, None] * DY + ov[None, :], out,
-                 mask=(ok < DX)[:, None] & (ov < DY)[None, :])
+        base = OUT + (p.to(tl.int64) * heads + h) * D * DV
+        tl.store(base + ok[:, None] * DV + ov[None, :], out,
+                 mask=(ok < D)[:, None] & (ov < DV)[None, :])
 
     @triton.jit
     def _scan(BUF, SLOPE, INIT, FINAL, CU, OFFS, seq, heads, n_per,
@@ -254,6 +257,61 @@ def _options(c: int) -> dict[str, int]:
     return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
 
 
+def _ntiles(d: int, dv: int, meta: dict[str, Any]) -> int:
+    """[BK, BV] tiles of a [D, Dv] state."""
+    return triton.cdiv(d, meta["BK"]) * triton.cdiv(dv, meta["BV"])
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's CPU interpreter (read at import, as triton.jit does): fixed tiles, no tuning."""
+
+
+def _configs(tuned: tuple[str, ...]) -> list[Any]:
+    """Tiles in ``tuned`` over {32, 64} x num_warps {4, 8} x num_stages {1, 2}."""
+    out = []
+    for tiles in itertools.product((32, 64), repeat=len(tuned)):
+        for warps, stages in itertools.product((4, 8), (1, 2)):
+            out.append(triton.Config(dict(zip(tuned, tiles)), num_warps=warps,
+                                     num_stages=stages))
+    return out
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """Drop tiles wider than the padded head dim (they would only add masked work)."""
+    args = {**named_args, **kwargs}
+    limit = {"BK": max(16, triton.next_power_of_2(args["D"])),
+             "BV": max(16, triton.next_power_of_2(args["DV"]))}
+    kept = [c for c in configs if all(v <= limit.get(n, v) for n, v in c.kwargs.items())]
+    return kept or configs[:1]
+
+
+_AUTOTUNED: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+BENCHMARKER: Callable[..., list[float]] | None = None
+"""The autotuner's timer (triton.autotune's ``do_bench``); None: the device driver's. Tests
+set a host timer to run the tuned launch path under the interpreter."""
+
+
+def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args: tuple,
+            t: dict[str, int], tuned: tuple[str, ...], **consts: Any) -> None:
+    """Run ``kernel`` with the tiles ``t``. On a GPU/NPU the tiles named in ``tuned`` and the
+    warps/stages are autotuned (triton.autotune, keyed on head dims, chunk and mode; configs
+    that do not fit shared memory are skipped by the autotuner); under the interpreter they
+    are ``t``'s. Only kernels that write every output element each run are tuned (the scans
+    update in place and keep ``t``)."""
+    if INTERPRETED or not tuned:
+        meta = {**t, **consts}
+        kernel[grid(meta)](*args, **meta, **_options(t["C"]))
+        return
+    key = (id(kernel), tuned)
+    if key not in _AUTOTUNED:
+        _AUTOTUNED[key] = triton.autotune(
+            _configs(tuned), key=["D", "DV", "C", *sorted(consts)],
+            prune_configs_by={"early_config_prune": _prune}, do_bench=BENCHMARKER)(kernel)
+    fixed = {n: v for n, v in t.items() if n not in tuned}
+    _AUTOTUNED[key][lambda meta: grid({**fixed, **consts, **meta})](*args, **fixed, **consts)
+
+
 class _Chunks(NamedTuple):
     """Where the chunk slots are: dense batches (B sequences of S, slot p = i * N_per + c) or
     packed sequences (slot p -> (sequence, chunk) from the CHUNKS table, built on the device
@@ -292,10 +350,10 @@ def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict
     heads = slope.shape[0]
     d, dv = k.shape[-1], v.shape[-1]
     buf = torch.empty(g.slots, heads, d, dv, dtype=torch.float32, device=k.device)
-    tiles = triton.cdiv(d, t["BK"]) * triton.cdiv(dv, t["BV"])
-    _chunk_outer[(g.slots, heads, tiles)](k, v, slope, buf, g.cu, g.table, seq, heads,
-                                          g.n_per, 1.0, DX=d, DY=dv, QUERY=False,
-                                          VARLEN=g.varlen, **t, **_options(t["C"]))
+    _launch(_chunk_outer, lambda m: (g.slots, heads, _ntiles(d, dv, m)),
+            (k, v, slope, buf, g.cu, g.table, seq, heads, g.n_per, 1.0), t, ("BK", "BV"),
+            D=d, DV=dv, QUERY=False, VARLEN=g.varlen)
+    tiles = _ntiles(d, dv, t)
     final = torch.empty(g.n_seqs, heads, d, dv, dtype=torch.float32, device=k.device)
     init = initial.float().contiguous() if initial is not None else final
     _scan[(g.n_seqs * heads, tiles)](buf, slope, init, final, g.cu, g.offsets, seq, heads,
@@ -322,9 +380,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     q_, k_, v_ = _rows(q), _rows(k), _rows(v)
     states, final = _states(k_, v_, slope_f, initial, t, g, seq)
     o = torch.empty(b, h, seq, dv, dtype=torch.float32, device=q.device)
-    _chunk_out[(g.slots, h, triton.cdiv(dv, t["BV"]))](
-        q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, g.n_per, float(scale), D=d,
-        DV=dv, GRAD_V=False, VARLEN=g.varlen, **t, **_options(t["C"]))
+    _launch(_chunk_out, lambda m: (g.slots, h, triton.cdiv(dv, m["BV"])),
+            (q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, g.n_per, float(scale)), t,
+            ("BK", "BV"), D=d, DV=dv, GRAD_V=False, VARLEN=g.varlen)
     return o, states, final, g
 
 
@@ -341,30 +399,31 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
     q_, k_, v_, go = _rows(q), _rows(k), _rows(v), _rows(grad_o)
     states, _ = _states(k_, v_, slope_f, initial, t, g, seq)
-    tiles = triton.cdiv(d, t["BK"]) * triton.cdiv(dv, t["BV"])
-    common = dict(VARLEN=g.varlen, **t, **_options(t["C"]))
+    tiles = _ntiles(d, dv, t)
     # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
     # E[last] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial
     # state.
     dsend = torch.empty(g.slots, h, d, dv, dtype=torch.float32, device=q.device)
-    _chunk_outer[(g.slots, h, tiles)](q_, go, slope_f, dsend, g.cu, g.table, seq, h, g.n_per,
-                                      float(scale), DX=d, DY=dv, QUERY=True, **common)
+    _launch(_chunk_outer, lambda m: (g.slots, h, _ntiles(d, dv, m)),
+            (q_, go, slope_f, dsend, g.cu, g.table, seq, h, g.n_per, float(scale)), t,
+            ("BK", "BV"), D=d, DV=dv, QUERY=True, VARLEN=g.varlen)
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
     _scan[(g.n_seqs * h, tiles)](dsend, slope_f, dht, dh0, g.cu, g.offsets, seq, h, g.n_per,
                                  D=d, DV=dv, HAS_INIT=grad_state is not None, REVERSE=True,
-                                 **common)
+                                 VARLEN=g.varlen, **t, **_options(t["C"]))
     dq = torch.empty(b, h, seq, d, dtype=torch.float32, device=q.device)
     dk = torch.empty_like(dq)
     dvv = torch.empty(b, h, seq, dv, dtype=torch.float32, device=q.device)
     nk = triton.cdiv(d, t["BK"])
     parts = torch.empty(g.slots, h, nk, dtype=torch.float32, device=q.device)
-    _chunk_dqdk[(g.slots, h, nk)](q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, g.cu,
-                                  g.table, seq, h, g.n_per, float(scale), D=d, DV=dv,
-                                  **common)
-    _chunk_out[(g.slots, h, triton.cdiv(dv, t["BV"]))](
-        q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, g.n_per, float(scale), D=d,
-        DV=dv, GRAD_V=True, **common)
+    # BK fixes the dslope parts' layout: only the Dv loop tile is tuned here.
+    _launch(_chunk_dqdk, lambda m: (g.slots, h, nk),
+            (q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, g.cu, g.table, seq, h,
+             g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, VARLEN=g.varlen)
+    _launch(_chunk_out, lambda m: (g.slots, h, triton.cdiv(dv, m["BV"])),
+            (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, g.n_per, float(scale)), t,
+            ("BK", "BV"), D=d, DV=dv, GRAD_V=True, VARLEN=g.varlen)
     dslope = parts.sum(dim=(0, 2)) if need_slope_grad else None
     return dq, dk, dvv, dslope, dh0
 
