@@ -244,3 +244,24 @@ def test_packed_variable_length_sequences_reset_the_state_at_each_boundary():
     with pytest.raises(ValueError, match="must be \\[1, Hq, S, D\\]"):
         lightning_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
                             v.expand(2, -1, -1, -1), slope, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("seq, every, dtype", [(300, 2, torch.float32), (64, 8, torch.float64),
+                                               (1000, 8, torch.bfloat16)])
+def test_reported_saved_bytes_are_what_autograd_keeps(seq, every, dtype):
+    """op.saved_bytes (the attention pass's report) equals the bytes autograd's saved-tensor
+    hooks see for a real forward (GQA, Dv != D, S off the block grid), and the checkpointed
+    states are fewer than one per block."""
+    from graphopt.cost.memory import measured_saved_bytes
+    from graphopt.kernels.lightning.op import saved_bytes
+
+    q = torch.randn(2, 4, seq, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, seq, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, seq, 8, dtype=dtype, requires_grad=True)
+    slope = torch.rand(4, requires_grad=True)
+    got = measured_saved_bytes(lambda: lightning_attention(q, k, v, slope, block_size=32,
+                                                           checkpoint_every=every,
+                                                           impl="chunked"))
+    kept, every_block = saved_bytes(q.shape, k.shape, v.shape, dtype, 32, every)
+    assert got == kept
+    assert kept < every_block if seq >= 300 else kept <= every_block

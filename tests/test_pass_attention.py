@@ -48,6 +48,7 @@ def test_block_loop_becomes_one_op(seq, block):
     blocks = -(-seq // block)
     assert record.count("rewritten") == 1
     assert f"block loop of {blocks} blocks" in record.sites[0].reason
+    assert "MiB for the backward" in record.sites[0].reason
     assert record.op_delta[LIGHTNING] == 1
     assert record.op_delta["aten.matmul.default"] == -4 * blocks  # the loop is gone
     assert_matches_eager(fn, as_function(gm, fn), [x.requires_grad_()], rtol=1e-5, atol=1e-5)

@@ -52,6 +52,31 @@ per-(batch, head) kernel they replaced kept the whole [D, Dv] state and needed 4
 shared memory at D = Dv = 128 on an H200). Beyond 256 "auto" takes the chunked kernel."""
 
 
+def saved_bytes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
+                dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
+                checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> tuple[int, int]:
+    """Bytes autograd keeps for the backward of one ``lightning_attention`` call ("bhsd"
+    shapes q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]; inputs in ``dtype``):
+    (what the op saves: q, k, v, the float32 slope and ceil(floor(S / C) / r) + 1 checkpoint
+    states [B, Hq, D, Dv] in the accumulation dtype; what saving every chunk's state would
+    take instead: q, k, v, slope and ceil(S / C) states). Selective rematerialization
+    (EPLoN's idea, see chunked.py)."""
+    b, hq, s, d = q_shape
+    dv = v_shape[-1]
+    item = torch.empty(0, dtype=dtype).element_size()
+    state = b * hq * d * dv * torch.empty(0, dtype=acc_dtype(dtype)).element_size()
+    inputs = (_numel(q_shape) + _numel(k_shape) + _numel(v_shape)) * item + hq * 4
+    return (inputs + num_checkpoints(s, block_size, checkpoint_every) * state,
+            inputs + -(-s // block_size) * state)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
 def resolve_impl(impl: str, device: torch.device, head_dim: int = 0) -> str:
     """"auto": Triton on GPU/NPU when triton is installed and ``head_dim`` (max of D, Dv)
     <= TRITON_MAX_HEAD_DIM (256), else the chunked PyTorch code.

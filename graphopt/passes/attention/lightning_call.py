@@ -62,3 +62,19 @@ def insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: 
     slope.meta["val"] = mode.from_tensor(getattr(gm, name))
     (out,) = insert_lightning_fwd(gm, node, q, k, v, slope, scale)
     return out
+
+
+def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
+    """"saves X MiB for the backward (Y MiB with every chunk's state)" for a rewrite's
+    report entry (graphopt.kernels.lightning.op.saved_bytes at the pass's block length and
+    checkpoint interval)."""
+    from graphopt.kernels.lightning.op import saved_bytes
+
+    vals = [tensor_meta(n) for n in (q, k, v)]
+    if any(val is None for val in vals):
+        return ""
+    shapes = [tuple(int(x) for x in val.shape) for val in vals]  # type: ignore[union-attr]
+    kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype)  # type: ignore
+    return (f"; saves {kept / 2**20:.2f} MiB for the backward (q, k, v, checkpoint states "
+            f"every {DEFAULT_CHECKPOINT_EVERY} blocks; {every / 2**20:.2f} MiB with every "
+            "block's state)")

@@ -46,6 +46,7 @@ import torch.fx as fx
 from graphopt.passes.attention.lightning_call import (
     insert_lightning_fwd,
     insert_with_frozen_slopes,
+    saved_bytes_note,
 )
 from graphopt.passes.attention.match_common import NoMatch, aten, is_call
 from graphopt.passes.attention.match_linear import (
@@ -88,7 +89,8 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         assert val is not None
         ctx.record("rewritten", site, f"block loop of {len(loop.blocks)} blocks "
                    f"(block {loop.blocks[0].end}, S {int(val.shape[2])}) -> "
-                   "graphopt::lightning_attention")
+                   "graphopt::lightning_attention"
+                   + saved_bytes_note(loop.q, loop.k, loop.v))
         modified = True
     return modified, in_loops
 
@@ -122,7 +124,7 @@ def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.No
         node.replace_all_uses_with(
             insert_with_frozen_slopes(gm, node, form.q, form.k, form.v, slopes, 1.0))
         ctx.record("rewritten", site, f"parallel form (S {int(q_val.shape[2])}) -> "
-                   "graphopt::lightning_attention")
+                   "graphopt::lightning_attention" + saved_bytes_note(form.q, form.k, form.v))
         modified = True
     return modified
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes
+from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes, saved_bytes_note
 from graphopt.passes.attention.match_common import NoMatch, aten, layer_index
 from graphopt.passes.attention.match_softmax import (
     match_softmax_attention_site,
@@ -129,7 +129,8 @@ class SoftmaxToLightning:
         q, k = (self._feature_map(gm, found.output, x) for x in (found.q, found.k))
         self._insert(gm, found.output, q, k, found.v, slopes, found.scale)
         return (f"APPROXIMATE: softmax -> Lightning Attention ({opts.slopes} slopes, feature "
-                f"map {opts.feature_map}, norm {opts.norm}, layer {layer} of {depth})")
+                f"map {opts.feature_map}, norm {opts.norm}, layer {layer} of {depth})"
+                + saved_bytes_note(found.q, found.k, found.v))
 
     def _feature_map(self, gm: fx.GraphModule, before: fx.Node, x: fx.Node) -> fx.Node:
         """``lightning.feature_map`` applied to q or k (new nodes before ``before``)."""
