@@ -234,9 +234,10 @@ if triton_available():
         qk = tl.dot(q, tl.trans(k))
         dq = tl.dot(dovm, k) + dsp * a[:, None]
         dk = tl.dot(tl.trans(dovm), q) + vds * b[:, None]
-        tl.store(DQ + rows[:, None] * D + ok[None, :], dq * scale,
+        tl.store(DQ + rows[:, None] * D + ok[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=mrow[:, None] & mk[None, :])
-        tl.store(DK + rows[:, None] * D + ok[None, :], dk, mask=mrow[:, None] & mk[None, :])
+        tl.store(DK + rows[:, None] * D + ok[None, :], dk.to(DK.dtype.element_ty),
+                 mask=mrow[:, None] & mk[None, :])
         acc = -tl.sum(dovm * qk * gapm, axis=1)
         acc -= tl.sum(dsp * q, axis=1) * (fi + 1.0) * a
         acc -= tl.sum(vds * k, axis=1) * kpos * b
@@ -255,6 +256,14 @@ def _tiles(d: int, dv: int, block_size: int) -> dict[str, int]:
 
 def _options(c: int) -> dict[str, int]:
     return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
+
+
+def _out_dtype(x: Tensor) -> torch.dtype:
+    """Outputs and q/k/v gradients are stored in the inputs' dtype (fp32 accumulation inside
+    the kernels, one rounding at the store: no fp32 copy and cast pass); float64 inputs get
+    fp32 (the kernels compute in fp32)."""
+    return x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else \
+        torch.float32
 
 
 def _ntiles(d: int, dv: int, meta: dict[str, Any]) -> int:
@@ -371,7 +380,8 @@ def _rows(x: Tensor) -> Tensor:
 def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
              initial: Tensor | None, block_size: int, cu_seqlens: Tensor | None
              ) -> tuple[Tensor, Tensor, Tensor, _Chunks]:
-    """(o [B, H, S, Dv] fp32, states [P, H, D, Dv], final [N, H, D, Dv], chunk slots)."""
+    """(o [B, H, S, Dv] in q's dtype (fp32 for fp64), states [P, H, D, Dv] fp32, final
+    [N, H, D, Dv] fp32, chunk slots)."""
     b, h, seq, d = q.shape
     dv = v.shape[-1]
     t = _tiles(d, dv, block_size)
@@ -379,7 +389,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
     q_, k_, v_ = _rows(q), _rows(k), _rows(v)
     states, final = _states(k_, v_, slope_f, initial, t, g, seq)
-    o = torch.empty(b, h, seq, dv, dtype=torch.float32, device=q.device)
+    o = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
     _launch(_chunk_out, lambda m: (g.slots, h, triton.cdiv(dv, m["BV"])),
             (q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, g.n_per, float(scale)), t,
             ("BK", "BV"), D=d, DV=dv, GRAD_V=False, VARLEN=g.varlen)
@@ -412,9 +422,9 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     _scan[(g.n_seqs * h, tiles)](dsend, slope_f, dht, dh0, g.cu, g.offsets, seq, h, g.n_per,
                                  D=d, DV=dv, HAS_INIT=grad_state is not None, REVERSE=True,
                                  VARLEN=g.varlen, **t, **_options(t["C"]))
-    dq = torch.empty(b, h, seq, d, dtype=torch.float32, device=q.device)
+    dq = torch.empty(b, h, seq, d, dtype=_out_dtype(q), device=q.device)
     dk = torch.empty_like(dq)
-    dvv = torch.empty(b, h, seq, dv, dtype=torch.float32, device=q.device)
+    dvv = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
     nk = triton.cdiv(d, t["BK"])
     parts = torch.empty(g.slots, h, nk, dtype=torch.float32, device=q.device)
     # BK fixes the dslope parts' layout: only the Dv loop tile is tuned here.
@@ -432,7 +442,8 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                   initial_state: Tensor | None, block_size: int, checkpoint_every: int
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as ``chunked.chunked_forward`` (heads expanded for GQA): (o [B, H, S, Dv]
-    fp32, final state [B, H, D, Dv] fp32, checkpoints [B, H, n, D, Dv] fp32). The block
+    in q's dtype (fp32 for fp64), final state [B, H, D, Dv] fp32, checkpoints
+    [B, H, n, D, Dv] fp32). The block
     length is rounded up to a power of two >= 16."""
     from graphopt.kernels.lightning.chunked import num_checkpoints
 
@@ -465,7 +476,8 @@ def triton_varlen_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale:
                           ) -> tuple[Tensor, Tensor]:
     """Packed sequences in one launch per kernel. q, k, v: [1, H, T, D | Dv] (heads
     expanded), cu_seqlens [N + 1] on q's device (validated by the caller), initial_state
-    [N, H, D, Dv] or None. Returns (o [1, H, T, Dv] fp32, final states [N, H, D, Dv] fp32)."""
+    [N, H, D, Dv] or None. Returns (o [1, H, T, Dv] in q's dtype, final states
+    [N, H, D, Dv] fp32)."""
     o, _, final, _ = _forward(q, k, v, slope, scale, initial_state, block_size, cu_seqlens)
     return o, final
 
@@ -475,7 +487,7 @@ def triton_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor,
                            initial_state: Tensor | None, block_size: int,
                            cu_seqlens: Tensor, need_slope_grad: bool
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Gradients of :func:`triton_varlen_forward` (dq, dk, dv fp32 as the inputs' shapes,
+    """Gradients of :func:`triton_varlen_forward` (dq, dk, dv in q's dtype, the inputs' shapes,
     dslope [H] or None, d initial_state [N, H, D, Dv])."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, initial_state, block_size,
                      cu_seqlens, need_slope_grad)
