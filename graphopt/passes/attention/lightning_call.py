@@ -70,11 +70,19 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
     checkpoint interval)."""
     from graphopt.kernels.lightning.op import saved_bytes
 
-    vals = [tensor_meta(n) for n in (q, k, v)]
-    if any(val is None for val in vals):
+    metas = [tensor_meta(n) for n in (q, k, v)]
+    vals = [val for val in metas if val is not None]
+    if len(vals) != 3:
         return ""
-    shapes = [tuple(int(x) for x in val.shape) for val in vals]  # type: ignore[union-attr]
-    kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype)  # type: ignore
+    # Symbolic sizes are read through their example values: int() would add a guard (and
+    # specialize a dynamic dimension of torch.export or a dynamic=True compile).
+    hints = [tuple(x.node.hint if isinstance(x, torch.SymInt) else x for x in val.shape)
+             for val in vals]
+    if any(x is None for shape in hints for x in shape):
+        return ""
+    shapes = [tuple(int(x) for x in shape) for shape in hints]
+    kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype)
+    symbolic = any(isinstance(x, torch.SymInt) for val in vals for x in val.shape)
     return (f"; saves {kept / 2**20:.2f} MiB for the backward (q, k, v, checkpoint states "
             f"every {DEFAULT_CHECKPOINT_EVERY} blocks; {every / 2**20:.2f} MiB with every "
-            "block's state)")
+            f"block's state){' at the example sizes' if symbolic else ''}")
