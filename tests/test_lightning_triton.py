@@ -41,6 +41,7 @@ run(2, 2, 2, 20, 8, 12, 16, False, 1)      # D != Dv (padded tiles), B > 1
 run(1, 2, 2, 64, 16, 16, 32, True, 2)      # S a multiple of the block
 run(1, 1, 1, 5, 16, 16, 16, True, 3)       # shorter than one block
 run(1, 2, 1, 70, 80, 72, 16, True, 4)      # D, Dv over one 64-wide tile: 2 x 2 tiles, 5 chunks
+run(2, 4, 2, 20, 16, 16, 16, False, 6)     # GQA groups of 2 read in the kernels (h // 2)
 
 # Packed variable-length sequences in one launch per kernel (GQA, one initial state per
 # sequence, a sequence shorter than a chunk, one of several chunks with a tail): outputs,

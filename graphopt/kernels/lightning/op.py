@@ -112,9 +112,12 @@ def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scal
                             checkpoint_every: int, impl: str
                             ) -> tuple[Tensor, Tensor, Tensor]:
     hq = q.shape[1]
-    forward = triton_forward if impl == "triton" else chunked_forward
-    o, state, ckpt = forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
-                             initial_state, block_size, checkpoint_every)
+    if impl == "triton":  # GQA in the kernels: K/V head h // (Hq / Hk), nothing expanded
+        o, state, ckpt = triton_forward(q, k, v, slope, scale, initial_state, block_size,
+                                        checkpoint_every)
+    else:
+        o, state, ckpt = chunked_forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
+                                         initial_state, block_size, checkpoint_every)
     # Outputs are contiguous whatever the input strides: the fake implementation says so.
     # Checkpoints are returned as [B, Hq, n * D, Dv] (see the fake implementation).
     b, h, n, d, dv = ckpt.shape
@@ -146,9 +149,9 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
     backward = triton_backward if impl == "triton" else chunked_backward
     b, _, _, d = q.shape
     checkpoints = checkpoints.view(b, hq, -1, d, v.shape[-1])
-    dq, dk, dv, dslope, dstate = backward(
-        grad_o, grad_state, q, expand_kv(k, hq), expand_kv(v, hq), slope, scale, checkpoints,
-        block_size, checkpoint_every, need_slope_grad)
+    kv = (k, v) if impl == "triton" else (expand_kv(k, hq), expand_kv(v, hq))
+    dq, dk, dv, dslope, dstate = backward(grad_o, grad_state, q, *kv, slope, scale, checkpoints,
+                                          block_size, checkpoint_every, need_slope_grad)
     if dslope is None:
         dslope = slope.new_zeros(slope.shape)
     grads = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
@@ -241,8 +244,8 @@ def lightning_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tenso
                                    ) -> tuple[Tensor, Tensor]:
     hq = q.shape[1]
     forward = triton_varlen_forward if impl == "triton" else _chunked_varlen_forward
-    o, final = forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale, initial_state,
-                       block_size, cu_seqlens)
+    kv = (k, v) if impl == "triton" else (expand_kv(k, hq), expand_kv(v, hq))
+    o, final = forward(q, *kv, slope, scale, initial_state, block_size, cu_seqlens)
     return o.to(q.dtype).contiguous(), final.to(acc_dtype(q.dtype)).contiguous()
 
 
@@ -264,9 +267,10 @@ def lightning_attention_varlen_bwd(grad_o: Tensor, grad_state: Tensor | None, q:
                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     hq, hk = q.shape[1], k.shape[1]
     backward = triton_varlen_backward if impl == "triton" else _chunked_varlen_backward
-    dq, dk, dv, dslope, dstate = backward(
-        grad_o, grad_state, q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
-        initial_state, block_size, cu_seqlens, need_slope_grad)
+    kv = (k, v) if impl == "triton" else (expand_kv(k, hq), expand_kv(v, hq))
+    dq, dk, dv, dslope, dstate = backward(grad_o, grad_state, q, *kv, slope, scale,
+                                          initial_state, block_size, cu_seqlens,
+                                          need_slope_grad)
     if dslope is None:
         dslope = slope.new_zeros(slope.shape)
     grads = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),

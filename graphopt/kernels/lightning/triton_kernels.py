@@ -47,22 +47,28 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C: tl.constexpr, VARLEN: tl.constexpr):
-        """Chunk slot ``p`` of head ``h``: (first row of the chunk in the [B * H * S] or
-        [H * T] row space (int64), chunk length L, 0 for an unused slot)."""
+    def _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C: tl.constexpr,
+                  VARLEN: tl.constexpr):
+        """Chunk slot ``p`` of query head ``h``: (its first row in the query-side row space
+        [B * Hq * S] or [Hq * T], its first row in the key/value row space [B * Hk * S] or
+        [Hk * T] (K/V head h // group: GQA without expanding K and V), int64; the chunk length
+        L, 0 for an unused slot)."""
+        hk = h // group
         if VARLEN:
             i = tl.load(CHUNKS + 2 * p)
             c = tl.load(CHUNKS + 2 * p + 1)
             bos = tl.load(CU + i)
             seqlen = tl.load(CU + i + 1) - bos
             first = h.to(tl.int64) * seq + bos
+            first_kv = hk.to(tl.int64) * seq + bos
         else:
             i = p // n_per
             c = p % n_per
             seqlen = seq
             first = (i.to(tl.int64) * heads + h) * seq
+            first_kv = (i.to(tl.int64) * (heads // group) + hk) * seq
         length = tl.maximum(tl.minimum(C, seqlen - c * C), 0)
-        return first + c * C, length
+        return first + c * C, first_kv + c * C, length
 
     @triton.jit
     def _decays(SLOPE, h, length, C: tl.constexpr):
@@ -78,18 +84,20 @@ if triton_available():
         return s, oc, mrow, fi, a, kpos, b
 
     @triton.jit
-    def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, n_per, x_scale,
+    def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
                      D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, QUERY: tl.constexpr, VARLEN: tl.constexpr):
-        """OUT[p, h] tile = (x_scale * X_c * w)^T Y_c with w = a (QUERY) or b (keys)."""
+        """OUT[p, h] tile = (x_scale * X_c * w)^T Y_c with w = a (QUERY: X, Y = Q, dO on query
+        rows) or b (X, Y = K, V on key/value rows)."""
         p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
-        start, length = _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C, VARLEN)
+        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C,
+                                            VARLEN)
         s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
         ok = ik * BK + tl.arange(0, BK)
         ov = iv * BV + tl.arange(0, BV)
-        rows = start + oc
+        rows = (start if QUERY else start_kv) + oc
         x = tl.load(X + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & (ok < D)[None, :],
                     other=0.0).to(tl.float32) * x_scale
         y = tl.load(Y + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & (ov < DV)[None, :],
@@ -141,11 +149,12 @@ if triton_available():
         tl.store(FINAL + ih.to(tl.int64) * D * DV + tile, state, mask=mask)
 
     @triton.jit
-    def _scores_and_state_term(Q, K, rows, mrow, w, ov, mv, base, scale,
+    def _scores_and_state_term(Q, K, rows, krows, mrow, w, ov, mv, base, scale,
                                D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                                BK: tl.constexpr, BV: tl.constexpr, FROM_Q: tl.constexpr):
-        """Over the D tiles of chunk rows ``rows``: (Q K^T [C, C], (X * w) B [C, Bv]) with X = Q
-        (FROM_Q) or K and B the chunk's [D, Dv] buffer at ``base`` (a state or its gradient)."""
+        """Over the D tiles of the chunk (query rows ``rows``, key rows ``krows``): (Q K^T
+        [C, C], (X * w) B [C, Bv]) with X = Q (FROM_Q) or K and B the chunk's [D, Dv] buffer
+        at ``base`` (a state or its gradient)."""
         qk = tl.zeros([C, C], dtype=tl.float32)
         acc = tl.zeros([C, BV], dtype=tl.float32)
         for ik in range(0, tl.cdiv(D, BK)):
@@ -153,7 +162,7 @@ if triton_available():
             mk = ok < D
             q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
                         other=0.0).to(tl.float32) * scale
-            k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+            k = tl.load(K + krows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
                         other=0.0).to(tl.float32)
             tile = tl.load(base + ok[:, None] * DV + ov[None, :],
                            mask=mk[:, None] & mv[None, :], other=0.0)
@@ -163,7 +172,7 @@ if triton_available():
         return qk, acc
 
     @triton.jit
-    def _chunk_out(Q, K, X, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, n_per, scale,
+    def _chunk_out(Q, K, X, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, GRAD_V: tl.constexpr, VARLEN: tl.constexpr):
         """Per chunk c and Dv tile, with M the masked decay:
@@ -171,17 +180,20 @@ if triton_available():
         GRAD_V (X = dO, BUF = dS_end):   dV_c = ((Q_c K_c^T) * M)^T dO_c + (K_c * b) dS_end[c]
         (q scaled)."""
         p, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        start, length = _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C, VARLEN)
+        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C,
+                                            VARLEN)
         s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
         rows = start + oc
-        qk, term = _scores_and_state_term(Q, K, rows, mrow, b if GRAD_V else a, ov, mv,
+        krows = start_kv + oc
+        qk, term = _scores_and_state_term(Q, K, rows, krows, mrow, b if GRAD_V else a, ov, mv,
                                           BUF + (p.to(tl.int64) * heads + h) * D * DV, scale,
                                           D, DV, C, BK, BV, not GRAD_V)
         gap = fi[:, None] - fi[None, :]
         m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
-        x = tl.load(X + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
+        xrows = rows if GRAD_V else krows  # dO on query rows, V on key/value rows
+        x = tl.load(X + xrows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
                     other=0.0).to(tl.float32)
         scores = tl.trans(qk * m) if GRAD_V else qk * m
         out = tl.dot(scores, x) + term
@@ -190,20 +202,22 @@ if triton_available():
 
     @triton.jit
     def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
-                    n_per, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                    group, n_per, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr):
         """dQ, dK of chunk c on one D tile, and this tile's part of dslope (linear in the D
         tiles: every term is a sum over D). An unused slot (L = 0) adds 0."""
         p, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nk = tl.cdiv(D, BK)
-        start, length = _chunk_of(CU, CHUNKS, p, h, heads, seq, n_per, C, VARLEN)
+        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C,
+                                            VARLEN)
         s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
         ok = ik * BK + tl.arange(0, BK)
         mk = ok < D
         rows = start + oc
+        krows = start_kv + oc
         q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
                     other=0.0).to(tl.float32) * scale
-        k = tl.load(K + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
+        k = tl.load(K + krows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
         dov = tl.zeros([C, C], dtype=tl.float32)
         dsp = tl.zeros([C, BK], dtype=tl.float32)
@@ -217,7 +231,7 @@ if triton_available():
             mv = ov < DV
             do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
                          other=0.0).to(tl.float32)
-            v = tl.load(V + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
+            v = tl.load(V + krows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
                         other=0.0).to(tl.float32)
             st = tl.load(sbase + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
                          other=0.0)
@@ -353,14 +367,16 @@ def _chunks(batch: int, seq: int, c: int, cu_seqlens: Tensor | None, placeholder
 
 
 def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict[str, int],
-            g: _Chunks, seq: int) -> tuple[Tensor, Tensor]:
+            g: _Chunks, seq: int, group: int) -> tuple[Tensor, Tensor]:
     """(S[c] for every chunk slot [P, H, D, Dv] fp32, final states [N, H, D, Dv] fp32);
-    k, v: [B * H * S | H * T, D | Dv] rows, initial: [N, H, D, Dv] or None."""
+    k, v: [B * Hk * S | Hk * T, D | Dv] rows (H = Hk * group query heads), initial:
+    [N, H, D, Dv] or None."""
     heads = slope.shape[0]
     d, dv = k.shape[-1], v.shape[-1]
     buf = torch.empty(g.slots, heads, d, dv, dtype=torch.float32, device=k.device)
     _launch(_chunk_outer, lambda m: (g.slots, heads, _ntiles(d, dv, m)),
-            (k, v, slope, buf, g.cu, g.table, seq, heads, g.n_per, 1.0), t, ("BK", "BV"),
+            (k, v, slope, buf, g.cu, g.table, seq, heads, group, g.n_per, 1.0), t,
+            ("BK", "BV"),
             D=d, DV=dv, QUERY=False, VARLEN=g.varlen)
     tiles = _ntiles(d, dv, t)
     final = torch.empty(g.n_seqs, heads, d, dv, dtype=torch.float32, device=k.device)
@@ -388,11 +404,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     slope_f = slope.float().contiguous()
     g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
     q_, k_, v_ = _rows(q), _rows(k), _rows(v)
-    states, final = _states(k_, v_, slope_f, initial, t, g, seq)
+    group = h // k.shape[1]
+    states, final = _states(k_, v_, slope_f, initial, t, g, seq, group)
     o = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
     _launch(_chunk_out, lambda m: (g.slots, h, triton.cdiv(dv, m["BV"])),
-            (q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, g.n_per, float(scale)), t,
-            ("BK", "BV"), D=d, DV=dv, GRAD_V=False, VARLEN=g.varlen)
+            (q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, group, g.n_per,
+             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=False, VARLEN=g.varlen)
     return o, states, final, g
 
 
@@ -408,14 +425,15 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     slope_f = slope.float().contiguous()
     g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
     q_, k_, v_, go = _rows(q), _rows(k), _rows(v), _rows(grad_o)
-    states, _ = _states(k_, v_, slope_f, initial, t, g, seq)
+    group = h // k.shape[1]
+    states, _ = _states(k_, v_, slope_f, initial, t, g, seq, group)
     tiles = _ntiles(d, dv, t)
     # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
     # E[last] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial
     # state.
     dsend = torch.empty(g.slots, h, d, dv, dtype=torch.float32, device=q.device)
     _launch(_chunk_outer, lambda m: (g.slots, h, _ntiles(d, dv, m)),
-            (q_, go, slope_f, dsend, g.cu, g.table, seq, h, g.n_per, float(scale)), t,
+            (q_, go, slope_f, dsend, g.cu, g.table, seq, h, group, g.n_per, float(scale)), t,
             ("BK", "BV"), D=d, DV=dv, QUERY=True, VARLEN=g.varlen)
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
@@ -423,17 +441,19 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
                                  D=d, DV=dv, HAS_INIT=grad_state is not None, REVERSE=True,
                                  VARLEN=g.varlen, **t, **_options(t["C"]))
     dq = torch.empty(b, h, seq, d, dtype=_out_dtype(q), device=q.device)
-    dk = torch.empty_like(dq)
-    dvv = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
+    # dK, dV per query head; with GQA the caller sums each group, so they stay fp32 until then.
+    kv_dtype = _out_dtype(q) if group == 1 else torch.float32
+    dk = torch.empty(b, h, seq, d, dtype=kv_dtype, device=q.device)
+    dvv = torch.empty(b, h, seq, dv, dtype=kv_dtype, device=q.device)
     nk = triton.cdiv(d, t["BK"])
     parts = torch.empty(g.slots, h, nk, dtype=torch.float32, device=q.device)
     # BK fixes the dslope parts' layout: only the Dv loop tile is tuned here.
     _launch(_chunk_dqdk, lambda m: (g.slots, h, nk),
             (q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, g.cu, g.table, seq, h,
-             g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, VARLEN=g.varlen)
+             group, g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, VARLEN=g.varlen)
     _launch(_chunk_out, lambda m: (g.slots, h, triton.cdiv(dv, m["BV"])),
-            (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, g.n_per, float(scale)), t,
-            ("BK", "BV"), D=d, DV=dv, GRAD_V=True, VARLEN=g.varlen)
+            (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
+             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, VARLEN=g.varlen)
     dslope = parts.sum(dim=(0, 2)) if need_slope_grad else None
     return dq, dk, dvv, dslope, dh0
 
@@ -441,7 +461,8 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
 def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                   initial_state: Tensor | None, block_size: int, checkpoint_every: int
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """Same contract as ``chunked.chunked_forward`` (heads expanded for GQA): (o [B, H, S, Dv]
+    """Same contract as ``chunked.chunked_forward``, except that k and v keep their Hk heads
+    (GQA: query head h reads K/V head h // (H / Hk), nothing expanded): (o [B, H, S, Dv]
     in q's dtype (fp32 for fp64), final state [B, H, D, Dv] fp32, checkpoints
     [B, H, n, D, Dv] fp32). The block
     length is rounded up to a power of two >= 16."""
@@ -464,7 +485,8 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
                    v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
                    block_size: int, checkpoint_every: int, need_slope_grad: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Same contract as ``chunked.chunked_backward``. The chunk states are recomputed from
+    """Same contract as ``chunked.chunked_backward`` with k, v of Hk heads (dk, dv are per
+    query head [B, H, S, D | Dv]: the caller sums each group). The chunk states are recomputed from
     the initial state (checkpoint 0) by the forward's two parallel launches: the forward
     saves q, k, v, slope and the checkpoints only (selective rematerialization)."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, checkpoints[:, :, 0],
@@ -474,8 +496,8 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
 def triton_varlen_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                           initial_state: Tensor | None, block_size: int, cu_seqlens: Tensor
                           ) -> tuple[Tensor, Tensor]:
-    """Packed sequences in one launch per kernel. q, k, v: [1, H, T, D | Dv] (heads
-    expanded), cu_seqlens [N + 1] on q's device (validated by the caller), initial_state
+    """Packed sequences in one launch per kernel. q: [1, H, T, D], k, v: [1, Hk, T, D | Dv]
+    (GQA not expanded), cu_seqlens [N + 1] on q's device (validated by the caller), initial_state
     [N, H, D, Dv] or None. Returns (o [1, H, T, Dv] in q's dtype, final states
     [N, H, D, Dv] fp32)."""
     o, _, final, _ = _forward(q, k, v, slope, scale, initial_state, block_size, cu_seqlens)
@@ -487,7 +509,8 @@ def triton_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor,
                            initial_state: Tensor | None, block_size: int,
                            cu_seqlens: Tensor, need_slope_grad: bool
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Gradients of :func:`triton_varlen_forward` (dq, dk, dv in q's dtype, the inputs' shapes,
-    dslope [H] or None, d initial_state [N, H, D, Dv])."""
+    """Gradients of :func:`triton_varlen_forward` (dq [1, H, T, D] in q's dtype; dk, dv per
+    query head [1, H, T, D | Dv], fp32 under GQA; dslope [H] or None; d initial_state
+    [N, H, D, Dv])."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, initial_state, block_size,
                      cu_seqlens, need_slope_grad)
