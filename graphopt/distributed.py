@@ -105,9 +105,10 @@ def shared_ranks() -> Iterator[None]:
     spawned processes (and the gloo group) alive between calls and send each call's function
     to them, instead of spawning new ones: starting 4 ranks that import torch and
     transformers takes ~16 s on 2 CPU cores, the work of a small multi-rank test often less.
-    Before every call each rank resets torch.compile's caches and graphopt's reports; groups
-    a call creates stay (new_group is collective and cheap). A rank that fails or dies ends
-    its pool (the next call starts a fresh one). The test suite runs inside it (conftest)."""
+    Before every call each rank resets torch.compile's caches and graphopt's reports; after
+    it the ranks meet at a barrier and destroy the groups the call created (each gloo group
+    keeps threads of its own). A rank that fails or dies ends its pool (the next call starts
+    a fresh one). The test suite runs inside it (conftest)."""
     global _POOLS
     outer = _POOLS
     if outer is None:
@@ -220,6 +221,8 @@ def _pool_worker(rank: int, world: int, backend: str, port: int, tasks: Any,
                     dist.destroy_process_group()
             else:
                 result = fn(rank, world, *args)
+                dist.barrier()  # no rank tears a group down while a peer still talks on it
+                _destroy_subgroups()
             buf = io.BytesIO()
             torch.save(result, buf)
             results.put((rank, True, buf.getvalue()))
@@ -228,6 +231,18 @@ def _pool_worker(rank: int, world: int, backend: str, port: int, tasks: Any,
             break
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the world (the DeviceMeshes and groups a call made):
+    each gloo group keeps its own threads, and hundreds of kept groups slow the machine."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d.GroupMember.WORLD
+    for pg in list(c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
 
 
 def _reset_process_state() -> None:
