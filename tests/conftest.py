@@ -19,13 +19,3 @@ def fresh_compile_state():
 @pytest.fixture(autouse=True)
 def no_env_dump_dir(monkeypatch):
     monkeypatch.delenv("GRAPHOPT_DUMP_DIR", raising=False)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_process_groups():
-    """Multi-rank tests share their spawned ranks and gloo groups (one pool per world size)
-    instead of spawning per call: graphopt.distributed.shared_ranks."""
-    from graphopt.distributed import shared_ranks
-
-    with shared_ranks():
-        yield

@@ -20,10 +20,9 @@ RUNS = {
     2: [("llama", dict(cp=2, **A2A)), ("qwen3", dict(cp=2, **A2A)),
         ("qwen3", dict(cp=2)),  # ring (the default kind)
         ("minimax", dict(cp=2, **A2A))],  # lightning layers pass their state
-    4: [("llama", dict(cp=4, **A2A)),
-        ("llama", dict(cp=2, tp=2, **A2A)),
+    4: [("llama", dict(cp=2, tp=2, **A2A)),
         ("mixtral", dict(cp=2, dp_shard=2, ep=4, zero_stage=3, **A2A)),
-        ("minimax", dict(cp=4, **A2A)), ("llama", dict(cp=2, dp_shard=2, zero_stage=3))],
+        ("minimax", dict(cp=4, **A2A))],
 }
 
 

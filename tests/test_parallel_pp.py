@@ -27,7 +27,6 @@ RUNS = {
         ("llama", L4, dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=2))],
     4: [("llama", dict(num_hidden_layers=8), dict(pp=4, virtual_stages=2,
                                                   pp_schedule="interleaved")),
-        ("llama", L4, dict(pp=2, dp_shard=2, zero_stage=3)),
         ("mixtral", L2, dict(pp=2, dp_shard=2, ep=2, zero_stage=3)),
         ("mixtral", L2, dict(pp=2, tp=2, ep=2)),  # PP x TP with EP over TP
         ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2))],
