@@ -26,6 +26,12 @@ def run(b, hq, hk, s, d, dv, block, init, seed):
     ins = [q, k, v, slope] + ([h0] if init else [])
     ref_in = [x.detach().double().requires_grad_() for x in ins]
     o_r, st_r = lightning_attention_reference(*ref_in[:4], 0.5, ref_in[4] if init else None)
+    compare(o, st, o_r, st_r, ins, ref_in, gen, "")
+
+
+def compare(o, st, o_r, st_r, ins, ref_in, gen, label):
+    # outputs, final states and every input gradient (random output gradients) vs the
+    # float64 reference, gradients relative to their largest entry
     torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(st.double(), st_r, rtol=1e-4, atol=1e-4)
     go, gs = torch.randn(o.shape, generator=gen), torch.randn(st.shape, generator=gen)
@@ -34,7 +40,7 @@ def run(b, hq, hk, s, d, dv, block, init, seed):
     for name, g, w in zip("q k v slope h0".split(), got, want):
         m = max(1.0, float(w.abs().max()))
         torch.testing.assert_close(g.double() / m, w / m, rtol=1e-4, atol=1e-4,
-                                   msg=lambda x, name=name: f"d{name}: {x}")
+                                   msg=lambda x, name=name: f"{label}d{name}: {x}")
 
 run(1, 2, 1, 37, 16, 16, 16, True, 0)      # GQA, S not a multiple of the block, state in
 run(2, 2, 2, 20, 8, 12, 16, False, 1)      # D != Dv (padded tiles), B > 1
@@ -62,16 +68,7 @@ for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
                                              1.0, ref_in[4][i:i + 1])
     o_r.append(o_i)
     st_r.append(s_i)
-o_r, st_r = torch.cat(o_r, 2), torch.cat(st_r, 0)
-torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
-torch.testing.assert_close(st.double(), st_r, rtol=1e-4, atol=1e-4)
-go, gs = torch.randn(o.shape, generator=gen), torch.randn(st.shape, generator=gen)
-got = torch.autograd.grad((o * go).sum() + (st * gs).sum(), ins)
-want = torch.autograd.grad((o_r * go.double()).sum() + (st_r * gs.double()).sum(), ref_in)
-for name, g, w in zip("q k v slope h0".split(), got, want):
-    m = max(1.0, float(w.abs().max()))
-    torch.testing.assert_close(g.double() / m, w / m, rtol=1e-4, atol=1e-4,
-                               msg=lambda x, name=name: f"varlen d{name}: {x}")
+compare(o, st, torch.cat(o_r, 2), torch.cat(st_r, 0), ins, ref_in, gen, "varlen ")
 # bf16 / fp16 inputs: fp32 accumulation, outputs and gradients in the input dtype, within
 # the dtype's rounding of the float64 reference (errors relative to the largest entry).
 for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):

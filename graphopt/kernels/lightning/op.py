@@ -145,18 +145,32 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
                             v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
                             block_size: int, checkpoint_every: int, need_slope_grad: bool,
                             impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    hq, hk = q.shape[1], k.shape[1]
+    hq = q.shape[1]
     backward = triton_backward if impl == "triton" else chunked_backward
     b, _, _, d = q.shape
     checkpoints = checkpoints.view(b, hq, -1, d, v.shape[-1])
-    kv = (k, v) if impl == "triton" else (expand_kv(k, hq), expand_kv(v, hq))
-    dq, dk, dv, dslope, dstate = backward(grad_o, grad_state, q, *kv, slope, scale, checkpoints,
-                                          block_size, checkpoint_every, need_slope_grad)
+    grads = backward(grad_o, grad_state, q, *_kernel_kv(k, v, hq, impl), slope, scale,
+                     checkpoints, block_size, checkpoint_every, need_slope_grad)
+    return _input_grads(grads, q, k, v, slope)
+
+
+def _kernel_kv(k: Tensor, v: Tensor, hq: int, impl: str) -> tuple[Tensor, Tensor]:
+    """K, V as the kernels take them: Triton reads GQA in place, chunked wants Hq heads."""
+    return (k, v) if impl == "triton" else (expand_kv(k, hq), expand_kv(v, hq))
+
+
+def _input_grads(grads: tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor], q: Tensor,
+                 k: Tensor, v: Tensor, slope: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Kernel gradients (dk, dv per query head) -> the inputs' shapes and dtypes, contiguous:
+    each GQA group summed, dslope zeros when it was not asked for."""
+    dq, dk, dv, dslope, dstate = grads
+    hk = k.shape[1]
     if dslope is None:
         dslope = slope.new_zeros(slope.shape)
-    grads = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
-             dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
-    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+    out = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
+           dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
+    return tuple(g.contiguous() for g in out)  # type: ignore[return-value]
 
 
 @lightning_attention_bwd.register_fake
@@ -244,8 +258,8 @@ def lightning_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tenso
                                    ) -> tuple[Tensor, Tensor]:
     hq = q.shape[1]
     forward = triton_varlen_forward if impl == "triton" else _chunked_varlen_forward
-    kv = (k, v) if impl == "triton" else (expand_kv(k, hq), expand_kv(v, hq))
-    o, final = forward(q, *kv, slope, scale, initial_state, block_size, cu_seqlens)
+    o, final = forward(q, *_kernel_kv(k, v, hq, impl), slope, scale, initial_state,
+                       block_size, cu_seqlens)
     return o.to(q.dtype).contiguous(), final.to(acc_dtype(q.dtype)).contiguous()
 
 
@@ -265,17 +279,11 @@ def lightning_attention_varlen_bwd(grad_o: Tensor, grad_state: Tensor | None, q:
                                    initial_state: Tensor | None, cu_seqlens: Tensor,
                                    block_size: int, need_slope_grad: bool, impl: str
                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    hq, hk = q.shape[1], k.shape[1]
+    hq = q.shape[1]
     backward = triton_varlen_backward if impl == "triton" else _chunked_varlen_backward
-    kv = (k, v) if impl == "triton" else (expand_kv(k, hq), expand_kv(v, hq))
-    dq, dk, dv, dslope, dstate = backward(grad_o, grad_state, q, *kv, slope, scale,
-                                          initial_state, block_size, cu_seqlens,
-                                          need_slope_grad)
-    if dslope is None:
-        dslope = slope.new_zeros(slope.shape)
-    grads = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
-             dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
-    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+    grads = backward(grad_o, grad_state, q, *_kernel_kv(k, v, hq, impl), slope, scale,
+                     initial_state, block_size, cu_seqlens, need_slope_grad)
+    return _input_grads(grads, q, k, v, slope)
 
 
 @lightning_attention_varlen_bwd.register_fake
