@@ -256,6 +256,10 @@ def lightning_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tenso
                                    scale: float, initial_state: Tensor | None,
                                    cu_seqlens: Tensor, block_size: int, impl: str
                                    ) -> tuple[Tensor, Tensor]:
+    """Packed sequences (see :func:`lightning_attention`'s ``cu_seqlens``): q [1, Hq, T, D],
+    k [1, Hk, T, D], v [1, Hk, T, Dv], slope [Hq], initial_state [N, Hq, D, Dv] or None,
+    cu_seqlens [N + 1] int on q's device (validated by the caller). Returns (o [1, Hq, T, Dv]
+    in q's dtype, final states [N, Hq, D, Dv] float32 (float64 for float64 inputs))."""
     hq = q.shape[1]
     forward = triton_varlen_forward if impl == "triton" else _chunked_varlen_forward
     o, final = forward(q, *_kernel_kv(k, v, hq, impl), slope, scale, initial_state,
@@ -279,6 +283,8 @@ def lightning_attention_varlen_bwd(grad_o: Tensor, grad_state: Tensor | None, q:
                                    initial_state: Tensor | None, cu_seqlens: Tensor,
                                    block_size: int, need_slope_grad: bool, impl: str
                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``lightning_attention_varlen_fwd``: (dq, dk, dv, dslope, d initial_state)
+    in the inputs' shapes and dtypes (dslope zeros unless ``need_slope_grad``)."""
     hq = q.shape[1]
     backward = triton_varlen_backward if impl == "triton" else _chunked_varlen_backward
     grads = backward(grad_o, grad_state, q, *_kernel_kv(k, v, hq, impl), slope, scale,

@@ -21,12 +21,10 @@ dtype casts and the reduction into one pass over the rows (Megatron-Core's fused
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from graphopt.kernels.lightning.triton_kernels import triton_available
+from graphopt.kernels.lightning.triton_kernels import INTERPRETED, triton_available
 
 if triton_available():
     import triton
@@ -71,11 +69,10 @@ if triton_available():
 
 def use_triton(x: Tensor) -> bool:
     """The Triton kernels run for GPU/NPU tensors when triton is installed, and on CPU under
-    Triton's interpreter (TRITON_INTERPRET=1, for tests); float64 stays on torch."""
+    Triton's interpreter (TRITON_INTERPRET=1 when triton was imported, for tests); float64 stays on torch."""
     if not triton_available() or x.dtype == torch.float64:
         return False
-    return x.device.type in ("cuda", "npu", "xpu") or (
-        x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return x.device.type in ("cuda", "npu", "xpu") or (x.device.type == "cpu" and INTERPRETED)
 
 
 def _block(h: int) -> int:
