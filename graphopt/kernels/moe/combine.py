@@ -69,7 +69,8 @@ if triton_available():
 
 def use_triton(x: Tensor) -> bool:
     """The Triton kernels run for GPU/NPU tensors when triton is installed, and on CPU under
-    Triton's interpreter (TRITON_INTERPRET=1 when triton was imported, for tests); float64 stays on torch."""
+    Triton's interpreter (TRITON_INTERPRET=1 when triton was imported, for tests); float64
+    stays on torch."""
     if not triton_available() or x.dtype == torch.float64:
         return False
     return x.device.type in ("cuda", "npu", "xpu") or (x.device.type == "cpu" and INTERPRETED)
