@@ -2,7 +2,8 @@
 forward+backward) checked against the float32 reference, then timed and measured (peak memory)
 next to flash-linear-attention's chunk_simple_gla (same function: decay g = -slope per step)
 and causal flash attention (SDPA), side by side in one run; then packed variable-length
-sequences (cu_seqlens) in one launch per kernel vs one call per sequence vs fla's varlen.
+sequences (cu_seqlens) in one launch per kernel vs one call per sequence vs fla's varlen;
+then the chunk length (block_size 64 / 128 / 256) against speed and peak memory.
 
     python benchmarks/lightning_gpu.py [--quick]
 
@@ -34,9 +35,10 @@ from graphopt.kernels.lightning.reference import lightning_attention_reference
 
 def check() -> None:
     """fp32 Triton vs the float64 reference: o and dq, dk, dv, dslope, dstate (GQA, D != Dv,
-    multi-tile head dims, initial state)."""
+    multi-tile head dims, initial state, chunks of 1, 4 and 2 tiles of 64 rows)."""
     torch.manual_seed(0)
-    for s, hq, hk, d, dv in ((300, 4, 4, 64, 64), (1000, 4, 2, 128, 96), (257, 2, 2, 256, 256)):
+    for s, hq, hk, d, dv, block in ((300, 4, 4, 64, 64, 64), (1000, 4, 2, 128, 96, 256),
+                                    (257, 2, 2, 256, 256, 128)):
         q = torch.randn(2, hq, s, d, device="cuda") * 0.3
         k = torch.randn(2, hk, s, d, device="cuda") * 0.3
         v = torch.randn(2, hk, s, dv, device="cuda") * 0.3
@@ -45,15 +47,16 @@ def check() -> None:
         ins = [t.clone().requires_grad_() for t in (q, k, v, slope, h0)]
         ref = [t.double().clone().requires_grad_() for t in (q, k, v, slope, h0)]
         o, st = lightning_attention(*ins[:4], initial_state=ins[4], output_final_state=True,
-                                    impl="triton")
+                                    impl="triton", block_size=block)
         o_r, st_r = lightning_attention_reference(*ref[:4], 1.0, ref[4])
         go, gs = torch.randn_like(o), torch.randn_like(st)
         got = torch.autograd.grad((o * go).sum() + (st * gs).sum(), ins)
         want = torch.autograd.grad((o_r * go.double()).sum() + (st_r * gs.double()).sum(), ref)
         errs = [float((a.double() - b).abs().max() / b.abs().max())
                 for a, b in zip((o, st, *got), (o_r, st_r, *want))]
-        print(f"triton fp32 vs float64 reference S={s} Hq/Hk={hq}/{hk} D={d} Dv={dv}: max rel "
-              f"error (o, state, dq, dk, dv, dslope, dh0) {max(errs):.2e}")
+        print(f"triton fp32 vs float64 reference S={s} Hq/Hk={hq}/{hk} D={d} Dv={dv} "
+              f"block={block}: max rel error (o, state, dq, dk, dv, dslope, dh0) "
+              f"{max(errs):.2e}")
         assert max(errs) < 1e-2, errs
 
 
@@ -119,6 +122,32 @@ def varlen_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
                 print(f"fla varlen failed: {type(exc).__name__}: {exc}")
         print(f"| {h} | {d} | {t_packed:.2f} | {t_loop:.2f} | {t_fla:.2f} | "
               f"{t_loop / t_packed:.2f}x | {t_fla / t_packed:.2f}x |", flush=True)
+
+
+def block_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
+    """Chunk length (block_size) vs speed and peak memory, fwd+bwd, B=1, H=32, D=128, S=32k,
+    bf16: chunks of 64, 128, 256 rows (computed in 64-row tiles; one state per chunk), next to
+    fla (its chunk is 64)."""
+    q, k, v, go = (torch.randn(1, 32, 32768, 128, device="cuda", dtype=torch.bfloat16) * 0.3
+                   for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    slope = torch.linspace(0.01, 0.3, 32, device="cuda")
+    print("\n| block_size (B=1, H=32, D=128, S=32k, fwd+bwd) | graphopt ms | graphopt GiB | "
+          "fla ms | fla GiB |")
+    print("|---|---|---|---|---|")
+    t_fla, m_fla = math.nan, math.nan
+    if chunk_simple_gla:
+        qf, kf, vf, gof = (t.detach().transpose(1, 2).contiguous().requires_grad_(t is not go)
+                           for t in (q, k, v, go))
+        gate = (-slope).view(1, 1, 32).expand(1, 32768, 32).contiguous()
+        t_fla, m_fla = measure(lambda: chunk_simple_gla(qf, kf, vf, g=gate, scale=1.0)[0]
+                               .backward(gof))
+    for block in (64, 128, 256):
+        t_ours, m_ours = measure(lambda: lightning_attention(q, k, v, slope, impl="triton",
+                                                             block_size=block).backward(go))
+        print(f"| {block} | {t_ours:.2f} | {m_ours:.3f} | {t_fla:.2f} | {m_fla:.3f} |",
+              flush=True)
 
 
 def measure(fn: Callable[[], object]) -> tuple[float, float]:
@@ -199,6 +228,7 @@ def main() -> None:
               f"peak memory {geo_mem:.2f}x (target <= 0.67x)")
     print(f"faster than SDPA flash at S >= 4k: {sum(beats)}/{len(beats)} rows")
     varlen_rows(chunk_simple_gla)
+    block_rows(chunk_simple_gla)
 
 
 if __name__ == "__main__":

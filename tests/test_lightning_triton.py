@@ -52,23 +52,39 @@ run(2, 4, 2, 20, 16, 16, 16, False, 6)     # GQA groups of 2 read in the kernels
 # Packed variable-length sequences in one launch per kernel (GQA, one initial state per
 # sequence, a sequence shorter than a chunk, one of several chunks with a tail): outputs,
 # final states and every gradient equal separate reference calls.
-gen = torch.Generator().manual_seed(5)
-cu = torch.tensor([0, 7, 25, 61])
-q = torch.randn(1, 2, 61, 16, generator=gen).requires_grad_()
-k, v = (torch.randn(1, 1, 61, 16, generator=gen).requires_grad_() for _ in range(2))
-slope = (torch.rand(2, generator=gen) * 0.5).requires_grad_()
-h0 = torch.randn(3, 2, 16, 16, generator=gen).requires_grad_()
-o, st = lightning_attention(q, k, v, slope, cu_seqlens=cu, initial_state=h0,
-                            output_final_state=True, impl="triton", block_size=16)
-ins = [q, k, v, slope, h0]
-ref_in = [x.detach().double().requires_grad_() for x in ins]
-o_r, st_r = [], []
-for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
-    o_i, s_i = lightning_attention_reference(*(x[:, :, a:b] for x in ref_in[:3]), ref_in[3],
-                                             1.0, ref_in[4][i:i + 1])
-    o_r.append(o_i)
-    st_r.append(s_i)
-compare(o, st, torch.cat(o_r, 2), torch.cat(st_r, 0), ins, ref_in, gen, "varlen ")
+def varlen(block):
+    gen = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 7, 25, 61])
+    q = torch.randn(1, 2, 61, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, 1, 61, 16, generator=gen).requires_grad_() for _ in range(2))
+    slope = (torch.rand(2, generator=gen) * 0.5).requires_grad_()
+    h0 = torch.randn(3, 2, 16, 16, generator=gen).requires_grad_()
+    o, st = lightning_attention(q, k, v, slope, cu_seqlens=cu, initial_state=h0,
+                                output_final_state=True, impl="triton", block_size=block)
+    ins = [q, k, v, slope, h0]
+    ref_in = [x.detach().double().requires_grad_() for x in ins]
+    o_r, st_r = [], []
+    for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        o_i, s_i = lightning_attention_reference(*(x[:, :, a:b] for x in ref_in[:3]),
+                                                 ref_in[3], 1.0, ref_in[4][i:i + 1])
+        o_r.append(o_i)
+        st_r.append(s_i)
+    compare(o, st, torch.cat(o_r, 2), torch.cat(st_r, 0), ins, ref_in, gen,
+            f"varlen block {block} ")
+
+
+varlen(16)
+# Chunks of several tiles (tiles of 16 rows here, 64 on a GPU): states once per chunk, the
+# chunk's quadratic part tile by tile (the tiles before a query's tile, the tiles after a
+# key's), the chunk's tail in its last tile, unused tiles of a short chunk or sequence.
+import graphopt.kernels.lightning.triton_kernels as tk
+tk.MAX_TILE = 16
+run(1, 2, 1, 70, 16, 16, 64, True, 7)     # 4 tiles per chunk, a 6-row second chunk
+run(2, 2, 2, 45, 8, 12, 32, False, 8)     # 2 tiles per chunk, D != Dv, B > 1
+run(1, 2, 1, 70, 80, 72, 32, True, 9)     # multi-tile head dims and chunks of 2 tiles
+varlen(32)
+tk.MAX_TILE = 64
+gen = torch.Generator().manual_seed(10)
 # bf16 / fp16 inputs: fp32 accumulation, outputs and gradients in the input dtype, within
 # the dtype's rounding of the float64 reference (errors relative to the largest entry).
 for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
@@ -85,6 +101,17 @@ for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
         assert g.dtype == dtype, (name, g.dtype)
         err = float((g.detach().double() - w.detach()).abs().max() / w.detach().abs().max())
         assert err < tol, (dtype, name, err)
+# What the Triton forward keeps for the backward: q, k, v, slope and the initial state only
+# (its backward recomputes the chunk states), as op.saved_bytes reports for impl "triton".
+from graphopt.cost.memory import measured_saved_bytes
+from graphopt.kernels.lightning.op import saved_bytes
+q = torch.randn(2, 4, 100, 16, requires_grad=True)
+k, v = (torch.randn(2, 2, 100, 16, requires_grad=True) for _ in range(2))
+slope = torch.rand(4, requires_grad=True)
+got = measured_saved_bytes(lambda: lightning_attention(q, k, v, slope, block_size=16,
+                                                       impl="triton"))
+kept, _ = saved_bytes(q.shape, k.shape, v.shape, torch.float32, 16, 8, impl="triton")
+assert got == kept == (4 + 2 + 2) * 2 * 100 * 16 * 4 + 4 * 4 + 2 * 4 * 16 * 16 * 4, (got, kept)
 print("ok")
 """
 

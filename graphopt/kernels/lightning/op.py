@@ -52,21 +52,29 @@ per-(batch, head) kernel they replaced kept the whole [D, Dv] state and needed 4
 shared memory at D = Dv = 128 on an H200). Beyond 256 "auto" takes the chunked kernel."""
 
 
+def stored_checkpoints(seq: int, block_size: int, checkpoint_every: int, impl: str) -> int:
+    """States the forward keeps for the backward: ceil(floor(S / C) / r) + 1 on the chunked
+    path (its backward walks the chunks from them), 1 (the initial state) on Triton (its
+    backward recomputes every chunk's state from the initial one in two parallel launches)."""
+    return 1 if impl == "triton" else num_checkpoints(seq, block_size, checkpoint_every)
+
+
 def saved_bytes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
                 dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
-                checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> tuple[int, int]:
+                checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, impl: str = "chunked"
+                ) -> tuple[int, int]:
     """Bytes autograd keeps for the backward of one ``lightning_attention`` call ("bhsd"
-    shapes q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]; inputs in ``dtype``):
-    (what the op saves: q, k, v, the float32 slope and ceil(floor(S / C) / r) + 1 checkpoint
-    states [B, Hq, D, Dv] in the accumulation dtype; what saving every chunk's state would
-    take instead: q, k, v, slope and ceil(S / C) states). Selective rematerialization
-    (EPLoN's idea, see chunked.py)."""
+    shapes q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]; inputs in ``dtype``; impl
+    "chunked" or "triton", as resolved): (what the op saves: q, k, v, the float32 slope and
+    :func:`stored_checkpoints` states [B, Hq, D, Dv] in the accumulation dtype; what saving
+    every chunk's state would take instead: q, k, v, slope and ceil(S / C) states).
+    Selective rematerialization (EPLoN's idea, see chunked.py)."""
     b, hq, s, d = q_shape
     dv = v_shape[-1]
     item = torch.empty(0, dtype=dtype).element_size()
     state = b * hq * d * dv * torch.empty(0, dtype=acc_dtype(dtype)).element_size()
     inputs = (_numel(q_shape) + _numel(k_shape) + _numel(v_shape)) * item + hq * 4
-    return (inputs + num_checkpoints(s, block_size, checkpoint_every) * state,
+    return (inputs + stored_checkpoints(s, block_size, checkpoint_every, impl) * state,
             inputs + -(-s // block_size) * state)
 
 
@@ -113,8 +121,7 @@ def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scal
                             ) -> tuple[Tensor, Tensor, Tensor]:
     hq = q.shape[1]
     if impl == "triton":  # GQA in the kernels: K/V head h // (Hq / Hk), nothing expanded
-        o, state, ckpt = triton_forward(q, k, v, slope, scale, initial_state, block_size,
-                                        checkpoint_every)
+        o, state, ckpt = triton_forward(q, k, v, slope, scale, initial_state, block_size)
     else:
         o, state, ckpt = chunked_forward(q, expand_kv(k, hq), expand_kv(v, hq), slope, scale,
                                          initial_state, block_size, checkpoint_every)
@@ -132,7 +139,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     b, hq, s, d = q.shape
     dv = v.shape[-1]
     acc = acc_dtype(q.dtype)
-    n = num_checkpoints(s, block_size, checkpoint_every)
+    n = stored_checkpoints(s, block_size, checkpoint_every, impl)
     # The n checkpoint states are flattened into one [n * D] dim: with a symbolic sequence
     # length, n may be 1 for some lengths, and tracing (torch.export) would guard on n != 1
     # when it computes the output's contiguity; n * D >= D > 1 is known without a guard.
@@ -145,12 +152,15 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
                             v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
                             block_size: int, checkpoint_every: int, need_slope_grad: bool,
                             impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    hq = q.shape[1]
-    backward = triton_backward if impl == "triton" else chunked_backward
-    b, _, _, d = q.shape
+    b, hq, _, d = q.shape
     checkpoints = checkpoints.view(b, hq, -1, d, v.shape[-1])
-    grads = backward(grad_o, grad_state, q, *_kernel_kv(k, v, hq, impl), slope, scale,
-                     checkpoints, block_size, checkpoint_every, need_slope_grad)
+    kk, vv = _kernel_kv(k, v, hq, impl)
+    if impl == "triton":
+        grads = triton_backward(grad_o, grad_state, q, kk, vv, slope, scale, checkpoints,
+                                block_size, need_slope_grad)
+    else:
+        grads = chunked_backward(grad_o, grad_state, q, kk, vv, slope, scale, checkpoints,
+                                 block_size, checkpoint_every, need_slope_grad)
     return _input_grads(grads, q, k, v, slope)
 
 

@@ -17,11 +17,17 @@ chunks, then an output pass parallel over chunks), written from the equations:
 
 Per chunk c of length L (L = C except the tail) and in-chunk positions i, j:
 M_ij = lambda^(i-j) (i >= j), a_i = lambda^(i+1), b_j = lambda^(L-1-j), lambda = exp(-slope).
+A chunk is computed as R tiles of at most MAX_TILE = 64 rows: the [C, C] products above are
+done tile by tile (a query tile with the key tiles up to its own, a key tile with the query
+tiles from its own), so the O, dQ/dK and dV grids run over chunks x R tiles, the kv[c] and
+g[c] programs loop over their chunk's tiles, and a program holds [64, 64] fp32 tiles
+whatever C; states exist once per chunk.
 Only the scans are sequential (N = S / C steps of one [Bk, Bv] tile each); every other launch
-is parallel over chunks x heads x batch. Head dims up to 256: tiles of Bk x Bv <= 64 x 64 with
+is parallel over tiles x heads x batch. Head dims up to 256: tiles of Bk x Bv <= 64 x 64 with
 loops over the other tiles, so shared memory per program stays bounded. fp32 accumulation for
 any input dtype; the state buffer is written in place by the scan (kv[c] is read before
-S[c] overwrites it), so the forward keeps one [B*H, N, D, Dv] fp32 buffer.
+S[c] overwrites it), so the forward keeps one transient [B*H, N, D, Dv] fp32 buffer and saves
+only the initial state for the backward.
 Portable Triton only (tl.dot, tl.exp, masks, program ids), as triton-ascend needs.
 """
 
@@ -47,12 +53,12 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C: tl.constexpr,
+    def _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, CS: tl.constexpr,
                   VARLEN: tl.constexpr):
-        """Chunk slot ``p`` of query head ``h``: (its first row in the query-side row space
-        [B * Hq * S] or [Hq * T], its first row in the key/value row space [B * Hk * S] or
-        [Hk * T] (K/V head h // group: GQA without expanding K and V), int64; the chunk length
-        L, 0 for an unused slot)."""
+        """Chunk slot ``p`` of query head ``h`` (chunks of CS rows): (its first row in the
+        query-side row space [B * Hq * S] or [Hq * T], its first row in the key/value row
+        space [B * Hk * S] or [Hk * T] (K/V head h // group: GQA without expanding K and V),
+        int64; the chunk length L, 0 for an unused slot)."""
         hk = h // group
         if VARLEN:
             i = tl.load(CHUNKS + 2 * p)
@@ -67,43 +73,55 @@ if triton_available():
             seqlen = seq
             first = (i.to(tl.int64) * heads + h) * seq
             first_kv = (i.to(tl.int64) * (heads // group) + hk) * seq
-        length = tl.maximum(tl.minimum(C, seqlen - c * C), 0)
-        return first + c * C, first_kv + c * C, length
+        length = tl.maximum(tl.minimum(CS, seqlen - c * CS), 0)
+        return first + c * CS, first_kv + c * CS, length
 
     @triton.jit
-    def _decays(SLOPE, h, length, C: tl.constexpr):
-        """Head ``h``'s slope and, for a chunk of ``length`` rows: positions, row mask and the
-        decays a, b (0 on masked rows)."""
+    def _decays(SLOPE, h, length, off, C: tl.constexpr):
+        """Head ``h``'s slope and, for the tile of C rows at offset ``off`` of a chunk of
+        ``length`` rows: positions in the chunk (int and float), row mask and the decays
+        a = lambda^(f+1), b = lambda^(L-1-f) (0 on masked rows)."""
         s = tl.load(SLOPE + h).to(tl.float32)
-        oc = tl.arange(0, C)
-        mrow = oc < length
-        fi = oc.to(tl.float32)
+        oi = off + tl.arange(0, C)
+        mrow = oi < length
+        fi = oi.to(tl.float32)
         a = tl.where(mrow, tl.exp(-s * (fi + 1.0)), 0.0)
         kpos = tl.maximum(length - 1 - fi, 0.0)
         b = tl.where(mrow, tl.exp(-s * kpos), 0.0)
-        return s, oc, mrow, fi, a, kpos, b
+        return s, oi, mrow, fi, a, kpos, b
+
+    @triton.jit
+    def _decay_mask(s, f_query, f_key):
+        """M[i, j] = lambda^(f_query_i - f_key_j) where the query is not before the key, else
+        0; and the clamped gaps (for dslope)."""
+        gap = f_query[:, None] - f_key[None, :]
+        gapm = tl.maximum(gap, 0.0)
+        return tl.where(gap >= 0, tl.exp(-s * gapm), 0.0), gapm
 
     @triton.jit
     def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
-                     D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, QUERY: tl.constexpr, VARLEN: tl.constexpr):
-        """OUT[p, h] tile = (x_scale * X_c * w)^T Y_c with w = a (QUERY: X, Y = Q, dO on query
-        rows) or b (X, Y = K, V on key/value rows)."""
+                     D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
+                     VARLEN: tl.constexpr):
+        """OUT[p, h] tile = sum over the chunk's R tiles of (x_scale X_t * w)^T Y_t with
+        w = a (QUERY: X, Y = Q, dO on query rows) or b (X, Y = K, V on key/value rows)."""
         p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
-        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C,
-                                            VARLEN)
-        s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
+        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
+                                            C * R, VARLEN)
         ok = ik * BK + tl.arange(0, BK)
         ov = iv * BV + tl.arange(0, BV)
-        rows = (start if QUERY else start_kv) + oc
-        x = tl.load(X + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & (ok < D)[None, :],
-                    other=0.0).to(tl.float32) * x_scale
-        y = tl.load(Y + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & (ov < DV)[None, :],
-                    other=0.0).to(tl.float32)
-        w = a if QUERY else b
-        out = tl.dot(tl.trans(x * w[:, None]), y)
+        out = tl.zeros([BK, BV], dtype=tl.float32)
+        for r in range(0, (length + C - 1) // C):
+            s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
+            rows = (start if QUERY else start_kv) + oi
+            x = tl.load(X + rows[:, None] * D + ok[None, :],
+                        mask=mrow[:, None] & (ok < D)[None, :], other=0.0).to(tl.float32)
+            y = tl.load(Y + rows[:, None] * DV + ov[None, :],
+                        mask=mrow[:, None] & (ov < DV)[None, :], other=0.0).to(tl.float32)
+            w = a if QUERY else b
+            out += tl.dot(tl.trans(x * (w * x_scale)[:, None]), y)
         base = OUT + (p.to(tl.int64) * heads + h) * D * DV
         tl.store(base + ok[:, None] * DV + ov[None, :], out,
                  mask=(ok < D)[:, None] & (ov < DV)[None, :])
@@ -149,121 +167,172 @@ if triton_available():
         tl.store(FINAL + ih.to(tl.int64) * D * DV + tile, state, mask=mask)
 
     @triton.jit
-    def _scores_and_state_term(Q, K, rows, krows, mrow, w, ov, mv, base, scale,
-                               D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                               BK: tl.constexpr, BV: tl.constexpr, FROM_Q: tl.constexpr):
-        """Over the D tiles of the chunk (query rows ``rows``, key rows ``krows``): (Q K^T
-        [C, C], (X * w) B [C, Bv]) with X = Q (FROM_Q) or K and B the chunk's [D, Dv] buffer
-        at ``base`` (a state or its gradient)."""
-        qk = tl.zeros([C, C], dtype=tl.float32)
-        acc = tl.zeros([C, BV], dtype=tl.float32)
-        for ik in range(0, tl.cdiv(D, BK)):
-            ok = ik * BK + tl.arange(0, BK)
-            mk = ok < D
-            q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32) * scale
-            k = tl.load(K + krows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32)
-            tile = tl.load(base + ok[:, None] * DV + ov[None, :],
-                           mask=mk[:, None] & mv[None, :], other=0.0)
-            qk += tl.dot(q, tl.trans(k))
-            x = q if FROM_Q else k
-            acc += tl.dot(x * w[:, None], tile)
-        return qk, acc
-
-    @triton.jit
-    def _chunk_out(Q, K, X, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
-                   D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, GRAD_V: tl.constexpr, VARLEN: tl.constexpr):
-        """Per chunk c and Dv tile, with M the masked decay:
-        forward (X = V, BUF = S):        O_c  = ((Q_c K_c^T) * M) V_c + (Q_c * a) S[c];
-        GRAD_V (X = dO, BUF = dS_end):   dV_c = ((Q_c K_c^T) * M)^T dO_c + (K_c * b) dS_end[c]
-        (q scaled)."""
-        p, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C,
-                                            VARLEN)
-        s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
+    def _chunk_out(Q, K, Z, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
+                   D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, GRAD_V: tl.constexpr,
+                   VARLEN: tl.constexpr):
+        """Per tile r of chunk p (program r + R * p) and Dv tile, with M the masked decay
+        and t over the chunk's tiles:
+        forward (Z = V, BUF = S):        O_r  = sum_{t <= r} ((Q_r K_t^T) * M) V_t
+                                                + (Q_r * a) S[p];
+        GRAD_V (Z = dO, BUF = dS_end):   dV_r = sum_{t >= r} ((Q_t K_r^T) * M)^T dO_t
+                                                + (K_r * b) dS_end[p]
+        (q scaled). The tile's own rows are query rows (forward) or key rows (GRAD_V); the
+        output rows are query-side rows either way (dV per query head)."""
+        pr, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        p, r = pr // R, pr % R
+        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
+                                            C * R, VARLEN)
+        s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
-        rows = start + oc
-        krows = start_kv + oc
-        qk, term = _scores_and_state_term(Q, K, rows, krows, mrow, b if GRAD_V else a, ov, mv,
-                                          BUF + (p.to(tl.int64) * heads + h) * D * DV, scale,
-                                          D, DV, C, BK, BV, not GRAD_V)
-        gap = fi[:, None] - fi[None, :]
-        m = tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
-        xrows = rows if GRAD_V else krows  # dO on query rows, V on key/value rows
-        x = tl.load(X + xrows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
-                    other=0.0).to(tl.float32)
-        scores = tl.trans(qk * m) if GRAD_V else qk * m
-        out = tl.dot(scores, x) + term
+        rows = start + oi
+        own = start_kv + oi if GRAD_V else rows  # rows of X = K (GRAD_V) or Q
+        x_scale = 1.0 if GRAD_V else scale
+        w = b if GRAD_V else a
+        base = BUF + (p.to(tl.int64) * heads + h) * D * DV
+        out = tl.zeros([C, BV], dtype=tl.float32)
+        for ik in range(0, tl.cdiv(D, BK)):  # state term (X_r * w) BUF[p]
+            ok = ik * BK + tl.arange(0, BK)
+            mk = ok < D
+            x = tl.load((K if GRAD_V else Q) + own[:, None] * D + ok[None, :],
+                        mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            tile = tl.load(base + ok[:, None] * DV + ov[None, :],
+                           mask=mk[:, None] & mv[None, :], other=0.0)
+            out += tl.dot(x * (w * x_scale)[:, None], tile)
+        tiles = (length + C - 1) // C
+        live = (r < tiles).to(tl.int32)
+        lo = r if GRAD_V else 0
+        hi = tiles if GRAD_V else (r + 1) * live
+        for t in range(lo, hi):  # the chunk's other tiles: keys up to r / queries from r
+            ti = t * C + tl.arange(0, C)
+            mt = ti < length
+            other = start + ti if GRAD_V else start_kv + ti  # rows of Y = Q (GRAD_V) or K
+            sc = tl.zeros([C, C], dtype=tl.float32)  # X_r Y_t^T
+            for ik in range(0, tl.cdiv(D, BK)):
+                ok = ik * BK + tl.arange(0, BK)
+                mk = ok < D
+                x = tl.load((K if GRAD_V else Q) + own[:, None] * D + ok[None, :],
+                            mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                y = tl.load((Q if GRAD_V else K) + other[:, None] * D + ok[None, :],
+                            mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                sc += tl.dot(x, tl.trans(y))
+            ft = ti.to(tl.float32)
+            if GRAD_V:
+                m, _ = _decay_mask(s, ft, fi)
+                m = tl.trans(m)
+            else:
+                m, _ = _decay_mask(s, fi, ft)
+            z_rows = start + ti if GRAD_V else start_kv + ti  # dO on query rows, V on kv rows
+            z = tl.load(Z + z_rows[:, None] * DV + ov[None, :],
+                        mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+            out += tl.dot(sc * m * scale, z)
         tl.store(OUT + rows[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
     def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
                     group, n_per, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr):
-        """dQ, dK of chunk c on one D tile, and this tile's part of dslope (linear in the D
-        tiles: every term is a sum over D). An unused slot (L = 0) adds 0."""
-        p, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                    R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    VARLEN: tl.constexpr):
+        """dQ, dK of tile r of chunk p (program r + R * p) on one D tile, and this
+        program's part of dslope (linear in the D tiles: every term is a sum over D; each
+        (query, key) pair of the chunk counted once, by the query's tile; the chunk's
+        state-decay term by tile 0). An unused slot or tile adds 0."""
+        pr, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        p, r = pr // R, pr % R
         nk = tl.cdiv(D, BK)
-        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, C,
-                                            VARLEN)
-        s, oc, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, C)
+        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
+                                            C * R, VARLEN)
+        s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
         ok = ik * BK + tl.arange(0, BK)
         mk = ok < D
-        rows = start + oc
-        krows = start_kv + oc
+        rows = start + oi
+        krows = start_kv + oi
         q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
                     other=0.0).to(tl.float32) * scale
         k = tl.load(K + krows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
                     other=0.0).to(tl.float32)
-        dov = tl.zeros([C, C], dtype=tl.float32)
         dsp = tl.zeros([C, BK], dtype=tl.float32)
         vds = tl.zeros([C, BK], dtype=tl.float32)
         ssum = tl.zeros([BK], dtype=tl.float32)
         slot = (p.to(tl.int64) * heads + h) * D * DV
-        sbase = STATES + slot
-        dbase = DSEND + slot
-        for iv in range(0, tl.cdiv(DV, BV)):
+        for iv in range(0, tl.cdiv(DV, BV)):  # state terms dO S^T, V dS^T
             ov = iv * BV + tl.arange(0, BV)
             mv = ov < DV
             do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
                          other=0.0).to(tl.float32)
             v = tl.load(V + krows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
                         other=0.0).to(tl.float32)
-            st = tl.load(sbase + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
-                         other=0.0)
-            ds = tl.load(dbase + ok[:, None] * DV + ov[None, :], mask=mk[:, None] & mv[None, :],
-                         other=0.0)
-            dov += tl.dot(do, tl.trans(v))
+            st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
+                         mask=mk[:, None] & mv[None, :], other=0.0)
+            ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
+                         mask=mk[:, None] & mv[None, :], other=0.0)
             dsp += tl.dot(do, tl.trans(st))
             vds += tl.dot(v, tl.trans(ds))
             ssum += tl.sum(ds * st, axis=1)
-        gap = fi[:, None] - fi[None, :]
-        gapm = tl.maximum(gap, 0.0)
-        m = tl.where(gap >= 0, tl.exp(-s * gapm), 0.0)
-        dovm = dov * m
-        qk = tl.dot(q, tl.trans(k))
-        dq = tl.dot(dovm, k) + dsp * a[:, None]
-        dk = tl.dot(tl.trans(dovm), q) + vds * b[:, None]
+        dq = dsp * a[:, None]
+        dk = vds * b[:, None]
+        acc = -tl.sum(dsp * q, axis=1) * (fi + 1.0) * a - tl.sum(vds * k, axis=1) * kpos * b
+        tiles = (length + C - 1) // C
+        live = (r < tiles).to(tl.int32)
+        for t in range(0, (r + 1) * live):  # keys of tile t <= r: dQ_r and the pairs' dslope
+            ti = t * C + tl.arange(0, C)
+            mt = ti < length
+            dov = tl.zeros([C, C], dtype=tl.float32)  # dO_r V_t^T
+            for iv in range(0, tl.cdiv(DV, BV)):
+                ov = iv * BV + tl.arange(0, BV)
+                mv = ov < DV
+                do = tl.load(DO + rows[:, None] * DV + ov[None, :],
+                             mask=mrow[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                vt = tl.load(V + (start_kv + ti)[:, None] * DV + ov[None, :],
+                             mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                dov += tl.dot(do, tl.trans(vt))
+            m, gapm = _decay_mask(s, fi, ti.to(tl.float32))
+            dovm = dov * m
+            kt = tl.load(K + (start_kv + ti)[:, None] * D + ok[None, :],
+                         mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            dq += tl.dot(dovm, kt)
+            acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt)) * gapm, axis=1)
+        for t in range(r, tiles):  # queries of tile t >= r: dK_r
+            ti = t * C + tl.arange(0, C)
+            mt = ti < length
+            dov = tl.zeros([C, C], dtype=tl.float32)  # dO_t V_r^T
+            for iv in range(0, tl.cdiv(DV, BV)):
+                ov = iv * BV + tl.arange(0, BV)
+                mv = ov < DV
+                dot_t = tl.load(DO + (start + ti)[:, None] * DV + ov[None, :],
+                               mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                v = tl.load(V + krows[:, None] * DV + ov[None, :],
+                            mask=mrow[:, None] & mv[None, :], other=0.0).to(tl.float32)
+                dov += tl.dot(dot_t, tl.trans(v))
+            m, _ = _decay_mask(s, ti.to(tl.float32), fi)
+            qt = tl.load(Q + (start + ti)[:, None] * D + ok[None, :],
+                         mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
+            dk += tl.dot(tl.trans(dov * m), qt)
         tl.store(DQ + rows[:, None] * D + ok[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=mrow[:, None] & mk[None, :])
         tl.store(DK + rows[:, None] * D + ok[None, :], dk.to(DK.dtype.element_ty),
                  mask=mrow[:, None] & mk[None, :])
-        acc = -tl.sum(dovm * qk * gapm, axis=1)
-        acc -= tl.sum(dsp * q, axis=1) * (fi + 1.0) * a
-        acc -= tl.sum(vds * k, axis=1) * kpos * b
         lam = tl.exp(-s * length)
-        part = tl.sum(acc, axis=0) - length * lam * tl.sum(ssum, axis=0)
-        tl.store(DSLOPE + (p.to(tl.int64) * heads + h) * nk + ik, part)
+        first = (r == 0).to(tl.float32)
+        part = tl.sum(acc, axis=0) - first * length * lam * tl.sum(ssum, axis=0)
+        tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * nk + ik, part)
+
+
+MAX_TILE = 64
+"""Rows per program (the tile C). A chunk of block_size rows (rounded up to a power of two
+>= 16) is computed as R = block_size / C tiles of C rows: a program holds [C, C] and
+[C, 64] fp32 tiles whatever the chunk (C = 256 would need 256 KB for the score tile alone),
+while states are stored once per chunk (R times fewer state bytes than chunks of C)."""
 
 
 def _tiles(d: int, dv: int, block_size: int) -> dict[str, int]:
-    """Chunk length C (a power of two >= 16) and D / Dv tiles of at most 64 (>= 16, tl.dot's
-    minimum): a program holds [C, C] and [C, 64] fp32 tiles, within shared memory at D = 256."""
-    return dict(C=max(16, triton.next_power_of_2(block_size)),
+    """Tile rows C and tiles per chunk R (chunk length C * R: a power of two >= 16), D / Dv
+    tiles of at most 64 (>= 16, tl.dot's minimum), within shared memory at D = 256."""
+    chunk = max(16, triton.next_power_of_2(block_size))
+    c = min(chunk, MAX_TILE)
+    return dict(C=c, R=chunk // c,
                 BK=min(64, max(16, triton.next_power_of_2(d))),
                 BV=min(64, max(16, triton.next_power_of_2(dv))))
 
@@ -329,7 +398,7 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     key = (id(kernel), tuned)
     if key not in _AUTOTUNED:
         _AUTOTUNED[key] = triton.autotune(
-            _configs(tuned), key=["D", "DV", "C", *sorted(consts)],
+            _configs(tuned), key=["D", "DV", "C", "R", *sorted(consts)],
             prune_configs_by={"early_config_prune": _prune}, do_bench=BENCHMARKER)(kernel)
     fixed = {n: v for n, v in t.items() if n not in tuned}
     _AUTOTUNED[key][lambda meta: grid({**fixed, **consts, **meta})](*args, **fixed, **consts)
@@ -378,14 +447,19 @@ def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict
             (k, v, slope, buf, g.cu, g.table, seq, heads, group, g.n_per, 1.0), t,
             ("BK", "BV"),
             D=d, DV=dv, QUERY=False, VARLEN=g.varlen)
-    tiles = _ntiles(d, dv, t)
     final = torch.empty(g.n_seqs, heads, d, dv, dtype=torch.float32, device=k.device)
     init = initial.float().contiguous() if initial is not None else final
-    _scan[(g.n_seqs * heads, tiles)](buf, slope, init, final, g.cu, g.offsets, seq, heads,
-                                     g.n_per, D=d, DV=dv, HAS_INIT=initial is not None,
-                                     REVERSE=False, VARLEN=g.varlen, **t,
-                                     **_options(t["C"]))
+    _run_scan(buf, slope, init, final, g, seq, d, dv, t, initial is not None, False)
     return buf, final
+
+
+def _run_scan(buf: Tensor, slope: Tensor, init: Tensor, final: Tensor, g: _Chunks, seq: int,
+              d: int, dv: int, t: dict[str, int], has_init: bool, reverse: bool) -> None:
+    """The sequential scan over each sequence's chunks (of C * R rows), in place on buf."""
+    _scan[(g.n_seqs * slope.shape[0], _ntiles(d, dv, t))](
+        buf, slope, init, final, g.cu, g.offsets, seq, slope.shape[0], g.n_per, D=d, DV=dv,
+        C=t["C"] * t["R"], BK=t["BK"], BV=t["BV"], HAS_INIT=has_init, REVERSE=reverse,
+        VARLEN=g.varlen, **_options(t["C"]))
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -402,12 +476,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     dv = v.shape[-1]
     t = _tiles(d, dv, block_size)
     slope_f = slope.float().contiguous()
-    g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
+    g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
     q_, k_, v_ = _rows(q), _rows(k), _rows(v)
     group = h // k.shape[1]
     states, final = _states(k_, v_, slope_f, initial, t, g, seq, group)
     o = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
-    _launch(_chunk_out, lambda m: (g.slots, h, triton.cdiv(dv, m["BV"])),
+    _launch(_chunk_out, lambda m: (g.slots * t["R"], h, triton.cdiv(dv, m["BV"])),
             (q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, group, g.n_per,
              float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=False, VARLEN=g.varlen)
     return o, states, final, g
@@ -423,11 +497,10 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     dv = v.shape[-1]
     t = _tiles(d, dv, block_size)
     slope_f = slope.float().contiguous()
-    g = _chunks(b, seq, t["C"], cu_seqlens, slope_f)
+    g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
     q_, k_, v_, go = _rows(q), _rows(k), _rows(v), _rows(grad_o)
     group = h // k.shape[1]
     states, _ = _states(k_, v_, slope_f, initial, t, g, seq, group)
-    tiles = _ntiles(d, dv, t)
     # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
     # E[last] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial
     # state.
@@ -437,21 +510,19 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
             ("BK", "BV"), D=d, DV=dv, QUERY=True, VARLEN=g.varlen)
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
-    _scan[(g.n_seqs * h, tiles)](dsend, slope_f, dht, dh0, g.cu, g.offsets, seq, h, g.n_per,
-                                 D=d, DV=dv, HAS_INIT=grad_state is not None, REVERSE=True,
-                                 VARLEN=g.varlen, **t, **_options(t["C"]))
+    _run_scan(dsend, slope_f, dht, dh0, g, seq, d, dv, t, grad_state is not None, True)
     dq = torch.empty(b, h, seq, d, dtype=_out_dtype(q), device=q.device)
     # dK, dV per query head; with GQA the caller sums each group, so they stay fp32 until then.
     kv_dtype = _out_dtype(q) if group == 1 else torch.float32
     dk = torch.empty(b, h, seq, d, dtype=kv_dtype, device=q.device)
     dvv = torch.empty(b, h, seq, dv, dtype=kv_dtype, device=q.device)
     nk = triton.cdiv(d, t["BK"])
-    parts = torch.empty(g.slots, h, nk, dtype=torch.float32, device=q.device)
+    parts = torch.empty(g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
     # BK fixes the dslope parts' layout: only the Dv loop tile is tuned here.
-    _launch(_chunk_dqdk, lambda m: (g.slots, h, nk),
+    _launch(_chunk_dqdk, lambda m: (g.slots * t["R"], h, nk),
             (q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, g.cu, g.table, seq, h,
              group, g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, VARLEN=g.varlen)
-    _launch(_chunk_out, lambda m: (g.slots, h, triton.cdiv(dv, m["BV"])),
+    _launch(_chunk_out, lambda m: (g.slots * t["R"], h, triton.cdiv(dv, m["BV"])),
             (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
              float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, VARLEN=g.varlen)
     dslope = parts.sum(dim=(0, 2)) if need_slope_grad else None
@@ -459,36 +530,33 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
 
 
 def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
-                  initial_state: Tensor | None, block_size: int, checkpoint_every: int
+                  initial_state: Tensor | None, block_size: int
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as ``chunked.chunked_forward``, except that k and v keep their Hk heads
-    (GQA: query head h reads K/V head h // (H / Hk), nothing expanded): (o [B, H, S, Dv]
-    in q's dtype (fp32 for fp64), final state [B, H, D, Dv] fp32, checkpoints
-    [B, H, n, D, Dv] fp32). The block
-    length is rounded up to a power of two >= 16."""
-    from graphopt.kernels.lightning.chunked import num_checkpoints
-
-    b, h, seq, d = q.shape
+    (GQA: query head h reads K/V head h // (H / Hk), nothing expanded) and that the only
+    checkpoint is the initial state (the backward recomputes every chunk's state from it in
+    two parallel launches): (o [B, H, S, Dv] in q's dtype (fp32 for fp64), final state
+    [B, H, D, Dv] fp32, checkpoints [B, H, 1, D, Dv] fp32). The block length is rounded up
+    to a power of two >= 16."""
+    b, h, _, d = q.shape
     dv = v.shape[-1]
-    o, states, final, g = _forward(q, k, v, slope, scale, initial_state, block_size, None)
-    c = _tiles(d, dv, block_size)["C"]
-    states = states.view(b, g.n_per, h, d, dv)
-    n_full = seq // c
-    picks = [states[:, i] for i in range(0, n_full, checkpoint_every)]
-    picks.append(states[:, n_full] if seq % c else final)  # where the tail starts
-    checkpoints = torch.stack(picks, dim=2)
-    assert checkpoints.shape[2] == num_checkpoints(seq, c, checkpoint_every)
-    return o, final, checkpoints
+    o, _, final, _ = _forward(q, k, v, slope, scale, initial_state, block_size, None)
+    if initial_state is None:
+        first = final.new_zeros(b, h, 1, d, dv)
+    else:
+        first = initial_state.to(torch.float32, copy=True).reshape(b, h, 1, d, dv)
+    return o, final, first
 
 
 def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
                    v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
-                   block_size: int, checkpoint_every: int, need_slope_grad: bool
+                   block_size: int, need_slope_grad: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Same contract as ``chunked.chunked_backward`` with k, v of Hk heads (dk, dv are per
-    query head [B, H, S, D | Dv]: the caller sums each group). The chunk states are recomputed from
-    the initial state (checkpoint 0) by the forward's two parallel launches: the forward
-    saves q, k, v, slope and the checkpoints only (selective rematerialization)."""
+    query head [B, H, S, D | Dv]: the caller sums each group) and checkpoints
+    [B, H, 1, D, Dv], the initial state: the chunk states are recomputed from it by the
+    forward's two parallel launches, so the forward saves q, k, v, slope and one state only
+    (selective rematerialization)."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, checkpoints[:, :, 0],
                      block_size, None, need_slope_grad)
 

@@ -68,7 +68,7 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
     """"saves X MiB for the backward (Y MiB with every chunk's state)" for a rewrite's
     report entry (graphopt.kernels.lightning.op.saved_bytes at the pass's block length and
     checkpoint interval)."""
-    from graphopt.kernels.lightning.op import saved_bytes
+    from graphopt.kernels.lightning.op import resolve_impl, saved_bytes
 
     metas = [tensor_meta(n) for n in (q, k, v)]
     vals = [val for val in metas if val is not None]
@@ -81,8 +81,12 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
     if any(x is None for shape in hints for x in shape):
         return ""
     shapes = [tuple(int(x) for x in shape) for shape in hints]
-    kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype)
+    # The op's "auto" resolves by device: Triton on a GPU/NPU keeps only the initial state.
+    impl = resolve_impl("auto", vals[0].device, max(shapes[0][-1], shapes[2][-1]))
+    kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype, impl=impl)
     symbolic = any(isinstance(x, torch.SymInt) for val in vals for x in val.shape)
-    return (f"; saves {kept / 2**20:.2f} MiB for the backward (q, k, v, checkpoint states "
-            f"every {DEFAULT_CHECKPOINT_EVERY} blocks; {every / 2**20:.2f} MiB with every "
-            f"block's state){' at the example sizes' if symbolic else ''}")
+    what = ("the initial state; Triton recomputes the chunk states" if impl == "triton" else
+            f"checkpoint states every {DEFAULT_CHECKPOINT_EVERY} blocks")
+    return (f"; saves {kept / 2**20:.2f} MiB for the backward (q, k, v, {what}; "
+            f"{every / 2**20:.2f} MiB with every block's state)"
+            f"{' at the example sizes' if symbolic else ''}")
