@@ -91,10 +91,9 @@ if triton_available():
         return s, oi, mrow, fi, a, kpos, b
 
     @triton.jit
-    def _decay_mask(s, f_query, f_key):
-        """M[i, j] = lambda^(f_query_i - f_key_j) where the query is not before the key, else
-        0; and the clamped gaps (for dslope)."""
-        gap = f_query[:, None] - f_key[None, :]
+    def _decay_mask(s, gap):
+        """lambda^gap where gap = (query position - key position) >= 0, else 0; and the
+        clamped gaps (for dslope)."""
         gapm = tl.maximum(gap, 0.0)
         return tl.where(gap >= 0, tl.exp(-s * gapm), 0.0), gapm
 
@@ -102,10 +101,12 @@ if triton_available():
     def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
                      D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
-                     VARLEN: tl.constexpr):
+                     LOWP: tl.constexpr, VARLEN: tl.constexpr):
         """OUT[p, h] tile = sum over the chunk's R tiles of (x_scale X_t * w)^T Y_t with
-        w = a (QUERY: X, Y = Q, dO on query rows) or b (X, Y = K, V on key/value rows)."""
+        w = a (QUERY: X, Y = Q, dO on query rows) or b (X, Y = K, V on key/value rows).
+        Products take the inputs' dtype (bf16/fp16 tensor cores), fp32 accumulation."""
         p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ct = X.dtype.element_ty if LOWP else tl.float32
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
         start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
@@ -117,11 +118,11 @@ if triton_available():
             s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
             rows = (start if QUERY else start_kv) + oi
             x = tl.load(X + rows[:, None] * D + ok[None, :],
-                        mask=mrow[:, None] & (ok < D)[None, :], other=0.0).to(tl.float32)
+                        mask=mrow[:, None] & (ok < D)[None, :], other=0.0).to(ct)
             y = tl.load(Y + rows[:, None] * DV + ov[None, :],
-                        mask=mrow[:, None] & (ov < DV)[None, :], other=0.0).to(tl.float32)
+                        mask=mrow[:, None] & (ov < DV)[None, :], other=0.0).to(ct)
             w = a if QUERY else b
-            out += tl.dot(tl.trans(x * (w * x_scale)[:, None]), y)
+            out += tl.dot(tl.trans((x * (w * x_scale)[:, None]).to(ct)), y)
         base = OUT + (p.to(tl.int64) * heads + h) * D * DV
         tl.store(base + ok[:, None] * DV + ov[None, :], out,
                  mask=(ok < D)[:, None] & (ov < DV)[None, :])
@@ -170,7 +171,7 @@ if triton_available():
     def _chunk_out(Q, K, Z, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, GRAD_V: tl.constexpr,
-                   VARLEN: tl.constexpr):
+                   LOWP: tl.constexpr, VARLEN: tl.constexpr):
         """Per tile r of chunk p (program r + R * p) and Dv tile, with M the masked decay
         and t over the chunk's tiles:
         forward (Z = V, BUF = S):        O_r  = sum_{t <= r} ((Q_r K_t^T) * M) V_t
@@ -178,16 +179,21 @@ if triton_available():
         GRAD_V (Z = dO, BUF = dS_end):   dV_r = sum_{t >= r} ((Q_t K_r^T) * M)^T dO_t
                                                 + (K_r * b) dS_end[p]
         (q scaled). The tile's own rows are query rows (forward) or key rows (GRAD_V); the
-        output rows are query-side rows either way (dV per query head)."""
+        output rows are query-side rows either way (dV per query head). Products take the
+        inputs' dtype (the state and the masked scores are rounded to it, as
+        flash-linear-attention does), fp32 accumulation."""
         pr, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ct = Q.dtype.element_ty if LOWP else tl.float32
         p, r = pr // R, pr % R
         start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
                                             C * R, VARLEN)
         s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
-        rows = start + oi
-        own = start_kv + oi if GRAD_V else rows  # rows of X = K (GRAD_V) or Q
+        oc = tl.arange(0, C)
+        # scalar row bases (int64) + int32 in-tile offsets: no per-element 64-bit row indices
+        # kept live across the loops (they spilled registers on sm_90)
+        xb = (K + (start_kv + r * C) * D) if GRAD_V else (Q + (start + r * C) * D)
         x_scale = 1.0 if GRAD_V else scale
         w = b if GRAD_V else a
         base = BUF + (p.to(tl.int64) * heads + h) * D * DV
@@ -195,11 +201,11 @@ if triton_available():
         for ik in range(0, tl.cdiv(D, BK)):  # state term (X_r * w) BUF[p]
             ok = ik * BK + tl.arange(0, BK)
             mk = ok < D
-            x = tl.load((K if GRAD_V else Q) + own[:, None] * D + ok[None, :],
-                        mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32)
+            x = tl.load(xb + oc[:, None] * D + ok[None, :],
+                        mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
             tile = tl.load(base + ok[:, None] * DV + ov[None, :],
                            mask=mk[:, None] & mv[None, :], other=0.0)
-            out += tl.dot(x * (w * x_scale)[:, None], tile)
+            out += tl.dot((x * (w * x_scale)[:, None]).to(ct), tile.to(ct))
         tiles = (length + C - 1) // C
         live = (r < tiles).to(tl.int32)
         lo = r if GRAD_V else 0
@@ -207,39 +213,43 @@ if triton_available():
         for t in range(lo, hi):  # the chunk's other tiles: keys up to r / queries from r
             ti = t * C + tl.arange(0, C)
             mt = ti < length
-            other = start + ti if GRAD_V else start_kv + ti  # rows of Y = Q (GRAD_V) or K
+            first = (start if GRAD_V else start_kv) + t * C  # rows of Y = Q (GRAD_V) or K
+            yb = (Q if GRAD_V else K) + first * D
+            zb = Z + first * DV  # dO (GRAD_V) or V rows
             sc = tl.zeros([C, C], dtype=tl.float32)  # X_r Y_t^T
             for ik in range(0, tl.cdiv(D, BK)):
                 ok = ik * BK + tl.arange(0, BK)
                 mk = ok < D
-                x = tl.load((K if GRAD_V else Q) + own[:, None] * D + ok[None, :],
-                            mask=mrow[:, None] & mk[None, :], other=0.0).to(tl.float32)
-                y = tl.load((Q if GRAD_V else K) + other[:, None] * D + ok[None, :],
-                            mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+                x = tl.load(xb + oc[:, None] * D + ok[None, :],
+                            mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
+                y = tl.load(yb + oc[:, None] * D + ok[None, :],
+                            mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
                 sc += tl.dot(x, tl.trans(y))
             ft = ti.to(tl.float32)
-            if GRAD_V:
-                m, _ = _decay_mask(s, ft, fi)
-                m = tl.trans(m)
-            else:
-                m, _ = _decay_mask(s, fi, ft)
-            z_rows = start + ti if GRAD_V else start_kv + ti  # dO on query rows, V on kv rows
-            z = tl.load(Z + z_rows[:, None] * DV + ov[None, :],
-                        mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
-            out += tl.dot(sc * m * scale, z)
-        tl.store(OUT + rows[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
+            # rows: own tile, columns: tile t; the query is the later position
+            gap = ft[None, :] - fi[:, None] if GRAD_V else fi[:, None] - ft[None, :]
+            m, _ = _decay_mask(s, gap)
+            z = tl.load(zb + oc[:, None] * DV + ov[None, :],
+                        mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
+            out += tl.dot((sc * m * scale).to(ct), z)
+        tl.store(OUT + (start + r * C) * DV + oc[:, None] * DV + ov[None, :],
+                 out.to(OUT.dtype.element_ty),
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
     def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
                     group, n_per, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                    R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    VARLEN: tl.constexpr):
-        """dQ, dK of tile r of chunk p (program r + R * p) on one D tile, and this
-        program's part of dslope (linear in the D tiles: every term is a sum over D; each
-        (query, key) pair of the chunk counted once, by the query's tile; the chunk's
-        state-decay term by tile 0). An unused slot or tile adds 0."""
+                    R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD_K: tl.constexpr,
+                    LOWP: tl.constexpr, VARLEN: tl.constexpr):
+        """GRAD_K: dK of tile r of chunk p (program r + R * p) on one D tile, else its dQ;
+        and this program's part of dslope (linear in the D tiles: every term is a sum over
+        D; each (query, key) pair of the chunk counted once, by the query's tile in the dQ
+        launch; the chunk's state-decay term by tile 0 in the dK launch). An unused slot or
+        tile adds 0. Products take the inputs' dtype, fp32 accumulation. dQ and dK are two
+        launches: one kernel computing both kept ~2x the live tiles and spilled registers
+        on sm_90 in every tile config (graphopt.kernels.resources)."""
         pr, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ct = Q.dtype.element_ty if LOWP else tl.float32
         p, r = pr // R, pr % R
         nk = tl.cdiv(D, BK)
         start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
@@ -247,78 +257,93 @@ if triton_available():
         s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
         ok = ik * BK + tl.arange(0, BK)
         mk = ok < D
-        rows = start + oi
-        krows = start_kv + oi
-        q = tl.load(Q + rows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32) * scale
-        k = tl.load(K + krows[:, None] * D + ok[None, :], mask=mrow[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
-        dsp = tl.zeros([C, BK], dtype=tl.float32)
-        vds = tl.zeros([C, BK], dtype=tl.float32)
-        ssum = tl.zeros([BK], dtype=tl.float32)
+        oc = tl.arange(0, C)
+        # scalar row bases (int64) + int32 in-tile offsets (see _chunk_out)
+        q_own = Q + (start + r * C) * D
+        k_own = K + (start_kv + r * C) * D
+        v_own = V + (start_kv + r * C) * DV
+        do_own = DO + (start + r * C) * DV
+        tile_mask = mrow[:, None] & mk[None, :]
         slot = (p.to(tl.int64) * heads + h) * D * DV
-        for iv in range(0, tl.cdiv(DV, BV)):  # state terms dO S^T, V dS^T
-            ov = iv * BV + tl.arange(0, BV)
-            mv = ov < DV
-            do = tl.load(DO + rows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
-                         other=0.0).to(tl.float32)
-            v = tl.load(V + krows[:, None] * DV + ov[None, :], mask=mrow[:, None] & mv[None, :],
-                        other=0.0).to(tl.float32)
-            st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
-                         mask=mk[:, None] & mv[None, :], other=0.0)
-            ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
-                         mask=mk[:, None] & mv[None, :], other=0.0)
-            dsp += tl.dot(do, tl.trans(st))
-            vds += tl.dot(v, tl.trans(ds))
-            ssum += tl.sum(ds * st, axis=1)
-        dq = dsp * a[:, None]
-        dk = vds * b[:, None]
-        acc = -tl.sum(dsp * q, axis=1) * (fi + 1.0) * a - tl.sum(vds * k, axis=1) * kpos * b
         tiles = (length + C - 1) // C
-        live = (r < tiles).to(tl.int32)
-        for t in range(0, (r + 1) * live):  # keys of tile t <= r: dQ_r and the pairs' dslope
-            ti = t * C + tl.arange(0, C)
-            mt = ti < length
-            dov = tl.zeros([C, C], dtype=tl.float32)  # dO_r V_t^T
+        if GRAD_K:
+            dk = tl.zeros([C, BK], dtype=tl.float32)  # V_r dS^T, then dK_r
+            ssum = tl.zeros([BK], dtype=tl.float32)
             for iv in range(0, tl.cdiv(DV, BV)):
                 ov = iv * BV + tl.arange(0, BV)
                 mv = ov < DV
-                do = tl.load(DO + rows[:, None] * DV + ov[None, :],
-                             mask=mrow[:, None] & mv[None, :], other=0.0).to(tl.float32)
-                vt = tl.load(V + (start_kv + ti)[:, None] * DV + ov[None, :],
-                             mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
-                dov += tl.dot(do, tl.trans(vt))
-            m, gapm = _decay_mask(s, fi, ti.to(tl.float32))
-            dovm = dov * m
-            kt = tl.load(K + (start_kv + ti)[:, None] * D + ok[None, :],
-                         mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            dq += tl.dot(dovm, kt)
-            acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt)) * gapm, axis=1)
-        for t in range(r, tiles):  # queries of tile t >= r: dK_r
-            ti = t * C + tl.arange(0, C)
-            mt = ti < length
-            dov = tl.zeros([C, C], dtype=tl.float32)  # dO_t V_r^T
+                v = tl.load(v_own + oc[:, None] * DV + ov[None, :],
+                            mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
+                st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
+                             mask=mk[:, None] & mv[None, :], other=0.0)
+                ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
+                             mask=mk[:, None] & mv[None, :], other=0.0)
+                dk += tl.dot(v, tl.trans(ds.to(ct)))
+                ssum += tl.sum(ds * st, axis=1)
+            k = tl.load(k_own + oc[:, None] * D + ok[None, :], mask=tile_mask, other=0.0).to(ct)
+            acc = -tl.sum(dk * k.to(tl.float32), axis=1) * kpos * b
+            dk = dk * b[:, None]
+            for t in range(r, tiles):  # queries of tile t >= r
+                q_t = Q + (start + t * C) * D
+                do_t = DO + (start + t * C) * DV
+                mt = t * C + oc < length
+                dov = tl.zeros([C, C], dtype=tl.float32)  # dO_t V_r^T
+                for iv in range(0, tl.cdiv(DV, BV)):
+                    ov = iv * BV + tl.arange(0, BV)
+                    mv = ov < DV
+                    g = tl.load(do_t + oc[:, None] * DV + ov[None, :],
+                                mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
+                    v = tl.load(v_own + oc[:, None] * DV + ov[None, :],
+                                mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
+                    dov += tl.dot(g, tl.trans(v))
+                m, _ = _decay_mask(s, (t * C + oc).to(tl.float32)[:, None] - fi[None, :])
+                qt = tl.load(q_t + oc[:, None] * D + ok[None, :], mask=mt[:, None] & mk[None, :],
+                             other=0.0).to(ct)
+                dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt)
+            tl.store(DK + (start + r * C) * D + oc[:, None] * D + ok[None, :],
+                     dk.to(DK.dtype.element_ty), mask=tile_mask)
+        else:
+            dq = tl.zeros([C, BK], dtype=tl.float32)  # dO_r S^T, then dQ_r
             for iv in range(0, tl.cdiv(DV, BV)):
                 ov = iv * BV + tl.arange(0, BV)
                 mv = ov < DV
-                dot_t = tl.load(DO + (start + ti)[:, None] * DV + ov[None, :],
-                               mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
-                v = tl.load(V + krows[:, None] * DV + ov[None, :],
-                            mask=mrow[:, None] & mv[None, :], other=0.0).to(tl.float32)
-                dov += tl.dot(dot_t, tl.trans(v))
-            m, _ = _decay_mask(s, ti.to(tl.float32), fi)
-            qt = tl.load(Q + (start + ti)[:, None] * D + ok[None, :],
-                         mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
-            dk += tl.dot(tl.trans(dov * m), qt)
-        tl.store(DQ + rows[:, None] * D + ok[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=mrow[:, None] & mk[None, :])
-        tl.store(DK + rows[:, None] * D + ok[None, :], dk.to(DK.dtype.element_ty),
-                 mask=mrow[:, None] & mk[None, :])
+                do = tl.load(do_own + oc[:, None] * DV + ov[None, :],
+                             mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
+                st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
+                             mask=mk[:, None] & mv[None, :], other=0.0)
+                dq += tl.dot(do, tl.trans(st.to(ct)))
+            q = tl.load(q_own + oc[:, None] * D + ok[None, :], mask=tile_mask, other=0.0).to(ct)
+            acc = -tl.sum(dq * q.to(tl.float32), axis=1) * scale * (fi + 1.0) * a
+            dq = dq * a[:, None]
+            live = (r < tiles).to(tl.int32)
+            for t in range(0, (r + 1) * live):  # keys of tile t <= r, and the pairs' dslope
+                k_t = K + (start_kv + t * C) * D
+                v_t = V + (start_kv + t * C) * DV
+                mt = t * C + oc < length
+                dov = tl.zeros([C, C], dtype=tl.float32)  # dO_r V_t^T
+                for iv in range(0, tl.cdiv(DV, BV)):
+                    ov = iv * BV + tl.arange(0, BV)
+                    mv = ov < DV
+                    do = tl.load(do_own + oc[:, None] * DV + ov[None, :],
+                                 mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
+                    vt = tl.load(v_t + oc[:, None] * DV + ov[None, :],
+                                 mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
+                    dov += tl.dot(do, tl.trans(vt))
+                gap = fi[:, None] - (t * C + oc).to(tl.float32)[None, :]
+                m, _ = _decay_mask(s, gap)
+                dovm = dov * m  # 0 where the key is after the query, so gap needs no clamp
+                kt = tl.load(k_t + oc[:, None] * D + ok[None, :], mask=mt[:, None] & mk[None, :],
+                             other=0.0).to(ct)
+                dq += tl.dot(dovm.to(ct), kt)
+                acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt)) * gap, axis=1) * scale
+            tl.store(DQ + (start + r * C) * D + oc[:, None] * D + ok[None, :],
+                     (dq * scale).to(DQ.dtype.element_ty), mask=tile_mask)
         lam = tl.exp(-s * length)
-        first = (r == 0).to(tl.float32)
-        part = tl.sum(acc, axis=0) - first * length * lam * tl.sum(ssum, axis=0)
+        part = tl.sum(acc, axis=0)
+        if GRAD_K:
+            first = (r == 0).to(tl.float32)
+            part -= first * length * lam * tl.sum(ssum, axis=0)
         tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * nk + ik, part)
-
 
 MAX_TILE = 64
 """Rows per program (the tile C). A chunk of block_size rows (rounded up to a power of two
@@ -337,6 +362,10 @@ def _tiles(d: int, dv: int, block_size: int) -> dict[str, int]:
                 BV=min(64, max(16, triton.next_power_of_2(dv))))
 
 
+SCAN_OPTIONS = {"num_warps": 4, "num_stages": 1}
+"""The scans' launch options (one [Bk, Bv] state tile per program; not tuned: in place)."""
+
+
 def _options(c: int) -> dict[str, int]:
     return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
 
@@ -347,6 +376,14 @@ def _out_dtype(x: Tensor) -> torch.dtype:
     fp32 (the kernels compute in fp32)."""
     return x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else \
         torch.float32
+
+
+def _lowp(dtype: torch.dtype) -> bool:
+    """Products (tl.dot) in the input dtype for fp16/bf16 inputs (tensor cores at their full
+    rate, half the operand registers; fp32 accumulation), fp32 otherwise. Under Triton's
+    interpreter bf16 products run in fp32: its tl.dot misreads bf16 operands (garbage in
+    triton 3.9), so fp16 is what exercises the low-precision products on the CPU."""
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and not INTERPRETED)
 
 
 def _ntiles(d: int, dv: int, meta: dict[str, Any]) -> int:
@@ -446,7 +483,7 @@ def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict
     _launch(_chunk_outer, lambda m: (g.slots, heads, _ntiles(d, dv, m)),
             (k, v, slope, buf, g.cu, g.table, seq, heads, group, g.n_per, 1.0), t,
             ("BK", "BV"),
-            D=d, DV=dv, QUERY=False, VARLEN=g.varlen)
+            D=d, DV=dv, QUERY=False, LOWP=_lowp(k.dtype), VARLEN=g.varlen)
     final = torch.empty(g.n_seqs, heads, d, dv, dtype=torch.float32, device=k.device)
     init = initial.float().contiguous() if initial is not None else final
     _run_scan(buf, slope, init, final, g, seq, d, dv, t, initial is not None, False)
@@ -459,12 +496,14 @@ def _run_scan(buf: Tensor, slope: Tensor, init: Tensor, final: Tensor, g: _Chunk
     _scan[(g.n_seqs * slope.shape[0], _ntiles(d, dv, t))](
         buf, slope, init, final, g.cu, g.offsets, seq, slope.shape[0], g.n_per, D=d, DV=dv,
         C=t["C"] * t["R"], BK=t["BK"], BV=t["BV"], HAS_INIT=has_init, REVERSE=reverse,
-        VARLEN=g.varlen, **_options(t["C"]))
+        VARLEN=g.varlen, **SCAN_OPTIONS)
 
 
 def _rows(x: Tensor) -> Tensor:
-    """[B, H, S, X] -> contiguous [B * H * S, X] rows (the kernels' layout)."""
-    return x.reshape(-1, x.shape[-1]).contiguous()
+    """[B, H, S, X] -> contiguous [B * H * S, X] rows (the kernels' layout); float64 becomes
+    float32 (the kernels' products take the input dtype: fp32 / bf16 / fp16)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return (rows.float() if rows.dtype == torch.float64 else rows).contiguous()
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
@@ -483,7 +522,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     o = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
     _launch(_chunk_out, lambda m: (g.slots * t["R"], h, triton.cdiv(dv, m["BV"])),
             (q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, group, g.n_per,
-             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=False, VARLEN=g.varlen)
+             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=False, LOWP=_lowp(q.dtype),
+            VARLEN=g.varlen)
     return o, states, final, g
 
 
@@ -507,7 +547,7 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     dsend = torch.empty(g.slots, h, d, dv, dtype=torch.float32, device=q.device)
     _launch(_chunk_outer, lambda m: (g.slots, h, _ntiles(d, dv, m)),
             (q_, go, slope_f, dsend, g.cu, g.table, seq, h, group, g.n_per, float(scale)), t,
-            ("BK", "BV"), D=d, DV=dv, QUERY=True, VARLEN=g.varlen)
+            ("BK", "BV"), D=d, DV=dv, QUERY=True, LOWP=_lowp(q.dtype), VARLEN=g.varlen)
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
     _run_scan(dsend, slope_f, dht, dh0, g, seq, d, dv, t, grad_state is not None, True)
@@ -517,15 +557,18 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     dk = torch.empty(b, h, seq, d, dtype=kv_dtype, device=q.device)
     dvv = torch.empty(b, h, seq, dv, dtype=kv_dtype, device=q.device)
     nk = triton.cdiv(d, t["BK"])
-    parts = torch.empty(g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
+    parts = torch.empty(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
     # BK fixes the dslope parts' layout: only the Dv loop tile is tuned here.
-    _launch(_chunk_dqdk, lambda m: (g.slots * t["R"], h, nk),
-            (q_, k_, v_, go, slope_f, states, dsend, dq, dk, parts, g.cu, g.table, seq, h,
-             group, g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, VARLEN=g.varlen)
+    for grad_k, part in ((True, parts[0]), (False, parts[1])):
+        _launch(_chunk_dqdk, lambda m: (g.slots * t["R"], h, nk),
+                (q_, k_, v_, go, slope_f, states, dsend, dq, dk, part, g.cu, g.table, seq, h,
+                 group, g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, GRAD_K=grad_k,
+                LOWP=_lowp(q.dtype), VARLEN=g.varlen)
     _launch(_chunk_out, lambda m: (g.slots * t["R"], h, triton.cdiv(dv, m["BV"])),
             (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
-             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, VARLEN=g.varlen)
-    dslope = parts.sum(dim=(0, 2)) if need_slope_grad else None
+             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, LOWP=_lowp(q.dtype),
+            VARLEN=g.varlen)
+    dslope = parts.sum(dim=(0, 1, 3)) if need_slope_grad else None
     return dq, dk, dvv, dslope, dh0
 
 
@@ -582,3 +625,59 @@ def triton_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor,
     [N, H, D, Dv])."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, initial_state, block_size,
                      cu_seqlens, need_slope_grad)
+
+
+class LaunchSpec(NamedTuple):
+    """One kernel launch of a forward + backward, for ahead-of-time compilation
+    (graphopt.kernels.resources): its argument types, the constexprs it is launched with,
+    which of them the GPU autotunes, and the fixed launch options of an untuned one."""
+
+    name: str
+    kernel: Any
+    types: dict[str, str]
+    constexprs: dict[str, Any]
+    tuned: tuple[str, ...]
+
+
+def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
+                 varlen: bool = False) -> list[LaunchSpec]:
+    """The launches of one forward + backward at head dims (d, dv), chunk ``block_size`` and
+    input dtype ("bf16", "fp16", "fp32"): state pass, scan, output, g pass, reverse scan,
+    dK, dQ, dV (GQA's fp32 dK/dV buffers not included)."""
+    from graphopt.kernels.resources import argument_types
+
+    state = {n: "*fp32" for n in ("SLOPE", "BUF", "STATES", "DSEND", "INIT", "FINAL",
+                                  "DSLOPE")}
+    index = {n: "*i32" for n in ("CU", "CHUNKS", "OFFS")}
+    lowp = dtype in ("bf16", "fp16")
+    t = _tiles(d, dv, block_size)
+
+    def spec(name: str, kernel: Any, tuned: tuple[str, ...], out: str | None = None,
+             **consts: Any) -> LaunchSpec:
+        explicit = {**state, **index, **({"OUT": out} if out else {})}
+        types = argument_types(kernel, explicit, f"*{dtype}", floats=("scale", "x_scale"))
+        params = {p.name for p in kernel.params if p.is_constexpr}
+        fixed = {k: v for k, v in {**t, **consts, "D": d, "DV": dv, "VARLEN": varlen,
+                                   "LOWP": lowp}.items() if k in params}
+        return LaunchSpec(name, kernel, types, fixed, tuned)
+
+    scan: dict[str, Any] = {"C": t["C"] * t["R"], "HAS_INIT": True}
+    return [spec("kv states", _chunk_outer, ("BK", "BV"), out="*fp32", QUERY=False),
+            spec("scan", _scan, (), REVERSE=False, **scan),
+            spec("output", _chunk_out, ("BK", "BV"), GRAD_V=False),
+            spec("g states", _chunk_outer, ("BK", "BV"), out="*fp32", QUERY=True),
+            spec("reverse scan", _scan, (), REVERSE=True, **scan),
+            spec("dK", _chunk_dqdk, ("BV",), GRAD_K=True),
+            spec("dQ", _chunk_dqdk, ("BV",), GRAD_K=False),
+            spec("dV", _chunk_out, ("BK", "BV"), GRAD_V=True)]
+
+
+def launch_configs(spec: LaunchSpec) -> list[tuple[dict[str, Any], int, int]]:
+    """(constexprs, num_warps, num_stages) a launch may take on a GPU: the autotuner's
+    candidates after pruning for a tuned kernel, the scans' fixed tiles and options."""
+    if not spec.tuned:
+        return [(spec.constexprs, SCAN_OPTIONS["num_warps"], SCAN_OPTIONS["num_stages"])]
+    out = []
+    for cfg in _prune(_configs(spec.tuned), {}, **spec.constexprs):
+        out.append(({**spec.constexprs, **cfg.kwargs}, cfg.num_warps, cfg.num_stages))
+    return out
