@@ -172,8 +172,9 @@ def _kernel_kv(k: Tensor, v: Tensor, hq: int, impl: str) -> tuple[Tensor, Tensor
 def _input_grads(grads: tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor], q: Tensor,
                  k: Tensor, v: Tensor, slope: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Kernel gradients (dk, dv per query head) -> the inputs' shapes and dtypes, contiguous:
-    each GQA group summed, dslope zeros when it was not asked for."""
+    """Kernel gradients (dk, dv per query head from the chunked kernel, per K/V head from
+    Triton) -> the inputs' shapes and dtypes, contiguous: each GQA group summed where the
+    kernel did not, dslope zeros when it was not asked for."""
     dq, dk, dv, dslope, dstate = grads
     hk = k.shape[1]
     if dslope is None:

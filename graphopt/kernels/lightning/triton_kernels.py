@@ -92,10 +92,8 @@ if triton_available():
 
     @triton.jit
     def _decay_mask(s, gap):
-        """lambda^gap where gap = (query position - key position) >= 0, else 0; and the
-        clamped gaps (for dslope)."""
-        gapm = tl.maximum(gap, 0.0)
-        return tl.where(gap >= 0, tl.exp(-s * gapm), 0.0), gapm
+        """lambda^gap where gap = (query position - key position) >= 0, else 0."""
+        return tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
 
     @triton.jit
     def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
@@ -178,62 +176,70 @@ if triton_available():
                                                 + (Q_r * a) S[p];
         GRAD_V (Z = dO, BUF = dS_end):   dV_r = sum_{t >= r} ((Q_t K_r^T) * M)^T dO_t
                                                 + (K_r * b) dS_end[p]
-        (q scaled). The tile's own rows are query rows (forward) or key rows (GRAD_V); the
-        output rows are query-side rows either way (dV per query head). Products take the
+        (q scaled), dV summed over the GQA group's query heads. The tile's own rows are
+        query rows (forward) or key rows (GRAD_V), as are the output rows. Products take the
         inputs' dtype (the state and the masked scores are rounded to it, as
         flash-linear-attention does), fp32 accumulation."""
-        pr, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pr, hh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ct = Q.dtype.element_ty if LOWP else tl.float32
         p, r = pr // R, pr % R
-        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
-                                            C * R, VARLEN)
-        s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
+        # GRAD_V: program per K/V head hh, summing its GQA group's query heads in the loop
+        # (dV in K/V's heads and dtype: no fp32 per-query-head buffer); forward: hh = h.
+        n_heads = group if GRAD_V else 1
+        h0 = hh * n_heads
+        start0, start_kv, length = _chunk_of(CU, CHUNKS, p, h0, heads, group, seq, n_per,
+                                             C * R, VARLEN)
+        s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h0, length, r * C, C)
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
         oc = tl.arange(0, C)
         # scalar row bases (int64) + int32 in-tile offsets: no per-element 64-bit row indices
         # kept live across the loops (they spilled registers on sm_90)
-        xb = (K + (start_kv + r * C) * D) if GRAD_V else (Q + (start + r * C) * D)
+        xb = (K + (start_kv + r * C) * D) if GRAD_V else (Q + (start0 + r * C) * D)
+        dest = (start_kv if GRAD_V else start0) + r * C  # output rows: K/V's or Q's
         x_scale = 1.0 if GRAD_V else scale
-        w = b if GRAD_V else a
-        base = BUF + (p.to(tl.int64) * heads + h) * D * DV
-        out = tl.zeros([C, BV], dtype=tl.float32)
-        for ik in range(0, tl.cdiv(D, BK)):  # state term (X_r * w) BUF[p]
-            ok = ik * BK + tl.arange(0, BK)
-            mk = ok < D
-            x = tl.load(xb + oc[:, None] * D + ok[None, :],
-                        mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
-            tile = tl.load(base + ok[:, None] * DV + ov[None, :],
-                           mask=mk[:, None] & mv[None, :], other=0.0)
-            out += tl.dot((x * (w * x_scale)[:, None]).to(ct), tile.to(ct))
         tiles = (length + C - 1) // C
         live = (r < tiles).to(tl.int32)
         lo = r if GRAD_V else 0
         hi = tiles if GRAD_V else (r + 1) * live
-        for t in range(lo, hi):  # the chunk's other tiles: keys up to r / queries from r
-            ti = t * C + tl.arange(0, C)
-            mt = ti < length
-            first = (start if GRAD_V else start_kv) + t * C  # rows of Y = Q (GRAD_V) or K
-            yb = (Q if GRAD_V else K) + first * D
-            zb = Z + first * DV  # dO (GRAD_V) or V rows
-            sc = tl.zeros([C, C], dtype=tl.float32)  # X_r Y_t^T
-            for ik in range(0, tl.cdiv(D, BK)):
+        out = tl.zeros([C, BV], dtype=tl.float32)
+        for j in range(0, n_heads):
+            h = h0 + j
+            start = start0 + j * seq  # query head h's rows (heads are seq rows apart)
+            s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
+            w = b if GRAD_V else a
+            base = BUF + (p.to(tl.int64) * heads + h) * D * DV
+            for ik in range(0, tl.cdiv(D, BK)):  # state term (X_r * w) BUF[p]
                 ok = ik * BK + tl.arange(0, BK)
                 mk = ok < D
                 x = tl.load(xb + oc[:, None] * D + ok[None, :],
                             mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
-                y = tl.load(yb + oc[:, None] * D + ok[None, :],
-                            mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
-                sc += tl.dot(x, tl.trans(y))
-            ft = ti.to(tl.float32)
-            # rows: own tile, columns: tile t; the query is the later position
-            gap = ft[None, :] - fi[:, None] if GRAD_V else fi[:, None] - ft[None, :]
-            m, _ = _decay_mask(s, gap)
-            z = tl.load(zb + oc[:, None] * DV + ov[None, :],
-                        mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
-            out += tl.dot((sc * m * scale).to(ct), z)
-        tl.store(OUT + (start + r * C) * DV + oc[:, None] * DV + ov[None, :],
-                 out.to(OUT.dtype.element_ty),
+                tile = tl.load(base + ok[:, None] * DV + ov[None, :],
+                               mask=mk[:, None] & mv[None, :], other=0.0)
+                out += tl.dot((x * (w * x_scale)[:, None]).to(ct), tile.to(ct))
+            for t in range(lo, hi):  # the chunk's other tiles: keys up to r / queries from r
+                ti = t * C + tl.arange(0, C)
+                mt = ti < length
+                first = (start if GRAD_V else start_kv) + t * C  # rows of Y = Q (GRAD_V) or K
+                yb = (Q if GRAD_V else K) + first * D
+                zb = Z + first * DV  # dO (GRAD_V) or V rows
+                sc = tl.zeros([C, C], dtype=tl.float32)  # X_r Y_t^T
+                for ik in range(0, tl.cdiv(D, BK)):
+                    ok = ik * BK + tl.arange(0, BK)
+                    mk = ok < D
+                    x = tl.load(xb + oc[:, None] * D + ok[None, :],
+                                mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
+                    y = tl.load(yb + oc[:, None] * D + ok[None, :],
+                                mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
+                    sc += tl.dot(x, tl.trans(y))
+                ft = ti.to(tl.float32)
+                # rows: own tile, columns: tile t; the query is the later position
+                gap = ft[None, :] - fi[:, None] if GRAD_V else fi[:, None] - ft[None, :]
+                m = _decay_mask(s, gap)
+                z = tl.load(zb + oc[:, None] * DV + ov[None, :],
+                            mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
+                out += tl.dot((sc * m * scale).to(ct), z)
+        tl.store(OUT + dest * DV + oc[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
@@ -241,68 +247,83 @@ if triton_available():
                     group, n_per, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                     R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD_K: tl.constexpr,
                     LOWP: tl.constexpr, VARLEN: tl.constexpr):
-        """GRAD_K: dK of tile r of chunk p (program r + R * p) on one D tile, else its dQ;
+        """GRAD_K: dK of tile r of chunk p (program r + R * p) on one D tile, summed over the
+        GQA group's query heads (one program per K/V head), else its dQ;
         and this program's part of dslope (linear in the D tiles: every term is a sum over
         D; each (query, key) pair of the chunk counted once, by the query's tile in the dQ
         launch; the chunk's state-decay term by tile 0 in the dK launch). An unused slot or
         tile adds 0. Products take the inputs' dtype, fp32 accumulation. dQ and dK are two
         launches: one kernel computing both kept ~2x the live tiles and spilled registers
         on sm_90 in every tile config (graphopt.kernels.resources)."""
-        pr, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pr, hh, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ct = Q.dtype.element_ty if LOWP else tl.float32
         p, r = pr // R, pr % R
         nk = tl.cdiv(D, BK)
-        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
-                                            C * R, VARLEN)
-        s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
+        # GRAD_K: program per K/V head hh, summing its GQA group's query heads (dK in K's
+        # heads and dtype); dQ: hh is the query head.
+        h0 = hh * group if GRAD_K else hh
+        start0, start_kv, length = _chunk_of(CU, CHUNKS, p, h0, heads, group, seq, n_per,
+                                             C * R, VARLEN)
+        s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h0, length, r * C, C)
         ok = ik * BK + tl.arange(0, BK)
         mk = ok < D
         oc = tl.arange(0, C)
         # scalar row bases (int64) + int32 in-tile offsets (see _chunk_out)
-        q_own = Q + (start + r * C) * D
         k_own = K + (start_kv + r * C) * D
         v_own = V + (start_kv + r * C) * DV
-        do_own = DO + (start + r * C) * DV
         tile_mask = mrow[:, None] & mk[None, :]
-        slot = (p.to(tl.int64) * heads + h) * D * DV
         tiles = (length + C - 1) // C
+        first = (r == 0).to(tl.float32)  # the chunk's state-decay term: tile 0's
         if GRAD_K:
-            dk = tl.zeros([C, BK], dtype=tl.float32)  # V_r dS^T, then dK_r
-            ssum = tl.zeros([BK], dtype=tl.float32)
-            for iv in range(0, tl.cdiv(DV, BV)):
-                ov = iv * BV + tl.arange(0, BV)
-                mv = ov < DV
-                v = tl.load(v_own + oc[:, None] * DV + ov[None, :],
-                            mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
-                st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
-                             mask=mk[:, None] & mv[None, :], other=0.0)
-                ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
-                             mask=mk[:, None] & mv[None, :], other=0.0)
-                dk += tl.dot(v, tl.trans(ds.to(ct)))
-                ssum += tl.sum(ds * st, axis=1)
-            k = tl.load(k_own + oc[:, None] * D + ok[None, :], mask=tile_mask, other=0.0).to(ct)
-            acc = -tl.sum(dk * k.to(tl.float32), axis=1) * kpos * b
-            dk = dk * b[:, None]
-            for t in range(r, tiles):  # queries of tile t >= r
-                q_t = Q + (start + t * C) * D
-                do_t = DO + (start + t * C) * DV
-                mt = t * C + oc < length
-                dov = tl.zeros([C, C], dtype=tl.float32)  # dO_t V_r^T
+            k = tl.load(k_own + oc[:, None] * D + ok[None, :], mask=tile_mask,
+                        other=0.0).to(tl.float32)
+            dk = tl.zeros([C, BK], dtype=tl.float32)
+            for j in range(0, group):
+                h = h0 + j
+                start = start0 + j * seq  # query head h's rows
+                s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
+                slot = (p.to(tl.int64) * heads + h) * D * DV
+                vds = tl.zeros([C, BK], dtype=tl.float32)  # V_r dS^T
+                ssum = tl.zeros([BK], dtype=tl.float32)
                 for iv in range(0, tl.cdiv(DV, BV)):
                     ov = iv * BV + tl.arange(0, BV)
                     mv = ov < DV
-                    g = tl.load(do_t + oc[:, None] * DV + ov[None, :],
-                                mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
                     v = tl.load(v_own + oc[:, None] * DV + ov[None, :],
                                 mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
-                    dov += tl.dot(g, tl.trans(v))
-                m, _ = _decay_mask(s, (t * C + oc).to(tl.float32)[:, None] - fi[None, :])
-                qt = tl.load(q_t + oc[:, None] * D + ok[None, :], mask=mt[:, None] & mk[None, :],
-                             other=0.0).to(ct)
-                dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt)
-            tl.store(DK + (start + r * C) * D + oc[:, None] * D + ok[None, :],
+                    st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
+                                 mask=mk[:, None] & mv[None, :], other=0.0)
+                    ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
+                                 mask=mk[:, None] & mv[None, :], other=0.0)
+                    vds += tl.dot(v, tl.trans(ds.to(ct)))
+                    ssum += tl.sum(ds * st, axis=1)
+                acc = -tl.sum(vds * k, axis=1) * kpos * b
+                dk += vds * b[:, None]
+                for t in range(r, tiles):  # queries of tile t >= r
+                    q_t = Q + (start + t * C) * D
+                    do_t = DO + (start + t * C) * DV
+                    mt = t * C + oc < length
+                    dov = tl.zeros([C, C], dtype=tl.float32)  # dO_t V_r^T
+                    for iv in range(0, tl.cdiv(DV, BV)):
+                        ov = iv * BV + tl.arange(0, BV)
+                        mv = ov < DV
+                        g = tl.load(do_t + oc[:, None] * DV + ov[None, :],
+                                    mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
+                        v = tl.load(v_own + oc[:, None] * DV + ov[None, :],
+                                    mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
+                        dov += tl.dot(g, tl.trans(v))
+                    m = _decay_mask(s, (t * C + oc).to(tl.float32)[:, None] - fi[None, :])
+                    qt = tl.load(q_t + oc[:, None] * D + ok[None, :],
+                                 mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
+                    dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt)
+                part = tl.sum(acc, axis=0) \
+                    - first * length * tl.exp(-s * length) * tl.sum(ssum, axis=0)
+                tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * nk + ik, part)
+            tl.store(DK + (start_kv + r * C) * D + oc[:, None] * D + ok[None, :],
                      dk.to(DK.dtype.element_ty), mask=tile_mask)
         else:
+            q_own = Q + (start0 + r * C) * D
+            do_own = DO + (start0 + r * C) * DV
+            slot = (p.to(tl.int64) * heads + h0) * D * DV
             dq = tl.zeros([C, BK], dtype=tl.float32)  # dO_r S^T, then dQ_r
             for iv in range(0, tl.cdiv(DV, BV)):
                 ov = iv * BV + tl.arange(0, BV)
@@ -330,20 +351,16 @@ if triton_available():
                                  mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
                     dov += tl.dot(do, tl.trans(vt))
                 gap = fi[:, None] - (t * C + oc).to(tl.float32)[None, :]
-                m, _ = _decay_mask(s, gap)
+                m = _decay_mask(s, gap)
                 dovm = dov * m  # 0 where the key is after the query, so gap needs no clamp
                 kt = tl.load(k_t + oc[:, None] * D + ok[None, :], mask=mt[:, None] & mk[None, :],
                              other=0.0).to(ct)
                 dq += tl.dot(dovm.to(ct), kt)
                 acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt)) * gap, axis=1) * scale
-            tl.store(DQ + (start + r * C) * D + oc[:, None] * D + ok[None, :],
+            tl.store(DQ + (start0 + r * C) * D + oc[:, None] * D + ok[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=tile_mask)
-        lam = tl.exp(-s * length)
-        part = tl.sum(acc, axis=0)
-        if GRAD_K:
-            first = (r == 0).to(tl.float32)
-            part -= first * length * lam * tl.sum(ssum, axis=0)
-        tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * nk + ik, part)
+            tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * nk + ik, tl.sum(acc, axis=0))
+
 
 MAX_TILE = 64
 """Rows per program (the tile C). A chunk of block_size rows (rounded up to a power of two
@@ -552,19 +569,19 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
     _run_scan(dsend, slope_f, dht, dh0, g, seq, d, dv, t, grad_state is not None, True)
     dq = torch.empty(b, h, seq, d, dtype=_out_dtype(q), device=q.device)
-    # dK, dV per query head; with GQA the caller sums each group, so they stay fp32 until then.
-    kv_dtype = _out_dtype(q) if group == 1 else torch.float32
-    dk = torch.empty(b, h, seq, d, dtype=kv_dtype, device=q.device)
-    dvv = torch.empty(b, h, seq, dv, dtype=kv_dtype, device=q.device)
+    # dK, dV in K/V's heads: each program sums its GQA group's query heads.
+    dk = torch.empty(b, h // group, seq, d, dtype=_out_dtype(q), device=q.device)
+    dvv = torch.empty(b, h // group, seq, dv, dtype=_out_dtype(q), device=q.device)
     nk = triton.cdiv(d, t["BK"])
     parts = torch.empty(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
     # BK fixes the dslope parts' layout: only the Dv loop tile is tuned here.
     for grad_k, part in ((True, parts[0]), (False, parts[1])):
-        _launch(_chunk_dqdk, lambda m: (g.slots * t["R"], h, nk),
+        grid = (g.slots * t["R"], h // group if grad_k else h, nk)  # dK: per K/V head
+        _launch(_chunk_dqdk, lambda m, grid=grid: grid,  # type: ignore[misc]
                 (q_, k_, v_, go, slope_f, states, dsend, dq, dk, part, g.cu, g.table, seq, h,
                  group, g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, GRAD_K=grad_k,
                 LOWP=_lowp(q.dtype), VARLEN=g.varlen)
-    _launch(_chunk_out, lambda m: (g.slots * t["R"], h, triton.cdiv(dv, m["BV"])),
+    _launch(_chunk_out, lambda m: (g.slots * t["R"], h // group, triton.cdiv(dv, m["BV"])),
             (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
              float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, LOWP=_lowp(q.dtype),
             VARLEN=g.varlen)
@@ -595,8 +612,8 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
                    v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
                    block_size: int, need_slope_grad: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Same contract as ``chunked.chunked_backward`` with k, v of Hk heads (dk, dv are per
-    query head [B, H, S, D | Dv]: the caller sums each group) and checkpoints
+    """Same contract as ``chunked.chunked_backward`` with k, v of Hk heads (dk, dv are
+    [B, Hk, S, D | Dv] in q's dtype, each GQA group summed in the kernels) and checkpoints
     [B, H, 1, D, Dv], the initial state: the chunk states are recomputed from it by the
     forward's two parallel launches, so the forward saves q, k, v, slope and one state only
     (selective rematerialization)."""
@@ -620,9 +637,9 @@ def triton_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor,
                            initial_state: Tensor | None, block_size: int,
                            cu_seqlens: Tensor, need_slope_grad: bool
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Gradients of :func:`triton_varlen_forward` (dq [1, H, T, D] in q's dtype; dk, dv per
-    query head [1, H, T, D | Dv], fp32 under GQA; dslope [H] or None; d initial_state
-    [N, H, D, Dv])."""
+    """Gradients of :func:`triton_varlen_forward` (dq [1, H, T, D] in q's dtype; dk, dv
+    [1, Hk, T, D | Dv] in q's dtype, each GQA group summed in the kernels; dslope [H] or
+    None; d initial_state [N, H, D, Dv])."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, initial_state, block_size,
                      cu_seqlens, need_slope_grad)
 
