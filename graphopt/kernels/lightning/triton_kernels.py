@@ -244,7 +244,7 @@ if triton_available():
 
     @triton.jit
     def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
-                    group, n_per, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                    group, n_per, parts, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                     R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD_K: tl.constexpr,
                     LOWP: tl.constexpr, VARLEN: tl.constexpr):
         """GRAD_K: dK of tile r of chunk p (program r + R * p) on one D tile, summed over the
@@ -258,7 +258,6 @@ if triton_available():
         pr, hh, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ct = Q.dtype.element_ty if LOWP else tl.float32
         p, r = pr // R, pr % R
-        nk = tl.cdiv(D, BK)
         # GRAD_K: program per K/V head hh, summing its GQA group's query heads (dK in K's
         # heads and dtype); dQ: hh is the query head.
         h0 = hh * group if GRAD_K else hh
@@ -317,7 +316,7 @@ if triton_available():
                     dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt)
                 part = tl.sum(acc, axis=0) \
                     - first * length * tl.exp(-s * length) * tl.sum(ssum, axis=0)
-                tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * nk + ik, part)
+                tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * parts + ik, part)
             tl.store(DK + (start_kv + r * C) * D + oc[:, None] * D + ok[None, :],
                      dk.to(DK.dtype.element_ty), mask=tile_mask)
         else:
@@ -359,7 +358,7 @@ if triton_available():
                 acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt)) * gap, axis=1) * scale
             tl.store(DQ + (start0 + r * C) * D + oc[:, None] * D + ok[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=tile_mask)
-            tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * nk + ik, tl.sum(acc, axis=0))
+            tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * parts + ik, tl.sum(acc, axis=0))
 
 
 MAX_TILE = 64
@@ -572,15 +571,17 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     # dK, dV in K/V's heads: each program sums its GQA group's query heads.
     dk = torch.empty(b, h // group, seq, d, dtype=_out_dtype(q), device=q.device)
     dvv = torch.empty(b, h // group, seq, dv, dtype=_out_dtype(q), device=q.device)
-    nk = triton.cdiv(d, t["BK"])
-    parts = torch.empty(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
-    # BK fixes the dslope parts' layout: only the Dv loop tile is tuned here.
+    # dslope parts per (program, D tile): room for the narrowest D tile (16), zeros where a
+    # wider tuned tile leaves slots unused, so BK is tuned too.
+    nk = triton.cdiv(d, 16)
+    parts = torch.zeros(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
     for grad_k, part in ((True, parts[0]), (False, parts[1])):
-        grid = (g.slots * t["R"], h // group if grad_k else h, nk)  # dK: per K/V head
-        _launch(_chunk_dqdk, lambda m, grid=grid: grid,  # type: ignore[misc]
+        heads = h // group if grad_k else h  # dK: per K/V head
+        _launch(_chunk_dqdk, lambda m, heads=heads: (  # type: ignore[misc]
+                    g.slots * t["R"], heads, triton.cdiv(d, m["BK"])),
                 (q_, k_, v_, go, slope_f, states, dsend, dq, dk, part, g.cu, g.table, seq, h,
-                 group, g.n_per, float(scale)), t, ("BV",), D=d, DV=dv, GRAD_K=grad_k,
-                LOWP=_lowp(q.dtype), VARLEN=g.varlen)
+                 group, g.n_per, nk, float(scale)), t, ("BK", "BV"), D=d, DV=dv,
+                GRAD_K=grad_k, LOWP=_lowp(q.dtype), VARLEN=g.varlen)
     _launch(_chunk_out, lambda m: (g.slots * t["R"], h // group, triton.cdiv(dv, m["BV"])),
             (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
              float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, LOWP=_lowp(q.dtype),
@@ -684,8 +685,8 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
             spec("output", _chunk_out, ("BK", "BV"), GRAD_V=False),
             spec("g states", _chunk_outer, ("BK", "BV"), out="*fp32", QUERY=True),
             spec("reverse scan", _scan, (), REVERSE=True, **scan),
-            spec("dK", _chunk_dqdk, ("BV",), GRAD_K=True),
-            spec("dQ", _chunk_dqdk, ("BV",), GRAD_K=False),
+            spec("dK", _chunk_dqdk, ("BK", "BV"), GRAD_K=True),
+            spec("dQ", _chunk_dqdk, ("BK", "BV"), GRAD_K=False),
             spec("dV", _chunk_out, ("BK", "BV"), GRAD_V=True)]
 
 
