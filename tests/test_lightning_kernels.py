@@ -265,3 +265,57 @@ def test_reported_saved_bytes_are_what_autograd_keeps(seq, every, dtype):
     kept, every_block = saved_bytes(q.shape, k.shape, v.shape, dtype, 32, every)
     assert got == kept
     assert kept < every_block if seq >= 300 else kept <= every_block
+
+
+def test_packed_sequences_compile_fullgraph_and_check_cu_seqlens_in_the_graph():
+    """cu_seqlens under torch.compile(fullgraph=True): no data-dependent guard (the values
+    are checked by an assert in the graph, not read on the host), outputs and gradients equal
+    eager, and a bad cu_seqlens still raises."""
+    def fn(q, k, v, slope, cu):
+        return lightning_attention(q, k, v, slope, cu_seqlens=cu, block_size=4)
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 12, 8, generator=gen, dtype=torch.float64,
+                           requires_grad=True) for _ in range(3))
+    slope = torch.rand(2, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v, slope, cu)
+    want = fn(q, k, v, slope, cu)
+    torch.testing.assert_close(out, want)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for g, w in zip(got, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(RuntimeError, match="increase strictly from 0 to S = 12"):
+        compiled(q, k, v, slope, torch.tensor([0, 7, 7], dtype=torch.int32))
+
+
+def test_scale_impl_and_option_errors_name_the_fix():
+    """A learnable (grad-requiring) scale, a non-number scale, bad options with cu_seqlens,
+    float64 on Triton and Triton on CPU without the interpreter are errors that say what to
+    do; "auto" keeps float64 on the exact chunked path."""
+    from graphopt.kernels.lightning.op import resolve_impl
+    from graphopt.kernels.lightning.triton_kernels import INTERPRETED, triton_available
+
+    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    slope = torch.rand(2)
+    with pytest.raises(TypeError, match="multiply q by it before the call"):
+        lightning_attention(q, k, v, slope, scale=torch.tensor(0.5, requires_grad=True))
+    with pytest.raises(TypeError, match="scale must be a real number, got str"):
+        lightning_attention(q, k, v, slope, scale="0.5")
+    torch.testing.assert_close(lightning_attention(q, k, v, slope, scale=torch.tensor(0.5)),
+                               lightning_attention(q, k, v, slope, scale=0.5))
+    cu = torch.tensor([0, 3, 8])
+    with pytest.raises(TypeError, match="checkpoint_every must be an int"):
+        lightning_attention(q[:1], k, v, slope, cu_seqlens=cu, checkpoint_every="x")
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        lightning_attention(q, k, v, slope, cu_seqlens=cu, block_size=2.5)
+    gpu = torch.device("cuda")
+    assert resolve_impl("auto", gpu, 64, torch.float64) == "chunked"
+    if triton_available():
+        assert resolve_impl("auto", gpu, 64, torch.bfloat16) == "triton"
+        with pytest.raises(ValueError, match="computes in float32"):
+            resolve_impl("triton", gpu, 64, torch.float64)
+        if not INTERPRETED:
+            with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+                lightning_attention(q, k, v, slope, impl="triton")

@@ -86,9 +86,10 @@ varlen(32)
 gen = torch.Generator().manual_seed(10)
 # bf16 / fp16 inputs (chunks of 2 tiles): fp32 accumulation, outputs and gradients in the
 # input dtype, within the dtype's rounding of the float64 reference (errors relative to the
-# largest entry). fp16 takes fp16 products (tl.dot operands: states and masked scores
-# rounded to fp16, as on a GPU); bf16 runs its products in fp32 here (the interpreter's
-# tl.dot misreads bf16 operands), so only its loads, stores and casts are checked.
+# largest entry). The interpreter's tl.dot misreads bf16 operands, so the low-precision
+# product path (a GPU's bf16 path: states and masked scores rounded to the input dtype) runs
+# here with fp16 (LOWP_DTYPES); bf16 runs fp32 products, checking its loads, stores, casts.
+tk.LOWP_DTYPES = (torch.float16,)
 for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
     q, k, v = (torch.randn(1, 2, 70, 16, generator=gen).to(dtype).requires_grad_()
                for _ in range(3))
@@ -104,6 +105,19 @@ for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
         err = float((g.detach().double() - w.detach()).abs().max() / w.detach().abs().max())
         assert err < tol, (dtype, name, err)
 tk.MAX_TILE = 64
+tk.LOWP_DTYPES = ()
+# fp16 inputs whose carried-in state exceeds fp16's range (the output fits): fp16 takes fp32
+# products, so nothing overflows (rounding the state to fp16 gave inf / NaN everywhere)
+q, k, v = (torch.randn(1, 2, 32, 16, generator=gen).half() for _ in range(3))
+q.requires_grad_()
+h0 = torch.randn(1, 2, 16, 16, generator=gen) * 1e5
+o = lightning_attention(q, k, v, torch.zeros(2), scale=0.01, initial_state=h0, impl="triton")
+o_r, _ = lightning_attention_reference(q.detach().double(), k.double(), v.double(),
+                                       torch.zeros(2, dtype=torch.float64), 0.01, h0.double())
+assert o.isfinite().all() and o_r.abs().max() < 65504
+assert float((o.double() - o_r).abs().max() / o_r.abs().max()) < 2e-3
+(dq,) = torch.autograd.grad(o.float().sum(), q)
+assert dq.isfinite().all()
 # What the Triton forward keeps for the backward: q, k, v, slope and the initial state only
 # (its backward recomputes the chunk states), as op.saved_bytes reports for impl "triton".
 from graphopt.cost.memory import measured_saved_bytes
@@ -142,7 +156,8 @@ def test_gpu_head_dims_beyond_the_triton_limit_use_the_chunked_kernel():
     assert resolve_impl("auto", gpu, 512) == "chunked"
     with pytest.raises(ValueError, match="head dims up to 256"):
         resolve_impl("triton", gpu, 512)
-    assert resolve_impl("triton", torch.device("cpu"), 512) == "triton"  # interpreter: fine
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):  # no interpreter here
+        resolve_impl("triton", torch.device("cpu"), 512)
 
 
 TUNED_SCRIPT = r"""
@@ -151,7 +166,7 @@ import torch
 import graphopt.kernels.lightning.triton_kernels as tk
 from graphopt.kernels.lightning import lightning_attention, lightning_attention_reference
 
-tk.INTERPRETED = False  # take the GPU's autotuned launch path, timed on the host
+tk.TUNE = True  # take the GPU's autotuned launch path, timed on the host
 
 
 def bench(fn, quantiles=None):

@@ -12,6 +12,7 @@ selective rematerialization).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -85,20 +86,26 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-def resolve_impl(impl: str, device: torch.device, head_dim: int = 0) -> str:
-    """"auto": Triton on GPU/NPU when triton is installed and ``head_dim`` (max of D, Dv)
-    <= TRITON_MAX_HEAD_DIM (256), else the chunked PyTorch code.
+def resolve_impl(impl: str, device: torch.device, head_dim: int = 0,
+                 dtype: torch.dtype | None = None) -> str:
+    """"auto": Triton on GPU/NPU when triton is installed, ``head_dim`` (max of D, Dv)
+    <= TRITON_MAX_HEAD_DIM (256) and the inputs are not float64 (the Triton kernels compute
+    in float32; float64 keeps its accuracy on the chunked path), else the chunked PyTorch
+    code.
 
     Raises:
-        ValueError: unknown impl, or impl="triton" on a GPU with a head dim it cannot run.
-        RuntimeError: impl="triton" without triton installed.
+        ValueError: unknown impl; impl="triton" on a GPU with a head dim it cannot run, or
+            with float64 inputs.
+        RuntimeError: impl="triton" without triton installed, or for CPU tensors without
+            Triton's interpreter (TRITON_INTERPRET=1 when Python started).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     too_big = device.type != "cpu" and head_dim > TRITON_MAX_HEAD_DIM
+    fp64 = dtype == torch.float64
     if impl == "auto":
         return "triton" if device.type in ("cuda", "npu", "xpu") and triton_available() \
-            and not too_big else "chunked"
+            and not too_big and not fp64 else "chunked"
     if impl == "triton" and not triton_available():
         raise RuntimeError("impl='triton' needs triton: pip install 'graphopt[triton]' "
                            "(triton-ascend on NPU); on CPU also set TRITON_INTERPRET=1")
@@ -106,6 +113,18 @@ def resolve_impl(impl: str, device: torch.device, head_dim: int = 0) -> str:
         raise ValueError(
             f"impl='triton' supports head dims up to {TRITON_MAX_HEAD_DIM} on GPUs, got "
             f"{head_dim}; use impl='chunked' or 'auto'")
+    if impl == "triton" and fp64:
+        raise ValueError("impl='triton' computes in float32 and would lose float64 inputs' "
+                         "accuracy; use impl='chunked' or 'auto' (both keep float64), or "
+                         "cast the inputs to float32")
+    if impl == "triton" and device.type == "cpu":
+        from graphopt.kernels.lightning.triton_kernels import INTERPRETED
+
+        if not INTERPRETED:
+            raise RuntimeError(
+                "impl='triton' on CPU tensors runs Triton's interpreter, which is chosen when "
+                "triton is imported: start Python with TRITON_INTERPRET=1, or use "
+                "impl='chunked' / 'auto' on CPU")
     return impl
 
 
@@ -426,8 +445,16 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
 
     Raises:
         ValueError / TypeError: wrong ranks, mismatched shapes or heads, non-float inputs,
-            slope of the wrong length, bad layout/block_size, cu_seqlens not increasing from
-            0 to S or with B > 1.
+            slope of the wrong length, bad layout/block_size/checkpoint_every, a scale that
+            is not a constant number (a tensor requiring grad), cu_seqlens not increasing
+            from 0 to S or with B > 1; impl="triton" with float64 inputs (see
+            :func:`resolve_impl`).
+        RuntimeError: impl="triton" without triton, or on CPU without TRITON_INTERPRET=1.
+
+    Not supported: double backward (the backward op has no autograd formula of its own).
+    On Triton with bf16 inputs the products take bf16 operands (chunk states and masked
+    scores rounded to bf16, fp32 accumulation, as flash-linear-attention); fp16 and fp32
+    inputs take fp32 products (fp16's range would overflow large states).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -435,14 +462,30 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
         for name, x in (("q", q), ("k", k), ("v", v)):
             _check(name, x, 4)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    scale_f, block, every = _scalars(scale, block_size, checkpoint_every)
     if cu_seqlens is not None:
-        o, state = _varlen(q, k, v, slope, cu_seqlens, scale=scale,
-                           initial_state=initial_state, block_size=block_size,
-                           checkpoint_every=checkpoint_every, impl=impl)
+        o, state = _varlen(q, k, v, slope, cu_seqlens, initial_state, scale_f, block, impl)
         if layout == "bshd":
             o = o.transpose(1, 2)
         return (o, state) if output_final_state else o
     validate(q, k, v, slope, initial_state)
+    chosen = resolve_impl(impl, q.device, max(q.shape[-1], v.shape[-1]), q.dtype)
+    o, state, _ = torch.ops.graphopt.lightning_attention_fwd(
+        q, k, v, slope, scale_f, initial_state, _effective_block(chosen, block), every, chosen)
+    if layout == "bshd":
+        o = o.transpose(1, 2)
+    return (o, state) if output_final_state else o
+
+
+def _scalars(scale: Any, block_size: Any, checkpoint_every: Any) -> tuple[float, int, int]:
+    """(scale, block_size, checkpoint_every) checked, with their defaults (1, 64, 8).
+
+    Raises:
+        TypeError: block_size / checkpoint_every not ints; scale not a real number or a
+            one-element tensor, or a tensor that requires grad (the op takes a constant
+            scale: a learnable one would silently get no gradient).
+        ValueError: block_size or checkpoint_every < 1.
+    """
     for name, value in (("block_size", block_size), ("checkpoint_every", checkpoint_every)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {value!r}")
@@ -450,19 +493,26 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
     every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
     if block < 1 or every < 1:
         raise ValueError(f"block_size and checkpoint_every must be >= 1, got {block}, {every}")
-    chosen = resolve_impl(impl, q.device, max(q.shape[-1], v.shape[-1]))
-    o, state, _ = torch.ops.graphopt.lightning_attention_fwd(
-        q, k, v, slope, 1.0 if scale is None else float(scale), initial_state,
-        _effective_block(chosen, block), every, chosen)
-    if layout == "bshd":
-        o = o.transpose(1, 2)
-    return (o, state) if output_final_state else o
+    if scale is None:
+        return 1.0, block, every
+    if isinstance(scale, torch.Tensor):
+        if scale.requires_grad:
+            raise TypeError("scale is a tensor that requires grad, but lightning_attention "
+                            "takes a constant scale (it would get no gradient); for a "
+                            "learnable scale multiply q by it before the call")
+        if scale.numel() != 1:
+            raise TypeError(f"scale must be one number, got a tensor of shape "
+                            f"{tuple(scale.shape)}")
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
+    return float(scale), block, every
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
     """cu_seqlens must be a 1-D integer tensor increasing strictly from 0 to S. On the CPU
-    this is checked here (ValueError); on an accelerator by an asynchronous device assert
-    (no host synchronization on the hot path)."""
+    this is checked here (ValueError); on an accelerator, and in a graph torch.compile
+    traces (where the values are not known), by an asynchronous assert (RuntimeError; no host
+    synchronization on the hot path, no data-dependent guard that breaks fullgraph)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
             cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or \
             cu_seqlens.shape[0] < 2:
@@ -470,7 +520,7 @@ def _check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
     message = f"cu_seqlens must increase strictly from 0 to S = {total}"
-    if cu_seqlens.device.type == "cpu":
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
         bounds = [int(x) for x in cu_seqlens.tolist()]
         if bounds[0] != 0 or bounds[-1] != total or \
                 any(b <= a for a, b in zip(bounds, bounds[1:])):
@@ -482,8 +532,8 @@ def _check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
-            initial_state: Tensor | None, scale: float | None, block_size: int | None,
-            checkpoint_every: int | None, impl: str) -> tuple[Tensor, Tensor]:
+            initial_state: Tensor | None, scale: float, block_size: int, impl: str
+            ) -> tuple[Tensor, Tensor]:
     """Packed sequences through ``graphopt::lightning_attention_varlen_fwd``: on Triton one
     launch per kernel for all sequences (a chunk table built on the device), on the chunked
     path one chunked call per sequence."""
@@ -501,13 +551,8 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
         if tuple(initial_state.shape) != (n, hq, d, dv):
             raise ValueError(f"with cu_seqlens, initial_state must be [N, Hq, D, Dv] = "
                              f"{[n, hq, d, dv]}, got {tuple(initial_state.shape)}")
-    if block_size is not None and (isinstance(block_size, bool) or
-                                   not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    del checkpoint_every  # one state per sequence is saved; chunk states are recomputed
-    chosen = resolve_impl(impl, q.device, max(d, dv))
-    block = _effective_block(chosen, DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+    chosen = resolve_impl(impl, q.device, max(d, dv), q.dtype)
     cu = cu_seqlens.to(q.device)
     return torch.ops.graphopt.lightning_attention_varlen_fwd(
-        q, k, v, slope, 1.0 if scale is None else float(scale), initial_state, cu, block,
+        q, k, v, slope, scale, initial_state, cu, _effective_block(chosen, block_size),
         chosen)

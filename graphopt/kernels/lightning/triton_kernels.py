@@ -395,11 +395,8 @@ def _out_dtype(x: Tensor) -> torch.dtype:
 
 
 def _lowp(dtype: torch.dtype) -> bool:
-    """Products (tl.dot) in the input dtype for fp16/bf16 inputs (tensor cores at their full
-    rate, half the operand registers; fp32 accumulation), fp32 otherwise. Under Triton's
-    interpreter bf16 products run in fp32: its tl.dot misreads bf16 operands (garbage in
-    triton 3.9), so fp16 is what exercises the low-precision products on the CPU."""
-    return dtype == torch.float16 or (dtype == torch.bfloat16 and not INTERPRETED)
+    """Whether the products (tl.dot) take the input dtype: see LOWP_DTYPES."""
+    return dtype in LOWP_DTYPES
 
 
 def _ntiles(d: int, dv: int, meta: dict[str, Any]) -> int:
@@ -408,7 +405,20 @@ def _ntiles(d: int, dv: int, meta: dict[str, Any]) -> int:
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton's CPU interpreter (read at import, as triton.jit does): fixed tiles, no tuning."""
+"""Triton's CPU interpreter (read at import, as triton.jit does)."""
+
+TUNE = not INTERPRETED
+"""Autotune the launches (GPU/NPU); the interpreter takes fixed tiles. Tests set it to run the
+tuned launch path under the interpreter (with a host timer, BENCHMARKER)."""
+
+LOWP_DTYPES: tuple[torch.dtype, ...] = () if INTERPRETED else (torch.bfloat16,)
+"""Input dtypes whose products take the input dtype (tensor cores at their full rate, half the
+operand registers; fp32 accumulation; chunk states and masked scores rounded to it, as
+flash-linear-attention does): bf16, which has fp32's range. fp16 inputs take fp32 products:
+rounding a state to fp16 overflows past 65504 where the output itself fits (a long sequence
+with little decay, a large carried-in state). None under the interpreter, whose tl.dot
+misreads bf16 operands (triton 3.9); tests set (torch.float16,) there to run the
+low-precision path with values inside fp16's range."""
 
 
 def _configs(tuned: tuple[str, ...]) -> list[Any]:
@@ -444,7 +454,7 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     that do not fit shared memory are skipped by the autotuner); under the interpreter they
     are ``t``'s. Only kernels that write every output element each run are tuned (the scans
     update in place and keep ``t``)."""
-    if INTERPRETED or not tuned:
+    if not TUNE or not tuned:
         meta = {**t, **consts}
         kernel[grid(meta)](*args, **meta, **_options(t["C"]))
         return
@@ -667,7 +677,7 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
     state = {n: "*fp32" for n in ("SLOPE", "BUF", "STATES", "DSEND", "INIT", "FINAL",
                                   "DSLOPE")}
     index = {n: "*i32" for n in ("CU", "CHUNKS", "OFFS")}
-    lowp = dtype in ("bf16", "fp16")
+    lowp = dtype == "bf16"  # as LOWP_DTYPES on a GPU
     t = _tiles(d, dv, block_size)
 
     def spec(name: str, kernel: Any, tuned: tuple[str, ...], out: str | None = None,

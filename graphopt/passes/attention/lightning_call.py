@@ -33,7 +33,7 @@ def insert_lightning_fwd(gm: fx.GraphModule, before: fx.Node, q: fx.Node, k: fx.
     op = torch.ops.graphopt.lightning_attention_fwd.default
     with graph.inserting_before(before):
         args = (q, k, v, slope, scale, None, DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY,
-                resolve_impl("auto", q_val.device, dims))
+                resolve_impl("auto", q_val.device, dims, q_val.dtype))
         call = graph.call_function(op, args)
         call.meta["val"] = fake_call(op, *args)
         outs = []
@@ -82,7 +82,8 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
         return ""
     shapes = [tuple(int(x) for x in shape) for shape in hints]
     # The op's "auto" resolves by device: Triton on a GPU/NPU keeps only the initial state.
-    impl = resolve_impl("auto", vals[0].device, max(shapes[0][-1], shapes[2][-1]))
+    impl = resolve_impl("auto", vals[0].device, max(shapes[0][-1], shapes[2][-1]),
+                        vals[0].dtype)
     kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype, impl=impl)
     symbolic = any(isinstance(x, torch.SymInt) for val in vals for x in val.shape)
     what = ("the initial state; Triton recomputes the chunk states" if impl == "triton" else
