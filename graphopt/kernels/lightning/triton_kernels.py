@@ -243,6 +243,24 @@ if triton_available():
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
+    def _do_vt(DOB, mdo, VB, mv_rows, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+               LOWP: tl.constexpr):
+        """dO V^T [C, C] (fp32) over the Dv tiles: C rows of dO from DOB (row mask mdo) and
+        of V from VB (row mask mv_rows), products in the input dtype under LOWP."""
+        ct = DOB.dtype.element_ty if LOWP else tl.float32
+        oc = tl.arange(0, C)
+        acc = tl.zeros([C, C], dtype=tl.float32)
+        for iv in range(0, tl.cdiv(DV, BV)):
+            ov = iv * BV + tl.arange(0, BV)
+            mv = ov < DV
+            g = tl.load(DOB + oc[:, None] * DV + ov[None, :], mask=mdo[:, None] & mv[None, :],
+                        other=0.0).to(ct)
+            v = tl.load(VB + oc[:, None] * DV + ov[None, :], mask=mv_rows[:, None] & mv[None, :],
+                        other=0.0).to(ct)
+            acc += tl.dot(g, tl.trans(v))
+        return acc
+
+    @triton.jit
     def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
                     group, n_per, parts, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                     R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD_K: tl.constexpr,
@@ -301,15 +319,7 @@ if triton_available():
                     q_t = Q + (start + t * C) * D
                     do_t = DO + (start + t * C) * DV
                     mt = t * C + oc < length
-                    dov = tl.zeros([C, C], dtype=tl.float32)  # dO_t V_r^T
-                    for iv in range(0, tl.cdiv(DV, BV)):
-                        ov = iv * BV + tl.arange(0, BV)
-                        mv = ov < DV
-                        g = tl.load(do_t + oc[:, None] * DV + ov[None, :],
-                                    mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
-                        v = tl.load(v_own + oc[:, None] * DV + ov[None, :],
-                                    mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
-                        dov += tl.dot(g, tl.trans(v))
+                    dov = _do_vt(do_t, mt, v_own, mrow, DV, C, BV, LOWP)  # dO_t V_r^T
                     m = _decay_mask(s, (t * C + oc).to(tl.float32)[:, None] - fi[None, :])
                     qt = tl.load(q_t + oc[:, None] * D + ok[None, :],
                                  mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
@@ -340,15 +350,7 @@ if triton_available():
                 k_t = K + (start_kv + t * C) * D
                 v_t = V + (start_kv + t * C) * DV
                 mt = t * C + oc < length
-                dov = tl.zeros([C, C], dtype=tl.float32)  # dO_r V_t^T
-                for iv in range(0, tl.cdiv(DV, BV)):
-                    ov = iv * BV + tl.arange(0, BV)
-                    mv = ov < DV
-                    do = tl.load(do_own + oc[:, None] * DV + ov[None, :],
-                                 mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
-                    vt = tl.load(v_t + oc[:, None] * DV + ov[None, :],
-                                 mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
-                    dov += tl.dot(do, tl.trans(vt))
+                dov = _do_vt(do_own, mrow, v_t, mt, DV, C, BV, LOWP)  # dO_r V_t^T
                 gap = fi[:, None] - (t * C + oc).to(tl.float32)[None, :]
                 m = _decay_mask(s, gap)
                 dovm = dov * m  # 0 where the key is after the query, so gap needs no clamp
