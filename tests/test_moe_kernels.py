@@ -227,6 +227,12 @@ for dtype, cf, tol in ((torch.float32, None, 1e-5), (torch.float32, 0.6, 1e-5),
                           (want,) + want_g):
         err = float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max())
         assert err < tol, (dtype, cf, name, err)
+# a dropped assignment adds exactly 0 even with an inf weight (inf * masked 0 was NaN)
+x, gate_up, down = torch.randn(4, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
+index = torch.zeros(4, 1, dtype=torch.long)
+w = torch.tensor([[1.0], [0.5], [float("inf")], [2.0]])
+out = moe_experts(x, index, w, gate_up, down, capacity_factor=0.5)  # C = 1: token 0 only
+assert out[1:].eq(0).all() and out[0].ne(0).any(), out
 print("ok")
 """
 
@@ -246,3 +252,66 @@ def test_fused_triton_combine_matches_float64_under_interpreter():
                          check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_capacity_is_exact_for_decimal_factors_and_never_overflows():
+    """C = ceil(cf * T * K / E) exactly for the factor as written: 1.1 * 50 / 5 is 11 (the
+    float product 11.000000000000002 kept a 12th assignment); a factor >= E keeps all."""
+    from graphopt.kernels.moe.dispatch import expert_capacity
+
+    assert expert_capacity(1.1, 50, 5) == 11
+    assert expert_capacity(1 / 3, 9, 1) == 3
+    assert expert_capacity(1e308, 50, 5) == 50
+    index = torch.zeros(50, 1, dtype=torch.long)  # 50 assignments on expert 0 of 5
+    keep = capacity_keep_mask(index, 5, 1.1)
+    assert int(keep.sum()) == 11 and keep[:11].all()
+    experts = _experts(h=8, f=6, e=5)
+    hidden = torch.randn(50, 8, dtype=torch.float64)
+    out = moe_experts(hidden, index, torch.ones(50, 1, dtype=torch.float64),
+                      experts.gate_up_proj, experts.down_proj, capacity_factor=1.1)
+    assert out[11:].eq(0).all() and out[10].ne(0).any()
+    full = moe_experts(hidden, index, torch.ones(50, 1, dtype=torch.float64),
+                       experts.gate_up_proj, experts.down_proj, capacity_factor=1e308)
+    torch.testing.assert_close(full, experts(hidden, index, torch.ones(50, 1,
+                                                                       dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("t, h, f, cf", [(1, 4, 3, None), (5, 1, 8, None), (5, 4, 1, None),
+                                         (32, 4, 3, 0.1), (0, 4, 3, None)])
+def test_sizes_whose_strides_grouped_mm_refuses_fall_back_to_the_loop(t, h, f, cf):
+    """fp32 shapes with a size-1 or unaligned dimension (H = 1, F = 1, one row, one kept
+    row, no rows): torch._grouped_mm checks every stride, so these take the per-expert loop
+    instead of raising; forward and gradients equal the float64 loop."""
+    gen = torch.Generator().manual_seed(0)
+    e = 4
+    index = torch.zeros(t, 1, dtype=torch.long) if cf else torch.randint(0, e, (t, 1),
+                                                                         generator=gen)
+    ins = [torch.randn(t, h, generator=gen), torch.rand(t, 1, generator=gen),
+           torch.randn(e, 2 * f, h, generator=gen), torch.randn(e, h, f, generator=gen)]
+    ins = [x.requires_grad_() for x in ins]
+    ref = [x.detach().double().requires_grad_() for x in ins]
+    got = moe_experts(ins[0], index, ins[1], *ins[2:], capacity_factor=cf)
+    want = moe_experts(ref[0], index, ref[1], *ref[2:], capacity_factor=cf)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.sum(), ins), torch.autograd.grad(want.sum(), ref)):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_integer_indices_odd_gate_up_and_compiled_public_api():
+    """int32 / uint8 router indices give the int64 result; an odd gate_up row count is an
+    error naming it; moe_experts compiles with fullgraph (index range asserted in the
+    graph, not read on the host)."""
+    experts = _experts(h=8, f=6, e=4)
+    hidden = torch.randn(6, 8, dtype=torch.float64)
+    index, weights = _routing(6, 2, 4)
+    want = moe_experts(hidden, index, weights, experts.gate_up_proj, experts.down_proj)
+    for dtype in (torch.int32, torch.uint8):
+        got = moe_experts(hidden, index.to(dtype), weights, experts.gate_up_proj,
+                          experts.down_proj, capacity_factor=None)
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="even row count"):
+        moe_experts(hidden, index, weights, torch.randn(4, 13, 8, dtype=torch.float64),
+                    experts.down_proj)
+    compiled = torch.compile(moe_experts, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(hidden, index, weights, experts.gate_up_proj,
+                                        experts.down_proj), want)

@@ -92,11 +92,14 @@ class Experts(torch.nn.Module):
                                               False)[0]
 
 
-@pytest.mark.parametrize("form, capacity_factor", [("gather", -1.0), ("dense", 0.5)])
+@pytest.mark.parametrize("form, capacity_factor", [("gather", -1.0), ("dense", 0.5),
+                                                   ("gather", 1.1)])
 def test_moe_translation_is_the_op_for_any_token_count(tmp_path: Path, form: str,
                                                        capacity_factor: float) -> None:
     """float64 experts, float32 router weights (promoted as the op does); capacity 0.5 drops
-    assignments in token order; one token, and every token's first choice on expert 0."""
+    assignments in token order; one token, and every token's first choice on expert 0.
+    Capacity 1.1 at 40 tokens: C = 22 exactly in both (the float product gives 22.000...04,
+    whose ceiling would keep a 23rd assignment)."""
     gen = torch.Generator().manual_seed(0)
     e, k, h, f = 4, 2, 8, 6
     gate_up = torch.randn(e, 2 * f, h, generator=gen, dtype=torch.float64)

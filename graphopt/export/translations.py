@@ -33,6 +33,8 @@ import onnx_ir as ir
 from onnxscript import BOOL, DOUBLE, FLOAT, INT64, graph, script
 from onnxscript import opset18 as op
 
+from graphopt.kernels.moe.dispatch import capacity_fraction
+
 # ---------------------------------------------------------------------------- lightning
 
 TAcc = TypeVar("TAcc", bound=Union[FLOAT, DOUBLE])  # noqa: UP007 (onnxscript reads it)
@@ -202,18 +204,22 @@ def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, dow
     acc = _promote(hidden.dtype, weights.dtype)
     weights = op.Cast(weights, to=acc)
     flat = op.Reshape(index, _ints(-1))  # [T*K], token-major as the op's stable sort
-    if capacity_factor > 0:  # the first C assignments per expert in token order are kept
+    if 0 < capacity_factor < num_experts:  # the first C per expert in token order are kept
+        # (a factor >= E keeps every assignment: C >= T * K)
         experts = op.Range(op.Constant(value_int=0), op.Constant(value_int=num_experts),
                            op.Constant(value_int=1))
         one_hot = op.Cast(op.Equal(op.Unsqueeze(flat, _ints(1)), experts), to=ir.DataType.INT64)
         rank = op.GatherElements(op.CumSum(one_hot, op.Constant(value_int=0)),
                                  op.Unsqueeze(flat, _ints(1)), axis=1)  # 1-based
-        assignments = op.Cast(op.Shape(flat), to=ir.DataType.DOUBLE)
-        capacity = op.Ceil(op.Div(op.Mul(assignments, _double(capacity_factor)),
-                                  _double(num_experts)))
-        keep = op.LessOrEqual(op.Cast(op.Squeeze(rank, _ints(1)), to=ir.DataType.DOUBLE),
-                              capacity)
-        weights = op.Mul(weights, op.Cast(op.Reshape(keep, op.Shape(index)), to=acc))
+        # C = ceil(num * T*K / (den * E)) in int64, exactly as the op (capacity_fraction)
+        frac = capacity_fraction(capacity_factor)
+        denom = frac.denominator * num_experts
+        capacity = op.Div(op.Add(op.Mul(op.Shape(flat), _ints(frac.numerator)),
+                                 _ints(denom - 1)), _ints(denom))
+        keep = op.LessOrEqual(op.Squeeze(rank, _ints(1)), capacity)
+        # Where, not a multiply by 0: a dropped assignment adds 0 even with an inf weight
+        weights = op.Where(op.Reshape(keep, op.Shape(index)), weights,
+                           op.CastLike(_double(0.0), weights))
     out = op.ConstantOfShape(op.Shape(hidden), value=ir.tensor([0.0], dtype=acc))
     if form == "dense":
         # [T, E] routing matrix: w at (t, index[t, k]), zero elsewhere.

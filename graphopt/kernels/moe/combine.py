@@ -41,8 +41,10 @@ if triton_available():
         for k in range(0, K):
             j = t.to(tl.int64) * K + k
             slot = tl.load(SLOT + j)
-            w = tl.load(W + j).to(tl.float32)
-            keep = mask & ((cols * 0 + slot) >= 0)  # a dropped assignment reads nothing
+            # a dropped assignment reads nothing and adds exactly 0, whatever its weight
+            # (an inf / NaN weight times a masked 0 would be NaN)
+            w = tl.where(slot >= 0, tl.load(W + j).to(tl.float32), 0.0)
+            keep = mask & ((cols * 0 + slot) >= 0)
             y = tl.load(Y + tl.maximum(slot, 0).to(tl.int64) * H + cols, mask=keep,
                         other=0.0).to(tl.float32)
             acc += w * y

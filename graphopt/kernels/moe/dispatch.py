@@ -27,6 +27,7 @@ carries it). :func:`capacity_keep_mask` gives exactly which assignments are kept
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -50,12 +51,30 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tenso
     return order, order // k, counts
 
 
+def capacity_fraction(capacity_factor: float) -> Fraction:
+    """The capacity factor as the rational number it stands for: its shortest decimal (repr)
+    as a fraction, then the nearest one with a denominator <= 10**6 (1.1 -> 11/10,
+    0.3333333333333333 -> 1/3), so C is computed exactly and the same way everywhere (the
+    op, the ONNX export) instead of from a float product (1.1 * 50 / 5 = 11.000000000000002
+    would keep a 12th assignment)."""
+    return Fraction(repr(float(capacity_factor))).limit_denominator(10**6)
+
+
+def expert_capacity(capacity_factor: float, assignments: int, num_experts: int) -> int:
+    """C = ceil(capacity_factor * T * K / E) in exact arithmetic (:func:`capacity_fraction`),
+    at most T * K (a factor >= E keeps everything; no overflow for a huge one)."""
+    if capacity_factor >= num_experts:
+        return assignments
+    return min(math.ceil(capacity_fraction(capacity_factor) * assignments / num_experts),
+               assignments)
+
+
 def capacity_keep_mask(top_k_index: Tensor, num_experts: int,
                        capacity_factor: float) -> Tensor:
     """[T, K] bool: which assignments an expert capacity of
     C = ceil(capacity_factor * T * K / E) keeps (the first C per expert in token order)."""
     t, k = top_k_index.shape
-    capacity = math.ceil(capacity_factor * t * k / num_experts)
+    capacity = expert_capacity(capacity_factor, t * k, num_experts)
     order, _, counts = sort_by_expert(top_k_index, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     experts_sorted = top_k_index.reshape(-1)[order]
@@ -80,9 +99,11 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != t:
         raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)} must both be [T={t}, K]")
-    if gate_up.dim() != 3 or gate_up.shape[2] != h or down.shape != (e, h, gate_up.shape[1] // 2):
-        raise ValueError(f"gate_up must be [E, 2F, H={h}] and down [E, H, F]; got "
-                         f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+    if gate_up.dim() != 3 or gate_up.shape[2] != h or gate_up.shape[1] % 2 or \
+            down.shape != (e, h, gate_up.shape[1] // 2):
+        raise ValueError(f"gate_up must be [E, 2F, H={h}] (gate and up rows stacked: an even "
+                         f"row count) and down [E, H, F]; got {tuple(gate_up.shape)} and "
+                         f"{tuple(down.shape)}")
     if top_k_index.dim() != 2 or top_k_index.dtype.is_floating_point or \
             top_k_index.dtype == torch.bool:
         raise ValueError(f"top_k_index must be an integer [T, K] tensor, got "
@@ -95,7 +116,9 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     if capacity_factor is not None and not (0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
     flat = top_k_index.reshape(-1)
-    if flat.is_cuda:  # checked on the device: no host synchronization on the hot path
+    if flat.is_cuda or torch.compiler.is_compiling():
+        # checked on the device (no host synchronization on the hot path) or, in a graph
+        # torch.compile traces, by an assert in the graph (no data-dependent guard)
         torch._assert_async(((flat >= 0) & (flat < e)).all(),
                             f"graphopt moe_experts: top_k_index has values outside [0, {e})")
     elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
@@ -103,5 +126,6 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
                          f"max {int(flat.max())}")
     from graphopt.kernels.moe.op import moe_experts_op
 
-    return moe_experts_op(hidden, top_k_index, top_k_weights, gate_up, down,
+    # int64 indices for the op (int32 / int16 / uint8 routers work too)
+    return moe_experts_op(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up, down,
                           capacity_factor or -1.0, 1, "", "flat", 1, 1, False)[0]

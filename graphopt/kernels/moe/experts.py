@@ -48,8 +48,10 @@ def use_grouped_mm(x: Tensor, *others: Tensor) -> bool:
         return False  # CUDA kernels: bf16 on sm80+
     for t in (x, *others):
         size = t.element_size()
-        if t.data_ptr() % 16 or any(st * size % 16 for st, n in zip(t.stride(), t.shape)
-                                    if st != 1 and n > 1):
+        # one unit stride (the contiguous dim), every other stride 16-byte aligned, size-1
+        # dims included: torch._grouped_mm checks them all
+        strides = sorted(t.stride())
+        if t.data_ptr() % 16 or strides[0] != 1 or any(st * size % 16 for st in strides[1:]):
             return False
     return True
 
