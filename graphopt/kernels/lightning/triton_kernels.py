@@ -673,7 +673,7 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
                  varlen: bool = False) -> list[LaunchSpec]:
     """The launches of one forward + backward at head dims (d, dv), chunk ``block_size`` and
     input dtype ("bf16", "fp16", "fp32"): state pass, scan, output, g pass, reverse scan,
-    dK, dQ, dV (GQA's fp32 dK/dV buffers not included)."""
+    dK, dQ, dV."""
     from graphopt.kernels.resources import argument_types
 
     state = {n: "*fp32" for n in ("SLOPE", "BUF", "STATES", "DSEND", "INIT", "FINAL",
