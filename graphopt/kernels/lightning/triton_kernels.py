@@ -12,8 +12,11 @@ chunks, then an output pass parallel over chunks), written from the equations:
               g[c]      = (Q_c * a)^T dO_c                   grid (chunks, B*H, D/Bk x Dv/Bv)
               E[c-1]    = lambda^L_c E[c] + g[c]  (reverse scan; E[N-1] = dS_T; E[c] is the
                           gradient of the state after chunk c; what is left: dS_0)
-              dQ, dK, dslope parts                          grid (chunks, B*H, D/Bk)
-              dV (the output kernel, transposed scores)     grid (chunks, B*H, Dv/Bv)
+              dK (+ dslope parts), per K/V head summing its GQA group
+                                                            grid (chunks, B*Hk, D/Bk)
+              dQ (+ dslope parts)                           grid (chunks, B*H, D/Bk)
+              dV (the output kernel, transposed scores), per K/V head
+                                                            grid (chunks, B*Hk, Dv/Bv)
 
 Per chunk c of length L (L = C except the tail) and in-chunk positions i, j:
 M_ij = lambda^(i-j) (i >= j), a_i = lambda^(i+1), b_j = lambda^(L-1-j), lambda = exp(-slope).
