@@ -50,13 +50,16 @@ def insert_lightning_fwd(gm: fx.GraphModule, before: fx.Node, q: fx.Node, k: fx.
 def insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: fx.Node,
                               v: fx.Node, slopes: torch.Tensor, scale: float) -> fx.Node:
     """Insert ``lightning_attention_fwd(q, k, v, slopes)[0]`` before ``node``, the slopes
-    frozen as a float32 buffer of ``gm``; returns the output node (not yet wired in)."""
+    frozen as a buffer of ``gm`` (float64 for float64 q, which a float32 buffer would round:
+    ~1e-10 relative error in a float64 model; float32 otherwise); returns the output node
+    (not yet wired in)."""
     graph = gm.graph
     q_val = tensor_meta(q)
     mode = detect_fake_mode([q_val])
     assert q_val is not None and mode is not None
     name = f"_graphopt_slope_{node.name}"
-    gm.register_buffer(name, slopes.to(torch.float32, copy=True).to(q_val.device))
+    dtype = torch.float64 if q_val.dtype == torch.float64 else torch.float32
+    gm.register_buffer(name, slopes.to(dtype, copy=True).to(q_val.device))
     with graph.inserting_before(node):
         slope = graph.get_attr(name)
     slope.meta["val"] = mode.from_tensor(getattr(gm, name))
