@@ -153,6 +153,21 @@ def test_parallel_form_becomes_one_op():
     assert_matches_eager(model, as_function(gm, model), qkv, rtol=1e-4, atol=1e-4)
 
 
+def test_parallel_form_float64_keeps_float64_slopes():
+    """A float64 model's frozen slopes stay float64 (a float32 buffer rounded them: ~1e-10
+    relative error in float64 outputs), so the rewrite matches eager at float64 precision."""
+    model = RetNetStyle()
+    model.slope = model.slope.double() * 1.0000001  # not representable in float32
+    qkv = [x.detach().double().requires_grad_() for x in _qkv()]
+    gm = trace_for_pass(model, *qkv)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, *qkv))
+    assert record.count("rewritten") == 1
+    frozen = [b for n, b in gm.named_buffers() if n.startswith("_graphopt_slope")]
+    assert [b.dtype for b in frozen] == [torch.float64]
+    assert_matches_eager(model, as_function(gm, model), qkv, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("model, reason", [
     (RetNetStyle(causal=False), "not exp(-slope * (i - j)) below the diagonal and 0 above"),
     (RetNetStyle(trainable=True), "depends on an input or a trainable parameter"),
