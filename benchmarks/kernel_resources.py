@@ -20,7 +20,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpr
 
 from graphopt.kernels.lightning import triton_kernels as tk  # noqa: E402
 from graphopt.kernels.moe import combine as moe_combine  # noqa: E402
-from graphopt.kernels.resources import argument_types, compile_for_gpu  # noqa: E402
+from graphopt.kernels.resources import compile_for_gpu  # noqa: E402
 
 
 def lightning(d: int, block: int) -> None:
@@ -45,13 +45,9 @@ def combine() -> None:
     print("\n### MoE combine (bf16 rows, fp32 weights)\n")
     print("| kernel | BLOCK | registers | stack B | shared KB |")
     print("|---|---|---|---|---|")
-    for kernel, block, explicit in (
-            (moe_combine._combine, 1024, {"W": "*fp32", "SLOT": "*i32", "H": "i32"}),
-            (moe_combine._combine_backward, 512,
-             {"W": "*fp32", "ORDER": "*i64", "GW": "*fp32", "H": "i32"})):
-        types = argument_types(kernel, explicit, "*bf16")
-        res = compile_for_gpu(kernel, types, {"K": 2, "BLOCK": block}, num_warps=4)
-        print(f"| {kernel.fn.__name__} | {block} | {res.registers} | {res.stack} | "
+    for kernel, types, consts in moe_combine.launch_specs():
+        res = compile_for_gpu(kernel, types, consts, num_warps=4)
+        print(f"| {kernel.fn.__name__} | {consts['BLOCK']} | {res.registers} | {res.stack} | "
               f"{res.shared / 1024:.1f} |")
 
 

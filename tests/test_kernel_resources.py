@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 SCRIPT = r"""
 from graphopt.kernels.lightning import triton_kernels as tk
 from graphopt.kernels.moe import combine as moe_combine
-from graphopt.kernels.resources import argument_types, compile_for_gpu
+from graphopt.kernels.resources import compile_for_gpu
 
 # Every launch of a forward + backward at head dims 64 / 128 / 256 (bf16) and with chunks of
 # 4 tiles (fp16): at least one of its autotune candidates (the scans: their fixed tiles)
@@ -36,12 +36,8 @@ for d, block, dtype in ((64, 64, "bf16"), (128, 64, "bf16"), (256, 64, "bf16"),
 spec = tk.launch_specs(128, 128, 64, "bf16", varlen=True)[2]
 consts, warps, stages = sorted(tk.launch_configs(spec), key=lambda c: -c[1])[0]
 compile_for_gpu(spec.kernel, spec.types, consts, warps, stages)
-for kernel, block, explicit in (
-        (moe_combine._combine, 1024, {"W": "*fp32", "SLOT": "*i32", "H": "i32"}),
-        (moe_combine._combine_backward, 512,
-         {"W": "*fp32", "ORDER": "*i64", "GW": "*fp32", "H": "i32"})):
-    res = compile_for_gpu(kernel, argument_types(kernel, explicit, "*bf16"),
-                          {"K": 2, "BLOCK": block}, num_warps=4)
+for kernel, types, consts in moe_combine.launch_specs():
+    res = compile_for_gpu(kernel, types, consts, num_warps=4)
     assert res.fits(), (kernel, res)
 print("ok")
 """

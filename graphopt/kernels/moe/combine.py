@@ -21,6 +21,8 @@ dtype casts and the reduction into one pass over the rows (Megatron-Core's fused
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -125,3 +127,16 @@ def combine_backward(grad_out: Tensor, y_rows: Tensor, weights: Tensor, order: T
                                 weights.contiguous(), order.contiguous(), grad_y, grad_w, h,
                                 K=k, BLOCK=min(_block(h), 512))
     return grad_y, grad_w.view(t, k)
+
+
+def launch_specs() -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
+    """(kernel, argument types, constexprs) of the combine and its backward as launched for
+    bf16 rows, fp32 weights and K = 2 (for graphopt.kernels.resources' ahead-of-time
+    compilation: H is a runtime int, not a pointer)."""
+    from graphopt.kernels.resources import argument_types
+
+    return [(_combine, argument_types(_combine, {"W": "*fp32", "SLOT": "*i32", "H": "i32"},
+                                      "*bf16"), {"K": 2, "BLOCK": 1024}),
+            (_combine_backward, argument_types(
+                _combine_backward, {"W": "*fp32", "ORDER": "*i64", "GW": "*fp32", "H": "i32"},
+                "*bf16"), {"K": 2, "BLOCK": 512})]
