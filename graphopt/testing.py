@@ -135,3 +135,55 @@ def assert_matches_eager(reference: Callable[..., Any], candidate: Callable[...,
                 torch.testing.assert_close(g, r, rtol=rtol, atol=atol)
             except AssertionError as exc:
                 raise AssertionError(f"gradient {i} of {len(wrt)}: {exc}") from None
+
+
+def assert_as_accurate_as_eager(reference: Callable[..., Any], eager: Callable[..., Any],
+                                candidate: Callable[..., Any], inputs: Sequence[torch.Tensor],
+                                ref_params: Sequence[torch.Tensor],
+                                params: Sequence[torch.Tensor], slack: float = 2.0,
+                                seed: int = 0) -> dict[str, tuple[float, float]]:
+    """A low-precision ``candidate`` is as close to a float64 ``reference`` as the
+    low-precision ``eager`` run is: for the outputs and the gradients of ``sum(out * v)`` (v
+    seeded random) with respect to the inputs and ``params`` (``ref_params`` are the
+    reference's copies, in the same order), ``err(candidate) <= slack * err(eager)``,
+    errors as max |x - ref| / max |ref| (eager's floored at the inputs' dtype eps).
+    Matching eager at a bf16 ``rtol`` would compare two
+    roundings with each other; this compares each with the truth.
+
+    Args:
+        inputs: low-precision tensors; the reference gets float64 copies.
+    Returns:
+        {name: (eager error, candidate error)}, names "out{i}", "d_input{i}", "d_param{i}".
+    Raises:
+        AssertionError: naming the first output or gradient that misses.
+    """
+    def run(fn: Callable[..., Any], xs: Sequence[torch.Tensor], ps: Sequence[torch.Tensor],
+            dtype: torch.dtype | None) -> tuple[int, list[torch.Tensor]]:
+        xs = [(x.detach().to(dtype) if dtype else x.detach()).requires_grad_(
+            x.is_floating_point()) for x in xs]
+        outs = [o for o in pytree.tree_leaves(fn(*xs)) if isinstance(o, torch.Tensor)
+                and o.requires_grad]
+        gen = torch.Generator().manual_seed(seed)
+        cot = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+               for o in outs]
+        wrt = [x for x in xs if x.requires_grad] + list(ps)
+        grads = torch.autograd.grad(outs, wrt, cot, allow_unused=True)
+        return len(outs), [t.detach().double()
+                           for t in [*outs, *(g for g in grads if g is not None)]]
+
+    n_out, want = run(reference, inputs, ref_params, torch.float64)
+    _, base = run(eager, inputs, params, None)
+    _, got = run(candidate, inputs, params, None)
+    assert len(want) == len(base) == len(got), "different numbers of outputs or gradients"
+    n_in = len([x for x in inputs if x.is_floating_point()])
+    floor = torch.finfo(next(x.dtype for x in inputs if x.is_floating_point())).eps
+    errors = {}
+    for i, (w, b, g) in enumerate(zip(want, base, got)):
+        name = (f"out{i}" if i < n_out else f"d_input{i - n_out}" if i < n_out + n_in
+                else f"d_param{i - n_out - n_in}")
+        scale = float(w.abs().max()) or 1.0
+        e_base, e_got = (float((x - w).abs().max()) / scale for x in (b, g))
+        errors[name] = (e_base, e_got)
+        assert e_got <= slack * max(e_base, floor), (
+            f"{name}: error {e_got:.2e} vs float64, more than {slack} x eager's {e_base:.2e}")
+    return errors

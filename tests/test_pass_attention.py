@@ -1,6 +1,8 @@
 """attention pass, exact mode: transformers' MiniMax lightning-attention block loop becomes
 graphopt::lightning_attention; look-alikes that are not Lightning Attention are refused."""
 
+import copy
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from graphopt.config import GraphoptConfig as Config
 from graphopt.models import build_model, sample_batch
 from graphopt.testing import (
     as_function,
+    assert_as_accurate_as_eager,
     assert_matches_eager,
     bind_inputs,
     run_pass,
@@ -72,6 +75,44 @@ def test_refuses_decay_that_is_not_lightning_attention():
     assert_matches_eager(fn, as_function(gm, fn), [x])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_block_loop_is_rewritten_and_as_accurate_as_eager(dtype):
+    """A bf16/fp16 MiniMax holds its decay tables (and slope) rounded to that dtype: the
+    check takes the tables' rounding, and the rewrite is as close to float64 as eager is."""
+    attn, fn, x = _layer(64, 16)
+    ref = copy.deepcopy(attn).double()
+    attn.to(dtype)
+    gm, record = _trace_and_run("exact", attn, fn, x.to(dtype))
+    assert record.count("rewritten") == 1, record.sites
+
+    def reference(x):
+        return ref(x, position_embeddings=None, attention_mask=None)
+
+    errors = assert_as_accurate_as_eager(reference, fn, as_function(gm, fn), [x.to(dtype)],
+                                         list(ref.parameters()), list(attn.parameters()))
+    assert len(errors) == 2 + 1 + 4  # output and state; d x; four parameters
+
+
+def test_refuses_float32_tables_off_by_more_than_their_rounding():
+    """float32 tables 8e-6 off exp(-slope d) are not Lightning Attention's (an rtol of 1e-5
+    accepted them and the rewrite silently dropped the perturbation); tables a few float32
+    ulps off are the rounding of exp and are accepted."""
+    attn, fn, x = _layer()
+    with torch.no_grad():
+        attn.key_decay.copy_(torch.nextafter(attn.key_decay, torch.zeros(())))
+        attn.diagonal_decay.copy_(torch.nextafter(attn.diagonal_decay, torch.ones(())))
+    _, record = _trace_and_run("exact", attn, fn, x)
+    assert record.count("rewritten") == 1, record.sites
+    with torch.no_grad():
+        attn.query_decay[..., 5, :] *= 1 + 8e-6
+    gm, record = _trace_and_run("exact", attn, fn, x)
+    assert record.count("rewritten") == 0
+    (site,) = [s for s in record.sites if s.action == "skipped"]
+    assert "query decay" in site.reason and "largest relative deviation 8.0e-06" in site.reason
+    assert "float32 tables may deviate by 4 x 1.2e-07" in site.reason
+    assert_matches_eager(fn, as_function(gm, fn), [x], rtol=0, atol=0)
+
+
 def test_no_match_for_other_concatenations():
     def fn(x):
         return torch.cat([x @ x.transpose(-1, -2), x * 2], dim=-2)
@@ -114,6 +155,28 @@ def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
              for s in p.sites]
     assert [s.action for s in sites].count("rewritten") == 1  # the one linear-attention layer
     assert [s.action for s in sites].count("kept") == 1  # the softmax-attention layer
+
+
+def test_bf16_minimax_model_is_rewritten_and_as_accurate_as_eager():
+    """The bf16 model through torch.compile: its loop is rewritten (it used to be refused on
+    its rounded tables) and logits and every gradient are as close to the float64 model's
+    as bf16 eager's are."""
+    model = build_model("minimax", dtype=torch.float64)
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    embeds = model.get_input_embeddings()(sample_batch(model, batch=2, seq=48)).detach()
+
+    def run(m):
+        return lambda e: m(inputs_embeds=e, use_cache=False).logits
+
+    compiled = torch.compile(run(low), backend="graphopt",
+                             options={"lowering": "eager", "attention": "exact"})
+    errors = assert_as_accurate_as_eager(run(model), run(low), compiled,
+                                         [embeds.to(torch.bfloat16)], list(model.parameters()),
+                                         list(low.parameters()))
+    assert len(errors) == 2 + len(list(low.parameters())) - 1  # logits, d embeds, d params
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites]
+    assert [s.action for s in sites].count("rewritten") == 1, sites
 
 
 class RetNetStyle(torch.nn.Module):
@@ -166,6 +229,20 @@ def test_parallel_form_float64_keeps_float64_slopes():
     frozen = [b for n, b in gm.named_buffers() if n.startswith("_graphopt_slope")]
     assert [b.dtype for b in frozen] == [torch.float64]
     assert_matches_eager(model, as_function(gm, model), qkv, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parallel_form_is_rewritten_and_as_accurate_as_eager(dtype):
+    """The decay matrix computed in bf16/fp16: slopes fitted over a whole column (exp(-0.02)
+    in bf16 is 1% off, so -log of one entry misses at longer distances)."""
+    ref, qkv = RetNetStyle().double(), _qkv(48)
+    model = RetNetStyle().to(dtype)
+    low = [x.detach().to(dtype) for x in qkv]
+    gm = trace_for_pass(model, *low)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, *low))
+    assert record.count("rewritten") == 1, record.sites
+    assert_as_accurate_as_eager(ref, model, as_function(gm, model), low, [], [])
 
 
 @pytest.mark.parametrize("model, reason", [

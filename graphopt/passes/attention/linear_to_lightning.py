@@ -15,8 +15,12 @@ Contract:
         rounding of the decay buffers: a loop is rewritten only when its decay tensors,
         evaluated from the example inputs, equal exp(-slope * (i + 1)),
         exp(-slope * (L - 1 - j)), exp(-slope * (i - j)) (masked) and exp(-slope * L) for
-        every block (rtol 1e-5); MiniMax builds them from ``slope_rate`` in ``__init__``. A
-        parallel form's fitted slopes become a float32 buffer of the graph module. Chains
+        every block within the tables' own rounding (4 units of the coarser of their dtype
+        and float32 per unit of 1 + slope * distance; ``match_linear.decay_deviation``), so
+        bf16/fp16 models are rewritten and a float32 table 8e-6 off is not. MiniMax builds
+        them from ``slope_rate`` in ``__init__``. A parallel form's slopes are fitted by
+        least squares in the log domain and frozen as a buffer of the graph module (float64
+        for a float64 model, else float32). Chains
         inside an autocast region are left as written.
     reads meta: ``val`` (shapes/dtypes), ``grapharg`` (buffers), ``autocast``.
     writes meta: new nodes get ``val``, ``graphopt_replaced`` (the replaced output node's

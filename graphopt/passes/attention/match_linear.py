@@ -11,9 +11,11 @@ Patterns (each raises :class:`NoMatch` with the reason):
 Checks:
     check_loop_decays       every decay tensor of a loop, evaluated, equals
                             exp(-slope * (i + 1)), exp(-slope * (L - 1 - j)),
-                            exp(-slope * (i - j)) masked, exp(-slope * L) (rtol 1e-5).
+                            exp(-slope * (i - j)) masked, exp(-slope * L) within the
+                            tables' rounding (``decay_deviation``).
     parallel_form_slopes    D is built from buffers/constants and equals
-                            exp(-slope_h * (i - j)) below the diagonal, 0 above.
+                            exp(-slope_h * (i - j)) below the diagonal, 0 above (slopes
+                            fitted by least squares in the log domain).
 """
 
 from __future__ import annotations
@@ -186,34 +188,94 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
     return BlockLoop(first.q, first.k, first.v, slope, blocks, final_state, checks)
 
 
+def _distances(kind: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(distance, mask) of a ``length``-long block's decay of ``kind`` (float64): "query"
+    i + 1, "key" L - 1 - i, "block" L, "diagonal" i - j where i >= j (mask 0 above)."""
+    i = torch.arange(length, dtype=torch.float64)
+    if kind == "query":
+        dist = (i + 1).view(-1, 1)
+    elif kind == "key":
+        dist = (length - 1 - i).view(-1, 1)
+    elif kind == "block":
+        dist = torch.tensor(float(length), dtype=torch.float64)
+    else:
+        gap = i.view(-1, 1) - i.view(1, -1)
+        return gap.clamp(min=0).unsqueeze(0), (gap >= 0).unsqueeze(0).double()
+    return dist, torch.ones_like(dist)
+
+
 def expected_decay(kind: str, slope: torch.Tensor, length: int) -> torch.Tensor:
     """The decay Lightning Attention uses in a ``length``-long block (float64): "query"
     exp(-s (i + 1)), "key" exp(-s (L - 1 - i)), "block" exp(-s L), else the masked
     "diagonal" exp(-s (i - j)) for i >= j, 0 above."""
+    dist, mask = _distances(kind, length)
+    return torch.exp(-slope.reshape(-1, 1, 1).double() * dist) * mask
+
+
+DECAY_ULPS = 4
+"""A decay table entry may differ from exp(-slope d) by DECAY_ULPS rounding units of its
+dtype per unit of (1 + slope d): see :func:`decay_deviation`."""
+
+
+def _tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The coarser of ``dtype`` and float32 (integer/bool tables hold exact values)."""
+    if dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps:
+        return dtype
+    return torch.float32
+
+
+def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: int
+                    ) -> str | None:
+    """None when the evaluated decay ``got`` is exp(-slope d) as its dtype can hold it, else
+    "largest relative deviation ...; <dtype> tables may deviate by ...".
+
+    A table built as exp(-s d) in a dtype of rounding unit eps is off by at most ~eps in
+    the log domain for the exp and its rounding, plus eps * s d for the rounded product
+    s * d (or a slope rounded to that dtype, as a bf16 model's ``slope_rate`` is). So
+    entry-wise ``|got - want| <= DECAY_ULPS * eps * (1 + s d) * want + tiny``, with eps and
+    tiny (smallest normal: subnormals and flush-to-zero) of the coarser of ``got.dtype``
+    and float32: transformers builds MiniMax's tables in float32 before ``.to(dtype)``,
+    so a float64 model holds float32-rounded tables. The absolute error of a weight is then
+    at most ``DECAY_ULPS * eps`` (max of (1 + x) e^-x is 1): the rewrite, which computes
+    exp(-s d) from the slope, is exact up to the tables' own rounding.
+
+    Args:
+        got: the table (any dtype) with ``numel`` of ``expected_decay(kind, slope, length)``.
+        slope: [H] slopes (any float dtype; compared in float64).
+    Raises:
+        NoMatch: ``got`` does not have the table's number of entries.
+    """
+    dist, mask = _distances(kind, length)
     s = slope.reshape(-1, 1, 1).double()
-    i = torch.arange(length, dtype=torch.float64)
-    if kind == "query":
-        return torch.exp(-s * (i + 1).view(-1, 1))
-    if kind == "key":
-        return torch.exp(-s * (length - 1 - i).view(-1, 1))
-    if kind == "block":
-        return torch.exp(-s * length)
-    gap = i.view(-1, 1) - i.view(1, -1)
-    return (torch.exp(-s * gap.clamp(min=0)) * (gap >= 0)).unsqueeze(0)
+    want = torch.exp(-s * dist) * mask
+    if got.numel() != want.numel():
+        raise NoMatch(f"{kind} decay of a {length}-long block does not have "
+                      f"{want.numel()} entries")
+    coarse = _tolerance_dtype(got.dtype)
+    eps, tiny = torch.finfo(coarse).eps, torch.finfo(coarse).smallest_normal
+    error = (got.double().reshape(want.shape) - want).abs()
+    if bool((error <= DECAY_ULPS * eps * (1 + s * dist) * want + tiny).all()):
+        return None
+    rel = float((error / want.clamp(min=tiny)).max())
+    return (f"largest relative deviation {rel:.1e}; {str(got.dtype).split('.')[-1]} tables "
+            f"may deviate by {DECAY_ULPS} x {eps:.1e} x (1 + slope x distance)")
 
 
 def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
-    """Raise NoMatch unless every decay of ``loop``, evaluated, is Lightning Attention's."""
+    """Raise NoMatch unless every decay of ``loop``, evaluated, is Lightning Attention's
+    (:func:`decay_deviation`)."""
     slope = evaluate(loop.slope, env)
     if not isinstance(slope, torch.Tensor) or slope.numel() != slope.shape[0]:
         raise NoMatch("slope is not one value per head")
     for node, kind, length in loop.checks:
         got = evaluate(node, env)
-        want = expected_decay(kind, slope, length)
-        if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or not \
-                torch.allclose(got.double().reshape(want.shape), want, rtol=1e-5, atol=1e-7):
+        if not isinstance(got, torch.Tensor):
+            raise NoMatch(f"{kind} decay of a {length}-long block is not a tensor")
+        deviation = decay_deviation(got, slope, kind, length)
+        if deviation is not None:
             raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
-                          "-slope times the distance (the loop is not Lightning Attention)")
+                          f"-slope times the distance ({deviation}): the loop is not "
+                          "Lightning Attention")
 
 
 @dataclass
@@ -259,7 +321,7 @@ def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) ->
     d = evaluate(decay, env)
     if not isinstance(d, torch.Tensor) or d.dim() < 2 or d.shape[-1] != d.shape[-2]:
         raise NoMatch("the mask is not a square [S, S] matrix")
-    seq = d.shape[-1]
+    seq, dtype = d.shape[-1], d.dtype
     d = d.double().reshape(-1, seq, seq)
     if d.shape[0] not in (1, heads):
         d = d.reshape(-1, heads, seq, seq)[0] if d.numel() % (heads * seq * seq) == 0 else d
@@ -268,9 +330,29 @@ def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) ->
     d = d.expand(heads, seq, seq)
     if seq > 1 and bool((d[:, 1, 0] <= 0).any()):
         raise NoMatch("the mask is not a positive decay below the diagonal")
-    slopes = -torch.log(d[:, 1, 0]) if seq > 1 else torch.zeros(heads, dtype=torch.float64)
-    if not torch.allclose(d.unsqueeze(0), expected_decay("diagonal", slopes, seq), rtol=1e-5,
-                          atol=1e-7):
+    slopes = _fit_slopes(d[:, :, 0], _tolerance_dtype(dtype))
+    deviation = decay_deviation(d.to(dtype), slopes, "diagonal", seq)
+    if deviation is not None:
         raise NoMatch("the mask is not exp(-slope * (i - j)) below the diagonal and 0 above "
-                      "(non-causal or not a decay)")
+                      f"(non-causal or not a decay; {deviation})")
     return slopes
+
+
+def _fit_slopes(column: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Slopes s_h [H] (float64) fitted to a decay matrix's first column
+    ``column[h, i] ~ exp(-s_h i)`` by least squares in the log domain over its normal
+    entries. One entry (``-log column[:, 1]``) is too coarse: a bf16 exp(-0.001) rounds to
+    1, so that fit gives slope 0 and every longer distance misses."""
+    heads, seq = column.shape
+    tiny = torch.finfo(dtype).smallest_normal
+    if seq < 2:
+        return torch.zeros(heads, dtype=torch.float64)
+    dist = torch.arange(seq, dtype=torch.float64).expand(heads, seq)
+    usable = (column > tiny) & (dist > 0)
+    logs = torch.where(usable, -torch.log(column.clamp(min=tiny)), 0.0)
+    weight = torch.where(usable, dist, 0.0)
+    denom = (weight * weight).sum(-1)
+    # No usable entry: exp(-s) already underflows; any slope that underflows too fits.
+    fallback = torch.full((heads,), -float(torch.log(torch.tensor(max(tiny, 1e-300),
+                                                                   dtype=torch.float64))))
+    return torch.where(denom > 0, (weight * logs).sum(-1) / denom.clamp(min=1.0), fallback)
