@@ -192,8 +192,10 @@ def clean_module_path(path: str) -> str:
 def _clean_module_paths(gm: fx.GraphModule) -> None:
     """Rewrite every node's ``nn_module_stack`` paths with :func:`clean_module_path`, so
     reports and module-path options (``lightning.layers``) use the model's own paths
-    whichever way the model was handed to torch.compile."""
-    for node in gm.graph.nodes:
+    whichever way the model was handed to torch.compile; checkpoint bodies too."""
+    from graphopt.passes.regions import all_graph_modules
+
+    for node in (n for g in all_graph_modules(gm) for n in g.graph.nodes):
         stack = node.meta.get("nn_module_stack")
         if stack:
             node.meta["nn_module_stack"] = {

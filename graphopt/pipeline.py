@@ -29,6 +29,7 @@ from graphopt.lowering import AOTHooks, get_lowering
 from graphopt.normalize import check_meta, refresh_meta
 from graphopt.passes import PassContext, Stage, build_pipeline
 from graphopt.passes.fx_utils import count_delta, op_counts
+from graphopt.passes.regions import all_graph_modules, checkpoint_bodies, run_with_regions
 from graphopt.report import (
     CompileReport,
     PassRecord,
@@ -44,11 +45,17 @@ Snapshot = tuple[str, bool, fx.GraphModule]
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A structural copy sharing parameters/constants; node meta is copied shallowly."""
+    """A structural copy sharing parameters/constants; node meta is copied shallowly.
+    Checkpoint bodies are copied too (passes edit them in place: a snapshot sharing them
+    would show later passes' rewrites)."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    for _, name, body in list(checkpoint_bodies(copy)):
+        setattr(copy, name, copy_graph_module(body))
+    return copy
 
 
 class PassRunner:
@@ -78,11 +85,11 @@ class PassRunner:
                               if stage == "pre_autograd" else dict(self.joint_extras))
             start = time.perf_counter()
             try:
-                result = graph_pass.run(gm, ctx)
+                result = run_with_regions(graph_pass, gm, ctx)
                 gm = result.gm
                 gm.graph.lint()
                 gm.recompile()
-                missing = check_meta(gm)
+                missing = [m for g in all_graph_modules(gm) for m in check_meta(g)]
                 if missing:
                     raise PassFailedError(f"nodes without meta['val']: {missing[:5]}")
             except Exception as exc:

@@ -24,6 +24,7 @@ from graphopt.normalize import normalize
 from graphopt.passes import get_pass
 from graphopt.passes.base import GraphPass, PassContext
 from graphopt.passes.fx_utils import count_delta, op_counts
+from graphopt.passes.regions import run_with_regions
 from graphopt.report import PassRecord
 
 
@@ -92,7 +93,7 @@ def run_pass(graph_pass: str | GraphPass, gm: fx.GraphModule,
     record.nodes_before = len(gm.graph.nodes)
     ctx = PassContext(config, graph_kind, training, record,
                       extras={"example_inputs": list(example_inputs)})
-    result = graph_pass.run(gm, ctx)
+    result = run_with_regions(graph_pass, gm, ctx)
     result.gm.graph.lint()
     result.gm.recompile()
     record.modified = result.modified

@@ -34,8 +34,11 @@ def autocast_reason(nodes: Any) -> str:
 
 
 def op_counts(gm: fx.GraphModule) -> Counter[str]:
-    """How many call_function nodes call each target."""
-    return Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
+    """How many call_function nodes call each target, in ``gm`` and its checkpoint bodies."""
+    from graphopt.passes.regions import all_graph_modules
+
+    return Counter(op_name(n) for g in all_graph_modules(gm) for n in g.graph.nodes
+                   if n.op == "call_function")
 
 
 def count_delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:

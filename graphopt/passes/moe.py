@@ -264,8 +264,8 @@ class MoEPass(GraphPass):
         return cls(config.moe)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        real = dict(zip(gm.graph.find_nodes(op="placeholder"),
-                        ctx.extras.get("example_inputs") or []))
+        real = {p: x for p, x in zip(gm.graph.find_nodes(op="placeholder"),
+                                     ctx.extras.get("example_inputs") or []) if x is not None}
         for node in gm.graph.find_nodes(op="get_attr"):  # weights held by the graph (export)
             try:
                 value = gm.get_parameter(str(node.target))

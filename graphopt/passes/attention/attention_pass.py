@@ -88,7 +88,8 @@ class AttentionPass(GraphPass):
 
     @staticmethod
     def _input_env(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, Any]:
-        """Placeholder -> the compile's real example input (for evaluating constants)."""
+        """Placeholder -> the compile's real example input (for evaluating constants); a
+        checkpoint body's placeholder fed by a computed value has none (None)."""
         inputs = ctx.extras.get("example_inputs") or []
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        return {p: x for p, x in zip(placeholders, inputs)}
+        return {p: x for p, x in zip(placeholders, inputs) if x is not None}

@@ -1,0 +1,107 @@
+"""Model passes inside activation-checkpoint regions.
+
+Dynamo captures ``torch.utils.checkpoint.checkpoint(fn, *args)`` (what transformers'
+``gradient_checkpointing_enable()`` wraps each decoder layer in) as one call
+``tag_activation_checkpoint(body, *operands)`` whose ``body`` is a GraphModule of the same
+pre-autograd ATen IR; normalize keeps it so (tests/test_capture.py). A pass that only walks
+``gm.graph`` sees the call, not the layer: with checkpointing on, the attention and MoE
+passes found nothing and said nothing. :func:`run_with_regions` runs a pre-autograd pass on
+the top graph and then on every checkpoint body (recursively), in place.
+
+Why rewriting inside the body is faithful: the region stays a region. AOTAutograd traces
+the body under checkpoint's selective-checkpoint context (every op in it, graphopt's custom
+ops included, tagged "prefer recompute"), so the partitioner still recomputes it in the
+backward; a pass's rewrite is as exact there as at top level, and the checkpoint's memory
+behaviour is the user's choice as before. Torchtitan and Megatron likewise apply their
+kernels inside checkpointed blocks.
+
+What a body's pass sees:
+    ``ctx.extras["example_inputs"]``: the real value of each body placeholder whose operand
+        is a top-level graph input (parameters and buffers are: Dynamo lifts them and
+        passes them into the body), None where the operand is computed in the parent graph
+        (a pass that needs its value refuses with the reason, as for any computed value).
+    placeholder meta ``grapharg`` copied from the operand (buffers stay recognizable).
+    report sites prefixed ``checkpoint <body>: ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+if TYPE_CHECKING:
+    from graphopt.passes.base import GraphPass, PassContext, PassResult
+
+CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def checkpoint_bodies(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, str, fx.GraphModule]]:
+    """(call node, body attribute name, body) for each ``tag_activation_checkpoint`` call of
+    ``gm``'s graph whose body is a GraphModule held by ``gm``."""
+    for call in gm.graph.find_nodes(op="call_function", target=CHECKPOINT):
+        body_node = call.args[0] if call.args else None
+        if not isinstance(body_node, fx.Node) or body_node.op != "get_attr":
+            continue
+        body = getattr(gm, str(body_node.target), None)
+        if isinstance(body, fx.GraphModule):
+            yield call, str(body_node.target), body
+
+
+def body_inputs(call: fx.Node, body: fx.GraphModule, values: dict[fx.Node, Any]) -> list[Any]:
+    """Real values of ``body``'s placeholders from ``values`` (parent node -> value; None
+    where unknown) and ``grapharg`` meta copied from the operands."""
+    operands = list(call.args[1:])
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    out: list[Any] = []
+    for i, ph in enumerate(placeholders):
+        operand = operands[i] if i < len(operands) else None
+        if isinstance(operand, fx.Node):
+            if "grapharg" in operand.meta and "grapharg" not in ph.meta:
+                ph.meta["grapharg"] = operand.meta["grapharg"]
+            out.append(values.get(operand))
+        else:
+            out.append(operand)
+    return out
+
+
+def all_graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``gm`` and its checkpoint bodies, recursively."""
+    yield gm
+    for _, _, body in checkpoint_bodies(gm):
+        yield from all_graph_modules(body)
+
+
+def run_with_regions(graph_pass: GraphPass, gm: fx.GraphModule, ctx: PassContext
+                     ) -> PassResult:
+    """``graph_pass.run(gm, ctx)``, then (pre-autograd passes) the same pass on every
+    checkpoint body, recursively; bodies are edited in place, linted and recompiled.
+
+    Returns:
+        The top graph's result, ``modified`` if any graph changed.
+    """
+    from graphopt.passes.base import PassResult
+
+    result = graph_pass.run(gm, ctx)
+    if graph_pass.stage != "pre_autograd":
+        return result
+    gm, modified = result.gm, result.modified
+    inputs = ctx.extras.get("example_inputs") or []
+    values = dict(zip(gm.graph.find_nodes(op="placeholder"), inputs))
+    for call, name, body in list(checkpoint_bodies(gm)):
+        sub_ctx = dataclasses.replace(
+            ctx, extras={**ctx.extras, "example_inputs": body_inputs(call, body, values)})
+        first = len(ctx.record_.sites) if ctx.record_ is not None else 0
+        sub = run_with_regions(graph_pass, body, sub_ctx)
+        if sub.gm is not body:
+            setattr(gm, name, sub.gm)
+        sub.gm.graph.lint()
+        sub.gm.recompile()
+        if ctx.record_ is not None:
+            for site in ctx.record_.sites[first:]:
+                site.site = f"checkpoint {name}: {site.site}"
+        modified |= sub.modified
+    return PassResult(gm, modified)

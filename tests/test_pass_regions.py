@@ -1,0 +1,175 @@
+"""Model passes inside torch.utils.checkpoint regions (graphopt/passes/regions.py): the
+attention and MoE passes rewrite the layers transformers' gradient checkpointing wraps, the
+region stays a region (recomputed in the backward), and refusals inside it are reported."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import graphopt
+from graphopt.config import GraphoptConfig as Config
+from graphopt.models import build_model, sample_batch
+from graphopt.passes.regions import CHECKPOINT
+from graphopt.testing import (
+    as_function,
+    assert_matches_eager,
+    bind_inputs,
+    run_pass,
+    trace_for_pass,
+)
+
+LIGHTNING = "graphopt.lightning_attention_fwd.default"
+
+
+def float64_tables(model):
+    """Rebuild MiniMax's slope and decay buffers in float64 (transformers builds them in
+    float32 before ``.to(float64)``: the rewrite, exact, would differ from eager by their
+    float32 rounding, ~1e-7), so float64 comparisons can be tight."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    for m in model.modules():
+        if isinstance(m, MiniMaxLightningAttention):
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float64)
+            try:
+                slope = m.get_slope_rate()
+                tables = m.decay_factors(slope)
+            finally:
+                torch.set_default_dtype(default)
+            m.slope_rate = slope
+            m.query_decay, m.key_decay, m.diagonal_decay = tables
+    return model
+
+
+def _layer():
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax import modeling_minimax as mm
+
+    config = MiniMaxConfig(hidden_size=32, num_attention_heads=2, head_dim=16, block_size=16,
+                           num_hidden_layers=1, layer_types=["linear_attention"])
+    torch.manual_seed(0)
+    attn = float64_tables(mm.MiniMaxLightningAttention(config, layer_idx=0).double())
+
+    def body(x):
+        return attn(x, position_embeddings=None, attention_mask=None)[0]
+
+    def fn(x):
+        return checkpoint(body, x, use_reentrant=False).tanh()
+
+    return attn, fn, torch.randn(2, 40, 32, dtype=torch.float64, requires_grad=True)
+
+
+class DecayedLinearAttention(torch.nn.Module):
+    """RetNet-style parallel form in a checkpoint region; its decay matrix built inside the
+    region from a buffer, or outside it and passed in."""
+
+    def __init__(self, decay_outside):
+        super().__init__()
+        self.register_buffer("slope", torch.tensor([0.5, 0.1], dtype=torch.float64))
+        self.decay_outside = decay_outside
+
+    def decay(self, s):
+        gap = torch.arange(s, dtype=torch.float64).view(-1, 1) - torch.arange(
+            s, dtype=torch.float64).view(1, -1)
+        return torch.exp(-self.slope.view(-1, 1, 1) * gap.clamp(min=0)) * (gap >= 0)
+
+    def body(self, q, k, v, decay):
+        decay = self.decay(q.shape[2]) if decay is None else decay
+        return ((q @ k.transpose(-1, -2)) * decay) @ v
+
+    def forward(self, q, k, v):
+        decay = self.decay(q.shape[2]) if self.decay_outside else None
+        return checkpoint(self.body, q, k, v, decay, use_reentrant=False)
+
+
+def test_block_loop_inside_a_checkpoint_region_is_rewritten_there():
+    attn, fn, x = _layer()
+    gm = trace_for_pass(fn, x)
+    assert len(gm.graph.find_nodes(op="call_function", target=CHECKPOINT)) == 1
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, x))
+    (site,) = record.sites
+    assert site.action == "rewritten" and site.site.startswith("checkpoint wrap_body0: ")
+    assert "block loop of 3 blocks" in site.reason
+    assert record.modified and record.op_delta[LIGHTNING] == 1  # counted inside the body
+    assert record.op_delta["aten.matmul.default"] == -12
+    # Still one checkpoint region, now holding the op.
+    (call,) = gm.graph.find_nodes(op="call_function", target=CHECKPOINT)
+    body = getattr(gm, str(call.args[0].target))
+    assert any("lightning_attention_fwd" in str(n.target) for n in body.graph.nodes)
+    assert_matches_eager(fn, as_function(gm, fn), [x], params=list(attn.parameters()),
+                         rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_parallel_form_in_a_region_and_a_refusal_reported_with_the_region(outside):
+    """A decay matrix built inside the region from a buffer is frozen and rewritten; one
+    computed outside reaches the body as an input without a known value: kept, and the
+    report says why and in which region."""
+    model = DecayedLinearAttention(outside)
+    qkv = [torch.randn(2, 2, 24, 8, dtype=torch.float64, requires_grad=True)
+           for _ in range(3)]
+    gm = trace_for_pass(model, *qkv)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, *qkv))
+    (site,) = record.sites
+    assert site.site.startswith("checkpoint wrap_body0: ")
+    if outside:
+        assert site.action == "skipped" and "depends on an input" in site.reason
+        assert not record.modified and record.op_delta == {}
+    else:
+        assert site.action == "rewritten" and "parallel form" in site.reason
+        assert record.op_delta[LIGHTNING] == 1
+    assert_matches_eager(model, as_function(gm, model), qkv, rtol=1e-12, atol=1e-12)
+
+
+def _saved_bytes(fn, *args):
+    """Bytes autograd saves for the backward of ``fn(*args)`` (saved-tensor hooks)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    out.sum().backward()
+    return total
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_minimax_with_gradient_checkpointing_is_rewritten_and_still_checkpointed(
+        checkpointing):
+    """transformers' gradient_checkpointing_enable(): the attention and MoE passes rewrite
+    inside each layer's region; logits and every gradient equal eager and aot_eager in
+    float64; and the compiled model saves no more for the backward than aot_eager does, so
+    the regions are still recomputed (without checkpointing it saves several times more)."""
+    model = float64_tables(build_model("minimax", dtype=torch.float64))
+    model.train()
+    model.set_experts_implementation("batched_mm")  # one graph: the eager loop graph-breaks
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    ids = sample_batch(model, batch=2, seq=48)
+
+    def fn(i):
+        return model(input_ids=i, use_cache=False).logits
+
+    compiled = torch.compile(fn, backend="graphopt", options={
+        "lowering": "eager", "attention": "exact", "moe": {}})
+    aot = torch.compile(fn, backend="aot_eager")
+    params = list(model.parameters())
+    assert_matches_eager(fn, compiled, [ids], params=params, rtol=1e-12, atol=1e-12)
+    assert_matches_eager(aot, compiled, [ids], params=params, rtol=1e-12, atol=1e-12)
+    sites = {p.name: p.sites for r in graphopt.reports() for p in r.passes}
+    rewritten = [s.site for name in ("attention", "moe") for s in sites[name]
+                 if s.action == "rewritten"]
+    # The linear-attention layer, two MoE layers, and without checkpointing the softmax
+    # layer's SDPA mask (-> is_causal); in a region that mask is an input built outside it.
+    assert len(rewritten) == 3 + (not checkpointing), rewritten
+    assert all(s.startswith("checkpoint ") == checkpointing for s in rewritten), rewritten
+    saved, saved_aot = _saved_bytes(compiled, ids), _saved_bytes(aot, ids)
+    if checkpointing:
+        assert saved <= 1.1 * saved_aot, (saved, saved_aot)
+    else:
+        assert saved < saved_aot  # the rewrites save less than the loops they replace
