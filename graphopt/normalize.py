@@ -104,8 +104,16 @@ def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> Non
     env = fake_mode.shape_env
     # Data-dependent sizes get fresh unbacked symbols in this run; they are not the graph's.
     fresh = env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
-    with fake_mode, fresh, torch.set_grad_enabled(torch.is_grad_enabled()):
-        _RuntimeMeta(gm, fake_mode).run(*fakes)
+    # A checkpoint body runs in the HOP's own interpreter: a constant a pass registered on it
+    # (e.g. frozen Lightning slopes) reaches ops as a real tensor, which fake mode then
+    # converts instead of refusing. The top graph's constants are converted in get_attr.
+    allow = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        with fake_mode, fresh, torch.set_grad_enabled(torch.is_grad_enabled()):
+            _RuntimeMeta(gm, fake_mode).run(*fakes)
+    finally:
+        fake_mode.allow_non_fake_inputs = allow
 
 
 class _RuntimeMeta(fx.Interpreter):

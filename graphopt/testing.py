@@ -65,7 +65,11 @@ def bind_inputs(gm: fx.GraphModule, fn: Callable[..., Any], *args: Any,
     for node in gm.graph.find_nodes(op="placeholder"):
         source = node.meta["grapharg"].source
         expr = source.name if isinstance(source.name, str) else source.name()
-        values.append(eval(expr, {"L": local_vars, "G": global_vars}))
+        value = eval(expr, {"L": local_vars, "G": global_vars})
+        val = node.meta.get("val")
+        if isinstance(value, float) and isinstance(val, torch.Tensor):
+            value = torch.tensor(value, dtype=val.dtype)  # a dynamic float, wrapped by Dynamo
+        values.append(value)
     return values
 
 

@@ -113,6 +113,27 @@ def test_refuses_float32_tables_off_by_more_than_their_rounding():
     assert_matches_eager(fn, as_function(gm, fn), [x], rtol=0, atol=0)
 
 
+def test_dynamic_shape_loop_is_reported_and_its_fixed_blocks_rewritten():
+    """dynamic=True: Dynamo unrolls the loop for 3 blocks but their ends are symbolic, so the
+    loop is reported as skipped with why; the two full blocks' products (decay: the whole
+    buffer) become parallel forms, the last block's (decay sliced to a length that follows
+    the sequence) is kept with why; exact at the traced length and at another with 3 blocks."""
+    attn, fn, x = _layer(40, 16)
+    gm = trace_for_pass(fn, x, dynamic=True)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, x))
+    loop, first, second, last = record.sites
+    assert loop.action == "skipped" and "block bounds are symbolic" in loop.reason
+    assert "dynamic=False" in loop.reason
+    assert [first.action, second.action] == ["rewritten"] * 2
+    assert "parallel form (S 16)" in first.reason
+    assert last.action == "skipped" and "follows a dynamic input size" in last.reason
+    assert record.op_delta[LIGHTNING] == 2
+    for seq in (40, 35):
+        x = torch.randn(2, seq, 64, requires_grad=True)
+        assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-5, atol=1e-5)
+
+
 def test_no_match_for_other_concatenations():
     def fn(x):
         return torch.cat([x @ x.transpose(-1, -2), x * 2], dim=-2)
@@ -177,6 +198,7 @@ def test_bf16_minimax_model_is_rewritten_and_as_accurate_as_eager():
     sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
              for s in p.sites]
     assert [s.action for s in sites].count("rewritten") == 1, sites
+    assert [r.fallback for r in graphopt.reports()] == [None] * len(graphopt.reports())
 
 
 class RetNetStyle(torch.nn.Module):

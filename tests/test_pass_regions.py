@@ -161,15 +161,67 @@ def test_minimax_with_gradient_checkpointing_is_rewritten_and_still_checkpointed
     params = list(model.parameters())
     assert_matches_eager(fn, compiled, [ids], params=params, rtol=1e-12, atol=1e-12)
     assert_matches_eager(aot, compiled, [ids], params=params, rtol=1e-12, atol=1e-12)
+    # The rewritten graph is what ran (a fallback to Dynamo's graph would also match eager).
+    assert [r.fallback for r in graphopt.reports()] == [None] * len(graphopt.reports())
     sites = {p.name: p.sites for r in graphopt.reports() for p in r.passes}
     rewritten = [s.site for name in ("attention", "moe") for s in sites[name]
                  if s.action == "rewritten"]
-    # The linear-attention layer, two MoE layers, and without checkpointing the softmax
-    # layer's SDPA mask (-> is_causal); in a region that mask is an input built outside it.
-    assert len(rewritten) == 3 + (not checkpointing), rewritten
+    # The linear-attention layer, the softmax layer's SDPA mask (-> is_causal; in a region
+    # proven where the parent builds it), two MoE layers.
+    assert len(rewritten) == 4, rewritten
     assert all(s.startswith("checkpoint ") == checkpointing for s in rewritten), rewritten
     saved, saved_aot = _saved_bytes(compiled, ids), _saved_bytes(aot, ids)
     if checkpointing:
         assert saved <= 1.1 * saved_aot, (saved, saved_aot)
     else:
         assert saved < saved_aot  # the rewrites save less than the loops they replace
+
+
+def _llama(checkpointing):
+    model = build_model("llama", dtype=torch.float64)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return model, sample_batch(model, batch=2, seq=24)
+
+
+def test_causal_mask_built_outside_the_region_is_proven_there_and_dropped():
+    """Llama with gradient checkpointing: the causal mask is built in the parent graph and
+    enters each layer's region as an input; it is proven causal where it is built, each
+    SDPA gets is_causal, and the unused mask inputs (and the mask itself) are removed."""
+    model, ids = _llama(True)
+
+    def fn(i):
+        return model(input_ids=i, use_cache=False).logits
+
+    gm = trace_for_pass(fn, ids)
+    calls = gm.graph.find_nodes(op="call_function", target=CHECKPOINT)
+    before = [len(c.args) for c in calls]
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, ids))
+    assert [s.action for s in record.sites] == ["rewritten"] * 2, record.sites
+    assert all(s.site.startswith("checkpoint wrap_body") and "is_causal=True" in s.reason
+               for s in record.sites)
+    after = [len(c.args) for c in gm.graph.find_nodes(op="call_function", target=CHECKPOINT)]
+    assert after == [n - 1 for n in before]  # the mask input of each region
+    assert_matches_eager(fn, as_function(gm, fn), [ids], params=list(model.parameters()),
+                         rtol=1e-12, atol=1e-12)
+
+
+def test_lightning_conversion_is_the_same_with_and_without_checkpointing():
+    """attention='lightning' (approximate) inside regions: the same sites converted with the
+    same per-layer MiniMax slopes (the layer count is the whole model's, not a region's), so
+    the checkpointed compile equals the plain one."""
+    results = []
+    for checkpointing in (False, True):
+        graphopt.clear_reports()
+        model, ids = _llama(checkpointing)
+        compiled = torch.compile(lambda i, m=model: m(input_ids=i, use_cache=False).logits,
+                                 backend="graphopt",
+                                 options={"lowering": "eager", "attention": "lightning"})
+        results.append(compiled(ids))
+        sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+                 for s in p.sites]
+        assert [s.reason.startswith("APPROXIMATE") for s in sites] == [True, True], sites
+        assert [r.fallback for r in graphopt.reports()] == [None], graphopt.reports()[0].notes
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)

@@ -21,7 +21,13 @@ What a body's pass sees:
         passes them into the body), None where the operand is computed in the parent graph
         (a pass that needs its value refuses with the reason, as for any computed value).
     placeholder meta ``grapharg`` copied from the operand (buffers stay recognizable).
+    ``ctx.extras["outer"]``: body placeholder -> (the parent's operand node, the parent's
+        placeholder values), so a check may be made where a value is built (the attention
+        pass proves a causal mask built outside the region there).
+    ``ctx.extras["root"]``: the top graph (e.g. to count the model's decoder layers).
     report sites prefixed ``checkpoint <body>: ``.
+After a body changed, placeholders it no longer reads are removed with their operands, and
+the parent's dead code with them.
 """
 
 from __future__ import annotations
@@ -91,9 +97,15 @@ def run_with_regions(graph_pass: GraphPass, gm: fx.GraphModule, ctx: PassContext
     gm, modified = result.gm, result.modified
     inputs = ctx.extras.get("example_inputs") or []
     values = dict(zip(gm.graph.find_nodes(op="placeholder"), inputs))
+    known = {node: value for node, value in values.items() if value is not None}
+    pruned = False
     for call, name, body in list(checkpoint_bodies(gm)):
-        sub_ctx = dataclasses.replace(
-            ctx, extras={**ctx.extras, "example_inputs": body_inputs(call, body, values)})
+        operands = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[1:]))
+        sub_ctx = dataclasses.replace(ctx, extras={
+            **ctx.extras, "example_inputs": body_inputs(call, body, values),
+            "root": ctx.extras.get("root", gm),
+            "outer": {ph: (op, known) for ph, op in operands.items()
+                      if isinstance(op, fx.Node)}})
         first = len(ctx.record_.sites) if ctx.record_ is not None else 0
         sub = run_with_regions(graph_pass, body, sub_ctx)
         if sub.gm is not body:
@@ -104,4 +116,30 @@ def run_with_regions(graph_pass: GraphPass, gm: fx.GraphModule, ctx: PassContext
             for site in ctx.record_.sites[first:]:
                 site.site = f"checkpoint {name}: {site.site}"
         modified |= sub.modified
+        pruned |= sub.modified and _drop_unused_inputs(call, sub.gm)
+    if pruned:
+        from graphopt.passes.fx_utils import eliminate_dead_code
+
+        eliminate_dead_code(gm.graph)
     return PassResult(gm, modified)
+
+
+def _drop_unused_inputs(call: fx.Node, body: fx.GraphModule) -> bool:
+    """Remove the body's placeholders a rewrite left unused, and their operands of ``call``
+    (so e.g. a causal mask built outside the region for a now ``is_causal`` SDPA becomes dead
+    code in the parent). Only for a body no other call shares. True when any was removed."""
+    body_node = call.args[0]
+    if not isinstance(body_node, fx.Node) or len(body_node.users) != 1:
+        return False
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    operands = list(call.args[1:])
+    if len(placeholders) != len(operands):
+        return False
+    unused = {i for i, ph in enumerate(placeholders) if not ph.users}
+    for i in sorted(unused, reverse=True):
+        body.graph.erase_node(placeholders[i])
+    if unused:
+        call.args = (body_node, *(op for i, op in enumerate(operands) if i not in unused))
+        body.graph.lint()
+        body.recompile()
+    return bool(unused)

@@ -55,6 +55,7 @@ from graphopt.passes.attention.lightning_call import (
 from graphopt.passes.attention.match_common import NoMatch, aten, is_call
 from graphopt.passes.attention.match_linear import (
     BlockLoop,
+    LoopRefused,
     check_loop_decays,
     match_decayed_parallel_form,
     match_minimax_block_loop,
@@ -71,12 +72,16 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
     modified = False
     in_loops: set[fx.Node] = set()
     for cat in [n for n in gm.graph.nodes if is_call(n, aten.cat.default)]:
+        site = site_name(cat)
         try:
             loop = match_minimax_block_loop(cat)
+        except LoopRefused as exc:  # loop-shaped: say why (its blocks' products may still
+            # be rewritten as parallel forms below: they are not added to in_loops)
+            ctx.record("skipped", site, f"linear-attention block loop: {exc}")
+            continue
         except NoMatch:
             continue  # not loop-shaped at all: nothing to report
         in_loops.update(b.intra for b in loop.blocks)
-        site = site_name(cat)
         if autocast_reason(cat):
             ctx.record("skipped", site, autocast_reason(cat))
             continue

@@ -38,6 +38,12 @@ from graphopt.passes.attention.match_common import (
 from graphopt.passes.fx_utils import tensor_meta
 
 
+class LoopRefused(NoMatch):
+    """The chain has the block loop's shape (every block output is inter + intra over slices
+    of Q, K, V) but is refused as a whole; the message says why (reported, unlike a chain
+    that is not loop-shaped at all)."""
+
+
 @dataclass
 class LoopBlock:
     """One block of a MiniMax block loop: slices [start, end) of Q, K, V and its decays."""
@@ -66,8 +72,9 @@ class BlockLoop:
     checks: list[tuple[fx.Node, str, int]]  # (decay node, kind, block length)
 
 
-def _seq_slice(node: Any) -> tuple[fx.Node, int, int]:
-    """(base, start, end) of ``base[:, :, start:end]``; a whole-range slice is an alias."""
+def _seq_slice(node: Any) -> tuple[fx.Node, Any, Any]:
+    """(base, start, end) of ``base[:, :, start:end]``; a whole-range slice is an alias.
+    Bounds are ints, or FX nodes / SymInts in a dynamic-shape graph."""
     if is_call(node, aten.alias.default):
         val = tensor_meta(arg(node, 0))
         if val is None or val.dim() != 4:
@@ -77,8 +84,11 @@ def _seq_slice(node: Any) -> tuple[fx.Node, int, int]:
         raise NoMatch("block operand is not a slice of the sequence dimension")
     base, start, end = arg(node, 0), arg(node, 2) or 0, arg(node, 3)
     val = tensor_meta(base)
-    if val is None or not isinstance(start, int) or not isinstance(end, int):
-        raise NoMatch("block bounds are not static integers")
+    if val is None:
+        raise NoMatch("block operand has no tensor value")
+    if not isinstance(start, int) or not isinstance(end, int) or \
+            not isinstance(val.shape[2], int):
+        return base, start, end  # symbolic bounds: refused by match_minimax_block_loop
     return base, start, min(end, int(val.shape[2]))
 
 
@@ -157,7 +167,27 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
             or len(outputs) < 1:
         raise NoMatch("not a concatenation over the sequence dimension")
     blocks = [_match_block_output(o) for o in outputs]
+    try:
+        return _check_loop(blocks)
+    except LoopRefused:
+        raise
+    except NoMatch as exc:
+        raise LoopRefused(str(exc)) from None
+
+
+def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
+    """The loop-level checks of :func:`match_minimax_block_loop` (every block matched)."""
     first = blocks[0]
+    seq = tensor_meta(first.q)
+    if seq is None or not isinstance(seq.shape[2], int) or \
+            not all(isinstance(x, int) for b in blocks for x in (b.start, b.end)):
+        raise LoopRefused(
+            "block bounds are symbolic (a dynamic-shape compile: Dynamo unrolled the loop "
+            "for this number of blocks, but where blocks end changes with the sequence "
+            "length), so the loop is not rewritten as one op; its blocks' products are "
+            "rewritten as parallel forms where their decay matrices do not depend on the "
+            "length. Compile with dynamic=False (or torch._dynamo.mark_static on the "
+            "sequence dimension) to have the whole loop rewritten")
     if not is_call(first.state_in, aten.zeros.default, aten.zeros_like.default,
                    aten.new_zeros.default):
         raise NoMatch("the first block's state is not zeros (a cached state: decode path)")
@@ -314,6 +344,11 @@ def match_decayed_parallel_form(node: fx.Node) -> DecayedParallelForm:
 def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) -> torch.Tensor:
     """Slopes s_h with D = exp(-s_h (i - j)) masked causal; refuse anything else."""
     for n in ancestors(decay):
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt):
+            raise NoMatch("the decay matrix's size follows a dynamic input size (a "
+                          "dynamic-shape compile slices it to a length that changes with the "
+                          "sequence), so it is not frozen at compile time; compile with "
+                          "dynamic=False to have it rewritten")
         if n.op == "placeholder" and not is_buffer(n, env):
             raise NoMatch("the decay matrix depends on an input or a trainable "
                           "parameter; only decays computed from buffers/constants are "

@@ -111,14 +111,31 @@ def softmax_attention_sites(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if is_softmax_attention_site(n)]
 
 
+Outer = dict[fx.Node, tuple[fx.Node, dict[fx.Node, Any]]]
+"""A checkpoint body's placeholder -> (the parent's node that feeds it, the parent's values):
+``ctx.extras["outer"]`` (graphopt/passes/regions.py)."""
+
+
+def built_where(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | None
+                ) -> tuple[fx.Node, dict[fx.Node, Any]]:
+    """Where ``node``'s value is built: (the parent's node, a copy of the parent's values)
+    for a checkpoint body's input, else (``node``, a copy of ``env``)."""
+    built, values = (outer or {}).get(node, (node, env))
+    return built, dict(values)
+
+
 def num_decoder_layers(gm: fx.GraphModule) -> int:
-    """1 + the largest decoder-layer index of a softmax-attention site (1 if none known)."""
-    indices = [i for n in softmax_attention_sites(gm.graph)
+    """1 + the largest decoder-layer index of a softmax-attention site of ``gm`` or its
+    checkpoint bodies (1 if none known)."""
+    from graphopt.passes.regions import all_graph_modules
+
+    indices = [i for g in all_graph_modules(gm) for n in softmax_attention_sites(g.graph)
                if (i := layer_index(n)) is not None]
     return max(indices) + 1 if indices else 1
 
 
-def match_softmax_attention_site(node: fx.Node, env: dict[fx.Node, Any]) -> SoftmaxAttention:
+def match_softmax_attention_site(node: fx.Node, env: dict[fx.Node, Any],
+                                 outer: Outer | None = None) -> SoftmaxAttention:
     """Match a causal softmax-attention site convertible to Lightning Attention.
 
     Raises NotASite when ``node`` is not a site, NoMatch with the reason for a site that is
@@ -126,20 +143,21 @@ def match_softmax_attention_site(node: fx.Node, env: dict[fx.Node, Any]) -> Soft
     if not is_softmax_attention_site(node):
         raise NotASite(f"{node.name} is not a softmax-attention site")
     if is_call(node, *SDPA_OPS):
-        return match_sdpa_causal(node, env)
+        return match_sdpa_causal(node, env, outer)
     return match_handwritten_softmax_attention(node, env)
 
 
-def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any]) -> SoftmaxAttention:
-    """``scaled_dot_product_attention`` with ``is_causal`` or a mask proven causal, no
-    dropout, query length = key length."""
+def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | None = None
+                      ) -> SoftmaxAttention:
+    """``scaled_dot_product_attention`` with ``is_causal`` or a mask proven causal (where it
+    is built: :func:`built_where`), no dropout, query length = key length."""
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"]
     args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
     if node.target is not aten.scaled_dot_product_attention.default:
         raise NoMatch(f"{node.target} is not the composite SDPA op")
     mask = args.get("attn_mask")
     if mask is not None:
-        problem = not_constant_causal(mask, env)
+        problem = not_constant_causal(*built_where(mask, env, outer))
         if problem:
             raise NoMatch(problem)
     elif not args.get("is_causal", False):

@@ -49,6 +49,7 @@ import torch.fx as fx
 from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes, saved_bytes_note
 from graphopt.passes.attention.match_common import NoMatch, aten, layer_index
 from graphopt.passes.attention.match_softmax import (
+    Outer,
     match_softmax_attention_site,
     num_decoder_layers,
 )
@@ -83,8 +84,11 @@ class SoftmaxToLightning:
                       env: dict[fx.Node, Any]) -> bool:
         """Convert or report every site; True when the graph changed."""
         modified = False
+        # In a checkpoint body: the whole model's graph (layer count) and the parent's
+        # builders of the body's inputs (a causal mask built outside the region).
+        root, outer = ctx.extras.get("root", gm), ctx.extras.get("outer")
         for node in sites:
-            reason = autocast_reason(node) or self.convert(gm, node, env)
+            reason = autocast_reason(node) or self.convert(gm, node, env, root, outer)
             done = reason.startswith("APPROXIMATE")
             ctx.record("rewritten" if done else "skipped", site_name(node), reason)
             modified = modified or done
@@ -103,11 +107,14 @@ class SoftmaxToLightning:
                 ctx.record("skipped", "lightning.layers", message)
                 warnings.warn(f"graphopt: {message}", stacklevel=2)
 
-    def convert(self, gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any]) -> str:
+    def convert(self, gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any],
+                root: fx.GraphModule | None = None, outer: Outer | None = None) -> str:
         """Replace one softmax-attention site (SDPA node or hand-written softmax); returns the
-        report reason ("APPROXIMATE..." when done, "kept: ..." with the reason otherwise)."""
+        report reason ("APPROXIMATE..." when done, "kept: ..." with the reason otherwise).
+        ``root``: the whole model's graph when ``gm`` is a checkpoint body (MiniMax slopes
+        need the layer count); ``outer``: see ``match_softmax.built_where``."""
         try:
-            found = match_softmax_attention_site(node, env)
+            found = match_softmax_attention_site(node, env, outer)
         except NoMatch as exc:
             return f"kept: {exc}"
         q_val, k_val = tensor_meta(found.q), tensor_meta(found.k)
@@ -120,7 +127,7 @@ class SoftmaxToLightning:
         path = module_path(node)
         if opts.layers and not any(fnmatch.fnmatchcase(path, p) for p in opts.layers):
             return f"kept: {path or 'this site'} is not selected by lightning.layers"
-        depth = opts.num_layers or num_decoder_layers(gm)
+        depth = opts.num_layers or num_decoder_layers(root if root is not None else gm)
         if layer is None and opts.slopes == "minimax" and depth > 1:
             return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
                     "several layers after a graph break), so MiniMax's per-layer slopes cannot "
