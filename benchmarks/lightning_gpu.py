@@ -3,7 +3,8 @@ forward+backward) checked against the float32 reference, then timed and measured
 next to flash-linear-attention's chunk_simple_gla (same function: decay g = -slope per step)
 and causal flash attention (SDPA), side by side in one run; then packed variable-length
 sequences (cu_seqlens) in one launch per kernel vs one call per sequence vs fla's varlen;
-then the chunk length (block_size 64 / 128 / 256) against speed and peak memory.
+then the chunk length (block_size 64 / 128 / 256) against speed and peak memory. First, a
+bf16 MiniMax through torch.compile must reach the Triton kernels with bf16 eager's accuracy.
 
     python benchmarks/lightning_gpu.py [--quick]
 
@@ -159,6 +160,43 @@ def measure(fn: Callable[[], object]) -> tuple[float, float]:
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def check_model(device: str = "cuda") -> None:
+    """A bf16 MiniMax (toy config) through ``torch.compile(backend="graphopt")`` with
+    attention "exact" on ``device``: its block loop must be rewritten to graphopt's op (on
+    a GPU resolving to the Triton kernels), the rewritten graph must be what ran, and logits
+    and every gradient must be as close to the float64 model's as bf16 eager's are (2x)."""
+    import copy
+
+    import graphopt
+    from graphopt.models import build_model, sample_batch
+    from graphopt.testing import assert_as_accurate_as_eager
+
+    graphopt.clear_reports()
+    torch._dynamo.reset()
+    model = build_model("minimax", dtype=torch.float64).to(device)
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    embeds = model.get_input_embeddings()(sample_batch(model, batch=2, seq=256).to(device))
+
+    def run(m: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda e: m(inputs_embeds=e, use_cache=False).logits
+
+    compiled = torch.compile(run(low), backend="graphopt",
+                             options={"lowering": "eager", "attention": "exact"})
+    errors = assert_as_accurate_as_eager(run(model), run(low), compiled,
+                                         [embeds.detach().to(torch.bfloat16)],
+                                         list(model.parameters()), list(low.parameters()))
+    reports = graphopt.reports()
+    sites = [s for r in reports for p in r.pass_records("attention") for s in p.sites
+             if s.action == "rewritten" and "block loop" in s.reason]
+    assert len(sites) == 1 and not any(r.fallback for r in reports), (sites, reports)
+    on_triton = "Triton" in sites[0].reason
+    assert on_triton == (device != "cpu"), sites[0].reason
+    worst = max(errors.items(), key=lambda kv: kv[1][1] / max(kv[1][0], 1e-30))
+    print(f"bf16 MiniMax compiled (attention exact, {'Triton' if on_triton else 'chunked'}) "
+          f"vs float64: logits {errors['out0'][1]:.2e} (bf16 eager {errors['out0'][0]:.2e}); "
+          f"worst ratio to eager {worst[0]} {worst[1][1]:.2e} vs {worst[1][0]:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="B=1, H=8, D=64 only")
@@ -166,6 +204,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     check()
     check_varlen()
+    check_model()
     try:
         from fla.ops.simple_gla import chunk_simple_gla
     except Exception as exc:  # not installed, or refused by its triton-version guard
