@@ -173,10 +173,14 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> bool:
     except ImportError:  # torch < 2.13 reads no such meta key: nothing to add
         return False
     target = torch.ops.higher_order.tag_activation_checkpoint
-    bodies = [getattr(gm, str(n.args[0].target)) for n in
-              gm.graph.find_nodes(op="call_function", target=target)
-              if isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
-    bodies = [b for b in bodies if isinstance(b, fx.GraphModule)]
+
+    def bodies_of(g: fx.GraphModule) -> list[fx.GraphModule]:  # nested regions too
+        found = [getattr(g, str(n.args[0].target), None) for n in
+                 g.graph.find_nodes(op="call_function", target=target)
+                 if isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"]
+        return [x for b in found if isinstance(b, fx.GraphModule) for x in (b, *bodies_of(b))]
+
+    bodies = bodies_of(gm)
     users = sum("_checkpoint_context_fn" in b.meta for b in bodies)
     for body in bodies:
         body.meta.setdefault("_checkpoint_context_fn", functools.partial(

@@ -113,6 +113,19 @@ def test_refuses_float32_tables_off_by_more_than_their_rounding():
     assert_matches_eager(fn, as_function(gm, fn), [x], rtol=0, atol=0)
 
 
+def test_refuses_bf16_tables_off_by_a_few_of_their_units():
+    """bf16 tables are allowed 1 eps (2 units of their rounding) per unit of 1 + slope d: a
+    table 2% off (5 bf16 units near 1) is refused (4 eps accepted it)."""
+    attn, fn, x = _layer()
+    attn.to(torch.bfloat16)
+    with torch.no_grad():
+        attn.key_decay.mul_(0.98)
+    _, record = _trace_and_run("exact", attn, fn, x.to(torch.bfloat16))
+    assert record.count("rewritten") == 0
+    assert any("key decay" in s.reason and "bfloat16 tables may deviate by 1 x 7.8e-03"
+               in s.reason for s in record.sites), record.sites
+
+
 def test_dynamic_shape_loop_is_reported_and_its_fixed_blocks_rewritten():
     """dynamic=True: Dynamo unrolls the loop for 3 blocks but their ends are symbolic, so the
     loop is reported as skipped with why; the two full blocks' products (decay: the whole
@@ -265,6 +278,41 @@ def test_low_precision_parallel_form_is_rewritten_and_as_accurate_as_eager(dtype
                           example_inputs=bind_inputs(gm, model, *low))
     assert record.count("rewritten") == 1, record.sites
     assert_as_accurate_as_eager(ref, model, as_function(gm, model), low, [], [])
+
+
+class TableDecay(torch.nn.Module):
+    """((Q K^T) * D) V with D a buffer of the given [.., S, S] shape."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.register_buffer("table", table)
+
+    def forward(self, q, k, v):
+        return ((q @ k.transpose(-1, -2)) * self.table) @ v
+
+
+def _exp_table(slopes, s=24):
+    gap = torch.arange(s).view(-1, 1) - torch.arange(s).view(1, -1)
+    return torch.exp(-torch.tensor(slopes).view(-1, 1, 1) * gap.clamp(min=0)) * (gap >= 0)
+
+
+@pytest.mark.parametrize("table, reason", [
+    # One decay per *batch* element ([B, 1, S, S], B == H == 4): not per head.
+    (_exp_table([0.5, 0.1, 0.02, 0.0]).unsqueeze(1), "differs between batch elements"),
+    (torch.stack([_exp_table([0.1] * 4), torch.ones(4, 24, 24)]), "differs between batch"),
+    (_exp_table([-0.15] * 4), "a negative slope"),
+    (_exp_table([0.1] * 4) + torch.ones(24, 24).triu(1), "above the diagonal: not causal"),
+])
+def test_decay_tables_that_are_not_one_causal_decay_per_head_are_refused(table, reason):
+    batch = table.shape[0] if table.dim() == 4 else 2
+    model = TableDecay(table)
+    qkv = [torch.randn(batch, 4, 24, 8, requires_grad=True) for _ in range(3)]
+    gm = trace_for_pass(model, *qkv)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, *qkv))
+    assert record.count("rewritten") == 0
+    assert any(reason in s.reason for s in record.sites), record.sites
+    assert_matches_eager(model, as_function(gm, model), qkv)
 
 
 @pytest.mark.parametrize("model, reason", [

@@ -225,3 +225,61 @@ def test_lightning_conversion_is_the_same_with_and_without_checkpointing():
         assert [s.reason.startswith("APPROXIMATE") for s in sites] == [True, True], sites
         assert [r.fallback for r in graphopt.reports()] == [None], graphopt.reports()[0].notes
     torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
+
+
+class MaskedLayer(torch.nn.Module):
+    """SDPA under a causal mask that is edited in place through a view (a prefix-LM mask)
+    before use, inside a checkpoint region or not; or plain regions nested two deep."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96, dtype=torch.float64)
+        self.variant = variant
+
+    def attend(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, s, 32)
+
+    def forward(self, x):
+        s = x.shape[1]
+        mask = torch.full((s, s), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
+        mask = mask[None, None].expand(x.shape[0], 1, -1, -1).clone()
+        if self.variant == "nested":
+            return checkpoint(lambda y, m: checkpoint(self.attend, y, m, use_reentrant=False),
+                              x, mask, use_reentrant=False)
+        mask[:, :, :, :4] = 0.0  # the 4 prefix tokens are visible to all: not causal
+        if self.variant == "prefix_lm_region":
+            return checkpoint(self.attend, x, mask, use_reentrant=False)
+        return self.attend(x, mask)
+
+
+@pytest.mark.parametrize("variant", ["prefix_lm", "prefix_lm_region", "nested"])
+def test_masks_written_in_place_are_not_proven_and_nested_regions_are_entered(variant):
+    """A mask written through a view after it was built is not what evaluating its inputs
+    gives: kept, with that reason (it was 'proven causal' and dropped: wrong outputs). Regions
+    nested two deep are entered, and the mask built two levels out is proven there."""
+    model = MaskedLayer(variant)
+    x = torch.randn(2, 8, 32, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(model, x)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, x))
+    (site,) = record.sites
+    if variant == "nested":
+        assert site.action == "rewritten" and "is_causal=True" in site.reason
+        assert site.site.startswith("checkpoint wrap_body0: checkpoint wrap_body0: ")
+    else:
+        assert site.action == "kept" and "is written in place in the graph" in site.reason
+    assert_matches_eager(model, as_function(gm, model), [x], params=list(model.parameters()),
+                         rtol=1e-12, atol=1e-12)
+
+
+def test_nested_regions_compile_without_falling_back():
+    model = MaskedLayer("nested")
+    x = torch.randn(2, 8, 32, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(model, backend="graphopt",
+                             options={"lowering": "eager", "attention": "exact"})
+    assert_matches_eager(model, compiled, [x], params=list(model.parameters()),
+                         rtol=1e-12, atol=1e-12)
+    assert [r.fallback for r in graphopt.reports()] == [None]

@@ -98,13 +98,15 @@ def run_with_regions(graph_pass: GraphPass, gm: fx.GraphModule, ctx: PassContext
     inputs = ctx.extras.get("example_inputs") or []
     values = dict(zip(gm.graph.find_nodes(op="placeholder"), inputs))
     known = {node: value for node, value in values.items() if value is not None}
+    parent_outer = ctx.extras.get("outer") or {}
     pruned = False
     for call, name, body in list(checkpoint_bodies(gm)):
         operands = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[1:]))
         sub_ctx = dataclasses.replace(ctx, extras={
             **ctx.extras, "example_inputs": body_inputs(call, body, values),
             "root": ctx.extras.get("root", gm),
-            "outer": {ph: (op, known) for ph, op in operands.items()
+            # A body input fed by the parent's own input resolves further out (nesting).
+            "outer": {ph: parent_outer.get(op, (op, known)) for ph, op in operands.items()
                       if isinstance(op, fx.Node)}})
         first = len(ctx.record_.sites) if ctx.record_ is not None else 0
         sub = run_with_regions(graph_pass, body, sub_ctx)

@@ -15,13 +15,15 @@ Contract:
         rounding of the decay buffers: a loop is rewritten only when its decay tensors,
         evaluated from the example inputs, equal exp(-slope * (i + 1)),
         exp(-slope * (L - 1 - j)), exp(-slope * (i - j)) (masked) and exp(-slope * L) for
-        every block within the tables' own rounding (4 units of the coarser of their dtype
-        and float32 per unit of 1 + slope * distance; ``match_linear.decay_deviation``), so
-        bf16/fp16 models are rewritten and a float32 table 8e-6 off is not. MiniMax builds
-        them from ``slope_rate`` in ``__init__``. A parallel form's slopes are fitted by
-        least squares in the log domain and frozen as a buffer of the graph module (float64
-        for a float64 model, else float32). Chains
-        inside an autocast region are left as written.
+        every block within the tables' own rounding (u eps of the coarser of their dtype
+        and float32 per unit of 1 + slope * distance, u = 4 for float32 and 1 for
+        bf16/fp16; ``match_linear.decay_deviation``), so bf16/fp16 models are rewritten and
+        a float32 table 8e-6 off or a bf16 table 2% off is not. A value written in place in
+        the graph (directly or through a view) is never evaluated (``evaluate`` refuses).
+        MiniMax builds them from ``slope_rate`` in ``__init__``. A parallel form's slopes
+        are fitted by least squares in the log domain and frozen as a buffer of the graph
+        module (float64 for a float64 model, else float32). Chains inside an autocast
+        region are left as written.
     reads meta: ``val`` (shapes/dtypes), ``grapharg`` (buffers), ``autocast``.
     writes meta: new nodes get ``val``, ``graphopt_replaced`` (the replaced output node's
         name) and that node's ``nn_module_stack``.

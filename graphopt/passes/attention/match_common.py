@@ -39,11 +39,63 @@ def is_batched(node: Any) -> bool:
     return val is not None and val.dim() >= 3
 
 
+def _is_view(node: fx.Node) -> bool:
+    """An ATen op whose output aliases an input without writing it (slice, select, view,
+    expand, transpose, alias, ...)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
+def _writes(node: fx.Node, value: fx.Node) -> bool:
+    """True when ``node`` (an op) writes ``value`` in place (a ``Tensor(a!)`` argument)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        given = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        if given is value:
+            return True
+    return False
+
+
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """The first op of the graph that writes ``node``'s value in place, directly or through
+    a view of it (``mask[:, :4] = 0`` is a ``slice`` then ``fill_``), else None. Such a
+    value is not what evaluating its own inputs gives, so no numeric check may use it."""
+    stack, seen = [node], {node}
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user.op != "call_function":
+                continue
+            if _writes(user, current):
+                return user
+            if _is_view(user) and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return None
+
+
 def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
     """Value of a node computed from real placeholder values (small decay/mask subgraphs);
-    results are memoized in ``env``."""
+    results are memoized in ``env``.
+
+    Raises:
+        NoMatch: the node, or a value it is computed from, is written in place in the graph
+            (directly or through a view: its value at run time is not the one computed
+            here), or it is not computable from the inputs.
+    """
     if not isinstance(node, fx.Node):
         return node
+    if node not in env or node.op in ("placeholder", "get_attr"):
+        writer = written_in_place(node)
+        if writer is not None:
+            raise NoMatch(f"{node.name} is written in place in the graph ({writer.name}: "
+                          f"{writer.target}), so its value cannot be proven at compile time")
     if node not in env:
         if node.op == "get_attr":  # a parameter/buffer held by the graph module (torch.export)
             value: Any = node.graph.owning_module

@@ -242,9 +242,11 @@ def expected_decay(kind: str, slope: torch.Tensor, length: int) -> torch.Tensor:
     return torch.exp(-slope.reshape(-1, 1, 1).double() * dist) * mask
 
 
-DECAY_ULPS = 4
-"""A decay table entry may differ from exp(-slope d) by DECAY_ULPS rounding units of its
-dtype per unit of (1 + slope d): see :func:`decay_deviation`."""
+DECAY_ULPS = {torch.float32: 4}
+"""A decay table entry may differ from exp(-slope d) by this many rounding units (eps) of its
+dtype per unit of (1 + slope d): 4 for float32 (exp is accurate to an ulp or two there), 1
+(twice the rounding) for bf16/fp16, whose tables are rounded from float32 values, so that
+a table a few bf16 units off is refused. See :func:`decay_deviation`."""
 
 
 def _tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -262,11 +264,12 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
     A table built as exp(-s d) in a dtype of rounding unit eps is off by at most ~eps in
     the log domain for the exp and its rounding, plus eps * s d for the rounded product
     s * d (or a slope rounded to that dtype, as a bf16 model's ``slope_rate`` is). So
-    entry-wise ``|got - want| <= DECAY_ULPS * eps * (1 + s d) * want + tiny``, with eps and
+    entry-wise ``|got - want| <= u * eps * (1 + s d) * want + tiny`` (u from DECAY_ULPS:
+    4 for float32, 1 for bf16/fp16; above the diagonal want is 0: got must be), with eps and
     tiny (smallest normal: subnormals and flush-to-zero) of the coarser of ``got.dtype``
     and float32: transformers builds MiniMax's tables in float32 before ``.to(dtype)``,
     so a float64 model holds float32-rounded tables. The absolute error of a weight is then
-    at most ``DECAY_ULPS * eps`` (max of (1 + x) e^-x is 1): the rewrite, which computes
+    at most ``u * eps`` (max of (1 + x) e^-x is 1): the rewrite, which computes
     exp(-s d) from the slope, is exact up to the tables' own rounding.
 
     Args:
@@ -281,14 +284,19 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
     if got.numel() != want.numel():
         raise NoMatch(f"{kind} decay of a {length}-long block does not have "
                       f"{want.numel()} entries")
+    if bool((s < 0).any()):
+        return "a negative slope (weights that grow with distance, not a decay)"
     coarse = _tolerance_dtype(got.dtype)
     eps, tiny = torch.finfo(coarse).eps, torch.finfo(coarse).smallest_normal
+    ulps = DECAY_ULPS.get(coarse, 1)
     error = (got.double().reshape(want.shape) - want).abs()
-    if bool((error <= DECAY_ULPS * eps * (1 + s * dist) * want + tiny).all()):
+    if bool((error <= ulps * eps * (1 + s * dist) * want + tiny).all()):
         return None
+    if bool((error[want == 0] > tiny).any()):
+        return "nonzero entries where the decay must be 0 (above the diagonal: not causal)"
     rel = float((error / want.clamp(min=tiny)).max())
     return (f"largest relative deviation {rel:.1e}; {str(got.dtype).split('.')[-1]} tables "
-            f"may deviate by {DECAY_ULPS} x {eps:.1e} x (1 + slope x distance)")
+            f"may deviate by {ulps} x {eps:.1e} x (1 + slope x distance)")
 
 
 def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
@@ -357,12 +365,16 @@ def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) ->
     if not isinstance(d, torch.Tensor) or d.dim() < 2 or d.shape[-1] != d.shape[-2]:
         raise NoMatch("the mask is not a square [S, S] matrix")
     seq, dtype = d.shape[-1], d.dtype
-    d = d.double().reshape(-1, seq, seq)
-    if d.shape[0] not in (1, heads):
-        d = d.reshape(-1, heads, seq, seq)[0] if d.numel() % (heads * seq * seq) == 0 else d
-    if d.shape[0] not in (1, heads):
+    if d.dim() > 4:
+        raise NoMatch("the decay matrix has more than 4 dims")
+    # Aligned from the right against the [B, H, S, S] scores, as broadcasting does.
+    d = d.double().reshape((1,) * (4 - d.dim()) + tuple(d.shape))
+    if d.shape[1] not in (1, heads):
         raise NoMatch("the decay matrix does not have one [S, S] matrix per head")
-    d = d.expand(heads, seq, seq)
+    if d.shape[0] > 1 and not bool((d == d[:1]).all()):
+        raise NoMatch("the decay matrix differs between batch elements (Lightning Attention "
+                      "has one decay per head)")
+    d = d[0].expand(heads, seq, seq)
     if seq > 1 and bool((d[:, 1, 0] <= 0).any()):
         raise NoMatch("the mask is not a positive decay below the diagonal")
     slopes = _fit_slopes(d[:, :, 0], _tolerance_dtype(dtype))

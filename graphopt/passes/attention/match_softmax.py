@@ -38,6 +38,7 @@ from graphopt.passes.attention.match_common import (
     is_buffer,
     is_call,
     layer_index,
+    written_in_place,
 )
 from graphopt.passes.fx_utils import tensor_meta
 
@@ -120,6 +121,8 @@ def built_where(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | None
                 ) -> tuple[fx.Node, dict[fx.Node, Any]]:
     """Where ``node``'s value is built: (the parent's node, a copy of the parent's values)
     for a checkpoint body's input, else (``node``, a copy of ``env``)."""
+    if written_in_place(node) is not None:  # written inside the region: not the parent's value
+        return node, dict(env)
     built, values = (outer or {}).get(node, (node, env))
     return built, dict(values)
 
@@ -144,7 +147,7 @@ def match_softmax_attention_site(node: fx.Node, env: dict[fx.Node, Any],
         raise NotASite(f"{node.name} is not a softmax-attention site")
     if is_call(node, *SDPA_OPS):
         return match_sdpa_causal(node, env, outer)
-    return match_handwritten_softmax_attention(node, env)
+    return match_handwritten_softmax_attention(node, env, outer)
 
 
 def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | None = None
@@ -174,8 +177,8 @@ def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | Non
     return SoftmaxAttention(q, k, v, float(scale), node)
 
 
-def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any]
-                                        ) -> SoftmaxAttention:
+def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any],
+                                        outer: Outer | None = None) -> SoftmaxAttention:
     """Match hand-written causal softmax attention around ``softmax`` (GPT-2's and Llama's
     ``eager`` attention): scale by a multiply, a divide or a one-element constant tensor;
     the causal mask added (float), ``masked_fill``-ed or ``where``-selected (bool), proven
@@ -191,7 +194,8 @@ def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any
         raise NoMatch("no attention mask: non-causal attention is not converted to causal "
                       "Lightning Attention")
     mask_node, blocked = mask
-    problem = not_constant_causal(mask_node, env, blocked=blocked)
+    problem = not_constant_causal(*built_where(mask_node, env, outer), blocked=blocked,
+                                  outer=outer)
     if problem:
         raise NoMatch(problem)
     output = _probabilities_times_v(softmax)
@@ -217,7 +221,8 @@ MAX_PROBED_CONSTANT = 4096
 of 8k, say) is not accepted: probing past it would build masks of more than 8k x 8k."""
 
 
-def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = False) -> str:
+def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = False,
+                        outer: Outer | None = None) -> str:
     """"" when ``mask`` is the causal mask for every call of this graph, else the reason.
 
     Accepted: a mask built from constants and buffers only, or from those and the *sizes* of
@@ -238,6 +243,10 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             sizes.append(n)
             continue
         if n.op == "placeholder" and not is_buffer(n, env) and not _only_sizes_read(n, mask):
+            if outer and n in outer:
+                return ("the attention mask is derived inside a checkpoint region from an "
+                        "input built outside it; the proof follows a mask passed in "
+                        "unchanged, not one sliced or combined inside the region")
             return ("the attention mask depends on a graph input's values (a padding mask), "
                     "so it cannot be proven causal for every call")
         if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
@@ -285,6 +294,8 @@ def _only_sizes_read(node: fx.Node, mask: fx.Node) -> bool:
 def _causal_at(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool) -> str:
     try:
         m = evaluate(mask, env)
+    except NoMatch as exc:
+        return f"the attention mask is not provable: {exc}"
     except Exception as exc:  # any failure means "not provable"
         return f"the attention mask could not be evaluated ({type(exc).__name__})"
     if not isinstance(m, torch.Tensor) or m.dim() < 2 or m.shape[-1] != m.shape[-2]:

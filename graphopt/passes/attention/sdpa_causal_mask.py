@@ -36,43 +36,49 @@ from graphopt.passes.fx_utils import autocast_reason, site_name, tensor_meta
 
 
 def mask_to_is_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | None = None
-                      ) -> bool:
+                      ) -> str | None:
     """SDPA with a mask proven causal (and q length = k length) -> ``is_causal=True``,
-    mask dropped; True when ``node`` was changed. Exact: both give every query its keys
-    0..i. Under torch.compile transformers materializes the causal mask that eager code
-    skips (S x S). ``outer``: a checkpoint body's placeholder -> (the parent's node that
-    feeds it, the parent's values): a mask built outside the region is proven there."""
+    mask dropped. Returns None when ``node`` was changed, else why not ("" when there is no
+    mask to drop). Exact: both give every query its keys 0..i. Under torch.compile
+    transformers materializes the causal mask that eager code skips (S x S). ``outer``: a
+    checkpoint body's placeholder -> (the parent's node that feeds it, the parent's values):
+    a mask built outside the region is proven there."""
     if node.target is not aten.scaled_dot_product_attention.default:
-        return False
+        return ""
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal"]
     args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
     mask = args.get("attn_mask")
     q_val, k_val = tensor_meta(args["query"]), tensor_meta(args["key"])
-    if mask is None or q_val is None or k_val is None or q_val.dim() != 4 or \
-            q_val.shape[2] != k_val.shape[2]:
-        return False
-    if not_constant_causal(*built_where(mask, env, outer)):
-        return False
+    if mask is None or q_val is None or k_val is None or q_val.dim() != 4:
+        return ""
+    if q_val.shape[2] != k_val.shape[2]:
+        return "query length != key length"
+    problem = not_constant_causal(*built_where(mask, env, outer), outer=outer)
+    if problem:
+        return problem
     args.update(attn_mask=None, is_causal=True)
     node.args = (args.pop("query"), args.pop("key"), args.pop("value"))
     node.kwargs = args
-    return True
+    return None
 
 
 def report_or_make_causal(sites: list[fx.Node], ctx: PassContext, env: dict[fx.Node, Any],
                           mode: str) -> bool:
-    """Record every site as kept, or (mode "exact") rewritten to ``is_causal``; True when
-    the graph changed. Inside a checkpoint region, ``ctx.extras["outer"]`` maps the body's
-    inputs to where the parent builds them (graphopt/passes/regions.py)."""
+    """Record every site as kept (with why its mask stays, in mode "exact"), or (mode
+    "exact") rewritten to ``is_causal``; True when the graph changed. Inside a checkpoint
+    region, ``ctx.extras["outer"]`` maps the body's inputs to where the parent builds them
+    (graphopt/passes/regions.py)."""
     modified = False
     outer = ctx.extras.get("outer")
     for node in sites:
-        if mode == "exact" and not autocast_reason(node) and \
-                mask_to_is_causal(node, env, outer):
+        why = "" if mode != "exact" else autocast_reason(node) or \
+            mask_to_is_causal(node, env, outer)
+        if why is None:
             ctx.record("rewritten", site_name(node), "softmax attention kept; its causal mask "
                        "(built from constants and input sizes only) -> is_causal=True (exact; "
                        "the S x S mask is no longer built)")
             modified = True
         else:
-            ctx.record("kept", site_name(node), f"softmax attention (attention='{mode}')")
+            ctx.record("kept", site_name(node), f"softmax attention (attention='{mode}')"
+                       + (f"; its mask stays: {why}" if why else ""))
     return modified
