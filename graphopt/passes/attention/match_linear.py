@@ -341,6 +341,12 @@ def match_decayed_parallel_form(node: fx.Node) -> DecayedParallelForm:
         vals = [tensor_meta(x) for x in (q, k, v, decay)]
         if any(x is None for x in vals) or any(x.dim() != 4 for x in vals[:3]):  # type: ignore
             raise NoMatch("operands are not [B, H, S, D] tensors")
+        qv, kv, vv = vals[:3]
+        if not (qv.shape[0] == kv.shape[0] == vv.shape[0]):  # type: ignore[union-attr]
+            raise NoMatch("q, k, v batch sizes differ (a broadcast batch is not rewritten)")
+        if kv.shape[1] != vv.shape[1] or qv.shape[1] % kv.shape[1]:  # type: ignore[union-attr]
+            raise NoMatch("k and v head counts differ, or q's heads are not a multiple of "
+                          "k's (GQA)")
         seq_q, seq_k = vals[0].shape[2], vals[1].shape[2]  # type: ignore[union-attr]
         if seq_q != seq_k:
             raise NoMatch("query length differs from key length (decode); causal alignment "
