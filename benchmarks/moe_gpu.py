@@ -60,22 +60,25 @@ def check_op() -> None:
 
 
 def check_no_host_sync() -> None:
-    """One dropless bf16 forward+backward of the op with CUDA's sync debug mode set to error:
-    counts, offsets and the sort stay on the device."""
+    """bf16 forward+backward of the op, dropless and with a capacity that drops tokens, with
+    CUDA's sync debug mode set to error: counts, offsets, the sort and the kept count stay on
+    the device."""
     ex = experts_module(8, 256, 512, "eager")
     x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w, i = torch.randn(1024, 8, device="cuda").softmax(-1).topk(2, dim=-1)
     w = w.requires_grad_()
-    moe_experts(x, i, w, ex.gate_up_proj, ex.down_proj).sum().backward()  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        moe_experts(x, i, w, ex.gate_up_proj, ex.down_proj).sum().backward()
-        print("host synchronizations in forward+backward: none")
-    except RuntimeError as exc:
-        print(f"host synchronization found: {str(exc)[:300]}")
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    for cf in (None, 0.8):
+        moe_experts(x, i, w, ex.gate_up_proj, ex.down_proj, capacity_factor=cf).sum().backward()
+        torch.cuda.synchronize()  # warm-up done
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            moe_experts(x, i, w, ex.gate_up_proj, ex.down_proj,
+                        capacity_factor=cf).sum().backward()
+            print(f"host synchronizations in forward+backward (capacity {cf}): none")
+        except RuntimeError as exc:
+            print(f"host synchronization found (capacity {cf}): {str(exc)[:300]}")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
 
 
 def check_pass() -> None:

@@ -90,6 +90,46 @@ def _ep_worker(rank: int, world: int, cases: list[str], schedules: list[str]) ->
             dist.all_reduce(g_up)  # each expert's gradient lives on its owner rank only
             dist.all_reduce(g_down)
             results[name, schedule] = (out.detach(), grads[0], grads[1], g_up, g_down)
+    results.update(_capacity_runs(rank, world, experts, schedules[:2]))
+    return results
+
+
+def _capacity_runs(rank: int, world: int, experts: Any, schedules: list[str]) -> dict:
+    """Expert parallel with a capacity (0.6: each rank keeps the first C of its own
+    assignments per expert, C from its own token count) vs the single-device op with the
+    same capacity on this rank's tokens and every expert; the expert-weight gradients summed
+    over ranks on both sides."""
+    import torch.distributed as dist
+
+    from graphopt.kernels.moe import capacity_keep_mask, moe_experts
+    from graphopt.kernels.moe.op import moe_experts_op
+
+    sizes, index, weights = _case("random", world)
+    lo, t = sum(sizes[:rank]), sizes[rank]
+    torch.manual_seed(2)
+    hidden = torch.randn(sum(sizes), H, dtype=torch.float64)[lo:lo + t]
+    grad = torch.randn(sum(sizes), H, dtype=torch.float64)[lo:lo + t]
+    idx, w = index[lo:lo + t], weights[lo:lo + t]
+    ins = [hidden, w, experts.gate_up_proj, experts.down_proj]
+    local = [a.detach().clone().requires_grad_() for a in ins]
+    want = moe_experts(local[0], idx, local[1], local[2], local[3], capacity_factor=0.6)
+    want_g = list(torch.autograd.grad(want, local, grad))
+    results = {}
+    for schedule in schedules:
+        h, ww = hidden.clone().requires_grad_(), w.clone().requires_grad_()
+        out = moe_experts_op(h, idx, ww, *_local_experts(experts, rank, world), 0.6, world,
+                             "", schedule, 3, 2, True)[0]
+        got_g = list(torch.autograd.grad(out, [h, ww, experts.gate_up_proj,
+                                               experts.down_proj], grad))
+        errors = [float((out - want).abs().max())]
+        for i, (a, b) in enumerate(zip(got_g, want_g)):
+            if i >= 2:  # expert weights: summed over ranks on both sides
+                a, b = a.clone(), b.clone()
+                dist.all_reduce(a)
+                dist.all_reduce(b)
+            errors.append(float((a - b).abs().max()))
+        results["capacity", schedule] = (errors,
+                                         bool(capacity_keep_mask(idx, E, 0.6).all()))
     return results
 
 
@@ -155,6 +195,21 @@ def test_expert_parallel_schedules_equal_single_process(world):
                 _close(per_rank[r][3], want[3], 1e-10, 1e-12, f"{label} rank {r} gate_up")
                 _close(per_rank[r][4], want[4], 1e-10, 1e-12, f"{label} rank {r} down")
             assert not any(torch.isnan(p).any() for p in per_rank[0]), label
+
+
+@pytest.mark.parametrize("world", [4])
+def test_expert_parallel_with_a_capacity_equals_each_ranks_single_device_capacity(world):
+    """The EP path with a capacity (the kept count read on the host for the all-to-all's
+    split sizes) and the single-device path (kept count on the device, static row count)
+    drop the same assignments and give the same outputs and gradients."""
+    results = [r[0] for r in _spawned(world)]
+    dropped = False
+    for r, per_rank in enumerate(results):
+        for schedule in SCHEDULES[:2]:
+            errors, all_kept = per_rank["capacity", schedule]
+            assert max(errors) < 1e-12, (r, schedule, errors)
+            dropped |= not all_kept
+    assert dropped  # the capacity dropped something on some rank
 
 
 def test_block_transpose_reorders_uneven_blocks():

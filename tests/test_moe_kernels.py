@@ -168,36 +168,68 @@ def test_every_differentiable_input_gets_its_gradient():
         lambda h, w, gu, d: moe_experts(h, index, w, gu, d), (hidden, weights, gate_up, down))
 
 
-def test_dropless_forward_reads_nothing_on_the_host_and_backward_reuses_the_sort(monkeypatch):
-    """Counts, grouped-GEMM offsets and the sort stay tensors (on a GPU: no host sync): the
-    op's forward on the float32 grouped path (what the moe pass inserts) calls no
-    tolist/item/int on a tensor; the backward gets the forward's order (no second sort)."""
+@pytest.mark.parametrize("capacity_factor", [-1.0, 0.6])
+def test_forward_and_backward_read_nothing_on_the_host_and_backward_reuses_the_sort(
+        monkeypatch, capacity_factor):
+    """Counts, grouped-GEMM offsets, the sort and (with a capacity) the number of kept
+    assignments stay tensors (on a GPU: no host sync): the op's forward on the float32
+    grouped path (what the moe pass inserts) calls no tolist/item/int on a tensor, dropless
+    or with a capacity that drops assignments; its backward neither, outside the per-expert
+    weight-gradient loop that only CPU tensors take (CUDA runs one grouped GEMM); the backward
+    gets the forward's order (no second sort). Rows past the last kept one are never computed
+    by the grouped GEMMs: outputs and gradients still equal the float64 reference."""
+    import graphopt.kernels.moe.experts as moe_experts_module
     import graphopt.kernels.moe.op as moe_op
-    from graphopt.kernels.moe import moe_experts
 
     def op(*args):
-        return torch.ops.graphopt.moe_experts(*args, -1.0, 1, "", "flat", 1, 1, False)[0]
+        return torch.ops.graphopt.moe_experts(*args, capacity_factor, 1, "", "flat", 1, 1,
+                                              False)[0]
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 16, generator=gen, requires_grad=True)
     w, i = torch.topk(torch.randn(64, 4, generator=gen).softmax(-1), 2)
+    w.requires_grad_()
     gate_up = torch.randn(4, 32, 16, generator=gen, requires_grad=True)
     down = torch.randn(4, 16, 16, generator=gen, requires_grad=True)
+    allowed = []
+    originals = {name: getattr(torch.Tensor, name)
+                 for name in ("tolist", "item", "__int__", "__index__", "__bool__")}
 
-    def host_read(*args, **kwargs):
-        raise AssertionError("a host read of a tensor in the dropless forward")
+    def forbid(name):
+        def host_read(self, *args, **kwargs):
+            if not allowed:
+                raise AssertionError(f"a host read of a tensor ({name}) on the hot path")
+            return originals[name](self, *args, **kwargs)
+        return host_read
 
-    with monkeypatch.context() as patch:
-        for name in ("tolist", "item", "__int__", "__index__", "__bool__"):
-            patch.setattr(torch.Tensor, name, host_read)
-        out = op(x, i, w, gate_up, down)
+    real_segments = moe_experts_module._segments
+
+    def cpu_only_segments(counts):
+        allowed.append(1)
+        try:
+            return real_segments(counts)
+        finally:
+            allowed.pop()
+
     sorts = []
     real_sort = moe_op._sort
-    monkeypatch.setattr(moe_op, "_sort", lambda *a: sorts.append(1) or real_sort(*a))
-    out.square().sum().backward()
+    with monkeypatch.context() as patch:
+        for name in originals:
+            patch.setattr(torch.Tensor, name, forbid(name))
+        out = op(x, i, w, gate_up, down)
+        patch.setattr(moe_op, "_sort", lambda *a: sorts.append(1) or real_sort(*a))
+        patch.setattr(moe_experts_module, "_segments", cpu_only_segments)
+        grads = torch.autograd.grad(out.square().sum(), (x, w, gate_up, down))
     assert sorts == []  # the backward used the forward's order
-    ref = moe_experts(x.double(), i, w.double(), gate_up.double(), down.double())
+    ref_in = [t.detach().double().requires_grad_() for t in (x, w, gate_up, down)]
+    ref = moe_experts(ref_in[0], i, *ref_in[1:],
+                      capacity_factor=capacity_factor if capacity_factor > 0 else None)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    if capacity_factor > 0:
+        assert not capacity_keep_mask(i, 4, capacity_factor).all()  # something was dropped
+    for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), ref_in)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 1e-5, err  # float32 vs float64, relative to the largest entry
 
 
 COMBINE_SCRIPT = r"""

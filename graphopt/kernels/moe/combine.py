@@ -3,7 +3,8 @@
 Shapes (T tokens, K experts per token, H hidden, n <= T*K kept assignments):
     y_rows [n, H] expert outputs in sorted order (unweighted, hidden's dtype);
     weights [T, K] routing weights (any float dtype); order [T*K] int64, the sort: sorted
-    row i is assignment order[i] = t * K + k (rows i >= n were dropped by a capacity).
+    row i is assignment order[i] = t * K + k (rows i >= n, or where the optional ``kept`` mask
+    is False, were dropped by a capacity).
 
 Forward:  out[t] = sum_k w[t, k] * y_rows[slot[t * K + k]]  (slot: the inverse permutation,
           -1 for a dropped assignment), accumulated in promote(hidden, weights) dtype and
@@ -85,20 +86,24 @@ def _block(h: int) -> int:
 
 
 def combine(y_rows: Tensor, weights: Tensor, order: Tensor, out_dtype: torch.dtype,
-            acc: torch.dtype, fused: bool | None = None) -> Tensor:
+            acc: torch.dtype, fused: bool | None = None, kept: Tensor | None = None) -> Tensor:
     """out [T, H] in ``out_dtype`` = the routing-weighted sum of each token's expert rows
-    (module doc), accumulated in ``acc``. Dropped assignments (rows beyond y_rows) add 0.
+    (module doc), accumulated in ``acc``. Dropped assignments (rows beyond y_rows, or rows
+    where ``kept`` [n] bool is False, whatever they hold: NaN included) add exactly 0.
     ``fused``: the Triton kernel (True), torch's index_add (False), None: :func:`use_triton`."""
     t, k = weights.shape
     n, h = y_rows.shape
     token = order[:n] // k
     if not (use_triton(y_rows) if fused is None else fused):
         w = weights.reshape(-1)[order[:n]].to(acc)
-        out = torch.zeros(t, h, dtype=acc, device=y_rows.device).index_add(
-            0, token, y_rows.to(acc) * w.unsqueeze(-1))
+        rows = y_rows.to(acc) * w.unsqueeze(-1)
+        if kept is not None:
+            rows = torch.where(kept.unsqueeze(-1), rows, 0)
+        out = torch.zeros(t, h, dtype=acc, device=y_rows.device).index_add(0, token, rows)
         return out.to(out_dtype)
     slot = torch.full((t * k,), -1, dtype=torch.int32, device=y_rows.device)
-    slot[order[:n]] = torch.arange(n, dtype=torch.int32, device=y_rows.device)
+    position = torch.arange(n, dtype=torch.int32, device=y_rows.device)
+    slot[order[:n]] = position if kept is None else torch.where(kept, position, -1)
     out = torch.empty(t, h, dtype=out_dtype, device=y_rows.device)
     block = _block(h)
     if t:
@@ -108,9 +113,11 @@ def combine(y_rows: Tensor, weights: Tensor, order: Tensor, out_dtype: torch.dty
 
 
 def combine_backward(grad_out: Tensor, y_rows: Tensor, weights: Tensor, order: Tensor,
-                     acc: torch.dtype, fused: bool | None = None) -> tuple[Tensor, Tensor]:
+                     acc: torch.dtype, fused: bool | None = None, kept: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
     """(grad_y [n, H] in y_rows' dtype, grad_weights [T, K] in ``acc``) of :func:`combine`
-    for grad_out [T, H]; ``fused`` as in :func:`combine`."""
+    for grad_out [T, H]; ``fused`` and ``kept`` as in :func:`combine` (a dropped row's
+    weight gradient is exactly 0; its grad_y row is unspecified)."""
     t, k = weights.shape
     n, h = y_rows.shape
     if not (use_triton(y_rows) if fused is None else fused):
@@ -118,7 +125,8 @@ def combine_backward(grad_out: Tensor, y_rows: Tensor, weights: Tensor, order: T
         grad_rows = grad_out.index_select(0, token).to(acc)
         w = weights.reshape(-1)[order[:n]].to(acc)
         grad_w = torch.zeros(t * k, dtype=acc, device=y_rows.device)
-        grad_w[order[:n]] = (grad_rows * y_rows.to(acc)).sum(-1)
+        dot = (grad_rows * y_rows.to(acc)).sum(-1)
+        grad_w[order[:n]] = dot if kept is None else torch.where(kept, dot, 0)
         return (grad_rows * w.unsqueeze(-1)).to(y_rows.dtype), grad_w.view(t, k)
     grad_y = torch.empty_like(y_rows)
     grad_w = torch.zeros(t * k, dtype=acc, device=y_rows.device)
@@ -126,6 +134,10 @@ def combine_backward(grad_out: Tensor, y_rows: Tensor, weights: Tensor, order: T
         _combine_backward[(n,)](grad_out.contiguous(), y_rows.contiguous(),
                                 weights.contiguous(), order.contiguous(), grad_y, grad_w, h,
                                 K=k, BLOCK=min(_block(h), 512))
+    if kept is not None:  # the kernel ran on every row: zero the dropped ones' dots
+        dropped = torch.ones(t * k, dtype=torch.bool, device=y_rows.device)
+        dropped[order[:n]] = ~kept
+        grad_w = grad_w.masked_fill(dropped, 0)
     return grad_y, grad_w.view(t, k)
 
 

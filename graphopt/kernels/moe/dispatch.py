@@ -45,10 +45,37 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tenso
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
         raise ValueError(f"top_k_index has values outside [0, {num_experts}): min "
                          f"{int(flat.min())}, max {int(flat.max())}")
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    order, counts = sorted_counts(flat, num_experts)
     k = top_k_index.shape[-1] if top_k_index.dim() > 1 else 1
     return order, order // k, counts
+
+
+def sorted_counts(flat: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(order [n], counts [E] int64) of flat [n] expert indices already known to lie in
+    [0, E): a stable sort and a histogram, both on the device. The histogram is a scatter_add:
+    torch.bincount reads the maximum on the host (a CUDA synchronization)."""
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+def capacity_partition(flat: Tensor, order: Tensor, counts: Tensor, capacity: int
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """(order' [n], kept [E], keep [n] bool in ``order``'s positions) for an expert capacity
+    C: the first C sorted assignments of each expert are kept (token order, GShard's rule).
+    ``order'`` is a stable partition of ``order``: the kept assignments first (still grouped
+    by expert), the dropped ones after them, so rows past ``kept.sum()`` are the dropped ones.
+    O(n) with cumsums and one scatter, no second sort and nothing read on the host: the
+    number kept stays a device tensor."""
+    n = order.numel()
+    position = torch.arange(n, device=order.device)
+    starts = torch.cumsum(counts, 0) - counts
+    keep = position - starts[flat[order]] < capacity
+    kept = counts.clamp(max=capacity)
+    kept_before = torch.cumsum(keep, 0) - keep.long()  # exclusive
+    target = torch.where(keep, kept_before, kept.sum() + position - kept_before)
+    return torch.empty_like(order).scatter_(0, target, order), kept, keep
 
 
 def capacity_fraction(capacity_factor: float) -> Fraction:
@@ -75,12 +102,11 @@ def capacity_keep_mask(top_k_index: Tensor, num_experts: int,
     C = ceil(capacity_factor * T * K / E) keeps (the first C per expert in token order)."""
     t, k = top_k_index.shape
     capacity = expert_capacity(capacity_factor, t * k, num_experts)
-    order, _, counts = sort_by_expert(top_k_index, num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    experts_sorted = top_k_index.reshape(-1)[order]
-    rank = torch.arange(order.numel(), device=order.device) - starts[experts_sorted]
+    flat = top_k_index.reshape(-1)
+    order, counts = sorted_counts(flat, num_experts)
+    keep_sorted = capacity_partition(flat, order, counts, capacity)[2]
     keep = torch.zeros(t * k, dtype=torch.bool, device=top_k_index.device)
-    keep[order] = rank < capacity
+    keep[order] = keep_sorted
     return keep.view(t, k)
 
 

@@ -11,9 +11,12 @@ Inputs (T tokens, K experts per token, E experts, H hidden, F expert intermediat
     transformers' grouped_mm experts do.
 
 Algorithm (Megablocks sec. 5; Megatron-Core's alltoall token dispatcher):
-    1. capacity (optional): assignments beyond C = ceil(cf * T * K / E) per expert, in
-       token order, become the sentinel E (GShard's rule; see dispatch.capacity_keep_mask);
-    2. stable sort of the T*K assignments by expert (sentinels last, never computed);
+    1. stable sort of the T*K assignments by expert; counts by a device histogram;
+    2. capacity (optional): the first C = ceil(cf * T * K / E) assignments per expert in
+       token order are kept (GShard's rule; see dispatch.capacity_keep_mask), moved ahead
+       of the dropped ones by a stable partition (cumsums, no second sort). On one device
+       the number kept never leaves it: all T*K rows keep their static size and the grouped
+       GEMMs stop at the last kept row;
     3. EP = 1: SwiGLU experts on the sorted rows (graphopt.kernels.moe.experts).
        EP = P > 1: expert e lives on EP rank e // (E / P); the per-rank counts [P, E] are
        all-gathered, then a :class:`~graphopt.kernels.comm.RoundTrip` (schedule flat,
@@ -48,7 +51,7 @@ from torch import Tensor
 
 from graphopt.kernels.comm import RoundTrip
 from graphopt.kernels.moe.combine import combine, combine_backward
-from graphopt.kernels.moe.dispatch import capacity_keep_mask
+from graphopt.kernels.moe.dispatch import capacity_partition, expert_capacity, sorted_counts
 from graphopt.kernels.moe.experts import swiglu_experts_backward, swiglu_experts_forward
 
 _STASH: dict[int, dict[Any, tuple[Tensor, Tensor]]] = {}
@@ -70,23 +73,32 @@ def resolve_group(name: str, ep: int) -> dist.ProcessGroup | None:
 
 
 def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
-          ) -> tuple[Tensor, Tensor, Tensor, int]:
-    """(order [T*K], token [T*K], counts [E], valid): sorted assignments, sentinels last.
-
-    Dropless (capacity_factor <= 0), every assignment is valid: ``valid`` = T*K comes from
-    the shape and the counts stay on the device (no host synchronization); with a capacity
-    the number kept is read from the device."""
+          ) -> tuple[Tensor, Tensor, Tensor]:
+    """(order [T*K], token [T*K], counts [E]): the assignments sorted by expert, with a
+    capacity the kept ones first and the dropped ones after them (counts: kept per expert).
+    One sort; the counts and the number kept stay on the device (no host synchronization)."""
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
+    order, counts = sorted_counts(flat, num_experts)
     if capacity_factor > 0:
-        keep = capacity_keep_mask(top_k_index, num_experts, capacity_factor).reshape(-1)
-        flat = torch.where(keep, flat, num_experts)
-    order = torch.argsort(flat, stable=True)
-    # A histogram by scatter_add: torch.bincount reads the maximum on the host (CUDA sync).
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))[:num_experts]
-    valid = flat.numel() if capacity_factor <= 0 else int(counts.sum())
-    return order, order // k, counts, valid
+        capacity = expert_capacity(capacity_factor, flat.numel(), num_experts)
+        order, counts, _ = capacity_partition(flat, order, counts, capacity)
+    return order, order // k, counts
+
+
+def _rows(counts: Tensor, n: int, capacity_factor: float, pg: dist.ProcessGroup | None
+          ) -> tuple[int, Tensor | None]:
+    """(rows computed, kept [rows] bool or None) for this rank's kept ``counts`` [E] of n
+    sorted assignments. Dropless: all n. With a capacity on one device: still all n, static,
+    the first counts.sum() kept (a device mask; the grouped GEMMs stop at the last offset and
+    the rows after it are never computed, as torchtitan's padded grouped_mm rows). Expert
+    parallel: the kept count, read on the host (the all-to-all needs its split sizes there
+    anyway)."""
+    if capacity_factor <= 0:
+        return n, None
+    if pg is None:
+        return n, torch.arange(n, device=counts.device) < counts.sum()
+    return int(counts.sum()), None
 
 
 def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int) -> Tensor:
@@ -112,10 +124,12 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
                    chunks: int, ranks_per_node: int, stash: bool
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] or [0, 2F], handle [1], counts [ep, E],
-    order [T*K] (the sort, reused by the backward))."""
+    order [T*K] (the sort, reused by the backward)). With a capacity, y_rows and gu rows
+    past the kept count are unspecified (on one device) or zero (expert parallel)."""
     num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
-    order, token, counts, valid = _sort(top_k_index, num_experts, capacity_factor)
+    order, token, counts = _sort(top_k_index, num_experts, capacity_factor)
+    valid, kept = _rows(counts, order.numel(), capacity_factor, pg)
     rows = hidden.index_select(0, token[:valid])
     counts_all = _gather_counts(counts, pg, ep)
     w1, w2 = gate_up, down
@@ -142,7 +156,7 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
                 _STASH.pop(next(iter(_STASH)))
             _STASH[handle] = saved
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
-    out = combine(y_valid, top_k_weights, order, hidden.dtype, acc)
+    out = combine(y_valid, top_k_weights, order, hidden.dtype, acc, kept=kept)
     return (out, y_rows, gu_out, top_k_index.new_full((1,), handle),
             counts_all.to(torch.int64), order)
 
@@ -169,10 +183,11 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     ``order`` is the forward's sort (not sorted again)."""
     pg = resolve_group(group, ep)
     token = order // top_k_index.shape[1]
-    valid = order.numel() if capacity_factor <= 0 else int(
-        counts_all[dist.get_rank(pg) if pg is not None else 0].sum())
+    valid, kept = _rows(counts_all[dist.get_rank(pg) if pg is not None else 0], order.numel(),
+                        capacity_factor, pg)
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
-    grad_y, grad_weights = combine_backward(grad_out, y_rows[:valid], top_k_weights, order, acc)
+    grad_y, grad_weights = combine_backward(grad_out, y_rows[:valid], top_k_weights, order, acc,
+                                            kept=kept)
     w1, w2 = gate_up, down
     local: dict[str, Tensor] = {}  # this rank's experts' weight gradients, accumulated
     if pg is None:
@@ -195,6 +210,8 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     grad_x = trip(grad_y, backward, tag=2)
     grad_gate_up = local["up"] if "up" in local else torch.zeros_like(gate_up)
     grad_down = local["down"] if "down" in local else torch.zeros_like(down)
+    if kept is not None:  # rows past the last grouped-GEMM offset: never computed
+        grad_x = torch.where(kept.unsqueeze(-1), grad_x, 0)
     grad_hidden = torch.zeros_like(hidden).index_add(0, token[:valid], grad_x)
     return (grad_hidden, grad_weights.view(top_k_weights.shape).to(top_k_weights.dtype),
             grad_gate_up, grad_down)
