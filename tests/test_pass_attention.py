@@ -126,25 +126,79 @@ def test_refuses_bf16_tables_off_by_a_few_of_their_units():
                in s.reason for s in record.sites), record.sites
 
 
-def test_dynamic_shape_loop_is_reported_and_its_fixed_blocks_rewritten():
-    """dynamic=True: Dynamo unrolls the loop for 3 blocks but their ends are symbolic, so the
-    loop is reported as skipped with why; the two full blocks' products (decay: the whole
-    buffer) become parallel forms, the last block's (decay sliced to a length that follows
-    the sequence) is kept with why; exact at the traced length and at another with 3 blocks."""
+def test_dynamic_shape_loop_is_checked_at_every_length_and_rewritten():
+    """dynamic=True: Dynamo unrolls the loop for 3 blocks of 16 with bounds that follow S
+    (the last block is rows [32, min(48, S))); the pass proves the decays at every length the
+    guards allow (34..47 here) and rewrites the whole loop into one op: exact at the traced
+    length and at others with 3 blocks, final state included."""
     attn, fn, x = _layer(40, 16)
     gm = trace_for_pass(fn, x, dynamic=True)
     gm, record = run_pass("attention", gm, Config(attention="exact"),
                           example_inputs=bind_inputs(gm, fn, x))
-    loop, first, second, last = record.sites
-    assert loop.action == "skipped" and "block bounds are symbolic" in loop.reason
-    assert "dynamic=False" in loop.reason
-    assert [first.action, second.action] == ["rewritten"] * 2
-    assert "parallel form (S 16)" in first.reason
-    assert last.action == "skipped" and "follows a dynamic input size" in last.reason
-    assert record.op_delta[LIGHTNING] == 2
-    for seq in (40, 35):
+    [loop] = record.sites
+    assert loop.action == "rewritten", loop.reason
+    # Dynamo's guards: 3 blocks, and the last one neither 0/1 rows nor full
+    assert "3 blocks (block 16, S 40; bounds follow the sequence length: checked at all 14 " \
+        "lengths its guards allow, 34..47)" in loop.reason
+    assert record.op_delta[LIGHTNING] == 1
+    for seq in (40, 35, 34, 47):
         x = torch.randn(2, seq, 64, requires_grad=True)
         assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-5, atol=1e-5)
+
+
+def _minimax_loop(attn, q, k, v, variant):
+    """transformers' MiniMax block loop (MiniMaxLightningAttention.forward, no cache) over
+    attn's decay tables, with a variant that is right at one length only: "shifted_query"
+    reads rows [8 - L, 8) of the query table for a last block of L rows (rows [0, 8) at
+    L = 8), "constant_decay" decays the state by a fixed 8 rows after the last block."""
+    b, h, s, d = q.shape
+    blk = attn.block_size
+    state = torch.zeros(b, h, d, d, dtype=q.dtype)
+    outputs = []
+    n = (s + blk - 1) // blk
+    for i in range(n):
+        start, end = i * blk, min(i * blk + blk, s)
+        size = end - start
+        qb, kb, vb = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        q_decay = attn.query_decay[:, :size]
+        decay = torch.exp(-attn.slope_rate * size)
+        if i == n - 1 and variant == "shifted_query":
+            q_decay = attn.query_decay[:, 8 - size:8]
+        if i == n - 1 and variant == "constant_decay":
+            decay = torch.exp(-attn.slope_rate * 8)
+        intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2))
+                             * attn.diagonal_decay[:, :, :size, :size], vb)
+        outputs.append(torch.matmul(qb * q_decay, state) + intra)
+        state = state * decay + torch.matmul(
+            (kb * attn.key_decay[:, -size:]).transpose(-1, -2), vb)
+    return torch.cat(outputs, dim=-2), state
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("shifted_query", r"query decay at sequence length \d+ is rows \[\(\d+, 8\)\]"),
+    ("constant_decay", r"block decay of block 2 is a fixed table of a 8-long block, but at "
+                       r"sequence length \d+ the block is \d+ long"),
+])
+def test_dynamic_loop_right_only_at_the_traced_length_is_refused(variant, reason):
+    """A loop whose decays are Lightning Attention's at the traced length (S 40: the last
+    block has 8 rows) but not at other lengths its graph runs at is left as written, with
+    the length where it fails; it still computes what eager does there."""
+    import re
+
+    attn = _layer(40, 16)[0]
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q, k, v, variant)
+
+    args = [torch.randn(1, 4, 40, 16) for _ in range(3)]
+    gm = trace_for_pass(fn, *args, dynamic=True)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, *args))
+    loops = [s for s in record.sites if "block" in s.reason and s.action == "skipped"]
+    assert len(loops) == 1 and re.search(reason, loops[0].reason), record.sites
+    assert LIGHTNING not in record.op_delta
+    args = [torch.randn(1, 4, 37, 16, requires_grad=True) for _ in range(3)]
+    assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-5, atol=1e-5)
 
 
 def test_no_match_for_other_concatenations():
@@ -189,6 +243,31 @@ def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
              for s in p.sites]
     assert [s.action for s in sites].count("rewritten") == 1  # the one linear-attention layer
     assert [s.action for s in sites].count("kept") == 1  # the softmax-attention layer
+
+
+def test_minimax_model_recompiled_for_a_new_length_keeps_the_rewrite():
+    """The usual dynamic-shape path: a second sequence length makes torch.compile recompile
+    with a symbolic length (automatic dynamic shapes). The recompiled graph's loop (bounds
+    follow S) is still rewritten into one op, and logits and every gradient match eager at
+    the new length and at another one the recompiled graph serves."""
+    model = build_model("minimax", dtype=torch.float32)
+
+    def fn(i):
+        return model(input_ids=i, use_cache=False).logits
+
+    graphopt.clear_reports()
+    compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager",
+                                                              "attention": "exact"})
+    for seq in (48, 40, 37):  # 48: static compile; 40: recompiled with a symbolic S
+        ids = sample_batch(model, batch=2, seq=seq)
+        assert_matches_eager(fn, compiled, [ids], params=list(model.parameters()),
+                             rtol=1e-4, atol=1e-4)
+    reports = graphopt.reports()
+    assert all(r.fallback is None for r in reports)
+    loops = [s for r in reports for p in r.pass_records("attention") for s in p.sites
+             if "block loop" in s.reason]
+    assert [s.action for s in loops] == ["rewritten"] * len(loops) and len(loops) >= 2
+    assert any("bounds follow the sequence length" in s.reason for s in loops)
 
 
 def test_bf16_minimax_model_is_rewritten_and_as_accurate_as_eager():

@@ -8,9 +8,12 @@ block loop, which Dynamo unrolls into one chain per block, and the quadratic "pa
 buffers/constants only and equals exp(-slope_h * (i - j)) below the diagonal, 0 above.
 
 Contract:
-    accepts: the normalized pre-autograd ATen graph with static shapes (a loop over a
-        symbolic number of blocks cannot be unrolled by Dynamo anyway) and the compile's real
-        example inputs (``env``: placeholder -> value) to evaluate decays.
+    accepts: the normalized pre-autograd ATen graph and the compile's real example inputs
+        (``env``: placeholder -> value) to evaluate decays. Under dynamic shapes Dynamo
+        unrolls the loop for a fixed number of blocks with bounds that follow S; such a
+        loop is rewritten only once its decays are proved at every length its guards allow
+        (``match_symbolic.check_every_length``), and the op then runs on rows [0, end of
+        the last block).
     guarantees: EXACT, i.e. the same function up to floating-point reassociation and the
         rounding of the decay buffers: a loop is rewritten only when its decay tensors,
         evaluated from the example inputs, equal exp(-slope * (i + 1)),
@@ -63,6 +66,7 @@ from graphopt.passes.attention.match_linear import (
     match_minimax_block_loop,
     parallel_form_slopes,
 )
+from graphopt.passes.attention.match_symbolic import hint, sym_expr
 from graphopt.passes.base import PassContext
 from graphopt.passes.fx_utils import autocast_reason, fake_call, site_name, tensor_meta
 
@@ -98,8 +102,12 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         _replace_loop(gm, cat, loop)
         val = tensor_meta(loop.q)
         assert val is not None
+        checked = loop.symbolic.checked if loop.symbolic is not None else None
+        lengths = "" if not checked else (
+            f"; bounds follow the sequence length: checked at all {len(checked)} lengths its "
+            f"guards allow, {checked[0]}..{checked[-1]}")
         ctx.record("rewritten", site, f"block loop of {len(loop.blocks)} blocks "
-                   f"(block {loop.blocks[0].end}, S {int(val.shape[2])}) -> "
+                   f"(block {loop.block_size}, S {hint(val.shape[2])}{lengths}) -> "
                    "graphopt::lightning_attention"
                    + saved_bytes_note(loop.q, loop.k, loop.v))
         modified = True
@@ -150,7 +158,13 @@ def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> None:
     with graph.inserting_before(cat):
         slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
     slope.meta["val"] = fake_call(aten.view.default, loop.slope, [heads])
-    out, final = insert_lightning_fwd(gm, cat, loop.q, loop.k, loop.v, slope, 1.0, outputs=2)
+    q, k, v = loop.q, loop.k, loop.v
+    end = loop.blocks[-1].end
+    if loop.symbolic is not None and sym_expr(end) != sym_expr(q_val.shape[2]):
+        # the blocks cover rows [0, end) (= S where the guards hold, but not provably):
+        # the op runs on exactly those rows, so its output has the loop's shape
+        q, k, v = (_rows_before(gm, cat, x, end) for x in (q, k, v))
+    out, final = insert_lightning_fwd(gm, cat, q, k, v, slope, 1.0, outputs=2)
     cat.replace_all_uses_with(out)
     state = loop.final_state
     if state is not None and state.users:
@@ -163,3 +177,11 @@ def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> None:
                 new_state.meta["val"] = fake_call(aten._to_copy.default, final,
                                                   dtype=want.dtype)
         state.replace_all_uses_with(new_state)
+
+
+def _rows_before(gm: fx.GraphModule, before: fx.Node, x: fx.Node, end: fx.Node) -> fx.Node:
+    """``x[:, :, :end]`` inserted before ``before`` (end: the loop's last bound)."""
+    with gm.graph.inserting_before(before):
+        node = gm.graph.call_function(aten.slice.Tensor, (x, 2, 0, end))
+    node.meta["val"] = fake_call(aten.slice.Tensor, x, 2, 0, end)
+    return node

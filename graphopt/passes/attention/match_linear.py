@@ -35,6 +35,15 @@ from graphopt.passes.attention.match_common import (
     is_buffer,
     is_call,
 )
+from graphopt.passes.attention.match_symbolic import (
+    SymbolicBlocks,
+    check_every_length,
+    follows_sizes,
+    hint,
+    hinted,
+    seq_symbol,
+    sym_expr,
+)
 from graphopt.passes.fx_utils import tensor_meta
 
 
@@ -51,8 +60,8 @@ class LoopBlock:
     q: fx.Node
     k: fx.Node
     v: fx.Node
-    start: int
-    end: int
+    start: Any  # int; an FX node or SymInt in a dynamic-shape graph
+    end: Any
     q_decay: fx.Node
     diag_decay: fx.Node
     state_in: fx.Node
@@ -69,7 +78,9 @@ class BlockLoop:
     slope: fx.Node
     blocks: list[LoopBlock]
     final_state: fx.Node | None
-    checks: list[tuple[fx.Node, str, int]]  # (decay node, kind, block length)
+    checks: list[tuple[fx.Node, str, int, int]]  # (decay node, kind, block, length at hint)
+    symbolic: SymbolicBlocks | None = None  # bounds follow the sequence length
+    block_size: int = 0  # the longest block at the compile's length
 
 
 def _seq_slice(node: Any) -> tuple[fx.Node, Any, Any]:
@@ -79,17 +90,27 @@ def _seq_slice(node: Any) -> tuple[fx.Node, Any, Any]:
         val = tensor_meta(arg(node, 0))
         if val is None or val.dim() != 4:
             raise NoMatch("block operand is not a [B, H, S, D] tensor")
-        return arg(node, 0), 0, int(val.shape[2])
+        return arg(node, 0), 0, val.shape[2]  # a SymInt stays one (no int(): no guard)
     if not is_call(node, aten.slice.Tensor) or arg(node, 1) not in (2, -2):
         raise NoMatch("block operand is not a slice of the sequence dimension")
-    base, start, end = arg(node, 0), arg(node, 2) or 0, arg(node, 3)
+    base, start, end = _whole(arg(node, 0)), arg(node, 2) or 0, arg(node, 3)
     val = tensor_meta(base)
     if val is None:
         raise NoMatch("block operand has no tensor value")
     if not isinstance(start, int) or not isinstance(end, int) or \
             not isinstance(val.shape[2], int):
-        return base, start, end  # symbolic bounds: refused by match_minimax_block_loop
+        return base, start, end  # symbolic bounds: checked by _check_loop
     return base, start, min(end, int(val.shape[2]))
+
+
+def _whole(node: Any) -> Any:
+    """``node`` with whole-range slices of other dims peeled off (``x[:, :, a:b]`` in a
+    dynamic-shape graph is ``slice(slice(x, 0, 0, INT64_MAX), 2, a, b)``)."""
+    while is_call(node, aten.slice.Tensor) and arg(node, 1) not in (2, -2) and \
+            not (arg(node, 2) or 0) and isinstance(arg(node, 3), int) and \
+            arg(node, 3) >= 2**62 and (arg(node, 4) or 1) == 1:
+        node = arg(node, 0)
+    return node
 
 
 def _split_product(node: Any, target: Any) -> tuple[Any, Any]:
@@ -176,46 +197,60 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
 
 
 def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
-    """The loop-level checks of :func:`match_minimax_block_loop` (every block matched)."""
+    """The loop-level checks of :func:`match_minimax_block_loop` (every block matched). Block
+    bounds that follow the sequence length (a dynamic-shape graph) are checked here at the
+    compile's own length (hints) and at every other length by :func:`check_loop_decays`."""
     first = blocks[0]
     seq = tensor_meta(first.q)
-    if seq is None or not isinstance(seq.shape[2], int) or \
+    assert seq is not None
+    symbolic = None
+    if not isinstance(seq.shape[2], int) or \
             not all(isinstance(x, int) for b in blocks for x in (b.start, b.end)):
-        raise LoopRefused(
-            "block bounds are symbolic (a dynamic-shape compile: Dynamo unrolled the loop "
-            "for this number of blocks, but where blocks end changes with the sequence "
-            "length), so the loop is not rewritten as one op; its blocks' products are "
-            "rewritten as parallel forms where their decay matrices do not depend on the "
-            "length. Compile with dynamic=False (or torch._dynamo.mark_static on the "
-            "sequence dimension) to have the whole loop rewritten")
+        try:
+            symbol, shape_env = seq_symbol(first.q)
+            exprs = [sym_expr(x) for b in blocks for x in (b.start, b.end)]
+            if any(e is None or not e.free_symbols <= {symbol} for e in exprs):
+                raise NoMatch("block bounds depend on other sizes than the sequence length")
+        except NoMatch as exc:
+            raise LoopRefused(
+                f"block bounds are symbolic and {exc}, so the loop is not rewritten as one "
+                "op; its blocks' products are rewritten as parallel forms where their decay "
+                "matrices do not depend on the length. Compile with dynamic=False (or "
+                "torch._dynamo.mark_static on the sequence dimension) to have the whole loop "
+                "rewritten") from None
+        symbolic = SymbolicBlocks(symbol, shape_env)
     if not is_call(first.state_in, aten.zeros.default, aten.zeros_like.default,
                    aten.new_zeros.default):
         raise NoMatch("the first block's state is not zeros (a cached state: decode path)")
-    checks: list[tuple[fx.Node, str, int]] = []
+    seq_len = hint(seq.shape[2])
+    checks: list[tuple[fx.Node, str, int, int]] = []
     slope = None
     final_state = None
+    end = 0
     for i, blk in enumerate(blocks):
         if (blk.q, blk.k, blk.v) != (first.q, first.k, first.v):
             raise NoMatch("blocks read different Q/K/V tensors")
-        expected_start = 0 if i == 0 else blocks[i - 1].end
-        if blk.start != expected_start:
-            raise NoMatch(f"block {i} starts at {blk.start}, expected {expected_start}")
-        length = blk.end - blk.start
+        start = min(hint(blk.start), seq_len)
+        if start != end:
+            raise NoMatch(f"block {i} starts at {start}, expected {end}")
+        end = min(hint(blk.end), seq_len)
+        length = end - start
         new_state = _next_state(blk, i)
         s, bd, kd = _match_state_update(new_state, blk)
         if slope is not None and s is not slope:
             raise NoMatch("blocks use different slopes")
         slope = s
-        checks += [(blk.q_decay, "query", length), (kd, "key", length),
-                   (blk.diag_decay, "diagonal", length), (bd, "block", length)]
+        checks += [(blk.q_decay, "query", i, length), (kd, "key", i, length),
+                   (blk.diag_decay, "diagonal", i, length), (bd, "block", i, length)]
         if i + 1 < len(blocks) and blocks[i + 1].state_in is not new_state:
             raise NoMatch(f"block {i + 1} does not read block {i}'s state")
         final_state = new_state
-    q_val = tensor_meta(first.q)
-    assert q_val is not None and slope is not None
-    if blocks[-1].end != int(q_val.shape[2]):
+    assert slope is not None
+    if end != seq_len:
         raise NoMatch("blocks do not cover the whole sequence")
-    return BlockLoop(first.q, first.k, first.v, slope, blocks, final_state, checks)
+    size = max(c[3] for c in checks)
+    return BlockLoop(first.q, first.k, first.v, slope, blocks, final_state, checks, symbolic,
+                     size)
 
 
 def _distances(kind: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,11 +336,15 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
 
 def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
     """Raise NoMatch unless every decay of ``loop``, evaluated, is Lightning Attention's
-    (:func:`decay_deviation`)."""
+    (:func:`decay_deviation`); for a loop whose bounds follow the sequence length, at every
+    length its graph can run at too (:func:`match_symbolic.check_every_length`)."""
+    if loop.symbolic is None and any(follows_sizes(c[0]) for c in loop.checks):
+        raise NoMatch("a decay follows a dynamic input size while the block bounds do not")
+    env = hinted(env)  # symbolic sizes at the example inputs: every length is checked below
     slope = evaluate(loop.slope, env)
     if not isinstance(slope, torch.Tensor) or slope.numel() != slope.shape[0]:
         raise NoMatch("slope is not one value per head")
-    for node, kind, length in loop.checks:
+    for node, kind, _, length in loop.checks:
         got = evaluate(node, env)
         if not isinstance(got, torch.Tensor):
             raise NoMatch(f"{kind} decay of a {length}-long block is not a tensor")
@@ -314,6 +353,9 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
             raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
                           f"-slope times the distance ({deviation}): the loop is not "
                           "Lightning Attention")
+    if loop.symbolic is not None:
+        check_every_length(loop.blocks, loop.checks, loop.symbolic, slope, env,
+                           decay_deviation)
 
 
 @dataclass
