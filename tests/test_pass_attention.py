@@ -509,6 +509,48 @@ def test_exact_mode_replaces_a_constant_causal_mask_by_is_causal():
     assert_matches_eager(fn, as_function(gm, fn), args)
 
 
+def _mask_sites(fn, lengths):
+    """Compile ``fn`` with graphopt (dynamic=True: sizes reach the backend as SymInts),
+    compare with eager at each length, return the attention sites of every report."""
+    graphopt.clear_reports()
+    compiled = torch.compile(fn, backend="graphopt", dynamic=True,
+                             options={"lowering": "eager", "attention": "exact"})
+    for seq in lengths:
+        args = [torch.randn(1, 2, seq, 4, requires_grad=True) for _ in range(3)]
+        assert_matches_eager(fn, compiled, args)
+    reports = graphopt.reports()
+    assert reports and all(r.fallback is None for r in reports)
+    return [s for r in reports for p in r.pass_records("attention") for s in p.sites]
+
+
+def test_causal_mask_built_from_a_dynamic_size_becomes_is_causal():
+    """Under dynamic shapes the backend gets the sequence length as a SymInt; the mask built
+    from it is proven causal at the example size and the probe sizes (it used to be refused
+    as 'depends on a graph input's values': the SymInt was not read as a size)."""
+    def fn(q, k, v):
+        s = q.shape[2]
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    sites = _mask_sites(fn, (12, 9, 30))
+    assert sites and all(s.action == "rewritten" and "is_causal=True" in s.reason
+                         for s in sites), sites
+
+
+def test_size_dependent_mask_with_periodic_arithmetic_is_kept():
+    """A mask causal at every probed size but not beyond: (j - i) % 1000 == 0 with
+    j - i > 1000 opens entries above the diagonal from S = 2001 only, past every probe
+    (constants + 1, + 2). Built with a remainder, it is refused as unprovable."""
+    def fn(q, k, v):
+        i = torch.arange(q.shape[2])
+        d = i[None, :] - i[:, None]
+        mask = (d <= 0) | ((d % 1000 == 0) & (d > 1000))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    sites = _mask_sites(fn, (12, 9))
+    assert sites and all(s.action == "kept" and "periodic" in s.reason for s in sites), sites
+
+
 def test_exact_mode_keeps_a_padding_mask():
     def fn(q, k, v, mask):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)

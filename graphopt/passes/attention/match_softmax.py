@@ -40,6 +40,7 @@ from graphopt.passes.attention.match_common import (
     layer_index,
     written_in_place,
 )
+from graphopt.passes.attention.match_symbolic import hinted
 from graphopt.passes.fx_utils import tensor_meta
 
 SDPA_OPS = {aten.scaled_dot_product_attention.default,
@@ -234,10 +235,17 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     every size of SIZE_PROBES, and just past each integer constant of its construction (a
     sliding window of w is causal up to size w and not beyond: its w is such a constant; the
     mask of a graph is a fixed dataflow of comparisons, whose outcome changes only where a
-    size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused.
+    size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused, and so
+    is a size-dependent mask built with periodic arithmetic (remainder, floor division,
+    integer bitwise ops: :func:`_periodic`), where that argument fails. A dynamic-shape
+    compile's SymInt sizes are taken at the example inputs (``hinted``).
     """
+    # A dynamic-shape compile passes its sizes as SymInts: take them at the example inputs
+    # (computing with a SymInt specializes the graph); the probes below cover other sizes.
+    env = hinted(env)
     sizes: list[fx.Node] = []
     constants: set[int] = set()
+    periodic: list[fx.Node] = []
     for n in ancestors(mask):
         if _is_size(n, env):
             sizes.append(n)
@@ -255,6 +263,11 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             constants |= {abs(int(a)) for a in (*n.args, *n.kwargs.values())
                           if isinstance(a, int | float) and not isinstance(a, bool)
                           and math.isfinite(a) and float(a).is_integer() and abs(a) < 2**31}
+            if _periodic(n):
+                periodic.append(n)
+    if sizes and periodic:
+        return (f"the attention mask reads input sizes and is built with {periodic[0].target} "
+                "(periodic in the index: probing sizes cannot prove it causal for every size)")
     if sizes and max(constants, default=0) > MAX_PROBED_CONSTANT:
         return (f"the attention mask reads input sizes and the constant "
                 f"{max(constants)} (a sliding window?); masks past {MAX_PROBED_CONSTANT} are "
@@ -271,6 +284,23 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             return problem + (" (at input sizes " + str(probe_env[sizes[0]]) + ")"
                               if sizes and probe_env is not env else "")
     return ""
+
+
+_PERIODIC = ("remainder", "fmod", "floor_divide", "div", "bitwise_xor", "bitwise_left_shift",
+             "bitwise_right_shift", "__lshift__", "__rshift__", "sin", "cos", "pow", "round")
+
+
+def _periodic(node: fx.Node) -> bool:
+    """An op whose outcome is not monotone in an index (remainder, floor division, shifts,
+    integer bitwise and/or, ...): a mask built with one may be causal at the probed sizes
+    and not between them. Logical and/or of boolean masks are fine."""
+    name = getattr(node.target, "_opname", "")
+    if name.startswith(_PERIODIC):
+        return True
+    if name.startswith(("bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__")):
+        val = node.meta.get("val")
+        return not (isinstance(val, torch.Tensor) and val.dtype == torch.bool)
+    return False
 
 
 def _is_size(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
