@@ -19,10 +19,10 @@ import argparse
 import os
 
 import torch
-from common import median_time
+from common import median_time, minimax_toy
 
 import graphopt
-from graphopt.models import build_model, sample_batch
+from graphopt.models import sample_batch
 
 
 def saved_bytes(step_fn) -> int:
@@ -41,22 +41,8 @@ def saved_bytes(step_fn) -> int:
 
 
 def run(checkpointing: bool, kind: str, args: argparse.Namespace) -> dict:
-    torch._dynamo.reset()
-    graphopt.clear_reports()
-    model = build_model("minimax", dtype=torch.float32).train()
-    model.set_experts_implementation("batched_mm")  # one graph (the eager loop breaks it)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    model, fn = minimax_toy(kind, checkpointing)
     ids = sample_batch(model, batch=args.batch, seq=args.seq)
-
-    def fn(i: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=i, use_cache=False).logits
-
-    if kind == "aot_eager":
-        fn = torch.compile(fn, backend="aot_eager")
-    elif kind == "graphopt":
-        fn = torch.compile(fn, backend="graphopt", options={
-            "lowering": "eager", "attention": "exact", "moe": {}})
 
     def step() -> None:
         model.zero_grad(set_to_none=True)

@@ -36,3 +36,32 @@ def cuda_median_ms(fn: Callable[[], object], reps: int, warmups: int = 3) -> flo
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def minimax_toy(kind: str, checkpointing: bool = False) -> tuple[object, Callable]:
+    """(model, fn): graphopt.models' MiniMax toy (float32, train mode, ``batched_mm``
+    experts so that the whole model is one graph: the eager expert loop graph-breaks) and
+    ``fn(input_ids) -> logits`` run as ``kind``: "eager", "aot_eager", or "graphopt"
+    (attention "exact" + moe, eager lowering). Resets Dynamo and graphopt's reports."""
+    import torch
+
+    import graphopt
+    from graphopt.models import build_model
+
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    torch.manual_seed(0)
+    model = build_model("minimax", dtype=torch.float32).train()
+    model.set_experts_implementation("batched_mm")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+
+    def fn(i: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=i, use_cache=False).logits
+
+    if kind == "aot_eager":
+        return model, torch.compile(fn, backend="aot_eager")
+    if kind == "graphopt":
+        return model, torch.compile(fn, backend="graphopt", options={
+            "lowering": "eager", "attention": "exact", "moe": {}})
+    return model, fn

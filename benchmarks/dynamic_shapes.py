@@ -20,27 +20,14 @@ import argparse
 import os
 
 import torch
-from common import median_time
+from common import median_time, minimax_toy
 
 import graphopt
-from graphopt.models import build_model, sample_batch
+from graphopt.models import sample_batch
 
 
 def run(kind: str, lengths: list[int], args: argparse.Namespace) -> dict:
-    torch._dynamo.reset()
-    graphopt.clear_reports()
-    torch.manual_seed(0)
-    model = build_model("minimax", dtype=torch.float32).train()
-    model.set_experts_implementation("batched_mm")  # one graph (the eager loop breaks it)
-
-    def fn(i: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=i, use_cache=False).logits
-
-    if kind == "aot_eager":
-        fn = torch.compile(fn, backend="aot_eager")
-    elif kind == "graphopt":
-        fn = torch.compile(fn, backend="graphopt", options={
-            "lowering": "eager", "attention": "exact", "moe": {}})
+    model, fn = minimax_toy(kind)
     times = {}
     for seq in lengths:
         ids = sample_batch(model, batch=args.batch, seq=seq)

@@ -99,13 +99,18 @@ def _at(expr: sympy.Expr, symbol: sympy.Symbol, length: int) -> int:
     """``expr`` at S = length, an int (NoMatch if it depends on another size)."""
     if not expr.free_symbols <= {symbol}:
         raise NoMatch(f"{expr} depends on other sizes than the sequence length")
+    value = _fast(expr, symbol, length)
+    return int(value if value is not None else expr.subs({symbol: sympy.Integer(length)}))
+
+
+def _fast(expr: sympy.Expr, symbol: sympy.Symbol, length: int) -> Any:
+    """``expr`` at S = length through its compiled Python function; None if it has none or
+    it fails (callers fall back to sympy)."""
     fn = _compiled(expr, symbol)
-    if fn is not None:
-        try:
-            return int(fn(length))
-        except Exception:  # noqa: BLE001 (fall back to sympy)
-            pass
-    return int(expr.subs({symbol: sympy.Integer(length)}))
+    try:
+        return None if fn is None else fn(length)
+    except Exception:  # noqa: BLE001 (fall back to sympy)
+        return None
 
 
 def hinted(env: dict[fx.Node, Any]) -> dict[fx.Node, Any]:
@@ -186,12 +191,9 @@ def _with_sympy_min_max(expr: sympy.Expr) -> sympy.Expr:
 
 def _holds(guard: sympy.Expr, symbol: sympy.Symbol, length: int) -> bool:
     """Whether ``guard`` holds at S = length; undecidable: True (keeps the length: safe)."""
-    fn = _compiled(guard, symbol)
-    if fn is not None:
-        try:
-            return bool(fn(length))
-        except Exception:  # noqa: BLE001 (fall back to sympy)
-            pass
+    fast = _fast(guard, symbol, length)
+    if fast is not None:
+        return bool(fast)
     value = guard.xreplace({symbol: sympy.Integer(length)})
     if value not in (sympy.true, sympy.false):
         value = guard.subs({symbol: sympy.Integer(length)})
