@@ -156,21 +156,28 @@ def _minimax_loop(attn, q, k, v, variant):
     state = torch.zeros(b, h, d, d, dtype=q.dtype)
     outputs = []
     n = (s + blk - 1) // blk
+    slope = attn.slope_rate * (s / 40) if variant == "slope_follows_s" else attn.slope_rate
     for i in range(n):
         start, end = i * blk, min(i * blk + blk, s)
         size = end - start
         qb, kb, vb = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        ks, vs = kb, vb
+        if variant == "next_rows":  # the state reads the next block's rows (full blocks)
+            j = (i + 1) % n
+            ks, vs = k[:, :, j * blk:(j + 1) * blk], v[:, :, j * blk:(j + 1) * blk]
         q_decay = attn.query_decay[:, :size]
-        decay = torch.exp(-attn.slope_rate * size)
+        decay = torch.exp(-slope * size)
         if i == n - 1 and variant == "shifted_query":
             q_decay = attn.query_decay[:, 8 - size:8]
         if i == n - 1 and variant == "constant_decay":
             decay = torch.exp(-attn.slope_rate * 8)
         intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2))
                              * attn.diagonal_decay[:, :, :size, :size], vb)
-        outputs.append(torch.matmul(qb * q_decay, state) + intra)
-        state = state * decay + torch.matmul(
-            (kb * attn.key_decay[:, -size:]).transpose(-1, -2), vb)
+        inter = torch.matmul(qb * q_decay, state)
+        alpha = 0.5 if variant == "alpha_output" else 1
+        outputs.append(torch.add(inter, intra, alpha=alpha))
+        kv = torch.matmul((ks * attn.key_decay[:, -size:]).transpose(-1, -2), vs)
+        state = torch.add(state * decay, kv, alpha=2.0 if variant == "alpha_state" else 1)
     return torch.cat(outputs, dim=-2), state
 
 
@@ -243,6 +250,69 @@ def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
              for s in p.sites]
     assert [s.action for s in sites].count("rewritten") == 1  # the one linear-attention layer
     assert [s.action for s in sites].count("kept") == 1  # the softmax-attention layer
+
+
+@pytest.mark.parametrize("variant, seq, dynamic", [
+    ("slope_follows_s", 40, True), ("next_rows", 48, False), ("alpha_state", 40, False),
+    ("alpha_output", 40, False)])
+def test_loops_that_are_not_lightning_attention_are_not_rewritten(variant, seq, dynamic):
+    """Through the backend: the loop is not rewritten as one op (no 'rewritten' block loop;
+    loop-shaped ones are 'skipped'), and outputs and gradients equal eager's."""
+    attn = _layer(40, 16)[0]
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q, k, v, variant)
+
+    graphopt.clear_reports()
+    compiled = torch.compile(fn, backend="graphopt", dynamic=dynamic,
+                             options={"lowering": "eager", "attention": "exact"})
+    for length in (seq, seq - 3) if dynamic else (seq,):
+        args = [torch.randn(1, 4, length, 16, requires_grad=True) for _ in range(3)]
+        assert_matches_eager(fn, compiled, args, rtol=1e-5, atol=1e-5)
+    reports = graphopt.reports()
+    assert all(r.fallback is None for r in reports)
+    assert not [s for r in reports for p in r.pass_records("attention") for s in p.sites
+                if "block loop" in s.reason and s.action == "rewritten"]
+
+
+def test_trainable_slope_is_not_frozen_into_the_kernel():
+    """A MiniMax layer whose slope_rate is a trainable Parameter: eager differentiates it only
+    through the state decay (its tables are constants), the kernel through every decay, so
+    the loop is kept (the review measured a 2x slope gradient and, after one step, 0.28
+    forward error when it was rewritten)."""
+    attn, fn, x = _layer(48, 16)
+    attn.slope_rate = torch.nn.Parameter(attn.slope_rate.clone())
+    graphopt.clear_reports()
+    compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager",
+                                                              "attention": "exact"})
+    assert_matches_eager(fn, compiled, [x.requires_grad_()], params=[attn.slope_rate],
+                         rtol=1e-5, atol=1e-5)
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites if "block loop" in s.reason or "trainable" in s.reason]
+    assert sites and all(s.action == "skipped" and "trainable parameter" in s.reason
+                         for s in sites), sites
+
+
+def test_dynamic_loop_whose_cat_is_the_graph_output_keeps_the_rewrite():
+    """The loop's cat returned as is: its length is the sum of the blocks' symbolic lengths;
+    the op runs on that many rows, so the capture guard sees the same output shape (with
+    the last block's end instead, it dropped every rewrite of the graph)."""
+    attn = _layer(40, 16)[0]
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q, k, v, None)[0]
+
+    sites = []
+    graphopt.clear_reports()
+    compiled = torch.compile(fn, backend="graphopt", dynamic=True,
+                             options={"lowering": "eager", "attention": "exact"})
+    for length in (40, 37):
+        args = [torch.randn(1, 4, length, 16, requires_grad=True) for _ in range(3)]
+        assert_matches_eager(fn, compiled, args, rtol=1e-5, atol=1e-5)
+    reports = graphopt.reports()
+    assert all(r.fallback is None for r in reports), [r.fallback for r in reports]
+    sites = [s for r in reports for p in r.pass_records("attention") for s in p.sites]
+    assert [s.action for s in sites] == ["rewritten"], sites
 
 
 def test_minimax_model_recompiled_for_a_new_length_keeps_the_rewrite():

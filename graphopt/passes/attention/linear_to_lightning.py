@@ -48,6 +48,7 @@ Pseudo-code:
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch.fx as fx
@@ -159,11 +160,14 @@ def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> None:
         slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
     slope.meta["val"] = fake_call(aten.view.default, loop.slope, [heads])
     q, k, v = loop.q, loop.k, loop.v
-    end = loop.blocks[-1].end
-    if loop.symbolic is not None and sym_expr(end) != sym_expr(q_val.shape[2]):
-        # the blocks cover rows [0, end) (= S where the guards hold, but not provably):
-        # the op runs on exactly those rows, so its output has the loop's shape
-        q, k, v = (_rows_before(gm, cat, x, end) for x in (q, k, v))
+    cat_val = tensor_meta(cat)
+    assert cat_val is not None
+    if loop.symbolic is not None and sym_expr(cat_val.shape[2]) != sym_expr(q_val.shape[2]):
+        # the blocks cover rows [0, sum of their lengths) (= S where the guards hold, but
+        # not provably): the op runs on exactly those rows, counted as the cat counts them,
+        # so its output has the loop's shape expression (the capture guard compares them)
+        total = _covered_rows(gm, cat, loop)
+        q, k, v = (_rows_before(gm, cat, x, total) for x in (q, k, v))
     out, final = insert_lightning_fwd(gm, cat, q, k, v, slope, 1.0, outputs=2)
     cat.replace_all_uses_with(out)
     state = loop.final_state
@@ -177,6 +181,25 @@ def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> None:
                 new_state.meta["val"] = fake_call(aten._to_copy.default, final,
                                                   dtype=want.dtype)
         state.replace_all_uses_with(new_state)
+
+
+def _covered_rows(gm: fx.GraphModule, before: fx.Node, loop: BlockLoop) -> fx.Node:
+    """sym_size(Q rows of block 0, 2) + ... + sym_size(Q rows of block n-1, 2), inserted
+    before ``before``: the loop's row count in the expression its ``cat`` has."""
+    graph = gm.graph
+    total: fx.Node | None = None
+    with graph.inserting_before(before):
+        for block in loop.blocks:
+            size = graph.call_function(aten.sym_size.int, (block.rows, 2))
+            size.meta["val"] = tensor_meta(block.rows).shape[2]  # type: ignore[union-attr]
+            if total is None:
+                total = size
+                continue
+            added = graph.call_function(operator.add, (total, size))
+            added.meta["val"] = total.meta["val"] + size.meta["val"]
+            total = added
+    assert total is not None
+    return total
 
 
 def _rows_before(gm: fx.GraphModule, before: fx.Node, x: fx.Node, end: fx.Node) -> fx.Node:

@@ -43,6 +43,7 @@ from graphopt.passes.attention.match_symbolic import (
     hinted,
     seq_symbol,
     sym_expr,
+    sym_value,
 )
 from graphopt.passes.fx_utils import tensor_meta
 
@@ -66,6 +67,7 @@ class LoopBlock:
     diag_decay: fx.Node
     state_in: fx.Node
     intra: fx.Node
+    rows: fx.Node  # the block's slice of Q (its size is the block's length)
 
 
 @dataclass
@@ -120,9 +122,28 @@ def _split_product(node: Any, target: Any) -> tuple[Any, Any]:
     return arg(node, 0), arg(node, 1)
 
 
+def _plain_add(node: Any) -> bool:
+    """``aten.add.Tensor(a, b)`` with alpha 1 (``add(a, b, alpha=2)`` is a + 2 b)."""
+    return is_call(node, aten.add.Tensor) and len(node.args) == 2 and \
+        node.kwargs.get("alpha", 1) == 1
+
+
+def _same_bound(a: Any, b: Any) -> bool:
+    """Two slice bounds that are the same value (the same node, int or size expression)."""
+    if a is b:
+        return True
+    ea, eb = sym_expr(a), sym_expr(b)
+    return ea is not None and ea == eb
+
+
+def _is_last_two_transpose(node: Any) -> bool:
+    return is_call(node, aten.transpose.int) and sorted([arg(node, 1), arg(node, 2)]) in (
+        [-2, -1], [2, 3])
+
+
 def _match_block_output(o: Any) -> LoopBlock:
     """o = (Q_b * qd) @ S_in + ((Q_b @ K_b^T) * dd) @ V_b (either order of the sum)."""
-    if not is_call(o, aten.add.Tensor):
+    if not _plain_add(o):
         raise NoMatch("block output is not inter + intra")
     for inter, intra in ((arg(o, 0), arg(o, 1)), (arg(o, 1), arg(o, 0))):
         try:
@@ -136,9 +157,10 @@ def _match_block_output(o: Any) -> LoopBlock:
                 raise NoMatch("intra scores are not Q_b @ K_b^T of the same block")
             (q, s0, e0), (k, s1, e1), (v, s2, e2) = (_seq_slice(x) for x in (q_b, arg(k_t, 0),
                                                                              v_b))
-            if not (s0 == s1 == s2 and e0 == e1 == e2):
+            if not (_same_bound(s0, s1) and _same_bound(s0, s2) and _same_bound(e0, e1)
+                    and _same_bound(e0, e2)):
                 raise NoMatch("q, k, v block bounds differ")
-            return LoopBlock(q, k, v, s0, e0, qd, dd, state, intra)
+            return LoopBlock(q, k, v, s0, e0, qd, dd, state, intra, q_b)
         except NoMatch:
             continue
     raise NoMatch("block output is not (Q*qd) @ S + ((Q K^T) * D) @ V")
@@ -147,7 +169,7 @@ def _match_block_output(o: Any) -> LoopBlock:
 def _match_state_update(new: fx.Node, block: LoopBlock
                         ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """new = S_in * exp(-slope * L) + (K_b * kd)^T @ V_b; returns (slope, block decay, kd)."""
-    if not is_call(new, aten.add.Tensor):
+    if not _plain_add(new):
         raise NoMatch("state update is not decayed state + K^T V")
     for decayed, kv in ((arg(new, 0), arg(new, 1)), (arg(new, 1), arg(new, 0))):
         if not (is_call(decayed, aten.mul.Tensor) and is_call(kv, aten.matmul.default)):
@@ -156,19 +178,28 @@ def _match_state_update(new: fx.Node, block: LoopBlock
         if s_in is not block.state_in:
             s_in, bd = bd, s_in
         kt, v_b = kv.args
-        if s_in is not block.state_in or not is_call(kt, aten.transpose.int):
+        if s_in is not block.state_in or not _is_last_two_transpose(kt):
             continue
         k_scaled = arg(kt, 0)
-        if not is_call(k_scaled, aten.mul.Tensor) or _seq_slice(v_b)[0] is not block.v:
+        if not is_call(k_scaled, aten.mul.Tensor) or not self_rows(v_b, block.v, block):
             continue
         k_b, kd = k_scaled.args
-        if _seq_slice(k_b)[0] is not block.k:
-            continue
+        if not self_rows(k_b, block.k, block):
+            raise NoMatch("the state update reads K rows other than its block's")
         if not (is_call(bd, aten.exp.default) and is_call(arg(bd, 0), aten.mul.Tensor)
                 and is_call(arg(arg(bd, 0), 0), aten.neg.default)):
             raise NoMatch("block decay is not exp(-slope * L)")
         return arg(arg(arg(bd, 0), 0), 0), bd, kd
     raise NoMatch("state update does not read this block's K and V")
+
+
+def self_rows(node: Any, base: fx.Node, block: LoopBlock) -> bool:
+    """``node`` is rows [block.start, block.end) of ``base``."""
+    try:
+        b, start, end = _seq_slice(node)
+    except NoMatch:
+        return False
+    return b is base and _same_bound(start, block.start) and _same_bound(end, block.end)
 
 
 def _next_state(block: LoopBlock, i: int) -> fx.Node:
@@ -340,7 +371,18 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
     length its graph can run at too (:func:`match_symbolic.check_every_length`)."""
     if loop.symbolic is None and any(follows_sizes(c[0]) for c in loop.checks):
         raise NoMatch("a decay follows a dynamic input size while the block bounds do not")
+    if follows_sizes(loop.slope):
+        raise NoMatch("the slope follows a dynamic input size (it is checked at one length "
+                      "only); the loop is not rewritten")
     env = hinted(env)  # symbolic sizes at the example inputs: every length is checked below
+    for node in [loop.slope] + [c[0] for c in loop.checks]:
+        for n in ancestors(node):
+            if n.op == "placeholder" and not is_buffer(n, env) and \
+                    not isinstance(sym_value(n), torch.SymInt):
+                raise NoMatch(f"the slope or a decay depends on {n.name}, an input or a "
+                              "trainable parameter: only decays computed from buffers and "
+                              "constants are frozen into the kernel (the rewrite would "
+                              "differentiate through every decay, the model through none)")
     slope = evaluate(loop.slope, env)
     if not isinstance(slope, torch.Tensor) or slope.numel() != slope.shape[0]:
         raise NoMatch("slope is not one value per head")
