@@ -607,14 +607,19 @@ def test_causal_mask_built_from_a_dynamic_size_becomes_is_causal():
                          for s in sites), sites
 
 
-def test_size_dependent_mask_with_periodic_arithmetic_is_kept():
-    """A mask causal at every probed size but not beyond: (j - i) % 1000 == 0 with
-    j - i > 1000 opens entries above the diagonal from S = 2001 only, past every probe
-    (constants + 1, + 2). Built with a remainder, it is refused as unprovable."""
+@pytest.mark.parametrize("opening", [
+    lambda d: (d % 1000 == 0) & (d > 1000),  # from S = 2001
+    lambda d: d * 0.5 == 1000,               # from S = 2001 (its constant is 1000)
+])
+def test_size_dependent_mask_with_periodic_arithmetic_is_kept(opening):
+    """Masks causal at every probed size but not beyond: each opens an entry above the
+    diagonal from S = 2001 only, past every probe (SIZE_PROBES and each constant + 1, + 2).
+    Built with a remainder or a product with 0.5, they are refused as unprovable (both were
+    proven causal and rewritten to is_causal: wrong from S = 2001)."""
     def fn(q, k, v):
         i = torch.arange(q.shape[2])
         d = i[None, :] - i[:, None]
-        mask = (d <= 0) | ((d % 1000 == 0) & (d > 1000))
+        mask = (d <= 0) | opening(d)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     sites = _mask_sites(fn, (12, 9))

@@ -267,7 +267,8 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
                 periodic.append(n)
     if sizes and periodic:
         return (f"the attention mask reads input sizes and is built with {periodic[0].target} "
-                "(periodic in the index: probing sizes cannot prove it causal for every size)")
+                "(periodic or sublinear in the index: probing sizes cannot prove it causal "
+                "for every size)")
     if sizes and max(constants, default=0) > MAX_PROBED_CONSTANT:
         return (f"the attention mask reads input sizes and the constant "
                 f"{max(constants)} (a sliding window?); masks past {MAX_PROBED_CONSTANT} are "
@@ -286,17 +287,26 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     return ""
 
 
-_PERIODIC = ("remainder", "fmod", "floor_divide", "div", "bitwise_xor", "bitwise_left_shift",
-             "bitwise_right_shift", "__lshift__", "__rshift__", "sin", "cos", "pow", "round")
+_PERIODIC = frozenset((
+    "remainder", "fmod", "floor_divide", "div", "true_divide", "bitwise_xor",
+    "bitwise_left_shift", "bitwise_right_shift", "__lshift__", "__rshift__", "__xor__", "sin",
+    "cos", "tan", "tanh", "sigmoid", "pow", "round", "floor", "ceil", "trunc", "frac", "sqrt",
+    "rsqrt", "log", "log2", "log10", "log1p", "exp", "exp2", "expm1", "reciprocal", "xlogy"))
+"""ATen op names (``_opname``, exact) under which a size-dependent mask is not probed."""
 
 
 def _periodic(node: fx.Node) -> bool:
-    """An op whose outcome is not monotone in an index (remainder, floor division, shifts,
-    integer bitwise and/or, ...): a mask built with one may be causal at the probed sizes
-    and not between them. Logical and/or of boolean masks are fine."""
+    """An op under which the probing argument fails: not piecewise linear in an index with
+    slopes of at least 1 (remainder, floor division, shifts, integer bitwise and/or, roots,
+    logs, a product with a non-integer scalar: d * 0.5 == 1000 holds first at d = 2000, past
+    every probe). A mask built with one may be causal at the probed sizes and not between
+    or beyond them. Logical and/or of boolean masks are fine."""
     name = getattr(node.target, "_opname", "")
-    if name.startswith(_PERIODIC):
+    if name in _PERIODIC or name.startswith("special_"):
         return True
+    if name == "mul":
+        scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        return any(not float(a).is_integer() or abs(a) < 1 for a in scalars)
     if name.startswith(("bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__")):
         val = node.meta.get("val")
         return not (isinstance(val, torch.Tensor) and val.dtype == torch.bool)
