@@ -140,6 +140,16 @@ def returns_alias(node: fx.Node, include_inplace: bool = False) -> bool:
         for r in rets)
 
 
+def size_hint(size: Any) -> int | None:
+    """An int or SymInt size as an int: a symbolic size's value at the compile's example
+    inputs (reading it adds no guard, unlike ``int()``, which would specialize a dynamic
+    dimension); None for a data-dependent size that has no example value."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return None if hint is None else int(hint)
+    return int(size)
+
+
 def fake_call(target: Any, *args: Any, **kwargs: Any) -> Any:
     """``meta['val']`` for a new node: ``target`` run on its input nodes' fake values."""
     from torch._guards import detect_fake_mode

@@ -57,6 +57,7 @@ from graphopt.passes.fx_utils import (
     is_random,
     module_path,
     site_name,
+    size_hint,
     tensor_meta,
 )
 from graphopt.passes.moe_options import MoEOptions
@@ -393,12 +394,10 @@ def _is_size(node: fx.Node) -> bool:
 
 def _hint(size: Any) -> int:
     """A size as an int: a symbolic size's example value (no guard is added)."""
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        if hint is None:
-            raise Skip("the token count has no example value (data-dependent size)")
-        return int(hint)
-    return int(size)
+    hint = size_hint(size)
+    if hint is None:
+        raise Skip("the token count has no example value (data-dependent size)")
+    return hint
 
 
 def _symbolic(topk: fx.Node) -> bool:

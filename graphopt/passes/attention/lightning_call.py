@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from graphopt.kernels.lightning.chunked import DEFAULT_BLOCK_SIZE, DEFAULT_CHECKPOINT_EVERY
-from graphopt.passes.fx_utils import fake_call, tensor_meta
+from graphopt.passes.fx_utils import fake_call, size_hint, tensor_meta
 
 
 def insert_lightning_fwd(gm: fx.GraphModule, before: fx.Node, q: fx.Node, k: fx.Node,
@@ -79,11 +79,10 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
         return ""
     # Symbolic sizes are read through their example values: int() would add a guard (and
     # specialize a dynamic dimension of torch.export or a dynamic=True compile).
-    hints = [tuple(x.node.hint if isinstance(x, torch.SymInt) else x for x in val.shape)
-             for val in vals]
-    if any(x is None for shape in hints for x in shape):
+    hints = [tuple(size_hint(x) for x in val.shape) for val in vals]
+    shapes = [tuple(x for x in shape if x is not None) for shape in hints]
+    if any(len(s) != len(h) for s, h in zip(shapes, hints)):
         return ""
-    shapes = [tuple(int(x) for x in shape) for shape in hints]
     # The op's "auto" resolves by device: Triton on a GPU/NPU keeps only the initial state.
     impl = resolve_impl("auto", vals[0].device, max(shapes[0][-1], shapes[2][-1]),
                         vals[0].dtype)

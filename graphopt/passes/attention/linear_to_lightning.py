@@ -12,8 +12,8 @@ Contract:
         (``env``: placeholder -> value) to evaluate decays. Under dynamic shapes Dynamo
         unrolls the loop for a fixed number of blocks with bounds that follow S; such a
         loop is rewritten only once its decays are proved at every length its guards allow
-        (``match_symbolic.check_every_length``), and the op then runs on rows [0, end of
-        the last block).
+        (``match_symbolic.check_every_length``), and the op then runs on the rows the
+        blocks cover (their lengths summed: the cat's own length expression).
     guarantees: EXACT, i.e. the same function up to floating-point reassociation and the
         rounding of the decay buffers: a loop is rewritten only when its decay tensors,
         evaluated from the example inputs, equal exp(-slope * (i + 1)),
@@ -203,7 +203,7 @@ def _covered_rows(gm: fx.GraphModule, before: fx.Node, loop: BlockLoop) -> fx.No
 
 
 def _rows_before(gm: fx.GraphModule, before: fx.Node, x: fx.Node, end: fx.Node) -> fx.Node:
-    """``x[:, :, :end]`` inserted before ``before`` (end: the loop's last bound)."""
+    """``x[:, :, :end]`` inserted before ``before`` (end: the rows the loop covers)."""
     with gm.graph.inserting_before(before):
         node = gm.graph.call_function(aten.slice.Tensor, (x, 2, 0, end))
     node.meta["val"] = fake_call(aten.slice.Tensor, x, 2, 0, end)

@@ -236,8 +236,9 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     sliding window of w is causal up to size w and not beyond: its w is such a constant; the
     mask of a graph is a fixed dataflow of comparisons, whose outcome changes only where a
     size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused, and so
-    is a size-dependent mask built with periodic arithmetic (remainder, floor division,
-    integer bitwise ops: :func:`_periodic`), where that argument fails. A dynamic-shape
+    is a size-dependent mask built with periodic or sublinear arithmetic (remainder,
+    division, integer bitwise ops, roots, ...: :func:`_unprobeable`), where that argument
+    fails. A dynamic-shape
     compile's SymInt sizes are taken at the example inputs (``hinted``).
     """
     # A dynamic-shape compile passes its sizes as SymInts: take them at the example inputs
@@ -245,7 +246,7 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     env = hinted(env)
     sizes: list[fx.Node] = []
     constants: set[int] = set()
-    periodic: list[fx.Node] = []
+    unprobeable: list[fx.Node] = []
     for n in ancestors(mask):
         if _is_size(n, env):
             sizes.append(n)
@@ -263,10 +264,11 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             constants |= {abs(int(a)) for a in (*n.args, *n.kwargs.values())
                           if isinstance(a, int | float) and not isinstance(a, bool)
                           and math.isfinite(a) and float(a).is_integer() and abs(a) < 2**31}
-            if _periodic(n):
-                periodic.append(n)
-    if sizes and periodic:
-        return (f"the attention mask reads input sizes and is built with {periodic[0].target} "
+            if _unprobeable(n):
+                unprobeable.append(n)
+    if sizes and unprobeable:
+        return (f"the attention mask reads input sizes and is built with "
+                f"{unprobeable[0].target} "
                 "(periodic or sublinear in the index: probing sizes cannot prove it causal "
                 "for every size)")
     if sizes and max(constants, default=0) > MAX_PROBED_CONSTANT:
@@ -287,7 +289,7 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     return ""
 
 
-_PERIODIC = frozenset((
+_UNPROBEABLE = frozenset((
     "remainder", "fmod", "floor_divide", "div", "true_divide", "bitwise_xor",
     "bitwise_left_shift", "bitwise_right_shift", "__lshift__", "__rshift__", "__xor__", "sin",
     "cos", "tan", "tanh", "sigmoid", "pow", "round", "floor", "ceil", "trunc", "frac", "sqrt",
@@ -295,14 +297,14 @@ _PERIODIC = frozenset((
 """ATen op names (``_opname``, exact) under which a size-dependent mask is not probed."""
 
 
-def _periodic(node: fx.Node) -> bool:
+def _unprobeable(node: fx.Node) -> bool:
     """An op under which the probing argument fails: not piecewise linear in an index with
     slopes of at least 1 (remainder, floor division, shifts, integer bitwise and/or, roots,
     logs, a product with a non-integer scalar: d * 0.5 == 1000 holds first at d = 2000, past
     every probe). A mask built with one may be causal at the probed sizes and not between
     or beyond them. Logical and/or of boolean masks are fine."""
     name = getattr(node.target, "_opname", "")
-    if name in _PERIODIC or name.startswith("special_"):
+    if name in _UNPROBEABLE or name.startswith("special_"):
         return True
     if name == "mul":
         scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]

@@ -44,7 +44,7 @@ from graphopt.passes.attention.match_common import (
     evaluate,
     is_call,
 )
-from graphopt.passes.fx_utils import tensor_meta
+from graphopt.passes.fx_utils import size_hint, tensor_meta
 
 MAX_LENGTHS = 16384
 """Refuse a loop whose graph may run at more sequence lengths than this (each is checked)."""
@@ -69,13 +69,12 @@ def sym_expr(x: Any) -> sympy.Expr | None:
 
 
 def hint(x: Any) -> int:
-    """The value at the compile's own example inputs (no guard is added)."""
+    """The value at the compile's own example inputs (no guard is added; ``size_hint``)."""
     v = sym_value(x)
-    if isinstance(v, torch.SymInt):
-        return int(v.node.hint)
-    if v is None:
-        raise NoMatch(f"{x} is not an integer size")
-    return int(v)
+    value = None if v is None else size_hint(v)
+    if value is None:
+        raise NoMatch(f"{x} is not an integer size with an example value")
+    return value
 
 
 def _compiled(expr: sympy.Expr, symbol: sympy.Symbol) -> Callable[[int], Any] | None:
