@@ -30,9 +30,11 @@ Contract:
     reads meta: ``val`` (shapes/dtypes), ``grapharg`` (buffers), ``autocast``.
     writes meta: new nodes get ``val``, ``graphopt_replaced`` (the replaced output node's
         name) and that node's ``nn_module_stack``.
-    records: "rewritten" per loop (blocks, block size, S) or parallel form (S); "skipped"
-        with the reason for a loop or parallel form that fails a check (or is in an autocast
-        region); "kept" for each in mode "keep".
+    records: "rewritten" per loop (blocks, block size, S at the example inputs and, for
+        bounds that follow S, how many lengths were checked and their range) or parallel
+        form (S); "skipped" with the reason for a loop or parallel form that fails a check
+        (at a dynamic loop: the sequence length where it fails), or is in an autocast
+        region; "kept" for each in mode "keep".
 
 Pseudo-code:
     for cat in graph where cat(dim=-2) of per-block outputs:
