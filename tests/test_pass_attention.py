@@ -146,6 +146,22 @@ def test_dynamic_shape_loop_is_checked_at_every_length_and_rewritten():
         assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-5, atol=1e-5)
 
 
+def test_dynamic_loop_with_batch_equal_to_sequence_length_is_rewritten():
+    """Duck sizing gives B == S one symbol s, and MiniMax's qkv ``view(B, S, H, -1)`` then
+    sizes Q's sequence (s**2)//s; the pass reads that as s (an exact quotient) and proves
+    the loop at every length as for B != S."""
+    attn, fn, _ = _layer(40, 16)
+    x = torch.randn(40, 40, 64)
+    gm = trace_for_pass(fn, x, dynamic=True)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, x))
+    assert record.sites[0].action == "rewritten", record.sites[0].reason
+    assert "checked at all 14 lengths its guards allow, 34..47" in record.sites[0].reason
+    for seq in (40, 35):
+        x = torch.randn(seq, seq, 64, requires_grad=True)
+        assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-5, atol=1e-5)
+
+
 def _minimax_loop(attn, q, k, v, variant):
     """transformers' MiniMax block loop (MiniMaxLightningAttention.forward, no cache) over
     attn's decay tables, with a variant that is right at one length only: "shifted_query"

@@ -139,9 +139,31 @@ def seq_symbol(q: fx.Node) -> tuple[sympy.Symbol, Any]:
     """(S, shape env) when Q's sequence size is one size symbol; else NoMatch."""
     val = tensor_meta(q)
     size = val.shape[2] if val is not None else None
-    if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+    expr = _exact_quotients(size.node.expr) if isinstance(size, torch.SymInt) else None
+    if not isinstance(expr, sympy.Symbol):
         raise NoMatch("the sequence length is not one size symbol")
-    return size.node.expr, size.node.shape_env
+    return expr, size.node.shape_env  # type: ignore[union-attr]
+
+
+def _exact_quotients(expr: sympy.Expr) -> sympy.Expr:
+    """``expr`` with every floor division a // b replaced by the polynomial quotient a / b
+    when b is a product of positive powers of size symbols (and positive integers) that
+    divides a. Duck sizing gives a batch equal to the sequence length the same symbol s, and
+    ``view(B, -1, H, D)`` then sizes the sequence (s**2)//s, which neither sympy nor the
+    ShapeEnv simplifies. Exact: size symbols are positive, so b != 0, and a = q b with q
+    a polynomial in integers gives a // b = q."""
+    from torch.utils._sympy.functions import FloorDiv
+
+    def exact(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+        if not all(isinstance(f, sympy.Symbol) or (isinstance(f, sympy.Pow) and
+                   isinstance(f.base, sympy.Symbol) and f.exp.is_positive) or
+                   (isinstance(f, sympy.Integer) and f > 0)
+                   for f in sympy.Mul.make_args(b)):
+            return FloorDiv(a, b)
+        quotient, remainder = sympy.div(sympy.expand(a), b)
+        return quotient if remainder == 0 else FloorDiv(a, b)
+
+    return expr.replace(FloorDiv, exact)  # type: ignore[no-any-return]
 
 
 def allowed_lengths(symbol: sympy.Symbol, shape_env: Any, exprs: list[sympy.Expr]) -> list[int]:
