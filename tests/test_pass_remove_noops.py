@@ -75,3 +75,61 @@ def test_adding_zero_is_kept_for_floats_signed_zero():
     assert [n.target for n in gm.graph.nodes].count(torch.ops.aten.add.Tensor) == 1
     torch.testing.assert_close(as_function(gm, fn)(x, i), fn(x, i))
     assert as_function(gm, fn)(x, i)[0][0] == float("inf")
+
+
+def test_refuses_when_an_alias_is_written_or_returned():
+    """Found by a hostile review; each was removed and gave wrong outputs/gradients or
+    handed the caller its own input: a write through a view of the candidate or of its
+    input, a view of the candidate returned, the candidate returned as a view of the input."""
+    def fn(x, w):
+        h = w * 3
+        y = h * 1
+        h.view(-1).mul_(2)                    # y must keep h's value before the write
+        z = x * 1
+        z.view(-1).add_(1)                    # must not write into x
+        return x * y + z, (w * 1).view(-1), w.view(w.shape)
+
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(fn, x, w)
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 0, [s.reason for s in record.sites]
+    reasons = " ".join(s.reason for s in record.sites)
+    assert "through a view" in reasons and "a view of it is a graph output" in reasons
+    assert "input tensor itself" in reasons
+    assert_matches_eager(fn, as_function(gm, fn), [x, w])
+    x0 = x.detach().clone()
+    out = as_function(gm, fn)(x.detach(), w.detach())
+    assert out[2] is not w and torch.equal(x.detach(), x0)
+
+
+def test_refuses_across_grad_mode_regions():
+    """y = x * 1 under no_grad has no gradient; its users must not read x instead."""
+    def fn(x):
+        with torch.no_grad():
+            y = x * 1
+            v = x.view(x.shape)
+            s = x[:, :]
+        return x * y + x * v + x * s
+
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(fn, x)
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 0
+    assert all("grad-mode region" in s.reason for s in record.sites), record.sites
+    assert_matches_eager(fn, as_function(gm, fn), [x])
+
+
+def test_an_explicit_copy_is_kept_whatever_the_overload():
+    """copy=True is aten.to.device's 5th argument (aten.to.dtype's 4th)."""
+    def fn(x):
+        y = x.to(x.device, x.dtype, copy=True)
+        z = x.to(x.dtype, copy=True)
+        x.add_(1)
+        return y + z
+
+    gm = trace_for_pass(fn, torch.randn(3, dtype=torch.float64))
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 0
+    x = torch.randn(3, dtype=torch.float64)
+    torch.testing.assert_close(as_function(gm, fn)(x.clone()), fn(x.clone()))

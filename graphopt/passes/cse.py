@@ -7,12 +7,15 @@ tables recomputed per layer) appear many times with identical inputs.
 Contract:
     accepts: a normalized pre-autograd ATen graph (in-place ops and grad-mode switches allowed).
     guarantees: exact; two nodes are merged only when they call the same pure ATen op with
-        the same arguments, in the same grad-mode/autocast region, with no in-place write to
-        any tensor between them, neither output is written in place later, and the op draws
-        no random numbers.
+        the same arguments (floats compared with their sign: x * 0.0 is not x * -0.0), in
+        the same grad-mode/autocast region, with no in-place write to any tensor between
+        them, neither output is written in place later, directly or through any alias
+        (:func:`graphopt.passes.fx_utils.mutated_nodes`), not both of them (or views of
+        them) are graph outputs, and the op draws no random numbers.
     reads meta: nothing but the graph. writes meta: nothing (the later node is erased; the
         kept node gains ``meta['graphopt_cse_merged']``, the names it replaced).
-    records: "rewritten" per merged node with the op; nothing per unique node.
+    records: "rewritten" per merged node with the op; "skipped" for a duplicate kept
+        because both are graph outputs; nothing per unique node.
 
 Pseudo-code:
     region = 0
@@ -24,6 +27,7 @@ Pseudo-code:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +37,7 @@ from torch import fx
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
+    alias_classes,
     autocast_reason,
     is_mutating,
     is_random,
@@ -51,6 +56,10 @@ def _hashable(value: Any) -> Any:
         return ("sym", str(value.node.expr))
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value))
+    if isinstance(value, float):  # 0.0 == -0.0 (and hash alike) but x * -0.0 != x * 0.0
+        return ("float", value, math.copysign(1.0, value))
+    if isinstance(value, complex):
+        return ("complex", _hashable(value.real), _hashable(value.imag))
     try:
         hash(value)
     except TypeError:
@@ -75,6 +84,8 @@ class CSEPass(GraphPass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
         written = mutated_nodes(graph)
+        classes = alias_classes(graph)
+        escaping = {classes[n] for n in graph.output_node().all_input_nodes if n in classes}
         seen: dict[Any, fx.Node] = {}
         region = 0
         modified = False
@@ -92,6 +103,13 @@ class CSEPass(GraphPass):
             if first is None:
                 seen[key] = node
                 continue
+            if classes[node] in escaping and classes[first] in escaping:
+                ctx.record("skipped", site_name(node),
+                           f"{op_name(node)}: same as {first.name}, but both (or views of "
+                           "them) are graph outputs; the caller would get one tensor twice")
+                continue
+            if classes[node] in escaping:
+                escaping.add(classes[first])
             node.replace_all_uses_with(first)
             first.meta.setdefault("graphopt_cse_merged", []).append(node.name)
             graph.erase_node(node)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from typing import Any
 
@@ -78,8 +79,60 @@ def is_random(node: fx.Node) -> bool:
     return True
 
 
-def mutated_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes whose value some op writes to (in place), directly as a mutable argument."""
+def alias_classes(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Node -> a representative of its alias class: nodes that may share storage. An ATen
+    op's result joins the argument its schema says it aliases (views such as ``view``,
+    ``select``, ``slice``, ``transpose``, ``split``; in-place and ``out=`` results, which
+    are the written argument); a ``getitem`` of an aliasing multi-result op joins that op.
+    Over-approximate (one class per base), which is the safe side for passes that must
+    not move a value across a write."""
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(n: fx.Node) -> fx.Node:
+        root = n
+        while parent.get(root, root) is not root:
+            root = parent[root]
+        while n is not root:
+            parent[n], n = root, parent[n]
+        return root
+
+    def union(x: fx.Node, y: fx.Node) -> None:
+        rx, ry = find(x), find(y)
+        if rx is not ry:
+            parent[rx] = ry
+
+    aliasing: set[fx.Node] = set()
+    for node in graph.nodes:
+        parent.setdefault(node, node)
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            if node.args[0] in aliasing:
+                union(node, node.args[0])
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        sets = [r.alias_info.before_set for r in schema.returns if r.alias_info is not None]
+        if not sets:
+            continue
+        aliased = frozenset().union(*sets)
+        for i, argument in enumerate(schema.arguments):
+            info = argument.alias_info
+            if info is None or not (info.before_set & aliased):
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, fx.Node):
+                    union(node, v)
+                    aliasing.add(node)
+    return {n: find(n) for n in parent}
+
+
+def written_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes some op writes to in place, directly as a mutable argument (``add_``'s self,
+    ``copy_``'s destination, an ``out=`` tensor). See :func:`mutated_nodes` for the
+    alias-aware set."""
     out: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op != "call_function" or not is_mutating(node):
@@ -89,8 +142,30 @@ def mutated_nodes(graph: fx.Graph) -> set[fx.Node]:
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, fx.Node):
-                out.add(value)
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, fx.Node):
+                    out.add(v)
+    return out
+
+
+def mutated_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose storage some op writes to in place: the written nodes and every node in
+    their alias class (:func:`alias_classes`), so ``b = x.clone(); b[0] = 5`` (a write
+    through ``select``) marks ``b``, and a write to ``x.view(-1)`` marks ``x``."""
+    classes = alias_classes(graph)
+    dirty = {classes[n] for n in written_nodes(graph)}
+    return {n for n, root in classes.items() if root in dirty}
+
+
+def grad_mode_regions(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Node -> the index of its grad-mode region: Dynamo writes ``torch.no_grad()`` /
+    ``enable_grad()`` blocks as ``torch._C._set_grad_enabled(mode)`` calls, and each call
+    starts a new region. Nodes of one region run under one grad mode."""
+    region, out = 0, {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            region += 1
+        out[node] = region
     return out
 
 

@@ -7,9 +7,14 @@ Contract:
         are compared with ``statically_known_true``, so a symbolic shape that is only equal
         for some inputs is kept.
     reads meta: ``val``. writes meta: nothing (removed nodes' users now read ``x``).
+        A candidate is kept when it or its input is written in place (directly or through
+        any alias: :func:`graphopt.passes.fx_utils.mutated_nodes`), when it is a graph
+        output (the caller would get the input object), when a view of a non-aliasing
+        candidate is an output, or when a user runs in another grad-mode region or inside
+        a higher-order op (``y = x * 1`` under ``torch.no_grad()`` has no gradient; ``x``
+        may have one).
     records: "rewritten" per removed node (site and op); "skipped" with the reason when a
-        candidate was kept because it is mutated in place, returned from the graph, or would
-        change an alias relation.
+        candidate was kept.
 
 Pseudo-code:
     for node in graph:
@@ -32,7 +37,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
+    alias_classes,
     autocast_reason,
+    grad_mode_regions,
     mutated_nodes,
     op_name,
     site_name,
@@ -72,6 +79,16 @@ def _full_slice(node: fx.Node, x: torch.Tensor) -> bool:
     return bool(step == 1 and start_ok and end_ok and not node.kwargs)
 
 
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value of the ATen argument ``name``, positional or keyword (None if absent):
+    ``copy`` is ``aten.to.dtype``'s 4th argument but ``aten.to.device``'s 5th."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return None
+
+
 def identity_input(node: fx.Node) -> fx.Node | None:
     """The input ``node`` returns unchanged, or None."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
@@ -86,8 +103,8 @@ def identity_input(node: fx.Node) -> fx.Node | None:
     if target is aten.slice.Tensor and _full_slice(node, x):
         return x_node
     if target in _ALIAS_IF_UNCHANGED:
-        copy = node.kwargs.get("copy", False) or (len(node.args) > 3 and node.args[3] is True)
-        fmt: Any = node.kwargs.get("memory_format")
+        copy = _argument(node, "copy") is True
+        fmt: Any = _argument(node, "memory_format")
         keeps_layout = fmt in (None, torch.preserve_format) or x.is_contiguous(memory_format=fmt)
         if not copy and keeps_layout and (target is not aten.contiguous.default
                                           or x.is_contiguous()):
@@ -111,14 +128,18 @@ class RemoveNoopsPass(GraphPass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
         mutated = mutated_nodes(graph)
+        classes = alias_classes(graph)
         outputs = set(graph.output_node().all_input_nodes)
+        escaping = {classes[n] for n in outputs if n in classes}
+        regions = grad_mode_regions(graph)
         modified = False
         for node in list(graph.nodes):
             x = identity_input(node)
             if x is None:
                 continue
             aliasing = node.target in _SAME_SHAPE_VIEWS or node.target in _ALIAS_IF_UNCHANGED
-            reason = _unsafe_reason(node, x, aliasing, mutated, outputs)
+            reason = _unsafe_reason(node, x, aliasing, mutated, outputs,
+                                    classes[node] in escaping, regions)
             if reason:
                 ctx.record("skipped", site_name(node), f"{op_name(node)}: {reason}")
                 continue
@@ -130,13 +151,21 @@ class RemoveNoopsPass(GraphPass):
 
 
 def _unsafe_reason(node: fx.Node, x: fx.Node, aliasing: bool, mutated: set[fx.Node],
-                   outputs: set[fx.Node]) -> str:
+                   outputs: set[fx.Node], escapes: bool, regions: dict[fx.Node, int]) -> str:
     if autocast_reason([node, x]):
         return "kept: " + autocast_reason([node, x])
-    if node in mutated or (not aliasing and x in mutated):
-        return "kept: the value is written in place, removing it would change what aliases what"
-    if not aliasing and node in outputs:
-        return "kept: it is a graph output; the caller would get an alias of the input"
+    if node in mutated or x in mutated:
+        return ("kept: it or its input is written in place (directly or through a view); "
+                "removing it would change what aliases what")
+    if node in outputs:
+        return ("kept: it is a graph output; the caller would get the input tensor itself "
+                "instead of a new one")
+    if not aliasing and escapes:
+        return "kept: a view of it is a graph output; the caller would get an alias of the input"
+    if any(regions.get(u) != regions.get(node) or
+           isinstance(u.target, torch._ops.HigherOrderOperator) for u in node.users):
+        return ("kept: it is used in another grad-mode region (torch.no_grad / enable_grad); "
+                "its users would read a tensor with another requires_grad")
     if any(u.target is operator.setitem for u in node.users):
         return "kept: used by setitem"
     return ""
