@@ -110,3 +110,19 @@ def test_two_equal_graph_outputs_stay_two_tensors():
     assert a is not b
     a.add_(1)
     torch.testing.assert_close(b, x * 2)
+
+
+def test_training_batch_norms_are_not_merged():
+    """aten.batch_norm updates its running statistics in training mode although its schema
+    does not say so: two equal calls are two updates."""
+    bn = torch.nn.BatchNorm1d(4).double().train()
+
+    def fn(x):
+        return bn(x) + bn(x)
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    gm = trace_for_pass(fn, x)
+    gm, record = run_pass("cse", gm)
+    assert not any("batch_norm" in s.reason for s in record.sites if s.action == "rewritten")
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten.batch_norm.default) == 2

@@ -56,17 +56,13 @@ class AOTLowering(Lowering):
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Sequence[Any],
                   **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Split the joint graph; the default keeps every activation the backward needs. After
-        the remat pass tagged the nodes (keep / recompute), the min-cut partitioner applies
-        the tags."""
-        from torch._functorch.partitioners import (
-            default_partition,
-            min_cut_rematerialization_partition,
-        )
-
-        if joint.meta.get("graphopt_remat"):
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        return default_partition(joint, joint_inputs, **kwargs)
+        """Split the joint graph with AOTAutograd's min-cut partitioner, as
+        ``backend="aot_eager"`` and Inductor do: cheap ops (views, pointwise, index
+        arithmetic) the backward reads are recomputed there rather than saved, so the eager
+        lowering keeps what aot_eager keeps and the two compare like for like. After the
+        remat pass tagged the nodes (``CheckpointPolicy`` MUST_SAVE / MUST_RECOMPUTE) the
+        same partitioner applies the tags."""
+        return min_cut_partition(joint, joint_inputs, **kwargs)
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], hooks: AOTHooks,
                 config: GraphoptConfig) -> Callable[..., Any]:
@@ -81,8 +77,11 @@ class AOTLowering(Lowering):
                     return compiler(g, inputs)
             return compile_one
 
+        mark_mutated = mutated_input_marker(gm)
+
         def partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
                       **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+            mark_mutated(joint)
             joint = hooks.run_joint(joint, "joint")
             hooks.graph_ready("joint", joint)
             return self.partition(joint, joint_inputs, **kwargs)
@@ -93,3 +92,71 @@ class AOTLowering(Lowering):
             inference_compiler=for_kind("inference"),  # type: ignore[arg-type]
             partition_fn=partition,
         )
+
+
+def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
+                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's ``min_cut_rematerialization_partition``, after tagging every forward
+    value that reads an input the graph mutates (``fx_utils.readers_of_mutated_inputs``)
+    ``CheckpointPolicy.MUST_SAVE`` where nothing tagged it: min-cut otherwise recomputes such
+    a value in the backward from the input after its in-place update (e.g. ``shift`` in
+    ``sin(x + self.shift); self.shift.add_(1)``), which gives wrong gradients with
+    ``backend="aot_eager"`` and Inductor in torch 2.13, or a version-counter error."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from graphopt.passes.fx_utils import readers_of_mutated_inputs
+    from graphopt.passes.remat import split_joint
+
+    readers = readers_of_mutated_inputs(joint.graph)
+    if readers:
+        forward, _ = split_joint(joint)
+        for node in forward:
+            if node in readers and node.meta.get("recompute") is None:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+MUTATED_INPUT = "graphopt_mutated_input"
+"""Joint-graph placeholder meta: the forward writes this input in place
+(:func:`mutated_input_marker`)."""
+
+
+def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]:
+    """A function that sets ``meta[MUTATED_INPUT]`` on the joint graph's primal
+    placeholders whose input ``gm`` (the graph handed to AOTAutograd) writes in place,
+    directly or through a view (``fx_utils.mutated_nodes``). AOTAutograd functionalizes
+    those writes: the joint graph returns the new value and the runtime copies it into the
+    input after the forward, so nothing in the joint graph says which primal changes.
+    Primals are matched to ``gm``'s placeholders from the end (AOTAutograd puts lifted
+    parameters and effect tokens first), checked by shape and dtype; when the match fails
+    or a ``get_attr`` is written, every primal is marked (nothing read from an input is
+    recomputed: safe, and only costs memory)."""
+    from graphopt.passes.fx_utils import mutated_nodes
+
+    written = mutated_nodes(gm.graph)
+    inputs = list(gm.graph.find_nodes(op="placeholder"))
+    flags = [n in written for n in inputs]
+    unknown = any(n.op == "get_attr" for n in written)
+
+    def same(a: Any, b: Any) -> bool:
+        import torch
+
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return bool(a.dtype == b.dtype and a.dim() == b.dim())
+        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+
+    def mark(joint: fx.GraphModule) -> None:
+        if not any(flags) and not unknown:
+            return
+        primals = [n for n in joint.graph.find_nodes(op="placeholder")
+                   if not n.name.startswith("tangents")]
+        tail = primals[len(primals) - len(inputs):] if len(primals) >= len(inputs) else []
+        exact = not unknown and len(tail) == len(inputs) and all(
+            same(p.meta.get("val"), i.meta.get("example_value", i.meta.get("val")))
+            for p, i in zip(tail, inputs))
+        for p, flag in zip(tail, flags) if exact else ((p, True) for p in primals):
+            if flag:
+                p.meta[MUTATED_INPUT] = True
+
+    return mark

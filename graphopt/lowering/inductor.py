@@ -18,7 +18,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from graphopt.config import GraphoptConfig
-from graphopt.lowering.base import AOTHooks, Lowering
+from graphopt.lowering.base import AOTHooks, Lowering, mutated_input_marker
 
 
 def _source_hash() -> str:
@@ -50,25 +50,30 @@ def _joint_options_key(config: GraphoptConfig) -> str:
 
 
 class _JointPassPartitioner(CustomPartitionerFn):
-    """Inductor's partitioner hook: graphopt's joint passes, then Inductor's min-cut.
+    """Inductor's partitioner hook: graphopt's joint passes, then Inductor's min-cut
+    (:func:`graphopt.lowering.base.min_cut_partition`).
 
     ``uuid`` keys Inductor's and AOTAutograd's caches by graphopt's sources and options, so
     a cached compile is only reused when the same passes would produce the same graphs (on
     a hit these hooks do not run and the report says so).
     """
 
-    def __init__(self, hooks: AOTHooks, config: GraphoptConfig) -> None:
+    def __init__(self, hooks: AOTHooks, config: GraphoptConfig,
+                 mark_mutated: Callable[[fx.GraphModule], None] | None = None) -> None:
         self.hooks = hooks
+        self.mark_mutated = mark_mutated
         self.key = (f"graphopt-{_source_hash()}-{sorted(config.disable)}-"
                     f"{sorted(config.enable)}-{_joint_options_key(config)}")
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from graphopt.lowering.base import min_cut_partition
 
+        if self.mark_mutated is not None:
+            self.mark_mutated(gm)
         gm = self.hooks.run_joint(gm, "joint")
         self.hooks.graph_ready("joint", gm)
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        return min_cut_partition(gm, joint_inputs, **kwargs)
 
     def uuid(self) -> str:
         return self.key
@@ -98,6 +103,7 @@ class InductorLowering(Lowering):
         if config.mode not in (None, "default"):
             patches.update(list_mode_options(config.mode))
         patches.update(config.inductor_config)
-        patches["custom_partitioner_fn"] = _JointPassPartitioner(hooks, config)
+        patches["custom_partitioner_fn"] = _JointPassPartitioner(hooks, config,
+                                                                 mutated_input_marker(gm))
         return compile_fx(  # type: ignore[return-value]
             gm, list(example_inputs), inner_compile=inner, config_patches=patches)

@@ -48,11 +48,40 @@ def count_delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in sorted(keys) if after[k] != before[k]}
 
 
+_aten = torch.ops.aten
+_UNANNOTATED_WRITES = {
+    _aten.batch_norm.default: "training", _aten.native_batch_norm.default: "training",
+    _aten._batch_norm_impl_index.default: "training",
+    _aten.instance_norm.default: "use_input_stats",
+    _aten.cudnn_batch_norm.default: "training", _aten.miopen_batch_norm.default: "training",
+}
+"""Ops whose schema does not annotate that they write ``running_mean`` / ``running_var``
+(in training mode, the argument named here): a PyTorch schema gap."""
+
+
+def _argument_value(node: fx.Node, index: int, name: str) -> Any:
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+
+
+def unannotated_writes(node: fx.Node) -> list[fx.Node]:
+    """The running-statistics inputs a batch/instance norm in training mode updates in
+    place although its schema does not say so (:data:`_UNANNOTATED_WRITES`)."""
+    flag = _UNANNOTATED_WRITES.get(node.target)  # type: ignore[call-overload]
+    if flag is None:
+        return []
+    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
+    if _argument_value(node, names.index(flag), flag) is False:
+        return []
+    return [v for name in ("running_mean", "running_var")
+            if isinstance(v := _argument_value(node, names.index(name), name), fx.Node)]
+
+
 def is_mutating(node: fx.Node) -> bool:
-    """True when the node writes to one of its inputs (in-place or out= ops)."""
+    """True when the node writes to one of its inputs (in-place or out= ops, and training
+    batch norms, whose schemas do not say so: :func:`unannotated_writes`)."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
+        return target._schema.is_mutable or bool(unannotated_writes(node))
     return False
 
 
@@ -137,6 +166,7 @@ def written_nodes(graph: fx.Graph) -> set[fx.Node]:
     for node in graph.nodes:
         if node.op != "call_function" or not is_mutating(node):
             continue
+        out.update(unannotated_writes(node))
         schema = node.target._schema  # type: ignore[union-attr]
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
@@ -155,6 +185,28 @@ def mutated_nodes(graph: fx.Graph) -> set[fx.Node]:
     classes = alias_classes(graph)
     dirty = {classes[n] for n in written_nodes(graph)}
     return {n for n, root in classes.items() if root in dirty}
+
+
+def readers_of_mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """Tensor-valued nodes that read a graph input the graph writes in place, or a view of
+    one: BatchNorm's running statistics, a buffer updated in ``forward``. A functionalized
+    joint graph either writes such an input back with ``copy_`` at its end or returns its
+    new value for the runtime to copy; the lowering marks the latter's placeholders
+    ``meta["graphopt_mutated_input"]`` (``graphopt.lowering.base.mutated_input_marker``).
+    Recomputing one of these readers in the backward would read the input after the write,
+    so it must be saved: eager autograd saves what it computed, and AOTAutograd's
+    partitioners do not know this."""
+    mutated = mutated_nodes(graph)
+    inputs = {n for n in graph.nodes if n.op == "placeholder" and (
+        n in mutated or n.meta.get("graphopt_mutated_input"))}
+    if not inputs:
+        return set()
+    classes = alias_classes(graph)
+    dirty = {classes[n] for n in inputs}
+    return {n for n in graph.nodes
+            if n.op == "call_function" and not is_mutating(n)
+            and isinstance(n.meta.get("val"), torch.Tensor | tuple | list)
+            and any(classes.get(a) in dirty for a in n.all_input_nodes)}
 
 
 def grad_mode_regions(graph: fx.Graph) -> dict[fx.Node, int]:

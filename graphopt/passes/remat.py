@@ -13,7 +13,10 @@ recomputation in the backward; built by :func:`build_ilp`, solved by scipy's HiG
                 s_u + r_u >= r_v      for every forward input u of v       (recompute closure)
                 sum_v s_v * b_v <= B  b_v: bytes of v's own storage, B: the budget
                 r_v = 0  for random ops (dropout: recomputing would draw new numbers), ops
-                         with side effects, and graphopt custom ops not marked safe
+                         with side effects, graphopt custom ops not marked safe, and values
+                         read from an input the graph mutates in place (BatchNorm's running
+                         statistics, a buffer updated in forward: the backward would read
+                         the updated input)
                 s_v = 0  for views (they are recomputed from their base for free)
 
 With ``offload=True`` a third variable o_v per value (a host copy saved instead of v, copied
@@ -26,7 +29,8 @@ data-dependent (unbacked) sizes use 64, or, with ``profile_guided=True``, the va
 observed by running the graph once on the real inputs (:func:`observe_sizes`; MegTaiChi,
 "tensor access pattern observed at run time"), with a report of how the decision changed.
 
-Primal inputs (parameters, user inputs) are always available. "greedy" (for very large
+Primal inputs (parameters, user inputs) are available in the backward as they were in the
+forward, except those the graph mutates (above). "greedy" (for very large
 graphs, or when the ILP exceeds ``time_limit``): recompute the candidates with the most bytes
 per second of recomputation whose inputs are already available, until under budget.
 
@@ -62,7 +66,13 @@ import torch.fx as fx
 from graphopt.cost.profiles import default_profile_name, load_profile
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import is_mutating, is_random, returns_alias, site_name
+from graphopt.passes.fx_utils import (
+    is_mutating,
+    is_random,
+    readers_of_mutated_inputs,
+    returns_alias,
+    site_name,
+)
 from graphopt.passes.remat_options import RematOptions
 
 aten = torch.ops.aten
@@ -172,9 +182,14 @@ def _needed(forward: list[fx.Node], backward: set[fx.Node]) -> list[fx.Node]:
     return [n for n in forward if any(u in backward for u in n.users) and n in fwd]
 
 
+READS_MUTATED_INPUT = "graphopt_reads_mutated_input"
+"""Node meta set by :func:`plan` on values read from an input the graph mutates in place
+(``fx_utils.readers_of_mutated_inputs``): recomputing them would read the updated input."""
+
+
 def _unsafe_to_recompute(node: fx.Node) -> bool:
     target = node.target
-    if is_random(node) or is_mutating(node):
+    if is_random(node) or is_mutating(node) or node.meta.get(READS_MUTATED_INPUT):
         return True
     if isinstance(target, torch._ops.OpOverload):
         if target.namespace not in ("aten", "prims") and \
@@ -362,6 +377,8 @@ def _plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
     gives the budget in bytes; ``profile`` prices nodes and host copies (default: "local"
     when calibrated, else h100-sxm)."""
     forward, backward = split_joint(gm)
+    for v in readers_of_mutated_inputs(gm.graph):
+        v.meta[READS_MUTATED_INPUT] = True
     needed = _needed(forward, backward)
     keep_all = sum(_bytes(v) for v in keep_everything(forward, needed)[0])
     budget = int(budget_of(keep_all))
