@@ -156,7 +156,9 @@ def test_plans_train_like_one_process_llama(world, plans):
 # q_norm/k_norm under TP (their weight gradients are partial per rank: summed over TP)
 MOE_RUNS = {
     2: [("mixtral", dict(dp_shard=2, ep=2, zero_stage=3)), ("qwen3_moe", dict(tp=2, ep=2)),
-        ("minimax", dict(dp_shard=2, ep=2, zero_stage=0)), ("qwen3", dict(tp=2))],
+        ("minimax", dict(dp_shard=2, ep=2, zero_stage=0)), ("qwen3", dict(tp=2)),
+        # shared experts split by TP inside the MoE block SP keeps replicated
+        ("deepseek_v3", dict(tp=2))],
     4: [("minimax", dict(dp_shard=2, tp=2, ep=4, zero_stage=3)),
         ("mixtral", dict(dp_replicate=2, dp_shard=2, ep=2, zero_stage=3)),
         ("mixtral/idle-experts", dict(dp_shard=4, ep=4, zero_stage=3))],
@@ -246,6 +248,25 @@ def test_tp_layout_is_derived_from_the_data_flow():
     assert "fails to run" in layout.kept["model.layers.0.self_attn"]
     assert "model.layers.1.self_attn.o_proj" in layout.rowwise  # its softmax layer splits
     assert not any(".mlp" in p for p in layout.colwise + layout.rowwise)
+
+
+def test_a_mixer_that_writes_its_split_outputs_in_place_stays_replicated():
+    """OLMo's clip_qkv clamps q/k/v in place: fine on plain tensors, an autograd error on
+    TP's sharded outputs (views from DTensor's to_local); found by a hostile review, it
+    crashed the first forward. The split probe runs the shard as TP hands it its outputs."""
+    import transformers
+
+    from graphopt.models import sample_batch
+    from graphopt.parallel import derive_tp_layout
+
+    config = transformers.OlmoConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     clip_qkv=0.5)
+    olmo = transformers.OlmoForCausalLM(config).eval()
+    ids = sample_batch(olmo, 1, 8)
+    layout = derive_tp_layout(olmo, lambda: olmo(input_ids=ids, use_cache=False), 2)
+    assert "writes a column-parallel output in place" in layout.kept["model.layers.0.self_attn"]
+    assert "model.layers.0.mlp.down_proj" in layout.rowwise
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,6 +1,7 @@
 """Context-parallel plans (graphopt.parallelize with cp > 1: Ulysses all-to-all attention) on
-real gloo process groups, float64: the chunked run's loss, logits and every gradient equal
-the single-process run; three AdamW steps keep the parameters equal."""
+real gloo process groups, float64: the chunked run's loss, logits (from input_ids and from
+inputs_embeds) and every gradient equal the single-process run, with labels unevenly
+ignored over the DP ranks; three AdamW steps keep the parameters equal."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
 from tests.helpers import config_errors
-from tests.test_parallel import _full, _full_precision_rmsnorm, _held, _lm_loss
+from tests.test_parallel import _full, _full_precision_rmsnorm, _held
 
 A2A = dict(cp_kind="all_to_all")
 RUNS = {
     2: [("llama", dict(cp=2, **A2A)), ("qwen3", dict(cp=2, **A2A)),
         ("qwen3", dict(cp=2)),  # ring (the default kind)
-        ("minimax", dict(cp=2, **A2A))],  # lightning layers pass their state
+        ("minimax", dict(cp=2, **A2A)),  # lightning layers pass their state
+        ("llama_mha", dict(cp=2))],  # no GQA: the ring sends transformers' strided K/V
     4: [("llama", dict(cp=2, tp=2, **A2A)),
         ("mixtral", dict(cp=2, dp_shard=2, ep=4, zero_stage=3, **A2A)),
         ("minimax", dict(cp=4, **A2A))],
@@ -34,7 +36,8 @@ def _run(name, plan, steps=3):
     from graphopt.parallel.context import _chunk_positions, cp_loss, shard_sequence
 
     torch.manual_seed(0)
-    ref = build_model(name, dtype=torch.float64)
+    ref = build_model("llama", dtype=torch.float64, num_key_value_heads=4) \
+        if name == "llama_mha" else build_model(name, dtype=torch.float64)
     _full_precision_rmsnorm(ref)
     _float64_decays(ref)
     mesh = build_mesh(plan)
@@ -46,16 +49,28 @@ def _run(name, plan, steps=3):
     opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     rank, length = mesh["cp"].get_local_rank(), local.shape[1]
+    positions = _chunk_positions(length, rank, plan.cp, plan.cp_kind == "ring")
+    # fewer labels in the first two sequences (DP rank 0's when dp = 2): the loss is the
+    # mean over every labelled position of the global batch, not a mean of DP ranks' means
+    full_labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    full_labels[:2][ids[:2] % 3 == 0] = -100
+    labels = full_labels.chunk(plan.dp)[mesh["dp"].get_local_rank()][:, positions]
     with torch.no_grad():
         logits = _full(model(input_ids=local, use_cache=False).logits)
-        positions = _chunk_positions(length, rank, plan.cp, plan.cp_kind == "ring")
+        embedded = logits
+        if plan.devices == plan.cp:  # the embedding is a plain module (no TP/FSDP shards)
+            embedded = _full(model(inputs_embeds=model.get_input_embeddings()(local),
+                                   use_cache=False).logits)
         want = ref(input_ids=ids, use_cache=False).logits.chunk(plan.dp)[
             mesh["dp"].get_local_rank()][:, positions]
-    errors = {"logits": float((logits - want).abs().max()), "loss": 0.0}
+    errors = {"logits": max(float((logits - want).abs().max()),
+                            float((embedded - want).abs().max())), "loss": 0.0}
     for step in range(steps):
         loss = cp_loss(model(input_ids=local, use_cache=False).logits, labels, mesh)
         loss.backward()
-        ref_loss = _lm_loss(ref, ids)
+        ref_logits = ref(input_ids=ids, use_cache=False).logits
+        ref_loss = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1),
+                                                     full_labels.flatten(), ignore_index=-100)
         ref_loss.backward()
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # every rank's value: cp x its chunk's share; tp ranks equal

@@ -131,6 +131,33 @@ def test_impossible_pipeline_plans_are_refused_before_anything_changes(overrides
         parallelize(model, ParallelPlan(**plan))
 
 
+def _tiny(config_name, model_name, **extra):
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: __import__("graphopt.models").models.build_model(
+        "llama", attn_implementation="eager"), r"eager attention reads that as no mask"),
+    (lambda: _tiny("MistralConfig", "MistralForCausalLM", sliding_window=4),
+     r"does not execute sliding-window attention"),
+    (lambda: _tiny("GraniteConfig", "GraniteForCausalLM", embedding_multiplier=12.0,
+                   logits_scaling=8.0), r"stages' logits differ from the model's by"),
+], ids=["eager-attention", "sliding-window", "granite-multipliers"])
+def test_models_the_stages_would_compute_differently_are_refused(make, message):
+    """Found by a hostile review: each trained silently wrong under pp=2 (the stages call
+    the layers with attention_mask=None and skip what the model's own forward adds)."""
+    from graphopt.parallel import parallelize
+
+    with pytest.raises(ConfigError, match=message):
+        parallelize(make(), ParallelPlan(pp=2))
+
+
 def _bad_batch_worker(rank, world):
     from graphopt.models import build_model
     from graphopt.parallel import parallelize

@@ -289,10 +289,16 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
         parallelize_module,
     )
 
+    # A mixer inside a module SP keeps replicated (DeepSeek-V3's shared experts in its MoE
+    # block) gets the whole sequence from that module's gather: plain TP there (no input
+    # gather, an all-reduced output); preparing it for SP too gathered the already whole
+    # sequence again and counted its weight gradients tp times.
+    nested = {m for m in layout.mixers if any(m.startswith(r + ".") for r in layout.replicated)}
     plan: dict[str, Any] = {p: ColwiseParallel() for p in layout.colwise}
     plan.update({p: SequenceParallel(sequence_dim=dim, use_local_output=True)
                  for p, dim in layout.head_norms.items()})
-    plan.update({p: RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    plan.update({p: RowwiseParallel(output_layouts=Shard(1) if sp and p.rsplit(".", 1)[0]
+                                    not in nested else Replicate())
                  for p in layout.rowwise})
     if layout.embedding is not None:
         plan[layout.embedding] = RowwiseParallel(input_layouts=Replicate(),
@@ -303,7 +309,7 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
     if sp:
         plan.update({p: SequenceParallel(use_local_output=True) for p in layout.norms})
         plan.update({p: _prepare(site, Shard(1), Replicate())
-                     for p, site in layout.mixers.items()})
+                     for p, site in layout.mixers.items() if p not in nested})
         plan.update({p: _prepare(site, Shard(1), Replicate(), outputs)
                      for p, (site, outputs) in layout.replicated.items()})
         first = next(iter(layout.layers))  # the replicated embedding output -> its shard

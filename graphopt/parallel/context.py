@@ -13,7 +13,8 @@ of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
   P does not divide are repeated to the query heads first. Exact: every head sees every
   key; causality is global (SDPA's ``is_causal`` on the whole sequence), so no load
   balancing is needed.
-- positions: a forward pre-hook passes ``position_ids`` of the chunk (global positions) when
+- positions: a forward pre-hook passes ``position_ids`` of the chunk (global positions;
+  the chunk's length read from ``input_ids`` or ``inputs_embeds``) when
   the caller gives none, so rotary embeddings are those of the whole sequence.
 - masks: the mask function registered for ``"graphopt_cp"`` accepts no padding (a padding
   ``attention_mask`` raises ConfigError: packed sequences without padding are what CP runs).
@@ -187,6 +188,8 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
 
     def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:  # inputs_embeds [B, L, H]: the same chunk, embedded by the caller
+            ids = kwargs.get("inputs_embeds")
         if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
             kwargs["position_ids"] = _chunk_positions(ids.shape[1], rank, plan.cp, ring,
                                                       ids.device).unsqueeze(0)
@@ -237,16 +240,16 @@ def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Te
 
 def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tensor:
     """Next-token cross-entropy of this chunk (logits [B, L, V], labels [B, L] from
-    :func:`shard_sequence`) scaled so that data parallelism's average over the dp x cp ranks
-    gives the gradient of the whole batch's mean loss: cp * (this chunk's sum) / (labelled
-    positions of the whole sequence, all-reduced over CP). Its value summed over the CP
-    ranks and divided by cp is that mean loss."""
-    total = logits.new_zeros(())
+    :func:`shard_sequence`, -100 ignored) scaled so that data parallelism's average over
+    the dp x cp ranks gives the gradient of the mean loss over every labelled position of
+    the global batch (all DP ranks' sequences; Megatron-LM's per-token loss): n * (this
+    chunk's sum) / (labelled positions over the dp x cp ranks, one all-reduce over the
+    flattened ``dp_cp`` axis), n = dp x cp. Its value averaged over the dp x cp ranks is
+    that mean loss. DP ranks whose batches hold different numbers of labels are weighted
+    by their label counts, not averaged per rank."""
     summed = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                          ignore_index=-100, reduction="sum")
     count = (labels != -100).sum().to(torch.float64)
-    group = mesh["cp"].get_group()
-    count = count.clone()
-    dist.all_reduce(count, group=group)
-    total = summed * mesh["cp"].size() / count.to(summed.dtype)
-    return total
+    ranks = mesh["dp_cp"]
+    dist.all_reduce(count, group=ranks.get_group())
+    return summed * ranks.size() / count.to(summed.dtype)

@@ -25,7 +25,9 @@ gradient; after the schedule, the two parts are summed over the pair (an all-red
 group of the first and last pipeline rank of each pipeline, Megatron-LM's "embedding
 group"), so both copies get the exact gradient and stay equal through the optimizer.
 
-Errors (ConfigError, before anything changes): a model without that structure, more
+Errors (ConfigError, before anything changes): a model whose forward is not that
+composition (eager attention, sliding windows, or a difference found by running both on
+a probe sequence: :func:`_check_stages_compute_the_model`), a model without that structure, more
 stages than decoder layers, a batch that the microbatch size does not divide, a
 microbatch count that is not a multiple of pp for interleaving (torch's requirement).
 """
@@ -327,6 +329,61 @@ def check_pipeline(model: Any, plan: ParallelPlan) -> None:
         raise ConfigError("pp > 1 cuts transformers causal LMs (embedding, decoder layers, "
                           "final norm, LM head); this model has another structure: use pp=1")
     _plan_bounds(plan, len(decoder_layers(model)))
+    _check_stages_compute_the_model(model, decoder_layers(model))
+
+
+_PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+"""Largest relative difference (to the largest logit) between the stages' composition and
+the model's own forward accepted by the probe; 2e-2 for 16-bit dtypes."""
+
+
+def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None:
+    """Raise ConfigError unless the stages (:class:`DecoderStage`: embed, layers with
+    ``attention_mask=None``, norm, LM head) compute what the model's own forward computes:
+    refused by name are sliding-window attention (its window exists only in the masks
+    transformers builds) and eager attention (it reads a missing mask as no mask:
+    bidirectional); anything else a model's forward adds (Granite's embedding and logits
+    multipliers, Cohere's logit scale) is caught by running both on one sequence of 16
+    random tokens (eval mode, no grad; skipped for weights on the meta device). Translation
+    validation by execution, as the MoE pass does."""
+    config = model.config
+    attn = getattr(config, "_attn_implementation", None)
+    if attn == "eager":
+        raise ConfigError("pp > 1 runs each stage's layers with attention_mask=None (causal "
+                          "through SDPA's is_causal); eager attention reads that as no mask "
+                          "(bidirectional): load the model with attn_implementation='sdpa', "
+                          "or use pp=1")
+    windowed = bool(getattr(config, "sliding_window", None)
+                    and getattr(config, "use_sliding_window", True))
+    if windowed or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ConfigError("pp > 1 does not execute sliding-window attention (the window "
+                          "exists only in the masks transformers builds, and the stages pass "
+                          "none): set config.sliding_window=None if the sequences fit the "
+                          "window, or use pp=1")
+    params = list(model.parameters())
+    if not params or any(p.is_meta for p in params):
+        return
+    stage = DecoderStage(model, layers, 0, len(layers), 0, 1)
+    ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (1, 16),
+                        generator=torch.Generator().manual_seed(0)).to(params[0].device)
+    training = [m.training for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, use_cache=False).logits
+            got = stage(ids)
+    finally:
+        for m, mode in zip(model.modules(), training):
+            m.training = mode
+    scale = float(want.abs().max()) or 1.0
+    diff = float((got.to(want.dtype) - want).abs().max()) / scale
+    if not diff <= _PROBE_TOLERANCE.get(want.dtype, 2e-2):
+        raise ConfigError(
+            f"pp > 1 cuts the model into embed -> decoder layers -> norm -> LM head stages, "
+            f"and this model's forward computes something else: on a probe sequence the "
+            f"stages' logits differ from the model's by {diff:.3g} of the largest logit "
+            f"({type(model).__name__}: e.g. embedding or logit multipliers, extra inputs to "
+            "its layers). Use pp=1 for this model")
 
 
 def _plan_bounds(plan: ParallelPlan, layers: int) -> list[tuple[int, int]]:

@@ -295,6 +295,12 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
     except Exception as exc:  # the sharded code cannot even run: not head-parallel
         return (f"a {tp}-way column/row split of it fails to run "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
+    try:
+        _run_with_local_views(shard, path, readers, args, kwargs)
+    except RuntimeError as exc:
+        return ("it writes a column-parallel output in place (e.g. OLMo's clip_qkv clamp_), "
+                "which autograd forbids on TP's sharded outputs (views made by DTensor's "
+                f"to_local: {str(exc).splitlines()[0][:80]}); kept replicated")
     if want.is_meta:  # no data (a dry run of a large model): the split must still run
         return "" if got.shape == want.shape else f"a {tp}-way split changes its output shape"
     scale = float(want.abs().max()) or 1.0
@@ -303,6 +309,34 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
         return (f"a {tp}-way column/row split of it changes its output (relative error "
                 f"{error:.2g}): it mixes what the split separates; kept replicated")
     return ""
+
+
+class _LocalView(torch.autograd.Function):
+    """What a ColwiseParallel Linear hands its caller: a view made by a custom autograd
+    Function (DTensor's ``to_local``); writing it in place raises in autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _run_with_local_views(shard: nn.Module, path: str, readers: list[str], args: tuple,
+                          kwargs: dict) -> None:
+    """Run ``shard`` with grad enabled and its readers' outputs made views as TP makes
+    them (:class:`_LocalView`): RuntimeError when the mixer writes one in place."""
+    handles = [module.register_forward_hook(lambda m, a, out: _LocalView.apply(out))
+               for name, module in shard.named_modules()
+               if (f"{path}.{name}" if name else path) in readers]
+    try:
+        with torch.enable_grad():
+            shard(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _first_tensor(out: Any) -> torch.Tensor:

@@ -41,7 +41,9 @@ def _pass(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
-    out = [torch.empty_like(t) for t in tensors]
+    # contiguous receive buffers: gloo (and NCCL) reject strided ones, and K/V arrive as
+    # transformers' transpose views when there is no GQA repeat to copy them
+    out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors] + \
         [dist.P2POp(dist.irecv, o, prv, group) for o in out]
     for work in dist.batch_isend_irecv(ops):
