@@ -21,3 +21,10 @@ class PassFailedError(GraphoptError, RuntimeError):
 
 class VerificationError(GraphoptError, AssertionError):
     """``verify=True`` found outputs or gradients that differ from eager beyond tolerance."""
+
+
+class FallbackWarning(UserWarning):
+    """A graph skipped graphopt's model passes (capture refused it, or a pass changed its
+    outputs) and runs as ``backend="aot_eager"`` would; the message says why. The report's
+    ``fallback`` holds the same text. Silence with ``warnings.filterwarnings("ignore",
+    category=graphopt.errors.FallbackWarning)``."""

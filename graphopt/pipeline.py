@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch import fx
 from graphopt.capture import Capture, capture, check_gradient_paths, check_outputs
 from graphopt.config import GraphoptConfig
 from graphopt.dump import Dumper, graph_code
-from graphopt.errors import GraphoptError, PassFailedError
+from graphopt.errors import FallbackWarning, GraphoptError, PassFailedError
 from graphopt.lowering import AOTHooks, get_lowering
 from graphopt.normalize import check_meta, refresh_meta
 from graphopt.passes import PassContext, Stage, build_pipeline
@@ -154,6 +155,9 @@ def _model_stage(gm: fx.GraphModule, captured: Capture, runner: PassRunner,
         fallback = (f"model passes ({', '.join(runner.ran)}) changed the graph's outputs: "
                     f"{problem}; their rewrites are dropped (please report this bug)")
     report.fallback = fallback
+    warnings.warn(f"graphopt: model passes skipped for this graph: {fallback}. It runs as "
+                  "backend='aot_eager' would (joint passes still run); see "
+                  "graphopt.last_report()", FallbackWarning, stacklevel=2)
     report.notes.append(f"model passes skipped: {fallback}. The graph went to AOTAutograd "
                         "as Dynamo captured it (aot_eager's path); joint passes still run")
     snapshots = [("dynamo graph", True, copy_graph_module(gm))] \

@@ -120,6 +120,7 @@ def test_infeasible_budget_reports_the_minimum():
     (1.5, "fraction must be in (0, 1]"),
     ("120%", "remat.budget must be bytes"),
     (-5, "must be >= 0 bytes"),
+    ("inf GiB", "remat.budget must be bytes"),  # was a raw OverflowError
 ])
 def test_bad_budgets_say_what_is_accepted(value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")

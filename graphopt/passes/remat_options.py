@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,8 @@ class RematOptions:
                         number = float(text[: -len(unit)])
                     except ValueError:
                         break
-                    if number < 0 or (scale is None and not 0 < number <= 100):
+                    if not math.isfinite(number) or number < 0 or \
+                            (scale is None and not 0 < number <= 100):
                         break
                     return int(number / 100 * keep_all_bytes) if scale is None \
                         else int(number * scale)
