@@ -12,8 +12,9 @@ Fallback when, checked in this order:
    pre-dispatch re-trace does not;
 2. the graph calls a higher-order op outside :data:`KNOWN_HOPS` (``autograd_function_apply``
    of a custom ``torch.autograd.Function``, ``invoke_subgraph``, ``flex_attention``,
-   ``associative_scan``, ...) or functorch transforms (``torch.vmap``, ``torch.func.grad``):
-   re-tracing inlines or mis-traces them (a custom backward would be lost);
+   ``associative_scan``, ...), functorch transforms (``torch.vmap``, ``torch.func.grad``)
+   or a ``torch.inference_mode()`` block: re-tracing inlines or mis-traces them (a custom
+   backward would be lost; inference-mode ops would be differentiated);
 3. normalize raises (Dynamo's own restart requests are re-raised, not swallowed);
 4. an invariant fails (:func:`check_outputs`, :func:`check_gradient_paths`,
    :func:`new_constants`): the outputs' count, shapes, dtypes or requires_grad differ from
@@ -117,6 +118,10 @@ def unknown_hops(gm: fx.GraphModule) -> str:
         name = getattr(node.target, "__name__", "")
         if name in _FUNCTORCH_MARKERS:
             return f"functorch transform ({name}: torch.vmap/torch.func) in the graph"
+        if name == "_enter_inference_mode":
+            return ("torch.inference_mode() block in the graph: the pre-dispatch re-trace "
+                    "drops it and would differentiate the ops inside (use torch.no_grad() "
+                    "to have the model passes run)")
     return ""
 
 

@@ -194,3 +194,18 @@ def _dtensor_tp_world1(rank, world):
 def test_dtensor_parameters_compile_world_size_one():
     (fallbacks,) = run_distributed(_dtensor_tp_world1, 1)
     assert fallbacks and all(f and "DTensor" in f for f in fallbacks), fallbacks
+
+
+def test_inference_mode_block_falls_back_and_keeps_gradients():
+    """make_fx's pre-dispatch re-trace drops Dynamo's _enter_inference_mode, so the ops of
+    the block were differentiated (gradient off by 13-19; found by a review)."""
+    class Model(nn.Module):
+        def forward(self, x):
+            a = torch.exp(x)
+            with torch.inference_mode():
+                b = torch.exp(x)
+            return a + b
+
+    with pytest.warns(FallbackWarning, match="inference_mode"):
+        (report,) = _compile_and_compare(Model(), [_x(5)])
+    assert "inference_mode" in report.fallback

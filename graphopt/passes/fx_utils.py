@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def op_name(node: fx.Node) -> str:
@@ -111,8 +112,11 @@ def is_random(node: fx.Node) -> bool:
 def alias_classes(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """Node -> a representative of its alias class: nodes that may share storage. An ATen
     op's result joins the argument its schema says it aliases (views such as ``view``,
-    ``select``, ``slice``, ``transpose``, ``split``; in-place and ``out=`` results, which
-    are the written argument); a ``getitem`` of an aliasing multi-result op joins that op.
+    ``select``, ``slice``, ``transpose``; in-place and ``out=`` results, which are the
+    written argument); a ``getitem`` of an aliasing multi-result op joins that op; and
+    nodes whose fake values (``meta['val']``) share a storage join (what the schemas do not
+    say: ``split``/``unbind`` lists, ``type_as``/``atleast_2d`` returning their input,
+    ``set_``, graph inputs that alias each other).
     Over-approximate (one class per base), which is the safe side for passes that must
     not move a value across a write."""
     parent: dict[fx.Node, fx.Node] = {}
@@ -155,6 +159,22 @@ def alias_classes(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
                 if isinstance(v, fx.Node):
                     union(node, v)
                     aliasing.add(node)
+    # Aliasing the schemas do not annotate: composite ops that return their input itself
+    # (type_as, atleast_2d, contiguous, dropout in eval), set_'s source, list results
+    # (split, unbind), graph inputs that alias each other. The fake values record it:
+    # nodes whose values share a storage share it at run time.
+    owner: dict[Any, fx.Node] = {}
+    for node in graph.nodes:
+        for leaf in pytree.tree_leaves(node.meta.get("val")):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            try:
+                key = StorageWeakRef(leaf.untyped_storage())
+            except (NotImplementedError, RuntimeError):  # sparse, nested, some subclasses
+                continue
+            first = owner.setdefault(key, node)
+            if first is not node:
+                union(node, first)
     return {n: find(n) for n in parent}
 
 
