@@ -63,3 +63,40 @@ def test_compile_for_gpu_names_missing_arguments():
     del consts["LOWP"]
     with pytest.raises(KeyError, match="LOWP"):
         compile_for_gpu(spec.kernel, spec.types, consts)
+
+
+PRECISION = r"""
+import re, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from graphopt.kernels.lightning import triton_kernels as tk
+
+torch.set_float32_matmul_precision(sys.argv[1])
+names = {"0": "tf32", "1": "tf32x3", "2": "ieee"}  # triton's InputPrecision enum
+for spec in tk.launch_specs(64, 64, 64, "fp32"):
+    if spec.name != "output":
+        continue
+    consts = {**spec.constexprs, **({"BK": 64, "BV": 64} if spec.tuned else {})}
+    k = spec.kernel
+    sig = {n: "constexpr" if n in consts else spec.types[n] for n in k.arg_names}
+    src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()})
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4}).asm["ttgir"]
+    # IEEE is the attribute's default and is not printed
+    print(sorted({names.get(x, x) for x in re.findall(r"inputPrecision = (\w+)", ttgir)}))
+"""
+
+
+@pytest.mark.parametrize("torch_precision, want", [("highest", "[]"), ("high", "['tf32']")])
+def test_fp32_products_follow_torch_s_matmul_precision(torch_precision, want):
+    """Found by a review: every fp32 tl.dot compiled as TF32 (Triton's NVIDIA default; the
+    interpreter ignores it, so CPU tests could not see it), ~4e-4 relative error where the
+    docs promise fp32 products. The launches now pass input_precision "ieee" (the IR's
+    default, unprinted) unless torch allows TF32."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", PRECISION, torch_precision],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == want, out.stdout

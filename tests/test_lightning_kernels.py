@@ -319,3 +319,39 @@ def test_scale_impl_and_option_errors_name_the_fix():
         if not INTERPRETED:
             with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
                 lightning_attention(q, k, v, slope, impl="triton")
+
+
+def test_step_and_packed_inputs_are_validated():
+    """Found by a review: the decode step took two tokens as one (no decay between them,
+    error 8.3), broadcast a [1, 1, D, Dv] state and carried an fp16 one; packed sequences
+    took an initial state on another device and returned garbage."""
+    q, k, v = (torch.randn(2, 2, 1, 4, dtype=torch.float64) for _ in range(3))
+    slope = torch.rand(2, dtype=torch.float64)
+    state = torch.zeros(2, 2, 4, 4, dtype=torch.float64)
+    two = torch.randn(2, 2, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="takes one token"):
+        lightning_attention_step(two, two, two, slope, state)
+    with pytest.raises(ValueError, match=r"state must be \[B, Hq, D, Dv\]"):
+        lightning_attention_step(q, k, v, slope, state[:1, :1])
+    with pytest.raises(TypeError, match="float32 or float64"):
+        lightning_attention_step(q, k, v, slope, state.half())
+    with pytest.raises(ValueError, match="slope must have one entry per query head"):
+        lightning_attention_step(q, k, v, slope[:1], state)
+    x = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="initial_state is on meta but q is on cpu"):
+        lightning_attention(x, x, x, torch.rand(2), impl="chunked",
+                            cu_seqlens=torch.tensor([0, 3, 8]),
+                            initial_state=torch.zeros(2, 2, 4, 4, device="meta"))
+    with pytest.raises(ValueError, match="head dims must be >= 1"):
+        lightning_attention(x[..., :0], x[..., :0], x, torch.rand(2), impl="chunked")
+
+
+def test_an_empty_batch_runs_forward_and_backward():
+    """B = 0 (an empty microbatch) crashed in the backward's checkpoint reshape."""
+    for shape in ((0, 2, 8, 4),):
+        q, k, v = (torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        slope = torch.rand(shape[1], dtype=torch.float64, requires_grad=True)
+        o = lightning_attention(q, k, v, slope, impl="chunked")
+        o.sum().backward()
+        assert o.shape == shape and q.grad.shape == shape and slope.grad.shape == slope.shape

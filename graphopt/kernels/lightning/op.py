@@ -172,7 +172,12 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
                             block_size: int, checkpoint_every: int, need_slope_grad: bool,
                             impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     b, hq, _, d = q.shape
-    checkpoints = checkpoints.view(b, hq, -1, d, v.shape[-1])
+    if b * hq == 0:  # an empty batch or no heads: nothing flows back
+        zeros = q.new_zeros(b, hq, d, v.shape[-1], dtype=acc_dtype(q.dtype))
+        return _input_grads((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                             None, zeros), q, k, v, slope)
+    count = stored_checkpoints(q.shape[2], block_size, checkpoint_every, impl)
+    checkpoints = checkpoints.view(b, hq, count, d, v.shape[-1])
     kk, vv = _kernel_kv(k, v, hq, impl)
     if impl == "triton":
         grads = triton_backward(grad_o, grad_state, q, kk, vv, slope, scale, checkpoints,
@@ -385,6 +390,8 @@ def validate(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
     if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
         raise ValueError(f"k must be [B, Hk, S, D] = [{b}, Hk, {s}, {d}] to match q "
                          f"{tuple(q.shape)}, got {tuple(k.shape)}")
+    if d == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be >= 1, got D = {d}, Dv = {v.shape[3]}")
     hk = k.shape[1]
     if hk == 0 or hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
@@ -551,6 +558,9 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
         if tuple(initial_state.shape) != (n, hq, d, dv):
             raise ValueError(f"with cu_seqlens, initial_state must be [N, Hq, D, Dv] = "
                              f"{[n, hq, d, dv]}, got {tuple(initial_state.shape)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on "
+                             f"{q.device}; move all inputs to one device")
     chosen = resolve_impl(impl, q.device, max(d, dv), q.dtype)
     cu = cu_seqlens.to(q.device)
     return torch.ops.graphopt.lightning_attention_varlen_fwd(

@@ -58,8 +58,29 @@ def lightning_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q [B, Hq, 1, D], k [B, Hk, 1, D], v [B, Hk, 1, Dv], state [B, Hq, D, Dv] (float32 or
     float64). Returns (o [B, Hq, 1, Dv] in q's dtype, new state). S_t = lambda S_{t-1} +
     k_t^T v_t; o_t = scale * q_t S_t.
+
+    Raises:
+        ValueError / TypeError: more than one token (S != 1: several tokens need the decay
+            between them, use ``lightning_attention`` with ``initial_state``), shapes or
+            dtypes that do not match (as ``lightning_attention``), a state that is not
+            [B, Hq, D, Dv] float32/float64 on q's device.
     """
-    hq = q.shape[1]
+    from graphopt.kernels.lightning.op import validate
+
+    validate(q, k, v, slope, None)
+    b, hq, s, d = q.shape
+    if s != 1:
+        raise ValueError(f"lightning_attention_step takes one token (q [B, Hq, 1, D]), got "
+                         f"S = {s}: use lightning_attention(..., initial_state=state, "
+                         "output_final_state=True) for several")
+    want = (b, hq, d, v.shape[3])
+    if not isinstance(state, torch.Tensor) or tuple(state.shape) != want:
+        raise ValueError(f"state must be [B, Hq, D, Dv] = {list(want)}, got "
+                         f"{tuple(getattr(state, 'shape', ()))}")
+    if state.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"state must be float32 or float64 (it accumulates), got {state.dtype}")
+    if state.device != q.device:
+        raise ValueError(f"state is on {state.device} but q is on {q.device}")
     acc = state.dtype
     kf, vf = expand_kv(k, hq).to(acc), expand_kv(v, hq).to(acc)
     lam = torch.exp(-slope.to(acc)).view(1, hq, 1, 1)

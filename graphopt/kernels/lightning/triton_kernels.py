@@ -102,7 +102,7 @@ if triton_available():
     def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
                      D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
-                     LOWP: tl.constexpr, VARLEN: tl.constexpr):
+                     LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr):
         """OUT[p, h] tile = sum over the chunk's R tiles of (x_scale X_t * w)^T Y_t with
         w = a (QUERY: X, Y = Q, dO on query rows) or b (X, Y = K, V on key/value rows).
         Products take the inputs' dtype (bf16/fp16 tensor cores), fp32 accumulation."""
@@ -123,7 +123,8 @@ if triton_available():
             y = tl.load(Y + rows[:, None] * DV + ov[None, :],
                         mask=mrow[:, None] & (ov < DV)[None, :], other=0.0).to(ct)
             w = a if QUERY else b
-            out += tl.dot(tl.trans((x * (w * x_scale)[:, None]).to(ct)), y)
+            out += tl.dot(tl.trans((x * (w * x_scale)[:, None]).to(ct)), y,
+                          input_precision=DOT)
         base = OUT + (p.to(tl.int64) * heads + h) * D * DV
         tl.store(base + ok[:, None] * DV + ov[None, :], out,
                  mask=(ok < D)[:, None] & (ov < DV)[None, :])
@@ -172,7 +173,7 @@ if triton_available():
     def _chunk_out(Q, K, Z, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, GRAD_V: tl.constexpr,
-                   LOWP: tl.constexpr, VARLEN: tl.constexpr):
+                   LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr):
         """Per tile r of chunk p (program r + R * p) and Dv tile, with M the masked decay
         and t over the chunk's tiles:
         forward (Z = V, BUF = S):        O_r  = sum_{t <= r} ((Q_r K_t^T) * M) V_t
@@ -219,7 +220,8 @@ if triton_available():
                             mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
                 tile = tl.load(base + ok[:, None] * DV + ov[None, :],
                                mask=mk[:, None] & mv[None, :], other=0.0)
-                out += tl.dot((x * (w * x_scale)[:, None]).to(ct), tile.to(ct))
+                out += tl.dot((x * (w * x_scale)[:, None]).to(ct), tile.to(ct),
+                              input_precision=DOT)
             for t in range(lo, hi):  # the chunk's other tiles: keys up to r / queries from r
                 ti = t * C + tl.arange(0, C)
                 mt = ti < length
@@ -234,20 +236,20 @@ if triton_available():
                                 mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
                     y = tl.load(yb + oc[:, None] * D + ok[None, :],
                                 mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
-                    sc += tl.dot(x, tl.trans(y))
+                    sc += tl.dot(x, tl.trans(y), input_precision=DOT)
                 ft = ti.to(tl.float32)
                 # rows: own tile, columns: tile t; the query is the later position
                 gap = ft[None, :] - fi[:, None] if GRAD_V else fi[:, None] - ft[None, :]
                 m = _decay_mask(s, gap)
                 z = tl.load(zb + oc[:, None] * DV + ov[None, :],
                             mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
-                out += tl.dot((sc * m * scale).to(ct), z)
+                out += tl.dot((sc * m * scale).to(ct), z, input_precision=DOT)
         tl.store(OUT + dest * DV + oc[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
     def _do_vt(DOB, mdo, VB, mv_rows, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-               LOWP: tl.constexpr):
+               LOWP: tl.constexpr, DOT: tl.constexpr):
         """dO V^T [C, C] (fp32) over the Dv tiles: C rows of dO from DOB (row mask mdo) and
         of V from VB (row mask mv_rows), products in the input dtype under LOWP."""
         ct = DOB.dtype.element_ty if LOWP else tl.float32
@@ -260,14 +262,14 @@ if triton_available():
                         other=0.0).to(ct)
             v = tl.load(VB + oc[:, None] * DV + ov[None, :], mask=mv_rows[:, None] & mv[None, :],
                         other=0.0).to(ct)
-            acc += tl.dot(g, tl.trans(v))
+            acc += tl.dot(g, tl.trans(v), input_precision=DOT)
         return acc
 
     @triton.jit
     def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
                     group, n_per, parts, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                     R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD_K: tl.constexpr,
-                    LOWP: tl.constexpr, VARLEN: tl.constexpr):
+                    LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr):
         """GRAD_K: dK of tile r of chunk p (program r + R * p) on one D tile, summed over the
         GQA group's query heads (one program per K/V head), else its dQ;
         and this program's part of dslope (linear in the D tiles: every term is a sum over
@@ -314,7 +316,7 @@ if triton_available():
                                  mask=mk[:, None] & mv[None, :], other=0.0)
                     ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
                                  mask=mk[:, None] & mv[None, :], other=0.0)
-                    vds += tl.dot(v, tl.trans(ds.to(ct)))
+                    vds += tl.dot(v, tl.trans(ds.to(ct)), input_precision=DOT)
                     ssum += tl.sum(ds * st, axis=1)
                 acc = -tl.sum(vds * k, axis=1) * kpos * b
                 dk += vds * b[:, None]
@@ -322,11 +324,11 @@ if triton_available():
                     q_t = Q + (start + t * C) * D
                     do_t = DO + (start + t * C) * DV
                     mt = t * C + oc < length
-                    dov = _do_vt(do_t, mt, v_own, mrow, DV, C, BV, LOWP)  # dO_t V_r^T
+                    dov = _do_vt(do_t, mt, v_own, mrow, DV, C, BV, LOWP, DOT)  # dO_t V_r^T
                     m = _decay_mask(s, (t * C + oc).to(tl.float32)[:, None] - fi[None, :])
                     qt = tl.load(q_t + oc[:, None] * D + ok[None, :],
                                  mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
-                    dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt)
+                    dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt, input_precision=DOT)
                 part = tl.sum(acc, axis=0) \
                     - first * length * tl.exp(-s * length) * tl.sum(ssum, axis=0)
                 tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * parts + ik, part)
@@ -344,7 +346,7 @@ if triton_available():
                              mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
                 st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
                              mask=mk[:, None] & mv[None, :], other=0.0)
-                dq += tl.dot(do, tl.trans(st.to(ct)))
+                dq += tl.dot(do, tl.trans(st.to(ct)), input_precision=DOT)
             q = tl.load(q_own + oc[:, None] * D + ok[None, :], mask=tile_mask, other=0.0).to(ct)
             acc = -tl.sum(dq * q.to(tl.float32), axis=1) * scale * (fi + 1.0) * a
             dq = dq * a[:, None]
@@ -353,14 +355,15 @@ if triton_available():
                 k_t = K + (start_kv + t * C) * D
                 v_t = V + (start_kv + t * C) * DV
                 mt = t * C + oc < length
-                dov = _do_vt(do_own, mrow, v_t, mt, DV, C, BV, LOWP)  # dO_r V_t^T
+                dov = _do_vt(do_own, mrow, v_t, mt, DV, C, BV, LOWP, DOT)  # dO_r V_t^T
                 gap = fi[:, None] - (t * C + oc).to(tl.float32)[None, :]
                 m = _decay_mask(s, gap)
                 dovm = dov * m  # 0 where the key is after the query, so gap needs no clamp
                 kt = tl.load(k_t + oc[:, None] * D + ok[None, :], mask=mt[:, None] & mk[None, :],
                              other=0.0).to(ct)
-                dq += tl.dot(dovm.to(ct), kt)
-                acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt)) * gap, axis=1) * scale
+                dq += tl.dot(dovm.to(ct), kt, input_precision=DOT)
+                acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt), input_precision=DOT) * gap,
+                              axis=1) * scale
             tl.store(DQ + (start0 + r * C) * D + oc[:, None] * D + ok[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=tile_mask)
             tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * parts + ik, tl.sum(acc, axis=0))
@@ -389,6 +392,16 @@ SCAN_OPTIONS = {"num_warps": 4, "num_stages": 1}
 
 def _options(c: int) -> dict[str, int]:
     return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
+
+
+def dot_precision() -> str:
+    """The ``DOT`` constexpr, tl.dot's ``input_precision`` for fp32 products (fp32 and fp16
+    inputs, fp32 states): "ieee", or "tf32" when torch's ``set_float32_matmul_precision``
+    is "high"/"medium", as torch's own fp32 matmuls. Triton's default on NVIDIA is TF32
+    (10-bit mantissa: ~4e-4 relative error in outputs and gradients where the chunked path
+    has ~2e-7), and its ``default_dot_input_precision`` compile option is not applied by
+    triton 3.9, hence the explicit argument. bf16 products (LOWP) ignore it."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _out_dtype(x: Tensor) -> torch.dtype:
@@ -459,6 +472,8 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     that do not fit shared memory are skipped by the autotuner); under the interpreter they
     are ``t``'s. Only kernels that write every output element each run are tuned (the scans
     update in place and keep ``t``)."""
+    if "DOT" in kernel.arg_names:
+        consts = {**consts, "DOT": dot_precision()}
     if not TUNE or not tuned:
         meta = {**t, **consts}
         kernel[grid(meta)](*args, **meta, **_options(t["C"]))
@@ -691,6 +706,7 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
         types = argument_types(kernel, explicit, f"*{dtype}", floats=("scale", "x_scale"))
         params = {p.name for p in kernel.params if p.is_constexpr}
         fixed = {k: v for k, v in {**t, **consts, "D": d, "DV": dv, "VARLEN": varlen,
+                                   "DOT": dot_precision(),
                                    "LOWP": lowp}.items() if k in params}
         return LaunchSpec(name, kernel, types, fixed, tuned)
 
