@@ -53,9 +53,11 @@ def demo(
                              "experts and options={'moe': {}} (sorted dispatch + grouped "
                              "GEMMs; eager keeps its per-expert loop as the reference). "
                              "Dense models ignore it."),
-    parallel: int = typer.Option(0, min=0, help="N > 0: spawn N local ranks (gloo, no "
+    parallel: int = typer.Option(0, min=0, help="N >= 2: spawn N local ranks (gloo, no "
                                  "torchrun) and run one planned training step of MiniMax "
-                                 "(float64) with a 3+-axis plan, compared with one process."),
+                                 "(float64, eager modules) with the planner's fastest plan "
+                                 "of 3+ axes (fewer when N ranks cannot hold 3: 2 ranks), "
+                                 "compared with one process. Takes --batch and --seq only."),
 ) -> None:
     """Compile a real model with backend="graphopt", run a training step and an inference
     step, compare both with eager, and print the report."""
@@ -65,6 +67,15 @@ def demo(
     from graphopt.demo import run_demo
 
     if parallel:
+        ignored = [name for name, value, default in (
+            ("--model", model, "minimax"), ("--lowering", lowering, "eager"),
+            ("--attention", attention, "exact"), ("--dtype", dtype, "float32"),
+            ("--dump-dir", dump_dir, None)) if value != default]
+        if ignored:
+            _fail(f"--parallel runs MiniMax in float64 with eager modules; it does not take "
+                  f"{', '.join(ignored)}: drop them, or drop --parallel")
+        if parallel < 2:
+            _fail("--parallel needs N >= 2 ranks (N = 1 would compare one process with itself)")
         _parallel_demo(parallel, batch, seq)
         return
 
@@ -185,7 +196,7 @@ def export(
         with console.status("[bold]exporting[/]"):
             result = graphopt.export_onnx(net, sample_batch(net, batch, seq), options, onnx,
                                           dynamic=not static, moe_form=moe_form, check=check)
-    except graphopt.GraphoptError as exc:
+    except (graphopt.GraphoptError, ImportError) as exc:
         _fail(str(exc))
     _print_reports([result.report], sites=10)
     table = Table(title=f"{model} -> {onnx}")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from graphopt.errors import ConfigError
 from graphopt.models import build_model, expert_count, sample_batch
 from graphopt.verify import default_tolerance
 
@@ -137,13 +138,18 @@ def demo_plan(world: int, batch: int, seq: int) -> tuple[Any, list[str]]:
         return sum(getattr(p, a) > 1 for a in ("dp_replicate", "dp_shard", "tp", "cp", "pp",
                                                "ep"))
 
-    for plan in result.top:
-        if axes(plan) >= MIN_AXES and not not_executable(plan) and \
-                (plan.cp == 1 and plan.tp == 1):  # eager MiniMax: exact vs one process
-            return plan, [f"the planner's fastest executable plan with {MIN_AXES}+ axes on "
-                          f"{name!r} (of {result.evaluated}; its overall best: "
-                          f"{result.best.describe()})"]
+    usable = [p for p in result.top if not not_executable(p)
+              and p.cp == 1 and p.tp == 1]  # eager MiniMax: exact vs one process
+    for need in range(MIN_AXES, 0, -1):  # 3 axes need 4+ ranks; fewer ranks, fewer axes
+        for plan in usable:
+            if axes(plan) >= need:
+                return plan, [f"the planner's fastest executable plan with {need}+ axes on "
+                              f"{name!r} (of {result.evaluated}; its overall best: "
+                              f"{result.best.describe()})"]
     plan = ParallelPlan(**FALLBACK_PLAN)
+    if plan.devices != world:
+        raise ConfigError(f"the planner found no executable plan for the demo's MiniMax on "
+                          f"{world} ranks (batch {batch}): use --parallel 4")
     plan = dataclasses.replace(plan, prediction=evaluate(plan, model, profile, batch))
     return plan, [f"no searched plan uses {MIN_AXES}+ axes; the demo's fixed "
                   f"{plan.describe()} (the planner's best: {result.best.describe()})"]

@@ -25,7 +25,7 @@ from torch import fx
 from graphopt.capture import Capture, capture, check_gradient_paths, check_outputs
 from graphopt.config import GraphoptConfig
 from graphopt.dump import Dumper, graph_code
-from graphopt.errors import FallbackWarning, GraphoptError, PassFailedError
+from graphopt.errors import ConfigError, FallbackWarning, GraphoptError, PassFailedError
 from graphopt.lowering import AOTHooks, get_lowering
 from graphopt.normalize import check_meta, refresh_meta
 from graphopt.passes import PassContext, Stage, build_pipeline
@@ -93,6 +93,8 @@ class PassRunner:
                 missing = [m for g in all_graph_modules(gm) for m in check_meta(g)]
                 if missing:
                     raise PassFailedError(f"nodes without meta['val']: {missing[:5]}")
+            except ConfigError:
+                raise  # the user's input (moe.ep > 1 without a process group): not a pass bug
             except Exception as exc:
                 earlier = ", ".join(self.ran) or "none"
                 raise PassFailedError(

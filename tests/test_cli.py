@@ -147,3 +147,16 @@ def test_demo_parallel_runs_a_planned_step_on_local_ranks():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "MiniMax on 4 ranks" in out.stdout and "every gradient vs one process" in out.stdout
     assert out.stdout.count("yes") >= 2 and "NO" not in out.stdout
+
+
+def test_parallel_demo_refuses_what_it_does_not_take_and_plans_for_any_world():
+    """A new user's trial: --parallel 2 crashed in a worker on a 4-rank plan, --parallel 1
+    likewise, and --model/--lowering were silently ignored."""
+    from graphopt.demo import demo_plan
+
+    result = runner.invoke(app, ["demo", "--parallel", "1"])
+    assert result.exit_code != 0 and "N >= 2" in result.output
+    result = runner.invoke(app, ["demo", "--parallel", "2", "--model", "llama"])
+    assert result.exit_code != 0 and "does not take --model" in result.output
+    plan, why = demo_plan(2, 4, 32)
+    assert plan.devices == 2 and "2+ axes" in why[0], (plan.describe(), why)

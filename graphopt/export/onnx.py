@@ -157,14 +157,13 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
             use, torch.export specializing a dynamic axis (with the reason and the fix).
         ImportError: onnx / onnxscript missing (``pip install 'graphopt[onnx]'``).
     """
-    from graphopt.export.translations import MOE_FORMS
-
     try:
         import onnx  # noqa: F401
         import onnxscript  # noqa: F401
     except ImportError as exc:
         raise ImportError("ONNX export needs onnx and onnxscript: pip install "
                           "'graphopt[onnx]'") from exc
+    from graphopt.export.translations import MOE_FORMS  # imports onnxscript
     config = _export_config(options)
     if moe_form not in MOE_FORMS:
         raise ConfigError(f"moe_form must be one of {', '.join(MOE_FORMS)}, got {moe_form!r}")
