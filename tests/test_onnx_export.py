@@ -288,3 +288,36 @@ def test_review_findings_are_clear_errors_or_correct_checks(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="contradict"):
         graphopt.export_onnx(Nested(), (torch.randn(3, 4), torch.randn(3, 4)), None,
                              tmp_path / "n.onnx", dynamic=False, dynamic_shapes=({0: b}, {0: b}))
+
+
+def test_export_keeps_the_model_s_train_eval_modes_and_dense_moe_stays_finite(
+        tmp_path: Path) -> None:
+    """Found by a review: export_onnx(check=True) left an eval-mode model in train mode
+    (its dropout then changed later eager logits by 0.36); the dense MoE form turned an
+    unrouted expert whose output overflows into NaN rows (0 * inf)."""
+    from graphopt.models import build_model
+
+    model = build_model("gpt2")
+    assert not model.training
+    graphopt.export_onnx(model, torch.randint(0, 256, (2, 8)), {}, tmp_path / "g.onnx",
+                         check=True)
+    assert not any(m.training for m in model.modules())
+
+    gen = torch.Generator().manual_seed(0)
+    e, k, h, f, t = 4, 2, 8, 6, 16
+    gate_up = torch.randn(e, 2 * f, h, generator=gen)
+    down = torch.randn(e, h, f, generator=gen)
+    gate_up[3] *= 1e15  # expert 3: inf output, routed to by no token
+    w, i = torch.randn(t, e - 1, generator=gen).softmax(-1).topk(k)
+    x = [torch.randn(t, h, generator=gen), i, w, gate_up, down]
+    module = Experts(-1.0)
+    exported = torch.export.export(module, tuple(x))
+    from graphopt.export.translations import translation_table
+
+    program = torch.onnx.export(exported, custom_translation_table=translation_table("dense"),
+                                dynamo=True, verbose=False)
+    path = tmp_path / "dense.onnx"
+    program.save(str(path))
+    got = _run(path, x)[0]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, module(*x), rtol=1e-4, atol=1e-3)

@@ -330,3 +330,42 @@ def test_graph_break_that_passes_the_mask_between_graphs_is_reported():
     assert sites and all(s.action == "skipped" for s in sites), sites
     assert all("depends on a graph input" in s.reason or "layer index of this site is "
                "unknown" in s.reason for s in sites), sites
+
+
+class _WindowSDPA(torch.nn.Module):
+    """A causal sliding window of 48 tokens written as a mask from the sequence size, with
+    the window held in a 0-d buffer, a non-integer float, or a large buffer table."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.kind = window
+        self.register_buffer("window", torch.tensor(48))
+        self.register_buffer("table", torch.ones(256, 256).tril().triu(-47).bool())
+
+    def forward(self, q, k, v):
+        s = q.shape[2]
+        i = torch.arange(s)
+        diff = i[:, None] - i[None, :]
+        if self.kind == "buffer":
+            mask = (diff >= 0) & (diff < self.window)
+        elif self.kind == "float":
+            mask = (diff >= 0) & (diff < 47.5)
+        else:
+            mask = self.table[:s, :s]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("window, reason", [
+    ("buffer", "at input sizes 49"), ("float", "at input sizes 49"),
+    ("table", "a tensor table")])
+def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, reason):
+    """Found by a review of the ONNX export: the mask proof probed past integer scalar
+    constants only, so a 48-token window in a buffer or written 47.5 was 'proven causal'
+    from 16-token examples (error 0.11 at 100 tokens)."""
+    model = _WindowSDPA(window)
+    args = [torch.randn(1, 2, 16, 8) for _ in range(3)]
+    gm = trace_for_pass(model, *args, dynamic=True)
+    _, record = run_pass("attention", gm, Config(attention="exact"),
+                         example_inputs=bind_inputs(gm, model, *args))
+    assert [s.action for s in record.sites] == ["kept"], record.sites
+    assert reason in record.sites[0].reason, record.sites[0].reason

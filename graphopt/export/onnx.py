@@ -242,8 +242,10 @@ def _prepare(model: nn.Module, example_inputs: Any, dynamic: bool, dynamic_shape
         if longest is not None and ids.shape[1] > longest:
             raise ConfigError(f"example input_ids have {ids.shape[1]} positions; the model "
                               f"takes at most {longest} (its max_position_embeddings)")
-        shapes = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},) \
-            if dynamic else None
+        # a model with a position table (GPT-Neo's [max, max] mask buffer) guards seq < max
+        seq_dim = torch.export.Dim("seq") if longest is None else \
+            torch.export.Dim("seq", max=max(longest - 1, 2))
+        shapes = ({0: torch.export.Dim("batch"), 1: seq_dim},) if dynamic else None
         return CausalLMLogits(model), (ids,), shapes, ["input_ids"]
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
@@ -293,12 +295,15 @@ def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptC
                           f"{str(exc).splitlines()[0]}.{hint}") from exc
     except torch._dynamo.exc.UserError as exc:
         hint = ""
-        if loops and config.attention == "keep" and "Constraints violated" in str(exc):
+        replaced = config.attention != "keep" and "attention" not in config.disable
+        if loops and not replaced and "Constraints violated" in str(exc):
             hint = (" A Python loop over the sequence (MiniMax's lightning-attention blocks) "
                     "specializes the sequence axis: use options={'attention': 'exact'} (graphopt "
-                    "replaces the loop) or dynamic=False.")
+                    "replaces the loop; not with 'attention' disabled) or dynamic=False.")
+        # torch's own explanation and suggested fix follow its first line: keep them
+        detail = "\n".join(str(exc).splitlines()[:12])
         raise ExportError(f"torch.export could not keep the requested dynamic axes: "
-                          f"{str(exc).splitlines()[0]}{hint}") from exc
+                          f"{detail}{hint}") from exc
 
 
 def _run_model_passes(exported: torch.export.ExportedProgram, args: tuple,
@@ -513,12 +518,13 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
     if isinstance(module, fx.GraphModule):
         yield
         return
-    was_training = module.training
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         yield
-    finally:
-        module.train(was_training)
+    finally:  # each module's own mode: train(flag) would set the wrapped model's too
+        for m, mode in modes:
+            m.training = mode
 
 
 def _grown(args: tuple, result: OnnxExport) -> tuple | None:

@@ -241,6 +241,9 @@ def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, dow
             scale = op.Unsqueeze(op.GatherND(weights, hits), _ints(1))  # [n, 1]
         y = _swiglu(rows, w1, w2)
         y = op.Mul(op.Cast(y, to=acc), scale)
+        if where is None:  # dense: unrouted tokens' rows are 0, also where y overflowed
+            y = op.Where(op.Equal(scale, op.CastLike(op.Constant(value_float=0.0), scale)),
+                         op.CastLike(op.Constant(value_float=0.0), y), y)
         out = op.Add(out, y) if where is None else op.ScatterND(out, where, y, reduction="add")
     return op.Cast(out, to=hidden.dtype)
 

@@ -232,7 +232,9 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     padding mask). It must evaluate to True / 0 on and below the diagonal and False / -inf (or
     < -1e30) above (a boolean mask with ``blocked=True``, as ``masked_fill`` takes it: False
     on and below, True above). A size-dependent mask is evaluated at the example sizes, at
-    every size of SIZE_PROBES, and just past each integer constant of its construction (a
+    every size of SIZE_PROBES, and just past each constant of its construction (scalars and
+    the values of buffers of at most MAX_TABLE_CONSTANTS values, floor and ceil; a larger
+    table read with the sizes is refused) (a
     sliding window of w is causal up to size w and not beyond: its w is such a constant; the
     mask of a graph is a fixed dataflow of comparisons, whose outcome changes only where a
     size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused, and so
@@ -247,10 +249,19 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     sizes: list[fx.Node] = []
     constants: set[int] = set()
     unprobeable: list[fx.Node] = []
+    tables: list[fx.Node] = []
     for n in ancestors(mask):
         if _is_size(n, env):
             sizes.append(n)
             continue
+        value = env.get(n)
+        if n.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor):
+            # a buffer's values are constants of the construction too (a window held in a
+            # 0-d buffer); a large table sliced by the sizes is not probed (below)
+            if value.numel() <= MAX_TABLE_CONSTANTS:
+                constants |= _crossings(value.detach().double().flatten().tolist())
+            else:
+                tables.append(n)
         if n.op == "placeholder" and not is_buffer(n, env) and not _only_sizes_read(n, mask):
             if outer and n in outer:
                 return ("the attention mask is derived inside a checkpoint region from an "
@@ -261,9 +272,8 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
         if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
             return "the attention mask is built by non-ATen code"
         if n.op == "call_function":
-            constants |= {abs(int(a)) for a in (*n.args, *n.kwargs.values())
-                          if isinstance(a, int | float) and not isinstance(a, bool)
-                          and math.isfinite(a) and float(a).is_integer() and abs(a) < 2**31}
+            constants |= _crossings([a for a in (*n.args, *n.kwargs.values())
+                                     if isinstance(a, int | float) and not isinstance(a, bool)])
             if _unprobeable(n):
                 unprobeable.append(n)
     if sizes and unprobeable:
@@ -271,6 +281,10 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
                 f"{unprobeable[0].target} "
                 "(periodic or sublinear in the index: probing sizes cannot prove it causal "
                 "for every size)")
+    if sizes and tables:
+        return (f"the attention mask reads input sizes and a tensor table ({tables[0].name}, "
+                f"{env[tables[0]].numel()} values): probing sizes cannot prove every slice of "
+                "it causal")
     if sizes and max(constants, default=0) > MAX_PROBED_CONSTANT:
         return (f"the attention mask reads input sizes and the constant "
                 f"{max(constants)} (a sliding window?); masks past {MAX_PROBED_CONSTANT} are "
@@ -287,6 +301,21 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             return problem + (" (at input sizes " + str(probe_env[sizes[0]]) + ")"
                               if sizes and probe_env is not env else "")
     return ""
+
+
+MAX_TABLE_CONSTANTS = 64
+"""A buffer of at most this many values feeding a size-dependent mask: its values are probed
+past like the scalar constants; a larger one refuses the proof."""
+
+
+def _crossings(values: list[Any]) -> set[int]:
+    """The integers a size may cross at each value: floor and ceil (a window of 47.5 changes
+    the mask between sizes 47 and 48), absolute, finite values below 2**31."""
+    out: set[int] = set()
+    for a in values:
+        if isinstance(a, int | float) and math.isfinite(a) and abs(a) < 2**31:
+            out |= {abs(math.floor(a)), abs(math.ceil(a))}
+    return out
 
 
 _UNPROBEABLE = frozenset((
