@@ -65,9 +65,14 @@ class VerifyConfig:
             return cls(enabled=value)
         if isinstance(value, Mapping):
             _reject_unknown(value, {f.name for f in fields(cls)}, "verify")
+            unused = sorted(k for k in value if k != "enabled")
+            if value.get("enabled") is False and unused:
+                raise ConfigError(f"verify.enabled=False turns verify off, so "
+                                  f"{', '.join(unused)} would do nothing: drop them, or "
+                                  "drop enabled=False")
             return cls(**{"enabled": True, **dict(value)})
         raise ConfigError(
-            f"option 'verify' must be a bool or a dict with keys rtol, atol, grads; "
+            f"option 'verify' must be a bool or a dict with keys enabled, rtol, atol, grads; "
             f"got {type(value).__name__} {value!r}"
         )
 

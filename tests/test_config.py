@@ -22,6 +22,7 @@ def _compile_and_call(options):
     ({"verify": "yes"}, r"option 'verify' must be a bool or a dict"),
     ({"verify": {"rtl": 1e-3}}, r"unknown verify option 'rtl' \(did you mean 'rtol'\?\)"),
     ({"verify": {"rtol": -1}}, r"verify.rtol must be a finite non-negative number"),
+    ({"verify": {"enabled": False, "rtol": 1}}, r"rtol would do nothing"),
     ({"disable": ["cs"]}, r"option 'disable' names unknown pass 'cs' \(did you mean 'cse'\?\)"),
     ({"disable": "cse,remove_noops"}, r"unknown pass 'cse,remove_noops'"),
     ({"enable": ["cse"]}, r"pass 'cse' already runs by default"),

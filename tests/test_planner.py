@@ -44,6 +44,11 @@ def test_plan_json_round_trip_keeps_the_prediction(tmp_path):
     assert loaded == saved and loaded.prediction == pred
     with pytest.raises(ConfigError, match="unknown plan keys \\['tensor_parallel'\\]"):
         ParallelPlan.from_dict({"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="cannot read the plan file"):  # was FileNotFoundError
+        ParallelPlan.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{dp_shard: 2")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        ParallelPlan.load(tmp_path / "bad.json")
 
 
 def test_model_measurement_matches_published_sizes():

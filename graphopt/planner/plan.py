@@ -239,8 +239,18 @@ class ParallelPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> ParallelPlan:
-        """Read a plan written by :meth:`save`; ConfigError as :meth:`from_dict`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a plan written by :meth:`save`; ConfigError as :meth:`from_dict`, and for a
+        file that is missing or not JSON."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the plan file {str(path)!r} ({exc.strerror}): "
+                              "write one with ParallelPlan.save, "
+                              "or pass a ParallelPlan") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"the plan file {str(path)!r} is not JSON ({exc}): write it "
+                              "with ParallelPlan.save") from exc
+        return cls.from_dict(data)
 
     def describe(self) -> str:
         """One line naming the parallel degrees and options that are not 1/off."""
