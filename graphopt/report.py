@@ -123,12 +123,12 @@ class CompileReport:
             lines.append(f"- verify: {self.verify.get('status')} {self.verify.get('detail', '')}"
                          + (f"; tolerance {self.verify['tolerance']}"
                             if "tolerance" in self.verify else ""))
-        lines += ["", "| pass | stage | graph | exact | time (ms) | nodes | matched | rewritten "
+        lines += ["", "| pass | stage | graph | exact | time (ms) | nodes | kept | rewritten "
                   "| skipped |", "|---|---|---|---|---|---|---|---|---|"]
-        for p in self.passes:
+        for p in self.passes:  # "kept" counts matched sites too, as `graphopt explain` does
             lines.append(
                 f"| {p.name} | {p.stage} | {p.graph_kind} | {p.exact} | {p.time_s * 1e3:.1f} | "
-                f"{p.nodes_before} -> {p.nodes_after} | {p.count('matched')} | "
+                f"{p.nodes_before} -> {p.nodes_after} | {p.count('kept') + p.count('matched')} | "
                 f"{p.count('rewritten')} | {p.count('skipped')} |"
             )
         for p in self.passes:

@@ -89,7 +89,9 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
     kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype, impl=impl)
     symbolic = any(isinstance(x, torch.SymInt) for val in vals for x in val.shape)
     what = ("the initial state; Triton recomputes the chunk states" if impl == "triton" else
-            f"checkpoint states every {DEFAULT_CHECKPOINT_EVERY} blocks")
-    return (f"; saves {kept / 2**20:.2f} MiB for the backward (q, k, v, {what}; "
-            f"{every / 2**20:.2f} MiB with every block's state)"
+            f"a state every {DEFAULT_CHECKPOINT_EVERY} of the kernel's "
+            f"{DEFAULT_BLOCK_SIZE}-row chunks")
+    versus = (f"{every / 2**20:.2f} MiB with every chunk's state" if every > kept else
+              "a sequence this short has no more chunk states to drop")
+    return (f"; saves {kept / 2**20:.2f} MiB for the backward (q, k, v, {what}; {versus})"
             f"{' at the example sizes' if symbolic else ''}")
