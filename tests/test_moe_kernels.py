@@ -295,6 +295,7 @@ def test_capacity_is_exact_for_decimal_factors_and_never_overflows():
     assert expert_capacity(1 / 3, 9, 1) == 3
     assert expert_capacity(1e308, 50, 5) == 50
     assert expert_capacity(1e-7, 50, 5) == 1  # ceil of a tiny positive (was 0: all dropped)
+    assert expert_capacity(0.5000001, 40, 4) == 6  # not 1/2 (C = 5): found by a review
     index = torch.zeros(50, 1, dtype=torch.long)  # 50 assignments on expert 0 of 5
     keep = capacity_keep_mask(index, 5, 1.1)
     assert int(keep.sum()) == 11 and keep[:11].all()

@@ -293,3 +293,36 @@ def test_malformed_kernel_inputs_name_the_problem(change, message):
                 gate_up=torch.randn(4, 16, 8), down=torch.randn(4, 8, 8))
     with pytest.raises(ValueError, match=message):
         moe_experts(**change(args))
+
+
+def test_review_findings_clamped_swiglu_empty_batch_dynamic_ep():
+    """Found by a review: (1) transformers' clamped SwiGLU (HY-V4's swiglu_limit) was
+    rewritten as plain SwiGLU (error 307: unit-scale probes never reach the limit); (2) a
+    graph with no tokens crashed the probes; (3) under EP a symbolic token count skipped
+    the site on that rank only, leaving the others in the collectives (a hang)."""
+    from transformers import HYV4Config
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4MoE
+
+    cfg = HYV4Config(hidden_size=16, moe_intermediate_size=8, n_routed_experts=4,
+                     num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                     n_shared_experts=1, intermediate_size=32, swiglu_limit=10.0)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    clamped = HYV4MoE(cfg).double()
+    x = 8.0 * torch.randn(1, 10, 16, dtype=torch.float64)
+    gm = trace_for_pass(clamped, x)
+    _, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, clamped, x))
+    (site,) = _sites(record, "skipped")
+    assert "clamped SwiGLU" in site.reason and not record.modified
+
+    block = _block()
+    empty = torch.randn(1, 0, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, empty)
+    out, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, empty))
+    assert _sites(record, "rewritten") and as_function(out, block)(empty).shape == (1, 0, 16)
+
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x, dynamic=True)
+    with pytest.raises(ConfigError, match="symbolic token count"):
+        run_pass("moe", gm, GraphoptConfig.from_options({"moe": {"ep": 2}}),
+                 example_inputs=bind_inputs(gm, block, x))

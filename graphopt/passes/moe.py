@@ -14,11 +14,14 @@ reported as skipped with the fix (``experts_implementation="grouped_mm"``).
 
 Contract:
     accepts: a normalized pre-autograd ATen graph (a symbolic token count with ep = 1
-        only: the probes run at its example value).
+        only: the probes run at its example value; with ep > 1 it is a ConfigError, since
+        skipping one rank's site would leave the others waiting in its collectives).
     guarantees: exact. A region is replaced only when (1) it has the interface above, (2) it
-        uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU experts), and
-        (4) on three probes with the region's shapes and dtypes (random routing; every token's
-        first choice on expert 0; the last expert unused) the region, run on the real expert
+        uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU experts) and
+        nothing bounds it (no clamp/minimum/maximum: transformers' clamped SwiGLU), and
+        (4) on four probes with the region's shapes and dtypes (random routing; every token's
+        first choice on expert 0; the last expert unused; hidden rows 30x larger) the
+        region, run on the real expert
         weights of the compile's example inputs, equals ``moe_experts`` within the dtype's
         tolerance. Capacity (``moe.capacity_factor``) changes the function and is reported as
         such.
@@ -47,6 +50,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from graphopt.errors import ConfigError
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
@@ -207,17 +211,28 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
         if not isinstance(value, torch.Tensor) or value.device.type == "meta":
             value = torch.randn(_meta(node).shape, generator=gen).to(_meta(node).dtype) * 0.1
         params.append(value.detach().to(device))
-    probes = []
-    for kind in ("random", "expert0", "last_unused"):
+    probes: list[tuple[torch.Tensor, ...]] = []
+    if t == 0:  # a graph specialized to no tokens: nothing flows through it, nothing to probe
+        return probes
+    for kind in ("random", "expert0", "last_unused", "large"):
         pool = e - 1 if kind == "last_unused" and e > k else e
         index = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)])
         if kind == "expert0":
             index = torch.where(index == 0, index[:, :1], index)
             index[:, 0] = 0
-        hidden = torch.randn(t, _hint(h.shape[1]), generator=gen).to(device, h.dtype)
+        hidden = torch.randn(t, _hint(h.shape[1]), generator=gen)
+        if kind == "large":  # real hidden states are normed and scaled: 30x a unit probe
+            hidden = hidden * 30
+        hidden = hidden.to(device, h.dtype)
         weights = torch.rand(t, k, generator=gen).to(device, w.dtype)
         probes.append((hidden, index.to(device, idx.dtype), weights, *params))
     return probes
+
+
+_SATURATING = frozenset({"clamp", "clamp_min", "clamp_max", "clip", "minimum", "maximum",
+                         "hardtanh", "fmin", "fmax"})
+"""Ops that bound a value: an experts region with one is not plain SwiGLU, and probes at one
+input scale cannot show the bound (transformers' swiglu_limit clamps beyond it)."""
 
 
 def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
@@ -231,6 +246,10 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     if "silu" not in ops:
         acts = sorted(ops & {"gelu", "relu", "sigmoid", "tanh"}) or ["unknown"]
         raise Skip(f"experts activation {acts} is not SiLU (only SwiGLU experts are rewritten)")
+    limits = sorted(ops & _SATURATING)
+    if limits:  # HY-V4 / GLM5-Next / DeepSeek-V4 clamp gate and up at swiglu_limit
+        raise Skip(f"experts module {region.path} limits its activations ({', '.join(limits)}: "
+                   "a clamped SwiGLU); graphopt's kernel is plain SwiGLU")
     from graphopt.kernels.moe.op import moe_experts_op
 
     fn = _extract(region)
@@ -283,9 +302,14 @@ class MoEPass(GraphPass):
             site = site_name(topk)
             try:
                 if _symbolic(topk) and self.options is not None and self.options.ep > 1:
-                    raise Skip("the token count is symbolic (dynamic shapes); the expert-"
-                               "parallel schedule is chosen for a token count: compile with "
-                               "dynamic=False")
+                    # skipping would run this rank's experts locally while the other ranks
+                    # wait in the expert-parallel collectives (a hang)
+                    raise ConfigError(
+                        f"{site}: moe.ep={self.options.ep} with a symbolic token count (a "
+                        "dynamic-shape compile, or Dynamo's automatic dynamic recompile when "
+                        "this rank's token count changed): every rank must run the expert-"
+                        "parallel graph; compile with dynamic=False (a changed token count "
+                        "then recompiles with static shapes)")
                 region = find_region(topk)
                 if autocast_reason(region.nodes):
                     raise Skip(autocast_reason(region.nodes))
@@ -349,8 +373,22 @@ class MoEPass(GraphPass):
     def _schedule(region: Region, opts: MoEOptions, rpn: int) -> tuple[str, int, str]:
         t, k = _meta(region.index).shape
         e, f2, h = _meta(region.gate_up).shape
-        return ep_schedule(int(t), int(k), int(h), int(f2) // 2, _meta(region.hidden).dtype,
-                           opts, rpn)
+        auto = opts.all_to_all == "auto" or opts.chunks == "auto"
+        # "auto" must pick the same schedule on every rank without communicating (a rank
+        # recompiles alone when its token count changes), and ranks' token counts differ:
+        # it is chosen for AUTO_TOKENS per rank, not this rank's count
+        tokens = AUTO_TOKENS if auto else int(t)
+        schedule, chunks, note = ep_schedule(tokens, int(k), int(h), int(f2) // 2,
+                                             _meta(region.hidden).dtype, opts, rpn)
+        if auto:
+            note += f" (auto: chosen for {AUTO_TOKENS} tokens per rank, the same on every rank)"
+        return schedule, chunks, note
+
+
+AUTO_TOKENS = 4096
+"""Tokens per rank at which moe.all_to_all / moe.chunks "auto" are chosen in a compiled graph
+(set them explicitly to tune for another count; graphopt.parallelize instead takes the
+largest first-step count over the ranks with one all-reduce)."""
 
 
 def ep_schedule(tokens: int, top_k: int, hidden: int, ffn: int, dtype: torch.dtype,
@@ -438,8 +476,6 @@ def ep_group(ep: int, num_experts: int) -> tuple[str, int]:
             number of experts.
     """
     import torch.distributed as dist
-
-    from graphopt.errors import ConfigError
 
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(f"moe.ep={ep} needs torch.distributed: run under torchrun (or call "

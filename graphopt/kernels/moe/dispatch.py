@@ -80,14 +80,16 @@ def capacity_partition(flat: Tensor, order: Tensor, counts: Tensor, capacity: in
 
 def capacity_fraction(capacity_factor: float) -> Fraction:
     """The capacity factor as the rational number it stands for: its shortest decimal (repr)
-    as a fraction, then the nearest one with a denominator <= 10**6 (1.1 -> 11/10,
-    0.3333333333333333 -> 1/3; a factor that rounds to 0 that way keeps its decimal: 1e-7 is
-    1/10**7, so C = 1), so C is computed exactly and the same way everywhere (the
-    op, the ONNX export) instead of from a float product (1.1 * 50 / 5 = 11.000000000000002
-    would keep a 12th assignment)."""
+    as a fraction (1.1 -> 11/10, 0.5000001 -> 5000001/10**7, 1e-7 -> 1/10**7), or the
+    simplest fraction with a denominator <= 10**6 whose float is the factor (0.3333333333333333
+    -> 1/3), so C is computed exactly for the factor as written and the same way everywhere
+    (the op, the ONNX export) instead of from a float product (1.1 * 50 / 5 =
+    11.000000000000002 would keep a 12th assignment)."""
     exact = Fraction(repr(float(capacity_factor)))
     near = exact.limit_denominator(10**6)
-    return near if near or not exact else exact  # 1e-7 stays 1e-7 (not 0: C = 0)
+    # only a fraction the float stands for: 0.5000001 is not 1/2 (a review found C = 5
+    # where ceil(0.5000001 * 10) = 6)
+    return near if near and float(near) == float(capacity_factor) else exact
 
 
 def expert_capacity(capacity_factor: float, assignments: int, num_experts: int) -> int:
