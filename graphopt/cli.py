@@ -259,11 +259,12 @@ def passes() -> None:
     defaults = default_pipeline_names()
     for name in defaults + [n for n in registered_pass_names() if n not in defaults]:
         cls = get_pass(name)
-        doc = (importlib.import_module(cls.__module__).__doc__ or "").strip().splitlines()
+        doc = (importlib.import_module(cls.__module__).__doc__ or "").strip()
+        first = doc.split("\n\n", 1)[0].split(":", 1)[-1]  # the first paragraph, whole
         exact = cls.__dict__.get("exact", cls.exact)
         exact_text = "depends on options" if isinstance(exact, property) else str(exact)
         table.add_row(name, cls.stage, exact_text, str(name in defaults),
-                      doc[0].split(":", 1)[-1].strip() if doc else "")
+                      " ".join(first.split()))
     console.print(table)
 
 
