@@ -12,7 +12,8 @@ graphopt sees the exact code users run (MiniMax's Python block loop, Mixtral's r
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,19 @@ import torch
 
 from graphopt.errors import ConfigError
 
+
+@contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block, then every submodule back in its own mode
+    (``module.train(flag)`` afterwards would set a wrapped model's submodules to the
+    wrapper's mode: an eval-mode model came back training, dropout on)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -46,6 +46,7 @@ from torch import fx, nn
 from graphopt.config import GraphoptConfig
 from graphopt.errors import ConfigError, GraphoptError
 from graphopt.kernels.lightning.minimax import lightning_layers, minimax_lightning_layer
+from graphopt.models import eval_mode
 from graphopt.report import CompileReport
 
 OPSET = 18
@@ -514,17 +515,13 @@ def check_onnx(result: OnnxExport, rtol: float | None = None, atol: float | None
 
 @contextlib.contextmanager
 def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode for the block (an exported graph module has no train/eval)."""
+    """``module`` in eval mode for the block (an exported graph module has no train/eval;
+    otherwise ``graphopt.models.eval_mode``)."""
     if isinstance(module, fx.GraphModule):
         yield
         return
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
+    with eval_mode(module):
         yield
-    finally:  # each module's own mode: train(flag) would set the wrapped model's too
-        for m, mode in modes:
-            m.training = mode
 
 
 def _grown(args: tuple, result: OnnxExport) -> tuple | None:

@@ -117,11 +117,6 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-MUTATED_INPUT = "graphopt_mutated_input"
-"""Joint-graph placeholder meta: the forward writes this input in place
-(:func:`mutated_input_marker`)."""
-
-
 def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]:
     """A function that sets ``meta[MUTATED_INPUT]`` on the joint graph's primal
     placeholders whose input ``gm`` (the graph handed to AOTAutograd) writes in place,
@@ -132,7 +127,7 @@ def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]
     parameters and effect tokens first), checked by shape and dtype; when the match fails
     or a ``get_attr`` is written, every primal is marked (nothing read from an input is
     recomputed: safe, and only costs memory)."""
-    from graphopt.passes.fx_utils import mutated_nodes
+    from graphopt.passes.fx_utils import MUTATED_INPUT, mutated_nodes
 
     written = mutated_nodes(gm.graph)
     inputs = list(gm.graph.find_nodes(op="placeholder"))

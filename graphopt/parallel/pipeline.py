@@ -346,6 +346,8 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     multipliers, Cohere's logit scale) is caught by running both on one sequence of 16
     random tokens (eval mode, no grad; skipped for weights on the meta device). Translation
     validation by execution, as the MoE pass does."""
+    from graphopt.models import eval_mode
+
     config = model.config
     attn = getattr(config, "_attn_implementation", None)
     if attn == "eager":
@@ -366,15 +368,9 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     stage = DecoderStage(model, layers, 0, len(layers), 0, 1)
     ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (1, 16),
                         generator=torch.Generator().manual_seed(0)).to(params[0].device)
-    training = [m.training for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            want = model(input_ids=ids, use_cache=False).logits
-            got = stage(ids)
-    finally:
-        for m, mode in zip(model.modules(), training):
-            m.training = mode
+    with torch.no_grad(), eval_mode(model):
+        want = model(input_ids=ids, use_cache=False).logits
+        got = stage(ids)
     scale = float(want.abs().max()) or 1.0
     diff = float((got.to(want.dtype) - want).abs().max()) / scale
     if not diff <= _PROBE_TOLERANCE.get(want.dtype, 2e-2):

@@ -83,8 +83,8 @@ class CSEPass(GraphPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
-        written = mutated_nodes(graph)
         classes = alias_classes(graph)
+        written = mutated_nodes(graph, classes)
         escaping = {classes[n] for n in graph.output_node().all_input_nodes if n in classes}
         seen: dict[Any, fx.Node] = {}
         region = 0

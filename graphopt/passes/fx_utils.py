@@ -64,17 +64,26 @@ def _argument_value(node: fx.Node, index: int, name: str) -> Any:
     return node.args[index] if index < len(node.args) else node.kwargs.get(name)
 
 
+def argument(node: fx.Node, name: str) -> Any:
+    """The value of the ATen argument ``name`` of ``node``, positional or keyword (None if
+    absent): ``copy`` is ``aten.to.dtype``'s 4th argument but ``aten.to.device``'s 5th."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == name:
+            return _argument_value(node, i, name)
+    return None
+
+
 def unannotated_writes(node: fx.Node) -> list[fx.Node]:
     """The running-statistics inputs a batch/instance norm in training mode updates in
     place although its schema does not say so (:data:`_UNANNOTATED_WRITES`)."""
     flag = _UNANNOTATED_WRITES.get(node.target)  # type: ignore[call-overload]
     if flag is None:
         return []
-    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
-    if _argument_value(node, names.index(flag), flag) is False:
+    if argument(node, flag) is False:
         return []
     return [v for name in ("running_mean", "running_var")
-            if isinstance(v := _argument_value(node, names.index(name), name), fx.Node)]
+            if isinstance(v := argument(node, name), fx.Node)]
 
 
 def is_mutating(node: fx.Node) -> bool:
@@ -150,11 +159,11 @@ def alias_classes(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         if not sets:
             continue
         aliased = frozenset().union(*sets)
-        for i, argument in enumerate(schema.arguments):
-            info = argument.alias_info
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
             if info is None or not (info.before_set & aliased):
                 continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            value = _argument_value(node, i, arg.name)
             for v in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(v, fx.Node):
                     union(node, v)
@@ -191,20 +200,27 @@ def written_nodes(graph: fx.Graph) -> set[fx.Node]:
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            value = _argument_value(node, i, arg.name)
             for v in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(v, fx.Node):
                     out.add(v)
     return out
 
 
-def mutated_nodes(graph: fx.Graph) -> set[fx.Node]:
+def mutated_nodes(graph: fx.Graph, classes: dict[fx.Node, fx.Node] | None = None
+                  ) -> set[fx.Node]:
     """Nodes whose storage some op writes to in place: the written nodes and every node in
-    their alias class (:func:`alias_classes`), so ``b = x.clone(); b[0] = 5`` (a write
-    through ``select``) marks ``b``, and a write to ``x.view(-1)`` marks ``x``."""
-    classes = alias_classes(graph)
+    their alias class (:func:`alias_classes`; pass ``classes`` when already computed), so
+    ``b = x.clone(); b[0] = 5`` (a write through ``select``) marks ``b``, and a write to
+    ``x.view(-1)`` marks ``x``."""
+    classes = alias_classes(graph) if classes is None else classes
     dirty = {classes[n] for n in written_nodes(graph)}
     return {n for n, root in classes.items() if root in dirty}
+
+
+MUTATED_INPUT = "graphopt_mutated_input"
+"""Joint-graph placeholder meta: the forward writes this input in place (set by
+``graphopt.lowering.base.mutated_input_marker``)."""
 
 
 def readers_of_mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
@@ -212,17 +228,16 @@ def readers_of_mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
     one: BatchNorm's running statistics, a buffer updated in ``forward``. A functionalized
     joint graph either writes such an input back with ``copy_`` at its end or returns its
     new value for the runtime to copy; the lowering marks the latter's placeholders
-    ``meta["graphopt_mutated_input"]`` (``graphopt.lowering.base.mutated_input_marker``).
+    ``meta[MUTATED_INPUT]`` (``graphopt.lowering.base.mutated_input_marker``).
     Recomputing one of these readers in the backward would read the input after the write,
     so it must be saved: eager autograd saves what it computed, and AOTAutograd's
     partitioners do not know this."""
-    mutated = mutated_nodes(graph)
-    inputs = {n for n in graph.nodes if n.op == "placeholder" and (
-        n in mutated or n.meta.get("graphopt_mutated_input"))}
-    if not inputs:
-        return set()
     classes = alias_classes(graph)
-    dirty = {classes[n] for n in inputs}
+    mutated = mutated_nodes(graph, classes)
+    dirty = {classes[n] for n in graph.nodes if n.op == "placeholder" and (
+        n in mutated or n.meta.get(MUTATED_INPUT))}
+    if not dirty:
+        return set()
     return {n for n in graph.nodes
             if n.op == "call_function" and not is_mutating(n)
             and isinstance(n.meta.get("val"), torch.Tensor | tuple | list)

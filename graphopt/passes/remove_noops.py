@@ -38,6 +38,7 @@ from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
     alias_classes,
+    argument,
     autocast_reason,
     grad_mode_regions,
     mutated_nodes,
@@ -79,16 +80,6 @@ def _full_slice(node: fx.Node, x: torch.Tensor) -> bool:
     return bool(step == 1 and start_ok and end_ok and not node.kwargs)
 
 
-def _argument(node: fx.Node, name: str) -> Any:
-    """The value of the ATen argument ``name``, positional or keyword (None if absent):
-    ``copy`` is ``aten.to.dtype``'s 4th argument but ``aten.to.device``'s 5th."""
-    schema = node.target._schema  # type: ignore[union-attr]
-    for i, argument in enumerate(schema.arguments):
-        if argument.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
-    return None
-
-
 def identity_input(node: fx.Node) -> fx.Node | None:
     """The input ``node`` returns unchanged, or None."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
@@ -103,8 +94,8 @@ def identity_input(node: fx.Node) -> fx.Node | None:
     if target is aten.slice.Tensor and _full_slice(node, x):
         return x_node
     if target in _ALIAS_IF_UNCHANGED:
-        copy = _argument(node, "copy") is True
-        fmt: Any = _argument(node, "memory_format")
+        copy = argument(node, "copy") is True
+        fmt: Any = argument(node, "memory_format")
         keeps_layout = fmt in (None, torch.preserve_format) or x.is_contiguous(memory_format=fmt)
         if not copy and keeps_layout and (target is not aten.contiguous.default
                                           or x.is_contiguous()):
@@ -127,8 +118,8 @@ class RemoveNoopsPass(GraphPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
-        mutated = mutated_nodes(graph)
         classes = alias_classes(graph)
+        mutated = mutated_nodes(graph, classes)
         outputs = set(graph.output_node().all_input_nodes)
         escaping = {classes[n] for n in outputs if n in classes}
         regions = grad_mode_regions(graph)
