@@ -116,8 +116,13 @@ FALLBACK_PLAN: dict[str, Any] = dict(pp=2, dp_shard=2, ep=2, zero_stage=3)
 def demo_plan(world: int, batch: int, seq: int) -> tuple[Any, list[str]]:
     """The planner's fastest plan graphopt executes for the demo's MiniMax on ``world``
     ranks of the cost model's default profile that uses at least three parallel axes
-    (among dp_replicate, dp_shard, tp, cp, pp, ep); pp=2 x dp_shard=2 x ep=2 when no
-    searched plan does (named as such)."""
+    (among dp_replicate, dp_shard, tp, cp, pp, ep), or the most axes ``world`` ranks can
+    hold (2 ranks: two); pp=2 x dp_shard=2 x ep=2 when no searched plan does (named as
+    such). ``batch``: sequences per step; ``seq``: tokens per sequence.
+
+    Raises:
+        ConfigError: no executable plan for ``world`` ranks (e.g. ``world`` = 1).
+    """
     import dataclasses
 
     from graphopt.cost.profiles import default_profile_name, load_profile
