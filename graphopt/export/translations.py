@@ -19,8 +19,8 @@ runtime runs the exported model without graphopt.
   weighted by a dense [T, E] routing matrix that is zero off the top-k: E/K times the FLOPs,
   static shapes only, for runtimes without NonZero). Capacity (token dropping) follows
   ``capacity_keep_mask``: the first C = ceil(cf * T * K / E) assignments per expert in
-  token order. Backward-only outputs (expert rows, activations, counts, the sort) are not produced:
-  they are dead in an inference graph, and the exporter refuses graphs that use them.
+  (token, k) order. Backward-only outputs (expert rows, activations, counts, the sort) are
+  not produced: they are dead in an inference graph, and the exporter refuses graphs that use them.
 
 Shapes and dtypes are the ops' (graphopt/kernels/lightning/op.py, graphopt/kernels/moe/op.py).
 """

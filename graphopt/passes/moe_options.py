@@ -36,7 +36,8 @@ class MoEOptions:
     $LOCAL_WORLD_SIZE (set by torchrun), else ep."""
     capacity_factor: float | None = None
     """None: dropless. A float > 0: expert capacity C = ceil(cf * T * K / E); assignments
-    past the first C of an expert, in token order, are dropped (GShard/Switch)."""
+    past the first C of an expert, in (token, k) order, are dropped (Switch Transformer's
+    first-come rule; docs/moe.md says how it differs from GShard's top-2)."""
     profile: str | None = None
     """Cost-model profile for the "auto" choices (default: "local" when calibrated, else
     h100-sxm)."""

@@ -18,10 +18,12 @@ Algorithm (Megablocks, Gale et al. 2023, sec. 5; Megatron-Core's "alltoall" disp
        (index_add: the combine).
 
 Capacity (optional, ``capacity_factor``): expert e keeps at most
-C = ceil(capacity_factor * T * K / E) assignments, the first ones in token order (GShard /
-Switch Transformer's rule: tokens earlier in the batch win); dropped assignments contribute
-nothing, so a token whose every assignment is dropped gets a zero output (the residual
-carries it). :func:`capacity_keep_mask` gives exactly which assignments are kept.
+C = ceil(capacity_factor * T * K / E) assignments, the first ones in (token, k) order (Switch
+Transformer's first-come rule: tokens earlier in the batch win; with K > 1 it differs from
+GShard's top-2 gating, which fills every first choice before any second one); dropped
+assignments contribute nothing, so a token whose every assignment is dropped gets a zero
+output (the residual carries it). :func:`capacity_keep_mask` gives exactly which assignments
+are kept.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def sorted_counts(flat: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
 def capacity_partition(flat: Tensor, order: Tensor, counts: Tensor, capacity: int
                        ) -> tuple[Tensor, Tensor, Tensor]:
     """(order' [n], kept [E], keep [n] bool in ``order``'s positions) for an expert capacity
-    C: the first C sorted assignments of each expert are kept (token order, GShard's rule).
+    C: the first C sorted assignments of each expert are kept ((token, k) order, Switch's
+    first-come rule).
     ``order'`` is a stable partition of ``order``: the kept assignments first (still grouped
     by expert), the dropped ones after them, so rows past ``kept.sum()`` are the dropped ones.
     O(n) with cumsums and one scatter, no second sort and nothing read on the host: the

@@ -13,7 +13,8 @@ Inputs (T tokens, K experts per token, E experts, H hidden, F expert intermediat
 Algorithm (Megablocks sec. 5; Megatron-Core's alltoall token dispatcher):
     1. stable sort of the T*K assignments by expert; counts by a device histogram;
     2. capacity (optional): the first C = ceil(cf * T * K / E) assignments per expert in
-       token order are kept (GShard's rule; see dispatch.capacity_keep_mask), moved ahead
+       (token, k) order are kept (Switch's first-come rule; see dispatch.capacity_keep_mask,
+       docs/moe.md for how it differs from GShard's top-2), moved ahead
        of the dropped ones by a stable partition (cumsums, no second sort). On one device
        the number kept never leaves it: all T*K rows keep their static size and the grouped
        GEMMs stop at the last kept row;
