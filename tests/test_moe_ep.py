@@ -8,6 +8,7 @@ no tokens at all; and the RoundTrip permutations for uneven pieces."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -95,10 +96,10 @@ def _ep_worker(rank: int, world: int, cases: list[str], schedules: list[str]) ->
 
 
 def _capacity_runs(rank: int, world: int, experts: Any, schedules: list[str]) -> dict:
-    """Expert parallel with a capacity (0.6: each rank keeps the first C of its own
-    assignments per expert, C from its own token count) vs the single-device op with the
-    same capacity on this rank's tokens and every expert; the expert-weight gradients summed
-    over ranks on both sides."""
+    """Expert parallel with a capacity (0.6: each rank keeps C of its own assignments per
+    expert, C from its own token count, chosen by either drop policy) vs the single-device
+    op with the same capacity on this rank's tokens and every expert; the expert-weight
+    gradients summed over ranks on both sides."""
     import torch.distributed as dist
 
     from graphopt.kernels.moe import capacity_keep_mask, moe_experts
@@ -112,13 +113,14 @@ def _capacity_runs(rank: int, world: int, experts: Any, schedules: list[str]) ->
     idx, w = index[lo:lo + t], weights[lo:lo + t]
     ins = [hidden, w, experts.gate_up_proj, experts.down_proj]
     local = [a.detach().clone().requires_grad_() for a in ins]
-    want = moe_experts(local[0], idx, local[1], local[2], local[3], capacity_factor=0.6)
-    want_g = list(torch.autograd.grad(want, local, grad))
     results = {}
-    for schedule in schedules:
+    for schedule, policy in itertools.product(schedules, ("position", "probs")):
+        want = moe_experts(local[0], idx, local[1], local[2], local[3], capacity_factor=0.6,
+                           drop_policy=policy)
+        want_g = list(torch.autograd.grad(want, local, grad))
         h, ww = hidden.clone().requires_grad_(), w.clone().requires_grad_()
         out = moe_experts_op(h, idx, ww, *_local_experts(experts, rank, world), 0.6, world,
-                             "", schedule, 3, 2, True)[0]
+                             "", schedule, 3, 2, True, policy)[0]
         got_g = list(torch.autograd.grad(out, [h, ww, experts.gate_up_proj,
                                                experts.down_proj], grad))
         errors = [float((out - want).abs().max())]
@@ -128,8 +130,8 @@ def _capacity_runs(rank: int, world: int, experts: Any, schedules: list[str]) ->
                 dist.all_reduce(a)
                 dist.all_reduce(b)
             errors.append(float((a - b).abs().max()))
-        results["capacity", schedule] = (errors,
-                                         bool(capacity_keep_mask(idx, E, 0.6).all()))
+        results["capacity", schedule, policy] = (
+            errors, bool(capacity_keep_mask(idx, E, 0.6, w, policy).all()))
     return results
 
 
@@ -205,9 +207,9 @@ def test_expert_parallel_with_a_capacity_equals_each_ranks_single_device_capacit
     results = [r[0] for r in _spawned(world)]
     dropped = False
     for r, per_rank in enumerate(results):
-        for schedule in SCHEDULES[:2]:
-            errors, all_kept = per_rank["capacity", schedule]
-            assert max(errors) < 1e-12, (r, schedule, errors)
+        for schedule, policy in itertools.product(SCHEDULES[:2], ("position", "probs")):
+            errors, all_kept = per_rank["capacity", schedule, policy]
+            assert max(errors) < 1e-12, (r, schedule, policy, errors)
             dropped |= not all_kept
     assert dropped  # the capacity dropped something on some rank
 

@@ -82,22 +82,27 @@ def test_lightning_translation_is_the_op_at_every_length(tmp_path: Path) -> None
 
 
 class Experts(torch.nn.Module):
-    def __init__(self, capacity_factor: float) -> None:
+    def __init__(self, capacity_factor: float, drop_policy: str = "position") -> None:
         super().__init__()
         self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
 
     def forward(self, h, index, weights, gate_up, down):  # type: ignore[no-untyped-def]
         return torch.ops.graphopt.moe_experts(h, index, weights, gate_up, down,
                                               self.capacity_factor, 1, "", "flat", 1, 1,
-                                              False)[0]
+                                              False, self.drop_policy)[0]
 
 
-@pytest.mark.parametrize("form, capacity_factor", [("gather", -1.0), ("dense", 0.5),
-                                                   ("gather", 1.1)])
+@pytest.mark.parametrize("form, capacity_factor, drop_policy", [
+    ("gather", -1.0, "position"), ("dense", 0.5, "position"), ("gather", 1.1, "position"),
+    ("gather", 0.5, "probs"), ("dense", 0.7, "probs")])
 def test_moe_translation_is_the_op_for_any_token_count(tmp_path: Path, form: str,
-                                                       capacity_factor: float) -> None:
+                                                       capacity_factor: float,
+                                                       drop_policy: str) -> None:
     """float64 experts, float32 router weights (promoted as the op does); capacity 0.5 drops
-    assignments in token order; one token, and every token's first choice on expert 0.
+    assignments in (token, k) order ("position") or keeps the largest weights ("probs", ties
+    by position: TopK's lower-index-first rule; some inputs have tied weights); one token,
+    and every token's first choice on expert 0.
     Capacity 1.1 at 40 tokens: C = 22 exactly in both (the float product gives 22.000...04,
     whose ceiling would keep a 23rd assignment)."""
     gen = torch.Generator().manual_seed(0)
@@ -105,15 +110,17 @@ def test_moe_translation_is_the_op_for_any_token_count(tmp_path: Path, form: str
     gate_up = torch.randn(e, 2 * f, h, generator=gen, dtype=torch.float64)
     down = torch.randn(e, h, f, generator=gen, dtype=torch.float64)
 
-    def inputs(t: int, first_on_zero: bool = False) -> list[torch.Tensor]:
+    def inputs(t: int, first_on_zero: bool = False, ties: bool = False) -> list[torch.Tensor]:
         w, i = torch.randn(t, e, generator=gen).softmax(-1).topk(k)
         if first_on_zero:
             i = torch.where(i == 0, i[:, 1:], i)
             i[:, 0] = 0
+        if ties:  # weights in {0.25, 0.5}: ties decide what is kept
+            w = torch.randint(1, 3, (t, k), generator=gen).float() / 4
         return [torch.randn(t, h, generator=gen, dtype=torch.float64), i, w, gate_up, down]
 
     t = Dim("t")
-    module = Experts(capacity_factor)
+    module = Experts(capacity_factor, drop_policy)
     exported = torch.export.export(module, tuple(inputs(13)),
                                    dynamic_shapes=({0: t}, {0: t}, {0: t}, None, None))
     from graphopt.export.translations import translation_table
@@ -123,7 +130,8 @@ def test_moe_translation_is_the_op_for_any_token_count(tmp_path: Path, form: str
     path = tmp_path / "moe.onnx"
     program.save(str(path))
     assert ("NonZero" in _op_types(path)) == (form == "gather")
-    for x in (inputs(13), inputs(1), inputs(40, first_on_zero=True)):
+    for x in (inputs(13), inputs(1), inputs(40, first_on_zero=True),
+              inputs(40, first_on_zero=True, ties=True)):
         torch.testing.assert_close(_run(path, x)[0], module(*x), rtol=1e-12, atol=1e-12)
 
 

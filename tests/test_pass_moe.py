@@ -165,22 +165,25 @@ def test_real_moe_models_train_exactly(name):
     assert reports()[0].training
 
 
-def test_capacity_is_reported_as_approximate():
+@pytest.mark.parametrize("drop_policy", ["position", "probs"])
+def test_capacity_is_reported_as_approximate(drop_policy):
     block = _block()
     x = torch.randn(1, 8, 16, dtype=torch.float64)
     gm = trace_for_pass(block, x)
-    config = GraphoptConfig.from_options({"moe": {"capacity_factor": 0.5}})
+    config = GraphoptConfig.from_options({"moe": {"capacity_factor": 0.5,
+                                                  "drop_policy": drop_policy}})
     out, record = run_pass("moe", gm, config, example_inputs=bind_inputs(gm, block, x))
     assert not record.exact
     (site,) = _sites(record, "rewritten")
-    assert "APPROXIMATE" in site.reason
-    from graphopt.kernels.moe import moe_experts
+    assert "APPROXIMATE" in site.reason and f"drop policy {drop_policy}" in site.reason
+    from graphopt.kernels.moe import capacity_keep_mask
 
     flat = x.view(-1, 16)
     w, i = torch.topk(block.gate(flat)[0].float().softmax(-1), 2)
     w = w / w.sum(-1, keepdim=True)
-    want = moe_experts(flat, i, w, block.experts.gate_up_proj, block.experts.down_proj,
-                       capacity_factor=0.5).view(1, 8, 16)
+    keep = capacity_keep_mask(i, 4, 0.5, w, drop_policy)
+    assert not keep.all()
+    want = block.experts(flat, i, w.double() * keep).view(1, 8, 16)
     torch.testing.assert_close(as_function(out, block)(x), want, rtol=1e-10, atol=1e-12)
 
 
@@ -194,6 +197,8 @@ def test_capacity_is_reported_as_approximate():
     ({"moe": {"ep": 4, "ranks_per_node": 3}}, "must divide moe.ep"),
     ({"moe": {"capacity_factor": -1}}, "capacity_factor"),
     ({"moe": {"epp": 2}}, "epp"),
+    ({"moe": {"capacity_factor": 1.0, "drop_policy": "prob"}}, "did you mean 'probs'"),
+    ({"moe": {"drop_policy": "probs"}}, "capacity_factor is None"),
 ])
 def test_bad_moe_options_name_the_problem(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -223,8 +228,9 @@ def test_router_ties_resolve_as_in_eager():
                          rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("factor", [0.25, 100.0])
-def test_capacity_drops_exactly_the_documented_rows_without_nan(factor):
+@pytest.mark.parametrize("factor, drop_policy", [(0.25, "position"), (100.0, "position"),
+                                                 (0.25, "probs"), (0.6, "probs")])
+def test_capacity_drops_exactly_the_documented_rows_without_nan(factor, drop_policy):
     from graphopt.kernels.moe import capacity_keep_mask, moe_experts
 
     block = _block()
@@ -232,15 +238,56 @@ def test_capacity_drops_exactly_the_documented_rows_without_nan(factor):
     w, i = torch.topk(torch.randn(12, 4, dtype=torch.float64).softmax(-1), 2)
     w.requires_grad_()
     e = block.experts
-    got = moe_experts(x, i, w, e.gate_up_proj, e.down_proj, capacity_factor=factor)
-    keep = capacity_keep_mask(i, 4, factor)
+    got = moe_experts(x, i, w, e.gate_up_proj, e.down_proj, capacity_factor=factor,
+                      drop_policy=drop_policy)
+    keep = capacity_keep_mask(i, 4, factor, w, drop_policy)
+    assert keep.equal(_keep_by_rule(i, w, 4, factor, drop_policy))
     want = e(x, i, w * keep)  # a dropped assignment contributes nothing
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     grads = torch.autograd.grad(got.square().sum(), [x, w, e.gate_up_proj, e.down_proj])
-    assert all(torch.isfinite(g).all() for g in grads)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, w, e.gate_up_proj, e.down_proj])
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert (grads[1][~keep] == 0).all()  # no gradient to the weight of a dropped assignment
     if factor > 1:
         assert keep.all()  # capacity above demand: dropless
+
+
+def _keep_by_rule(index, weights, num_experts, factor, drop_policy):
+    """The drop rule in plain Python, independent of the op's sorts: per expert, C
+    assignments kept, the first in (token, k) order ("position") or the largest weights,
+    ties by (token, k) order ("probs")."""
+    import math
+
+    t, k = index.shape
+    capacity = min(math.ceil(factor * t * k / num_experts), t * k)
+    keep = torch.zeros(t, k, dtype=torch.bool)
+    for expert in range(num_experts):
+        mine = [(a, b) for a in range(t) for b in range(k) if index[a, b] == expert]
+        if drop_policy == "probs":
+            # stable: ties keep (token, k) order
+            mine.sort(key=lambda ab: -float(weights.detach()[ab]))
+        for a, b in mine[:capacity]:
+            keep[a, b] = True
+    return keep
+
+
+def test_probs_drop_policy_keeps_the_largest_weights_and_breaks_ties_by_position():
+    """Megatron-Core's "probs" policy: expert 0 holds 5 assignments, C = 2 (factor 0.4 of
+    5 / 1): the two largest weights are kept; among equal weights the earlier token wins."""
+    from graphopt.kernels.moe import capacity_keep_mask
+
+    index = torch.zeros(5, 1, dtype=torch.long)
+    weights = torch.tensor([[0.1], [0.7], [0.3], [0.7], [0.9]])
+    keep = capacity_keep_mask(index, 1, 0.4, weights, "probs").view(-1)
+    assert keep.tolist() == [False, True, False, False, True]
+    weights = torch.tensor([[0.5], [0.2], [0.5], [0.5], [0.1]])
+    assert capacity_keep_mask(index, 1, 0.4, weights, "probs").view(-1).tolist() == [
+        True, False, True, False, False]
+    assert capacity_keep_mask(index, 1, 0.4).view(-1).tolist() == [
+        True, True, False, False, False]
+    with pytest.raises(ValueError, match="pass them"):
+        capacity_keep_mask(index, 1, 0.4, drop_policy="probs")
 
 
 def test_dynamic_shapes_are_rewritten_exactly_for_every_token_count():

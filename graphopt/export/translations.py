@@ -180,7 +180,8 @@ def moe_experts(form: str) -> Any:
 
     def translate(hidden: Any, top_k_index: Any, top_k_weights: Any, gate_up: Any, down: Any,
                   capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
-                  ranks_per_node: int, stash: bool) -> tuple[Any, ...]:
+                  ranks_per_node: int, stash: bool, drop_policy: str = "position"
+                  ) -> tuple[Any, ...]:
         if ep != 1:
             raise ValueError(f"graphopt ONNX export: moe_experts with ep={ep} exchanges tokens "
                              "between ranks (all-to-all), which ONNX cannot express; export "
@@ -189,7 +190,7 @@ def moe_experts(form: str) -> Any:
         if not isinstance(num_experts, int):
             raise ValueError("graphopt ONNX export: moe_experts needs a static expert count")
         out = _moe_out(form, hidden, top_k_index, top_k_weights, gate_up, down,
-                       capacity_factor, num_experts)
+                       capacity_factor, num_experts, drop_policy)
         # Backward-only outputs (dead in the inference graphs the exporter accepts).
         empty = op.ConstantOfShape(_ints(0))
         empty_int = op.Cast(empty, to=ir.DataType.INT64)
@@ -200,23 +201,18 @@ def moe_experts(form: str) -> Any:
 
 
 def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, down: Any,
-             capacity_factor: float, num_experts: int) -> Any:
+             capacity_factor: float, num_experts: int, drop_policy: str) -> Any:
     acc = _promote(hidden.dtype, weights.dtype)
     weights = op.Cast(weights, to=acc)
     flat = op.Reshape(index, _ints(-1))  # [T*K], token-major as the op's stable sort
-    if 0 < capacity_factor < num_experts:  # the first C per expert in token order are kept
-        # (a factor >= E keeps every assignment: C >= T * K)
-        experts = op.Range(op.Constant(value_int=0), op.Constant(value_int=num_experts),
-                           op.Constant(value_int=1))
-        one_hot = op.Cast(op.Equal(op.Unsqueeze(flat, _ints(1)), experts), to=ir.DataType.INT64)
-        rank = op.GatherElements(op.CumSum(one_hot, op.Constant(value_int=0)),
-                                 op.Unsqueeze(flat, _ints(1)), axis=1)  # 1-based
+    if 0 < capacity_factor < num_experts:  # C kept per expert (a factor >= E keeps all)
         # C = ceil(num * T*K / (den * E)) in int64, exactly as the op (capacity_fraction)
         frac = capacity_fraction(capacity_factor)
         denom = frac.denominator * num_experts
         capacity = op.Div(op.Add(op.Mul(op.Shape(flat), _ints(frac.numerator)),
                                  _ints(denom - 1)), _ints(denom))
-        keep = op.LessOrEqual(op.Squeeze(rank, _ints(1)), capacity)
+        keep = _capacity_keep(flat, op.Reshape(weights, _ints(-1)), capacity, num_experts,
+                              drop_policy)
         # Where, not a multiply by 0: a dropped assignment adds 0 even with an inf weight
         weights = op.Where(op.Reshape(keep, op.Shape(index)), weights,
                            op.CastLike(_double(0.0), weights))
@@ -246,6 +242,36 @@ def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, dow
                          op.CastLike(op.Constant(value_float=0.0), y), y)
         out = op.Add(out, y) if where is None else op.ScatterND(out, where, y, reduction="add")
     return op.Cast(out, to=hidden.dtype)
+
+
+def _capacity_keep(flat: Any, weights: Any, capacity: Any, num_experts: int,
+                   drop_policy: str) -> Any:
+    """[T*K] bool: the assignments an expert capacity keeps, as dispatch.capacity_keep_mask.
+    "position": an assignment's 1-based rank within its expert is a CumSum over a one-hot
+    [T*K, E] in (token, k) order. "probs": the op's two stable sorts (weight descending,
+    then expert) as TopK, whose ties keep the lower index first (ONNX TopK spec); the rank
+    is the sorted position minus the expert's first position."""
+    experts = op.Range(op.Constant(value_int=0), op.Constant(value_int=num_experts),
+                       op.Constant(value_int=1))
+    one_hot = op.Cast(op.Equal(op.Unsqueeze(flat, _ints(1)), experts), to=ir.DataType.INT64)
+    if drop_policy == "position":
+        rank = op.GatherElements(op.CumSum(one_hot, op.Constant(value_int=0)),
+                                 op.Unsqueeze(flat, _ints(1)), axis=1)  # 1-based
+        return op.LessOrEqual(op.Squeeze(rank, _ints(1)), capacity)
+    if drop_policy != "probs":
+        raise ValueError(f"graphopt ONNX export: unknown moe drop_policy {drop_policy!r}")
+    n = op.Shape(flat)
+    _, by_weight = op.TopK(weights, n, axis=0, largest=1, sorted=1)
+    _, by_expert = op.TopK(op.Gather(flat, by_weight), n, axis=0, largest=0, sorted=1)
+    order = op.Gather(by_weight, by_expert)  # [T*K] assignment ids, the op's order
+    counts = op.ReduceSum(one_hot, _ints(0), keepdims=0)  # [E]
+    starts = op.Sub(op.CumSum(counts, op.Constant(value_int=0)), counts)
+    position = op.Range(op.Constant(value_int=0), op.Squeeze(n, _ints(0)),
+                        op.Constant(value_int=1))
+    keep_sorted = op.Less(op.Sub(position, op.Gather(starts, op.Gather(flat, order))),
+                          capacity)
+    return op.ScatterElements(op.ConstantOfShape(n, value=ir.tensor([False])), order,
+                              keep_sorted, axis=0)
 
 
 def _double(value: float) -> Any:

@@ -357,7 +357,7 @@ class MoEPass(GraphPass):
                 gate_up, down = (_slice(gm.graph, w, rank * per, (rank + 1) * per)
                                  for w in (gate_up, down))
             args = (region.hidden, region.index, region.weights, gate_up, down, cf,
-                    ep, group, schedule, chunks, rpn, training)
+                    ep, group, schedule, chunks, rpn, training, opts.drop_policy)
             call = gm.graph.call_function(moe_experts_op, args)
             out = gm.graph.call_function(operator.getitem, (call, 0))
         call.meta["val"] = fake_call(moe_experts_op, *args)
@@ -366,7 +366,8 @@ class MoEPass(GraphPass):
             node.meta["nn_module_stack"] = region.output.meta.get("nn_module_stack", {})
             node.meta["graphopt_replaced"] = [region.output.name]
         region.output.replace_all_uses_with(out)
-        drop = "dropless" if cf < 0 else f"capacity factor {cf} (APPROXIMATE: drops tokens)"
+        drop = "dropless" if cf < 0 else (f"capacity factor {cf}, drop policy "
+                                          f"{opts.drop_policy} (APPROXIMATE: drops tokens)")
         return f"sorted dispatch + grouped GEMM, {drop}, {note}"
 
     @staticmethod

@@ -9,6 +9,7 @@ from typing import Any
 
 from graphopt.config import did_you_mean, parse_section
 from graphopt.errors import ConfigError
+from graphopt.kernels.moe.dispatch import DROP_POLICIES
 
 MOE_SCHEDULES = ("auto", "flat", "chunked", "hierarchical", "peer")
 
@@ -36,8 +37,13 @@ class MoEOptions:
     $LOCAL_WORLD_SIZE (set by torchrun), else ep."""
     capacity_factor: float | None = None
     """None: dropless. A float > 0: expert capacity C = ceil(cf * T * K / E); assignments
-    past the first C of an expert, in (token, k) order, are dropped (Switch Transformer's
-    first-come rule; docs/moe.md says how it differs from GShard's top-2)."""
+    beyond C per expert are dropped, chosen by ``drop_policy``."""
+    drop_policy: str = "position"
+    """Which assignments an expert keeps under a capacity (Megatron-Core's
+    ``moe_token_drop_policy``): "position" (the first C in (token, k) order: Switch
+    Transformer's first-come rule; docs/moe.md says how it differs from GShard's top-2) or
+    "probs" (the C with the largest routing weights, Megatron-Core's default). Needs
+    ``capacity_factor``."""
     profile: str | None = None
     """Cost-model profile for the "auto" choices (default: "local" when calibrated, else
     h100-sxm)."""
@@ -71,6 +77,14 @@ class MoEOptions:
                                or not math.isfinite(cf) or cf <= 0):
             raise ConfigError(f"moe.capacity_factor must be a number > 0 or None (dropless), "
                               f"got {cf!r}")
+        if self.drop_policy not in DROP_POLICIES:
+            raise ConfigError(f"unknown moe.drop_policy {self.drop_policy!r}"
+                              f"{did_you_mean(str(self.drop_policy), DROP_POLICIES)}; valid: "
+                              f"{', '.join(DROP_POLICIES)}")
+        if cf is None and self.drop_policy != "position":
+            raise ConfigError(f"moe.drop_policy={self.drop_policy!r} chooses which tokens an "
+                              "expert capacity drops, but moe.capacity_factor is None "
+                              "(dropless): set moe.capacity_factor or drop moe.drop_policy")
         if self.profile is not None:
             from graphopt.cost.profiles import load_profile
 

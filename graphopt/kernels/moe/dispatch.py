@@ -18,12 +18,14 @@ Algorithm (Megablocks, Gale et al. 2023, sec. 5; Megatron-Core's "alltoall" disp
        (index_add: the combine).
 
 Capacity (optional, ``capacity_factor``): expert e keeps at most
-C = ceil(capacity_factor * T * K / E) assignments, the first ones in (token, k) order (Switch
-Transformer's first-come rule: tokens earlier in the batch win; with K > 1 it differs from
-GShard's top-2 gating, which fills every first choice before any second one); dropped
-assignments contribute nothing, so a token whose every assignment is dropped gets a zero
-output (the residual carries it). :func:`capacity_keep_mask` gives exactly which assignments
-are kept.
+C = ceil(capacity_factor * T * K / E) assignments; dropped assignments contribute nothing, so a
+token whose every assignment is dropped gets a zero output (the residual carries it). Which
+ones are kept is the drop policy (Megatron-Core's ``moe_token_drop_policy``, same names):
+    "position": the first C in (token, k) order (Switch Transformer's first-come rule: tokens
+        earlier in the batch win; with K > 1 it differs from GShard's top-2 gating, which
+        fills every first choice before any second one);
+    "probs": the C with the largest routing weights (ties: the earlier (token, k) wins).
+:func:`capacity_keep_mask` gives exactly which assignments are kept.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from fractions import Fraction
 
 import torch
 from torch import Tensor
+
+DROP_POLICIES = ("position", "probs")
 
 
 def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,11 +66,31 @@ def sorted_counts(flat: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     return order, counts
 
 
+def priority_order(flat: Tensor, weights: Tensor, num_experts: int, drop_policy: str
+                   ) -> tuple[Tensor, Tensor]:
+    """(order [n], counts [E]) like :func:`sorted_counts`, with each expert's assignments in
+    the drop policy's priority (module docstring): "position" keeps (token, k) order;
+    "probs" puts the largest routing weights ``weights`` [n] first (Megatron-Core's "probs"
+    policy), ties in (token, k) order: a stable sort by weight, descending, then a stable
+    sort by expert. Both stay on the device.
+
+    Raises:
+        ValueError: an unknown drop policy.
+    """
+    if drop_policy == "position":
+        return sorted_counts(flat, num_experts)
+    if drop_policy != "probs":
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    by_weight = torch.argsort(weights.reshape(-1), descending=True, stable=True)
+    order, counts = sorted_counts(flat[by_weight], num_experts)
+    return by_weight[order], counts
+
+
 def capacity_partition(flat: Tensor, order: Tensor, counts: Tensor, capacity: int
                        ) -> tuple[Tensor, Tensor, Tensor]:
     """(order' [n], kept [E], keep [n] bool in ``order``'s positions) for an expert capacity
-    C: the first C sorted assignments of each expert are kept ((token, k) order, Switch's
-    first-come rule).
+    C: the first C sorted assignments of each expert are kept (``order`` sorts each expert's
+    assignments by the drop policy's priority, :func:`priority_order`).
     ``order'`` is a stable partition of ``order``: the kept assignments first (still grouped
     by expert), the dropped ones after them, so rows past ``kept.sum()`` are the dropped ones.
     O(n) with cumsums and one scatter, no second sort and nothing read on the host: the
@@ -104,14 +128,23 @@ def expert_capacity(capacity_factor: float, assignments: int, num_experts: int) 
                assignments)
 
 
-def capacity_keep_mask(top_k_index: Tensor, num_experts: int,
-                       capacity_factor: float) -> Tensor:
+def capacity_keep_mask(top_k_index: Tensor, num_experts: int, capacity_factor: float,
+                       top_k_weights: Tensor | None = None, drop_policy: str = "position"
+                       ) -> Tensor:
     """[T, K] bool: which assignments an expert capacity of
-    C = ceil(capacity_factor * T * K / E) keeps (the first C per expert in token order)."""
+    C = ceil(capacity_factor * T * K / E) keeps under ``drop_policy`` (module docstring;
+    "probs" needs ``top_k_weights`` [T, K]).
+
+    Raises:
+        ValueError: an unknown drop policy, or "probs" without weights.
+    """
     t, k = top_k_index.shape
+    if drop_policy == "probs" and top_k_weights is None:
+        raise ValueError("drop_policy 'probs' ranks assignments by top_k_weights: pass them")
     capacity = expert_capacity(capacity_factor, t * k, num_experts)
     flat = top_k_index.reshape(-1)
-    order, counts = sorted_counts(flat, num_experts)
+    weights = top_k_weights if top_k_weights is not None else flat
+    order, counts = priority_order(flat, weights, num_experts, drop_policy)
     keep_sorted = capacity_partition(flat, order, counts, capacity)[2]
     keep = torch.zeros(t * k, dtype=torch.bool, device=top_k_index.device)
     keep[order] = keep_sorted
@@ -119,12 +152,14 @@ def capacity_keep_mask(top_k_index: Tensor, num_experts: int,
 
 
 def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
-                down: Tensor, capacity_factor: float | None = None) -> Tensor:
+                down: Tensor, capacity_factor: float | None = None,
+                drop_policy: str = "position") -> Tensor:
     """SwiGLU experts with sorted dispatch on one device (the module docstring gives shapes
     and rules): ``graphopt::moe_experts`` with ep=1, differentiable.
 
     Raises:
-        ValueError: shape mismatches (named), indices out of range, capacity_factor <= 0.
+        ValueError: shape mismatches (named), indices out of range, capacity_factor <= 0,
+            an unknown drop_policy.
     """
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
@@ -149,6 +184,8 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
                          f"hidden's dtype ({hidden.dtype})")
     if capacity_factor is not None and not (0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     flat = top_k_index.reshape(-1)
     if flat.is_cuda or torch.compiler.is_compiling():
         # checked on the device (no host synchronization on the hot path) or, in a graph
@@ -162,4 +199,4 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
 
     # int64 indices for the op (int32 / int16 / uint8 routers work too)
     return moe_experts_op(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up, down,
-                          capacity_factor or -1.0, 1, "", "flat", 1, 1, False)[0]
+                          capacity_factor or -1.0, 1, "", "flat", 1, 1, False, drop_policy)[0]

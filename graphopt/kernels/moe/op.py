@@ -12,9 +12,10 @@ Inputs (T tokens, K experts per token, E experts, H hidden, F expert intermediat
 
 Algorithm (Megablocks sec. 5; Megatron-Core's alltoall token dispatcher):
     1. stable sort of the T*K assignments by expert; counts by a device histogram;
-    2. capacity (optional): the first C = ceil(cf * T * K / E) assignments per expert in
-       (token, k) order are kept (Switch's first-come rule; see dispatch.capacity_keep_mask,
-       docs/moe.md for how it differs from GShard's top-2), moved ahead
+    2. capacity (optional): C = ceil(cf * T * K / E) assignments per expert are kept, chosen
+       by ``drop_policy`` ("position": the first in (token, k) order, Switch's first-come
+       rule; "probs": the largest routing weights, Megatron-Core's default; see
+       dispatch.capacity_keep_mask and docs/moe.md), moved ahead
        of the dropped ones by a stable partition (cumsums, no second sort). On one device
        the number kept never leaves it: all T*K rows keep their static size and the grouped
        GEMMs stop at the last kept row;
@@ -52,7 +53,12 @@ from torch import Tensor
 
 from graphopt.kernels.comm import RoundTrip
 from graphopt.kernels.moe.combine import combine, combine_backward
-from graphopt.kernels.moe.dispatch import capacity_partition, expert_capacity, sorted_counts
+from graphopt.kernels.moe.dispatch import (
+    capacity_partition,
+    expert_capacity,
+    priority_order,
+    sorted_counts,
+)
 from graphopt.kernels.moe.experts import swiglu_experts_backward, swiglu_experts_forward
 
 _STASH: dict[int, dict[Any, tuple[Tensor, Tensor]]] = {}
@@ -73,17 +79,20 @@ def resolve_group(name: str, ep: int) -> dist.ProcessGroup | None:
     return group_by_name(name, ep, f"moe ep={ep}")
 
 
-def _sort(top_k_index: Tensor, num_experts: int, capacity_factor: float
-          ) -> tuple[Tensor, Tensor, Tensor]:
+def _sort(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int,
+          capacity_factor: float, drop_policy: str) -> tuple[Tensor, Tensor, Tensor]:
     """(order [T*K], token [T*K], counts [E]): the assignments sorted by expert, with a
-    capacity the kept ones first and the dropped ones after them (counts: kept per expert).
-    One sort; the counts and the number kept stay on the device (no host synchronization)."""
+    capacity the kept ones (``drop_policy``) first and the dropped ones after them (counts:
+    kept per expert). The counts and the number kept stay on the device (no host
+    synchronization)."""
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
-    order, counts = sorted_counts(flat, num_experts)
     if capacity_factor > 0:
+        order, counts = priority_order(flat, top_k_weights, num_experts, drop_policy)
         capacity = expert_capacity(capacity_factor, flat.numel(), num_experts)
         order, counts, _ = capacity_partition(flat, order, counts, capacity)
+    else:  # dropless: the order within an expert changes nothing
+        order, counts = sorted_counts(flat, num_experts)
     return order, order // k, counts
 
 
@@ -122,14 +131,15 @@ def _pad_rows(x: Tensor, n: int) -> Tensor:
 @torch.library.custom_op("graphopt::moe_experts", mutates_args=())
 def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                    down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
-                   chunks: int, ranks_per_node: int, stash: bool
+                   chunks: int, ranks_per_node: int, stash: bool, drop_policy: str = "position"
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] or [0, 2F], handle [1], counts [ep, E],
     order [T*K] (the sort, reused by the backward)). With a capacity, y_rows and gu rows
     past the kept count are unspecified (on one device) or zero (expert parallel)."""
     num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
-    order, token, counts = _sort(top_k_index, num_experts, capacity_factor)
+    order, token, counts = _sort(top_k_index, top_k_weights, num_experts, capacity_factor,
+                                 drop_policy)
     valid, kept = _rows(counts, order.numel(), capacity_factor, pg)
     rows = hidden.index_select(0, token[:valid])
     counts_all = _gather_counts(counts, pg, ep)
@@ -165,7 +175,8 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
 @moe_experts_op.register_fake
 def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
       down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
-      ranks_per_node: int, stash: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+      ranks_per_node: int, stash: bool, drop_policy: str = "position"
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     n = top_k_index.numel()
     return (hidden.new_empty(hidden.shape), hidden.new_empty(n, hidden.shape[1]),
             hidden.new_empty(n if ep == 1 else 0, gate_up.shape[1]),
@@ -237,7 +248,7 @@ def _backward(ctx: Any, grad_out: Tensor, *unused: Any) -> tuple[Any, ...]:
     hidden, index, weights, gate_up, down, y_rows, gu, handle, counts, order = ctx.saved_tensors
     grads = moe_experts_backward(grad_out.contiguous(), hidden, index, weights, gate_up, down,
                                  y_rows, gu, handle, counts, order, *ctx.options)
-    return (grads[0], None, grads[1], grads[2], grads[3]) + (None,) * 7
+    return (grads[0], None, grads[1], grads[2], grads[3]) + (None,) * 8
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
