@@ -349,3 +349,26 @@ def test_narrow_integer_indices_odd_gate_up_and_compiled_public_api():
     compiled = torch.compile(moe_experts, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(hidden, index, weights, experts.gate_up_proj,
                                         experts.down_proj), want)
+
+
+def test_empty_experts_weight_gradients_are_zeroed_where_grouped_mm_is_unreliable(monkeypatch):
+    """torch._grouped_mm's weight-gradient form gave non-zero blocks for experts with no rows
+    on Blackwell (pytorch/pytorch#172439) and uninitialized ones on ROCm (#174314): there the
+    blocks of empty experts are set to 0 by a where (a NaN block too); Hopper and CPU keep
+    the grouped GEMM's output as is."""
+    from graphopt.kernels.moe import experts as moe_experts_module
+
+    out = torch.randn(4, 3, 2)
+    out[1] = float("nan")
+    out[3] = 5.0
+    counts = torch.tensor([2, 0, 1, 0])
+    fixed = moe_experts_module.zero_empty_experts(out, counts)
+    assert fixed[1].eq(0).all() and fixed[3].eq(0).all()
+    assert fixed[0].equal(out[0]) and fixed[2].equal(out[2])
+    assert not moe_experts_module.empty_groups_unreliable(torch.device("cpu"))
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, unreliable in (((9, 0), False), ((10, 0), True), ((10, 3), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert moe_experts_module.empty_groups_unreliable(torch.device("cuda")) == unreliable
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert moe_experts_module.empty_groups_unreliable(torch.device("cuda"))

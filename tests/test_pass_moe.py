@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from graphopt.config import GraphoptConfig
 from graphopt.errors import ConfigError
@@ -373,3 +374,71 @@ def test_review_findings_clamped_swiglu_empty_batch_dynamic_ep():
     with pytest.raises(ConfigError, match="symbolic token count"):
         run_pass("moe", gm, GraphoptConfig.from_options({"moe": {"ep": 2}}),
                  example_inputs=bind_inputs(gm, block, x))
+
+
+class _PlusOneExperts(torch.nn.Module):
+    """Experts with transformers' five-input interface and SiLU but silu(g) * (up + 1): not
+    SwiGLU, so never rewritten."""
+
+    def __init__(self, e: int = 4, h: int = 16, f: int = 8) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(e, 2 * f, h) / h ** 0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(e, h, f) / f ** 0.5)
+
+    def forward(self, x, idx, w):  # type: ignore[no-untyped-def]
+        k = idx.shape[-1]
+        rows = x.repeat_interleave(k, dim=0)
+        flat = idx.reshape(-1)
+        gu = torch.bmm(self.gate_up_proj[flat], rows.unsqueeze(-1)).squeeze(-1)
+        g, u = gu.chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[flat], (F.silu(g) * (u + 1.0)).unsqueeze(-1)).squeeze(-1)
+        return (y * w.reshape(-1, 1)).view(x.shape[0], k, -1).sum(1)
+
+
+class _PlusOneBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 4, bias=False)
+        self.experts = _PlusOneExperts()
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        w, i = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        return self.experts(x, i, w)
+
+
+def test_probes_also_use_drawn_weights_when_the_real_ones_are_degenerate():
+    """A zero down_proj at compile time (zero-initialised, or not loaded yet) makes every
+    probe 0 whatever the region computes; found by a review: silu(g) * (up + 1) experts were
+    rewritten as SwiGLU and differed by 1.18 after one optimizer step. Drawn weights are
+    probed too, so the region is refused."""
+    torch.manual_seed(0)
+    block = _PlusOneBlock().double()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    for zero_down in (False, True):
+        if zero_down:
+            with torch.no_grad():
+                block.experts.down_proj.zero_()
+        gm = trace_for_pass(block, x)
+        out, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+        assert not record.modified, zero_down
+        (site,) = _sites(record, "skipped")
+        assert "probe mismatch" in site.reason
+
+
+def test_a_model_level_top_k_is_reported_as_feeding_no_experts_module():
+    """output_router_logits=True: transformers' load-balancing loss runs its own top-k on the
+    router logits at model level; the report says that, not the eager-loop advice (the model
+    already uses grouped_mm, both experts sites are rewritten)."""
+    model = build_model("mixtral", dtype=torch.float64, num_hidden_layers=1,
+                        output_router_logits=True, router_aux_loss_coef=0.5)
+    model.set_experts_implementation("grouped_mm")
+    ids = sample_batch(model, 2, 8)
+    clear_reports()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss,
+                             backend="graphopt", options={"moe": {}, "lowering": "eager"})
+    compiled(ids).backward()
+    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    assert [s.action for s in sites].count("rewritten") == 1, sites
+    (aux,) = [s for s in sites if s.action == "skipped"]
+    assert "outside any module" in aux.reason and "grouped_mm" not in aux.reason

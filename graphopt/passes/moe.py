@@ -114,6 +114,10 @@ def find_region(topk: fx.Node) -> Region:
         if "experts" in module_path(node).rsplit(".", 1)[-1]:
             path = module_path(node)
         elif node.target is aten.one_hot.default or node.op == "output":
+            if not module_path(topk):  # a model-level top-k, no router module
+                raise Skip("a top-k outside any module (e.g. transformers' load-balancing "
+                           "loss for output_router_logits) feeds no experts module: nothing "
+                           "to rewrite")
             raise Skip(EAGER_LOOP_FIX)
         frontier += list(node.users)
     if not path:
@@ -205,16 +209,22 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
     device = h.device
     t, k = (_hint(n) for n in idx.shape)  # a symbolic token count: probed at its example
     e = _meta(region.gate_up).shape[0]
-    params = []
-    for node in (region.gate_up, region.down):
-        value = real.get(node)
-        if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-            value = torch.randn(_meta(node).shape, generator=gen).to(_meta(node).dtype) * 0.1
-        params.append(value.detach().to(device))
+    drawn = [(torch.randn(_meta(node).shape, generator=gen) * _hint(_meta(node).shape[-1])
+              ** -0.5).to(device, _meta(node).dtype) for node in (region.gate_up, region.down)]
+    # The compile-time weights, and drawn ones too: real weights can be degenerate (a
+    # zero-initialised down_proj, weights not loaded yet) and make every probe 0 on both
+    # sides; a review got silu(g) * (up + 1) experts rewritten that way (error 1.18 after
+    # one optimizer step).
+    real_params = [v for v in (real.get(region.gate_up), real.get(region.down))
+                   if isinstance(v, torch.Tensor) and v.device.type != "meta"]
+    params = drawn if len(real_params) < 2 else [v.detach().to(device) for v in real_params]
     probes: list[tuple[torch.Tensor, ...]] = []
     if t == 0:  # a graph specialized to no tokens: nothing flows through it, nothing to probe
         return probes
-    for kind in ("random", "expert0", "last_unused", "large"):
+    kinds = [(params, kind) for kind in ("random", "expert0", "last_unused", "large")]
+    if params is not drawn:
+        kinds.append((drawn, "random"))
+    for params, kind in kinds:
         pool = e - 1 if kind == "last_unused" and e > k else e
         index = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)])
         if kind == "expert0":

@@ -68,6 +68,22 @@ def grouped_mm(x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     return out
 
 
+def empty_groups_unreliable(device: torch.device) -> bool:
+    """Whether torch._grouped_mm's weight-gradient form (2d x 2d, offsets on K) may leave the
+    blocks of empty groups (experts with no rows) non-zero: reported for Blackwell (sm100+:
+    pytorch/pytorch#172439, non-zero gradients for zero-size groups; Hopper was correct
+    there) and ROCm (pytorch/pytorch#174314, an uninitialized output)."""
+    if device.type != "cuda":
+        return False
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def zero_empty_experts(out: Tensor, counts: Tensor) -> Tensor:
+    """out [El, M, N] with the blocks of experts whose ``counts`` [El] is 0 set to 0 (a
+    where, not a multiply: garbage may be NaN); no host synchronization."""
+    return torch.where((counts == 0).view(-1, 1, 1), out.new_zeros(()), out)
+
+
 def _weight_grad(grad: Tensor | None, a: Tensor, b: Tensor, counts: Tensor,
                  shape: tuple[int, ...]) -> Tensor:
     """grad[e] (+)= a_seg^T b_seg per segment: a [n, M], b [n, N] -> [El, M, N] (``shape``).
@@ -76,6 +92,8 @@ def _weight_grad(grad: Tensor | None, a: Tensor, b: Tensor, counts: Tensor,
     if a.is_cuda and a.shape[0] and use_grouped_mm(a, b):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         out = torch._grouped_mm(a.t(), b, offs=offs)
+        if empty_groups_unreliable(out.device):
+            out = zero_empty_experts(out, counts)
         return out if grad is None else grad.add_(out)
     if grad is None:
         grad = a.new_zeros(shape)
