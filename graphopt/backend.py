@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,7 +56,10 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     elif plan is not None:
         from graphopt.planner.plan import ParallelPlan
 
-        plan = ParallelPlan.load(plan) if isinstance(plan, str) else plan
+        plan = ParallelPlan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+        if not isinstance(plan, ParallelPlan):
+            raise ConfigError(f"option 'parallel' must be 'auto', a ParallelPlan or the path "
+                              f"of its JSON, got {type(plan).__name__}")
     moe = options.pop("moe", None) if plan is not None and plan.ep > 1 else None
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
     if plan is not None:

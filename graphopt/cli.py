@@ -468,10 +468,13 @@ def _parse_length(text: str) -> int:
     """'8k' -> 8192, '4096' -> 4096."""
     text = text.strip().lower()
     try:
-        return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+        length = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
     except ValueError:
-        raise typer.BadParameter(f"--seq-buckets takes lengths such as 2k,8k,32768; got "
-                                 f"{text!r}") from None
+        length = 0
+    if length < 1:
+        raise typer.BadParameter(f"--seq-buckets takes lengths >= 1 such as 2k,8k,32768; got "
+                                 f"{text!r}")
+    return length
 
 
 def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch: int,
@@ -487,6 +490,9 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
     from graphopt.planner.search import search
 
     lengths = [_parse_length(x) for x in buckets.split(",") if x.strip()]
+    if not lengths:
+        raise typer.BadParameter(f"--seq-buckets takes comma-separated lengths such as "
+                                 f"2k,8k,32768; got {buckets!r}")
     tokens = seq * global_batch
     table = Table(title=f"{escape(model)} on {devices} devices, {tokens:,} tokens per "
                         "iteration, best plan per sequence bucket")

@@ -143,7 +143,7 @@ def demo_plan(world: int, batch: int, seq: int) -> tuple[Any, list[str]]:
         return sum(getattr(p, a) > 1 for a in ("dp_replicate", "dp_shard", "tp", "cp", "pp",
                                                "ep"))
 
-    usable = [p for p in result.top if not not_executable(p)
+    usable = [p for p in result.top if not not_executable(p, batch)
               and p.cp == 1 and p.tp == 1]  # eager MiniMax: exact vs one process
     for need in range(MIN_AXES, 0, -1):  # 3 axes need 4+ ranks; fewer ranks, fewer axes
         for plan in usable:

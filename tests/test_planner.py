@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from graphopt.cost.profiles import CLUSTERS
 from graphopt.errors import ConfigError
@@ -121,6 +122,12 @@ def test_cli_plan_prints_plans_and_writes_json(tmp_path):
     ({"recompute_layers": -4}, "recompute_layers must be an int >= 0"),
     ({"sp": "no"}, "sp must be True or False"),
     ({"prediction": {"foo": 1}}, "'prediction' must be null or an object"),
+    ({"prediction": {"step_s": "fast", "compute_s": 1, "bubble_s": 0, "comm_s": {},
+                     "memory_bytes": -1, "memory_parts": {}, "mfu": 7, "tokens_per_s": 1}},
+     r"bad values for \['memory_bytes', 'mfu', 'step_s'\]"),
+    ({"mesh_order": ["pp", 1]}, "mesh_order must order all of"),
+    ({"virtual_stages": 2, "pp_schedule": "interleaved"}, "they need pp > 1"),
+    ({"expert_tp": 2, "dp_shard": 2}, "it needs ep > 1"),
     ([1, 2], "must be a JSON object"),
 ])
 def test_plan_from_bad_json_is_refused_with_the_reason(data, message):
@@ -437,6 +444,8 @@ def test_auto_parallel_passes_over_plans_it_would_run_without_their_recomputatio
     from graphopt.parallel.auto import not_executable
 
     assert not_executable(ParallelPlan(dp_shard=8, zero_stage=3)) == ""
+    assert not_executable(ParallelPlan(tp=2, pp=2, microbatch=2), global_batch=4) == ""
+    assert "at least one per stage" in not_executable(ParallelPlan(tp=2, pp=2), global_batch=1)
     for plan in (ParallelPlan(selective_recompute=True), ParallelPlan(recompute_layers=2)):
         assert "recomputation is planned but graphopt.parallelize does not apply" in \
             not_executable(plan)
@@ -454,3 +463,82 @@ def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():
             fits.append(pred.tokens_per_s)
     top = [p.prediction.tokens_per_s for p in search(model, H100, 32, 64, top_k=5).top]
     assert top == sorted(fits, reverse=True)[:5]
+
+
+def test_search_ranks_tied_plans_as_the_exhaustive_evaluation_does():
+    """Equal throughput: less memory first. The pruning bound is computed from tokens/s, and
+    its last digit fell below a tied plan's own step time, so ties were pruned and 8 of the
+    top 10 differed from an exhaustive evaluation (found by a review)."""
+    from graphopt.planner.perf import USABLE_MEMORY
+    from graphopt.planner.search import candidates
+
+    model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 32})
+    ranked = []
+    for i, plan in enumerate(candidates(model, 32, 256, 8)):
+        pred = evaluate(plan, model, H100, 256)
+        if pred.memory_bytes <= USABLE_MEMORY * H100.device.memory_bytes:
+            ranked.append((pred.tokens_per_s, -pred.memory_bytes, -i, plan))
+    ranked.sort(key=lambda x: x[:3], reverse=True)
+    top = search(model, H100, 32, 256, top_k=10).top
+    assert len({r[0] for r in ranked[:10]}) < 10  # the case has ties
+    assert [p.describe() for p in top] == [r[3].describe() for r in ranked[:10]]
+
+
+def test_fp32_models_pay_fp32_model_states_and_gradient_traffic():
+    """Weights, gradients and the DP gradient traffic in the model's dtype: fp32 ZeRO-1 over
+    64 ranks keeps 4 + 4 + 8/64 bytes per parameter (bf16: 2 + 2 + 12/64); a review found
+    fp32 priced at bf16 sizes, so plans were predicted to fit that could not."""
+    bf16, fp32 = (plan_model("llama3-8b", 4096, H100, dtype=dtype, overrides=SMALL)
+                  for dtype in (torch.bfloat16, torch.float32))
+    plan = ParallelPlan(dp_shard=64, zero_stage=1)
+    states = {}
+    for name, model in (("bf16", bf16), ("fp32", fp32)):
+        pred = evaluate(plan, model, H100, 64, dp_overlap=False)
+        states[name] = (pred.memory_parts["params+grads+optimizer"], pred.comm_s["dp"])
+    ratio = (4 + 4 + 8 / 64) / (2 + 2 + 12 / 64)
+    assert states["fp32"][0] / states["bf16"][0] == pytest.approx(ratio, rel=1e-6)
+    assert states["fp32"][1] / states["bf16"][1] == pytest.approx(2, rel=0.05)
+
+
+def test_uneven_stages_are_priced_at_their_fullest_stage():
+    """Memory goes with layers x (pp - i) in-flight microbatches: stages (2, 14, 15, 1) are as
+    full as (2, 14, 14, 2) at stage 1 (14 layers, 3 in flight); the third stage (15 layers,
+    2 in flight) was the only middle one priced (a review: 51.8 GiB listed as fitting)."""
+    model = plan_model("llama3-8b", 8192, H100)
+    a, b = (evaluate(ParallelPlan(dp_shard=16, zero_stage=3, pp=4, stage_layers=layers),
+                     model, H100, 64).memory_bytes for layers in ((2, 14, 15, 1),
+                                                                  (2, 14, 14, 2)))
+    assert a == pytest.approx(b, rel=1e-9)
+
+
+def test_sp_is_planned_only_where_tp_divides_the_sequence_and_bad_inputs_are_refused():
+    """tp=4 with SP for 4095 tokens was searched and auto-picked, then refused by the
+    executor; now the search plans TP without SP there and the plan check names it. Search
+    inputs below 1 are ConfigErrors (were a max() of an empty list, a division by zero, or
+    a plan with a negative step time)."""
+    model = plan_model("llama3-8b", 4095, H100, overrides=SMALL)
+    from graphopt.planner.search import candidates
+
+    plans = [p for p in candidates(model, 16, 16, 8) if p.tp > 1]
+    assert plans and not any(p.sp for p in plans)
+    assert any("SP splits" in x for x in ParallelPlan(tp=4).problems(seq=4095))
+    assert not ParallelPlan(tp=4).problems(seq=4096)
+    for kwargs in ({"devices": 0}, {"global_batch": -8}, {"top_k": 0}):
+        args = {"devices": 8, "global_batch": 8, "top_k": 1, **kwargs}
+        with pytest.raises(ConfigError, match=f"{next(iter(kwargs))} must be an int >= 1"):
+            search(model, H100, args["devices"], args["global_batch"], top_k=args["top_k"])
+
+
+def test_collective_times_are_cached_by_the_links_not_the_cluster_name():
+    import dataclasses as dc
+
+    from graphopt.cost.profiles import ClusterLevel
+
+    model = plan_model("llama3-8b", 4096, H100, overrides=SMALL)
+    plan = ParallelPlan(tp=8, dp_replicate=8)
+    fast = evaluate(plan, model, H100, 64).comm_s["tp"]
+    slow_link = dc.replace(H100.levels[0].link, bandwidth=H100.levels[0].link.bandwidth / 100)
+    slow = dc.replace(H100, levels=(ClusterLevel(H100.levels[0].name, H100.levels[0].size,
+                                                 slow_link), *H100.levels[1:]))
+    assert slow.name == H100.name
+    assert evaluate(plan, model, slow, 64).comm_s["tp"] > 10 * fast

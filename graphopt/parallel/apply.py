@@ -39,6 +39,7 @@ Pseudo-code::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,7 +119,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
 
     Args:
         model: a module on this rank's device, identical on every rank (same seed/weights).
-        plan: a ParallelPlan or the path of its JSON (``graphopt plan --json``).
+        plan: a ParallelPlan or the path of its JSON (:meth:`ParallelPlan.save`, or the
+            output of ``graphopt plan --json``, whose best plan is taken).
         mesh: the DeviceMesh from :func:`graphopt.parallel.build_mesh` (built if None).
         sample: runs one forward of ``model`` on a small input; TP derives its layout from
             it (default: ``model(input_ids=<1 x 8 token ids>, use_cache=False)`` for
@@ -132,8 +134,18 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         ConfigError: an invalid plan, a plan that does not match the world size, an axis
             that is not executed yet, a model TP cannot split (heads, sizes, vocabulary).
     """
-    if isinstance(plan, str):
+    if isinstance(plan, (str, os.PathLike)):
         plan = ParallelPlan.load(plan)
+    if not isinstance(plan, ParallelPlan):
+        raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
+                          f"{type(plan).__name__}")
+    unexecuted = plan.problems() + ([
+        "recompute_layers / selective_recompute: graphopt.parallelize does not apply "
+        "activation recomputation (the plan's memory prediction counts on it): plan "
+        "without it, or recompute in the model (gradient checkpointing, the remat option)"]
+        if plan.recompute_layers or plan.selective_recompute else [])
+    if unexecuted:
+        raise ConfigError("cannot execute this parallel plan: " + "; ".join(unexecuted))
     if plan.cp > 1:
         from graphopt.parallel.context import check_cp
 

@@ -31,8 +31,13 @@ from graphopt.planner.plan import ParallelPlan
 CLUSTER_KEYS = ("profile", "seq", "global_batch")
 
 
-def not_executable(plan: ParallelPlan) -> str:
-    """Why graphopt.parallelize cannot run ``plan`` ("" when it can)."""
+def not_executable(plan: ParallelPlan, global_batch: int | None = None) -> str:
+    """Why graphopt.parallelize cannot run ``plan`` ("" when it can), for a job of
+    ``global_batch`` sequences per step when given."""
+    if global_batch is not None and plan.pp > 1 and \
+            global_batch // (plan.dp * plan.microbatch) < plan.pp:
+        return (f"{global_batch // (plan.dp * plan.microbatch)} microbatch(es) per step for "
+                f"{plan.pp} pipeline stages: the pipeline runs at least one per stage")
     if plan.cp > 1 and plan.pp > 1:
         return "CP with PP is not executed"
     if plan.expert_tp > 1:
@@ -80,14 +85,14 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
     passed = []
     for plan in result.top:
-        why = not_executable(plan)
+        why = not_executable(plan, int(spec["global_batch"]))
         if not why:
             break
         passed.append(f"{plan.describe()} ({why})")
     else:
         raise ConfigError(f"none of the planner's top {len(result.top)} plans for {world} "
                           f"ranks is executable; the best, {result.best.describe()}: "
-                          f"{not_executable(result.best)}")
+                          f"{not_executable(result.best, int(spec['global_batch']))}")
     pred = plan.prediction
     assert pred is not None
     notes = [f"auto: {plan.describe()} for {world} ranks of {profile_name!r} (seq "

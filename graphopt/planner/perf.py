@@ -4,7 +4,7 @@ performance model), from per-layer costs measured on the traced model
 
 Per device, m = B / (dp * mb) microbatches of mb sequences; stage i has L_i layers (L/pp, or
 the plan's ``stage_layers``); the slowest stage sets the pipeline's slot and the fullest its
-memory (the first, the largest middle and the last stage are priced):
+memory (even stages: the first, second and last are priced; uneven: all):
 
     layer    t = [(gemm/eff + split)/tp + repl/(tp if SP else 1)] * mb/cp   (x 4/3 if
              recomputed: one more forward; + the traced recomputation of the recomputed ops
@@ -24,12 +24,18 @@ memory (the first, the largest middle and the last stage are priced):
     DP       gradients: reduce-scatter over dp_shard, then an all-gather of the updated
              parameters (ZeRO-1/2, the distributed optimizer) or, with ZeRO-3, all-gathers of
              the parameters for every microbatch's forward and backward (FSDP with
-             reshard-after-forward); all-reduce over dp_replicate; overlapped with
-             the last microbatch's backward unless ``dp_overlap=False`` (Megatron-LM 2021
-             measured without overlap: the published-table validation uses that)
+             reshard-after-forward); all-reduce over dp_replicate; gradients and
+             gathered parameters in the model's dtype (fp32: 4 bytes); overlapped with the
+             backward of every microbatch (2/3 of the compute) unless ``dp_overlap=False``
+             (Megatron-LM 2021 measured without overlap: the published-table validation
+             uses that). That is FSDP's per-microbatch reduce-scatter; a job that
+             accumulates gradients without syncing (DDP no_sync, Megatron's distributed
+             optimizer) overlaps only the last microbatch's backward, so its exposed DP time
+             is under-predicted when m > 1
     memory   parameters/gradients/Adam states of the stage's layers (+ the embedding on the
-             first, the LM head on the last; graphopt.cost.memory.model_state_bytes, ZeRO
-             over dp_shard) + saved activations of min(m, pp - i) in-flight microbatches on
+             first, the LM head on the last; graphopt.cost.memory.model_state_bytes in the
+             model's dtype: bf16 2 + 2 + 12 bytes per parameter, fp32 4 + 4 + 8; ZeRO over
+             dp_shard) + saved activations of min(m, pp - i) in-flight microbatches on
              stage i (x (1 + (pp-1)/(pp v)) interleaved), /tp with SP (without SP the
              [b, s, h] share, 10/34 after Korthikanti et al. 2022, stays whole); a recomputed
              layer keeps only its input; selective checkpointing keeps what the traced
@@ -54,12 +60,15 @@ USABLE_MEMORY = 0.92
 
 
 _CACHE: dict[tuple[object, ...], float] = {}
+"""Collective times by (kind, bytes, group, the cluster's levels (links included) and device
+name, stride): keyed by what they depend on, so two profiles with one name and different
+links (a review priced a 100x slower NVLink at the cached speed) never share entries."""
 
 
 def _coll(kind: str, nbytes: float, group: int, cluster: ClusterProfile, stride: int) -> float:
     if group <= 1:
         return 0.0
-    key = (kind, nbytes, group, cluster.name, cluster.max_devices, stride)
+    key = (kind, nbytes, group, cluster.levels, cluster.device.name, stride)
     if key not in _CACHE:
         _CACHE[key] = collective_time(kind, nbytes, group, cluster, stride=stride)
     return _CACHE[key]
@@ -69,7 +78,7 @@ def _ep_comm(tokens: int, top_k: int, hidden: int, ffn: int, nbytes: int, ep: in
              cluster: ClusterProfile) -> float:
     if ep <= 1 or tokens == 0:
         return 0.0
-    key = ("ep", tokens, top_k, hidden, ffn, nbytes, ep, cluster.name, cluster.max_devices)
+    key = ("ep", tokens, top_k, hidden, ffn, nbytes, ep, cluster.levels, cluster.device.name)
     if key not in _CACHE:
         from graphopt.cost.moe import MoELayerShape, a2a_latency
 
@@ -124,10 +133,12 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
     dense_share = model.dense_layers / max(model.layers, 1)
     sizes = stage_sizes(plan, model.layers)
-    # the stages that can be the slowest or the fullest: first (most microbatches in
-    # flight, embedding), the largest middle one (next most in flight), last (LM head)
-    picks = sorted({0, pp - 1} | ({max(range(1, pp - 1), key=lambda i: sizes[i])}
-                                  if pp > 2 else set()))
+    # the stages that can be the slowest or the fullest. Even stages: the first (most
+    # microbatches in flight, embedding), the second (next most), the last (LM head).
+    # Uneven stages (stage_layers): every stage, since memory goes with layers x (pp - i)
+    # and a middle stage one layer lighter but earlier can be the fullest (a review found
+    # (2, 14, 15, 1) priced at its third stage, 51.8 GiB, while its second needs 71).
+    picks = sorted(range(pp)) if len(set(sizes)) > 1 else sorted({0, min(1, pp - 1), pp - 1})
     t_dense = _layer_time(model.dense, plan, eff, mb)
     t_moe = _layer_time(model.moe, plan, eff, mb) if model.moe else 0.0
     t_head = _layer_time(model.head, plan, eff, mb)
@@ -154,8 +165,8 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     slowest = max(picks, key=lambda i: stages[i][0])
     compute, dense_n, moe_n, recomputed = stages[slowest]
     v = plan.virtual_stages
-    if (m + (pp - 1) / v) * compute > bound_s:
-        return None
+    if (m + (pp - 1) / v) * compute > bound_s * (1 + 1e-9):  # ties are not pruned: the
+        return None  # bound is computed from tokens/s, its last digit can fall below
     rec_share = recomputed / max(sizes[slowest], 1)
     # communication per microbatch and stage
     tp_stride = plan.stride("tp")
@@ -187,7 +198,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                                                                     plan.expert_tp)
                      if model.moe else 0.0)
     params = dense_params + expert_params
-    grads = 2 * params
+    grads = nb * params  # gradient (and, gathered, parameter) bytes in the model's dtype
     dp_stride = plan.stride("dp_shard")
     dp_time = _coll("reduce_scatter" if plan.zero_stage >= 1 else "all_reduce",
                     grads, plan.dp_shard, cluster, dp_stride)
@@ -237,10 +248,11 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                         (model.moe.params * n * (1 - dense_share) if model.moe else 0.0)) / tp
         experts = model.moe.expert_params * n * (1 - dense_share) / (
             plan.ep * plan.expert_tp) if model.moe else 0.0
-        st = model_state_bytes(layer_params + extra, zero_stage=plan.zero_stage
-                               if plan.dp_shard > 1 else 0, dp=plan.dp_shard) + \
-            model_state_bytes(experts, zero_stage=plan.zero_stage if edp_shard > 1 else 0,
-                              dp=edp_shard)
+        st = model_state_bytes(layer_params + extra, param_bytes=nb, grad_bytes=nb,
+                               zero_stage=plan.zero_stage if plan.dp_shard > 1 else 0,
+                               dp=plan.dp_shard) + \
+            model_state_bytes(experts, param_bytes=nb, grad_bytes=nb,
+                              zero_stage=plan.zero_stage if edp_shard > 1 else 0, dp=edp_shard)
         return st.total + acts, st.total, acts
 
     fullest = max((stage_memory(i) for i in picks), key=lambda x: x[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,10 @@ class Prediction:
     memory_parts: dict[str, float]
     mfu: float
     tokens_per_s: float
+
+
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,9 @@ class ParallelPlan:
         elif self.pp_schedule != "zero_bubble" and \
                 (self.pp_schedule == "interleaved") != (self.virtual_stages > 1):
             out.append("interleaved 1F1B needs virtual_stages > 1 (and 1F1B exactly 1)")
-        if sorted(self.mesh_order) != sorted(AXES):
+        if not isinstance(self.mesh_order, tuple) or \
+                not all(isinstance(a, str) for a in self.mesh_order) or \
+                sorted(self.mesh_order) != sorted(AXES):
             out.append(f"mesh_order must order all of {AXES}, got {self.mesh_order}")
         fold = self.dp_shard * self.cp * self.tp
         if (self.ep * self.expert_tp) > fold or fold % (self.ep * self.expert_tp):
@@ -185,6 +192,15 @@ class ParallelPlan:
         if seq is not None and seq % (self.cp * (2 if self.cp > 1 else 1)):
             out.append(f"sequence ({seq}) must split into 2*cp ({2 * self.cp}) load-balanced "
                        "chunks")
+        elif seq is not None and self.sp and self.tp > 1 and seq % (self.cp * self.tp):
+            out.append(f"SP splits each rank's {seq // self.cp} tokens over tp ({self.tp}): "
+                       f"use a sequence divisible by cp*tp ({self.cp * self.tp}) or sp=False")
+        if self.virtual_stages > 1 and self.pp == 1:
+            out.append(f"virtual_stages ({self.virtual_stages}) interleave pipeline stages: "
+                       "they need pp > 1")
+        if self.expert_tp > 1 and self.ep == 1:
+            out.append(f"expert_tp ({self.expert_tp}) splits experts that EP distributes: it "
+                       "needs ep > 1")
         return out
 
     def validate(self, devices: int | None = None, layers: int | None = None,
@@ -220,6 +236,15 @@ class ParallelPlan:
             if not isinstance(pred, dict) or set(pred) != fields:
                 raise ConfigError(f"plan 'prediction' must be null or an object with keys "
                                   f"{sorted(fields)}")
+            bad = [k for k, v in pred.items() if not (_number(v) if k not in (
+                "comm_s", "memory_parts") else isinstance(v, dict) and all(
+                    isinstance(a, str) and _number(b) for a, b in v.items()))]
+            if _number(pred["mfu"]) and pred["mfu"] > 1:
+                bad.append("mfu")
+            if bad:  # a hand-edited prediction would print as "predicted" in the report
+                raise ConfigError(f"plan 'prediction' has bad values for {sorted(set(bad))} "
+                                  "(numbers >= 0, mfu in [0, 1], comm_s / memory_parts "
+                                  "objects of numbers): fix them or set it to null")
             data["prediction"] = Prediction(**pred)
         if isinstance(data.get("stage_layers"), list):
             data["stage_layers"] = tuple(data["stage_layers"])
@@ -238,9 +263,10 @@ class ParallelPlan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
-    def load(cls, path: str | Path) -> ParallelPlan:
-        """Read a plan written by :meth:`save`; ConfigError as :meth:`from_dict`, and for a
-        file that is missing or not JSON."""
+    def load(cls, path: str | os.PathLike[str]) -> ParallelPlan:
+        """Read a plan written by :meth:`save`, or the best plan (``plans[0]``) of the
+        output of ``graphopt plan --json``; ConfigError as :meth:`from_dict`, and for a file
+        that is missing or not JSON."""
         try:
             data = json.loads(Path(path).read_text())
         except OSError as exc:
@@ -250,6 +276,12 @@ class ParallelPlan:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"the plan file {str(path)!r} is not JSON ({exc}): write it "
                               "with ParallelPlan.save") from exc
+        if isinstance(data, dict) and "plans" in data and "dp_shard" not in data:
+            plans = data["plans"]  # graphopt plan --json: the ranked plans, best first
+            if not isinstance(plans, list) or not plans:
+                raise ConfigError(f"{str(path)!r} looks like `graphopt plan --json` output "
+                                  "but its 'plans' list is empty")
+            return cls.from_dict(plans[0])
         return cls.from_dict(data)
 
     def describe(self) -> str:
