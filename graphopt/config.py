@@ -200,6 +200,10 @@ class GraphoptConfig:
             raise ConfigError(f"option 'lightning' configures attention='lightning', but "
                               f"attention is {config.attention!r}; set attention='lightning' "
                               "or drop the 'lightning' options")
+        if "attention" in options and config.attention != "keep" and \
+                "attention" in config.disable:
+            raise ConfigError(f"attention={config.attention!r} asks the attention pass to "
+                              "rewrite, but 'attention' is in 'disable'; drop one of them")
         for key, pass_name in option_keys().items():
             if key in config.pass_options and pass_name in config.disable:
                 raise ConfigError(f"option {key!r} is given but {pass_name!r} is in 'disable'; "

@@ -173,6 +173,17 @@ def _minimax_loop(attn, q, k, v, variant):
     outputs = []
     n = (s + blk - 1) // blk
     slope = attn.slope_rate * (s / 40) if variant == "slope_follows_s" else attn.slope_rate
+    query_decay, key_decay = attn.query_decay, attn.key_decay
+    diagonal_decay = attn.diagonal_decay
+    if variant == "shared_slope":  # one slope (head 0's) for every head: [1, L, ...] tables
+        slope, query_decay, key_decay = slope[:1], query_decay[:1], key_decay[:1]
+        diagonal_decay = diagonal_decay[:, :1]
+    if variant == "diagonal_on_batch":  # [H, 1, L, L]: the heads' decays on the batch axis
+        diagonal_decay = diagonal_decay.transpose(0, 1)
+    if variant == "query_on_features":  # [H, 1, L]: along the features (L = D = 16)
+        query_decay = query_decay.transpose(-1, -2)
+    if variant == "kv_shared_over_batch":
+        k, v = k[:1], v[:1]
     for i in range(n):
         start, end = i * blk, min(i * blk + blk, s)
         size = end - start
@@ -181,19 +192,24 @@ def _minimax_loop(attn, q, k, v, variant):
         if variant == "next_rows":  # the state reads the next block's rows (full blocks)
             j = (i + 1) % n
             ks, vs = k[:, :, j * blk:(j + 1) * blk], v[:, :, j * blk:(j + 1) * blk]
-        q_decay = attn.query_decay[:, :size]
+        q_decay = query_decay[..., :size, :] if variant != "query_on_features" else \
+            query_decay[..., :size]
         decay = torch.exp(-slope * size)
         if i == n - 1 and variant == "shifted_query":
             q_decay = attn.query_decay[:, 8 - size:8]
         if i == n - 1 and variant == "constant_decay":
             decay = torch.exp(-attn.slope_rate * 8)
         intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2))
-                             * attn.diagonal_decay[:, :, :size, :size], vb)
+                             * diagonal_decay[:, :, :size, :size], vb)
         inter = torch.matmul(qb * q_decay, state)
         alpha = 0.5 if variant == "alpha_output" else 1
         outputs.append(torch.add(inter, intra, alpha=alpha))
-        kv = torch.matmul((ks * attn.key_decay[:, -size:]).transpose(-1, -2), vs)
+        kv = torch.matmul((ks * key_decay[:, -size:]).transpose(-1, -2), vs)
         state = torch.add(state * decay, kv, alpha=2.0 if variant == "alpha_state" else 1)
+        if variant == "write_k_after_first_block" and i == 0:
+            k[:, :, :blk].mul_(2.0)  # rows the state has already read
+    if variant == "write_q_after_loop":
+        q.mul_(2.0)
     return torch.cat(outputs, dim=-2), state
 
 
@@ -222,6 +238,41 @@ def test_dynamic_loop_right_only_at_the_traced_length_is_refused(variant, reason
     assert LIGHTNING not in record.op_delta
     args = [torch.randn(1, 4, 37, 16, requires_grad=True) for _ in range(3)]
     assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant, batch, reason", [
+    ("write_k_after_first_block", 2, "writes Q, K or V (or a view of them) in place after"),
+    ("write_q_after_loop", 2, "writes Q, K or V (or a view of them) in place after"),
+    ("diagonal_on_batch", 4, "does not broadcast as [H, L, L]"),
+    ("query_on_features", 2, "does not broadcast as [H, L, 1]"),
+    ("kv_shared_over_batch", 2, "different batch sizes"),
+    ("shared_slope", 2, "slope is not one value per query head"),
+])
+def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
+    """Found by a review, each rewritten before (errors 15-96, or a crash in the backward
+    or the compile): Q/K/V written in place after the loop first read them (the kernel reads
+    them where the loop ends; under no_grad, as eager autograd refuses these writes); decay
+    tables with the right values broadcast along the wrong axes (the heads' decays over
+    the batch when B = H, a query decay along the features when L = D: values alone do not
+    show it); K/V shared over the batch; one slope for every head. Each is left as
+    written, with the reason, and equals eager."""
+    attn = _layer(40, 16)[0]
+
+    def fn(q, k, v):
+        q, k, v = q * 1, k * 1, v * 1
+        return _minimax_loop(attn, q, k, v, variant)
+
+    with torch.no_grad():
+        args = [torch.randn(batch, 4, 48, 16) for _ in range(3)]  # 3 full blocks
+        gm = trace_for_pass(fn, *args)
+        gm, record = run_pass("attention", gm, Config(attention="exact"),
+                              example_inputs=bind_inputs(gm, fn, *args))
+        assert LIGHTNING not in record.op_delta, record.sites
+        assert any(reason in s.reason for s in record.sites if s.action == "skipped"), \
+            record.sites
+        got, want = as_function(gm, fn)(*args), fn(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_no_match_for_other_concatenations():
@@ -542,6 +593,43 @@ def test_lightning_mode_refusals(kwargs, reason):
     gm = trace_for_pass(fn, *(torch.randn(1, 2, 24, 8) for _ in range(3)))
     _, record = run_pass("attention", gm, Config(attention="lightning"))
     assert [s.action for s in record.sites] == ["skipped"] and reason in record.sites[0].reason
+
+
+def test_lightning_mode_keeps_sites_whose_inputs_move_or_whose_layer_is_unknown():
+    """A hand-written causal softmax attention whose K is written in place after Q K^T: the
+    kernel would read the written K where the attention ends (the review's in-place hole, on
+    the approximate path); and lightning.every with no decoder-layer index (a site outside
+    any layer) cannot tell whether the site keeps softmax: both are kept, with the reason."""
+    def hand_written(write):
+        def fn(q, k, v):
+            q, k, v = q * 1, k * 1, v * 1
+            mask = torch.full((24, 24), float("-inf")).triu(1)
+            p = torch.softmax(q @ k.transpose(-1, -2) * 8 ** -0.5 + mask, dim=-1)
+            if write:
+                k.mul_(2.0)
+            return p @ v, k
+        return fn
+
+    qkv = [torch.randn(1, 2, 24, 8) for _ in range(3)]
+    for write in (False, True):
+        fn = hand_written(write)
+        with torch.no_grad():
+            gm = trace_for_pass(fn, *qkv)
+            _, record = run_pass("attention", gm, Config(attention="lightning"),
+                                 example_inputs=bind_inputs(gm, fn, *qkv))
+        assert [s.action for s in record.sites] == ["skipped" if write else "rewritten"], \
+            record.sites
+        if write:
+            assert "in place after the attention first reads them" in record.sites[0].reason
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gm = trace_for_pass(sdpa, *qkv)
+    _, record = run_pass("attention", gm, Config.from_options(
+        {"attention": "lightning", "lightning": {"every": 2}}))
+    assert [s.action for s in record.sites] == ["skipped"]
+    assert "lightning.every=2 cannot tell" in record.sites[0].reason
 
 
 def test_lightning_mode_on_llama_trains_and_is_reported_approximate():

@@ -256,6 +256,7 @@ def test_offload_decision_runs_as_a_copy_on_cpu_and_keeps_gradients(lowering):
     ({"remat": {"budget": 0.5}, "disable": ["remat"]},
      "'remat' is given but 'remat' is in 'disable'"),
     ({"lightning": {"every": 2}}, "attention is 'keep'; set attention='lightning'"),
+    ({"attention": "exact", "disable": ["attention"]}, "but 'attention' is in 'disable'"),
 ])
 def test_options_that_would_silently_do_something_else_are_refused(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -193,17 +193,23 @@ def written_nodes(graph: fx.Graph) -> set[fx.Node]:
     alias-aware set."""
     out: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op != "call_function" or not is_mutating(node):
+        out.update(writes_of(node))
+    return out
+
+
+def writes_of(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` writes to in place (its schema's mutable arguments and
+    :func:`unannotated_writes`); empty for a functional op."""
+    if node.op != "call_function" or not is_mutating(node):
+        return []
+    out = list(unannotated_writes(node))
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
             continue
-        out.update(unannotated_writes(node))
-        schema = node.target._schema  # type: ignore[union-attr]
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = _argument_value(node, i, arg.name)
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, fx.Node):
-                    out.add(v)
+        value = _argument_value(node, i, arg.name)
+        out += [v for v in (value if isinstance(value, (list, tuple)) else [value])
+                if isinstance(v, fx.Node)]
     return out
 
 

@@ -60,7 +60,7 @@ from graphopt.passes.attention.lightning_call import (
     insert_with_frozen_slopes,
     saved_bytes_note,
 )
-from graphopt.passes.attention.match_common import NoMatch, aten, is_call
+from graphopt.passes.attention.match_common import NoMatch, WritesBetween, aten, is_call
 from graphopt.passes.attention.match_linear import (
     BlockLoop,
     LoopRefused,
@@ -80,6 +80,7 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
     (graph changed, the loops' per-block intra products: not parallel forms)."""
     modified = False
     in_loops: set[fx.Node] = set()
+    writes = WritesBetween(gm.graph)
     for cat in [n for n in gm.graph.nodes if is_call(n, aten.cat.default)]:
         site = site_name(cat)
         try:
@@ -102,6 +103,10 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         except NoMatch as exc:
             ctx.record("skipped", site, str(exc))
             continue
+        moved = writes.reason((loop.q, loop.k, loop.v), cat)
+        if moved:
+            ctx.record("skipped", site, f"linear-attention block loop: {moved}")
+            continue
         _replace_loop(gm, cat, loop)
         val = tensor_meta(loop.q)
         assert val is not None
@@ -123,6 +128,7 @@ def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.No
     mode "keep"). Returns whether the graph changed."""
     graph = gm.graph
     modified = False
+    writes = WritesBetween(graph)
     for node in [n for n in graph.nodes if is_call(n, aten.matmul.default)]:
         if node in in_loops or node.graph is not graph or not node.users or \
                 autocast_reason(node):
@@ -142,6 +148,10 @@ def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.No
             slopes = parallel_form_slopes(form.decay, int(q_val.shape[1]), env)
         except NoMatch as exc:
             ctx.record("skipped", site, str(exc))
+            continue
+        moved = writes.reason((form.q, form.k, form.v), node)
+        if moved:
+            ctx.record("skipped", site, f"decayed linear attention, parallel form: {moved}")
             continue
         node.replace_all_uses_with(
             insert_with_frozen_slopes(gm, node, form.q, form.k, form.v, slopes, 1.0))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt.passes.fx_utils import tensor_meta
+from graphopt.passes.fx_utils import alias_classes, tensor_meta, writes_of
 
 aten = torch.ops.aten
 
@@ -60,6 +60,38 @@ def _writes(node: fx.Node, value: fx.Node) -> bool:
         if given is value:
             return True
     return False
+
+
+class WritesBetween:
+    """Writes that would move under a rewrite: the rewritten op reads its operands (Q, K, V)
+    where the replaced site is, but the original read them earlier (a loop's first block,
+    the Q K^T product). An in-place write to an operand, or to anything sharing its storage
+    (:func:`graphopt.passes.fx_utils.alias_classes`), between the two makes the rewritten op
+    see values the original never saw: a review got 55-96 errors from ``k.mul_(2)`` after a
+    MiniMax loop's first block, under ``torch.no_grad``. Computed once per graph."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.classes = alias_classes(graph)
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.writers = [(self.order[n], n, writes_of(n)) for n in graph.nodes
+                        if writes_of(n)]
+
+    def reason(self, operands: tuple[fx.Node, ...], at: fx.Node) -> str | None:
+        """None, or why the operands cannot be read at ``at``: which op writes which of
+        them between their first read and ``at``."""
+        roots = {self.classes.get(n, n) for n in operands}
+        end = self.order.get(at)
+        reads = [self.order[u] for n in operands for u in n.users if u in self.order]
+        if end is None or not reads:
+            return None
+        start = min(reads)
+        for position, writer, targets in self.writers:
+            if start <= position <= end and any(self.classes.get(t, t) in roots
+                                                for t in targets):
+                return (f"{writer.name} writes Q, K or V (or a view of them) in place after "
+                        "the attention first reads them: the kernel, which reads them once "
+                        "where the attention ends, would see the written values")
+        return None
 
 
 def written_in_place(node: fx.Node) -> fx.Node | None:

@@ -253,6 +253,11 @@ def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
     if not is_call(first.state_in, aten.zeros.default, aten.zeros_like.default,
                    aten.new_zeros.default):
         raise NoMatch("the first block's state is not zeros (a cached state: decode path)")
+    batches = {hint(v.shape[0]) for v in map(tensor_meta, (first.q, first.k, first.v))
+               if v is not None and v.dim() == 4}
+    if len(batches) != 1:  # K/V shared over the batch: the kernel's backward needs one B
+        raise NoMatch(f"Q, K and V have different batch sizes ({sorted(batches)}): K/V "
+                      "broadcast over the batch")
     seq_len = hint(seq.shape[2])
     checks: list[tuple[fx.Node, str, int, int]] = []
     slope = None
@@ -365,6 +370,33 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
             f"may deviate by {ulps} x {eps:.1e} x (1 + slope x distance)")
 
 
+_LAYOUT = {"query": "[H, L, 1]", "key": "[H, L, 1]", "diagonal": "[H, L, L]",
+           "block": "[H, 1, 1]"}
+
+
+def _decay_layout_problem(val: torch.Tensor | None, kind: str, heads: int, length: int
+                          ) -> str | None:
+    """None when a decay table broadcasts against its operand as Lightning Attention's does:
+    right-aligned with Q/K blocks [B, H, L, D], Q K^T [B, H, L, L] or the state [B, H, D, Dv]
+    its shape, leading 1s aside, is [H, L, 1] (query, key), [H, L, L] (diagonal) or
+    [H, 1, 1] (block). Values alone do not show it: a review's [H, 1, L, L] table (the
+    heads on the batch axis, B = H) and [H, 1, L] query decay (L = D) held the right values
+    in the wrong places and were rewritten (errors 16-60)."""
+    if val is None:
+        return "its shape is unknown"
+    shape = [hint(x) for x in val.shape]
+    while len(shape) > 3 and shape[0] == 1:
+        shape.pop(0)
+    shape = [1] * (3 - len(shape)) + shape
+    rows = {"query": (length, 1), "key": (length, 1), "diagonal": (length, length),
+            "block": (1, 1)}[kind]
+    if shape != [heads, *rows]:
+        return (f"shape {list(val.shape)} does not broadcast as {_LAYOUT[kind]} (H = "
+                f"{heads} heads, L = {length}) against its operand, so its values do not "
+                "sit where Lightning Attention's decay does")
+    return None
+
+
 def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
     """Raise NoMatch unless every decay of ``loop``, evaluated, is Lightning Attention's
     (:func:`decay_deviation`); for a loop whose bounds follow the sequence length, at every
@@ -384,9 +416,14 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
                               "constants are frozen into the kernel (the rewrite would "
                               "differentiate through every decay, the model through none)")
     slope = evaluate(loop.slope, env)
-    if not isinstance(slope, torch.Tensor) or slope.numel() != slope.shape[0]:
-        raise NoMatch("slope is not one value per head")
+    q_val = tensor_meta(loop.q)
+    heads = hint(q_val.shape[1]) if q_val is not None else None
+    if not isinstance(slope, torch.Tensor) or slope.numel() != heads:
+        raise NoMatch(f"slope is not one value per query head ({heads} heads)")
     for node, kind, _, length in loop.checks:
+        layout = _decay_layout_problem(tensor_meta(node), kind, heads, length)
+        if layout:
+            raise NoMatch(f"{kind} decay of a {length}-long block: {layout}")
         got = evaluate(node, env)
         if not isinstance(got, torch.Tensor):
             raise NoMatch(f"{kind} decay of a {length}-long block is not a tensor")

@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes, saved_bytes_note
-from graphopt.passes.attention.match_common import NoMatch, aten, layer_index
+from graphopt.passes.attention.match_common import NoMatch, WritesBetween, aten, layer_index
 from graphopt.passes.attention.match_softmax import (
     Outer,
     match_softmax_attention_site,
@@ -87,8 +87,9 @@ class SoftmaxToLightning:
         # In a checkpoint body: the whole model's graph (layer count) and the parent's
         # builders of the body's inputs (a causal mask built outside the region).
         root, outer = ctx.extras.get("root", gm), ctx.extras.get("outer")
+        writes = WritesBetween(gm.graph)
         for node in sites:
-            reason = autocast_reason(node) or self.convert(gm, node, env, root, outer)
+            reason = autocast_reason(node) or self.convert(gm, node, env, root, outer, writes)
             done = reason.startswith("APPROXIMATE")
             ctx.record("rewritten" if done else "skipped", site_name(node), reason)
             modified = modified or done
@@ -108,7 +109,8 @@ class SoftmaxToLightning:
                 warnings.warn(f"graphopt: {message}", stacklevel=2)
 
     def convert(self, gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any],
-                root: fx.GraphModule | None = None, outer: Outer | None = None) -> str:
+                root: fx.GraphModule | None = None, outer: Outer | None = None,
+                writes: WritesBetween | None = None) -> str:
         """Replace one softmax-attention site (SDPA node or hand-written softmax); returns the
         report reason ("APPROXIMATE..." when done, "kept: ..." with the reason otherwise).
         ``root``: the whole model's graph when ``gm`` is a checkpoint body (MiniMax slopes
@@ -122,8 +124,16 @@ class SoftmaxToLightning:
         if q_val.shape[1] % k_val.shape[1]:
             return "kept: query heads are not a multiple of key heads"
         opts, layer = self.options, layer_index(node)
+        if opts.every > 1 and layer is None:
+            return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
+                    f"several layers after a graph break), so lightning.every={opts.every} "
+                    "cannot tell whether it keeps softmax attention")
         if opts.every > 1 and layer is not None and (layer + 1) % opts.every == 0:
             return f"kept: layer {layer} keeps softmax attention (lightning.every={opts.every})"
+        moved = (writes or WritesBetween(gm.graph)).reason((found.q, found.k, found.v),
+                                                           found.output)
+        if moved:
+            return f"kept: {moved}"
         path = module_path(node)
         if opts.layers and not any(fnmatch.fnmatchcase(path, p) for p in opts.layers):
             return f"kept: {path or 'this site'} is not selected by lightning.layers"
