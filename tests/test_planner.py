@@ -446,6 +446,12 @@ def test_auto_parallel_passes_over_plans_it_would_run_without_their_recomputatio
     assert not_executable(ParallelPlan(dp_shard=8, zero_stage=3)) == ""
     assert not_executable(ParallelPlan(tp=2, pp=2, microbatch=2), global_batch=4) == ""
     assert "at least one per stage" in not_executable(ParallelPlan(tp=2, pp=2), global_batch=1)
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_key_value_heads=2, vocab_size=50257)
+    assert "num_key_value_heads (2)" in not_executable(ParallelPlan(tp=4), config=config)
+    config.num_key_value_heads = 4
+    assert "vocab_size (50257)" in not_executable(ParallelPlan(tp=4), config=config)
     for plan in (ParallelPlan(selective_recompute=True), ParallelPlan(recompute_layers=2)):
         assert "recomputation is planned but graphopt.parallelize does not apply" in \
             not_executable(plan)

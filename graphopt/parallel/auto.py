@@ -31,9 +31,16 @@ from graphopt.planner.plan import ParallelPlan
 CLUSTER_KEYS = ("profile", "seq", "global_batch")
 
 
-def not_executable(plan: ParallelPlan, global_batch: int | None = None) -> str:
+def not_executable(plan: ParallelPlan, global_batch: int | None = None,
+                   config: Any = None) -> str:
     """Why graphopt.parallelize cannot run ``plan`` ("" when it can), for a job of
-    ``global_batch`` sequences per step when given."""
+    ``global_batch`` sequences per step and a model of transformers ``config`` when given
+    (TP splits its KV heads and vocabulary: graphopt.parallel.tp_layout refuses a tp that
+    does not divide them, where the planner checks only the query heads)."""
+    for name in ("num_key_value_heads", "vocab_size"):
+        value = getattr(config, name, None)
+        if plan.tp > 1 and isinstance(value, int) and value % plan.tp:
+            return f"tp={plan.tp} does not divide the model's {name} ({value})"
     if global_batch is not None and plan.pp > 1 and \
             global_batch // (plan.dp * plan.microbatch) < plan.pp:
         return (f"{global_batch // (plan.dp * plan.microbatch)} microbatch(es) per step for "
@@ -85,14 +92,14 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
     passed = []
     for plan in result.top:
-        why = not_executable(plan, int(spec["global_batch"]))
+        why = not_executable(plan, int(spec["global_batch"]), config)
         if not why:
             break
         passed.append(f"{plan.describe()} ({why})")
     else:
         raise ConfigError(f"none of the planner's top {len(result.top)} plans for {world} "
                           f"ranks is executable; the best, {result.best.describe()}: "
-                          f"{not_executable(result.best, int(spec['global_batch']))}")
+                          f"{not_executable(result.best, int(spec['global_batch']), config)}")
     pred = plan.prediction
     assert pred is not None
     notes = [f"auto: {plan.describe()} for {world} ranks of {profile_name!r} (seq "
