@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from graphopt.normalize import normalize
@@ -93,8 +94,12 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Capture:
 
 
 def subclass_inputs(example_inputs: Sequence[Any]) -> str:
-    """The reason to fall back for tensor-subclass inputs (DTensor, ...), or ""."""
+    """The reason to fall back for tensor-subclass inputs (DTensor, ...) or list inputs, or
+    ""."""
     for i, x in enumerate(example_inputs):
+        if isinstance(x, (list, tuple, dict)):  # the trace would hold their real tensors
+            return (f"input {i} is a {type(x).__name__} of tensors (compiled autograd's "
+                    "graphs); AOTAutograd flattens it, graphopt's model passes do not")
         if isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x):
             return (f"input {i} is a {type(x).__name__} (tensor subclass); AOTAutograd "
                     "desugars it, graphopt's model passes do not")
@@ -224,14 +229,23 @@ def _same_size(a: Any, b: Any) -> bool:
 
 def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
     """"" unless ``candidate`` holds tensor constants that ``reference`` does not (a value
-    the trace turned into a constant, such as a vmapped tensor)."""
+    the trace turned into a constant, such as a vmapped tensor). Real one-element constants
+    are the model's own (``torch.tensor(1e-6)`` in forward); a fake one of any size is a
+    traced value frozen into the graph (``x.norm().data``, a ``get_attr`` tensor of
+    Dynamo's graph: optimizer state), which crashed at run time or lost its updates."""
     known = {id(t) for t in _tensor_attrs(reference)}
+
+    def new(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and id(value) not in known and (
+            value.numel() > 1 or isinstance(value, FakeTensor))
+
     for name, value in candidate.named_buffers():
-        if id(value) not in known and value.numel() > 1:
+        if new(value):
             return f"new tensor constant {name!r} of shape {tuple(value.shape)}"
     for node in candidate.graph.find_nodes(op="get_attr"):
         attr = getattr(candidate, str(node.target), None)
-        if isinstance(attr, torch.Tensor) and id(attr) not in known and attr.numel() > 1:
+        if new(attr):
+            assert isinstance(attr, torch.Tensor)
             return f"new tensor constant {node.target!r} of shape {tuple(attr.shape)}"
     return ""
 

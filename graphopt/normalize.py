@@ -67,7 +67,7 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
     ours_only = _default_checkpoint_context(gm)
 
     def run(*args: Any) -> Any:
-        return fx.Interpreter(gm).run(*args)
+        return _FakeAttrs(gm, fake_mode).run(*args)
 
     wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
     level = wrap_log.level
@@ -116,6 +116,26 @@ def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> Non
         fake_mode.allow_non_fake_inputs = allow
 
 
+class _FakeAttrs(fx.Interpreter):
+    """Dynamo's graph, run with its real ``get_attr`` tensors replaced by fake copies, so the
+    trace never touches real state. A compiled ``optimizer.step`` reads parameters and
+    optimizer state through ``get_attr`` and writes them in place: tracing with the real
+    tensors ran ``step += 1`` and ``buf.mul_(momentum)`` for real, and the fallback then ran
+    the step again on the changed state (a review: Adam's step count 6 after 5 steps, SGD
+    momentum off by 0.52). The fake copies end up as tensor constants of the trace, which
+    the capture guard (``capture.new_constants``) sends to AOTAutograd as captured."""
+
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
+        super().__init__(gm)
+        self.fake_mode = fake_mode
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            return self.fake_mode.from_tensor(value)
+        return value
+
+
 class _RuntimeMeta(fx.Interpreter):
     """Run the traced graph once more on the fake inputs, as AOTAutograd will run it.
 
@@ -140,6 +160,18 @@ class _RuntimeMeta(fx.Interpreter):
         if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             return self.fake_mode.from_tensor(value)  # buffers/constants a pass added
         return value
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.higher_order.tag_activation_checkpoint and args and \
+                isinstance(args[0], fx.GraphModule):
+            # the HOP runs its body in its own interpreter: run it here first, inside the
+            # enclosing autocast regions, so the body's nodes get their run-time dtypes and
+            # meta['autocast'] too (a review: remove_noops dropped a needed .float() in a
+            # checkpointed block under autocast, output error 0.98)
+            body = _RuntimeMeta(args[0], self.fake_mode)
+            body.regions = list(self.regions)
+            body.run(*args[1:])
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)

@@ -209,3 +209,131 @@ def test_inference_mode_block_falls_back_and_keeps_gradients():
     with pytest.warns(FallbackWarning, match="inference_mode"):
         (report,) = _compile_and_compare(Model(), [_x(5)])
     assert "inference_mode" in report.fallback
+
+
+# --- found by a review of capture under torch.compile features (each failed before) ---
+
+
+def _graphopt(fn, **options):
+    return torch.compile(fn, backend="graphopt", options={"lowering": "eager", **options})
+
+
+def test_a_compiled_optimizer_step_updates_its_state_once():
+    """torch.compile(opt.step): Dynamo's graph reads parameters and momentum buffers through
+    get_attr and writes them in place; normalize's trace ran those writes on the real
+    tensors, then the fallback ran the step again (weights off by 0.12, momentum by 0.52
+    after 3 steps). The trace now sees fake copies, and falls back naming the constant."""
+    def train(compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = _graphopt(opt.step) if compiled else opt.step
+        for i in range(3):
+            x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+            model(x).pow(2).sum().backward()
+            step()
+            opt.zero_grad()
+        return model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"]
+
+    graphopt.clear_reports()
+    weight, momentum = train(True)
+    assert any("new tensor constant" in (r.fallback or "") for r in graphopt.reports())
+    want_weight, want_momentum = train(False)
+    torch.testing.assert_close(weight, want_weight, rtol=0, atol=1e-14)
+    torch.testing.assert_close(momentum, want_momentum, rtol=0, atol=1e-14)
+
+
+def test_a_checkpointed_block_under_autocast_keeps_its_casts():
+    """The run-time dtypes of autocast regions were not given to checkpoint bodies, so
+    remove_noops saw the bf16 -> fp32 cast inside a checkpointed block as a no-op (output
+    error 0.98 of 1.3); the model passes still run (no fallback)."""
+    import torch.utils.checkpoint as checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+            self.gain = nn.Parameter(torch.ones(16))
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            h = self.linear(x).float()
+            return ((h + 256.0) - 256.0) * self.gain  # exact in fp32, coarse in bf16
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(4, 16, requires_grad=True)
+    graphopt.clear_reports()
+    torch._dynamo.reset()
+    assert_matches_eager(model, _graphopt(model), [x], list(model.parameters()), rtol=0,
+                         atol=1e-6)
+    assert graphopt.last_report().fallback is None
+
+
+def test_data_of_a_one_element_tensor_in_forward_falls_back_and_runs():
+    """``h / h.norm().data`` froze the traced (fake) 0-d value into the graph as a constant
+    and crashed at run time; fake constants of any size now fall back."""
+    def fn(x):
+        h = x.sin()
+        return h / h.norm().data
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    graphopt.clear_reports()
+    torch._dynamo.reset()
+    assert_matches_eager(fn, _graphopt(fn), [x], rtol=0, atol=1e-14)
+    assert "new tensor constant" in (graphopt.last_report().fallback or "")
+
+
+def test_batch_norm_inside_a_checkpoint_and_compiled_autograd_on_the_eager_lowering():
+    """Train-mode BatchNorm in a checkpoint region: the eager lowering's backward refused
+    the running statistics' version counters (input mutations now stay in the graph, as
+    aot_eager keeps them). Compiled autograd's graphs take a list of tensors, which the
+    eager lowering's AOTAutograd call refused: they are flattened and fall back."""
+    import copy
+
+    import torch.utils.checkpoint as checkpoint
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            return checkpoint.checkpoint(lambda t: self.bn(self.linear(t)).relu(), x,
+                                         use_reentrant=False).sin()
+
+    torch.manual_seed(0)
+    model = Model().double()
+    reference, aot = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    torch._dynamo.reset()
+    _graphopt(model)(x).sum().backward()
+    reference(x).sum().backward()
+    torch._dynamo.reset()
+    torch.compile(aot, backend="aot_eager")(x).sum().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
+    # eager's recomputation updates the running statistics a second time; compiled
+    # checkpoints (aot_eager, graphopt) update them once
+    assert int(reference.bn.num_batches_tracked) == 2 and int(model.bn.num_batches_tracked) == 1
+    torch.testing.assert_close(model.bn.running_mean, aot.bn.running_mean, rtol=0, atol=0)
+
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    copy_mlp = copy.deepcopy(mlp)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    with torch._dynamo.compiled_autograd._enable(_graphopt):
+        _graphopt(mlp)(x).pow(2).sum().backward()
+    copy_mlp(x).pow(2).sum().backward()
+    for got, want in zip(mlp.parameters(), copy_mlp.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
+    assert any("compiled autograd" in (r.fallback or "") for r in graphopt.reports())

@@ -86,12 +86,26 @@ class AOTLowering(Lowering):
             hooks.graph_ready("joint", joint)
             return self.partition(joint, joint_inputs, **kwargs)
 
-        return aot_module_simplified(  # type: ignore[no-any-return]
-            gm, list(example_inputs), fw_compiler=for_kind("forward"),  # type: ignore[arg-type]
-            bw_compiler=for_kind("backward"),  # type: ignore[arg-type]
-            inference_compiler=for_kind("inference"),  # type: ignore[arg-type]
-            partition_fn=partition,
-        )
+        def aot(module: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
+            return aot_module_simplified(  # type: ignore[no-any-return]
+                module, list(inputs), fw_compiler=for_kind("forward"),  # type: ignore[arg-type]
+                bw_compiler=for_kind("backward"),  # type: ignore[arg-type]
+                inference_compiler=for_kind("inference"),  # type: ignore[arg-type]
+                partition_fn=partition,
+                # as aot_eager and compile_fx: an input mutation (BatchNorm's running stats)
+                # stays in the graph; in the runtime epilogue it ran after a checkpoint
+                # region had saved the inputs, and the backward refused their versions
+                keep_inference_input_mutations=True,
+            )
+
+        if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+            # compiled autograd's graphs take a list of tensors: flattened as aot_eager does
+            # (the primals then no longer match gm's placeholders one to one, so the marker
+            # marks every primal: safe)
+            from torch._dynamo.utils import flatten_graph_inputs
+
+            return flatten_graph_inputs(gm, example_inputs, aot)  # type: ignore[no-any-return]
+        return aot(gm, example_inputs)
 
 
 def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
