@@ -387,6 +387,10 @@ def plan(
                                     "backward: traced (the transformers model's eager "
                                     "autograd) | fused (fused norm/activation/attention "
                                     "kernels, as Megatron-Core runs; Korthikanti et al. 2022)."),
+    recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Also search "
+                                   "activation recomputation (full and selective); "
+                                   "graphopt.parallelize does not apply it, so plan with "
+                                   "--no-recompute for a plan file it runs."),
 ) -> None:
     """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
     common hand configurations lose."""
@@ -426,7 +430,8 @@ def plan(
             st.update("[bold]searching[/]")
             result = search(pm, profile, devices, global_batch, top_k=top,
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
-                                                         "evaluated[/]"), published=known)
+                                                         "evaluated[/]"), published=known,
+                            recompute=recompute)
     except GraphoptError as exc:
         _fail(str(exc))
     table = Table(title=f"{escape(model)} ({pm.params / 1e9:.3g}B params), {devices} x "

@@ -548,3 +548,35 @@ def test_collective_times_are_cached_by_the_links_not_the_cluster_name():
                                                  slow_link), *H100.levels[1:]))
     assert slow.name == H100.name
     assert evaluate(plan, model, slow, 64).comm_s["tp"] > 10 * fast
+
+
+def test_no_recompute_search_and_cli_plan_file_that_parallelize_runs(tmp_path):
+    """graphopt plan --no-recompute searches no recomputation (graphopt.parallelize does not
+    apply it), and its --json output loads as its best plan; with recomputation allowed a
+    model that needs it to fit gets it."""
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    model = plan_model("llama3-8b", 4096, H100, overrides=SMALL)
+    plans = search(model, H100, 8, 64, top_k=50, recompute=False).top
+    assert not any(p.recompute_layers or p.selective_recompute for p in plans)
+    out = tmp_path / "plans.json"
+    result = CliRunner().invoke(app, ["plan", "--model", "llama", "--devices", "2", "--seq",
+                                      "256", "--global-batch", "4", "--top", "3",
+                                      "--no-recompute", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    best = ParallelPlan.load(out)
+    assert best == ParallelPlan.from_dict(json.loads(out.read_text())["plans"][0])
+    assert not best.recompute_layers and not best.selective_recompute
+
+
+def test_a_plans_expert_parallelism_refuses_token_dropping_options():
+    """The plan's EP path (graphopt.parallel.expert) is dropless: moe.capacity_factor and
+    moe.drop_policy given with a plan were silently ignored (found by a review)."""
+    from graphopt.parallel.apply import _moe_options
+
+    plan = ParallelPlan(dp_shard=2, zero_stage=3, ep=2)
+    with pytest.raises(ConfigError, match="dropless"):
+        _moe_options({"capacity_factor": 1.0, "drop_policy": "probs"}, plan)
+    assert _moe_options({"all_to_all": "flat"}, plan).ep == 2

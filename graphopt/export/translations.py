@@ -261,7 +261,10 @@ def _capacity_keep(flat: Any, weights: Any, capacity: Any, num_experts: int,
     if drop_policy != "probs":
         raise ValueError(f"graphopt ONNX export: unknown moe drop_policy {drop_policy!r}")
     n = op.Shape(flat)
-    _, by_weight = op.TopK(weights, n, axis=0, largest=1, sorted=1)
+    # ranked in double: ONNX TopK takes no bfloat16 (a review's bf16 export was invalid);
+    # an upward cast keeps the order and the ties
+    _, by_weight = op.TopK(op.Cast(weights, to=ir.DataType.DOUBLE), n, axis=0, largest=1,
+                           sorted=1)
     _, by_expert = op.TopK(op.Gather(flat, by_weight), n, axis=0, largest=0, sorted=1)
     order = op.Gather(by_weight, by_expert)  # [T*K] assignment ids, the op's order
     counts = op.ReduceSum(one_hot, _ints(0), keepdims=0)  # [E]

@@ -142,7 +142,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     unexecuted = plan.problems() + ([
         "recompute_layers / selective_recompute: graphopt.parallelize does not apply "
         "activation recomputation (the plan's memory prediction counts on it): plan "
-        "without it, or recompute in the model (gradient checkpointing, the remat option)"]
+        "without it (`graphopt plan --no-recompute`, or parallel='auto'), or recompute in "
+        "the model (gradient checkpointing, the remat option)"]
         if plan.recompute_layers or plan.selective_recompute else [])
     if unexecuted:
         raise ConfigError("cannot execute this parallel plan: " + "; ".join(unexecuted))
@@ -240,19 +241,27 @@ def _moe_options(moe: Any, plan: ParallelPlan) -> Any:
 
     if plan.ep == 1:
         return None
+    import dataclasses
+
     if moe is None or isinstance(moe, dict):
         fields = dict(moe or {})
         if fields.get("ep", plan.ep) != plan.ep:
             raise ConfigError(f"moe.ep ({fields['ep']}) differs from the plan's ep "
                               f"({plan.ep}): drop moe.ep, the plan decides it")
         fields["ep"] = plan.ep
-        return MoEOptions.parse(fields)
-    if moe.ep not in (1, plan.ep):
-        raise ConfigError(f"moe.ep ({moe.ep}) differs from the plan's ep ({plan.ep}): drop "
-                          "moe.ep, the plan decides it")
-    import dataclasses
-
-    return dataclasses.replace(moe, ep=plan.ep)
+        options = MoEOptions.parse(fields)
+    else:
+        if moe.ep not in (1, plan.ep):
+            raise ConfigError(f"moe.ep ({moe.ep}) differs from the plan's ep ({plan.ep}): "
+                              "drop moe.ep, the plan decides it")
+        options = dataclasses.replace(moe, ep=plan.ep)
+    if options.capacity_factor is not None:  # the plan's EP experts are dropless
+        raise ConfigError("moe.capacity_factor / moe.drop_policy: a parallel plan's expert "
+                          "parallelism is dropless (graphopt.parallel.expert); token "
+                          "dropping applies to the moe pass (torch.compile with "
+                          "options={'moe': {'ep': ..., 'capacity_factor': ...}} under "
+                          "torchrun, no plan): drop them here")
+    return options
 
 
 def _expert_ranges(held: dict[str, tuple[int, int, int]]) -> str:

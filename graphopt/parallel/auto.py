@@ -4,7 +4,8 @@ process runs in, and keep the best one graphopt executes.
 Contract: :func:`auto_plan` describes the live model to the planner (its transformers
 config, written as config.json, traced on the meta device by
 :func:`graphopt.planner.model.plan_model`), searches ``world`` devices of the cluster
-profile (:func:`graphopt.planner.search.search`, top 200 by predicted throughput) and
+profile (:func:`graphopt.planner.search.search` without activation recomputation, which
+graphopt.parallelize does not apply; top 200 by predicted throughput) and
 returns the first plan :func:`not_executable` accepts, with notes saying what won, its
 predicted step time and throughput, and which better plans were passed over and why.
 
@@ -89,7 +90,10 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
         config.to_json_file(str(Path(tmp) / "config.json"))
         planned = plan_model(str(Path(tmp) / "config.json"), int(spec["seq"]), profile,
                              dtype=dtype)
-    result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
+    # no recomputation: graphopt.parallelize does not apply it (a plan that needs it to fit
+    # would run out of memory), so such plans are not searched
+    result = search(planned, profile, world, int(spec["global_batch"]), top_k=200,
+                    recompute=False)
     passed = []
     for plan in result.top:
         why = not_executable(plan, int(spec["global_batch"]), config)

@@ -115,9 +115,11 @@ def find_region(topk: fx.Node) -> Region:
             path = module_path(node)
         elif node.target is aten.one_hot.default or node.op == "output":
             if not module_path(topk):  # a model-level top-k, no router module
-                raise Skip("a top-k outside any module (e.g. transformers' load-balancing "
-                           "loss for output_router_logits) feeds no experts module: nothing "
-                           "to rewrite")
+                raise Skip("a top-k outside any module feeds one_hot or the graph output, "
+                           "not an experts module: transformers' load-balancing loss "
+                           "(output_router_logits: nothing to rewrite), or an experts loop "
+                           "that breaks the graph (" + EAGER_LOOP_FIX.split("); ", 1)[1]
+                           + ")")
             raise Skip(EAGER_LOOP_FIX)
         frontier += list(node.users)
     if not path:

@@ -72,12 +72,13 @@ def _splits(model: PlanModel, devices: int, node: int) -> Iterator[tuple[int, in
                     yield pp, tp, cp, rest // cp
 
 
-def candidates(model: PlanModel, devices: int, global_batch: int, node: int
-               ) -> Iterator[ParallelPlan]:
-    """Structurally valid plans (see the module docstring)."""
+def candidates(model: PlanModel, devices: int, global_batch: int, node: int,
+               recompute: bool = True) -> Iterator[ParallelPlan]:
+    """Structurally valid plans (see the module docstring); without activation
+    recomputation when ``recompute`` is False."""
     for pp, tp, cp, dp in _splits(model, devices, node):
         if global_batch % dp == 0:
-            yield from _inner(model, pp, tp, cp, dp, global_batch, node)
+            yield from _inner(model, pp, tp, cp, dp, global_batch, node, recompute)
 
 
 def no_layout_reason(model: PlanModel, devices: int, global_batch: int, node: int) -> str:
@@ -125,14 +126,15 @@ def stage_layouts(layers: int, pp: int) -> list[tuple[int, ...]]:
 
 
 def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: int,
-           node: int) -> Iterator[ParallelPlan]:
+           node: int, recompute: bool = True) -> Iterator[ParallelPlan]:
     layouts = stage_layouts(model.layers, pp)
     even = layouts[0] == ()
     per_stage = model.layers // pp
     # Interleaved 1F1B: any virtual stage count v >= 2 with pp x v dividing the layers
     # (Megatron-LM's published runs use v = 3 and others, not only 2).
     vs = [1] + ([v for v in _divisors(per_stage) if v > 1] if pp > 1 and even else [])
-    selective = model.dense.selective_activation_bytes < model.dense.activation_bytes
+    selective = recompute and \
+        model.dense.selective_activation_bytes < model.dense.activation_bytes
     for shard in _divisors(dp):
         fold = shard * cp * tp
         eps = [e for e in _divisors(fold) if node % e == 0 and model.experts % e == 0] \
@@ -150,7 +152,7 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                 most = max(layout) if layout else per_stage
                 # recomputation: none, selective (per-op), half or all layers of a stage
                 for rec, sel in [(0, False)] + [(0, True)] * selective + \
-                        [(r, False) for r in sorted({most // 2, most} - {0})]:
+                        [(r, False) for r in sorted({most // 2, most} - {0}) if recompute]:
                     # SP splits each rank's s/cp tokens over tp: only when tp divides them
                     # (a review got tp=4 + SP for 4095 tokens, which the executor refuses)
                     yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard,
@@ -166,9 +168,11 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
 
 def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch: int,
            top_k: int = 5, progress: Callable[[int], None] | None = None,
-           dp_overlap: bool = True, published: list[tuple[str, ParallelPlan]] | None = None
-           ) -> SearchResult:
-    """Best plans for ``devices`` devices of ``cluster`` (see the module docstring).
+           dp_overlap: bool = True, published: list[tuple[str, ParallelPlan]] | None = None,
+           recompute: bool = True) -> SearchResult:
+    """Best plans for ``devices`` devices of ``cluster`` (see the module docstring); with
+    ``recompute=False`` no activation recomputation is searched (plans graphopt.parallelize
+    runs as predicted).
 
     ``published``: (name, plan) of configurations a job is known to run with (a paper's or a
     team's); each valid one is evaluated with the candidates, so the result is never slower
@@ -203,7 +207,8 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
                               f"valid for this job: {'; '.join(problems)}")
         extra.append(plan)
     seen = set(extra)
-    rest = (p for p in candidates(model, devices, global_batch, node) if p not in seen)
+    rest = (p for p in candidates(model, devices, global_batch, node, recompute)
+            if p not in seen)
     tokens = global_batch * model.seq
     for i, plan in enumerate(itertools.chain(extra, rest)):
         evaluated += 1
