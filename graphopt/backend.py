@@ -60,6 +60,12 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         if not isinstance(plan, ParallelPlan):
             raise ConfigError(f"option 'parallel' must be 'auto', a ParallelPlan or the path "
                               f"of its JSON, got {type(plan).__name__}")
+    if plan is not None and plan.tp > 1 and not plan.sp:
+        raise ConfigError("a plan with tp > 1 and sp=False cannot be compiled: torch 2.13's "
+                          "DTensor backward under torch.compile fails for it (backend="
+                          "'aot_eager' too: 'Tensor' object has no attribute '_local_tensor'); "
+                          "use sp=True (a sequence length divisible by tp), or run "
+                          "graphopt.parallelize(model, plan) without compiling")
     moe = options.pop("moe", None) if plan is not None and plan.ep > 1 else None
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
     if plan is not None:

@@ -76,7 +76,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Capture:
         torch._dynamo.exc.RestartAnalysis: Dynamo asked to restart (e.g. to specialize a
             float); it is Dynamo's control flow, not a capture failure.
     """
-    reason = subclass_inputs(example_inputs) or unknown_hops(gm)
+    reason = subclass_inputs(example_inputs) or subclass_values(gm) or unknown_hops(gm)
     if reason:
         return Capture(gm, reason)
     try:
@@ -103,6 +103,21 @@ def subclass_inputs(example_inputs: Sequence[Any]) -> str:
         if isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x):
             return (f"input {i} is a {type(x).__name__} (tensor subclass); AOTAutograd "
                     "desugars it, graphopt's model passes do not")
+    return ""
+
+
+def subclass_values(gm: fx.GraphModule) -> str:
+    """The reason to fall back for a graph that builds tensor-subclass values from plain
+    inputs (``DTensor.from_local(...).redistribute(...).to_local()``: SP's hooks traced into
+    a compiled layer), or "". The re-trace turned such a redistribution into a plain chunk
+    whose backward dropped DTensor's all-gather: a review measured each TP rank's router and
+    expert gradients at its own sequence shard's share (relative error 0.5-0.9)."""
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("example_value")):
+            if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+                return (f"{node.name} is a {type(value).__name__} (tensor subclass) built "
+                        "inside the graph; AOTAutograd desugars it, graphopt's model passes "
+                        "do not")
     return ""
 
 

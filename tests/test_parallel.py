@@ -317,14 +317,18 @@ def test_impossible_expert_parallel_plans_are_refused_before_anything_changes(mo
     assert {n: p.shape for n, p in net.named_parameters()} == before
 
 
-def _compiled_worker(rank, world, plan_path):
+def _compiled_worker(rank, world, plan_path, name):
     """graphopt.compile with options['parallel']: sharded, then compiled by graphopt (the
-    DTensor graph takes the capture guard's fallback: AOTAutograd as captured)."""
+    DTensor graph takes the capture guard's fallback: AOTAutograd as captured). Mixtral's
+    eager experts loop splits a layer's graph; SP's hooks of its replicated MoE block build
+    DTensors inside a piece with plain inputs, which the re-trace turned into a plain chunk
+    (each rank's router and expert gradients were its own shard's share: a review)."""
     import graphopt
     from graphopt.models import build_model
 
     torch.manual_seed(0)
-    ref = build_model("llama", dtype=torch.float64)
+    ref = build_model(name, dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
     model = copy.deepcopy(ref)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
 
@@ -343,12 +347,73 @@ def _compiled_worker(rank, world, plan_path):
             model.graphopt_parallel.sp)
 
 
-def test_graphopt_compile_with_a_parallel_plan_file(tmp_path):
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_graphopt_compile_with_a_parallel_plan_file(tmp_path, name):
     path = tmp_path / "plan.json"
     ParallelPlan(tp=2).save(path)
-    for loss_err, grad_err, fallbacks, sp in run_distributed(_compiled_worker, 2, str(path)):
+    for loss_err, grad_err, fallbacks, sp in run_distributed(_compiled_worker, 2, str(path),
+                                                             name):
         assert loss_err < 1e-6 and grad_err < 1e-9 and sp
-        assert fallbacks and all("DTensor" in f for f in fallbacks)
+        assert fallbacks and all("DTensor" in f for f in fallbacks if f)
+
+
+def test_graphopt_compile_refuses_tp_without_sp():
+    """torch 2.13's DTensor backward under torch.compile fails for TP without SP (aot_eager
+    too); graphopt.compile says so before sharding anything."""
+    import graphopt
+    from graphopt.models import build_model
+
+    with pytest.raises(ConfigError, match="tp > 1 and sp=False cannot be compiled"):
+        graphopt.compile(build_model("llama"), options={"parallel": ParallelPlan(tp=2,
+                                                                                 sp=False)})
+
+
+def _checkpoint_and_padding_worker(rank, world):
+    """EP under gradient checkpointing leaves no stashed expert state (the first forward's
+    stash was never popped: one set of expert activations per MoE layer and step), and a
+    CP batch padded only in rank 1's chunk is refused on both ranks (rank 0 went on into
+    the next collective)."""
+    from graphopt.kernels.moe import op as moe_op
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+    from graphopt.parallel.context import shard_sequence
+
+    torch.manual_seed(0)
+    ref = build_model("mixtral", dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
+    model = copy.deepcopy(ref)
+    plan = ParallelPlan(dp_shard=2, ep=2, zero_stage=0)
+    parallelize(model, plan, build_mesh(plan))
+    model.gradient_checkpointing_enable()
+    model.train()
+    moe_op._STASH.clear()
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    _lm_loss(model, ids.chunk(2)[rank]).backward()
+    _lm_loss(ref, ids).backward()
+    grad_err = max(float((p.grad - _held(n, r.grad, model.graphopt_parallel)).abs().max())
+                   for (n, p), r in zip(model.named_parameters(), ref.parameters()))
+    stashed = len(moe_op._STASH)
+
+    cp_plan = ParallelPlan(cp=2, cp_kind="all_to_all")
+    mesh = build_mesh(cp_plan)
+    llama = parallelize(build_model("llama"), cp_plan, mesh)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, -3:] = 0  # padding in rank 1's chunk only
+    local, _ = shard_sequence(ids, mesh)
+    try:
+        llama(input_ids=local, attention_mask=mask[:, rank * 8:(rank + 1) * 8],
+              use_cache=False)
+        refused = ""
+    except ConfigError as exc:
+        refused = str(exc)
+    return grad_err, stashed, refused
+
+
+def test_expert_parallel_checkpointing_stashes_nothing_and_cp_padding_is_refused_everywhere():
+    for grad_err, stashed, refused in run_distributed(_checkpoint_and_padding_worker, 2):
+        assert grad_err < 1e-9 and stashed == 0, (grad_err, stashed)
+        assert "padding mask" in refused
 
 
 def _compiled_ep_worker(rank, world):

@@ -190,6 +190,14 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:  # inputs_embeds [B, L, H]: the same chunk, embedded by the caller
             ids = kwargs.get("inputs_embeds")
+        mask = kwargs.get("attention_mask")
+        # every CP rank refuses a padded batch together: the padding may sit in one rank's
+        # chunk only, and a rank that went on alone waited in the next collective (a review)
+        padded = torch.tensor([0.0 if mask is None or bool(mask.all()) else 1.0],
+                              device=ids.device if isinstance(ids, torch.Tensor) else None)
+        dist.all_reduce(padded, group=group)
+        if padded.item():
+            _no_padding_mask(attention_mask=torch.zeros(1, dtype=torch.bool))
         if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
             kwargs["position_ids"] = _chunk_positions(ids.shape[1], rank, plan.cp, ring,
                                                       ids.device).unsqueeze(0)
@@ -247,7 +255,9 @@ def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tens
     flattened ``dp_cp`` axis), n = dp x cp. Its value averaged over the dp x cp ranks is
     that mean loss. DP ranks whose batches hold different numbers of labels are weighted
     by their label counts, not averaged per rank."""
-    summed = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+    # in float32 at least, as transformers' loss upcasts (a bf16 sum was 400x less accurate)
+    upcast = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+    summed = nn.functional.cross_entropy(upcast.flatten(0, 1), labels.flatten(),
                                          ignore_index=-100, reduction="sum")
     count = (labels != -100).sum().to(torch.float64)
     ranks = mesh["dp_cp"]
