@@ -224,6 +224,16 @@ def export(
         raise typer.Exit(1)
 
 
+def _dump_order(path: Path) -> tuple:
+    """rank, then graph id as a number (graph_1000 after graph_999), then the folder name."""
+    parts = path.parent.relative_to(path.parent.parent.parent).parts \
+        if path.parent.parent.name.startswith("rank") else (path.parent.name,)
+    rank = int(parts[0][4:]) if len(parts) == 2 and parts[0][4:].isdigit() else -1
+    name = parts[-1]
+    digits = name[6:].split(".")[0] if name.startswith("graph_") else ""
+    return rank, int(digits) if digits.isdigit() else 10**9, name
+
+
 @app.command()
 def explain(
     dump_dir: Path = typer.Argument(..., help="A dump directory (or one graph_NNN in it)."),
@@ -232,10 +242,13 @@ def explain(
     """Render the report(s) of a dump directory in the terminal."""
     if not dump_dir.is_dir():
         _fail(f"{dump_dir} is not a directory")
-    paths = sorted(dump_dir.glob("report.json")) or sorted(dump_dir.glob("graph_*/report.json"))
+    paths = sorted(dump_dir.glob("report.json")) or sorted(
+        [*dump_dir.glob("graph_*/report.json"), *dump_dir.glob("export/report.json"),
+         *dump_dir.glob("rank*/graph_*/report.json"), *dump_dir.glob("rank*/export/report.json")],
+        key=_dump_order)
     if not paths:
-        _fail(f"no report.json in {dump_dir} or its graph_* folders; compile with "
-              "options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")
+        _fail(f"no report.json in {dump_dir} or its graph_*, export or rank*/ folders; "
+              "compile with options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")
     reports = []
     for path in paths:
         try:

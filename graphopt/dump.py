@@ -8,6 +8,13 @@ Layout, per graph Dynamo compiles (``graph_NNN``)::
     joint.py | forward.py | backward.py | inference.py
     *.dot (+ .svg when Graphviz's ``dot`` is installed), when pydot is installed
     report.json, report.md
+    .owner                       the pid of the process writing the folder
+
+Under torch.distributed (``WORLD_SIZE`` > 1) each rank writes under ``rank<R>/``. A folder
+another live process owns is never removed or written: that process's graph takes
+``graph_NNN.pid<P>`` (a review ran two processes on one dump directory: each deleted the
+other's folders and one compile died on a missing report.json). A failed write warns and
+stops this graph's dump; it never fails the compile.
 
 Models: torch/fx/passes/graph_transform_observer.py; torchtitan graph_trainer's dumps.
 """
@@ -15,9 +22,11 @@ Models: torch/fx/passes/graph_transform_observer.py; torchtitan graph_trainer's 
 from __future__ import annotations
 
 import difflib
+import os
 import shutil
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 from torch import fx
@@ -35,9 +44,34 @@ def _claim(root: Path) -> None:
     if key in _claimed:
         return
     _claimed.add(key)
-    for old in root.glob("graph_[0-9]*"):
-        if (old / "report.json").exists() or (old / "00_dynamo.py").exists():
-            shutil.rmtree(old)
+    for old in [*root.glob("graph_[0-9]*"), root / "export"]:
+        if ((old / "report.json").exists() or (old / "00_dynamo.py").exists()) and \
+                not _owned_by_another_live_process(old):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _owned_by_another_live_process(folder: Path) -> bool:
+    try:
+        pid = int((folder / ".owner").read_text())
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _rank_root(root: Path) -> Path:
+    """``root/rank<R>`` for a rank of a multi-process job (torchrun's env), else ``root``."""
+    world, rank = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
+    if world is not None and rank is not None and world.isdigit() and int(world) > 1:
+        return root / f"rank{rank}"
+    return root
 
 
 def graph_code(gm: fx.GraphModule) -> str:
@@ -49,20 +83,40 @@ class Dumper:
     """Writes a compile's graphs under ``root/graph_NNN``; a no-op when ``root`` is None."""
 
     def __init__(self, root: Path | None, graph_id: int, report: CompileReport) -> None:
-        self.dir = None if root is None else root / f"graph_{graph_id:03d}"
+        self.dir: Path | None = None
         self.report = report
         self._step = 0
-        if root is not None and self.dir is not None:
+        if root is None:
+            return
+        root = _rank_root(root)
+        folder = root / (f"graph_{graph_id:03d}" if graph_id >= 0 else "export")
+        try:
             _claim(root)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if _owned_by_another_live_process(folder):
+                folder = folder.with_name(f"{folder.name}.pid{os.getpid()}")
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / ".owner").write_text(str(os.getpid()))
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self.dir = folder
 
     @property
     def enabled(self) -> bool:
         return self.dir is not None
 
     def _write(self, name: str, text: str) -> None:
-        assert self.dir is not None
-        (self.dir / name).write_text(text)
+        if self.dir is None:
+            return
+        try:
+            (self.dir / name).write_text(text)
+        except OSError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        warnings.warn(f"graphopt: dump stopped for this graph ({type(exc).__name__}: {exc}); "
+                      "the compile goes on", stacklevel=3)
+        self.dir = None
 
     def graph(self, name: str, gm: fx.GraphModule, render: bool = False) -> None:
         """Write ``gm`` as ``name.py`` (and ``name.dot``/``.svg`` when ``render``)."""
@@ -107,9 +161,14 @@ class Dumper:
             dot = FxGraphDrawer(gm, name).get_main_dot_graph()
         except (ImportError, RuntimeError):  # pydot missing: code dumps are enough
             return
-        assert self.dir is not None
+        if self.dir is None:
+            return
         dot_path = self.dir / f"{name}.dot"
-        dot.write_raw(str(dot_path))  # type: ignore[attr-defined]
+        try:
+            dot.write_raw(str(dot_path))  # type: ignore[attr-defined]
+        except OSError as exc:
+            self._failed(exc)
+            return
         exe = shutil.which("dot")
         if exe is not None:
             subprocess.run([exe, "-Tsvg", str(dot_path), "-o", str(dot_path.with_suffix(".svg"))],

@@ -68,20 +68,25 @@ def _strided_copy(x: torch.Tensor) -> torch.Tensor:
 
 def run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
                    seed: int = 0) -> Outcome:
-    """Outputs of ``fn(*clones)`` and, if ``grads``, d(outputs . v)/d(inputs) for seeded v."""
+    """Outputs of ``fn(*clones)``, then the clones' values after the call (so an in-place
+    update of a buffer or input, e.g. BatchNorm's running statistics or an EMA, is compared
+    too: a review's "exact" pass that changed an EMA update passed verify), and, if
+    ``grads``, d(outputs . v)/d(inputs) for seeded v."""
     args = clone_inputs(inputs)
     out = fn(*args)
     flat = [o for o in pytree.tree_leaves(out)]
+    states = [a.detach().clone() for a in args if isinstance(a, torch.Tensor)]
+    values = [_detach(o) for o in flat] + states
     if not grads:
-        return [_detach(o) for o in flat], []
+        return values, []
     diff_out = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     if not diff_out or not wrt:
-        return [_detach(o) for o in flat], []
+        return values, []
     gen = torch.Generator().manual_seed(seed)
     cot = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in diff_out]
     g = torch.autograd.grad(diff_out, wrt, cot, allow_unused=True)
-    return [_detach(o) for o in flat], [None if t is None else t.detach() for t in g]
+    return values, [None if t is None else t.detach() for t in g]
 
 
 def _detach(x: Any) -> Any:

@@ -64,3 +64,45 @@ def test_a_new_run_replaces_the_graphs_of_an_earlier_run(tmp_path):
     _compile_and_train(tmp_path)
     assert not stale.exists() and (tmp_path / "notes.txt").exists()
     assert len(list(tmp_path.glob("graph_*/report.json"))) == 1
+
+
+def test_dumps_never_delete_or_share_a_live_process_folder_and_split_ranks(tmp_path,
+                                                                            monkeypatch):
+    """Two processes on one dump directory deleted each other's graph folders (each claims
+    the directory on its first dump) and one compile died on a missing report.json (found
+    by a review). A folder another live process owns is kept and this process writes
+    beside it; torchrun ranks write under rank<R>/; an export writes export/; a write that
+    fails warns and the compile goes on."""
+    import warnings
+
+    from graphopt.cli import _dump_order
+    from graphopt.dump import Dumper
+    from graphopt.report import CompileReport
+
+    other = tmp_path / "graph_000"
+    other.mkdir()
+    (other / "report.json").write_text("{}")
+    (other / ".owner").write_text(str(os.getppid()))  # a live process that is not this one
+    mine = Dumper(tmp_path, 0, CompileReport(graph_id=0))
+    assert other.exists() and mine.dir == tmp_path / f"graph_000.pid{os.getpid()}"
+    assert (mine.dir / ".owner").read_text() == str(os.getpid())
+    export = Dumper(tmp_path, -1, CompileReport(graph_id=-1))
+    assert export.dir == tmp_path / "export"
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    ranked = Dumper(tmp_path / "job", 3, CompileReport(graph_id=3))
+    assert ranked.dir == tmp_path / "job" / "rank1" / "graph_003"
+    import shutil
+
+    shutil.rmtree(tmp_path / "job")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ranked.write_report()  # its folder is gone: a warning, no exception
+    assert ranked.dir is None and any("dump stopped" in str(w.message) for w in caught)
+
+    paths = [tmp_path / "d" / name / "report.json" for name in
+             ("graph_1000", "graph_999", "rank1/graph_002", "rank0/graph_010", "export")]
+    ordered = sorted(paths, key=_dump_order)
+    assert [p.parent.name for p in ordered] == ["graph_999", "graph_1000", "export",
+                                                "graph_010", "graph_002"]

@@ -142,3 +142,24 @@ def test_random_ops_inside_a_checkpoint_region_skip_verification():
     compiled(torch.randn(4, 16)).sum().backward()
     verify = graphopt.last_report().verify
     assert verify["status"] == "skipped" and "random" in verify["detail"]
+
+
+def test_a_wrong_exact_pass_that_only_changes_a_buffer_update_is_caught():
+    """verify compared outputs and gradients only: an "exact" pass that changed an EMA-style
+    buffer update (the output untouched) passed (found by a review). The inputs' values
+    after the call (buffers, mutated inputs) are compared too."""
+    class Ema(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8).double()
+            self.register_buffer("ema", torch.ones(8, dtype=torch.float64))
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            y = self.linear(x)
+            self.ema.copy_(self.ema.sin() * 0.5 + y.detach().mean(0))
+            return y
+
+    compiled = torch.compile(Ema(), backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_wrong_exact"]})
+    with pytest.raises(VerificationError, match="test_wrong_exact"):
+        compiled(torch.randn(4, 8, dtype=torch.float64))

@@ -44,6 +44,7 @@ import torch
 from torch import fx, nn
 
 from graphopt.config import GraphoptConfig
+from graphopt.dump import Dumper
 from graphopt.errors import ConfigError, GraphoptError
 from graphopt.kernels.lightning.minimax import lightning_layers, minimax_lightning_layer
 from graphopt.models import eval_mode
@@ -172,7 +173,11 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"path {path} is a directory: give the .onnx file to write")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the folder of {path} ({exc.strerror}): give a "
+                          "writable path") from exc
     report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
     result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
                         example_inputs=args, eager=module)
@@ -186,7 +191,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
                                      loops=bool(lightning_layers(model)))
             result.seconds["torch_export"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            gm = _run_model_passes(exported, args, config, report)
+            gm, dumper = _run_model_passes(exported, args, config, report)
             result.transformed = gm
             result.seconds["passes"] = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -204,6 +209,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
 
     onnx.checker.check_model(str(path), full_check=True)
     report.status = "exported"
+    dumper.write_report()  # the dump's report says how the export ended
     if check:
         check_onnx(result)
     return result
@@ -308,10 +314,11 @@ def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptC
 
 
 def _run_model_passes(exported: torch.export.ExportedProgram, args: tuple,
-                      config: GraphoptConfig, report: CompileReport) -> fx.GraphModule:
-    """Run stage "pre_autograd" on the exported graph (parameters as attributes)."""
+                      config: GraphoptConfig, report: CompileReport
+                      ) -> tuple[fx.GraphModule, Dumper]:
+    """Run stage "pre_autograd" on the exported graph (parameters as attributes); returns
+    the graph and its dumper."""
     from graphopt.capture import check_outputs
-    from graphopt.dump import Dumper
     from graphopt.pipeline import PassRunner, copy_graph_module
 
     gm = exported.module(check_guards=False)  # the retrace checks the shapes again
@@ -336,7 +343,7 @@ def _run_model_passes(exported: torch.export.ExportedProgram, args: tuple,
                           "disabled (options={'disable': [...]}) and please report it")
     dumper.graph("02_after_passes", gm, render=True)
     dumper.write_report()
-    return gm
+    return gm, dumper
 
 
 def _fake_attr_meta(gm: fx.GraphModule) -> None:
