@@ -352,3 +352,23 @@ def test_estimate_cli_without_a_profile_uses_the_default_rule(tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     assert "on h100-sxm" in result.output
 
+
+
+def test_graphopt_leaves_torchs_flop_table_alone():
+    """graphopt's formulas (CPU SDPA with causal halving, grouped_mm, its own ops) go to its
+    own counters only: importing graphopt.cost changed a user's FlopCounterMode count of a
+    Llama step from 138,412,032 to 167,772,160 FLOPs (found by a review)."""
+    import torch.utils.flop_counter as flop_counter
+
+    from graphopt.cost.graph_cost import custom_flop_formulas
+
+    aten = torch.ops.aten
+    assert aten._scaled_dot_product_flash_attention_for_cpu not in flop_counter.flop_registry
+    q = torch.randn(1, 2, 64, 16)
+    with flop_counter.FlopCounterMode(display=False) as plain:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with flop_counter.FlopCounterMode(
+            display=False, custom_mapping=custom_flop_formulas()) as ours:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert plain.get_total_flops() == 0  # torch has no formula for the CPU kernel
+    assert ours.get_total_flops() == 2 * 2 * 64 * 64 * 16 * 2 // 2  # causal: half

@@ -140,8 +140,9 @@ def measure_attention_efficiency(reps: int = 5) -> float:
             .backward()
 
     import graphopt.cost.graph_cost  # noqa: F401  (the CPU SDPA formulas, causal-aware)
+    from graphopt.cost.graph_cost import custom_flop_formulas
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=custom_flop_formulas())
     with counter:
         step()
     flops = counter.get_total_flops()

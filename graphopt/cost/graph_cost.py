@@ -4,8 +4,10 @@ roofline time.
 FLOPs come from ``torch.utils.flop_counter`` (PyTorch's own formulas for mm/bmm/addmm/
 convolution/attention): each node's target is run on its fake inputs under
 ``FlopCounterMode``, so composite ops (``aten.matmul``, ``aten.linear``) count through their
-decomposition, and symbolic shapes give sympy expressions. graphopt's custom ops register
-formulas here (:func:`lightning_flops`).
+decomposition, and symbolic shapes give sympy expressions. graphopt's own formulas (its
+custom ops: :func:`lightning_flops`; grouped_mm; the CPU SDPA kernels) are given to its
+counters as ``custom_mapping`` (:func:`custom_flop_formulas`), not registered in torch's
+global table.
 
 Bytes: the sizes of a node's tensor inputs and outputs (views and metadata-only ops move 0).
 
@@ -24,6 +26,7 @@ graph in one dtype it is the usual ``flops / (time * peak(dtype))``.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections import defaultdict
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+from torch.utils.flop_counter import FlopCounterMode
 
 from graphopt.cost.profiles import DeviceProfile
 
@@ -72,55 +75,64 @@ def lightning_flops(b: Any, hq: Any, s: Any, d: Any, dv: Any, block: Any,
     return b * hq * (bwd if backward else fwd)
 
 
-def _register_custom_formulas() -> None:
+def _lightning_fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state: Any,
+                   block_size: Any, checkpoint_every: Any, impl: Any, *, out_shape: Any = None,
+                   **_: Any) -> Any:
+    b, hq, s, d = q
+    return lightning_flops(b, hq, s, d, v[-1], block_size, backward=False)
+
+
+def _lightning_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: Any,
+                   scale: Any, checkpoints: Any, block_size: Any, checkpoint_every: Any,
+                   need_slope_grad: Any, impl: Any, *, out_shape: Any = None, **_: Any) -> Any:
+    b, hq, s, d = q
+    return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
+
+
+def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
+    """torch._grouped_mm (MoE experts): every row of mat_a meets one group's matrix, so the
+    total is that of one GEMM over all rows: 2 M K N for [M, K] x [E, K, N], and for the
+    2-D x 2-D weight-gradient form [M, Ktot] x [Ktot, N] (groups along Ktot) 2 M Ktot N."""
+    n = b[-1]
+    if len(a) == 2:
+        return 2 * a[0] * a[1] * n
+    return 2 * a[0] * a[1] * a[2] * n  # 3-D x 3-D: batched
+
+
+def _sdpa_cpu(q: Any, k: Any, v: Any, dropout_p: Any = 0.0, is_causal: bool = False,
+              *_: Any, out_shape: Any = None, **__: Any) -> Any:
+    """PyTorch's CPU flash-attention kernels have no formula upstream; with is_causal the
+    kernel skips the blocks above the diagonal, so half the FLOPs are executed."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(q, k, v) // (2 if is_causal else 1)
+
+
+def _sdpa_cpu_bwd(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                  dropout_p: Any = 0.0, is_causal: bool = False, *_: Any,
+                  out_shape: Any = None, **__: Any) -> Any:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out, q, k, v) // (2 if is_causal else 1)
+
+
+@functools.cache
+def custom_flop_formulas() -> dict[Any, Any]:
+    """graphopt's FLOP formulas (its custom ops, torch._grouped_mm, the CPU SDPA kernels) as
+    a ``FlopCounterMode(custom_mapping=...)``: given to graphopt's own counters only, never
+    registered in torch's global table (registering them changed a user's own
+    FlopCounterMode counts once graphopt was imported: found by a review)."""
     import graphopt.kernels.lightning.op  # noqa: F401  (defines the ops)
 
-    @register_flop_formula(torch.ops.graphopt.lightning_attention_fwd)
-    def _fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state: Any,
-             block_size: Any, checkpoint_every: Any, impl: Any, *, out_shape: Any = None,
-             **_: Any) -> Any:
-        b, hq, s, d = q
-        return lightning_flops(b, hq, s, d, v[-1], block_size, backward=False)
-
-    @register_flop_formula(torch.ops.graphopt.lightning_attention_bwd)
-    def _bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: Any, scale: Any,
-             checkpoints: Any, block_size: Any, checkpoint_every: Any, need_slope_grad: Any,
-             impl: Any, *, out_shape: Any = None, **_: Any) -> Any:
-        b, hq, s, d = q
-        return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
-
-
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    # torch._grouped_mm (MoE experts): every row of mat_a meets one group's matrix, so the
-    # total is that of one GEMM over all rows: 2 M K N for [M, K] x [E, K, N], and for the
-    # 2-D x 2-D weight-gradient form [M, Ktot] x [Ktot, N] (groups along Ktot) 2 M Ktot N.
+    table: dict[Any, Any] = {
+        torch.ops.graphopt.lightning_attention_fwd: _lightning_fwd,
+        torch.ops.graphopt.lightning_attention_bwd: _lightning_bwd,
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
+    }
     if hasattr(aten, "_grouped_mm"):
-        @register_flop_formula(aten._grouped_mm)
-        def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
-            n = b[-1]
-            if len(a) == 2:
-                return 2 * a[0] * a[1] * n
-            return 2 * a[0] * a[1] * a[2] * n  # 3-D x 3-D: batched
-
-    # PyTorch's CPU flash-attention kernels have no formula upstream; with is_causal the
-    # kernel skips the blocks above the diagonal, so half the FLOPs are executed.
-    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu)
-    def _sdpa_cpu(q: Any, k: Any, v: Any, dropout_p: Any = 0.0, is_causal: bool = False,
-                  *_: Any, out_shape: Any = None, **__: Any) -> Any:
-        return sdpa_flop_count(q, k, v) // (2 if is_causal else 1)
-
-    @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
-    def _sdpa_cpu_bwd(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                      dropout_p: Any = 0.0, is_causal: bool = False, *_: Any,
-                      out_shape: Any = None, **__: Any) -> Any:
-        return sdpa_backward_flop_count(grad_out, q, k, v) // (2 if is_causal else 1)
-
-
-try:
-    _register_custom_formulas()
-except RuntimeError:  # already registered (module reloaded)
-    pass
+        table[aten._grouped_mm] = _grouped
+    return table
 
 
 @dataclass
@@ -208,7 +220,7 @@ def node_flops(node: fx.Node) -> Any:
     from torch._guards import detect_fake_mode
 
     mode = detect_fake_mode(vals) if vals else None
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=custom_flop_formulas())
     try:
         if mode is not None:
             with mode, counter:
