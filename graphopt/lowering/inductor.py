@@ -102,6 +102,8 @@ class InductorLowering(Lowering):
         patches: dict[str, Any] = {}
         if config.mode not in (None, "default"):
             patches.update(list_mode_options(config.mode))
+        if config.dump_dir is not None:  # a dump holds every graph: a cache hit would skip
+            patches["force_disable_caches"] = True  # the joint/forward/backward ones
         patches.update(config.inductor_config)
         patches["custom_partitioner_fn"] = _JointPassPartitioner(hooks, config,
                                                                  mutated_input_marker(gm))
