@@ -85,7 +85,14 @@ class _FlashAttention(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to the fused kernels an accelerator runs
     (``_scaled_dot_product_flash_attention``; ``_efficient_attention`` with a mask), so a fake
     trace on the meta device prices flash attention instead of PyTorch's CPU math path (which
-    materializes S x S scores in fp32)."""
+    materializes S x S scores in fp32). ``cpu``: the CPU flash kernel a CPU run takes
+    (``_scaled_dot_product_flash_attention_for_cpu``): on the meta device SDPA decomposes into
+    the math path, so a CPU profile's estimate priced S x S scores the real run never keeps
+    (a review)."""
+
+    def __init__(self, cpu: bool = False) -> None:
+        super().__init__()
+        self.cpu = cpu
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -101,6 +108,9 @@ class _FlashAttention(TorchFunctionMode):
             k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
         mask, p = a.get("attn_mask"), float(a.get("dropout_p", 0.0) or 0.0)
         scale = a.get("scale")
+        if self.cpu:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, p, bool(a.get("is_causal", False)), attn_mask=mask, scale=scale)[0]
         if mask is None:
             dv = v.shape[-1]  # V's head dim below Q's (MLA): padded, as FA2 callers do
             if dv < q.shape[-1]:
@@ -116,13 +126,13 @@ class _FlashAttention(TorchFunctionMode):
 
 def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
                train: bool = True, tracing: str = "real",
-               fused_attention: bool = False) -> fx.GraphModule:
+               fused_attention: bool | str = False) -> fx.GraphModule:
     """The ATen graph of ``model(**inputs)`` (+ the gradients of its loss w.r.t. every
     trainable parameter and every input with requires_grad when ``train``). Parameters and
     buffers are the graph's first inputs.
 
     ``fused_attention`` (fake traces): SDPA becomes the flash/efficient attention kernels
-    accelerators run (see :class:`_FlashAttention`).
+    accelerators run, or with "cpu" the CPU flash kernel (see :class:`_FlashAttention`).
 
     Raises:
         ConfigError: ``tracing`` not "real"/"fake"; a fake trace of data-dependent code.
@@ -148,10 +158,14 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
         return record_step(model, args, kwargs, train)
     detached = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
     context = torch.enable_grad() if train else torch.no_grad()
-    attention = _FlashAttention() if fused_attention else contextlib.nullcontext()
+    attention = _FlashAttention(cpu=fused_attention == "cpu") if fused_attention else \
+        contextlib.nullcontext()
+    fresh = all(kwargs.get(k) is None for k in ("past_key_values", "attention_mask",
+                                                 "position_ids"))
+    causal = _no_packed_sequences() if fresh else contextlib.nullcontext()
     try:  # activation checkpointing's tracing marks torch.fx.traceback's current node
         # meta with its policy; restored so that later traces do not inherit the marks
-        with context, attention, torch.fx.traceback.preserve_node_meta():
+        with context, attention, causal, torch.fx.traceback.preserve_node_meta():
             return make_fx(step, tracing_mode=tracing)(  # type: ignore[arg-type]
                 detached, buffers, args, kwargs)
     except Exception as exc:
@@ -161,6 +175,28 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
                 "loop); build the model with real weights and use tracing='real', or use "
                 "experts_implementation='grouped_mm'") from exc
         raise
+
+
+@contextlib.contextmanager
+def _no_packed_sequences() -> Any:
+    """A fake trace of a step without cache, padding mask or position ids builds
+    transformers' causal mask as the real run does: not at all (SDPA's is_causal).
+    transformers looks for packed sequences in the position ids it makes (arange); a fake
+    trace cannot read them, so it kept an explicit S x S mask, and ``graphopt estimate``
+    priced a mask the model never builds (2-5.5x the memory at short lengths, attention
+    FLOPs without causal halving: a review). Arange position ids hold one sequence per row,
+    so no packing is reported."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 class _Step(torch.nn.Module):
@@ -262,7 +298,7 @@ def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, A
     prof = load_profile(profile if profile is not None else default_profile_name())
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("estimate() takes an nn.Module (wrap functions in a Module)")
-    fused = tracing == "fake" and prof.device.kind != "cpu"
+    fused = tracing == "fake" and ("cpu" if prof.device.kind == "cpu" else True)
     graph = gm if gm is not None else trace_step(model, inputs, train=train, tracing=tracing,
                                                  fused_attention=fused)
     cost = graph_cost(graph, prof.device)
