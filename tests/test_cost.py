@@ -401,3 +401,23 @@ def test_a_fake_trace_on_a_cpu_profile_prices_what_the_real_cpu_run_computes(tmp
                                  "use_cache": False}, str(profile), tracing="fake")
     assert fake.flops == real.flops
     assert abs(fake.peak_bytes - real.peak_bytes) < 0.05 * real.peak_bytes
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("matmul_curve", [[32, 0], [64, 1e9]], "matmul_curve must be a list"),
+    ("matmul_curve", "abc", "matmul_curve must be a list"),
+    ("peak_flops", {"float32": True}, "peak_flops must map"),
+    ("peak_flops", [1e11], "peak_flops must map"),
+    ("host_bandwidth", -5, "host_bandwidth must be a positive number"),
+    ("name", 3, "device name must be a string"),
+])
+def test_bad_device_profile_fields_are_named(field, value, message):
+    """Found by a review: a zero in the GEMM curve was a ZeroDivisionError, True as a peak
+    was read as 1 FLOP/s, a negative host bandwidth was accepted."""
+    from graphopt.cost.profiles import cluster_from_dict
+
+    device = {"name": "cpu", "peak_flops": {"float32": 1e11}, "memory_bytes": 1e10,
+              "memory_bandwidth": 2e10, "kind": "cpu", field: value}
+    with pytest.raises(ConfigError, match=message):
+        cluster_from_dict({"name": "x", "device": device, "levels": [
+            {"name": "node", "size": 1, "link": {"bandwidth": 1e9, "latency": 1e-5}}]})

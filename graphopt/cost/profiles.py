@@ -63,9 +63,21 @@ class DeviceProfile:
     and scales them to other dtypes by their ``peak_flops`` ratio to float32."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ConfigError(f"device name must be a string, got {self.name!r}")
+        curve = self.matmul_curve
+        if not isinstance(curve, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(
+                    _number(x) and x > 0 for x in p) for p in curve):
+            raise ConfigError(f"device {self.name!r}: matmul_curve must be a list of [GEMM "
+                              f"size n > 0, FLOP/s > 0] pairs, got {curve!r}")
+        if not isinstance(self.peak_flops, Mapping):
+            raise ConfigError(f"device {self.name!r}: peak_flops must map dtype names to "
+                              f"positive FLOP/s, got {self.peak_flops!r}")
         object.__setattr__(self, "matmul_curve",
-                           tuple((float(a), float(b)) for a, b in self.matmul_curve))
+                           tuple((float(a), float(b)) for a, b in curve))
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        _positive(self, "host_bandwidth")
         if self.kind not in ("gpu", "npu", "cpu"):
             raise ConfigError(f"device {self.name!r}: kind must be gpu, npu or cpu, got "
                               f"{self.kind!r}")
@@ -77,7 +89,7 @@ class DeviceProfile:
                 raise ConfigError(f"device {self.name!r}: {key} must be in (0, 1], got "
                                   f"{value!r}")
         if not self.peak_flops or not all(
-                isinstance(v, (int, float)) and v > 0 for v in self.peak_flops.values()):
+                _number(v) and v > 0 for v in self.peak_flops.values()):
             raise ConfigError(f"device {self.name!r}: peak_flops must map dtype names to "
                               f"positive FLOP/s, got {dict(self.peak_flops)!r}")
 
@@ -173,6 +185,12 @@ class ClusterProfile:
         return ClusterProfile(self.name, self.device,
                               (*self.levels[:-1], ClusterLevel(last.name, outer, last.link)),
                               self.source)
+
+
+def _number(value: Any) -> bool:
+    """A finite int or float (not a bool: True would be read as 1 FLOP/s)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+        math.isfinite(value)
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -324,7 +342,10 @@ def load_profile(spec: str | Path | Mapping[str, Any] | ClusterProfile) -> Clust
     if path.suffix in (".json", ".yaml", ".yml"):
         if not path.exists():
             raise ConfigError(f"profile file {path} does not exist")
-        raw = path.read_text()
+        try:
+            raw = path.read_text()
+        except OSError as exc:  # a directory, no permission
+            raise ConfigError(f"cannot read the profile file {path} ({exc.strerror})") from exc
         if path.suffix == ".json":
             try:
                 data = json.loads(raw)
@@ -356,6 +377,8 @@ def _require(data: Mapping[str, Any], keys: list[str], what: str) -> None:
 def cluster_from_dict(data: Mapping[str, Any]) -> ClusterProfile:
     """Inverse of :func:`cluster_to_dict`; validates every field."""
     _require(data, ["name", "device", "levels"], "cluster profile")
+    if not isinstance(data["name"], str):
+        raise ConfigError(f"cluster profile name must be a string, got {data['name']!r}")
     dev = data["device"]
     if isinstance(dev, str):
         if dev.lower() not in DEVICES:
