@@ -236,7 +236,7 @@ def calibrate(path: Path | None = None, collectives: bool = True,
         memory_efficiency=1.0, attention_efficiency=attention, kind="cpu",
         host_bandwidth=bandwidth / 2,  # "host" is this memory: a copy reads and writes
         source=f"graphopt calibrate, {time.strftime('%Y-%m-%d')}",
-        matmul_curve=tuple(curve))
+        threads=torch.get_num_threads(), matmul_curve=tuple(curve))
     profile = ClusterProfile("local", device, (ClusterLevel("node", os.cpu_count() or 1,
                                                             link),),
                              "measured by graphopt calibrate")

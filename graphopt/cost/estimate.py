@@ -298,6 +298,14 @@ def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, A
     prof = load_profile(profile if profile is not None else default_profile_name())
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("estimate() takes an nn.Module (wrap functions in a Module)")
+    threads = prof.device.threads
+    if threads is not None and threads != torch.get_num_threads():
+        import warnings
+
+        warnings.warn(f"graphopt estimate: profile {prof.name!r} was calibrated with {threads} "
+                      f"torch threads, this process runs {torch.get_num_threads()}: its rates "
+                      "do not apply (set OMP_NUM_THREADS / torch.set_num_threads to match, or "
+                      "recalibrate)", stacklevel=2)
     fused = tracing == "fake" and ("cpu" if prof.device.kind == "cpu" else True)
     graph = gm if gm is not None else trace_step(model, inputs, train=train, tracing=tracing,
                                                  fused_attention=fused)

@@ -57,6 +57,9 @@ class DeviceProfile:
     kind: str = "gpu"
     """"gpu" | "npu" | "cpu": which kernels a fake trace models (fused flash attention on
     accelerators; PyTorch's CPU kernels for "cpu")."""
+    threads: int | None = None
+    """Calibrated CPU profiles: the torch thread count the rates were measured with (they
+    scale with it); :func:`graphopt.cost.estimate` warns when the current count differs."""
     matmul_curve: tuple[tuple[float, float], ...] = ()
     """Calibrated profiles only: (GEMM size n, achieved float32 FLOP/s) points, n the cube
     root of m*n*k of one GEMM; :func:`graphopt.cost.graph_cost.matmul_rate` interpolates them
@@ -78,6 +81,10 @@ class DeviceProfile:
                            tuple((float(a), float(b)) for a, b in curve))
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
         _positive(self, "host_bandwidth")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(
+                self.threads, int) or self.threads < 1):
+            raise ConfigError(f"device {self.name!r}: threads must be an int >= 1 or null, got "
+                              f"{self.threads!r}")
         if self.kind not in ("gpu", "npu", "cpu"):
             raise ConfigError(f"device {self.name!r}: kind must be gpu, npu or cpu, got "
                               f"{self.kind!r}")
