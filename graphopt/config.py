@@ -186,7 +186,7 @@ class GraphoptConfig:
                 kwargs[name] = _expect(options[name], str, name)
         dump = options.get("dump_dir", os.environ.get(DUMP_DIR_ENV) or None)
         if dump is not None:
-            kwargs["dump_dir"] = _writable_dir(dump)
+            kwargs["dump_dir"] = _writable_dir(dump, from_env="dump_dir" not in options)
         if "verify" in options:
             kwargs["verify"] = VerifyConfig.parse(options["verify"])
         for name in ("disable", "enable"):
@@ -293,7 +293,7 @@ def _names(value: Any, option: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _writable_dir(value: Any) -> Path:
+def _writable_dir(value: Any, from_env: bool = False) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
         raise ConfigError(f"option 'dump_dir' must be a non-empty path, got {value!r}")
     path = Path(value).expanduser()
@@ -304,7 +304,8 @@ def _writable_dir(value: Any) -> Path:
     except OSError as exc:
         raise ConfigError(
             f"dump_dir {str(path)!r} cannot be written ({exc.strerror or exc}); "
-            "pass a writable directory or unset GRAPHOPT_DUMP_DIR"
+            + (f"set {DUMP_DIR_ENV} to a writable directory or unset it" if from_env
+               else "pass a writable directory")
         ) from exc
     return path
 

@@ -42,11 +42,14 @@ def test_bad_option_raises_before_compiling(options, message):
     assert graphopt.reports() == []  # the pipeline never started
 
 
-def test_unwritable_dump_dir(tmp_path):
+def test_unwritable_dump_dir(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(ConfigError, match="dump_dir .* cannot be written"):
+    with pytest.raises(ConfigError, match="dump_dir .* cannot be written.*pass a writable"):
         GraphoptConfig.from_options({"dump_dir": str(blocker / "sub")})
+    monkeypatch.setenv("GRAPHOPT_DUMP_DIR", str(blocker / "sub"))
+    with pytest.raises(ConfigError, match="set GRAPHOPT_DUMP_DIR to a writable directory"):
+        GraphoptConfig.from_options({})
     with pytest.raises(ConfigError, match="option 'dump_dir' must be a non-empty path"):
         GraphoptConfig.from_options({"dump_dir": 5})
 
