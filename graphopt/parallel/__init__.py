@@ -1,5 +1,6 @@
 """Executing parallel plans: one DeviceMesh, torch.distributed's engines, derived TP layout.
 
+    plan = graphopt.parallel.ParallelPlan.load("plan.json")   # or ParallelPlan(dp_shard=8, ...)
     mesh = graphopt.parallel.build_mesh(plan)          # under torchrun
     model = graphopt.parallelize(model, plan, mesh)     # TP/SP, EP, CP, PP, FSDP/HSDP, DDP
     opt = graphopt.parallel.build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=...)
@@ -19,6 +20,8 @@ from graphopt.parallel.context import cp_loss, shard_sequence
 from graphopt.parallel.mesh import build_mesh
 from graphopt.parallel.pipeline import PipelinedModel
 from graphopt.parallel.tp_layout import TPLayout, derive_tp_layout
+from graphopt.planner.plan import ParallelPlan
 
-__all__ = ["ParallelReport", "PipelinedModel", "TPLayout", "build_mesh", "build_optimizer",
-           "cp_loss", "derive_tp_layout", "optimizer_for", "parallelize", "shard_sequence"]
+__all__ = ["ParallelPlan", "ParallelReport", "PipelinedModel", "TPLayout", "build_mesh",
+           "build_optimizer", "cp_loss", "derive_tp_layout", "optimizer_for", "parallelize",
+           "shard_sequence"]

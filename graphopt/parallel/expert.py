@@ -157,6 +157,8 @@ def _checkpoint_first_forward() -> bool:
     left one stashed set of expert activations per MoE layer and step). Read from the
     saved-tensor hooks checkpoint installs (torch 2.13's ``_checkpoint_hook``; its
     recomputation runs under ``_recomputation_hook``)."""
+    if torch.compiler.is_compiling():  # a compiled layer: its checkpoint is a HOP, and the
+        return False  # hook query would break the graph (the EP op left the moe pass's view)
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     pack = hooks[0] if hooks else None
     return getattr(pack, "__qualname__", "").startswith("_checkpoint_hook.")

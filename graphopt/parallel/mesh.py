@@ -56,8 +56,10 @@ def build_mesh(plan: ParallelPlan, device_type: str | None = None) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError("running a parallel plan needs torch.distributed: launch with "
-                          "torchrun (or call torch.distributed.init_process_group) first")
+        raise ConfigError(f"running a parallel plan needs torch.distributed: launch "
+                          f"{plan.devices} ranks with torchrun (--nproc-per-node, --nnodes; "
+                          f"{plan.describe()}), or call torch.distributed.init_process_group "
+                          "first")
     world = dist.get_world_size()
     if plan.devices != world:
         raise ConfigError(f"the plan uses {plan.devices} devices ({plan.describe()}) but the "
