@@ -254,7 +254,8 @@ def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tens
     chunk's sum) / (labelled positions over the dp x cp ranks, one all-reduce over the
     flattened ``dp_cp`` axis), n = dp x cp. Its value averaged over the dp x cp ranks is
     that mean loss. DP ranks whose batches hold different numbers of labels are weighted
-    by their label counts, not averaged per rank."""
+    by their label counts, not averaged per rank. bf16/fp16 logits are summed in float32
+    (the result is float32), as transformers' own loss upcasts."""
     # in float32 at least, as transformers' loss upcasts (a bf16 sum was 400x less accurate)
     upcast = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
     summed = nn.functional.cross_entropy(upcast.flatten(0, 1), labels.flatten(),
