@@ -201,7 +201,7 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> bool:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     try:
-        from torch._higher_order_ops.wrap import _always_prefer_recompute
+        from torch._higher_order_ops.wrap import _always_prefer_recompute  # noqa: F401
     except ImportError:  # torch < 2.13 reads no such meta key: nothing to add
         return False
     target = torch.ops.higher_order.tag_activation_checkpoint
@@ -216,8 +216,25 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> bool:
     users = sum("_checkpoint_context_fn" in b.meta for b in bodies)
     for body in bodies:
         body.meta.setdefault("_checkpoint_context_fn", functools.partial(
-            create_selective_checkpoint_contexts, _always_prefer_recompute))
+            create_selective_checkpoint_contexts, _recompute_all_but_stateful_ops))
     return bool(bodies) and users == 0
+
+
+def _recompute_all_but_stateful_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Plain activation checkpointing's policy (recompute everything, as torch's
+    ``_always_prefer_recompute``), except graphopt's expert-parallel MoE op (ep > 1; on one
+    device it is recomputed like any op), which keeps its
+    state for the backward in a per-process stash and exchanges tokens between ranks: it is
+    saved, not run again in the backward (a recomputation stashed a second copy and the
+    forward's was never popped: one leaked set of expert activations per MoE layer and
+    step, found after a review)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    schema = getattr(op, "_schema", None)
+    if schema is not None and schema.name == "graphopt::moe_experts" and len(args) > 6 and \
+            isinstance(args[6], int) and args[6] > 1:  # ep > 1 (one device: recomputed)
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _DYNAMO_SOURCE = re.compile(r"^(?:[LG]\[[^\]]*\](?:\[[^\]]*\])*|L__self___|L__self__)\.?")

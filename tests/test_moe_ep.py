@@ -361,3 +361,55 @@ def test_scatter_and_gather_rows_have_the_region_mapping_gradients():
     for _, y, grad in results:
         _close(y, x * scale, 0, 0, "gathered rows")
         _close(grad, upstream * scale, 0, 0, "gradient of the replicated input")
+
+
+def _checkpointed_worker(rank: int, world: int) -> tuple[int, dict]:
+    """The moe pass with ep = world in a compiled Mixtral under transformers' gradient
+    checkpointing: (stash entries left after one step, all-reduced gradients)."""
+    import torch.distributed as dist
+
+    from graphopt.kernels.moe import op as moe_op
+    from graphopt.models import build_model, sample_batch
+
+    torch.manual_seed(0)
+    model = build_model("mixtral", dtype=torch.float64)
+    model.set_experts_implementation("grouped_mm")
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = sample_batch(model, 4, 10)
+    per = 4 // world
+    moe_op._STASH.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
+                             backend="graphopt", options={"moe": {"ep": world},
+                                                          "lowering": "eager"})
+    out = compiled(ids[rank * per:(rank + 1) * per])
+    cot = torch.randn(4, *out.shape[1:], dtype=torch.float64,
+                      generator=torch.Generator().manual_seed(3))
+    (out * cot[rank * per:(rank + 1) * per]).sum().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        grads[name] = g
+    return len(moe_op._STASH), grads
+
+
+def test_expert_parallel_op_in_a_checkpointed_compiled_model_is_saved_not_recomputed():
+    """Inside a checkpoint region the partitioner recomputed the EP op in the backward: the
+    recomputation stashed a second copy of the expert state and the forward's was never
+    popped (one leaked set of expert activations per MoE layer and step). graphopt's
+    default checkpoint policy now saves the op; gradients equal one process."""
+    from graphopt.models import build_model, sample_batch
+
+    torch.manual_seed(0)
+    ref = build_model("mixtral", dtype=torch.float64)
+    ids = sample_batch(ref, 4, 10)
+    out = ref(input_ids=ids, use_cache=False).logits
+    cot = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    (out * cot).sum().backward()
+    for left, grads in run_distributed(_checkpointed_worker, 2):
+        assert left == 0
+        for name, p in ref.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(grads[name], want, rtol=1e-10, atol=1e-12)
