@@ -8,8 +8,10 @@ graphopt is never less correct than AOTAutograd. The pipeline records the reason
 report (``CompileReport.fallback``).
 
 Fallback when, checked in this order:
-1. an input is a tensor subclass (DTensor, ...): AOTAutograd desugars subclasses, the
-   pre-dispatch re-trace does not;
+1. an input is a tensor subclass (DTensor, ...) or a list of tensors (compiled autograd's
+   graphs), or a value inside the graph is a tensor subclass (SP hooks traced into a
+   compiled layer build DTensors from plain inputs): AOTAutograd desugars subclasses and
+   flattens lists, the pre-dispatch re-trace does not;
 2. the graph calls a higher-order op outside :data:`KNOWN_HOPS` (``autograd_function_apply``
    of a custom ``torch.autograd.Function``, ``invoke_subgraph``, ``flex_attention``,
    ``associative_scan``, ...), functorch transforms (``torch.vmap``, ``torch.func.grad``)
@@ -27,7 +29,7 @@ that changed an output's dtype or detached it is caught before AOTAutograd.
 
 Pseudo-code::
 
-    reason = subclass_inputs(inputs) or unknown_hops(gm)
+    reason = unsupported_inputs(inputs) or subclass_values(gm) or unknown_hops(gm)
     if not reason:
         try: model = normalize(gm, inputs)
         except RestartAnalysis: raise
@@ -76,7 +78,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Capture:
         torch._dynamo.exc.RestartAnalysis: Dynamo asked to restart (e.g. to specialize a
             float); it is Dynamo's control flow, not a capture failure.
     """
-    reason = subclass_inputs(example_inputs) or subclass_values(gm) or unknown_hops(gm)
+    reason = unsupported_inputs(example_inputs) or subclass_values(gm) or unknown_hops(gm)
     if reason:
         return Capture(gm, reason)
     try:
@@ -93,7 +95,7 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Capture:
     return Capture(model)
 
 
-def subclass_inputs(example_inputs: Sequence[Any]) -> str:
+def unsupported_inputs(example_inputs: Sequence[Any]) -> str:
     """The reason to fall back for tensor-subclass inputs (DTensor, ...) or list inputs, or
     ""."""
     for i, x in enumerate(example_inputs):

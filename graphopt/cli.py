@@ -224,12 +224,13 @@ def export(
         raise typer.Exit(1)
 
 
-def _dump_order(path: Path) -> tuple:
-    """rank, then graph id as a number (graph_1000 after graph_999), then the folder name."""
-    parts = path.parent.relative_to(path.parent.parent.parent).parts \
-        if path.parent.parent.name.startswith("rank") else (path.parent.name,)
-    rank = int(parts[0][4:]) if len(parts) == 2 and parts[0][4:].isdigit() else -1
-    name = parts[-1]
+def _dump_order(report: Path) -> tuple:
+    """Sort key of a report.json path relative to its dump directory
+    (``[rank<R>/]graph_NNN[.pid<P>]/report.json`` or ``[rank<R>/]export/report.json``): rank,
+    then graph id as a number (graph_1000 after graph_999), then the folder name."""
+    folders = report.parts[:-1]
+    rank = int(folders[0][4:]) if len(folders) == 2 and folders[0][4:].isdigit() else -1
+    name = folders[-1]
     digits = name[6:].split(".")[0] if name.startswith("graph_") else ""
     return rank, int(digits) if digits.isdigit() else 10**9, name
 
@@ -245,7 +246,7 @@ def explain(
     paths = sorted(dump_dir.glob("report.json")) or sorted(
         [*dump_dir.glob("graph_*/report.json"), *dump_dir.glob("export/report.json"),
          *dump_dir.glob("rank*/graph_*/report.json"), *dump_dir.glob("rank*/export/report.json")],
-        key=_dump_order)
+        key=lambda path: _dump_order(path.relative_to(dump_dir)))
     if not paths:
         _fail(f"no report.json in {dump_dir} or its graph_*, export or rank*/ folders; "
               "compile with options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")

@@ -136,7 +136,7 @@ class _FakeAttrs(fx.Interpreter):
         return value
 
 
-class _RuntimeMeta(fx.Interpreter):
+class _RuntimeMeta(_FakeAttrs):
     """Run the traced graph once more on the fake inputs, as AOTAutograd will run it.
 
     Records ``meta['requires_grad']`` on every tensor-valued node (make_fx's ``meta['val']``
@@ -151,15 +151,8 @@ class _RuntimeMeta(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
-        super().__init__(gm)
-        self.fake_mode = fake_mode
+        super().__init__(gm, fake_mode)  # get_attr: buffers/constants a pass added, as fakes
         self.regions: list[tuple[str, Any]] = []
-
-    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-        value = super().get_attr(target, args, kwargs)
-        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            return self.fake_mode.from_tensor(value)  # buffers/constants a pass added
-        return value
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.higher_order.tag_activation_checkpoint and args and \
@@ -223,11 +216,10 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> bool:
 def _recompute_all_but_stateful_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     """Plain activation checkpointing's policy (recompute everything, as torch's
     ``_always_prefer_recompute``), except graphopt's expert-parallel MoE op (ep > 1; on one
-    device it is recomputed like any op), which keeps its
-    state for the backward in a per-process stash and exchanges tokens between ranks: it is
-    saved, not run again in the backward (a recomputation stashed a second copy and the
-    forward's was never popped: one leaked set of expert activations per MoE layer and
-    step, found after a review)."""
+    device it is recomputed like any op). That op keeps its state for the backward in a
+    per-process stash and exchanges tokens between ranks: it is saved, not run again in the
+    backward (a recomputation stashed a second copy and the forward's was never popped: one
+    leaked set of expert activations per MoE layer and step, found after a review)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     schema = getattr(op, "_schema", None)

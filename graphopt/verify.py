@@ -75,7 +75,7 @@ def run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
     args = clone_inputs(inputs)
     out = fn(*args)
     flat = [o for o in pytree.tree_leaves(out)]
-    states = [a.detach().clone() for a in args if isinstance(a, torch.Tensor)]
+    states = [a.detach() for a in args if isinstance(a, torch.Tensor)]  # private clones
     values = [_detach(o) for o in flat] + states
     if not grads:
         return values, []

@@ -67,10 +67,10 @@ from graphopt.passes.fx_utils import (
 from graphopt.passes.moe_options import MoEOptions
 
 aten = torch.ops.aten
+GROUPED_MM_FIX = ("build the model with experts_implementation='grouped_mm' (or 'batched_mm') "
+                  "so router and experts reach one graph")
 EAGER_LOOP_FIX = ("the router's indices leave this graph at a graph break (transformers' eager "
-                  "experts loop breaks on a data-dependent nonzero); build the model with "
-                  "experts_implementation='grouped_mm' (or 'batched_mm') so router and experts "
-                  "reach one graph")
+                  "experts loop breaks on a data-dependent nonzero); " + GROUPED_MM_FIX)
 
 
 class Skip(Exception):
@@ -118,8 +118,7 @@ def find_region(topk: fx.Node) -> Region:
                 raise Skip("a top-k outside any module feeds one_hot or the graph output, "
                            "not an experts module: transformers' load-balancing loss "
                            "(output_router_logits: nothing to rewrite), or an experts loop "
-                           "that breaks the graph (" + EAGER_LOOP_FIX.split("); ", 1)[1]
-                           + ")")
+                           f"that breaks the graph ({GROUPED_MM_FIX})")
             raise Skip(EAGER_LOOP_FIX)
         frontier += list(node.users)
     if not path:
@@ -226,7 +225,7 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
     kinds = [(params, kind) for kind in ("random", "expert0", "last_unused", "large")]
     if params is not drawn:
         kinds.append((drawn, "random"))
-    for params, kind in kinds:
+    for weights_set, kind in kinds:
         pool = e - 1 if kind == "last_unused" and e > k else e
         index = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)])
         if kind == "expert0":
@@ -237,7 +236,7 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
             hidden = hidden * 30
         hidden = hidden.to(device, h.dtype)
         weights = torch.rand(t, k, generator=gen).to(device, w.dtype)
-        probes.append((hidden, index.to(device, idx.dtype), weights, *params))
+        probes.append((hidden, index.to(device, idx.dtype), weights, *weights_set))
     return probes
 
 

@@ -138,7 +138,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     # Uneven stages (stage_layers): every stage, since memory goes with layers x (pp - i)
     # and a middle stage one layer lighter but earlier can be the fullest (a review found
     # (2, 14, 15, 1) priced at its third stage, 51.8 GiB, while its second needs 71).
-    picks = sorted(range(pp)) if len(set(sizes)) > 1 else sorted({0, min(1, pp - 1), pp - 1})
+    picks = list(range(pp)) if len(set(sizes)) > 1 else sorted({0, min(1, pp - 1), pp - 1})
     t_dense = _layer_time(model.dense, plan, eff, mb)
     t_moe = _layer_time(model.moe, plan, eff, mb) if model.moe else 0.0
     t_head = _layer_time(model.head, plan, eff, mb)

@@ -73,8 +73,8 @@ class WritesBetween:
     def __init__(self, graph: fx.Graph) -> None:
         self.classes = alias_classes(graph)
         self.order = {n: i for i, n in enumerate(graph.nodes)}
-        self.writers = [(self.order[n], n, writes_of(n)) for n in graph.nodes
-                        if writes_of(n)]
+        self.writers = [(self.order[n], n, targets) for n in graph.nodes
+                        if (targets := writes_of(n))]
 
     def reason(self, operands: tuple[fx.Node, ...], at: fx.Node) -> str | None:
         """None, or why the operands cannot be read at ``at``: which op writes which of
