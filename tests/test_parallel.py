@@ -542,6 +542,53 @@ def test_sp_with_a_sequence_tp_does_not_divide_is_a_clear_error():
         assert "sequence length 7 is not divisible by tp=2 under SP" in message
 
 
+def _user_wrapped_worker(rank, world):
+    """torch.compile(backend="graphopt") of a model the user wrapped in DDP (Dynamo's
+    DDPOptimizer splits the graph at gradient buckets) or FSDP2 (fully_shard): the same loss
+    and gradients as one process, plain tensors out, graphopt's passes ran on every graph."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import graphopt
+
+    results = []
+    for wrap in ("ddp", "fsdp2"):
+        torch._dynamo.reset()
+        graphopt.clear_reports()
+        torch.manual_seed(0)
+        ref = LlamaForCausalLM(LlamaConfig(  # ~9 MB in float64: several 1 MB DDP buckets
+            hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256)).double()
+        _full_precision_rmsnorm(ref)
+        model = copy.deepcopy(ref)
+        if wrap == "ddp":
+            wrapped = DistributedDataParallel(model, bucket_cap_mb=1)
+        else:
+            for layer in model.model.layers:
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        compiled = torch.compile(wrapped, backend="graphopt", options={"lowering": "eager"})
+        ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+        logits = compiled(input_ids=ids.chunk(2)[rank], use_cache=False).logits
+        plain = type(logits) is torch.Tensor
+        _lm_loss(compiled, ids.chunk(2)[rank]).backward()
+        _lm_loss(ref, ids).backward()
+        err = max(float((_full(p.grad) - r.grad).abs().max())
+                  for p, r in zip(model.parameters(), ref.parameters()))
+        compiled_reports = [r for r in graphopt.reports() if r.status == "compiled"]
+        results.append((wrap, plain, err, len(compiled_reports),
+                        [r.fallback for r in compiled_reports]))
+    return results
+
+
+def test_torch_compile_of_user_wrapped_ddp_and_fsdp2_models():
+    for results in run_distributed(_user_wrapped_worker, 2):
+        for wrap, plain, err, graphs, fallbacks in results:
+            assert plain and err < 1e-12, (wrap, plain, err)
+            assert graphs > 1 and not any(fallbacks), (wrap, graphs, fallbacks)
+
+
 def test_torch_compile_backend_refuses_the_parallel_option():
     with pytest.raises(Exception, match="use graphopt.compile"):
         torch.compile(torch.nn.Linear(2, 2), backend="graphopt",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import fx
-from torch._functorch.aot_autograd import aot_module_simplified
+from torch._dynamo.backends.common import aot_autograd
 
 from graphopt.config import GraphoptConfig
 
@@ -87,16 +87,18 @@ class AOTLowering(Lowering):
             return self.partition(joint, joint_inputs, **kwargs)
 
         def aot(module: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
-            return aot_module_simplified(  # type: ignore[no-any-return]
-                module, list(inputs), fw_compiler=for_kind("forward"),  # type: ignore[arg-type]
-                bw_compiler=for_kind("backward"),  # type: ignore[arg-type]
-                inference_compiler=for_kind("inference"),  # type: ignore[arg-type]
-                partition_fn=partition,
+            # Dynamo's own AOTAutograd backend wrapper, as aot_eager uses it: it counts the
+            # call (DDPOptimizer reads that count to consume the fake outputs AOTAutograd
+            # returns on a split graph's first call; without it the first real call of a
+            # DDP model returned FakeTensors), and keeps Dynamo out of the backward compiler
+            return aot_autograd(  # type: ignore[no-any-return]
+                fw_compiler=for_kind("forward"), bw_compiler=for_kind("backward"),
+                inference_compiler=for_kind("inference"), partition_fn=partition,
                 # as aot_eager and compile_fx: an input mutation (BatchNorm's running stats)
                 # stays in the graph; in the runtime epilogue it ran after a checkpoint
                 # region had saved the inputs, and the backward refused their versions
                 keep_inference_input_mutations=True,
-            )
+            )(module, list(inputs))
 
         if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
             # compiled autograd's graphs take a list of tensors: flattened as aot_eager does
