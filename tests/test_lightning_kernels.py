@@ -246,6 +246,31 @@ def test_packed_variable_length_sequences_reset_the_state_at_each_boundary():
                             v.expand(2, -1, -1, -1), slope, cu_seqlens=cu)
 
 
+def test_packed_sequences_trace_under_fake_tensors_and_bad_cu_seqlens_are_named():
+    """make_fx (fake and symbolic) and FakeTensorMode trace the packed path (the host check of
+    cu_seqlens read fake values: DataDependentOutputException), and the traced graph equals
+    eager; a complex cu_seqlens and one on another device than q are named errors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(q, k, v, slope, cu):
+        return lightning_attention(q, k, v, slope, cu_seqlens=cu, block_size=4)
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 10, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    slope, cu = torch.rand(2, generator=gen, dtype=torch.float64), torch.tensor([0, 3, 10])
+    for mode in ("fake", "symbolic"):
+        traced = make_fx(fn, tracing_mode=mode)(q, k, v, slope, cu)
+        torch.testing.assert_close(traced(q, k, v, slope, cu), fn(q, k, v, slope, cu))
+    with FakeTensorMode() as fake:
+        out = fn(*(fake.from_tensor(x) for x in (q, k, v, slope, cu)))
+    assert out.shape == (1, 2, 10, 4)
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        fn(q, k, v, slope, cu.to(torch.complex64))
+    with pytest.raises(ValueError, match="cu_seqlens is on meta and q on cpu"):
+        fn(q, k, v, slope, cu.to("meta"))
+
+
 @pytest.mark.parametrize("seq, every, dtype", [(300, 2, torch.float32), (64, 8, torch.float64),
                                                (1000, 8, torch.bfloat16)])
 def test_reported_saved_bytes_are_what_autograd_keeps(seq, every, dtype):

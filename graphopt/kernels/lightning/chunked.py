@@ -27,7 +27,8 @@ ceil(N / r) states of [D, Dv] per head, instead of N states (or autograd's O(N C
 Python block loop).
 
 All math runs in float32 (float64 for float64 inputs); decays are built as exp of
-non-positive exponents after masking, so strong decay underflows to 0, never overflows.
+non-positive exponents after masking (slope >= 0), so strong decay underflows to 0, never
+overflows.
 """
 
 from __future__ import annotations

@@ -427,7 +427,9 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
             float64. Accumulation is float32 (float64 for float64 inputs).
         k: [B, Hk, S, D]; Hq must be a multiple of Hk (GQA/MQA).
         v: [B, Hk, S, Dv]; Dv may differ from D.
-        slope: [Hq] decay rates (>= 0 for a decay; 0 is plain causal linear attention).
+        slope: [Hq] finite decay rates (>= 0 for a decay; 0 is plain causal linear
+            attention; +inf gives NaN, a negative slope grows instead of decaying; values
+            are not checked: that would synchronize with the host).
         scale: multiplies q . k; None means 1 (as MiniMax and Lightning Attention use).
         initial_state: [B, Hq, D, Dv] state carried in from earlier positions (decode, CP).
         output_final_state: also return the state after position S - 1 ([B, Hq, D, Dv],
@@ -515,19 +517,26 @@ def _scalars(scale: Any, block_size: Any, checkpoint_every: Any) -> tuple[float,
     return float(scale), block, every
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
-    """cu_seqlens must be a 1-D integer tensor increasing strictly from 0 to S. On the CPU
-    this is checked here (ValueError); on an accelerator, and in a graph torch.compile
-    traces (where the values are not known), by an asynchronous assert (RuntimeError; no host
-    synchronization on the hot path, no data-dependent guard that breaks fullgraph)."""
+def _check_cu_seqlens(cu_seqlens: Tensor, total: int, device: torch.device) -> None:
+    """cu_seqlens must be a 1-D integer tensor on q's ``device`` increasing strictly from 0
+    to S. On the CPU this is checked here (ValueError); on an accelerator, and in a graph
+    being traced (torch.compile, make_fx, FakeTensorMode: the values are not known), by an
+    asynchronous assert (RuntimeError; no host synchronization on the hot path, no
+    data-dependent guard that breaks fullgraph)."""
+    from torch._subclasses.fake_tensor import is_fake
+
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
-            cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool or \
-            cu_seqlens.shape[0] < 2:
+            cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or \
+            cu_seqlens.dtype == torch.bool or cu_seqlens.shape[0] < 2:
         raise TypeError("cu_seqlens must be a 1-D integer tensor of N + 1 >= 2 offsets, got "
                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} and q on {device}: put them "
+                         "on one device")
     message = f"cu_seqlens must increase strictly from 0 to S = {total}"
-    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and \
+            not is_fake(cu_seqlens):
         bounds = [int(x) for x in cu_seqlens.tolist()]
         if bounds[0] != 0 or bounds[-1] != total or \
                 any(b <= a for a, b in zip(bounds, bounds[1:])):
@@ -550,7 +559,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
         raise ValueError(f"cu_seqlens packs sequences along S of one batch row: q must be "
                          f"[1, Hq, S, D], got {tuple(q.shape)}")
     validate(q, k, v, slope, None)
-    _check_cu_seqlens(cu_seqlens, q.shape[2])
+    _check_cu_seqlens(cu_seqlens, q.shape[2], q.device)
     n = cu_seqlens.shape[0] - 1
     hq, d, dv = q.shape[1], q.shape[3], v.shape[3]
     if initial_state is not None:
