@@ -17,7 +17,7 @@ from graphopt.models import SPECS, ModelSource, expert_count, model_names
 from graphopt.planner.search import SearchResult
 from graphopt.report import CompileReport
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="graphopt: compiler passes for large-model training and inference "
                        "(torch.compile backend 'graphopt').")
 # Piped output (CI logs, files) would otherwise be cut to 80 columns.

@@ -15,6 +15,9 @@ def test_help_documents_every_command():
     assert result.exit_code == 0
     for command in ("demo", "explain", "passes"):
         assert command in result.output
+    # docstrings are flowed as paragraphs, not broken where their source lines end
+    wide = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert "run a training step and an inference step, compare" in wide
 
 
 def test_passes_lists_default_pipeline():
