@@ -559,8 +559,11 @@ def test_no_recompute_search_and_cli_plan_file_that_parallelize_runs(tmp_path):
     from graphopt.cli import app
 
     model = plan_model("llama3-8b", 4096, H100, overrides=SMALL)
-    plans = search(model, H100, 8, 64, top_k=50, recompute=False).top
-    assert not any(p.recompute_layers or p.selective_recompute for p in plans)
+    result = search(model, H100, 8, 64, top_k=50, recompute=False)
+    assert not any(p.recompute_layers or p.selective_recompute
+                   for p in result.top + [plan for _, plan, _ in result.hand])
+    assert any("recomputation, which this search leaves out" in why
+               for _, _, why in result.hand_invalid)  # Megatron's full-recompute recipe
     out = tmp_path / "plans.json"
     result = CliRunner().invoke(app, ["plan", "--model", "llama", "--devices", "2", "--seq",
                                       "256", "--global-batch", "4", "--top", "3",

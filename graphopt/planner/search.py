@@ -243,6 +243,9 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         (f"published: {n}", p, []) for n, p in published or []]
     for name, plan, problems in listed + hand_configurations(model, devices, global_batch,
                                                              node, cluster):
+        if not recompute and (plan.recompute_layers or plan.selective_recompute):
+            problems = [*problems, "uses activation recomputation, which this search leaves "
+                        "out (recompute=False, graphopt plan --no-recompute)"]
         if problems:
             invalid.append((name, plan, "; ".join(problems)))
             continue
