@@ -141,7 +141,10 @@ class _RuntimeMeta(_FakeAttrs):
 
     Records ``meta['requires_grad']`` on every tensor-valued node (make_fx's ``meta['val']``
     is a detached snapshot, so whether autograd reaches a value is otherwise not in the
-    graph; the capture guard compares the outputs' with Dynamo's). The pre-dispatch trace
+    graph; the capture guard compares the outputs' with Dynamo's), as of the end of the run,
+    like Dynamo's ``example_value`` (a buffer written in place with a value that requires
+    grad, ``out = zeros_like(x); out[:, i] = x[:, i] * w``, requires grad from then on; its
+    creation-time False made the guard fall back on such graphs). The pre-dispatch trace
     records an autocast region as ``_enter_autocast``/``_exit_autocast`` calls around ops
     whose fake values were computed without autocast (a bf16 linear shows as float32), so
     dtype-reasoning passes would be misled (a needed ``.float()`` looks like a no-op); here
@@ -153,6 +156,13 @@ class _RuntimeMeta(_FakeAttrs):
     def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
         super().__init__(gm, fake_mode)  # get_attr: buffers/constants a pass added, as fakes
         self.regions: list[tuple[str, Any]] = []
+        self.values: list[tuple[fx.Node, list[torch.Tensor]]] = []
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().run(*args, **kwargs)
+        for n, tensors in self.values:  # after in-place writes (class docstring)
+            n.meta["requires_grad"] = any(t.requires_grad for t in tensors)
+        return out
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.higher_order.tag_activation_checkpoint and args and \
@@ -179,7 +189,7 @@ class _RuntimeMeta(_FakeAttrs):
                 n.meta["val"] = result.detach()
         tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         if tensors:
-            n.meta["requires_grad"] = any(t.requires_grad for t in tensors)
+            self.values.append((n, tensors))
         return result
 
 

@@ -337,3 +337,26 @@ def test_batch_norm_inside_a_checkpoint_and_compiled_autograd_on_the_eager_lower
     for got, want in zip(mlp.parameters(), copy_mlp.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
     assert any("compiled autograd" in (r.fallback or "") for r in graphopt.reports())
+
+
+def test_a_buffer_written_in_place_with_a_gradient_is_captured():
+    """``out = zeros_like(x); out[:, i] = x[:, i] * 2`` (RWKV's and Qwen3-Next's recurrent
+    loops): normalize recorded whether autograd reaches ``out`` when it was created (False),
+    Dynamo after the writes (True), so the capture guard saw a lost gradient path and fell
+    back on a plain ATen graph (found by a review of transformers model families)."""
+    def fn(x, w):
+        x = x * w
+        out = torch.zeros_like(x)
+        for i in range(x.shape[1]):
+            out[:, i] = x[:, i] * 2
+        return out.sum(), out
+
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    graphopt.clear_reports()
+    loss, out = _graphopt(fn)(x, w)
+    assert graphopt.last_report().fallback is None
+    want_loss, want_out = fn(x, w)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(loss, w), torch.autograd.grad(want_loss, w),
+                               rtol=0, atol=1e-14)
