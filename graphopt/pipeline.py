@@ -221,11 +221,50 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
         report.timing.get(k, 0.0) for k in ("aot_autograd", "lowering"))
     report.status = "compiled"
     dumper.write_report()
+    compiled = _forward_ad_through_dynamo_graph(gm, compiled, model, report)
     if config.verify.enabled:
         assert snapshots is not None
         return _verify_on_first_call(gm, compiled, list(example_inputs), snapshots, model,
                                      config, report, dumper)
     return compiled
+
+
+def _forward_ad_through_dynamo_graph(original: fx.GraphModule, compiled: Callable[..., Any],
+                                     model: fx.GraphModule, report: CompileReport
+                                     ) -> Callable[..., Any]:
+    """``compiled``, except for calls with forward-mode AD tangents (``torch.autograd.
+    forward_ad`` dual tensors) when the passes put graphopt's custom ops in the graph: those
+    ops have backward formulas only, and a custom op whose inputs carry tangents but no
+    ``requires_grad`` runs below autograd and drops them (a review: MiniMax's tangent off by
+    2.4 of 22 with attention="exact"). Such calls run Dynamo's graph as captured, eagerly
+    (aot_eager's result; ATen ops carry tangents), with a FallbackWarning once."""
+    from torch.autograd import forward_ad
+
+    from graphopt.passes.regions import all_graph_modules
+
+    ops = sorted({str(n.target) for g in all_graph_modules(model)
+                  for n in g.graph.nodes
+                  if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                  and n.target.namespace == "graphopt"})
+    if not ops:
+        return compiled
+    warned: list[bool] = []
+
+    def call(*args: Any) -> Any:
+        if forward_ad._current_level >= 0 and any(
+                isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None
+                for a in args):
+            if not warned:
+                warned.append(True)
+                why = (f"forward-mode AD tangents reach graphopt's ops ({', '.join(ops)}), "
+                       "which have no forward-mode formula: calls with tangents run Dynamo's "
+                       "graph as captured, eagerly")
+                report.notes.append(why)
+                warnings.warn(f"graphopt: {why}", FallbackWarning, stacklevel=2)
+            return original(*args)
+        return compiled(*args)
+
+    return call
 
 
 def _joint_records_through_cache(model: fx.GraphModule, config: GraphoptConfig,

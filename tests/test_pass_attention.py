@@ -319,6 +319,48 @@ def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
     assert [s.action for s in sites].count("kept") == 1  # the softmax-attention layer
 
 
+def test_forward_mode_tangents_through_graphopt_s_ops_equal_eager():
+    """torch.autograd.forward_ad through a compiled MiniMax whose loop became graphopt's
+    lightning op: the op has no forward-mode formula and dropped the tangent (off by 2.4 of
+    22 before; a review). Calls with tangents now run Dynamo's graph (a FallbackWarning and a
+    report note), calls without still run the rewrite; the op's own API refuses tangents."""
+    import torch.autograd.forward_ad as fwad
+
+    from graphopt.errors import FallbackWarning
+    from graphopt.kernels.lightning import lightning_attention
+
+    model = build_model("minimax", dtype=torch.float64).eval()
+    model.set_attn_implementation("eager")  # CPU SDPA has no forward-mode formula
+    model.requires_grad_(False)
+    embeds = model.model.embed_tokens(sample_batch(model, batch=2, seq=20)).detach()
+    tangent = torch.randn_like(embeds)
+
+    def fn(e):
+        return model(inputs_embeds=e, use_cache=False).logits
+
+    def jvp(f):
+        with fwad.dual_level():
+            return fwad.unpack_dual(f(fwad.make_dual(embeds, tangent)))
+
+    graphopt.clear_reports()
+    compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager",
+                                                              "attention": "exact"})
+    # transformers' RMSNorm computes in float32: float32-level differences
+    torch.testing.assert_close(compiled(embeds), fn(embeds), rtol=1e-5, atol=1e-6)
+    with pytest.warns(FallbackWarning, match="forward-mode AD"):
+        got = jvp(compiled)
+    want = jvp(fn)
+    torch.testing.assert_close(got.primal, want.primal, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.tangent, want.tangent, rtol=0, atol=1e-12)
+    rewritten = [r for r in graphopt.reports()
+                 if any(p.count("rewritten") for p in r.pass_records("attention"))]
+    assert rewritten and any("forward-mode AD" in n for r in rewritten for n in r.notes)
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        lightning_attention(fwad.make_dual(q, torch.randn_like(q)), q, q,
+                            torch.rand(2, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("variant, seq, dynamic", [
     ("slope_follows_s", 40, True), ("next_rows", 48, False), ("alpha_state", 40, False),
     ("alpha_output", 40, False)])

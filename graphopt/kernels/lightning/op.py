@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from graphopt.kernels import refuse_forward_ad
 from graphopt.kernels.lightning.chunked import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHECKPOINT_EVERY,
@@ -459,12 +460,15 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
             from 0 to S or with B > 1; impl="triton" with float64 inputs (see
             :func:`resolve_impl`).
         RuntimeError: impl="triton" without triton, or on CPU without TRITON_INTERPRET=1.
+        NotImplementedError: forward-mode AD tangents on the inputs.
 
-    Not supported: double backward (the backward op has no autograd formula of its own).
+    Not supported: double backward (the backward op has no autograd formula of its own),
+    forward-mode AD.
     On Triton with bf16 inputs the products take bf16 operands (chunk states and masked
     scores rounded to bf16, fp32 accumulation, as flash-linear-attention); fp16 and fp32
     inputs take fp32 products (fp16's range would overflow large states).
     """
+    refuse_forward_ad("graphopt's lightning_attention", q, k, v, slope, initial_state)
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if layout == "bshd":

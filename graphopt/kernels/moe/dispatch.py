@@ -36,6 +36,8 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from graphopt.kernels import refuse_forward_ad
+
 DROP_POLICIES = ("position", "probs")
 
 
@@ -160,7 +162,9 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     Raises:
         ValueError: shape mismatches (named), indices out of range, capacity_factor <= 0,
             an unknown drop_policy.
+        NotImplementedError: forward-mode AD tangents on the inputs.
     """
+    refuse_forward_ad("graphopt's moe_experts", hidden, top_k_weights, gate_up, down)
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     t, h = hidden.shape
