@@ -40,6 +40,7 @@ Pseudo-code::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -240,8 +241,17 @@ def _has_key(gm: fx.GraphModule, key: str) -> bool:
 def _same_size(a: Any, b: Any) -> bool:
     """Equal ints, or the same symbolic expression (both graphs share Dynamo's shape env;
     an expression that differs in form only costs a needless fallback, never a wrong
-    graph)."""
-    return a == b if isinstance(a, int) and isinstance(b, int) else str(a) == str(b)
+    graph), with data-dependent (unbacked) symbols numbered by first appearance: the
+    re-trace creates new ones (``u1`` for Dynamo's ``u0``: every graph returning
+    ``x[x > 0]`` fell back, a review)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return _unbacked_renumbered(str(a)) == _unbacked_renumbered(str(b))
+
+
+def _unbacked_renumbered(expr: str) -> str:
+    names: dict[str, str] = {}
+    return re.sub(r"\bu\d+\b", lambda m: names.setdefault(m.group(), f"u#{len(names)}"), expr)
 
 
 def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:

@@ -360,3 +360,23 @@ def test_a_buffer_written_in_place_with_a_gradient_is_captured():
     torch.testing.assert_close(out, want_out, rtol=0, atol=0)
     torch.testing.assert_close(torch.autograd.grad(loss, w), torch.autograd.grad(want_loss, w),
                                rtol=0, atol=1e-14)
+
+
+def test_an_output_of_data_dependent_size_is_captured():
+    """``a[a > 0]`` returned from the graph (capture_dynamic_output_shape_ops): the re-trace
+    names its unbacked size u1 where Dynamo's is u0, and the shape check fell back on
+    every such graph (a review of torch.compile features)."""
+    def fn(x):
+        a = x.sin() * 1
+        return a[a > 0] * 2, a.cos()
+
+    x = torch.randn(16, dtype=torch.float64)
+    graphopt.clear_reports()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = torch.compile(fn, backend="graphopt", fullgraph=True,
+                            options={"lowering": "eager"})(x)
+    for g, w in zip(got, fn(x)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    report = graphopt.last_report()
+    assert report.fallback is None
+    assert any(p.count("rewritten") for p in report.pass_records("remove_noops"))
