@@ -40,6 +40,7 @@ Pseudo-code::
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -172,7 +173,14 @@ def _requires_grad(node: fx.Node) -> list[bool | None]:
 
 def grad_inputs(gm: fx.GraphModule) -> int | None:
     """Bit i set when placeholder i reaches an output through values autograd tracks, i.e.
-    when it gets a gradient; None when the graph carries no requires_grad information."""
+    when it gets a gradient; None when the graph carries no requires_grad information.
+
+    An in-place write carries its inputs' bits into every value sharing the written
+    storage (:func:`graphopt.passes.fx_utils.alias_classes`), read from then on: Dynamo's
+    graph keeps reading ``out`` after ``out.add_(x @ w2)`` where the normalized graph reads
+    the ``add_`` node (Llama 4's MoE fell back on that: "gained for [w2]", a review)."""
+    from graphopt.passes.fx_utils import alias_classes
+
     carried: dict[fx.Node, int] = {}
     known = False
     for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
@@ -181,17 +189,51 @@ def grad_inputs(gm: fx.GraphModule) -> int | None:
         carried[node] = (1 << i) if flag else 0
     if not known:
         return None
+    classes = alias_classes(gm.graph)
+    written: dict[fx.Node, int] = {}
+
+    def bits_of(n: fx.Node) -> int:
+        return carried.get(n, 0) | written.get(classes.get(n, n), 0)
+
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module") and \
-                _node_requires_grad(node):
-            bits = 0
-            for arg in node.all_input_nodes:
-                bits |= carried.get(arg, 0)
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        bits = 0
+        for arg in node.all_input_nodes:
+            bits |= bits_of(arg)
+        if _node_requires_grad(node):
             carried[node] = bits
+        for target in _writes(node):
+            root = classes.get(target, target)
+            written[root] = written.get(root, 0) | bits
     reached = 0
     for arg in gm.graph.output_node().all_input_nodes:
-        reached |= carried.get(arg, 0)
+        reached |= bits_of(arg)
     return reached
+
+
+_INPLACE_OPERATORS = frozenset((operator.setitem, operator.iadd, operator.isub, operator.imul,
+                                operator.itruediv, operator.ifloordiv, operator.imod,
+                                operator.ipow, operator.iand, operator.ior, operator.ixor,
+                                operator.ilshift, operator.irshift, operator.imatmul))
+
+
+def _writes(node: fx.Node) -> list[fx.Node]:
+    """What ``node`` writes in place: ATen schemas (normalized graphs); in Dynamo's graphs
+    ``x.add_(...)``-style methods and functions (trailing underscore), ``x[i] = v``,
+    augmented assignment, ``inplace=True`` and ``out=`` arguments."""
+    from graphopt.passes.fx_utils import writes_of
+
+    if isinstance(node.target, torch._ops.OpOverload):
+        return writes_of(node)
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    out = [o for o in pytree.tree_leaves(node.kwargs.get("out")) if isinstance(o, fx.Node)]
+    if first is not None and (
+            node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True or
+            (isinstance(name, str) and name.endswith("_") and not name.startswith("_"))):
+        out.append(first)
+    return out
 
 
 def check_outputs(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:

@@ -380,3 +380,21 @@ def test_an_output_of_data_dependent_size_is_captured():
     report = graphopt.last_report()
     assert report.fallback is None
     assert any(p.count("rewritten") for p in report.pass_records("remove_noops"))
+
+
+def test_an_in_place_add_of_a_gradient_carrying_value_is_captured():
+    """``out = x @ w1; out.add_(x @ w2)`` (Llama 4's MoE: shared experts plus routed ones):
+    Dynamo's graph keeps reading ``out`` after the write, so the guard's reachability missed
+    w2 there ("gained for [w2]") and fell back on every Llama 4 MoE graph (a review)."""
+    def fn(x, w1, w2):
+        out = x @ w1
+        out.add_(x @ w2)
+        return out.sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    w1, w2 = (torch.randn(3, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    graphopt.clear_reports()
+    got = torch.autograd.grad(_graphopt(fn)(x, w1, w2), (w1, w2))
+    assert graphopt.last_report().fallback is None
+    for g, w in zip(got, torch.autograd.grad(fn(x, w1, w2), (w1, w2))):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-14)

@@ -171,10 +171,11 @@ def alias_classes(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     # Aliasing the schemas do not annotate: composite ops that return their input itself
     # (type_as, atleast_2d, contiguous, dropout in eval), set_'s source, list results
     # (split, unbind), graph inputs that alias each other. The fake values record it:
-    # nodes whose values share a storage share it at run time.
+    # nodes whose values share a storage share it at run time (Dynamo's graphs: its
+    # example values).
     owner: dict[Any, fx.Node] = {}
     for node in graph.nodes:
-        for leaf in pytree.tree_leaves(node.meta.get("val")):
+        for leaf in pytree.tree_leaves(node.meta.get("val", node.meta.get("example_value"))):
             if not isinstance(leaf, torch.Tensor):
                 continue
             try:
