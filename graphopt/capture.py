@@ -40,9 +40,11 @@ Pseudo-code::
 
 from __future__ import annotations
 
+import logging
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +86,8 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Capture:
     if reason:
         return Capture(gm, reason)
     try:
-        model = normalize(gm, example_inputs)
+        with _quiet_fake_tensor_errors():
+            model = normalize(gm, example_inputs)
     except torch._dynamo.exc.RestartAnalysis:
         raise
     except Exception as exc:  # anything normalize cannot do: AOTAutograd still can
@@ -169,6 +172,21 @@ def _requires_grad(node: fx.Node) -> list[bool | None]:
     args = node.args[0]
     return [_node_requires_grad(a) if isinstance(a, fx.Node) else None
             for a in (args if isinstance(args, (tuple, list)) else [args])]
+
+
+@contextmanager
+def _quiet_fake_tensor_errors() -> Iterator[None]:
+    """FakeTensorMode logs the traceback of a meta function that fails (~20 lines per op:
+    ``linalg_solve_triangular`` with symbolic sizes in Qwen3-Next's dynamic graphs) before
+    raising; the re-trace's failure is reported as the fallback reason, so the log stays
+    quiet while normalize runs."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def grad_inputs(gm: fx.GraphModule) -> int | None:

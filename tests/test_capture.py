@@ -398,3 +398,23 @@ def test_an_in_place_add_of_a_gradient_carrying_value_is_captured():
     assert graphopt.last_report().fallback is None
     for g, w in zip(got, torch.autograd.grad(fn(x, w1, w2), (w1, w2))):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-14)
+
+
+def test_a_meta_function_failing_in_the_re_trace_falls_back_quietly(capfd, caplog):
+    """``linalg_solve_triangular``'s meta function fails on symbolic sizes (Qwen3-Next's
+    dynamic graphs): the graph falls back with the reason in the report, and FakeTensorMode's
+    ~20-line traceback per op is not printed (a review of transformers model families)."""
+    def fn(a, b):
+        a = a.tril() + 3 * torch.eye(a.shape[-1], dtype=a.dtype)
+        return torch.linalg.solve_triangular(a, b, upper=False).sum()
+
+    graphopt.clear_reports()
+    compiled = torch.compile(fn, backend="graphopt", dynamic=True,
+                             options={"lowering": "eager"})
+    with pytest.warns(FallbackWarning, match="normalize failed"):
+        for n in (4, 5):
+            a = torch.randn(2, n, n, dtype=torch.float64)
+            b = torch.randn(2, n, 3, dtype=torch.float64)
+            torch.testing.assert_close(compiled(a, b), fn(a, b), rtol=0, atol=1e-12)
+    printed = capfd.readouterr().err + caplog.text
+    assert "failed while attempting to run meta" not in printed
