@@ -250,6 +250,30 @@ def test_tp_layout_is_derived_from_the_data_flow():
     assert not any(".mlp" in p for p in layout.colwise + layout.rowwise)
 
 
+def test_sp_refuses_parameters_on_the_residual_stream_outside_norms_and_mixers():
+    """Doge scales the residual stream by decoder-layer parameters (input_residual,
+    post_attention_residual): under SP each TP rank saw only its sequence shard and nothing
+    summed the shards (relative gradient errors 0.8-0.96, no error; a review). Such
+    parameters refuse SP by name, before anything is sharded; Llama's and Mixtral's layers
+    hold none."""
+    import transformers
+
+    from graphopt.models import build_model, sample_batch
+    from graphopt.parallel import derive_tp_layout
+    from graphopt.parallel.tp_layout import sequence_sharded_params
+
+    torch.manual_seed(0)
+    doge = transformers.DogeForCausalLM(transformers.DogeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2))
+    ids = sample_batch(doge, 1, 8)
+    for model in (doge, build_model("llama"), build_model("mixtral")):
+        layout = derive_tp_layout(model, lambda m=model: m(input_ids=ids, use_cache=False), 2)
+        stray = sequence_sharded_params(model, layout)
+        assert stray == ([f"model.layers.{i}.{p}_residual" for i in range(2)
+                          for p in ("input", "post_attention")] if model is doge else [])
+
+
 def test_a_mixer_that_writes_its_split_outputs_in_place_stays_replicated():
     """OLMo's clip_qkv clamps q/k/v in place: fine on plain tensors, an autograd error on
     TP's sharded outputs (views from DTensor's to_local); found by a hostile review, it

@@ -161,3 +161,34 @@ def test_bidirectional_attention_is_refused_under_cp(kind):
     x = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ConfigError, match="is bidirectional .* use cp=1"):
         getattr(context, kind)(layer, x, x, x, None)
+
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("name, config, message", [
+    # Lfm2's short convolution mixes positions outside attention: each rank convolved its
+    # chunk alone (gradient error 0.46-0.64 vs one process; a review)
+    ("Lfm2", dict(TINY, layer_types=["conv", "full_attention"],
+                  block_auto_adjust_ff_dim=False),
+     "decoder layer 0 mixes positions outside the attention function"),
+    # Doge builds a dynamic bias from dt_proj and hands it to attention as its mask: CP's
+    # attention dropped it (dt_proj got no gradient; a review)
+    ("Doge", dict(TINY, keep_window_size=2048), "DogeAttention passes its own attention mask"),
+])
+def test_cp_refuses_models_whose_mixing_it_would_drop(name, config, message):
+    """Found by running the model once with an attention function that mixes nothing
+    (graphopt.parallel.context._mixing_outside_attention), before anything is sharded; the
+    models CP runs pass the same probe (the plans of the test above)."""
+    import transformers
+
+    from graphopt.parallel.context import check_cp
+
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(
+        getattr(transformers, f"{name}Config")(**config))
+    for kind in ("ring", "all_to_all"):
+        with pytest.raises(ConfigError, match=message):
+            check_cp(model, ParallelPlan(cp=2, cp_kind=kind))
+    assert model.config._attn_implementation != "graphopt_cp_probe"  # restored

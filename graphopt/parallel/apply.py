@@ -49,7 +49,12 @@ from torch import nn
 
 from graphopt.errors import ConfigError
 from graphopt.parallel.mesh import build_mesh
-from graphopt.parallel.tp_layout import CallSite, TPLayout, derive_tp_layout
+from graphopt.parallel.tp_layout import (
+    CallSite,
+    TPLayout,
+    derive_tp_layout,
+    sequence_sharded_params,
+)
 from graphopt.planner.plan import ParallelPlan
 
 
@@ -186,6 +191,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
         report.tp_layout = layout
         report.sp = plan.sp and bool(layout.layers)
+        stray = sequence_sharded_params(model, layout) if report.sp else []
+        if stray:
+            raise ConfigError(f"SP splits the residual stream inside the decoder layers over "
+                              f"the sequence, but {stray[0]} ({len(stray)} parameter(s) in "
+                              "all) acts on it outside the norms and the mixers TP splits: "
+                              "its gradient would cover one sequence shard per rank; use "
+                              "sp=False")
         if plan.sp and not report.sp:
             report.notes.append("SP off: no decoder layer has a mixer TP splits")
         elif report.sp and layout.replicated:

@@ -32,7 +32,10 @@ parallelism over dp x cp ranks, are the whole batch's mean-loss gradients.
 Refused (ConfigError): heads not divisible by cp (Ulysses), sliding-window attention,
 linear-attention layers of another form than MiniMax's or with the ring's zigzag layout
 (their state passing needs contiguous chunks), a sequence length the CP size (x 2 for the
-ring) does not divide, dropout in attention under the ring.
+ring) does not divide, dropout in attention under the ring; and, found by running the model
+once (:func:`_mixing_outside_attention`), layers that mix positions outside the attention
+function (convolutions, state-space layers) and attention given its own mask or bias,
+soft-capping or sinks, which CP's attention would drop.
 """
 
 from __future__ import annotations
@@ -73,9 +76,102 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
                               "cp_kind='all_to_all'")
         if getattr(module, "layer_type", None) == "linear_attention" and \
                 not all(hasattr(module, a) for a in LIGHTNING_PARTS):
-            raise ConfigError(f"{path}: a linear-attention layer without MiniMax's parts "
-                              f"({', '.join(LIGHTNING_PARTS)}); graphopt passes the state of "
-                              "that form only: use cp=1")
+            raise ConfigError(f"{path}: a linear-attention (or state-space) layer without "
+                              f"MiniMax's parts ({', '.join(LIGHTNING_PARTS)}); graphopt "
+                              "passes the state of that form only: use cp=1")
+    problem = _mixing_outside_attention(model)
+    if problem:
+        raise ConfigError(f"context parallelism cannot run this model: {problem}; use cp=1")
+
+
+PROBE = "graphopt_cp_probe"
+PROBE_TOKENS = 8
+
+
+def _mixing_outside_attention(model: nn.Module) -> str:
+    """Why CP would compute ``model`` wrongly ("" when it would not), found by running it.
+
+    CP splits the sequence and exchanges positions only inside the attention function (and
+    MiniMax's lightning layers, whose state it passes): anything else that mixes positions
+    would see only its own chunk (a short convolution: Lfm2; a state-space layer), and a
+    model that hands attention its own mask or bias (Doge's dynamic mask, soft-capping,
+    attention sinks) would lose it. The probe runs the model (no grad, eval mode, one
+    sequence of PROBE_TOKENS random embeddings) with an attention function that mixes
+    nothing (each position its own value) and the lightning layers' outputs zeroed, moves
+    the first position's embedding, and names the first layer whose later positions
+    changed. Reviews found both kinds silently wrong (gradient errors 0.5-1.0). A model on
+    the meta device is not probed (the attention function still refuses masks it would
+    drop, at run time)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    params = list(model.parameters())
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not params or params[0].is_meta or not isinstance(hidden, int):
+        return ""
+    extra: list[str] = []
+
+    def no_mixing(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        extra.extend(_dropped_by_cp(module, attention_mask, kwargs))
+        out = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+        return out.transpose(1, 2).contiguous(), None
+
+    def zero_output(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output)
+
+    AttentionInterface.register(PROBE, no_mixing)
+    AttentionMaskInterface.register(PROBE, _no_padding_mask)
+    configs = {id(c): (c, c._attn_implementation) for m in model.modules()
+               if (c := getattr(m, "config", None)) is not None
+               and hasattr(c, "_attn_implementation")}
+    hooks = [m.register_forward_hook(zero_output) for m in model.modules()
+             if getattr(m, "layer_type", None) == "linear_attention"]
+    for c, _ in configs.values():
+        c._attn_implementation = PROBE
+    try:
+        from graphopt.models import eval_mode
+
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen).to(params[0])
+        moved = x.clone()
+        moved[:, 0] += 1
+        with torch.no_grad(), eval_mode(model):
+            runs = [model(inputs_embeds=e, use_cache=False, output_hidden_states=True)
+                    .hidden_states for e in (x, moved)]
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the reason goes into the refusal
+        return f"its CP probe (one forward, module docstring) failed: {type(exc).__name__}: {exc}"
+    finally:
+        for c, name in configs.values():
+            c._attn_implementation = name
+        for h in hooks:
+            h.remove()
+    if extra:
+        return extra[0]
+    for i, (a, b) in enumerate(zip(*runs)):
+        if not torch.equal(a[:, 1:], b[:, 1:]):
+            return (f"decoder layer {i - 1} mixes positions outside the attention function (a "
+                    "convolution or state-space layer?), which CP would compute on each "
+                    "rank's chunk alone")
+    return ""
+
+
+def _dropped_by_cp(module: nn.Module, attention_mask: torch.Tensor | None,
+                   kwargs: dict[str, Any]) -> list[str]:
+    """What CP's attention functions would drop from this call: a mask or bias the model
+    built itself (CP's mask function gives None), soft-capping, attention sinks."""
+    name = type(module).__name__
+    out = [f"{name} passes its own attention mask or bias (CP computes plain causal "
+           "attention)"] if attention_mask is not None else []
+    out += [f"{name} uses attention {key} ({kwargs[key]!r}), which CP's attention does not "
+            "apply" for key in ("softcap", "s_aux", "sinks") if kwargs.get(key) is not None]
+    return out
 
 
 def _lightning_cp_forward(self: Any, hidden_states: torch.Tensor, *args: Any,
@@ -99,7 +195,7 @@ def _ulysses(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     chunk -> ([B, L, H, D], None); module docstring."""
     import torch.distributed._functional_collectives as funcol
 
-    _require_causal(module, kwargs)
+    _require_causal(module, kwargs, attention_mask)
     group = _GROUPS[id(module.config)]
     size = dist.get_world_size(group)
     heads = query.shape[1]
@@ -130,7 +226,7 @@ def _ring(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
     [B, Hk, 2c, D] -> ([B, 2c, H, D], None) by ring attention (module docstring)."""
     from graphopt.kernels.comm.ring_attention import ring_attention
 
-    _require_causal(module, kwargs)
+    _require_causal(module, kwargs, attention_mask)
     if dropout and module.training:
         raise ConfigError("ring attention runs without attention dropout: set the model's "
                           "attention_dropout to 0 or use cp_kind='all_to_all'")
@@ -141,12 +237,18 @@ def _ring(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.transpose(1, 2).contiguous(), None
 
 
-def _require_causal(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    """CP attention is causal over the whole sequence; a bidirectional layer would be
-    computed wrongly, so it is refused (before any communication: every rank refuses)."""
+def _require_causal(module: nn.Module, kwargs: dict[str, Any],
+                    attention_mask: torch.Tensor | None) -> None:
+    """CP attention is causal over the whole sequence; a bidirectional layer, or one with a
+    mask, bias, soft-cap or sinks of its own (:func:`_dropped_by_cp`), would be computed
+    wrongly, so it is refused (before any communication: every rank refuses)."""
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise ConfigError(f"{type(module).__name__} is bidirectional (is_causal=False); "
                           "context parallelism runs causal attention only: use cp=1")
+    dropped = _dropped_by_cp(module, attention_mask, kwargs)
+    if dropped:
+        raise ConfigError(f"context parallelism cannot run this model: {dropped[0]}; use "
+                          "cp=1")
 
 
 def _no_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None,
