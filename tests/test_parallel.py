@@ -274,6 +274,20 @@ def test_sp_refuses_parameters_on_the_residual_stream_outside_norms_and_mixers()
                           for p in ("input", "post_attention")] if model is doge else [])
 
 
+def test_decoder_layers_are_the_parameter_heaviest_module_list():
+    """StableLM with qk_layernorm holds a ModuleList of per-head LayerNorms (4) in each of its
+    2 layers: PP cut those norms into stages (a TypeError) and FSDP wrapped them instead of
+    the layers (a review)."""
+    import transformers
+
+    from graphopt.parallel.apply import decoder_layers
+
+    model = transformers.StableLmForCausalLM(transformers.StableLmConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, qk_layernorm=True))
+    assert decoder_layers(model) == list(model.model.layers)
+
+
 def test_a_mixer_that_writes_its_split_outputs_in_place_stays_replicated():
     """OLMo's clip_qkv clamps q/k/v in place: fine on plain tensors, an autograd error on
     TP's sharded outputs (views from DTensor's to_local); found by a hostile review, it

@@ -431,11 +431,17 @@ def _blocks(unit: nn.Module) -> list[nn.Module]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: the items of the largest ModuleList (FSDP's unit of sharding)."""
+    """The repeated blocks (FSDP's unit of sharding, PP's unit of a stage): the items of the
+    ModuleList holding the most parameters, then the longest. Not merely the longest:
+    StableLM's per-head q/k LayerNorms (a ModuleList of 4 in each layer) outnumbered its 2
+    decoder layers, and PP cut the norms into stages (a review)."""
     best: list[nn.Module] = []
+    best_key = (-1, -1)
     for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best):
-            best = list(m)
+        if isinstance(m, nn.ModuleList):
+            key = (sum(p.numel() for p in m.parameters()), len(m))
+            if key > best_key:
+                best, best_key = list(m), key
     return best
 
 
