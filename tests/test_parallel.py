@@ -288,6 +288,26 @@ def test_decoder_layers_are_the_parameter_heaviest_module_list():
     assert decoder_layers(model) == list(model.model.layers)
 
 
+def test_a_mixer_whose_output_its_caller_writes_in_place_stays_replicated():
+    """Falcon's decoder layer does ``mlp_output += attention_output``: on TP's row-parallel
+    output (a view from DTensor's to_local) autograd raised; the MLP now stays replicated
+    and, since SP would hand its caller such a view too, the layout names it for SP to
+    refuse (a review)."""
+    import transformers
+
+    from graphopt.models import sample_batch
+    from graphopt.parallel import derive_tp_layout
+
+    torch.manual_seed(0)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        new_decoder_architecture=True, num_kv_heads=2))
+    ids = sample_batch(falcon, 1, 8)
+    layout = derive_tp_layout(falcon, lambda: falcon(input_ids=ids, use_cache=False), 2)
+    assert "written in place after it returns" in layout.kept["transformer.h.0.mlp"]
+    assert "transformer.h.0.mlp" in layout.written_in_place
+
+
 def test_a_mixer_that_writes_its_split_outputs_in_place_stays_replicated():
     """OLMo's clip_qkv clamps q/k/v in place: fine on plain tensors, an autograd error on
     TP's sharded outputs (views from DTensor's to_local); found by a hostile review, it

@@ -191,6 +191,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
         report.tp_layout = layout
         report.sp = plan.sp and bool(layout.layers)
+        if report.sp and layout.written_in_place:
+            raise ConfigError(f"SP cannot run {layout.written_in_place[0]}: its caller writes "
+                              "its output in place, which autograd forbids on the sequence "
+                              "shard SP hands back (a view from DTensor's to_local); use "
+                              "sp=False")
         stray = sequence_sharded_params(model, layout) if report.sp else []
         if stray:
             raise ConfigError(f"SP splits the residual stream inside the decoder layers over "

@@ -76,6 +76,10 @@ class TPLayout:
     q_norm/k_norm over each head) -> the dim their input is split on (heads). They run on
     this rank's heads with a replicated weight whose gradient is summed over TP
     (``SequenceParallel(sequence_dim=dim)``, as torchtitan does for Qwen3)."""
+    written_in_place: list[str] = field(default_factory=list)
+    """Replicated readers whose output the caller writes in place (Falcon's ``mlp_output +=
+    attention_output``): SP would hand the caller a view from DTensor's ``to_local``, which
+    autograd forbids writing, so they refuse SP."""
     replicated: dict[str, tuple[CallSite, int]] = field(default_factory=dict)
     """Decoder-layer modules that read the normalized residual stream and stay replicated
     (an MoE block, a mixer that cannot split) -> (call site, outputs: 0 for one tensor, n
@@ -100,6 +104,9 @@ class _Recorder:
         self.outputs: dict[str, list[int]] = {}
         self.arity: dict[str, int] = {}
         """Module path -> items of its output tuple (0: not a tuple)."""
+        self.versions: dict[str, list[tuple[torch.Tensor, int]]] = {}
+        """Module path -> its first call's output tensors and their version counters then
+        (a later in-place write raises the counter)."""
         self.alive: list[torch.Tensor] = []  # ids stay unique while the tensors live
         self.handles = []
         for path, module in model.named_modules():
@@ -123,6 +130,8 @@ class _Recorder:
             leaves = torch.utils._pytree.tree_leaves(output)
             self.alive += [t for t in leaves if isinstance(t, torch.Tensor)]
             self.outputs.setdefault(path, [id(t) for t in leaves if isinstance(t, torch.Tensor)])
+            self.versions.setdefault(path, [(t, t._version) for t in leaves
+                                            if isinstance(t, torch.Tensor)])
             self.arity.setdefault(path, len(output) if isinstance(output, tuple) else 0)
             self.order.append(path)
         return hook
@@ -193,6 +202,7 @@ def _derive(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
     finally:
         recorder.alive.clear()
         recorder.calls.clear()
+        recorder.versions.clear()
     return layout
 
 
@@ -216,6 +226,13 @@ def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: l
         site = recorder.call_site(mixer, norm_out)
         if site is None:
             layout.kept[mixer] = "its hidden-state input could not be located in its call"
+            continue
+        if any(t._version != v for p in (mixer, writers[0])
+               for t, v in recorder.versions.get(p, [])):
+            layout.kept[mixer] = ("its output is written in place after it returns (Falcon's "
+                                  "mlp_output += attention_output), which autograd forbids on "
+                                  "TP's row-parallel outputs (views made by DTensor's "
+                                  "to_local); kept replicated")
             continue
         kind = type(modules[mixer])
         if kind not in probed:  # one probe per mixer class: same code, same answer
@@ -405,6 +422,8 @@ def _replicated_readers(layout: TPLayout, modules: dict[str, nn.Module],
         if site is not None and not any(path.startswith(f + ".") for f in found):
             found[path] = (site, recorder.arity.get(path, 0))
     layout.replicated = found
+    layout.written_in_place = [p for p in found if any(
+        t._version != v for t, v in recorder.versions.get(p, []))]
 
 
 def _layers_and_norms(layout: TPLayout, modules: dict[str, nn.Module],
