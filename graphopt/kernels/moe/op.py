@@ -35,9 +35,7 @@ whose modules hold every expert, slices the local ones out in the graph).
 Outputs beyond ``out`` carry what the backward needs: the expert output rows (sorted,
 unweighted), the gate/up activations (EP = 1; with EP they stay on the owner rank, kept in a
 per-process stash under ``handle`` until the backward pops them, like Megatron-Core's
-dispatcher keeps its state between forward and backward; an entry is also dropped when its
-handle tensor dies, i.e. with the autograd graph holding it, so a forward without backward or
-a checkpoint's discarded first forward frees it), and the counts.
+dispatcher keeps its state between forward and backward), and the counts.
 
 Errors: ValueError for bad shapes (named), indices outside [0, E), capacity_factor <= 0,
 an E that the EP size does not divide; RuntimeError when the EP group is not initialized.
@@ -47,7 +45,6 @@ from __future__ import annotations
 
 import itertools
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -169,15 +166,10 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
                               "run without backward?)", stacklevel=2)
                 _STASH.pop(next(iter(_STASH)))
             _STASH[handle] = saved
-    handle_out = top_k_index.new_full((1,), handle)
-    if handle:
-        # the stash lives as long as the handle tensor: autograd (eager, compiled, checkpoint)
-        # holds it until the backward ran or the graph is dropped; a forward whose graph is
-        # dropped (no backward, or a checkpoint policy that recomputes this op) frees it then
-        weakref.finalize(handle_out, _STASH.pop, handle, None)
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
     out = combine(y_valid, top_k_weights, order, hidden.dtype, acc, kept=kept)
-    return (out, y_rows, gu_out, handle_out, counts_all.to(torch.int64), order)
+    return (out, y_rows, gu_out, top_k_index.new_full((1,), handle),
+            counts_all.to(torch.int64), order)
 
 
 @moe_experts_op.register_fake
