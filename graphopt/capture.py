@@ -210,17 +210,19 @@ def grad_inputs(gm: fx.GraphModule) -> int | None:
     classes = alias_classes(gm.graph)
     written: dict[fx.Node, int] = {}
 
-    def bits_of(n: fx.Node) -> int:
+    def bits_of(n: fx.Node) -> int:  # a value autograd does not track carries nothing
+        if not (n.op == "placeholder" or _node_requires_grad(n)):  # (a detach of a buffer)
+            return 0
         return carried.get(n, 0) | written.get(classes.get(n, n), 0)
 
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
+        if node.op not in ("call_function", "call_method", "call_module") or \
+                not _node_requires_grad(node):  # a write under no_grad carries nothing
             continue
         bits = 0
         for arg in node.all_input_nodes:
             bits |= bits_of(arg)
-        if _node_requires_grad(node):
-            carried[node] = bits
+        carried[node] = bits
         for target in _writes(node):
             root = classes.get(target, target)
             written[root] = written.get(root, 0) | bits
@@ -265,6 +267,7 @@ def check_outputs(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
         return f"{len(actual)} outputs instead of {len(expected)}"
     grads = zip(_requires_grad(reference.graph.output_node()),
                 _requires_grad(candidate.graph.output_node()))
+    names: tuple[dict[str, str], dict[str, str]] = ({}, {})  # unbacked symbols: _same_size
     for i, ((e, a), (e_grad, a_grad)) in enumerate(zip(zip(expected, actual), grads)):
         if not isinstance(e, torch.Tensor):
             continue
@@ -273,7 +276,7 @@ def check_outputs(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
         if e.dtype != a.dtype:
             return f"output {i} has dtype {a.dtype}, expected {e.dtype}"
         if len(e.shape) != len(a.shape) or any(
-                not _same_size(x, y) for x, y in zip(e.shape, a.shape)):
+                not _same_size(x, y, names) for x, y in zip(e.shape, a.shape)):
             return f"output {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}"
         if e_grad is not None and a_grad is not None and e_grad != a_grad:
             return (f"output {i} has requires_grad={a_grad}, expected {e_grad} (a gradient "
@@ -298,19 +301,19 @@ def _has_key(gm: fx.GraphModule, key: str) -> bool:
     return any(key in n.meta for n in gm.graph.output_node().all_input_nodes)
 
 
-def _same_size(a: Any, b: Any) -> bool:
+def _same_size(a: Any, b: Any, names: tuple[dict[str, str], dict[str, str]]) -> bool:
     """Equal ints, or the same symbolic expression (both graphs share Dynamo's shape env;
-    an expression that differs in form only costs a needless fallback, never a wrong
-    graph), with data-dependent (unbacked) symbols numbered by first appearance: the
-    re-trace creates new ones (``u1`` for Dynamo's ``u0``: every graph returning
-    ``x[x > 0]`` fell back, a review)."""
+    an expression that differs in form only costs a needless fallback), with data-dependent
+    (unbacked) symbols numbered by first appearance over all outputs of each graph
+    (``names``: one map per graph, shared by every call of one comparison), so Dynamo's
+    ``u0, u1`` match the re-trace's ``u2, u3`` but not ``u2, u2``: the re-trace creates new
+    ones (every graph returning ``x[x > 0]`` fell back, a review)."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return _unbacked_renumbered(str(a)) == _unbacked_renumbered(str(b))
+    return _unbacked_renumbered(str(a), names[0]) == _unbacked_renumbered(str(b), names[1])
 
 
-def _unbacked_renumbered(expr: str) -> str:
-    names: dict[str, str] = {}
+def _unbacked_renumbered(expr: str, names: dict[str, str]) -> str:
     return re.sub(r"\bu\d+\b", lambda m: names.setdefault(m.group(), f"u#{len(names)}"), expr)
 
 

@@ -418,3 +418,34 @@ def test_a_meta_function_failing_in_the_re_trace_falls_back_quietly(capfd, caplo
             torch.testing.assert_close(compiled(a, b), fn(a, b), rtol=0, atol=1e-12)
     printed = capfd.readouterr().err + caplog.text
     assert "failed while attempting to run meta" not in printed
+
+
+def test_the_guard_still_sees_a_lost_path_next_to_a_detached_written_buffer():
+    """The write propagation above must not make a value autograd does not track carry
+    gradient paths: with ``buf.copy_(x * w); y = buf.detach()`` in both graphs, a re-trace
+    that loses x's path (``x.detach().sin()`` standing in for it) is still caught (a review
+    of that change found it masked)."""
+    from graphopt.capture import check_gradient_paths
+    from graphopt.normalize import normalize
+
+    graphs = {}
+
+    def grab(name):
+        def backend(gm, example_inputs):
+            graphs[name] = (gm, example_inputs)
+            return gm.forward
+        return backend
+
+    def spelled(lose):
+        def fn(x, w, v):
+            buf = torch.zeros_like(x)
+            buf.copy_(x * w)
+            return buf.detach() + v + (x.detach() if lose else x).sin()
+        return fn
+
+    args = [torch.randn(4, requires_grad=True) for _ in range(3)]
+    for name in ("ref", "lost"):
+        torch._dynamo.reset()
+        torch.compile(spelled(name == "lost"), backend=grab(name), fullgraph=True)(*args)
+    assert "lost for ['l_x_']" in check_gradient_paths(graphs["ref"][0],
+                                                        normalize(*graphs["lost"]))
