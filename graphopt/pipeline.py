@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import is_fake
 
 from graphopt.capture import Capture, capture, check_gradient_paths, check_outputs
 from graphopt.config import GraphoptConfig
@@ -221,7 +222,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
         report.timing.get(k, 0.0) for k in ("aot_autograd", "lowering"))
     report.status = "compiled"
     dumper.write_report()
-    compiled = _forward_ad_through_dynamo_graph(gm, compiled, model, report)
+    compiled = _forward_ad_through_dynamo_graph(gm, compiled, model, report, dumper)
     if config.verify.enabled:
         assert snapshots is not None
         return _verify_on_first_call(gm, compiled, list(example_inputs), snapshots, model,
@@ -230,39 +231,48 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
 
 
 def _forward_ad_through_dynamo_graph(original: fx.GraphModule, compiled: Callable[..., Any],
-                                     model: fx.GraphModule, report: CompileReport
-                                     ) -> Callable[..., Any]:
+                                     model: fx.GraphModule, report: CompileReport,
+                                     dumper: Dumper) -> Callable[..., Any]:
     """``compiled``, except for calls with forward-mode AD tangents (``torch.autograd.
     forward_ad`` dual tensors) when the passes put graphopt's custom ops in the graph: those
     ops have backward formulas only, and a custom op whose inputs carry tangents but no
     ``requires_grad`` runs below autograd and drops them (a review: MiniMax's tangent off by
     2.4 of 22 with attention="exact"). Such calls run Dynamo's graph as captured, eagerly
-    (aot_eager's result; ATen ops carry tangents), with a FallbackWarning once."""
-    from torch.autograd import forward_ad
+    (ATen ops carry tangents; the Inductor lowering, like ``backend="inductor"``, does not
+    on any graph), with a FallbackWarning once. When Dynamo's graph itself calls graphopt's
+    ops (user code calling ``lightning_attention``), a call with tangents raises
+    NotImplementedError instead."""
+    from graphopt.kernels import has_tangent
 
-    from graphopt.passes.regions import all_graph_modules
+    def graphopt_ops(gm: fx.GraphModule) -> list[str]:
+        return sorted({str(n.target) for g in all_graph_modules(gm) for n in g.graph.nodes
+                       if n.op == "call_function" and isinstance(
+                           n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+                       and str(n.target).startswith("graphopt.")})
 
-    ops = sorted({str(n.target) for g in all_graph_modules(model)
-                  for n in g.graph.nodes
-                  if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                  and n.target.namespace == "graphopt"})
+    ops = graphopt_ops(model)
     if not ops:
         return compiled
+    own = graphopt_ops(original)
     warned: list[bool] = []
 
     def call(*args: Any) -> Any:
-        if forward_ad._current_level >= 0 and any(
-                isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None
-                for a in args):
-            if not warned:
-                warned.append(True)
-                why = (f"forward-mode AD tangents reach graphopt's ops ({', '.join(ops)}), "
-                       "which have no forward-mode formula: calls with tangents run Dynamo's "
-                       "graph as captured, eagerly")
-                report.notes.append(why)
-                warnings.warn(f"graphopt: {why}", FallbackWarning, stacklevel=2)
-            return original(*args)
-        return compiled(*args)
+        if not has_tangent(*args):
+            return compiled(*args)
+        if own:
+            raise NotImplementedError(
+                f"forward-mode AD tangents reach graphopt's ops ({', '.join(own)}), which the "
+                "model calls itself and which have no forward-mode formula: use reverse mode "
+                "(backward, torch.func.vjp/jacrev)")
+        if not warned:
+            warned.append(True)
+            why = (f"forward-mode AD tangents reach graphopt's ops ({', '.join(ops)}), which "
+                   "have no forward-mode formula: calls with tangents run Dynamo's graph as "
+                   "captured, eagerly")
+            report.notes.append(why)
+            dumper.write_report()
+            warnings.warn(f"graphopt: {why}", FallbackWarning, stacklevel=2)
+        return original(*args)
 
     return call
 
@@ -304,12 +314,17 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
     pending = [True]
 
     def call(*args: Any) -> Any:
-        if pending:
+        # DDPOptimizer runs each split graph once on fake tensors while Dynamo compiles:
+        # not the first real call (verify there ran inside the compile context, a review)
+        if pending and not any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
             pending.clear()
+            # and there the example inputs are fake: verify on this call's (cloned) inputs
+            fake = any(is_fake(a) for a in example_inputs if isinstance(a, torch.Tensor))
+            inputs = list(args) if fake else example_inputs
             t0 = time.perf_counter()
             try:
                 with torch.enable_grad() if report.training else torch.no_grad():
-                    verify_compile(original, compiled, example_inputs, snapshots, config, report,
+                    verify_compile(original, compiled, inputs, snapshots, config, report,
                                    recompile=lambda disabled: _recompile(
                                        model, example_inputs, config, disabled))
             finally:

@@ -356,9 +356,16 @@ def test_forward_mode_tangents_through_graphopt_s_ops_equal_eager():
                  if any(p.count("rewritten") for p in r.pass_records("attention"))]
     assert rewritten and any("forward-mode AD" in n for r in rewritten for n in r.notes)
     q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    slope = torch.rand(2, dtype=torch.float64)
     with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
-        lightning_attention(fwad.make_dual(q, torch.randn_like(q)), q, q,
-                            torch.rand(2, dtype=torch.float64))
+        lightning_attention(fwad.make_dual(q, torch.randn_like(q)), q, q, slope)
+    # user code calling the op, compiled: Dynamo's graph holds the op itself, so there is no
+    # tangent-carrying graph to fall back to (aot_eager drops the tangent silently)
+    user = torch.compile(lambda x: lightning_attention(x, x, x, slope) * 2,
+                         backend="graphopt", options={"lowering": "eager"})
+    user(q)
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="the model calls itself"):
+        user(fwad.make_dual(q, torch.randn_like(q)))
 
 
 @pytest.mark.parametrize("variant, seq, dynamic", [
