@@ -43,8 +43,7 @@ from __future__ import annotations
 import logging
 import operator
 import re
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +53,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from graphopt.normalize import normalize
+from graphopt.normalize import normalize, quiet_logger
 
 KNOWN_HOPS = frozenset({
     "tag_activation_checkpoint",  # torch.utils.checkpoint: body re-traced, tags kept
@@ -86,7 +85,10 @@ def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Capture:
     if reason:
         return Capture(gm, reason)
     try:
-        with _quiet_fake_tensor_errors():
+        # FakeTensorMode logs a failing meta function's traceback (~20 lines per op:
+        # linalg_solve_triangular on symbolic sizes, Qwen3-Next) before raising; the
+        # failure is the fallback reason in the report
+        with quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
             model = normalize(gm, example_inputs)
     except torch._dynamo.exc.RestartAnalysis:
         raise
@@ -172,21 +174,6 @@ def _requires_grad(node: fx.Node) -> list[bool | None]:
     args = node.args[0]
     return [_node_requires_grad(a) if isinstance(a, fx.Node) else None
             for a in (args if isinstance(args, (tuple, list)) else [args])]
-
-
-@contextmanager
-def _quiet_fake_tensor_errors() -> Iterator[None]:
-    """FakeTensorMode logs the traceback of a meta function that fails (~20 lines per op:
-    ``linalg_solve_triangular`` with symbolic sizes in Qwen3-Next's dynamic graphs) before
-    raising; the re-trace's failure is reported as the fallback reason, so the log stays
-    quiet while normalize runs."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def grad_inputs(gm: fx.GraphModule) -> int | None:

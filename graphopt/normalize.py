@@ -15,9 +15,10 @@ real example inputs, with Dynamo's symbolic context), so symbols and the ``item_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -69,22 +70,30 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
     def run(*args: Any) -> Any:
         return _FakeAttrs(gm, fake_mode).run(*args)
 
-    wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
-    level = wrap_log.level
-    if ours_only:  # its "context_fn is passed" warning would be about graphopt's default
-        wrap_log.setLevel(logging.ERROR)
-    try:
-        with fx_traceback.preserve_node_meta(), fake_mode:
-            traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
-                             _allow_non_fake_inputs=True)(*fakes)
-    finally:
-        wrap_log.setLevel(level)
+    # its "context_fn is passed" warning would be about graphopt's default
+    quiet = quiet_logger("torch._higher_order_ops.wrap", logging.ERROR) if ours_only \
+        else contextlib.nullcontext()
+    with quiet, fx_traceback.preserve_node_meta(), fake_mode:
+        traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
+                         _allow_non_fake_inputs=True)(*fakes)
     _rename_placeholders(traced, gm)
     _fill_missing_meta(traced)
     _clean_module_paths(traced)
     _run_meta(traced, fake_mode, fakes)
     traced.recompile()
     return traced
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int) -> Iterator[None]:
+    """The logger ``name`` at ``level`` for the block, then at its own level again."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
