@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 
 def has_tangent(*values: Any) -> bool:
     """Whether a tensor among ``values`` carries a forward-mode AD tangent (a dual tensor of
     the current ``torch.autograd.forward_ad.dual_level``)."""
-    from torch.autograd import forward_ad
-
     return forward_ad._current_level >= 0 and any(
         isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
         for t in values)

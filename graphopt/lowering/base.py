@@ -86,28 +86,20 @@ class AOTLowering(Lowering):
             hooks.graph_ready("joint", joint)
             return self.partition(joint, joint_inputs, **kwargs)
 
-        def aot(module: Any, inputs: Sequence[Any]) -> Callable[..., Any]:
-            # Dynamo's own AOTAutograd backend wrapper, as aot_eager uses it: it counts the
-            # call (DDPOptimizer reads that count to consume the fake outputs AOTAutograd
-            # returns on a split graph's first call; without it the first real call of a
-            # DDP model returned FakeTensors), and keeps Dynamo out of the backward compiler
-            return aot_autograd(  # type: ignore[no-any-return]
-                fw_compiler=for_kind("forward"), bw_compiler=for_kind("backward"),
-                inference_compiler=for_kind("inference"), partition_fn=partition,
-                # as aot_eager and compile_fx: an input mutation (BatchNorm's running stats)
-                # stays in the graph; in the runtime epilogue it ran after a checkpoint
-                # region had saved the inputs, and the backward refused their versions
-                keep_inference_input_mutations=True,
-            )(module, list(inputs))
-
-        if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
-            # compiled autograd's graphs take a list of tensors: flattened as aot_eager does
-            # (the primals then no longer match gm's placeholders one to one, so the marker
-            # marks every primal: safe)
-            from torch._dynamo.utils import flatten_graph_inputs
-
-            return flatten_graph_inputs(gm, example_inputs, aot)  # type: ignore[no-any-return]
-        return aot(gm, example_inputs)
+        # Dynamo's own AOTAutograd backend wrapper, as aot_eager uses it: it counts the call
+        # (DDPOptimizer reads that count to consume the fake outputs AOTAutograd returns on a
+        # split graph's first call; without it the first real call of a DDP model returned
+        # FakeTensors), keeps Dynamo out of the backward compiler, and flattens compiled
+        # autograd's list inputs (the primals then no longer match gm's placeholders one to
+        # one, so the mutation marker marks every primal: safe)
+        return aot_autograd(  # type: ignore[no-any-return]
+            fw_compiler=for_kind("forward"), bw_compiler=for_kind("backward"),
+            inference_compiler=for_kind("inference"), partition_fn=partition,
+            # as aot_eager and compile_fx: an input mutation (BatchNorm's running stats)
+            # stays in the graph; in the runtime epilogue it ran after a checkpoint region
+            # had saved the inputs, and the backward refused their versions
+            keep_inference_input_mutations=True,
+        )(gm, list(example_inputs))
 
 
 def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
