@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         for (schedule, chunks), key in zip(runs, times):
             def step(schedule: str = schedule, chunks: int = chunks) -> None:
                 out = moe_experts_op(hidden, index, weights, gate_up, down, -1.0, world, "",
-                                     schedule, chunks, 2, True)[0]
+                                     schedule, chunks, 2)[0]
                 out.backward(torch.ones_like(out))
 
             elapsed = slowest_rank_seconds(step)

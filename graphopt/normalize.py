@@ -235,10 +235,9 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> bool:
 def _recompute_all_but_stateful_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     """Plain activation checkpointing's policy (recompute everything, as torch's
     ``_always_prefer_recompute``), except graphopt's expert-parallel MoE op (ep > 1; on one
-    device it is recomputed like any op). That op keeps its state for the backward in a
-    per-process stash and exchanges tokens between ranks: it is saved, not run again in the
-    backward (a recomputation stashed a second copy and the forward's was never popped: one
-    leaked set of expert activations per MoE layer and step, found after a review)."""
+    device it is recomputed like any op). That op exchanges tokens between ranks: it is saved,
+    not run again in the backward (a recomputation would repeat its dispatch and combine
+    all-to-alls and the expert GEMMs there)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     schema = getattr(op, "_schema", None)

@@ -83,7 +83,7 @@ def _ep_worker(rank: int, world: int, cases: list[str], schedules: list[str]) ->
             w = weights[lo:lo + sizes[rank]].clone().requires_grad_()
             out = moe_experts_op(hidden, index[lo:lo + sizes[rank]], w,
                                  *_local_experts(experts, rank, world), -1.0, world, "",
-                                 schedule, 3, 2, True)[0]
+                                 schedule, 3, 2)[0]
             grads = torch.autograd.grad(out, [hidden, w, experts.gate_up_proj,
                                               experts.down_proj],
                                         grad_all[lo:lo + sizes[rank]])
@@ -92,7 +92,65 @@ def _ep_worker(rank: int, world: int, cases: list[str], schedules: list[str]) ->
             dist.all_reduce(g_down)
             results[name, schedule] = (out.detach(), grads[0], grads[1], g_up, g_down)
     results.update(_capacity_runs(rank, world, experts, schedules[:2]))
+    results["lifetime"] = _lifetime_runs(rank, world, experts)
     return results
+
+
+def _lifetime_runs(rank: int, world: int, experts: Any) -> dict:
+    """The owner rank's saved state lives in autograd's saved tensors (no per-process
+    stash): a second backward with retain_graph gives the same gradients (it raised "saved
+    state is gone"), a copying saved-tensor hook sees the R rows this rank's experts
+    received (they can be offloaded like any activation) and the result is unchanged, and
+    a forward dropped without backward frees everything it saved (the stash kept the
+    expert state)."""
+    import gc
+    import weakref
+
+    from graphopt.kernels.moe.op import moe_experts_op
+
+    sizes, index, weights = _case("random", world)
+    lo, t = sum(sizes[:rank]), sizes[rank]
+    torch.manual_seed(4)
+    hidden = torch.randn(sum(sizes), H, dtype=torch.float64)[lo:lo + t].requires_grad_()
+    grad = torch.randn(sum(sizes), H, dtype=torch.float64)[lo:lo + t]
+    idx, w = index[lo:lo + t], weights[lo:lo + t]
+    params = [hidden, experts.gate_up_proj, experts.down_proj]
+    per = E // world
+    received = int((index >= rank * per).logical_and(index < (rank + 1) * per).sum())
+    found: dict[str, Any] = {}
+    for schedule in ("flat", "peer"):
+        def run(schedule: str = schedule) -> torch.Tensor:
+            return moe_experts_op(hidden, idx, w, *_local_experts(experts, rank, world), -1.0,
+                                  world, "", schedule, 3, 2)[0]
+
+        out = run()
+        first = torch.autograd.grad(out, params, grad, retain_graph=True)
+        second = torch.autograd.grad(out, params, grad)
+        shapes: list[tuple[int, ...]] = []
+
+        def pack(x: torch.Tensor, shapes: list = shapes) -> torch.Tensor:
+            shapes.append(tuple(x.shape))
+            return x.clone()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            hooked = torch.autograd.grad(run(), params, grad)
+        alive: list[Any] = []
+
+        def watch(x: torch.Tensor, alive: list = alive) -> torch.Tensor:
+            held = x.detach()  # held by the autograd node only (x itself is a caller's
+            alive.append(weakref.ref(held))  # tensor or an output, which refers to the node)
+            return held
+
+        with torch.autograd.graph.saved_tensors_hooks(watch, lambda x: x):
+            dropped = run()
+        del dropped
+        gc.collect()
+        found[schedule] = (
+            max(float((a - b).abs().max()) for a, b in zip(first, second)),
+            max(float((a - b).abs().max()) for a, b in zip(first, hooked)),
+            (received, H) in shapes, len(alive),
+            sum(ref() is not None for ref in alive))
+    return found
 
 
 def _capacity_runs(rank: int, world: int, experts: Any, schedules: list[str]) -> dict:
@@ -120,7 +178,7 @@ def _capacity_runs(rank: int, world: int, experts: Any, schedules: list[str]) ->
         want_g = list(torch.autograd.grad(want, local, grad))
         h, ww = hidden.clone().requires_grad_(), w.clone().requires_grad_()
         out = moe_experts_op(h, idx, ww, *_local_experts(experts, rank, world), 0.6, world,
-                             "", schedule, 3, 2, True, policy)[0]
+                             "", schedule, 3, 2, policy)[0]
         got_g = list(torch.autograd.grad(out, [h, ww, experts.gate_up_proj,
                                                experts.down_proj], grad))
         errors = [float((out - want).abs().max())]
@@ -212,6 +270,16 @@ def test_expert_parallel_with_a_capacity_equals_each_ranks_single_device_capacit
             assert max(errors) < 1e-12, (r, schedule, policy, errors)
             dropped |= not all_kept
     assert dropped  # the capacity dropped something on some rank
+
+
+@pytest.mark.parametrize("world", [4])
+def test_expert_parallel_saved_state_lives_in_autograd_not_in_a_stash(world):
+    for rank, per_rank in enumerate(r[0] for r in _spawned(world)):
+        for schedule, (retain, hooked, seen, saved, left) in per_rank["lifetime"].items():
+            label = f"rank {rank} {schedule}"
+            assert retain == 0 and hooked == 0, (label, retain, hooked)
+            assert seen, f"{label}: the received rows are not among autograd's saved tensors"
+            assert saved > 0 and left == 0, (label, saved, left)
 
 
 def test_block_transpose_reorders_uneven_blocks():
@@ -313,8 +381,8 @@ def _two_groups_worker(rank: int, world: int, schedules: list[str]) -> dict:
         hidden = hidden_all[lo:lo + sizes[me]].clone().requires_grad_()
         w = weights[lo:lo + sizes[me]].clone().requires_grad_()
         out = moe_experts_op(hidden, index[lo:lo + sizes[me]], w,
-                             *_local_experts(experts, me, 2), -1.0, 2, group, schedule, 3, 1,
-                             True)[0]
+                             *_local_experts(experts, me, 2), -1.0, 2, group, schedule, 3,
+                             1)[0]
         grads = torch.autograd.grad(out, [hidden, w, experts.gate_up_proj, experts.down_proj],
                                     grad_all[lo:lo + sizes[me]])
         g_up = grads[2].clone()
@@ -363,12 +431,13 @@ def test_scatter_and_gather_rows_have_the_region_mapping_gradients():
         _close(grad, upstream * scale, 0, 0, "gradient of the replicated input")
 
 
-def _checkpointed_worker(rank: int, world: int) -> tuple[int, dict]:
+def _checkpointed_worker(rank: int, world: int) -> tuple[list[int], int, dict]:
     """The moe pass with ep = world in a compiled Mixtral under transformers' gradient
-    checkpointing: (stash entries left after one step, all-reduced gradients)."""
+    checkpointing: (round trips of the expert forward, of the expert backward, during one
+    training step; MoE layers; all-reduced gradients)."""
     import torch.distributed as dist
 
-    from graphopt.kernels.moe import op as moe_op
+    from graphopt.kernels.comm import RoundTrip
     from graphopt.models import build_model, sample_batch
 
     torch.manual_seed(0)
@@ -378,7 +447,14 @@ def _checkpointed_worker(rank: int, world: int) -> tuple[int, dict]:
     model.train()
     ids = sample_batch(model, 4, 10)
     per = 4 // world
-    moe_op._STASH.clear()
+    trips = [0, 0, 0]  # by tag: 0 forward, 2 backward
+    run_trip = RoundTrip.__call__
+
+    def counted(self: Any, rows: torch.Tensor, compute: Any, tag: int = 0) -> torch.Tensor:
+        trips[tag] += self.size > 1  # not the moe pass's one-device probes
+        return run_trip(self, rows, compute, tag)
+
+    RoundTrip.__call__ = counted  # type: ignore[method-assign]
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
                              backend="graphopt", options={"moe": {"ep": world},
@@ -387,19 +463,21 @@ def _checkpointed_worker(rank: int, world: int) -> tuple[int, dict]:
     cot = torch.randn(4, *out.shape[1:], dtype=torch.float64,
                       generator=torch.Generator().manual_seed(3))
     (out * cot[rank * per:(rank + 1) * per]).sum().backward()
+    RoundTrip.__call__ = run_trip  # type: ignore[method-assign]
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(g)
         grads[name] = g
-    return len(moe_op._STASH), grads
+    return trips[::2], model.config.num_hidden_layers, grads
 
 
 def test_expert_parallel_op_in_a_checkpointed_compiled_model_is_saved_not_recomputed():
-    """Inside a checkpoint region the partitioner recomputed the EP op in the backward: the
-    recomputation stashed a second copy of the expert state and the forward's was never
-    popped (one leaked set of expert activations per MoE layer and step). graphopt's
-    default checkpoint policy now saves the op; gradients equal one process."""
+    """Inside a checkpoint region the partitioner would recompute the EP op in the backward
+    (a second dispatch/combine round trip and expert GEMMs per layer; with the old stash
+    also a leaked copy of the expert state). graphopt's default checkpoint policy saves
+    the op: one forward and one backward round trip per MoE layer and step; gradients
+    equal one process."""
     from graphopt.models import build_model, sample_batch
 
     torch.manual_seed(0)
@@ -408,8 +486,8 @@ def test_expert_parallel_op_in_a_checkpointed_compiled_model_is_saved_not_recomp
     out = ref(input_ids=ids, use_cache=False).logits
     cot = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     (out * cot).sum().backward()
-    for left, grads in run_distributed(_checkpointed_worker, 2):
-        assert left == 0
+    for trips, layers, grads in run_distributed(_checkpointed_worker, 2):
+        assert trips == [layers, layers], (trips, layers)
         for name, p in ref.named_parameters():
             want = p.grad if p.grad is not None else torch.zeros_like(p)
             torch.testing.assert_close(grads[name], want, rtol=1e-10, atol=1e-12)

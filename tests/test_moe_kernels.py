@@ -155,7 +155,7 @@ def test_custom_op_passes_opcheck():
 
     args = _op_args()
     torch.library.opcheck(torch.ops.graphopt.moe_experts.default,
-                          (*args, 0.0, 1, "", "flat", 1, 1, False),
+                          (*args, 0.0, 1, "", "flat", 1, 1),
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -182,8 +182,8 @@ def test_forward_and_backward_read_nothing_on_the_host_and_backward_reuses_the_s
     import graphopt.kernels.moe.op as moe_op
 
     def op(*args):
-        return torch.ops.graphopt.moe_experts(*args, capacity_factor, 1, "", "flat", 1, 1,
-                                              False)[0]
+        return torch.ops.graphopt.moe_experts(*args, capacity_factor, 1, "", "flat", 1,
+                                              1)[0]
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 16, generator=gen, requires_grad=True)

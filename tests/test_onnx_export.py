@@ -90,7 +90,7 @@ class Experts(torch.nn.Module):
     def forward(self, h, index, weights, gate_up, down):  # type: ignore[no-untyped-def]
         return torch.ops.graphopt.moe_experts(h, index, weights, gate_up, down,
                                               self.capacity_factor, 1, "", "flat", 1, 1,
-                                              False, self.drop_policy)[0]
+                                              self.drop_policy)[0]
 
 
 @pytest.mark.parametrize("form, capacity_factor, drop_policy", [

@@ -180,7 +180,7 @@ def moe_experts(form: str) -> Any:
 
     def translate(hidden: Any, top_k_index: Any, top_k_weights: Any, gate_up: Any, down: Any,
                   capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
-                  ranks_per_node: int, stash: bool, drop_policy: str = "position"
+                  ranks_per_node: int, drop_policy: str = "position"
                   ) -> tuple[Any, ...]:
         if ep != 1:
             raise ValueError(f"graphopt ONNX export: moe_experts with ep={ep} exchanges tokens "
@@ -194,7 +194,7 @@ def moe_experts(form: str) -> Any:
         # Backward-only outputs (dead in the inference graphs the exporter accepts).
         empty = op.ConstantOfShape(_ints(0))
         empty_int = op.Cast(empty, to=ir.DataType.INT64)
-        return out, empty, empty, empty_int, empty_int, empty_int
+        return out, empty, empty, empty, empty_int, empty_int, empty_int
 
     translate.__name__ = f"moe_experts_{form}"
     return translate

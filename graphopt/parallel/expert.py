@@ -143,25 +143,10 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     if st.split > 1:
         x, idx, w = (ops.scatter_rows(t, st.split_group, st.split) for t in (x, idx, w))
     out = ops.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj, -1.0, st.ep, st.group,
-                          st.schedule, st.chunks, st.ranks_per_node,
-                          torch.is_grad_enabled() and not _checkpoint_first_forward())[0]
+                          st.schedule, st.chunks, st.ranks_per_node)[0]
     if st.split > 1:
         out = ops.gather_rows(out, st.split_group, st.split, rows)
     return out
-
-
-def _checkpoint_first_forward() -> bool:
-    """Whether this forward runs inside a non-reentrant ``torch.utils.checkpoint`` region
-    before its recomputation: the backward uses the state the recomputation stashes, so a
-    stash here would never be popped (a review: transformers' gradient checkpointing with EP
-    left one stashed set of expert activations per MoE layer and step). Read from the
-    saved-tensor hooks checkpoint installs (torch 2.13's ``_checkpoint_hook``; its
-    recomputation runs under ``_recomputation_hook``)."""
-    if torch.compiler.is_compiling():  # a compiled layer: its checkpoint is a HOP, and the
-        return False  # hook query would break the graph (the EP op left the moe pass's view)
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack = hooks[0] if hooks else None
-    return getattr(pack, "__qualname__", "").startswith("_checkpoint_hook.")
 
 
 def _shard_on(dim: int) -> Any:

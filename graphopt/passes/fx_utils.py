@@ -328,3 +328,20 @@ def fake_call(target: Any, *args: Any, **kwargs: Any) -> Any:
     assert mode is not None
     with mode:
         return target(*vals, **kwargs)
+
+
+def set_fake_val(node: fx.Node) -> None:
+    """``node.meta['val']`` from :func:`fake_call` on the node's own target and arguments,
+    with ``meta['unbacked_bindings']`` for the sizes its fake impl creates (a data-dependent
+    output, ``new_dynamic_size``): the shape environment keeps such new symbols pending until
+    a node binds them, and AOTAutograd's trace refuses pending symbols no node claims
+    (PendingUnbackedSymbolNotFound), as make_fx binds them for the nodes it records."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+    node.meta["val"] = val = fake_call(node.target, *node.args, **node.kwargs)
+    mode = detect_fake_mode([v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)])
+    bindings = compute_unbacked_bindings(mode.shape_env, val) \
+        if mode is not None and mode.shape_env is not None else None
+    if bindings:
+        node.meta["unbacked_bindings"] = bindings

@@ -56,10 +56,10 @@ from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
     autocast_reason,
     eliminate_dead_code,
-    fake_call,
     is_mutating,
     is_random,
     module_path,
+    set_fake_val,
     site_name,
     size_hint,
     tensor_meta,
@@ -268,7 +268,7 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 3e-2)
     for probe in _probes(region, real):
         want = fn(*probe)
-        got = moe_experts_op(*probe, -1.0, 1, "", "flat", 1, 1, False)[0]
+        got = moe_experts_op(*probe, -1.0, 1, "", "flat", 1, 1)[0]
         if want.shape != got.shape or want.dtype != got.dtype or \
                 not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
             raise Skip(f"experts module {region.path} does not compute SwiGLU experts "
@@ -329,7 +329,7 @@ class MoEPass(GraphPass):
                     ctx.record("kept", site, f"{detail}; set options={{'moe': {{}}}} to rewrite")
                     continue
                 check_region(region, real)
-                detail += "; " + self._rewrite(gm, region, ctx.training)
+                detail += "; " + self._rewrite(gm, region)
                 modified = True
                 ctx.record("rewritten", site, detail)
             except Skip as why:
@@ -348,7 +348,7 @@ class MoEPass(GraphPass):
         return (f"{region.path}: E={e}, K={k}, T={t}, router {router_kind(topk)}"
                 + (", shared experts kept dense" if shared else ""))
 
-    def _rewrite(self, gm: fx.GraphModule, region: Region, training: bool) -> str:
+    def _rewrite(self, gm: fx.GraphModule, region: Region) -> str:
         import graphopt.kernels.moe.op  # noqa: F401  (registers graphopt::moe_experts)
 
         moe_experts_op = torch.ops.graphopt.moe_experts.default
@@ -368,10 +368,10 @@ class MoEPass(GraphPass):
                 gate_up, down = (_slice(gm.graph, w, rank * per, (rank + 1) * per)
                                  for w in (gate_up, down))
             args = (region.hidden, region.index, region.weights, gate_up, down, cf,
-                    ep, group, schedule, chunks, rpn, training, opts.drop_policy)
+                    ep, group, schedule, chunks, rpn, opts.drop_policy)
             call = gm.graph.call_function(moe_experts_op, args)
             out = gm.graph.call_function(operator.getitem, (call, 0))
-        call.meta["val"] = fake_call(moe_experts_op, *args)
+        set_fake_val(call)
         out.meta["val"] = call.meta["val"][0]
         for node in (call, out):
             node.meta["nn_module_stack"] = region.output.meta.get("nn_module_stack", {})

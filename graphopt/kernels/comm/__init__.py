@@ -1,5 +1,5 @@
 """Communication schedules for expert parallelism (see :mod:`graphopt.kernels.comm.all_to_all`)."""
 
-from graphopt.kernels.comm.all_to_all import SCHEDULES, RoundTrip, block_transpose
+from graphopt.kernels.comm.all_to_all import SCHEDULES, RoundTrip, block_transpose, round_trip_keys
 
-__all__ = ["SCHEDULES", "RoundTrip", "block_transpose"]
+__all__ = ["SCHEDULES", "RoundTrip", "block_transpose", "round_trip_keys"]

@@ -8,7 +8,7 @@ lives on rank e // El):
         contiguous and, inside, sorted by local expert).
     compute(key, rows [n, W], per_expert [El]) -> [n, W']: the owner's work on rows grouped by
         local expert (``per_expert`` rows each); ``key`` names the piece (chunk or source) so a
-        backward round trip can find what its forward stashed under the same key.
+        backward round trip can find what its forward saved under the same key.
     result [N_r, W']: row i is compute's output for send row i.
 
 Schedules (all exact: same rows, same per-row computation, only the order of transfers and
@@ -46,6 +46,22 @@ from torch import Tensor
 
 Compute = Callable[[Hashable, Tensor, Tensor], Tensor]
 SCHEDULES = ("flat", "chunked", "hierarchical", "peer")
+
+
+def round_trip_keys(schedule: str, chunks: int, size: int) -> list[int]:
+    """The keys a :class:`RoundTrip` over ``size`` ranks passes to ``compute``, in order: one
+    piece (0) for flat and hierarchical, chunk indices 0..C-1 for chunked, source ranks
+    0..P-1 for peer. Every key is computed on every call (empty pieces included), so the
+    owner's saved state can be stored as one row block per key.
+
+    Raises:
+        ValueError: an unknown schedule.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown all-to-all schedule {schedule!r}; valid: {SCHEDULES}")
+    if size == 1 or schedule in ("flat", "hierarchical"):
+        return [0]
+    return list(range(max(1, chunks))) if schedule == "chunked" else list(range(size))
 
 
 def block_transpose(sizes: Tensor) -> Tensor:

@@ -203,4 +203,4 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
 
     # int64 indices for the op (int32 / int16 / uint8 routers work too)
     return moe_experts_op(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up, down,
-                          capacity_factor or -1.0, 1, "", "flat", 1, 1, False, drop_policy)[0]
+                          capacity_factor or -1.0, 1, "", "flat", 1, 1, drop_policy)[0]

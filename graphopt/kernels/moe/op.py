@@ -33,9 +33,15 @@ its local experts and gets only their gradients: expert weights are sharded for 
 whose modules hold every expert, slices the local ones out in the graph).
 
 Outputs beyond ``out`` carry what the backward needs: the expert output rows (sorted,
-unweighted), the gate/up activations (EP = 1; with EP they stay on the owner rank, kept in a
-per-process stash under ``handle`` until the backward pops them, like Megatron-Core's
-dispatcher keeps its state between forward and backward), and the counts.
+unweighted), the gate/up activations, with EP the rows this rank received as an expert
+owner (their number R is data-dependent: the fake impl gives it an unbacked size), the
+received rows per round-trip piece, the counts and the sort. Everything the backward needs
+is an output saved by autograd (AOTAutograd when compiled), so its lifetime is the autograd
+graph's: a forward without backward, a checkpoint recomputation, ``retain_graph`` and
+saved-tensor hooks (``save_on_cpu``) all work as for any op. (Megatron-Core's dispatcher
+keeps this state on the dispatcher object between forward and backward; an earlier
+version here kept it in a per-process stash, which leaked when a forward's backward never
+ran.)
 
 Errors: ValueError for bad shapes (named), indices outside [0, E), capacity_factor <= 0,
 an E that the EP size does not divide; RuntimeError when the EP group is not initialized.
@@ -43,15 +49,14 @@ an E that the EP size does not divide; RuntimeError when the EP group is not ini
 
 from __future__ import annotations
 
-import itertools
-import warnings
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from graphopt.kernels.comm import RoundTrip
+from graphopt.kernels.comm import RoundTrip, round_trip_keys
 from graphopt.kernels.moe.combine import combine, combine_backward
 from graphopt.kernels.moe.dispatch import (
     capacity_partition,
@@ -60,10 +65,6 @@ from graphopt.kernels.moe.dispatch import (
     sorted_counts,
 )
 from graphopt.kernels.moe.experts import swiglu_experts_backward, swiglu_experts_forward
-
-_STASH: dict[int, dict[Any, tuple[Tensor, Tensor]]] = {}
-_HANDLES = itertools.count(1)
-_STASH_LIMIT = 256
 
 
 def resolve_group(name: str, ep: int) -> dist.ProcessGroup | None:
@@ -131,11 +132,13 @@ def _pad_rows(x: Tensor, n: int) -> Tensor:
 @torch.library.custom_op("graphopt::moe_experts", mutates_args=())
 def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                    down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
-                   chunks: int, ranks_per_node: int, stash: bool, drop_policy: str = "position"
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] or [0, 2F], handle [1], counts [ep, E],
-    order [T*K] (the sort, reused by the backward)). With a capacity, y_rows and gu rows
-    past the kept count are unspecified (on one device) or zero (expert parallel)."""
+                   chunks: int, ranks_per_node: int, drop_policy: str = "position"
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out [T, H], y_rows [T*K, H], gu [T*K, 2F] (ep = 1) or [R, 2F], owned [0, H] (ep = 1)
+    or [R, H] (the R rows this rank's experts computed, in round-trip piece order),
+    piece_rows [0] (ep = 1) or [pieces] int64 (rows of each piece in ``owned``), counts
+    [ep, E], order [T*K] (the sort, reused by the backward)). With a capacity, y_rows and gu
+    rows past the kept count are unspecified (on one device) or zero (expert parallel)."""
     num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
     order, token, counts = _sort(top_k_index, top_k_weights, num_experts, capacity_factor,
@@ -144,7 +147,6 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     rows = hidden.index_select(0, token[:valid])
     counts_all = _gather_counts(counts, pg, ep)
     w1, w2 = gate_up, down
-    handle = next(_HANDLES) if pg is not None and stash else 0  # 0: nothing stashed
     saved: dict[Any, tuple[Tensor, Tensor]] = {}
 
     def forward(key: Any, x: Tensor, per_expert: Tensor) -> Tensor:
@@ -157,30 +159,54 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     y_rows = _pad_rows(y_valid, top_k_index.numel())
     if pg is None:
         gu_out = _pad_rows(saved[0][1], top_k_index.numel())
+        owned = hidden.new_empty(0, hidden.shape[1])
+        piece_rows = top_k_index.new_empty(0, dtype=torch.int64)
     else:
-        gu_out = hidden.new_empty(0, gate_up.shape[1])
-        if stash:
-            if len(_STASH) >= _STASH_LIMIT:
-                warnings.warn(f"graphopt moe: {len(_STASH)} expert-parallel forwards are waiting "
-                              "for their backward; dropping the oldest (a training-mode graph "
-                              "run without backward?)", stacklevel=2)
-                _STASH.pop(next(iter(_STASH)))
-            _STASH[handle] = saved
+        keys = round_trip_keys(schedule, chunks, ep)
+        assert sorted(saved) == keys, (sorted(saved), keys)
+        owned, gu_out = (torch.cat([saved[k][i] for k in keys]) for i in (0, 1))
+        piece_rows = torch.tensor([saved[k][0].shape[0] for k in keys], dtype=torch.int64,
+                                  device=top_k_index.device)
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
     out = combine(y_valid, top_k_weights, order, hidden.dtype, acc, kept=kept)
-    return (out, y_rows, gu_out, top_k_index.new_full((1,), handle),
-            counts_all.to(torch.int64), order)
+    return out, y_rows, gu_out, owned, piece_rows, counts_all.to(torch.int64), order
+
+
+def _received_rows() -> Any:
+    """A new unbacked size for the rows this rank's experts receive (fake impl only).
+
+    Dynamo's shape environment refuses data-dependent output sizes unless the user set
+    ``torch._dynamo.config.capture_dynamic_output_shape_ops`` (a choice about user code such
+    as ``nonzero``: graph break or not); the EP op inserted by graphopt (moe pass,
+    ``graphopt.parallelize``'s experts) would then break the graph at every MoE layer. The
+    setting is lifted for this one size only, and restored."""
+    ctx = torch.library.get_ctx()
+    env = getattr(ctx, "_shape_env", None)
+    if env is None or env.allow_dynamic_output_shape_ops:
+        return ctx.new_dynamic_size()
+    settings = env.settings  # frozen; part of FakeTensor's dispatch cache key
+    env.settings = dataclasses.replace(settings, allow_dynamic_output_shape_ops=True)
+    try:
+        return ctx.new_dynamic_size()
+    finally:
+        env.settings = settings
 
 
 @moe_experts_op.register_fake
 def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
       down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
-      ranks_per_node: int, stash: bool, drop_policy: str = "position"
-      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+      ranks_per_node: int, drop_policy: str = "position"
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     n = top_k_index.numel()
+    owned: Any = 0  # ep = 1: the backward gathers its rows from hidden again
+    gu_rows: Any = n
+    pieces = 0
+    if ep > 1:  # the rows other ranks send here: data-dependent (an unbacked size)
+        owned = gu_rows = _received_rows()
+        pieces = len(round_trip_keys(schedule, chunks, ep))
     return (hidden.new_empty(hidden.shape), hidden.new_empty(n, hidden.shape[1]),
-            hidden.new_empty(n if ep == 1 else 0, gate_up.shape[1]),
-            top_k_index.new_empty(1, dtype=torch.int64),
+            hidden.new_empty(gu_rows, gate_up.shape[1]), hidden.new_empty(owned, hidden.shape[1]),
+            top_k_index.new_empty(pieces, dtype=torch.int64),
             top_k_index.new_empty(ep, gate_up.shape[0] * ep, dtype=torch.int64),
             top_k_index.new_empty(n, dtype=torch.int64))
 
@@ -188,9 +214,10 @@ def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tenso
 @torch.library.custom_op("graphopt::moe_experts_backward", mutates_args=())
 def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
                          top_k_weights: Tensor, gate_up: Tensor, down: Tensor, y_rows: Tensor,
-                         gu: Tensor, handle: Tensor, counts_all: Tensor, order: Tensor,
-                         capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
-                         ranks_per_node: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         gu: Tensor, owned: Tensor, piece_rows: Tensor, counts_all: Tensor,
+                         order: Tensor, capacity_factor: float, ep: int, group: str,
+                         schedule: str, chunks: int, ranks_per_node: int
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad hidden, grad top_k_weights, grad gate_up, grad down) of moe_experts' ``out``;
     ``order`` is the forward's sort (not sorted again)."""
     pg = resolve_group(group, ep)
@@ -205,12 +232,9 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     if pg is None:
         saved = {0: (hidden.index_select(0, token[:valid]), gu[:valid])}
     else:
-        key = int(handle.item())
-        if key not in _STASH:
-            raise RuntimeError("graphopt moe: the expert-parallel forward's saved state is gone "
-                               "(backward run twice, or more than "
-                               f"{_STASH_LIMIT} forwards without backward)")
-        saved = _STASH.pop(key)
+        keys = round_trip_keys(schedule, chunks, ep)
+        sizes = piece_rows.tolist()
+        saved = dict(zip(keys, zip(owned.split(sizes), gu.split(sizes))))
 
     def backward(key: Any, gy: Tensor, per_expert: Tensor) -> Tensor:
         x, gu_rows = saved[key]
@@ -231,9 +255,10 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
 
 @moe_experts_backward.register_fake
 def _(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-      gate_up: Tensor, down: Tensor, y_rows: Tensor, gu: Tensor, handle: Tensor,
-      counts_all: Tensor, order: Tensor, capacity_factor: float, ep: int, group: str,
-      schedule: str, chunks: int, ranks_per_node: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+      gate_up: Tensor, down: Tensor, y_rows: Tensor, gu: Tensor, owned: Tensor,
+      piece_rows: Tensor, counts_all: Tensor, order: Tensor, capacity_factor: float, ep: int,
+      group: str, schedule: str, chunks: int, ranks_per_node: int
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up),
             torch.empty_like(down))
 
@@ -245,10 +270,10 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
 
 
 def _backward(ctx: Any, grad_out: Tensor, *unused: Any) -> tuple[Any, ...]:
-    hidden, index, weights, gate_up, down, y_rows, gu, handle, counts, order = ctx.saved_tensors
+    hidden, index, weights, gate_up, down, *saved = ctx.saved_tensors
     grads = moe_experts_backward(grad_out.contiguous(), hidden, index, weights, gate_up, down,
-                                 y_rows, gu, handle, counts, order, *ctx.options)
-    return (grads[0], None, grads[1], grads[2], grads[3]) + (None,) * 8
+                                 *saved, *ctx.options)
+    return (grads[0], None, grads[1], grads[2], grads[3]) + (None,) * 7
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
