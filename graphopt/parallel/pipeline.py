@@ -11,8 +11,12 @@ interleaved schedule, Narayanan et al. SC'21 sec. 2.2) and returns a
 all microbatches with torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (PipeDream-
 Flush 1F1B, Narayanan et al. 2021), or ``ScheduleInterleavedZeroBubble`` for
 ``pp_schedule="zero_bubble"`` (Qi et al. 2024: weight gradients deferred into the bubbles).
-Gradients are those of the mean loss over the microbatches (the schedule divides by their
-count), i.e. of the whole batch.
+Gradients are those of the mean loss over every labelled position of the global batch (all
+microbatches, all DP ranks: Megatron-LM's per-token loss, as :func:`graphopt.parallel.
+context.cp_loss`), and they accumulate over ``step`` calls: the schedules run with
+``scale_grads=False`` (torch's default divides the whole ``.grad`` by the microbatch count
+after the last backward, gradients of earlier calls included) and the loss carries the
+weights instead.
 
 A stage computes what the model's own forward does for its layers, with no padding mask
 (causal attention through SDPA's ``is_causal``; padding masks are refused, see
@@ -21,9 +25,12 @@ position embeddings for positions ``0..S-1`` (transformers' ``rotary_emb``) and 
 ``layer(h, attention_mask=None, position_ids=..., position_embeddings=...)``; last stage
 ``lm_head(norm(h))``. Tied embeddings (one weight used by the first stage's embedding and
 the last stage's LM head): each of the two ranks holds a copy and computes its part of the
-gradient; after the schedule, the two parts are summed over the pair (an all-reduce in a
-group of the first and last pipeline rank of each pipeline, Megatron-LM's "embedding
-group"), so both copies get the exact gradient and stay equal through the optimizer.
+gradient; after the schedule, the two parts of this step's gradient are summed over the
+pair (an all-reduce in a group of the first and last pipeline rank of each pipeline,
+Megatron-LM's "embedding group"; the gradient accumulated by earlier steps is kept out of
+the sum), so both copies get the exact gradient and stay equal through the optimizer. The
+weight is looked up by name at each step: data parallelism (FSDP2, replicate) replaces the
+stage's parameters after :func:`pipeline` built it.
 
 Errors (ConfigError, before anything changes): a model whose forward is not that
 composition (eager attention, sliding windows, or a difference found by running both on
@@ -132,8 +139,12 @@ class PipelinedModel(nn.Module):
         """TP degree whose ranks split the sequence (SP): S must divide by it (set by
         :func:`pipeline`, the same on every rank so all of them refuse a bad batch)."""
         self._microbatches, self._labelled = 1, 1
-        self.tied: tuple[nn.Parameter, Any] | None = None
-        """(tied embedding weight, group of the first and last pipeline rank) if any."""
+        self.dp_group: Any = None
+        """The DP ranks' group (dp_replicate x dp_shard), over which the labelled positions
+        are counted; None: one DP rank."""
+        self.tied: tuple[str, Any] | None = None
+        """(name of the tied embedding weight in this module, group of the first and last
+        pipeline rank) if any."""
         self.original_names = {}
         for i, part in enumerate(parts):
             for name, _ in part.named_parameters():
@@ -172,25 +183,33 @@ class PipelinedModel(nn.Module):
                                  for p in parts]
             loss = self._microbatch_loss
             if self.plan.pp_schedule == "zero_bubble":
-                self._schedules[key] = ScheduleInterleavedZeroBubble(stages, microbatches,
-                                                                     loss_fn=loss)
+                self._schedules[key] = ScheduleInterleavedZeroBubble(
+                    stages, microbatches, loss_fn=loss, scale_grads=False)
             elif self.plan.virtual_stages > 1:
                 self._schedules[key] = ScheduleInterleaved1F1B(stages, microbatches,
-                                                               loss_fn=loss)
+                                                               loss_fn=loss, scale_grads=False)
             else:
-                self._schedules[key] = Schedule1F1B(stages[0], microbatches, loss_fn=loss)
+                self._schedules[key] = Schedule1F1B(stages[0], microbatches, loss_fn=loss,
+                                                    scale_grads=False)
         return self._schedules[key]
 
     def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The default loss weighted so the schedule's mean over microbatches is the batch's
-        mean over labelled positions (microbatches may hold different numbers of -100
-        labels); a custom loss_fn is averaged over microbatches as torch does."""
+        """One microbatch's share of the loss; the schedule sums the shares' gradients
+        (``scale_grads=False``) and data parallelism averages over its n ranks. The default
+        loss: n * (this microbatch's summed next-token loss) / (labelled positions over all
+        microbatches and DP ranks), so the result is the gradient of the global batch's
+        mean over labelled positions (microbatches and DP ranks may hold different numbers
+        of -100 labels). A custom loss_fn: its value / microbatches (its mean over
+        microbatches, as torch's schedules average)."""
         if self.loss_fn is not next_token_loss:
-            return self.loss_fn(logits, labels)
+            return self.loss_fn(logits, labels) / self._microbatches
         summed = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
                                              labels[:, 1:].flatten(), ignore_index=-100,
                                              reduction="sum")
-        return summed * self._microbatches / self._labelled
+        return summed * self._dp_size() / self._labelled
+
+    def _dp_size(self) -> int:
+        return 1 if self.dp_group is None else torch.distributed.get_world_size(self.dp_group)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -199,9 +218,11 @@ class PipelinedModel(nn.Module):
         sequences; gradients accumulate into this rank's parameters.
 
         Returns:
-            on the last stage's ranks the batch's mean loss (the default next-token loss:
-            mean over labelled positions, -100 ignored; a custom ``loss_fn``: the mean of its
-            microbatch values), else None.
+            on the last stage's ranks the loss (the default next-token loss: this DP rank's
+            share of the global batch's mean over labelled positions, -100 ignored, scaled
+            so that its mean over the DP ranks is that global mean, which it equals with one
+            DP rank or the same label count on every DP rank; a custom ``loss_fn``: the mean
+            of its microbatch values), else None.
         Raises:
             ConfigError: input_ids not [B, S] integers, labels of another shape, a padding
                 ``attention_mask``, B not divisible by the microbatch size, fewer
@@ -238,10 +259,16 @@ class PipelinedModel(nn.Module):
         schedule = self._schedule(count, tuple(input_ids.shape[1:]))
         target = labels if labels is not None else input_ids
         self._microbatches = count
-        self._labelled = max(1, int((target[:, 1:] != -100).sum()))
+        labelled = (target[:, 1:] != -100).sum().to(torch.float64)
+        if self.dp_group is not None:  # every DP rank's labels (uneven -100 over DP ranks)
+            torch.distributed.all_reduce(labelled, group=self.dp_group)
+        self._labelled = max(1, int(labelled))
         report = getattr(self, "graphopt_parallel", None)
         if report is not None:
             report.record_step_start()
+        tied, earlier = self._tied_grad(), None
+        if tied is not None and tied[0].grad is not None:  # gradient of earlier steps: kept
+            earlier, tied[0].grad = tied[0].grad, None  # out of this step's pair sum
         losses: list[torch.Tensor] = []
         if self.is_first:
             schedule.step(input_ids, target=target if self.is_last else None, losses=losses)
@@ -249,13 +276,22 @@ class PipelinedModel(nn.Module):
             schedule.step(target=target, losses=losses)
         else:
             schedule.step()
-        if self.tied is not None:  # the first and last stage each hold part of the gradient
-            weight, group = self.tied
+        if tied is not None:  # the first and last stage each hold part of the gradient
+            weight, group = tied
             grad: Any = weight.grad
             if grad is not None:
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 torch.distributed.all_reduce(local, group=group)
-        return torch.stack(losses).mean() if losses else None
+            if earlier is not None:
+                weight.grad = earlier if grad is None else earlier + grad
+        return torch.stack(losses).sum() if losses else None
+
+    def _tied_grad(self) -> tuple[nn.Parameter, Any] | None:
+        """(the tied embedding weight as this module holds it now, its group) or None."""
+        if self.tied is None:
+            return None
+        name, group = self.tied
+        return dict(self.named_parameters())[name], group
 
 
 def _original(name: str, prefix: str) -> str:
@@ -289,11 +325,13 @@ def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
     pipe = PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
                           prefix)
     pipe.seq_split = plan.tp if sp else 1
+    if plan.dp_replicate * plan.dp_shard > 1:
+        pipe.dp_group = mesh["dp_cp"].get_group()  # cp = 1 under pp
     weight = model.get_input_embeddings().weight
     if weight is model.get_output_embeddings().weight:
         group = _embedding_group(mesh)
         if rank in (0, plan.pp - 1):
-            pipe.tied = (weight, group)
+            pipe.tied = (next(n for n, p in pipe.named_parameters() if p is weight), group)
         shared = next(n for n, p in model.named_parameters() if p is weight)
         pipe.original_names = {k: shared if p is weight else pipe.original_names[k]
                                for k, p in pipe.named_parameters()}
