@@ -150,6 +150,15 @@ def _lifetime_runs(rank: int, world: int, experts: Any) -> dict:
             max(float((a - b).abs().max()) for a, b in zip(first, hooked)),
             (received, H) in shapes, len(alive),
             sum(ref() is not None for ref in alive))
+    bad = idx.clone()
+    if rank == 1:
+        bad[0, 0] = E  # one rank's router out of range: every rank must raise, none wait
+    try:
+        moe_experts_op(hidden, bad, w, *_local_experts(experts, rank, world), -1.0, world, "",
+                       "flat", 1, 1)
+        found["bad_index"] = ""
+    except ValueError as exc:
+        found["bad_index"] = str(exc)
     return found
 
 
@@ -275,6 +284,8 @@ def test_expert_parallel_with_a_capacity_equals_each_ranks_single_device_capacit
 @pytest.mark.parametrize("world", [4])
 def test_expert_parallel_saved_state_lives_in_autograd_not_in_a_stash(world):
     for rank, per_rank in enumerate(r[0] for r in _spawned(world)):
+        bad = per_rank["lifetime"].pop("bad_index")
+        assert f"outside [0, {E}) on EP rank(s) [1]" in bad, (rank, bad)
         for schedule, (retain, hooked, seen, saved, left) in per_rank["lifetime"].items():
             label = f"rank {rank} {schedule}"
             assert retain == 0 and hooked == 0, (label, retain, hooked)
@@ -287,6 +298,20 @@ def test_block_transpose_reorders_uneven_blocks():
     rows = torch.arange(7)  # blocks (0,0)=[0,1] (0,2)=[2] (1,1)=[3,4,5] (1,2)=[6]
     assert rows[block_transpose(sizes)].tolist() == [0, 1, 3, 4, 5, 2, 6]
     assert block_transpose(torch.zeros(2, 2, dtype=torch.long)).numel() == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(schedule="chunked", chunks=0), "chunks must be an int >= 1"),
+    (dict(schedule="flat", ranks_per_node=0), "ranks_per_node must be an int >= 1"),
+    (dict(schedule="ring"), "unknown all-to-all schedule 'ring'"),
+])
+def test_round_trip_arguments_are_checked(kwargs, message):
+    """The direct op's round trip: chunks 0 ran as 1 and ranks_per_node 0 divided by zero
+    (a review); the options path refused both already."""
+    from graphopt.kernels.comm import RoundTrip
+
+    with pytest.raises(ValueError, match=message):
+        RoundTrip(torch.zeros(1, 4, dtype=torch.long), None, **kwargs)
 
 
 def _model_worker(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
@@ -324,7 +349,9 @@ def _model_worker(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
         sites = [s.reason for r in reports() for p in r.passes if p.name == "moe"
                  for s in p.sites if s.action == "rewritten"]
         results[name, schedule] = (loss, grads, sites)
-    return results if rank == 0 else {}
+    out: dict = results if rank == 0 else {}
+    out["recompile_limit_raises"] = torch._dynamo.config.fail_on_recompile_limit_hit
+    return out
 
 
 def _model_reference(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -344,6 +371,8 @@ def _model_reference(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def test_real_moe_models_expert_parallel_equal_single_process(world):
     runs = MODEL_RUNS[world]
     results = _spawned(world)[0][1]
+    # a rank past Dynamo's recompile limit would run its experts eagerly (a hang elsewhere)
+    assert all(r[1]["recompile_limit_raises"] for r in _spawned(world))
     for name, schedule in runs:
         loss, grads, sites = results[name, schedule]
         want_loss, want_grads = _model_reference(name)
@@ -351,6 +380,8 @@ def test_real_moe_models_expert_parallel_equal_single_process(world):
         assert sites and all(f"EP={world}" in s for s in sites), (label, sites)
         _close(loss, want_loss, 1e-5 if name == "deepseek_v3" else 1e-10, 1e-10, label)
         assert set(grads) == set(want_grads)
+        noted = any("fail_on_recompile_limit_hit set to True" in s for s in sites)
+        assert noted == (name == runs[0][0]), (label, sites)  # reported once per process
         for pname, g in grads.items():
             # DeepSeek-V3's router runs in float32 (F.linear(h.float(), w.float())), whose
             # GEMM rounding depends on the batch a rank holds: float32 tolerance downstream

@@ -15,7 +15,8 @@ reported as skipped with the fix (``experts_implementation="grouped_mm"``).
 Contract:
     accepts: a normalized pre-autograd ATen graph (a symbolic token count with ep = 1
         only: the probes run at its example value; with ep > 1 it is a ConfigError, since
-        skipping one rank's site would leave the others waiting in its collectives).
+        skipping one rank's site would leave the others waiting in its collectives; for the
+        same reason an EP rewrite sets Dynamo's ``fail_on_recompile_limit_hit``).
     guarantees: exact. A region is replaced only when (1) it has the interface above, (2) it
         uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU experts) and
         nothing bounds it (no clamp/minimum/maximum: transformers' clamped SwiGLU), and
@@ -361,6 +362,7 @@ class MoEPass(GraphPass):
             (group, rank), rpn = ep_group(opts.ep, e), ranks_per_node(opts)
             ep = opts.ep
             schedule, chunks, note = self._schedule(region, opts, rpn)
+            note += _fail_on_recompile_limit()
         cf = -1.0 if opts.capacity_factor is None else float(opts.capacity_factor)
         with gm.graph.inserting_before(region.output):
             if ep > 1:  # the module holds every expert: the op takes this rank's E / ep
@@ -448,6 +450,26 @@ def _hint(size: Any) -> int:
     if hint is None:
         raise Skip("the token count has no example value (data-dependent size)")
     return hint
+
+
+def _fail_on_recompile_limit() -> str:
+    """Make Dynamo raise, not fall back to eager, when a frame hits its recompile limit
+    (``torch._dynamo.config.fail_on_recompile_limit_hit``); a note for the report.
+
+    With expert parallelism every rank must run the compiled EP graph: a rank that hit the
+    limit (8 token counts with dynamic=False) ran its modules eagerly, which hold every
+    expert, computed its MoE layers alone and went on while the other ranks waited in the
+    EP collectives forever (gloo's default timeout is 30 min; a review). An error stops the
+    job instead; the fix is in the message (raise ``recompile_limit`` or pad the batches to
+    fewer lengths). A process-wide Dynamo setting, set once and reported."""
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.fail_on_recompile_limit_hit:
+        return ""
+    dynamo_config.fail_on_recompile_limit_hit = True
+    return ("; torch._dynamo.config.fail_on_recompile_limit_hit set to True (a rank past "
+            "Dynamo's recompile limit would run its experts eagerly, outside the EP "
+            "collectives, and the other ranks would hang)")
 
 
 def _symbolic(topk: fx.Node) -> bool:

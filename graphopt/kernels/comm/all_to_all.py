@@ -32,8 +32,8 @@ of compute differs):
                   without a barrier between the dispatch and combine phases (UBEP's
                   barrier-free, distance-ordered peer scheduling).
 
-Errors: ValueError for an unknown schedule, a group size that ``ranks_per_node`` does not
-divide, or counts whose shape does not match the group.
+Errors: ValueError for an unknown schedule, chunks or ranks_per_node < 1, a group size that
+``ranks_per_node`` does not divide, or counts whose shape does not match the group.
 """
 
 from __future__ import annotations
@@ -55,13 +55,15 @@ def round_trip_keys(schedule: str, chunks: int, size: int) -> list[int]:
     owner's saved state can be stored as one row block per key.
 
     Raises:
-        ValueError: an unknown schedule.
+        ValueError: an unknown schedule, chunks < 1.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown all-to-all schedule {schedule!r}; valid: {SCHEDULES}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     if size == 1 or schedule in ("flat", "hierarchical"):
         return [0]
-    return list(range(max(1, chunks))) if schedule == "chunked" else list(range(size))
+    return list(range(chunks)) if schedule == "chunked" else list(range(size))
 
 
 def block_transpose(sizes: Tensor) -> Tensor:
@@ -98,11 +100,15 @@ class RoundTrip:
         if counts.dim() != 2 or counts.shape[0] != self.size or counts.shape[1] % self.size:
             raise ValueError(f"counts must be [P={self.size}, E] with E divisible by P, got "
                              f"{tuple(counts.shape)}")
+        round_trip_keys(schedule, chunks, self.size)  # checks schedule and chunks
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or \
+                ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
         if self.size % ranks_per_node:
             raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide the EP group size "
                              f"({self.size})")
         self.schedule = schedule
-        self.chunks = max(1, chunks)
+        self.chunks = chunks
         self.ranks_per_node = ranks_per_node
         self.local = counts.shape[1] // self.size
         self.counts = counts.view(self.size, self.size, self.local)  # [src, dst, local expert]

@@ -43,8 +43,11 @@ keeps this state on the dispatcher object between forward and backward; an earli
 version here kept it in a per-process stash, which leaked when a forward's backward never
 ran.)
 
-Errors: ValueError for bad shapes (named), indices outside [0, E), capacity_factor <= 0,
-an E that the EP size does not divide; RuntimeError when the EP group is not initialized.
+Errors (this op; :func:`graphopt.kernels.moe.moe_experts`, the public one-device wrapper,
+validates shapes, indices and capacity_factor, where <= 0 or None means dropless): with EP,
+ValueError on every rank when any rank's top_k_index leaves [0, E), and for chunks or
+ranks_per_node < 1 or an unknown schedule; RuntimeError when the EP group is not
+initialized.
 """
 
 from __future__ import annotations
@@ -112,12 +115,24 @@ def _rows(counts: Tensor, n: int, capacity_factor: float, pg: dist.ProcessGroup 
     return int(counts.sum()), None
 
 
-def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int) -> Tensor:
+def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int,
+                   bad: Tensor | None = None) -> Tensor:
+    """counts [E] of every EP rank -> [ep, E]. ``bad``: this rank's top_k_index had values
+    outside [0, E); it travels with the counts (no extra collective) and every rank raises
+    the same ValueError (one rank raising alone left the others waiting in this gather)."""
     if group is None:
         return counts.view(1, -1)
-    parts = [torch.empty_like(counts) for _ in range(ep)]
-    dist.all_gather(parts, counts.contiguous(), group=group)
-    return torch.stack(parts)
+    flag = (bad if bad is not None else torch.zeros((), dtype=torch.bool)).to(counts)
+    mine = torch.cat([counts, flag.view(1)]).contiguous()
+    parts = [torch.empty_like(mine) for _ in range(ep)]
+    dist.all_gather(parts, mine, group=group)
+    gathered = torch.stack(parts)
+    wrong = gathered[:, -1].nonzero().flatten().tolist()
+    if wrong:
+        raise ValueError(f"graphopt moe: top_k_index has values outside [0, {counts.numel()}) "
+                         f"on EP rank(s) {wrong} (the router's indices must name one of the "
+                         f"{counts.numel()} experts)")
+    return gathered[:, :-1]
 
 
 def _pad_rows(x: Tensor, n: int) -> Tensor:
@@ -141,11 +156,15 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     rows past the kept count are unspecified (on one device) or zero (expert parallel)."""
     num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
+    bad = None
+    if pg is not None:  # sorted safely; every rank raises in _gather_counts
+        bad = ((top_k_index < 0) | (top_k_index >= num_experts)).any()
+        top_k_index = top_k_index.clamp(0, num_experts - 1)
     order, token, counts = _sort(top_k_index, top_k_weights, num_experts, capacity_factor,
                                  drop_policy)
+    counts_all = _gather_counts(counts, pg, ep, bad)
     valid, kept = _rows(counts, order.numel(), capacity_factor, pg)
     rows = hidden.index_select(0, token[:valid])
-    counts_all = _gather_counts(counts, pg, ep)
     w1, w2 = gate_up, down
     saved: dict[Any, tuple[Tensor, Tensor]] = {}
 
