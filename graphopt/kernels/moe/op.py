@@ -183,7 +183,8 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     else:
         keys = round_trip_keys(schedule, chunks, ep)
         assert sorted(saved) == keys, (sorted(saved), keys)
-        owned, gu_out = (torch.cat([saved[k][i] for k in keys]) for i in (0, 1))
+        owned, gu_out = (torch.cat([saved[k][i] for k in keys]) if len(keys) > 1
+                         else saved[keys[0]][i] for i in (0, 1))  # fresh tensors: no copy
         piece_rows = torch.tensor([saved[k][0].shape[0] for k in keys], dtype=torch.int64,
                                   device=top_k_index.device)
     acc = torch.promote_types(hidden.dtype, top_k_weights.dtype)
