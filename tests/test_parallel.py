@@ -250,6 +250,34 @@ def test_tp_layout_is_derived_from_the_data_flow():
     assert not any(".mlp" in p for p in layout.colwise + layout.rowwise)
 
 
+class _NormedEmbedding(torch.nn.Embedding):
+    """Inkling's embedding: an nn.Embedding subclass that holds an RMSNorm."""
+
+    def __init__(self, table):
+        super().__init__(*table.weight.shape)
+        self.weight = table.weight
+        self.embed_norm = torch.nn.RMSNorm(table.weight.shape[1])
+
+    def forward(self, ids):
+        return self.embed_norm(super().forward(ids))
+
+
+def test_an_embedding_holding_more_than_its_table_stays_replicated():
+    """DTensor's vocab-parallel embedding shards every parameter the module holds: Inkling's
+    normed embedding crashed tp=2 on its norm's dotted name (found by a review). Such an
+    embedding, and the LM head with it, stays replicated, with the reason."""
+    from graphopt.models import build_model, sample_batch
+    from graphopt.parallel import derive_tp_layout
+
+    llama = build_model("llama")
+    llama.model.embed_tokens = _NormedEmbedding(llama.model.embed_tokens)
+    ids = sample_batch(llama, 1, 8)
+    layout = derive_tp_layout(llama, lambda: llama(input_ids=ids, use_cache=False), 2)
+    assert layout.embedding is None and layout.lm_head is None
+    assert "embed_norm.weight" in layout.kept["model.embed_tokens"]
+    assert "model.layers.0.self_attn.o_proj" in layout.rowwise  # the layers still split
+
+
 def test_sp_refuses_parameters_on_the_residual_stream_outside_norms_and_mixers():
     """Doge scales the residual stream by decoder-layer parameters (input_residual,
     post_attention_residual): under SP each TP rank saw only its sequence shard and nothing

@@ -403,6 +403,12 @@ def _vocab_parallel(layout: TPLayout, modules: dict[str, nn.Module],
     if modules[embeds[0]].weight is head.weight:
         layout.kept[head_path] = "tied to the token embedding: both stay replicated"
         return
+    extra = [n for n, _ in modules[embeds[0]].named_parameters() if n != "weight"]
+    if extra:  # DTensor's vocab-parallel embedding shards every parameter it holds
+        layout.kept[embeds[0]] = (f"an embedding holding more than its table ({extra[0]}, "
+                                  "e.g. Inkling's normed embedding): it and the LM head "
+                                  "stay replicated")
+        return
     layout.lm_head, layout.embedding = head_path, embeds[0]
     layout.vocab = int(getattr(head, "out_features", 0))
 
