@@ -278,6 +278,26 @@ def test_an_embedding_holding_more_than_its_table_stays_replicated():
     assert "model.layers.0.self_attn.o_proj" in layout.rowwise  # the layers still split
 
 
+def test_a_mixer_s_own_parameter_keeps_it_replicated():
+    """A parameter held by the attention module itself, scaling its heads between the split
+    projections (here before o_proj), got only this rank's heads' share of its gradient
+    under tp=2 (0.0066 off, no error): the layout never checked a mixer's own parameters
+    (the recorder orders modules by when they finish, the mixer after its writer). Such a
+    mixer now stays replicated, with the reason."""
+    from graphopt.models import build_model, sample_batch
+    from graphopt.parallel import derive_tp_layout
+
+    llama = build_model("llama")
+    attn = llama.model.layers[0].self_attn
+    attn.gain = torch.nn.Parameter(torch.tensor(1.5))
+    attn.o_proj.register_forward_pre_hook(lambda m, a: (a[0] * attn.gain,))
+    ids = sample_batch(llama, 1, 8)
+    layout = derive_tp_layout(llama, lambda: llama(input_ids=ids, use_cache=False), 2)
+    assert "own parameter gain" in layout.kept["model.layers.0.self_attn"]
+    assert "model.layers.0.self_attn.o_proj" not in layout.rowwise
+    assert "model.layers.1.self_attn.o_proj" in layout.rowwise
+
+
 def test_sp_refuses_parameters_on_the_residual_stream_outside_norms_and_mixers():
     """Doge scales the residual stream by decoder-layer parameters (input_residual,
     post_attention_residual): under SP each TP rank saw only its sequence shard and nothing

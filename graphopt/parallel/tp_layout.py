@@ -265,11 +265,16 @@ def _inner_params(layout: TPLayout, modules: dict[str, nn.Module], mixer: str,
     end = first.get(writer, -1)
     found: dict[str, int] = {}
     for name, _ in modules[mixer].named_parameters():
-        owner = f"{mixer}.{name.rsplit('.', 1)[0]}" if "." in name else mixer
+        if "." not in name:  # held by the mixer itself: where its forward uses it is unknown
+            # (the recorder's order is when forwards finish, the mixer's after its writer)
+            return (f"its own parameter {name} may act on this rank's heads (a per-head or "
+                    "scalar gain would get a partial gradient): TP cannot tell how it "
+                    "splits; kept replicated")
+        owner = f"{mixer}.{name.rsplit('.', 1)[0]}"
         if owner in readers or owner == writer or first.get(owner, end + 1) > end:
             continue
         call = recorder.calls.get(owner)
-        if owner == mixer or not _is_norm(modules[owner]) or not call or \
+        if not _is_norm(modules[owner]) or not call or \
                 not isinstance(call[0][:1] and call[0][0], torch.Tensor) or \
                 not start < first[owner] < end:
             return (f"its parameter {name} is used between the split projections outside a "
