@@ -197,17 +197,18 @@ def test_plan_mfu_never_exceeds_one(dtype):
 
 
 def test_a_global_batch_no_layout_divides_says_why_and_what_to_change():
-    model = plan_model("llama", 128, H100)
+    model = plan_model("llama", 128, H100)  # 2 layers, 4 heads, 2 KV heads: tp <= 2
     with pytest.raises(ConfigError, match=r"global batch \(3\) is not divisible by any data-"
                                           r"parallel degree x microbatch these devices allow "
-                                          r"\(dp = devices / \(pp x tp x cp\) is one of 2, 4, "
-                                          r"8, 16; .* multiple of 2, or 8 devices"):
+                                          r"\(dp = devices / \(pp x tp x cp\) is one of 4, 8, "
+                                          r"16; .* multiple of 4, or 4 devices"):
         search(model, H100, 16, 3)
-    result = search(model, H100, 8, 3)  # the suggested device count has plans
+    result = search(model, H100, 4, 3)  # the suggested device count has plans
     assert result.top and not result.hand  # every hand configuration has dp > 1
+    assert all(p.tp <= 2 for p in result.top)  # tp divides the 2 KV heads
     reasons = {name: why for name, _, why in result.hand_invalid}
     assert reasons["data parallel (DDP)"] == \
-        "global batch (3) must divide into dp (8) x microbatch (1)"
+        "global batch (3) must divide into dp (4) x microbatch (1)"
 
 
 def test_cli_plan_explains_a_global_batch_without_plans():
@@ -219,13 +220,13 @@ def test_cli_plan_explains_a_global_batch_without_plans():
     none = CliRunner().invoke(app, [*args, "--devices", "16"])
     text = " ".join(none.output.split())
     assert none.exit_code == 2 and "is not divisible by any data-parallel degree" in text
-    assert "use a global batch that is a multiple of 2, or 8 devices" in text
-    some = CliRunner().invoke(app, [*args, "--devices", "8"])
+    assert "use a global batch that is a multiple of 4, or 4 devices" in text
+    some = CliRunner().invoke(app, [*args, "--devices", "4"])
     text = " ".join(some.output.split())
     assert some.exit_code == 0, some.output
     assert "none of the common hand configurations is valid for this job" in text
-    assert "not valid for this job: data parallel (DDP) (dp_replicate=8, mb=1): global batch " \
-        "(3) must divide into dp (8) x microbatch (1)" in text
+    assert "not valid for this job: data parallel (DDP) (dp_replicate=4, mb=1): global batch " \
+        "(3) must divide into dp (4) x microbatch (1)" in text
 
 
 def test_search_covers_any_virtual_stage_count_and_never_loses_to_a_published_plan():

@@ -106,7 +106,8 @@ class ParallelPlan:
 
     def problems(self, devices: int | None = None, layers: int | None = None,
                  heads: int | None = None, experts: int | None = None,
-                 global_batch: int | None = None, seq: int | None = None) -> list[str]:
+                 global_batch: int | None = None, seq: int | None = None,
+                 kv_heads: int | None = None) -> list[str]:
         """Everything wrong with the plan for this job, as sentences naming the fix."""
         out = []
         for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "virtual_stages",
@@ -174,6 +175,9 @@ class ParallelPlan:
                        f"stage ({most})")
         if heads is not None and heads % self.tp:
             out.append(f"attention heads ({heads}) must be divisible by tp ({self.tp})")
+        if kv_heads is not None and kv_heads % self.tp:
+            out.append(f"KV heads ({kv_heads}) must be divisible by tp ({self.tp}): each TP "
+                       "rank holds whole KV groups (Megatron's num_query_groups % tp == 0)")
         if heads is not None and self.cp_kind == "all_to_all" and heads % (self.tp * self.cp):
             out.append(f"all-to-all CP needs heads ({heads}) divisible by tp*cp "
                        f"({self.tp * self.cp})")
@@ -205,9 +209,10 @@ class ParallelPlan:
 
     def validate(self, devices: int | None = None, layers: int | None = None,
                  heads: int | None = None, experts: int | None = None,
-                 global_batch: int | None = None, seq: int | None = None) -> None:
+                 global_batch: int | None = None, seq: int | None = None,
+                 kv_heads: int | None = None) -> None:
         """Raise ConfigError listing :meth:`problems` (empty: the plan is valid)."""
-        problems = self.problems(devices, layers, heads, experts, global_batch, seq)
+        problems = self.problems(devices, layers, heads, experts, global_batch, seq, kv_heads)
         if problems:
             raise ConfigError("invalid parallel plan: " + "; ".join(problems))
 

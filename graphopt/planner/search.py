@@ -57,7 +57,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _splits(model: PlanModel, devices: int, node: int) -> Iterator[tuple[int, int, int, int]]:
-    """(pp, tp, cp, dp) with pp dividing the layers, tp the heads and the node size, cp
+    """(pp, tp, cp, dp) with pp dividing the layers, tp the heads, the KV heads (Megatron's
+    num_query_groups % tp == 0; graphopt's executor refuses the rest too) and the node size, cp
     splitting the sequence into 2*cp chunks of >= 1024 tokens, and their product
     ``devices`` (the global batch is not considered)."""
     seq = model.seq
@@ -65,7 +66,7 @@ def _splits(model: PlanModel, devices: int, node: int) -> Iterator[tuple[int, in
         if pp > model.layers:
             continue
         for tp in (d for d in _divisors(devices // pp)
-                   if node % d == 0 and model.heads % d == 0):
+                   if node % d == 0 and model.heads % d == 0 and model.kv_heads % d == 0):
             rest = devices // (pp * tp)
             for cp in _divisors(rest):
                 if cp == 1 or (seq % (2 * cp) == 0 and seq // (2 * cp) >= 1024):
@@ -201,7 +202,7 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
     for name, plan in published or []:
         problems = plan.problems(devices=devices, layers=model.layers, heads=model.heads,
                                  experts=model.experts, global_batch=global_batch,
-                                 seq=model.seq)
+                                 seq=model.seq, kv_heads=model.kv_heads)
         if problems:
             raise ConfigError(f"published configuration {name!r} ({plan.describe()}) is not "
                               f"valid for this job: {'; '.join(problems)}")
@@ -282,7 +283,7 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
         plans[f"FSDP + EP={ep}"] = ParallelPlan(dp_shard=devices, zero_stage=3, ep=ep)
     return [(name, plan, plan.problems(devices=devices, layers=model.layers, heads=model.heads,
                                        experts=model.experts, global_batch=global_batch,
-                                       seq=model.seq))
+                                       seq=model.seq, kv_heads=model.kv_heads))
             for name, plan in plans.items()]
 
 
