@@ -123,6 +123,10 @@ def _lifetime_runs(rank: int, world: int, experts: Any) -> dict:
             return moe_experts_op(hidden, idx, w, *_local_experts(experts, rank, world), -1.0,
                                   world, "", schedule, 3, 2)[0]
 
+        outputs = moe_experts_op(hidden, idx, w, *_local_experts(experts, rank, world), -1.0,
+                                 world, "", schedule, 3, 2)
+        found[schedule, "contiguous"] = all(t.is_contiguous() for t in outputs)  # as the
+        # fake impl declares: Inductor asserts the strides (the counts were a strided view)
         out = run()
         first = torch.autograd.grad(out, params, grad, retain_graph=True)
         second = torch.autograd.grad(out, params, grad)
@@ -286,6 +290,8 @@ def test_expert_parallel_saved_state_lives_in_autograd_not_in_a_stash(world):
     for rank, per_rank in enumerate(r[0] for r in _spawned(world)):
         bad = per_rank["lifetime"].pop("bad_index")
         assert f"outside [0, {E}) on EP rank(s) [1]" in bad, (rank, bad)
+        for schedule in ("flat", "peer"):
+            assert per_rank["lifetime"].pop((schedule, "contiguous")), (rank, schedule)
         for schedule, (retain, hooked, seen, saved, left) in per_rank["lifetime"].items():
             label = f"rank {rank} {schedule}"
             assert retain == 0 and hooked == 0, (label, retain, hooked)

@@ -132,7 +132,7 @@ def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int,
         raise ValueError(f"graphopt moe: top_k_index has values outside [0, {counts.numel()}) "
                          f"on EP rank(s) {wrong} (the router's indices must name one of the "
                          f"{counts.numel()} experts)")
-    return gathered[:, :-1]
+    return gathered[:, :-1].contiguous()  # as the fake impl declares (Inductor checks)
 
 
 def _pad_rows(x: Tensor, n: int) -> Tensor:
