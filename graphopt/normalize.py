@@ -234,15 +234,16 @@ def _default_checkpoint_context(gm: fx.GraphModule) -> bool:
 
 def _recompute_all_but_stateful_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     """Plain activation checkpointing's policy (recompute everything, as torch's
-    ``_always_prefer_recompute``), except graphopt's expert-parallel MoE op (ep > 1; on one
-    device it is recomputed like any op). That op exchanges tokens between ranks: it is saved,
-    not run again in the backward (a recomputation would repeat its dispatch and combine
-    all-to-alls and the expert GEMMs there)."""
+    ``_always_prefer_recompute``), except ops that exchange data between ranks
+    (``fx_utils.communicates``: graphopt's expert-parallel MoE op with ep > 1 (on one device
+    it is recomputed like any op), its token scatter/gather, functional collectives): they
+    are saved, not run again in the backward (a recomputation would repeat the EP op's
+    dispatch and combine all-to-alls and the expert GEMMs there)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    schema = getattr(op, "_schema", None)
-    if schema is not None and schema.name == "graphopt::moe_experts" and len(args) > 6 and \
-            isinstance(args[6], int) and args[6] > 1:  # ep > 1 (one device: recomputed)
+    from graphopt.passes.fx_utils import communicates
+
+    if communicates(op, args):  # the EP op with ep > 1 (one device: recomputed)
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -345,7 +345,8 @@ def make_hooks(runner: PassRunner, dumper: Dumper, report: CompileReport) -> AOT
         if kind == "backward":  # compiled lazily, after the backend returned
             dumper.write_report()
 
-    return AOTHooks(run_joint=run_joint, graph_ready=graph_ready, add_time=report.add_time)
+    return AOTHooks(run_joint=run_joint, graph_ready=graph_ready, add_time=report.add_time,
+                    note=report.notes.append)
 
 
 def _hooked_time(report: CompileReport) -> float:

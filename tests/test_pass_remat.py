@@ -111,8 +111,8 @@ def test_infeasible_budget_reports_the_minimum():
     fn = _compile(model, budget=1024)  # 1 KiB: the dropout masks alone exceed it
     fn(x).backward()
     summary = _remat_summary()
-    assert summary.action == "skipped" and "budget infeasible: the minimum found is" in \
-        summary.reason
+    assert summary.action == "skipped" and \
+        "budget infeasible or the ILP out of time: the minimum found is" in summary.reason
 
 
 @pytest.mark.parametrize("value, message", [
@@ -532,3 +532,40 @@ def test_a_checkpointed_dropout_keeps_the_ilp_feasible_and_greedy_follows_user_r
         assert graphopt.last_report().fallback is None
         assert "ILP infeasible" not in summary.reason, summary.reason
         assert saved <= plain, (solver, saved, plain)
+
+
+def test_an_offload_the_partitioner_does_not_honour_is_reported():
+    """dropout -> view -> tanh, with the backward of tanh(x) ** 2 reading 2 * tanh: torch's
+    partitioner computes that tangent-free product in the backward from tanh and keeps tanh
+    saved on the device although the plan offloaded it (1 MiB against a 211 KiB budget; a
+    review). The plan cannot see this; the report now says so after the partition."""
+    torch.manual_seed(0)
+    w1, w2 = (torch.randn(256, 256, dtype=torch.float64, requires_grad=True) / 16
+              for _ in range(2))
+
+    def fn(x):
+        v = torch.nn.functional.dropout(x @ w1, 0.3, True)
+        return (v @ w2).square().sum() + torch.tanh(v.view(-1, 16, 16)).square().sum()
+
+    compiled = _compile(fn, budget=0.05, offload=True)
+    compiled(torch.randn(512, 256, dtype=torch.float64)).backward()
+    notes = [n for r in graphopt.reports() for n in r.notes if n.startswith("remat:")]
+    assert len(notes) == 1 and "(1048576 bytes: tanh) stay saved on the device" in notes[0], \
+        notes
+
+
+def test_ops_that_communicate_are_never_recomputed():
+    """The remat ILP recomputed graphopt's EP MoE op (it is tagged pt2_compliant like any
+    torch.library custom op): each recompute repeats its all-to-alls, and ranks whose token
+    counts differ decided differently and hung (a review, 2 gloo ranks). Communicating calls
+    are now unsafe to recompute, in the remat pass and in graphopt's checkpoint policy."""
+    import graphopt.kernels.comm.tokens  # noqa: F401  (registers scatter/gather_rows)
+    import graphopt.kernels.moe.op  # noqa: F401
+    from graphopt.passes.fx_utils import communicates
+
+    moe = torch.ops.graphopt.moe_experts.default
+    assert communicates(moe, (None,) * 6 + (2, "g", "flat", 1, 1))
+    assert not communicates(moe, (None,) * 6 + (1, "", "flat", 1, 1))  # one device
+    assert communicates(torch.ops.graphopt.gather_rows.default, (None, "g", 2, 8))
+    assert communicates(torch.ops._c10d_functional.all_reduce.default, (None, "sum", "0"))
+    assert not communicates(torch.ops.aten.mm.default, (None, None))

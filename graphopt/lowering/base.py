@@ -26,6 +26,8 @@ class AOTHooks:
     graph_ready: Callable[[str, fx.GraphModule], None]
     """Called with kind "joint" | "forward" | "backward" | "inference" before compiling it."""
     add_time: Callable[[str, float], None]
+    note: Callable[[str], None] = lambda _: None
+    """Add a note to the compile report."""
 
     @contextmanager
     def timed(self, key: str) -> Iterator[None]:
@@ -84,7 +86,13 @@ class AOTLowering(Lowering):
             mark_mutated(joint)
             joint = hooks.run_joint(joint, "joint")
             hooks.graph_ready("joint", joint)
-            return self.partition(joint, joint_inputs, **kwargs)
+            forward, backward = self.partition(joint, joint_inputs, **kwargs)
+            from graphopt.passes.remat import offloads_kept_on_device
+
+            note = offloads_kept_on_device(joint, forward)
+            if note:
+                hooks.note(note)
+            return forward, backward
 
         # Dynamo's own AOTAutograd backend wrapper, as aot_eager uses it: it counts the call
         # (DDPOptimizer reads that count to consume the fake outputs AOTAutograd returns on a

@@ -95,6 +95,27 @@ def is_mutating(node: fx.Node) -> bool:
     return False
 
 
+_GRAPHOPT_COMM = {"graphopt::moe_experts": 6, "graphopt::scatter_rows": 2,
+                  "graphopt::gather_rows": 2}  # op -> index of its group-size argument
+
+
+def communicates(op: Any, args: tuple) -> bool:
+    """True for an op call that exchanges data between ranks: torch's functional collectives
+    (``_c10d_functional``), and graphopt's expert-parallel MoE op and token scatter/gather
+    with a group of more than one rank (their size argument). Such a call must run the same
+    number of times on every rank: recomputing it in the backward (activation checkpointing,
+    the remat pass) repeats its communication, and a recomputation that one rank decides and
+    another does not (the remat ILP sees each rank's own token counts) hangs the group."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False
+    if schema.name.startswith(("_c10d_functional::", "c10d_functional::")):
+        return True
+    index = _GRAPHOPT_COMM.get(schema.name)
+    return index is not None and len(args) > index and isinstance(args[index], int) and \
+        args[index] > 1
+
+
 def is_random(node: fx.Node) -> bool:
     """True for ops that draw from the RNG (rand*, bernoulli, dropout with p > 0, ...).
 

@@ -72,6 +72,7 @@ from graphopt.cost.profiles import default_profile_name, load_profile
 from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
+    communicates,
     is_mutating,
     is_random,
     readers_of_mutated_inputs,
@@ -189,6 +190,40 @@ def _needed(forward: list[fx.Node], backward: set[fx.Node]) -> list[fx.Node]:
     return [n for n in forward if any(u in backward for u in n.users) and n in fwd]
 
 
+OFFLOADED = "graphopt_remat_offloaded"
+"""Joint-graph meta set by the remat pass: {offloaded node name: bytes}; read after the
+partition by :func:`offloads_kept_on_device`."""
+
+
+def offloads_kept_on_device(joint: fx.GraphModule, forward: fx.GraphModule) -> str:
+    """A report note when the partitioned ``forward`` still saves values the remat pass
+    offloaded (torch's partitioner moved their host copies into the backward and kept the
+    values on the device: seen when it recomputes, from an offloaded value, a tangent-free
+    op the ILP left to it); "" when every offload holds.
+
+    The plan's saved bytes then understate the device memory by the bytes named here; a
+    review measured 1.4-7.8x the budget on Llama/Mistral/Gemma2 RMSNorms."""
+    offloaded = joint.meta.get(OFFLOADED) or {}
+    out = next(iter(forward.graph.find_nodes(op="output")), None)
+    if not offloaded or out is None:
+        return ""
+
+    def names(node: fx.Node) -> set[str]:
+        return {n.name for n in torch.utils._pytree.tree_leaves(node.args)
+                if isinstance(n, fx.Node)}
+
+    returned = set().union(*(names(o) for o in joint.graph.find_nodes(op="output")))
+    kept = {name for name in names(out) if name in offloaded and name not in returned}
+    if not kept:
+        return ""
+    total = sum(offloaded[name] for name in kept)
+    return (f"remat: {len(kept)} of {len(offloaded)} offloaded values ({total} bytes: "
+            f"{', '.join(sorted(kept)[:4])}) stay saved on the device too: torch's partitioner "
+            "recomputes their host copies in the backward; the device holds that much more "
+            "than the plan's saved bytes (without offload the plan recomputes instead and the "
+            "budget holds)")
+
+
 READS_MUTATED_INPUT = "graphopt_reads_mutated_input"
 """Node meta set by :func:`plan` on values read from an input the graph mutates in place
 (``fx_utils.readers_of_mutated_inputs``): recomputing them would read the updated input."""
@@ -196,8 +231,9 @@ READS_MUTATED_INPUT = "graphopt_reads_mutated_input"
 
 def _unsafe_to_recompute(node: fx.Node) -> bool:
     target = node.target
-    if is_random(node) or is_mutating(node) or node.meta.get(READS_MUTATED_INPUT):
-        return True
+    if is_random(node) or is_mutating(node) or node.meta.get(READS_MUTATED_INPUT) or \
+            communicates(target, node.args):  # (the EP op: a review saw ranks disagree
+        return True  # on recomputing it and hang, and each recompute repeat its all-to-alls)
     if target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _unsafe_to_recompute(node.args[0])  # an element of a random op's tuple
         # (native_dropout's output in a user checkpoint region: its "recompute" tag made
@@ -247,8 +283,10 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
     c = np.zeros(blocks * n)
     lower = np.zeros(blocks * n)
     upper = np.ones(blocks * n)
+    largest = max([_bytes(v) for v in forward] + [1])
     for v, i in index.items():
         c[n + i] = max(times.get(v.name, 0.0), 1e-9)
+        c[i] = 1e-12 * _bytes(v) / largest  # tie-break: of equally fast plans, fewer bytes
         if _unsafe_to_recompute(v):
             upper[n + i] = 0
         if _is_view(v) or _is_tuple(v):
@@ -587,10 +625,11 @@ class RematPass(GraphPass):
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
                    f"{decision.solver}: {decision.status}, "
                    f"{time.perf_counter() - start:.2f}s"
-                   + ((" -- budget infeasible: the minimum found is "
+                   + ((" -- budget infeasible or the ILP out of time: the minimum found is "
                        f"{decision.saved_bytes} bytes") if over and decision.ilp_infeasible
                       else (" -- over budget: greedy's plan saves "
                             f"{decision.saved_bytes} bytes (greedy is not exhaustive; "
                             "solver 'ilp' may meet the budget)") if over else ""))
         gm.meta["graphopt_remat"] = True
+        gm.meta[OFFLOADED] = {v.name: _bytes(v) for v in decision.offloaded}
         return PassResult(gm, True)
