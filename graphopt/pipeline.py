@@ -303,6 +303,16 @@ def _joint_records_through_cache(model: fx.GraphModule, config: GraphoptConfig,
                             "=1)")
 
 
+def _owner_grad_inputs(model: fx.GraphModule) -> set[int]:
+    """Positions of the graph inputs whose gradients the passes made rank-local by design
+    (``OWNER_GRADS`` in the model graph's meta: expert weights under the moe pass's EP)."""
+    from graphopt.passes.moe import OWNER_GRADS
+
+    names = model.meta.get(OWNER_GRADS) or set()
+    return {i for i, ph in enumerate(model.graph.find_nodes(op="placeholder"))
+            if ph.name in names}
+
+
 def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any],
                           example_inputs: Sequence[Any], snapshots: list[Snapshot],
                           model: fx.GraphModule, config: GraphoptConfig, report: CompileReport,
@@ -326,7 +336,8 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
                 with torch.enable_grad() if report.training else torch.no_grad():
                     verify_compile(original, compiled, inputs, snapshots, config, report,
                                    recompile=lambda disabled: _recompile(
-                                       model, example_inputs, config, disabled))
+                                       model, example_inputs, config, disabled),
+                                   owner_grads=_owner_grad_inputs(model))
             finally:
                 report.add_time("verify", time.perf_counter() - t0)
                 dumper.write_report()

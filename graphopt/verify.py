@@ -68,6 +68,12 @@ def _strided_copy(x: torch.Tensor) -> torch.Tensor:
 
 def run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
                    seed: int = 0) -> Outcome:
+    """See :func:`_run_with_grads`."""
+    return _run_with_grads(fn, inputs, grads, seed)
+
+
+def _run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
+                    seed: int = 0) -> Outcome:
     """Outputs of ``fn(*clones)``, then the clones' values after the call (so an in-place
     update of a buffer or input, e.g. BatchNorm's running statistics or an EMA, is compared
     too: a review's "exact" pass that changed an EMA update passed verify), and, if
@@ -199,9 +205,22 @@ def _measured(report: CompileReport, reference: Outcome, actual: Outcome,
 def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
                    inputs: Sequence[Any], snapshots: list[tuple[str, bool, torch.fx.GraphModule]],
                    config: GraphoptConfig, report: CompileReport,
-                   recompile: Callable[[Sequence[str]], Callable[..., Any]]) -> None:
-    """Compare ``compiled`` with ``original`` (Dynamo's graph, run eagerly); see module doc."""
+                   recompile: Callable[[Sequence[str]], Callable[..., Any]],
+                   owner_grads: set[int] | None = None) -> None:
+    """Compare ``compiled`` with ``original`` (Dynamo's graph, run eagerly); see module doc.
+    ``owner_grads``: positions of inputs whose gradients are not compared (expert weights
+    under the moe pass's expert parallelism: each rank's gradient covers its own experts
+    over every rank's tokens, the eager run's covers every expert over this rank's tokens;
+    verify then failed on every EP graph, found by a review)."""
     grads = config.verify.grads and report.training
+    positions = [i for i, a in enumerate(inputs)
+                 if isinstance(a, torch.Tensor) and a.requires_grad]
+    skipped = {k for k, i in enumerate(positions) if i in (owner_grads or set())}
+
+    def run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool) -> Outcome:
+        values, gradients = _run_with_grads(fn, inputs, grads)
+        return values, [None if k in skipped else g for k, g in enumerate(gradients)]
+
     random_ops = [n.name for n in _all_nodes(snapshots[0][2]) if is_random(n)]
     if random_ops:
         report.verify = {"status": "skipped",
@@ -219,6 +238,9 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
     problem = compare(reference, actual, config)
     if problem is None:
         detail = "outputs and gradients" if grads else "outputs"
+        if grads and skipped:
+            detail += (f" ({len(skipped)} expert-weight gradients not compared: under expert "
+                       "parallelism they are the owner rank's, over every rank's tokens)")
         if report.verify.get("nonfinite"):
             report.verify.update(status="nonfinite", detail=f"{detail} match eager, but hold "
                                  f"NaN/Inf: {report.verify['nonfinite']}")

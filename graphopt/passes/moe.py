@@ -366,6 +366,8 @@ class MoEPass(GraphPass):
         cf = -1.0 if opts.capacity_factor is None else float(opts.capacity_factor)
         with gm.graph.inserting_before(region.output):
             if ep > 1:  # the module holds every expert: the op takes this rank's E / ep
+                gm.meta.setdefault(OWNER_GRADS, set()).update(
+                    w.name for w in (gate_up, down) if w.op == "placeholder")
                 per = e // ep
                 gate_up, down = (_slice(gm.graph, w, rank * per, (rank + 1) * per)
                                  for w in (gate_up, down))
@@ -450,6 +452,11 @@ def _hint(size: Any) -> int:
     if hint is None:
         raise Skip("the token count has no example value (data-dependent size)")
     return hint
+
+
+OWNER_GRADS = "graphopt_owner_grads"
+"""Model-graph meta set by the moe pass with ep > 1: names of the placeholders (expert
+weights) whose gradients are the owner rank's by design; verify does not compare them."""
 
 
 def _fail_on_recompile_limit() -> str:
