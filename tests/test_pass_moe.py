@@ -132,8 +132,22 @@ def test_eager_experts_loop_is_reported_with_the_fix():
     torch._dynamo.reset()
     torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
         input_ids=ids, use_cache=False)
-    skipped = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    skipped = [s for s in sites if s.site != "graph"]  # "graph": the graphs after the breaks
     assert skipped and all(s.action == "skipped" and "grouped_mm" in s.reason for s in skipped)
+    assert all("no MoE router" in s.reason for s in sites if s.site == "graph")
+
+
+def test_moe_options_on_a_model_without_experts_say_they_change_nothing():
+    """moe options on a dense model were silently accepted (an empty report; a new user's
+    trial): the report now says the graph has no MoE router."""
+    model = build_model("llama")
+    clear_reports()
+    torch._dynamo.reset()
+    torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
+        input_ids=sample_batch(model, 1, 6), use_cache=False)
+    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    assert [s.site for s in sites] == ["graph"] and "change nothing" in sites[0].reason
 
 
 MODELS = ["mixtral", "qwen3_moe", "minimax", "deepseek_v3"]

@@ -164,7 +164,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
         import onnxscript  # noqa: F401
     except ImportError as exc:
         raise ImportError("ONNX export needs onnx and onnxscript: pip install "
-                          "'graphopt[onnx]'") from exc
+                          "'graphopt[onnx]' (from a clone: pip install -e '.[onnx]')") from exc
     from graphopt.export.translations import MOE_FORMS  # imports onnxscript
     config = _export_config(options)
     if moe_form not in MOE_FORMS:

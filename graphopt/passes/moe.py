@@ -306,7 +306,11 @@ class MoEPass(GraphPass):
             if isinstance(value, torch.Tensor):
                 real[node] = value
         modified = False
-        for topk in list(gm.graph.find_nodes(op="call_function", target=aten.topk.default)):
+        topks = list(gm.graph.find_nodes(op="call_function", target=aten.topk.default))
+        if self.options is not None and not topks:  # asked for, nothing to do: say so
+            ctx.record("skipped", "graph", "no MoE router (top-k over expert scores) in this "
+                       "graph: the moe options change nothing here")
+        for topk in topks:
             if topk.graph is not gm.graph or not topk.users:
                 continue
             if _feeds_topk(topk):

@@ -607,17 +607,6 @@ class RematPass(GraphPass):
             # values the backward does not need stay untagged
         budget = self.options.resolve(decision.keep_all_bytes)
         times = decision.times
-        for v in sorted(decision.recomputed, key=lambda v: -_bytes(v)):
-            if _bytes(v):
-                ctx.record("rewritten", site_name(v), f"recompute ({_bytes(v)} bytes, "
-                           f"predicted {times.get(v.name, 0.0) * 1e6:.1f} us)")
-        for v in sorted(decision.offloaded, key=lambda v: -_bytes(v)):
-            ctx.record("rewritten", site_name(v), f"offload ({_bytes(v)} bytes)")
-        for v in sorted(decision.saved, key=lambda v: -_bytes(v)):
-            if _bytes(v):
-                ctx.record("kept", site_name(v), f"save ({_bytes(v)} bytes; recompute would "
-                           f"cost {times.get(v.name, 0.0) * 1e6:.1f} us"
-                           + (", not recomputable)" if _unsafe_to_recompute(v) else ")"))
         over = decision.saved_bytes > budget
         ctx.record("skipped" if over else "rewritten", "saved activations",
                    f"budget {budget} bytes of keep-all {decision.keep_all_bytes}: saved "
@@ -630,6 +619,17 @@ class RematPass(GraphPass):
                       else (" -- over budget: greedy's plan saves "
                             f"{decision.saved_bytes} bytes (greedy is not exhaustive; "
                             "solver 'ilp' may meet the budget)") if over else ""))
+        for v in sorted(decision.recomputed, key=lambda v: -_bytes(v)):
+            if _bytes(v):
+                ctx.record("rewritten", site_name(v), f"recompute ({_bytes(v)} bytes, "
+                           f"predicted {times.get(v.name, 0.0) * 1e6:.1f} us)")
+        for v in sorted(decision.offloaded, key=lambda v: -_bytes(v)):
+            ctx.record("rewritten", site_name(v), f"offload ({_bytes(v)} bytes)")
+        for v in sorted(decision.saved, key=lambda v: -_bytes(v)):
+            if _bytes(v):
+                ctx.record("kept", site_name(v), f"save ({_bytes(v)} bytes; recompute would "
+                           f"cost {times.get(v.name, 0.0) * 1e6:.1f} us"
+                           + (", not recomputable)" if _unsafe_to_recompute(v) else ")"))
         gm.meta["graphopt_remat"] = True
         gm.meta[OFFLOADED] = {v.name: _bytes(v) for v in decision.offloaded}
         return PassResult(gm, True)

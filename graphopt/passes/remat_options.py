@@ -87,8 +87,8 @@ class RematOptions:
                         break
                     return int(number / 100 * keep_all_bytes) if scale is None \
                         else int(number * scale)
-        raise ConfigError(f"remat.budget must be bytes, 'NNGiB'/'NNMiB', 'NN%' or a fraction in "
-                          f"(0, 1]; got {b!r}")
+        raise ConfigError(f"remat.budget must be bytes, 'NNGiB'/'NNMiB'/'NNKiB', 'NN%' with NN "
+                          f"in (0, 100], or a fraction in (0, 1]; got {b!r}")
 
     @classmethod
     def parse(cls, value: Any) -> RematOptions:
