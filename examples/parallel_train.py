@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 4 examples/parallel_train.py                   # dp_shard=2 x tp=2
     torchrun --nproc-per-node 4 examples/parallel_train.py --plan plan.json  # any plan file
+    ... --save ckpt/         # a torch.distributed.checkpoint after the last step
+    ... --resume ckpt/       # start from it (saved under any plan, e.g. --plan other.json)
 
 One DeviceMesh from the plan (graphopt.parallel.build_mesh), the model sharded by
 graphopt.parallelize (TP+SP layout derived from the model, FSDP2 ZeRO-3 over dp_shard), each
@@ -15,10 +17,11 @@ import argparse
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import graphopt
 from graphopt.models import build_model
-from graphopt.parallel import build_mesh, build_optimizer
+from graphopt.parallel import ModelState, OptimizerState, build_mesh, build_optimizer
 from graphopt.planner.plan import ParallelPlan
 
 
@@ -27,6 +30,8 @@ def main() -> None:
     parser.add_argument("--plan", help="plan JSON (graphopt plan --json); default dp_shard=2, "
                         "tp=2, ZeRO-3 when 4 ranks run, else pure FSDP")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save", help="write a checkpoint here after the last step")
+    parser.add_argument("--resume", help="load a checkpoint (written under any plan) first")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -46,6 +51,10 @@ def main() -> None:
         block.forward = torch.compile(block.forward, backend="graphopt",
                                       options={"lowering": "eager"})
     opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-3)
+    # model and optimizer under the unparallelized names and shapes (docs/parallel.md)
+    state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
+    if args.resume:
+        dcp.load(state, checkpoint_id=args.resume)
     gen = torch.Generator().manual_seed(1234)
     for step in range(args.steps):
         batch = torch.randint(0, 256, (2 * plan.dp, 64), generator=gen)  # global batch
@@ -58,6 +67,8 @@ def main() -> None:
         dist.all_reduce(mean)
         if rank == 0:
             print(f"step {step}: loss {float(mean) / world:.4f}")
+    if args.save:
+        dcp.save(state, checkpoint_id=args.save)
     if rank == 0:
         report = model.graphopt_parallel
         print(f"plan: {report.plan}; SP {'on' if report.sp else 'off'}")

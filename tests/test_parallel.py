@@ -777,7 +777,18 @@ def test_example_runs_under_torchrun(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          f"--master-port={free_port()}", str(root / "examples" / "parallel_train.py"),
-         "--steps", "2", "--plan", str(plan)], capture_output=True, text=True, timeout=300,
-        cwd=root, check=False)
+         "--steps", "2", "--plan", str(plan), "--save", str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=300, cwd=root, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 1: loss" in out.stdout and "tp: S(0)" in out.stdout and "SP on" in out.stdout
+    import torch.distributed.checkpoint as dcp  # the TP checkpoint loads into one process
+
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama", num_hidden_layers=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert all(sd["model"][k].shape == v.shape for k, v in before.items())
+    assert all(not torch.equal(sd["model"][k], before[k]) for k in before if "proj" in k)

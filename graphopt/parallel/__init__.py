@@ -6,6 +6,10 @@
     opt = graphopt.parallel.build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=...)
     # pp > 1: model is a PipelinedModel; train with model.step(input_ids)
     # cp > 1: feed shard_sequence(ids, mesh)'s chunk and train on cp_loss
+    # checkpoints (save under one plan, resume under any other or in one process):
+    state = {"model": graphopt.parallel.ModelState(model),
+             "optimizer": graphopt.parallel.OptimizerState(model, opt)}
+    torch.distributed.checkpoint.save(state, checkpoint_id=path)  # or .load(state, ...)
 
 See docs/parallel.md.
 """
@@ -16,12 +20,14 @@ from graphopt.parallel.apply import (
     optimizer_for,
     parallelize,
 )
+from graphopt.parallel.checkpoint import ModelState, OptimizerState
 from graphopt.parallel.context import cp_loss, shard_sequence
 from graphopt.parallel.mesh import build_mesh
 from graphopt.parallel.pipeline import PipelinedModel
 from graphopt.parallel.tp_layout import TPLayout, derive_tp_layout
 from graphopt.planner.plan import ParallelPlan
 
-__all__ = ["ParallelPlan", "ParallelReport", "PipelinedModel", "TPLayout", "build_mesh",
+__all__ = ["ModelState", "OptimizerState", "ParallelPlan", "ParallelReport", "PipelinedModel",
+           "TPLayout", "build_mesh",
            "build_optimizer", "cp_loss", "derive_tp_layout", "optimizer_for", "parallelize",
            "shard_sequence"]

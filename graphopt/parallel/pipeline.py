@@ -134,6 +134,8 @@ class PipelinedModel(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
+        self.prefix = prefix
+        """The full model's path of the decoder layer list (``model.layers``)."""
         self._schedules: dict[tuple[int, ...], Any] = {}
         self.seq_split = 1
         """TP degree whose ranks split the sequence (SP): S must divide by it (set by
