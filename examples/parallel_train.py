@@ -21,7 +21,13 @@ import torch.distributed.checkpoint as dcp
 
 import graphopt
 from graphopt.models import build_model
-from graphopt.parallel import ModelState, OptimizerState, build_mesh, build_optimizer
+from graphopt.parallel import (
+    ModelState,
+    OptimizerState,
+    build_mesh,
+    build_optimizer,
+    clip_grad_norm_,
+)
 from graphopt.planner.plan import ParallelPlan
 
 
@@ -61,6 +67,7 @@ def main() -> None:
         local = batch.chunk(plan.dp)[mesh["dp"].get_local_rank()]
         loss = model(input_ids=local, labels=local, use_cache=False).loss
         loss.backward()
+        clip_grad_norm_(model, max_norm=1.0)  # the whole model's norm, equal on every rank
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()

@@ -6,6 +6,8 @@
     opt = graphopt.parallel.build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=...)
     # pp > 1: model is a PipelinedModel; train with model.step(input_ids)
     # cp > 1: feed shard_sequence(ids, mesh)'s chunk and train on cp_loss
+    # gradient clipping by the whole model's norm (torch's sees one rank's under PP/EP):
+    graphopt.parallel.clip_grad_norm_(model, max_norm=1.0)
     # checkpoints (save under one plan, resume under any other or in one process):
     state = {"model": graphopt.parallel.ModelState(model),
              "optimizer": graphopt.parallel.OptimizerState(model, opt)}
@@ -21,6 +23,7 @@ from graphopt.parallel.apply import (
     parallelize,
 )
 from graphopt.parallel.checkpoint import ModelState, OptimizerState
+from graphopt.parallel.clip import clip_grad_norm_, grad_norm
 from graphopt.parallel.context import cp_loss, shard_sequence
 from graphopt.parallel.mesh import build_mesh
 from graphopt.parallel.pipeline import PipelinedModel
@@ -29,5 +32,5 @@ from graphopt.planner.plan import ParallelPlan
 
 __all__ = ["ModelState", "OptimizerState", "ParallelPlan", "ParallelReport", "PipelinedModel",
            "TPLayout", "build_mesh",
-           "build_optimizer", "cp_loss", "derive_tp_layout", "optimizer_for", "parallelize",
-           "shard_sequence"]
+           "build_optimizer", "clip_grad_norm_", "cp_loss", "derive_tp_layout", "grad_norm",
+           "optimizer_for", "parallelize", "shard_sequence"]
