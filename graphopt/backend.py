@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -70,7 +71,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
     if plan is not None:
         from graphopt.parallel import parallelize
-        from graphopt.parallel.apply import decoder_layers
+        from graphopt.parallel.apply import _checkpointed, decoder_layers
 
         model = parallelize(model, plan, moe=moe)  # moe: the plan's EP runs it
         model.graphopt_parallel.notes[:0] = auto_notes
@@ -78,8 +79,19 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         blocks = [b for p in parts for b in p.layers.values()] if parts is not None \
             else decoder_layers(model)
         for block in blocks:  # forward only: the TP/SP input hooks stay eager
-            block.forward = torch.compile(block.forward, backend="graphopt", options=options,
+            forward, recompute = block.forward, None
+            if isinstance(forward, functools.partial) and forward.func is _checkpointed and \
+                    plan.tp > 1:  # the plan's recomputation stays outside the compiled
+                # forward: torch 2.13's compile of a checkpoint over DTensors fails ("expected
+                # all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"); else
+                # Dynamo captures the checkpoint and its policy (under DDP's graph splitting
+                # a policy outside the compiled forward fails: SAC's dispatch mode caches
+                # the fake tensors DDPOptimizer runs while it compiles)
+                forward, recompute = forward.args
+            block.forward = torch.compile(forward, backend="graphopt", options=options,
                                           **kwargs)
+            if recompute is not None:
+                block.forward = functools.partial(_checkpointed, block.forward, recompute)
         return model
     return torch.compile(model, backend="graphopt", options=options, **kwargs)
 
@@ -107,6 +119,15 @@ def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
                           "options={'parallel': plan, ...}) or model = graphopt.parallelize("
                           "model, plan) before torch.compile")
     config = GraphoptConfig.from_options(options, mode=mode)
+    import torch
+
     from graphopt.pipeline import compile_graph
 
-    return compile_graph(gm, example_inputs, config)
+    # A first call under the caller's non-reentrant torch.utils.checkpoint compiles inside
+    # its saved-tensor hooks: tensors saved by graphopt's compile-time work (probes,
+    # re-traces) were counted as the region's, and the backward's recomputation (no
+    # compile) raised "A different number of tensors was saved during the original forward
+    # and recomputation". Identity hooks keep that work out of the caller's.
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return compile_graph(gm, example_inputs, config)
+

@@ -402,9 +402,8 @@ def plan(
                                     "autograd) | fused (fused norm/activation/attention "
                                     "kernels, as Megatron-Core runs; Korthikanti et al. 2022)."),
     recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Also search "
-                                   "activation recomputation (full and selective); "
-                                   "graphopt.parallelize does not apply it, so plan with "
-                                   "--no-recompute for a plan file it runs."),
+                                   "activation recomputation (full and selective; "
+                                   "graphopt.parallelize applies it per decoder layer)."),
 ) -> None:
     """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
     common hand configurations lose."""

@@ -332,8 +332,10 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
             fake = any(is_fake(a) for a in example_inputs if isinstance(a, torch.Tensor))
             inputs = list(args) if fake else example_inputs
             t0 = time.perf_counter()
-            try:
-                with torch.enable_grad() if report.training else torch.no_grad():
+            try:  # isolated from a caller's checkpoint (saved-tensor hooks, SAC's mode):
+                with torch.enable_grad() if report.training else torch.no_grad(), \
+                        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                        torch.utils._python_dispatch._disable_current_modes():
                     verify_compile(original, compiled, inputs, snapshots, config, report,
                                    recompile=lambda disabled: _recompile(
                                        model, example_inputs, config, disabled),

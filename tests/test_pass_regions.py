@@ -283,3 +283,31 @@ def test_nested_regions_compile_without_falling_back():
     assert_matches_eager(model, compiled, [x], params=list(model.parameters()),
                          rtol=1e-12, atol=1e-12)
     assert [r.fallback for r in graphopt.reports()] == [None]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_compiled_layer_inside_a_user_checkpoint_compiles_on_its_first_call(verify):
+    """``checkpoint(compiled_layer)`` (activation checkpointing outside the compiled
+    function, as graphopt.parallelize does for a plan's recomputation with tp > 1): the first
+    call compiles inside the checkpoint's saved-tensor hooks. graphopt's compile-time work
+    (and verify on the first call) saved tensors there, counted as the region's, and the
+    backward raised "A different number of tensors was saved during the original forward
+    and recomputation"; with aot_eager it worked. Gradients equal eager, for the full and
+    the selective policy."""
+    import functools
+
+    from graphopt.parallel.apply import _checkpointed  # checkpoint(f, context_fn=policy)
+
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    for full in (True, False):
+        torch._dynamo.reset()
+        ref, model = (build_model("llama", torch.float64) for _ in range(2))
+        for layer in model.model.layers:
+            inner = torch.compile(layer.forward, backend="graphopt",
+                                  options={"lowering": "eager", "verify": verify})
+            layer.forward = functools.partial(_checkpointed, inner, full)
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+        ref(input_ids=ids, use_cache=False).logits.sum().backward()
+        assert graphopt.last_report().fallback is None
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)

@@ -26,6 +26,8 @@ rank's share of the batch gives the single-process loss and, gathered, its gradi
 - cp: the sequence split over CP ranks, softmax attention by Ulysses all-to-all
   (:mod:`graphopt.parallel.context`); parameters are replicated over CP (FSDP's shard
   group is dp_shard x cp, DDP's dp x cp).
+- recompute_layers / selective_recompute: activation checkpointing per decoder layer
+  (:func:`apply_recompute`), as the planner priced it.
 
 Pseudo-code::
 
@@ -34,11 +36,13 @@ Pseudo-code::
     if dp_shard > 1 and zero >= 2: fully_shard(layers..., root, mesh=dp mesh, reshard=zero==3)
     elif dp > 1: replicate(model, mesh=dp mesh)
     if ep > 1: keep this rank's experts; experts' forward = moe_experts over the EP group
+    if recompute: layer.forward = checkpoint(layer.forward, policy) (full or selective)
     report: every parameter with its placements and local shape
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,12 +148,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if not isinstance(plan, ParallelPlan):
         raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
                           f"{type(plan).__name__}")
-    unexecuted = plan.problems() + ([
-        "recompute_layers / selective_recompute: graphopt.parallelize does not apply "
-        "activation recomputation (the plan's memory prediction counts on it): plan "
-        "without it (`graphopt plan --no-recompute`, or parallel='auto'), or recompute in "
-        "the model (gradient checkpointing, the remat option)"]
-        if plan.recompute_layers or plan.selective_recompute else [])
+    unexecuted = plan.problems()
     if unexecuted:
         raise ConfigError("cannot execute this parallel plan: " + "; ".join(unexecuted))
     if plan.cp > 1:
@@ -247,6 +246,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                 f"stage {p.index} (layers {p.start}..{p.end - 1}"
                 + (", embedding" if p.first else "") + (", norm + LM head" if p.last else "")
                 + ")" for p in list[Any](model.parts)))
+    if plan.recompute_layers or plan.selective_recompute:
+        report.notes.append(apply_recompute(model, plan))
     _apply_dp(model, plan, mesh, report)
     if plan.pp == 1:  # PipelinedModel.step records its own starts (and checks S under SP)
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
@@ -390,6 +391,46 @@ def _grad_like_param(param: torch.Tensor) -> None:
     placements = getattr(param, "placements", None)
     if grad is not None and placements is not None and grad.placements != placements:
         param.grad = grad.redistribute(placements=placements)
+
+
+def apply_recompute(model: nn.Module, plan: ParallelPlan) -> str:
+    """Activation recomputation as the plan prices it (graphopt.planner.perf): on each
+    pipeline rank (the whole model without PP), ``plan.recompute_layers`` decoder layers are
+    fully recomputed (MoE layers first, the planner's "largest layers"; then in order, as
+    Megatron-LM's "block" method), and with ``plan.selective_recompute`` the others keep
+    only :data:`graphopt.planner.model.SELECTIVE_SAVE`'s outputs (torchtitan's per-op
+    policy). Each layer's ``forward`` runs under non-reentrant ``torch.utils.checkpoint``
+    (module hooks: TP/SP, FSDP, stay outside it, as torchtitan's checkpoint_wrapper inside
+    fully_shard); ops exchanging data between ranks are saved, not recomputed. Only while
+    gradients are enabled. Returns a note for the report."""
+    parts = getattr(model, "parts", None)
+    layers = [b for p in parts for b in p.layers.values()] if parts is not None \
+        else decoder_layers(model)
+    moe = [any(getattr(m, "gate_up_proj", None) is not None for m in b.modules())
+           for b in layers]
+    order = sorted(range(len(layers)), key=lambda i: (not moe[i], i))
+    full = set(order[:plan.recompute_layers])
+    for i, block in enumerate(layers):
+        if i in full or plan.selective_recompute:
+            block.forward = functools.partial(  # type: ignore[method-assign]
+                _checkpointed, block.forward, i in full)
+    return (f"activation recomputation: {len(full)} of this rank's {len(layers)} decoder "
+            "layers fully" + (f", the other {len(layers) - len(full)} selectively "
+                              "(GEMM/attention outputs kept)" if plan.selective_recompute
+                              else "") + " (non-reentrant torch.utils.checkpoint per layer)")
+
+
+def _checkpointed(forward: Callable[..., Any], full: bool, *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)`` under activation checkpointing (:func:`apply_recompute`)."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    from graphopt.planner.model import selective_checkpoint_context
+
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(selective_checkpoint_context, full),
+                      **kwargs)
 
 
 def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelReport

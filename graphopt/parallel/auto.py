@@ -50,9 +50,6 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
         return "CP with PP is not executed"
     if plan.expert_tp > 1:
         return "tensor-parallel experts are not executed"
-    if plan.recompute_layers or plan.selective_recompute:
-        return ("activation recomputation is planned but graphopt.parallelize does not apply "
-                "it (the plan would need more memory than predicted)")
     if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or
                                                         plan.pp > 1 or plan.cp > 1):
         return "ZeRO-1 is executed with data parallelism alone"
@@ -90,10 +87,7 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
         config.to_json_file(str(Path(tmp) / "config.json"))
         planned = plan_model(str(Path(tmp) / "config.json"), int(spec["seq"]), profile,
                              dtype=dtype)
-    # no recomputation: graphopt.parallelize does not apply it (a plan that needs it to fit
-    # would run out of memory), so such plans are not searched
-    result = search(planned, profile, world, int(spec["global_batch"]), top_k=200,
-                    recompute=False)
+    result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
     passed = []
     for plan in result.top:
         why = not_executable(plan, int(spec["global_batch"]), config)

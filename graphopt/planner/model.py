@@ -127,13 +127,23 @@ counted as mm for models with biased linears)."""
 _REGIONS = itertools.count(1)
 
 
-def selective_checkpoint_context() -> tuple[Any, Any]:
-    """``context_fn`` for ``torch.utils.checkpoint`` applying :data:`SELECTIVE_SAVE`."""
+def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
+    """``context_fn`` for ``torch.utils.checkpoint`` applying :data:`SELECTIVE_SAVE`, or with
+    ``full`` recomputing every op (full activation recomputation). Either way ops that
+    exchange data between ranks (``graphopt.passes.fx_utils.communicates``: the
+    expert-parallel MoE op, functional collectives) are saved, not run again in the
+    backward (graphopt.normalize's checkpoint policy does the same)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from graphopt.passes.fx_utils import communicates
 
     count = {"forward": 0, "recompute": 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if communicates(func, args):
+            return CheckpointPolicy.MUST_SAVE
+        if full:
+            return CheckpointPolicy.PREFER_RECOMPUTE
         mode = "recompute" if ctx.is_recompute else "forward"
         gemm = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
         count[mode] += gemm
