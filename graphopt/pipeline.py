@@ -225,9 +225,30 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     compiled = _forward_ad_through_dynamo_graph(gm, compiled, model, report, dumper)
     if config.verify.enabled:
         assert snapshots is not None
+        if _recompile_that_communicates(model):
+            report.notes.append(
+                "verify: skipped for this recompile: the graph exchanges data between ranks "
+                "(expert-parallel op or collectives) and ranks recompile independently (a "
+                "shape change on one rank); verifying it on this rank alone would wait for "
+                "ranks that run no verification. Verified at the graph's first compile")
+            return compiled
         return _verify_on_first_call(gm, compiled, list(example_inputs), snapshots, model,
                                      config, report, dumper)
     return compiled
+
+
+def _recompile_that_communicates(model: fx.GraphModule) -> bool:
+    """Whether Dynamo is recompiling a frame (not its first compile) whose graph calls an op
+    that communicates (``fx_utils.communicates``). A review found verify there hanging:
+    only the rank whose batch shape changed recompiled, and its verification's extra
+    forward/backward all-to-alls waited for ranks that were in their normal step."""
+    from graphopt.passes.fx_utils import communicates
+
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None or not compile_id.frame_compile_id:
+        return False
+    return any(communicates(n.target, n.args) for n in model.graph.nodes
+               if n.op == "call_function")
 
 
 def _forward_ad_through_dynamo_graph(original: fx.GraphModule, compiled: Callable[..., Any],

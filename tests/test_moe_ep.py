@@ -534,3 +534,32 @@ def test_expert_parallel_op_in_a_checkpointed_compiled_model_is_saved_not_recomp
         for name, p in ref.named_parameters():
             want = p.grad if p.grad is not None else torch.zeros_like(p)
             torch.testing.assert_close(grads[name], want, rtol=1e-10, atol=1e-12)
+
+
+def _verify_recompile_worker(rank: int, world: int) -> list[list[str]]:
+    """A compiled EP plan with verify on; at step 1 only rank 1's batch changes shape (ordinary
+    data parallelism), so only rank 1 recompiles."""
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import ParallelPlan
+
+    torch.manual_seed(0)
+    model = graphopt.compile(build_model("mixtral", dtype=torch.float64),
+                             options={"parallel": ParallelPlan(dp_shard=2, ep=2, zero_stage=0),
+                                      "lowering": "eager", "verify": True})
+    for step, lengths in enumerate([(16, 16), (16, 24)]):
+        ids = torch.randint(0, 256, (2, lengths[rank]),
+                            generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    return [r.notes for r in graphopt.reports()]
+
+
+def test_verify_skips_a_recompile_that_communicates_instead_of_hanging():
+    """Before, rank 1 verified its recompiled layer graphs alone: their extra forward and
+    backward all-to-alls waited for rank 0, which was in its normal step (a review: a hang).
+    The first compile is verified on every rank; a recompile with the EP op says why not."""
+    first, second = run_distributed(_verify_recompile_worker, 2)
+    skipped = [any("verify: skipped for this recompile" in n for n in notes)
+               for notes in second]
+    assert any(skipped) and not any(
+        any("verify: skipped" in n for n in notes) for notes in first)

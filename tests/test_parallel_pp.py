@@ -196,16 +196,23 @@ def _bad_batch_worker(rank, world):
     pipe = parallelize(build_model("llama", num_hidden_layers=4),
                        ParallelPlan(pp=2, virtual_stages=2, pp_schedule="interleaved",
                                     microbatch=2))
-    ids = torch.zeros(6, 8, dtype=torch.long)
-    return config_errors(
-        lambda: pipe.step(ids[:5]), lambda: pipe.step(ids),
+    ids = torch.zeros(8, 8, dtype=torch.long)
+    messages = config_errors(
+        lambda: pipe.step(ids[:5]), lambda: pipe.step(ids[:6]),
         lambda: pipe.step(ids[:4], attention_mask=torch.zeros(4, 8)),
         lambda: pipe.step(ids[0]), lambda: pipe.step(ids[:2]), lambda: pipe(ids),
-        lambda: pipe.step(ids[:4], labels=ids[:4, :5]))
+        lambda: pipe.step(ids[:4], labels=ids[:4, :5]),
+        # one rank's batch refused, or the ranks' microbatch counts differ: every rank
+        # raises (before, the others waited in the schedule's sends or FSDP's collectives)
+        lambda: pipe.step(ids[:4] if rank == 0 else ids[:6]),
+        lambda: pipe.step(ids[:4] if rank == 0 else ids))
+    for seq in range(8, 28, 2):  # ten sequence lengths: the last 8 schedules are kept
+        pipe.step(torch.zeros(4, seq, dtype=torch.long))
+    return messages, sorted(pipe._schedules)
 
 
 def test_bad_batches_for_a_pipeline_are_clear_errors():
-    for messages in run_distributed(_bad_batch_worker, 2):
+    for rank, (messages, cached) in enumerate(run_distributed(_bad_batch_worker, 2)):
         assert "not divisible by the microbatch size (2)" in messages[0]
         assert "microbatch count (3) to be a multiple of pp (2)" in messages[1]
         assert "this batch has padding" in messages[2]
@@ -213,6 +220,11 @@ def test_bad_batches_for_a_pipeline_are_clear_errors():
         assert "1 microbatch(es) of 2 for 2 pipeline ranks" in messages[4]
         assert "trains with loss = model.step(input_ids" in messages[5]
         assert "labels (4, 5) must have input_ids' shape (4, 8)" in messages[6]
+        assert ("another rank refused its batch" if rank == 0 else
+                "microbatch count (3) to be a multiple of pp (2)") in messages[7]
+        assert f"different microbatch counts (2 to 4; this rank {2 if rank == 0 else 4})" \
+            in messages[8]
+        assert cached == [(2, seq) for seq in range(12, 28, 2)]  # least recently used out
 
 
 def _varying_worker(rank, world):

@@ -51,6 +51,10 @@ from torch import nn
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
 
+SCHEDULE_CACHE = 8
+"""Pipeline schedules (with their stages' buffers) kept per PipelinedModel, one per
+(microbatch count, sequence length); the least recently used goes first."""
+
 
 def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
     """[(first layer, end)] per stage: ``layers // stages`` each, the remainder given to the
@@ -177,7 +181,11 @@ class PipelinedModel(nn.Module):
         )
 
         key = (microbatches, *shape)  # stages size their buffers from the first batch
-        if key not in self._schedules:
+        if key in self._schedules:  # most recently used last
+            self._schedules[key] = self._schedules.pop(key)
+        else:
+            while len(self._schedules) >= SCHEDULE_CACHE:  # a review: a new sequence length
+                self._schedules.pop(next(iter(self._schedules)))  # every step kept 3-8 MB
             count = self.plan.pp * self.plan.virtual_stages
             device = next(self.parameters()).device
             parts: list[Any] = list(self.parts)
@@ -231,33 +239,12 @@ class PipelinedModel(nn.Module):
                 microbatches than pp, a microbatch count that interleaving cannot split
                 (not a multiple of pp), S not divisible by tp under SP.
         """
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise ConfigError(f"input_ids must be [B, S] token ids (int64); got "
-                              f"{input_ids.dtype} of shape {tuple(input_ids.shape)}")
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ConfigError(f"labels {tuple(labels.shape)} must have input_ids' shape "
-                              f"{tuple(input_ids.shape)}")
-        if self.seq_split > 1 and input_ids.shape[1] % self.seq_split:
-            raise ConfigError(f"sequence length {input_ids.shape[1]} is not divisible by "
-                              f"tp={self.seq_split} under SP: pad to a multiple or use "
-                              "sp=False")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ConfigError("pipeline stages run causal attention without a padding mask; "
-                              "this batch has padding: pack sequences without padding or "
-                              "use pp=1")
-        batch, mb = input_ids.shape[0], self.plan.microbatch
-        if batch % mb:
-            raise ConfigError(f"the batch ({batch} sequences) is not divisible by the "
-                              f"microbatch size ({mb}): change the batch or plan.microbatch")
-        count = batch // mb
-        if count < self.plan.pp:
-            raise ConfigError(f"{count} microbatch(es) of {mb} for {self.plan.pp} pipeline "
-                              "ranks: a pipeline needs at least one microbatch per rank; "
-                              "use a larger batch or a smaller plan.microbatch")
-        if self.plan.virtual_stages > 1 and count % self.plan.pp:
-            raise ConfigError(f"interleaved 1F1B needs the microbatch count ({count}) to be "
-                              f"a multiple of pp ({self.plan.pp}): change the batch or "
-                              "plan.microbatch")
+        try:
+            count = self._microbatch_count(input_ids, labels, attention_mask)
+            problem = None
+        except ConfigError as exc:
+            count, problem = 0, exc
+        self._same_count_everywhere(count, problem)
         schedule = self._schedule(count, tuple(input_ids.shape[1:]))
         target = labels if labels is not None else input_ids
         self._microbatches = count
@@ -287,6 +274,62 @@ class PipelinedModel(nn.Module):
             if earlier is not None:
                 weight.grad = earlier if grad is None else earlier + grad
         return torch.stack(losses).sum() if losses else None
+
+    def _microbatch_count(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                          attention_mask: torch.Tensor | None) -> int:
+        """This rank's microbatch count for the batch (checks of :meth:`step`)."""
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise ConfigError(f"input_ids must be [B, S] token ids (int64); got "
+                              f"{input_ids.dtype} of shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ConfigError(f"labels {tuple(labels.shape)} must have input_ids' shape "
+                              f"{tuple(input_ids.shape)}")
+        if self.seq_split > 1 and input_ids.shape[1] % self.seq_split:
+            raise ConfigError(f"sequence length {input_ids.shape[1]} is not divisible by "
+                              f"tp={self.seq_split} under SP: pad to a multiple or use "
+                              "sp=False")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ConfigError("pipeline stages run causal attention without a padding mask; "
+                              "this batch has padding: pack sequences without padding or "
+                              "use pp=1")
+        batch, mb = input_ids.shape[0], self.plan.microbatch
+        if batch % mb:
+            raise ConfigError(f"the batch ({batch} sequences) is not divisible by the "
+                              f"microbatch size ({mb}): change the batch or plan.microbatch")
+        count = batch // mb
+        if count < self.plan.pp:
+            raise ConfigError(f"{count} microbatch(es) of {mb} for {self.plan.pp} pipeline "
+                              "ranks: a pipeline needs at least one microbatch per rank; "
+                              "use a larger batch or a smaller plan.microbatch")
+        if self.plan.virtual_stages > 1 and count % self.plan.pp:
+            raise ConfigError(f"interleaved 1F1B needs the microbatch count ({count}) to be "
+                              f"a multiple of pp ({self.plan.pp}): change the batch or "
+                              "plan.microbatch")
+        return count
+
+    def _same_count_everywhere(self, count: int, problem: ConfigError | None) -> None:
+        """Raise on every rank when any rank refused its batch or the ranks' microbatch
+        counts differ (FSDP's collectives and the pipeline's sends run per microbatch: a
+        review found DP ranks with 2 and 3 microbatches deadlocked in FSDP's reduce-scatter
+        and all-gather, or gloo aborted on mismatched sizes). One all-reduce over all ranks.
+        """
+        if not torch.distributed.is_initialized():
+            if problem is not None:
+                raise problem
+            return
+        flags = torch.tensor([count, -count, problem is not None], dtype=torch.float64)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if problem is not None:
+            raise problem
+        if flags[2]:
+            raise ConfigError("another rank refused its batch (its ConfigError says why); "
+                              "every rank stops here")
+        if flags[0] != -flags[1]:
+            raise ConfigError(f"ranks split their batches into different microbatch counts "
+                              f"({int(-flags[1])} to {int(flags[0])}; this rank {count}): "
+                              "every DP rank's batch must hold the same number of "
+                              "sequences (FSDP and the pipeline run per microbatch); pad "
+                              "or drop the last uneven batch")
 
     def _tied_grad(self) -> tuple[nn.Parameter, Any] | None:
         """(the tied embedding weight as this module holds it now, its group) or None."""
