@@ -34,7 +34,9 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     ep > 1, ``options["moe"]`` (all_to_all, chunks, ranks_per_node, profile) configures
     the plan's expert parallelism instead of the moe pass. With pp > 1 the result is a
     :class:`graphopt.parallel.pipeline.PipelinedModel` (train with its ``step``); the
-    layers of this rank's stages are compiled.
+    layers of this rank's stages are compiled. ``options["mixed_precision"] = "bf16"``
+    (with a plan) computes in bf16 with float32 master weights
+    (:func:`graphopt.parallelize`'s ``mixed_precision``).
     """
     import torch
 
@@ -68,12 +70,14 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                           "use sp=True (a sequence length divisible by tp), or run "
                           "graphopt.parallelize(model, plan) without compiling")
     moe = options.pop("moe", None) if plan is not None and plan.ep > 1 else None
+    mixed = options.pop("mixed_precision", None) if plan is not None else None
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
     if plan is not None:
         from graphopt.parallel import parallelize
         from graphopt.parallel.apply import _checkpointed, decoder_layers
 
-        model = parallelize(model, plan, moe=moe)  # moe: the plan's EP runs it
+        model = parallelize(model, plan, moe=moe,  # moe: the plan's EP runs it
+                            mixed_precision=mixed)
         model.graphopt_parallel.notes[:0] = auto_notes
         parts = getattr(model, "parts", None)  # pp > 1: this rank's pipeline stages
         blocks = [b for p in parts for b in p.layers.values()] if parts is not None \

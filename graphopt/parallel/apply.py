@@ -123,7 +123,8 @@ class ParallelReport:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
-                sample: Callable[[], Any] | None = None, moe: Any = None) -> nn.Module:
+                sample: Callable[[], Any] | None = None, moe: Any = None,
+                mixed_precision: str | torch.dtype | None = None) -> nn.Module:
     """Shard ``model`` as ``plan`` says (module docstring); returns ``model``.
 
     Args:
@@ -138,6 +139,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             MoEOptions: ``all_to_all``, ``chunks``, ``ranks_per_node``, ``profile``; ``ep``
             comes from the plan). "auto" (default) is resolved by the cost model at the
             first step.
+        mixed_precision: None (compute in the parameters' dtype) or "bf16"/``torch.
+            bfloat16``: compute in bf16 while parameters (master weights), gradients,
+            their reduction and optimizer states stay float32, as torchtitan's
+            ``mixed_precision_param``/``mixed_precision_reduce``: FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` where FSDP2
+            (ZeRO-2/3, HSDP, its replicate) holds the parameters, else ``torch.autocast``
+            around the forward (DDP, TP alone, PP stages without FSDP); expert-parallel
+            experts compute in the dtype of their input (see :func:`mixed_precision_dtype`).
 
     Raises:
         ConfigError: an invalid plan, a plan that does not match the world size, an axis
@@ -149,6 +158,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
                           f"{type(plan).__name__}")
     unexecuted = plan.problems()
+    compute_dtype = mixed_precision_dtype(mixed_precision, model)
     if unexecuted:
         raise ConfigError("cannot execute this parallel plan: " + "; ".join(unexecuted))
     if plan.cp > 1:
@@ -248,7 +258,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                 + ")" for p in list[Any](model.parts)))
     if plan.recompute_layers or plan.selective_recompute:
         report.notes.append(apply_recompute(model, plan))
-    _apply_dp(model, plan, mesh, report)
+    _apply_dp(model, plan, mesh, report, compute_dtype)
+    if compute_dtype is not None:
+        report.notes.append(_apply_autocast(model, plan, compute_dtype))
     if plan.pp == 1:  # PipelinedModel.step records its own starts (and checks S under SP)
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
         if report.sp:
@@ -433,8 +445,68 @@ def _checkpointed(forward: Callable[..., Any], full: bool, *args: Any, **kwargs:
                       **kwargs)
 
 
-def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelReport
-              ) -> None:
+def mixed_precision_dtype(value: str | torch.dtype | None, model: nn.Module
+                          ) -> torch.dtype | None:
+    """The compute dtype of ``parallelize(..., mixed_precision=value)``: None or bf16.
+
+    Raises:
+        ConfigError: an unknown value; fp16 (it needs loss scaling, not built); parameters
+            that are not float32 (mixed precision keeps float32 master weights).
+    """
+    if value is None:
+        return None
+    if value in ("bf16", "bfloat16", torch.bfloat16):
+        dtype = torch.bfloat16
+    elif value in ("fp16", "float16", torch.float16):
+        raise ConfigError("mixed_precision='fp16' needs loss scaling (a sharded GradScaler), "
+                          "which graphopt.parallelize does not build: use 'bf16'")
+    else:
+        raise ConfigError(f"mixed_precision must be None or 'bf16', got {value!r}")
+    wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if wrong:
+        raise ConfigError(f"mixed_precision='bf16' keeps float32 master weights, but the "
+                          f"model has {', '.join(wrong)} parameters: load it in float32 "
+                          "(model.float()), or train in its dtype without mixed_precision")
+    return dtype
+
+
+def _mp_policy(dtype: torch.dtype | None) -> dict[str, Any]:
+    """FSDP2's ``mp_policy`` keyword for the compute dtype (none without one)."""
+    if dtype is None:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+
+
+def _apply_autocast(model: nn.Module, plan: ParallelPlan, dtype: torch.dtype) -> str:
+    """``torch.autocast`` around the model's forward (PP: each stage's), also where FSDP2
+    casts the parameters: a model's float32 buffers meet bf16 activations there (MiniMax's
+    decay tables: "expected m1 and m2 to have the same dtype" under FSDP2's param_dtype
+    alone), and autocast keeps norms and softmax in float32. Returns a note."""
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = list(getattr(model, "parts", []))
+    fsdp = any(isinstance(u, (FSDPModule, ReplicateModule)) for u in parts or [model])
+    device = next(model.parameters()).device.type
+    for unit in parts or [model]:
+        unit.forward = functools.partial(_autocast_forward, unit.forward, device, dtype)
+    return (f"mixed precision: {dtype} compute (torch.autocast around the "
+            + ("stages'" if parts else "model's") + " forward"
+            + (", FSDP2 MixedPrecisionPolicy param_dtype: bf16 parameter all-gathers, "
+               "float32 gradient reduction" if fsdp else "")
+            + "), float32 master weights, gradients and optimizer states")
+
+
+def _autocast_forward(forward: Callable[..., Any], device: str, dtype: torch.dtype,
+                      *args: Any, **kwargs: Any) -> Any:
+    with torch.autocast(device, dtype=dtype):
+        return forward(*args, **kwargs)
+
+
+def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelReport,
+              dtype: torch.dtype | None = None) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -443,9 +515,10 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
     if plan.ep > 1:  # the experts' own reduction first: FSDP2 then skips them
         from graphopt.parallel.expert import expert_params, find_experts, reduce_expert_grads
 
-        report.notes.append(reduce_expert_grads(model, plan, mesh, shard))
+        report.notes.append(reduce_expert_grads(model, plan, mesh, shard, dtype))
         experts = {p for p in expert_params(model) if not hasattr(p, "placements")}
     ignored: dict[str, Any] = {"ignored_params": experts} if experts else {}
+    ignored.update(_mp_policy(dtype))
     units = list(getattr(model, "parts", [model]))  # PP: each stage is an FSDP root
     if shard:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \

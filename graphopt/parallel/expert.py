@@ -140,9 +140,15 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     ops = torch.ops.graphopt
     rows = hidden_states.shape[0]
     x, idx, w = hidden_states, top_k_index, top_k_weights
+    up, down = self.gate_up_proj, self.down_proj
+    dtype = torch.get_autocast_dtype(x.device.type) \
+        if torch.is_autocast_enabled(x.device.type) else x.dtype
+    if up.dtype != dtype:  # mixed precision: float32 master weights, bf16 compute (the
+        # custom op is not autocast-aware; casts are differentiable, gradients float32)
+        x, w, up, down = x.to(dtype), w.to(dtype), up.to(dtype), down.to(dtype)
     if st.split > 1:
         x, idx, w = (ops.scatter_rows(t, st.split_group, st.split) for t in (x, idx, w))
-    out = ops.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj, -1.0, st.ep, st.group,
+    out = ops.moe_experts(x, idx, w, up, down, -1.0, st.ep, st.group,
                           st.schedule, st.chunks, st.ranks_per_node)[0]
     if st.split > 1:
         out = ops.gather_rows(out, st.split_group, st.split, rows)
@@ -161,12 +167,15 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "_graphopt_expert", False)]
 
 
-def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: bool) -> str:
+def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: bool,
+                        dtype: torch.dtype | None = None) -> str:
     """Make expert gradients the average over dp of the per-DP-rank gradients (module
     docstring): FSDP2 over edp_shard when ``fsdp`` (ZeRO-2/3) and edp_shard > 1, else a
-    gradient hook. Returns a note for the report."""
+    gradient hook. ``dtype``: mixed precision's compute dtype (FSDP2's param_dtype, with
+    float32 reduction). Returns a note for the report."""
     from torch.distributed.fsdp import fully_shard
 
+    from graphopt.parallel.apply import _mp_policy
     from graphopt.parallel.mesh import expert_mesh
 
     emesh = expert_mesh(mesh, plan)
@@ -180,7 +189,8 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
             local = int(module.gate_up_proj.shape[0])  # type: ignore[index]
             dim = 0 if local % edp_shard == 0 else 1  # fewer local experts than shards:
             fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3,
-                        shard_placement_fn=_shard_on(dim))  # split inside them
+                        shard_placement_fn=_shard_on(dim),  # split inside them
+                        **_mp_policy(dtype))
             module.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
             if dist.get_backend(fs_mesh.get_group(0)) == "gloo":  # no PREMUL_SUM in gloo:
                 module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]

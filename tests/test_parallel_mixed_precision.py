@@ -1,0 +1,102 @@
+"""bf16 mixed precision of parallel plans (graphopt.parallelize(..., mixed_precision="bf16"))
+on real gloo process groups: the forward computes in bf16 (logits come out bf16), parameters,
+gradients and AdamW states stay float32, and the gradients equal one process under
+torch.autocast(bf16) within bf16 rounding (relative L2 error, measured 0.2-1.3%; a missing
+or doubled gradient reduction would be 30-100%)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from graphopt.distributed import run_distributed
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+
+IDS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+RUNS = [  # (model, plan, compiled)
+    ("llama", dict(dp_shard=2, zero_stage=3), False),  # FSDP2 param_dtype + autocast
+    ("llama", dict(tp=2), False),  # autocast alone, DTensor parameters
+    ("mixtral", dict(dp_shard=2, ep=2, zero_stage=3), False),  # EP op casts its weights
+    ("llama", dict(pp=2), False),  # each stage under autocast
+    ("minimax", dict(dp_shard=2, ep=2, zero_stage=2), True),  # float32 decay buffers
+]
+
+
+def _loss(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                             ids[:, 1:].flatten())
+    return loss, logits.dtype
+
+
+def _worker(rank, world, runs):
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, build_optimizer
+
+    out = []
+    for name, kw, compiled in runs:
+        plan = ParallelPlan(**kw)
+        mesh = build_mesh(plan)
+        model = build_model(name, torch.float32)
+        ref = copy.deepcopy(model)
+        model = graphopt.compile(model, options={"parallel": plan, "lowering": "eager",
+                                                 "mixed_precision": "bf16"}) \
+            if compiled else graphopt.parallelize(model, plan, mesh, mixed_precision="bf16")
+        local = IDS.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+        logits_dtype = torch.bfloat16
+        if plan.pp > 1:
+            model.step(local)
+        else:
+            loss, logits_dtype = _loss(model, local)
+            loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = _loss(ref, IDS)
+        loss.backward()
+        refs, names = dict(ref.named_parameters()), getattr(model, "original_names", {})
+        report, num, den, dtypes = model.graphopt_parallel, 0.0, 0.0, set()
+        for n, p in model.named_parameters():
+            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            dtypes |= {p.dtype, full.dtype}
+            n = names.get(n, n)
+            want = refs[n].grad
+            for path, (start, end, _) in report.experts.items():
+                if n.startswith(path + "."):
+                    want = want[start:end]
+            num += float((full - want).pow(2).sum())
+            den += float(want.pow(2).sum())
+        opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-3)
+        opt.step()
+        dtypes |= {v.dtype for s in opt.state.values() for v in s.values() if v.dim()}
+        notes = [x for x in report.notes if x.startswith("mixed precision")]
+        out.append((name, kw, (num / den) ** 0.5, logits_dtype, dtypes, notes))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bf16_mixed_precision_keeps_float32_master_state():
+    for results in run_distributed(_worker, 2, RUNS):
+        for name, plan, err, logits, dtypes, notes in results:
+            assert err < 3e-2, (name, plan, err)
+            assert logits == torch.bfloat16, (name, plan)
+            assert dtypes == {torch.float32}, (name, plan, dtypes)
+            assert len(notes) == 1 and ("FSDP2" in notes[0]) == (
+                plan.get("zero_stage", 0) >= 2), (name, plan, notes)
+
+
+def test_mixed_precision_refusals():
+    from graphopt.models import build_model
+    from graphopt.parallel.apply import mixed_precision_dtype
+
+    model = build_model("llama", torch.float32)
+    assert mixed_precision_dtype("bf16", model) == torch.bfloat16
+    assert mixed_precision_dtype(None, model) is None
+    with pytest.raises(ConfigError, match="needs loss scaling"):
+        mixed_precision_dtype("fp16", model)
+    with pytest.raises(ConfigError, match="must be None or 'bf16'"):
+        mixed_precision_dtype("int8", model)
+    with pytest.raises(ConfigError, match=r"float32 master weights.*torch.bfloat16"):
+        mixed_precision_dtype("bf16", model.to(torch.bfloat16))
