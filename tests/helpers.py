@@ -143,3 +143,56 @@ def config_errors(*calls) -> list[str]:
         except ConfigError as exc:
             out.append(str(exc))
     return out
+
+
+BATCH = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+"""The global batch of the parallel-plan tests (token ids [8, 16])."""
+
+
+def lm_loss(model, ids):
+    """Mean next-token cross-entropy of ``model``'s logits on ``ids``, in float32 at least
+    (float64 logits stay float64)."""
+    logits = model(input_ids=ids, use_cache=False).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                             ids[:, 1:].flatten())
+
+
+def plan_backward(model, plan, mesh, ids=BATCH):
+    """Forward and backward of a parallelized ``model`` on this rank's share of ``ids``:
+    PP's ``step``, CP's sequence shard with ``cp_loss``, else :func:`lm_loss` of the DP
+    share. Returns the logits' dtype (None under PP)."""
+    from graphopt.parallel import cp_loss, shard_sequence
+
+    local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+    if plan.pp > 1:
+        model.step(local)
+        return None
+    if plan.cp > 1:
+        shard, labels = shard_sequence(local, mesh)
+        logits = model(input_ids=shard, use_cache=False).logits
+        cp_loss(logits, labels, mesh).backward()
+        return logits.dtype
+    logits = model(input_ids=local, use_cache=False).logits
+    logits_f = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    torch.nn.functional.cross_entropy(logits_f[:, :-1].flatten(0, 1),
+                                      local[:, 1:].flatten()).backward()
+    return logits.dtype
+
+
+def held_grads(model, ref):
+    """(name, this rank's gradient of ``model`` gathered over its mesh, ``ref``'s gradient
+    of the same parameter: the slice of experts this rank holds under EP) per parameter
+    of a parallelized ``model`` (PP: its stage names mapped to the model's)."""
+    refs, names = dict(ref.named_parameters()), getattr(model, "original_names", {})
+    experts = model.graphopt_parallel.experts
+    out = []
+    for name, p in model.named_parameters():
+        full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        name = names.get(name, name)
+        want = refs[name].grad
+        for path, (start, end, _) in experts.items():
+            if name.startswith(path + "."):
+                want = want[start:end]
+        out.append((name, full, want))
+    return out

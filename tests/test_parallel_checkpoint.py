@@ -13,8 +13,8 @@ import torch
 from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
+from tests.helpers import BATCH, lm_loss, plan_backward
 
-IDS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
 CASES = [  # (model, overrides, plan A, plan B), 4 ranks each
     # experts FSDP-split on dim 0 after EP (the strided layout), resumed under PP x EP
     ("mixtral", {}, dict(dp_shard=4, ep=2, zero_stage=3),
@@ -29,26 +29,6 @@ CASES = [  # (model, overrides, plan A, plan B), 4 ranks each
     ("llama", {}, dict(cp=2, dp_shard=2, zero_stage=3), dict(dp_replicate=2, dp_shard=2,
                                                           zero_stage=1)),
 ]
-
-
-def _loss(model, ids):
-    logits = model(input_ids=ids, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-
-
-def _train_step(model, opt, plan, mesh):
-    from graphopt.parallel import cp_loss, shard_sequence
-
-    local = IDS.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-    if plan.pp > 1:
-        model.step(local)
-    elif plan.cp > 1:
-        ids, labels = shard_sequence(local, mesh)
-        cp_loss(model(input_ids=ids, use_cache=False).logits, labels, mesh).backward()
-    else:
-        _loss(model, local).backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _worker(rank, world, cases, root):
@@ -69,7 +49,9 @@ def _worker(rank, world, cases, root):
             state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
             if resume:
                 dcp.load(state, checkpoint_id=f"{root}/{i}_a")
-            _train_step(model, opt, plan, mesh)
+            plan_backward(model, plan, mesh)
+            opt.step()
+            opt.zero_grad()
             dcp.save(state, checkpoint_id=f"{root}/{i}_{'b' if resume else 'a'}")
             dist.barrier()
 
@@ -80,7 +62,7 @@ def _one_process(name, overrides, steps):
     model = build_model(name, torch.float64, seed=0, **overrides)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(steps):
-        _loss(model, IDS).backward()
+        lm_loss(model, BATCH).backward()
         opt.step()
         opt.zero_grad()
     return model

@@ -13,8 +13,8 @@ import torch
 from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
+from tests.helpers import BATCH, held_grads, lm_loss, plan_backward
 
-IDS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
 TIED = dict(tie_word_embeddings=True)
 RUNS = {
     2: [("mixtral", {}, dict(dp_shard=2, ep=2, zero_stage=0)),  # plain experts, DDP
@@ -24,18 +24,6 @@ RUNS = {
         ("mixtral", {}, dict(pp=2, tp=2, ep=2)),  # PP x TP+SP, EP over tp
         ("llama", TIED, dict(pp=2, dp_shard=2, zero_stage=3))],
 }
-
-
-def _loss(model, ids):
-    logits = model(input_ids=ids, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-
-
-def _held(name, full, report):
-    for path, (start, end, _) in report.experts.items():
-        if name.startswith(path + "."):
-            return full[start:end]
-    return full
 
 
 def _worker(rank, world, runs):
@@ -49,25 +37,14 @@ def _worker(rank, world, runs):
         mesh = build_mesh(plan)
         ref = build_model(name, torch.float64, **overrides)
         model = graphopt.parallelize(build_model(name, torch.float64, **overrides), plan, mesh)
-        local = IDS.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-        if plan.pp > 1:
-            model.step(local)
-        else:
-            _loss(model, local).backward()
-        _loss(ref, IDS).backward()
+        plan_backward(model, plan, mesh)
+        lm_loss(ref, BATCH).backward()
         inf = grad_norm(model, float("inf"))
         want_inf = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()],
                                                  float("inf"))
         two = clip_grad_norm_(model, max_norm=0.5)
         want_two = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
-        refs = dict(ref.named_parameters())
-        names = getattr(model, "original_names", {})
-        report = model.graphopt_parallel
-        grad_err = 0.0
-        for n, p in model.named_parameters():
-            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            n = names.get(n, n)
-            grad_err = max(grad_err, float((full - _held(n, refs[n].grad, report)).abs().max()))
+        grad_err = max(float((got - want).abs().max()) for _, got, want in held_grads(model, ref))
         out.append((name, kw, float(two), float(want_two), float(inf), float(want_inf),
                     grad_err))
     return out

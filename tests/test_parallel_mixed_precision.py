@@ -14,8 +14,8 @@ import torch
 from graphopt.distributed import run_distributed
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
+from tests.helpers import BATCH, held_grads, lm_loss, plan_backward
 
-IDS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
 RUNS = [  # (model, plan, compiled)
     ("llama", dict(dp_shard=2, zero_stage=3), False),  # FSDP2 param_dtype + autocast
     ("llama", dict(tp=2), False),  # autocast alone, DTensor parameters
@@ -23,13 +23,6 @@ RUNS = [  # (model, plan, compiled)
     ("llama", dict(pp=2), False),  # each stage under autocast
     ("minimax", dict(dp_shard=2, ep=2, zero_stage=2), True),  # float32 decay buffers
 ]
-
-
-def _loss(model, ids):
-    logits = model(input_ids=ids, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                             ids[:, 1:].flatten())
-    return loss, logits.dtype
 
 
 def _worker(rank, world, runs):
@@ -46,28 +39,15 @@ def _worker(rank, world, runs):
         model = graphopt.compile(model, options={"parallel": plan, "lowering": "eager",
                                                  "mixed_precision": "bf16"}) \
             if compiled else graphopt.parallelize(model, plan, mesh, mixed_precision="bf16")
-        local = IDS.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-        logits_dtype = torch.bfloat16
-        if plan.pp > 1:
-            model.step(local)
-        else:
-            loss, logits_dtype = _loss(model, local)
-            loss.backward()
+        logits_dtype = plan_backward(model, plan, mesh) or torch.bfloat16  # PP: None
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = _loss(ref, IDS)
+            loss = lm_loss(ref, BATCH)
         loss.backward()
-        refs, names = dict(ref.named_parameters()), getattr(model, "original_names", {})
-        report, num, den, dtypes = model.graphopt_parallel, 0.0, 0.0, set()
-        for n, p in model.named_parameters():
-            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            dtypes |= {p.dtype, full.dtype}
-            n = names.get(n, n)
-            want = refs[n].grad
-            for path, (start, end, _) in report.experts.items():
-                if n.startswith(path + "."):
-                    want = want[start:end]
-            num += float((full - want).pow(2).sum())
-            den += float(want.pow(2).sum())
+        grads = held_grads(model, ref)
+        dtypes = {p.dtype for p in model.parameters()} | {got.dtype for _, got, _ in grads}
+        num = sum(float((got - want).pow(2).sum()) for _, got, want in grads)
+        den = sum(float(want.pow(2).sum()) for _, _, want in grads)
+        report = model.graphopt_parallel
         opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-3)
         opt.step()
         dtypes |= {v.dtype for s in opt.state.values() for v in s.values() if v.dim()}

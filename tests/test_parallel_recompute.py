@@ -11,8 +11,8 @@ import torch
 
 from graphopt.distributed import run_distributed
 from graphopt.planner.plan import ParallelPlan
+from tests.helpers import BATCH, held_grads, lm_loss, plan_backward
 
-IDS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
 RUNS = [  # (model, plan, compiled with graphopt.compile)
     ("llama", dict(tp=2, recompute_layers=1, selective_recompute=True), False),
     ("llama", dict(tp=2, recompute_layers=1, selective_recompute=True), True),
@@ -21,11 +21,6 @@ RUNS = [  # (model, plan, compiled with graphopt.compile)
     ("mixtral", dict(dp_shard=2, ep=2, zero_stage=0, recompute_layers=2), True),
     ("llama", dict(pp=2, recompute_layers=1), False),
 ]
-
-
-def _loss(model, ids):
-    logits = model(input_ids=ids, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 def _exact_worker(rank, world, runs):
@@ -51,23 +46,11 @@ def _exact_worker(rank, world, runs):
         model = build_model(name, torch.float64)
         model = graphopt.compile(model, options={"parallel": plan, "lowering": "eager"}) \
             if compiled else graphopt.parallelize(model, plan, mesh)
-        local = IDS.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-        if plan.pp > 1:
-            model.step(local)
-        else:
-            _loss(model, local).backward()
-        _loss(ref, IDS).backward()
-        refs, names = dict(ref.named_parameters()), getattr(model, "original_names", {})
-        report, err = model.graphopt_parallel, 0.0
-        for n, p in model.named_parameters():
-            full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            n = names.get(n, n)
-            want = refs[n].grad
-            for path, (start, end, _) in report.experts.items():
-                if n.startswith(path + "."):
-                    want = want[start:end]
-            err = max(err, float((full - want).abs().max()))
-        notes = [x for x in report.notes if x.startswith("activation recomputation")]
+        plan_backward(model, plan, mesh)
+        lm_loss(ref, BATCH).backward()
+        err = max(float((got - want).abs().max()) for _, got, want in held_grads(model, ref))
+        notes = [x for x in model.graphopt_parallel.notes
+                 if x.startswith("activation recomputation")]
         out.append((name, kw, compiled, err, trips[::2], ref.config.num_hidden_layers, notes))
     RoundTrip.__call__ = run_trip
     return out
@@ -107,7 +90,7 @@ def _gemms_worker(rank, world):
         plan = ParallelPlan(dp_shard=2, zero_stage=3, **extra)
         model = graphopt.parallelize(build_model("llama", torch.float64), plan,
                                      build_mesh(plan))
-        loss = _loss(model, IDS.chunk(2)[rank])
+        loss = lm_loss(model, BATCH.chunk(2)[rank])
         with Count() as count:
             loss.backward()
         counts[tag] = count.n
