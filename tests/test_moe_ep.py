@@ -563,3 +563,32 @@ def test_verify_skips_a_recompile_that_communicates_instead_of_hanging():
                for notes in second]
     assert any(skipped) and not any(
         any("verify: skipped" in n for n in notes) for notes in first)
+
+
+def _eos_worker(rank: int, world: int) -> tuple[list, list]:
+    """generate() under an EP plan where rank 0's sequence ends (EOS) after one token and
+    rank 1's runs on: (tokens, one process's tokens)."""
+    import copy
+
+    from graphopt.models import build_model
+    from graphopt.parallel import ParallelPlan, build_mesh, parallelize
+
+    torch.manual_seed(0)
+    ref = build_model("mixtral", dtype=torch.float64)
+    plan = ParallelPlan(dp_shard=2, ep=2, zero_stage=0)
+    model = parallelize(copy.deepcopy(ref), plan, build_mesh(plan))
+    first = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        eos = int(ref(input_ids=first).logits[0, -1].argmax())  # rank 0's first new token
+        ids = first if rank == 0 else torch.randint(
+            0, 256, (1, 8), generator=torch.Generator().manual_seed(11))
+        kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        return model.generate(ids, **kwargs).tolist(), ref.generate(ids, **kwargs).tolist()
+
+
+def test_generate_under_expert_parallelism_keeps_finished_ranks_stepping():
+    """Every EP rank must join every forward. Before, a rank whose sequences ended stopped
+    calling the model and the others waited in the all-to-all forever (a review); the EP
+    plan's generate() now defaults to transformers' synced_gpus=True."""
+    for got, want in run_distributed(_eos_worker, 2):
+        assert got == want

@@ -246,7 +246,12 @@ def _varying_worker(rank, world):
         ids = torch.randint(0, 256, (4, seq), generator=torch.Generator().manual_seed(seq))
         labels = ids.clone()
         labels[0, 2:] = -100  # the first microbatch has few labelled positions
+        with torch.no_grad():  # forward only: the evaluation loss, no gradient
+            evaluated = pipe.step(ids, labels=labels)
+        assert all(p.grad is None for p in pipe.parameters())
         loss = pipe.step(ids, labels=labels)
+        if loss is not None:
+            assert float(evaluated) == pytest.approx(float(loss.detach()), rel=1e-12)
         logits = ref(input_ids=ids, use_cache=False).logits
         want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
                                                  labels[:, 1:].flatten(), ignore_index=-100)
@@ -263,6 +268,8 @@ def _varying_worker(rank, world):
 
 
 def test_pipeline_steps_with_other_lengths_and_ignored_labels_equal_one_process():
+    """Also an evaluation step (``torch.no_grad()``) before each: the same loss, no
+    gradient (before, torch's schedule raised "step() requires gradients", a review)."""
     for errors in run_distributed(_varying_worker, 2):
         assert all(loss < 1e-12 and grad < 1e-9 for loss, grad in errors), errors
 

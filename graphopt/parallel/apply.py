@@ -242,6 +242,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         else:
             report.notes.append(f"EP schedule {moe_opts.all_to_all} (chunks "
                                 f"{moe_opts.chunks}), set by moe.all_to_all")
+        if callable(getattr(model, "generate", None)):
+            # every EP rank must join every forward: generate() on a rank whose sequences
+            # ended (EOS) stopped calling it and the others waited forever (a review);
+            # transformers' synced_gpus keeps such a rank stepping until all are done
+            setattr(model, "generate",  # noqa: B010
+                    functools.partial(_synced_generate, getattr(model, "generate")))  # noqa: B009
     if plan.cp > 1:
         from graphopt.parallel.context import apply_cp
 
@@ -430,6 +436,12 @@ def apply_recompute(model: nn.Module, plan: ParallelPlan) -> str:
             "layers fully" + (f", the other {len(layers) - len(full)} selectively "
                               "(GEMM/attention outputs kept)" if plan.selective_recompute
                               else "") + " (non-reentrant torch.utils.checkpoint per layer)")
+
+
+def _synced_generate(generate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``generate`` with ``synced_gpus=True`` unless the caller set it."""
+    kwargs.setdefault("synced_gpus", True)
+    return generate(*args, **kwargs)
 
 
 def _checkpointed(forward: Callable[..., Any], full: bool, *args: Any, **kwargs: Any) -> Any:

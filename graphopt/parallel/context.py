@@ -29,7 +29,8 @@ of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
 boundaries); :func:`cp_loss` is the next-token loss whose gradients, averaged by data
 parallelism over dp x cp ranks, are the whole batch's mean-loss gradients.
 
-Refused (ConfigError): heads not divisible by cp (Ulysses), sliding-window attention,
+Refused (ConfigError): a KV cache passed in (``past_key_values``, ``generate()``: it would
+hold only this rank's chunk), heads not divisible by cp (Ulysses), sliding-window attention,
 linear-attention layers of another form than MiniMax's or with the ring's zigzag layout
 (their state passing needs contiguous chunks), a sequence length the CP size (x 2 for the
 ring) does not divide, dropout in attention under the ring; and, found by running the model
@@ -323,11 +324,20 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
         mask = kwargs.get("attention_mask")
         # every CP rank refuses a padded batch together: the padding may sit in one rank's
         # chunk only, and a rank that went on alone waited in the next collective (a review)
-        padded = torch.tensor([0.0 if mask is None or bool(mask.all()) else 1.0],
-                              device=ids.device if isinstance(ids, torch.Tensor) else None)
-        dist.all_reduce(padded, group=group)
-        if padded.item():
+        # a KV cache passed in (decoding, generate()) would hold only this rank's chunk and
+        # the next step's attention would read it as the whole past (a review: decode logits
+        # off by 0.1-1.1, no error)
+        cached = any(kwargs.get(k) is not None for k in ("past_key_values", "cache"))
+        flags = torch.tensor([0.0 if mask is None or bool(mask.all()) else 1.0, float(cached)],
+                             device=ids.device if isinstance(ids, torch.Tensor) else None)
+        dist.all_reduce(flags, group=group)
+        if flags[0].item():
             _no_padding_mask(attention_mask=torch.zeros(1, dtype=torch.bool))
+        if flags[1].item():
+            raise ConfigError("CP splits the sequence over ranks, so a KV cache "
+                              "(past_key_values, generate()) would hold only this rank's "
+                              "chunk: decode with a plan without CP (cp=1) or in one process; "
+                              "CP runs training and whole-sequence forwards")
         if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
             kwargs["position_ids"] = _chunk_positions(ids.shape[1], rank, plan.cp, ring,
                                                       ids.device).unsqueeze(0)

@@ -225,7 +225,9 @@ class PipelinedModel(nn.Module):
              attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward and backward of the batch ``input_ids`` [B, S] (int64, this DP rank's
         share, the same on every pipeline rank) in microbatches of ``plan.microbatch``
-        sequences; gradients accumulate into this rank's parameters.
+        sequences; gradients accumulate into this rank's parameters. Under
+        ``torch.no_grad()`` the schedule runs forward only (an evaluation loss; before, torch
+        raised "step() requires gradients").
 
         Returns:
             on the last stage's ranks the loss (the default next-token loss: this DP rank's
@@ -255,16 +257,18 @@ class PipelinedModel(nn.Module):
         report = getattr(self, "graphopt_parallel", None)
         if report is not None:
             report.record_step_start()
-        tied, earlier = self._tied_grad(), None
+        training = torch.is_grad_enabled()  # no_grad: forward only (an evaluation loss)
+        run = schedule.step if training else schedule.eval
+        tied, earlier = self._tied_grad() if training else None, None
         if tied is not None and tied[0].grad is not None:  # gradient of earlier steps: kept
             earlier, tied[0].grad = tied[0].grad, None  # out of this step's pair sum
         losses: list[torch.Tensor] = []
         if self.is_first:
-            schedule.step(input_ids, target=target if self.is_last else None, losses=losses)
+            run(input_ids, target=target if self.is_last else None, losses=losses)
         elif self.is_last:
-            schedule.step(target=target, losses=losses)
+            run(target=target, losses=losses)
         else:
-            schedule.step()
+            run()
         if tied is not None:  # the first and last stage each hold part of the gradient
             weight, group = tied
             grad: Any = weight.grad

@@ -159,6 +159,12 @@ def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | Non
     args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
     if node.target is not aten.scaled_dot_product_attention.default:
         raise NoMatch(f"{node.target} is not the composite SDPA op")
+    q, k, v = args["query"], args["key"], args["value"]
+    q_val, k_val = tensor_meta(q), tensor_meta(k)
+    if q_val is None or k_val is None or q_val.dim() != 4:
+        raise NoMatch("operands are not [B, H, S, D]")
+    if q_val.shape[2] != k_val.shape[2]:  # first: a decode step is not "non-causal"
+        raise NoMatch("query length != key length (KV cache); causal alignment differs")
     mask = args.get("attn_mask")
     if mask is not None:
         problem = not_constant_causal(*built_where(mask, env, outer))
@@ -168,12 +174,6 @@ def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | Non
         raise NoMatch("non-causal attention is not converted to causal Lightning Attention")
     if args.get("dropout_p", 0.0) not in (0, 0.0):
         raise NoMatch("attention dropout > 0 (training dropout)")
-    q, k, v = args["query"], args["key"], args["value"]
-    q_val, k_val = tensor_meta(q), tensor_meta(k)
-    if q_val is None or k_val is None or q_val.dim() != 4:
-        raise NoMatch("operands are not [B, H, S, D]")
-    if q_val.shape[2] != k_val.shape[2]:
-        raise NoMatch("query length != key length (KV cache); causal alignment differs")
     scale = args.get("scale") or 1.0 / int(q_val.shape[3]) ** 0.5
     return SoftmaxAttention(q, k, v, float(scale), node)
 
