@@ -49,6 +49,8 @@ def _worker(rank, world, cases, root):
             state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
             if resume:
                 dcp.load(state, checkpoint_id=f"{root}/{i}_a")
+            else:  # a save before any step leaves training as it was (Adam's step count)
+                dcp.save(state, checkpoint_id=f"{root}/{i}_0")
             plan_backward(model, plan, mesh)
             opt.step()
             opt.zero_grad()
@@ -82,13 +84,15 @@ def _load_plain(name, overrides, path):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path):
-    """Every case's checkpoints (after step 1 under A, after step 2 under B) equal one
-    process; before ModelState, the experts' checkpoint held one EP rank's experts only
+    """Every case's checkpoints (before training and after step 1 under A, after step 2
+    under B) equal one process. A save before the first step had counted torch's
+    zero-learning-rate state initialization as Adam's step 1 (2.6e-3 off after one step, a
+    review). Before ModelState, the experts' checkpoint held one EP rank's experts only
     (a one-process load failed with 'Size mismatch ... [2, 64, 128] ... [4, 64, 128]', and
     a resume under the same plan gave every EP rank the first rank's experts)."""
     run_distributed(_worker, 4, CASES, str(tmp_path))
     for i, (name, overrides, plan_a, plan_b) in enumerate(CASES):
-        for steps, tag in ((1, "a"), (2, "b")):
+        for steps, tag in ((0, "0"), (1, "a"), (2, "b")):
             want = _one_process(name, overrides, steps).state_dict()
             got = _load_plain(name, overrides, f"{tmp_path}/{i}_{tag}").state_dict()
             assert want.keys() == got.keys()

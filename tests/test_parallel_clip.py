@@ -67,3 +67,42 @@ def test_clipping_needs_a_parallelized_model():
 
     with pytest.raises(ConfigError, match="torch.nn.utils.clip_grad_norm_"):
         clip_grad_norm_(build_model("llama"), 1.0)
+
+
+def _nan_worker(rank, world):
+    """A NaN in rank 1's gradient only (pp=2 stage, or a ZeRO-3 shard): (inf-norm, 2-norm,
+    error_if_nonfinite's message or "ran") on this rank."""
+    import math
+
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, clip_grad_norm_, grad_norm
+
+    out = []
+    for kw in (dict(pp=2), dict(dp_shard=2, zero_stage=3)):
+        plan = ParallelPlan(**kw)
+        mesh = build_mesh(plan)
+        model = graphopt.parallelize(build_model("llama", torch.float64), plan, mesh)
+        plan_backward(model, plan, mesh)
+        if rank == 1:
+            g = next(p.grad for p in model.parameters() if p.grad is not None)
+            (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = math.nan
+        norms = [float(grad_norm(model, float("inf"))), float(grad_norm(model))]
+        try:
+            clip_grad_norm_(model, 1.0, float("inf"), error_if_nonfinite=True)
+            out.append((norms, "ran"))
+        except RuntimeError as exc:
+            out.append((norms, str(exc)))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_nan_on_any_rank_makes_every_rank_s_norm_nan():
+    """gloo's max all-reduce dropped a NaN held by rank 1: the inf-norm was finite on both
+    ranks and error_if_nonfinite did not raise (a review)."""
+    import math
+
+    for results in run_distributed(_nan_worker, 2):
+        for norms, message in results:
+            assert all(math.isnan(n) for n in norms), norms
+            assert "non-finite" in message, message

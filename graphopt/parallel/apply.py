@@ -142,11 +142,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         mixed_precision: None (compute in the parameters' dtype) or "bf16"/``torch.
             bfloat16``: compute in bf16 while parameters (master weights), gradients,
             their reduction and optimizer states stay float32, as torchtitan's
-            ``mixed_precision_param``/``mixed_precision_reduce``: FSDP2's
-            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` where FSDP2
-            (ZeRO-2/3, HSDP, its replicate) holds the parameters, else ``torch.autocast``
-            around the forward (DDP, TP alone, PP stages without FSDP); expert-parallel
-            experts compute in the dtype of their input (see :func:`mixed_precision_dtype`).
+            ``mixed_precision_param``/``mixed_precision_reduce``: ``torch.autocast``
+            around the forward (PP: each stage's), and FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` too where
+            FSDP2 (ZeRO-2/3, HSDP, its replicate) holds the parameters; expert-parallel
+            experts compute in the autocast dtype (see :func:`mixed_precision_dtype`).
 
     Raises:
         ConfigError: an invalid plan, a plan that does not match the world size, an axis
@@ -384,7 +384,8 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
                               "model's head stays replicated: use sp=False")
     parallelize_module(model, tp_mesh, plan)
     for param in model.parameters():
-        param.register_post_accumulate_grad_hook(_grad_like_param)
+        if param.requires_grad:  # frozen parameters get no gradient (and torch refuses the
+            param.register_post_accumulate_grad_hook(_grad_like_param)  # hook: a review)
 
 
 def _sp_length_check(tp: int) -> Callable[..., None]:

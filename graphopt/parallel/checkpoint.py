@@ -171,7 +171,9 @@ class OptimizerState:
     states keyed by the unparallelized model's parameter names, experts' states as global
     DTensors like their parameters (module docstring). Built on
     ``torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict``, which
-    initializes empty states with a zero-learning-rate step.
+    initializes empty states with a zero-learning-rate step; its step counts are set back to
+    0 (Adam's bias correction of the first real step stays a fresh optimizer's; an SGD with
+    dampening starts its momentum from zeros instead of the first gradient).
 
     ZeRO-1 (``ZeroRedundancyOptimizer``): each rank saves the states of the parameters it
     owns (its local ``.optim``), so the checkpoint again holds each state once.
@@ -196,7 +198,14 @@ class OptimizerState:
         other parameters (another PP split) loads only its own entries."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        fresh = not self.optimizer.state
         self._own = get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT())
+        if fresh:  # torch created the states with a zero-learning-rate step, which counted
+            # as Adam's step 1: the first real update was then bias-corrected as step 2 (26%
+            # too small, a review). Step 0 with zero moments is a fresh Adam's state.
+            for key, v in self._own.items():
+                if key.endswith(".step") and isinstance(v, torch.Tensor):
+                    v.zero_()
         self._keys: dict[str, str] = {}
         out: dict[str, Any] = {}
         for key, v in self._own.items():
