@@ -580,13 +580,18 @@ def _print_toy_note(source: ModelSource) -> None:
 
 
 def _print_reports(reports: list[CompileReport], sites: int) -> None:
-    summary = Table(title="graphopt compile report")
+    summary = Table(title="graphopt compile report", caption=(
+        "nodes: FX nodes of the captured graph before -> after the model passes; rewrites / "
+        "skips: pass sites rewritten / left as they are with a reason (listed below); "
+        "graphopt s: graphopt's own compile time, total s: with AOTAutograd and the "
+        "lowering; verify: the numeric check against the captured graph (option verify)"))
     for col in ("graph", "status", "lowering", "train", "nodes", "rewrites", "skips",
                 "graphopt s", "total s", "verify"):
         summary.add_column(col, no_wrap=True)
     for r in reports:
         summary.add_row(
-            str(r.graph_id), "ok" if r.status == "compiled" else r.status.split(":")[0],
+            _graph_label(r),
+            "ok" if r.status == "compiled" else r.status.split(":")[0],
             r.lowering, "yes" if r.training else "no",
             f"{r.graphs.get('model', '?')}->{r.graphs.get('model_after_passes', '?')}",
             str(sum(p.count("rewritten") for p in r.passes)),
@@ -602,7 +607,9 @@ def _print_reports(reports: list[CompileReport], sites: int) -> None:
             agg[3] += p.count("rewritten")
             agg[4] += p.count("skipped")
             agg[5] += p.time_s
-    table = Table(title="per pass, all graphs")
+    table = Table(title="per pass, all graphs", caption=(
+        "exact: the pass keeps eager numerics (False: approximate, opt-in); kept: sites "
+        "matched and reported only"))
     for col in ("pass", "stage", "exact", "kept", "rewritten", "skipped", "time ms"):
         table.add_column(col, no_wrap=True)
     for name, (stage, exact, m, rw, sk, t) in per_pass.items():
@@ -612,18 +619,23 @@ def _print_reports(reports: list[CompileReport], sites: int) -> None:
         for r in reports:
             for p in r.passes:
                 for s in p.sites[:sites]:
-                    console.print(f"graph {r.graph_id} {p.name}: {s.action} "
+                    console.print(f"graph {_graph_label(r)} {p.name}: {s.action} "
                                   f"[cyan]{escape(s.site)}[/]"
                                   + (f" - {escape(s.reason)}" if s.reason else ""))
                 if len(p.sites) > sites:
-                    console.print(f"graph {r.graph_id} {p.name}: ... {len(p.sites) - sites} "
+                    console.print(f"graph {_graph_label(r)} {p.name}: ... {len(p.sites) - sites} "
                                   "more sites (--sites N to list more; all are in report.md)")
     for r in reports:
         for note in r.notes:
-            console.print(f"graph {r.graph_id}: note: {escape(note)}")
+            console.print(f"graph {_graph_label(r)}: note: {escape(note)}")
         if r.verify.get("status") == "failed":
-            console.print(f"[red]graph {r.graph_id} verify failed: "
+            console.print(f"[red]graph {_graph_label(r)} verify failed: "
                           f"{escape(str(r.verify.get('detail')))}[/]")
+
+
+def _graph_label(report: CompileReport) -> str:
+    """The graph's id in the tables, "onnx" for an ONNX export's graph."""
+    return "onnx" if report.options.get("export") == "onnx" else str(report.graph_id)
 
 
 def main() -> None:

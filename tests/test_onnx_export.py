@@ -217,6 +217,7 @@ def test_cli_exports_mixtral_in_the_dense_form(tmp_path: Path) -> None:
                                       "--moe-form", "dense", "--seq", "16"])
     assert result.exit_code == 0, result.output
     assert "dense form" in result.output and "NO" not in result.output
+    assert "?->?" not in result.output and "onnx" in result.output  # the report row
     assert "MatMul" in _op_types(out) and "NonZero" not in _op_types(out)
 
 

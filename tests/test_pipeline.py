@@ -170,18 +170,33 @@ def test_lightning_layer_patterns_select_by_the_models_paths(how):
 
     model = build_model("llama", dtype=torch.float64)
     ids = sample_batch(model, 1, 16)
-    target = model if how == "module" else (lambda i: model(input_ids=i).logits)
+    target = model if how == "module" else (lambda i: model(input_ids=i, use_cache=False).logits)
     options = {"lowering": "eager", "attention": "lightning",
                "lightning": {"layers": ["model.layers.0.*"]}}
     with torch.no_grad():
         if how == "module":
-            torch.compile(target, backend="graphopt", options=options)(input_ids=ids)
+            torch.compile(target, backend="graphopt", options=options)(input_ids=ids,
+                                                                        use_cache=False)
         else:
             torch.compile(target, backend="graphopt", options=options)(ids)
     sites = {s.site.split(":")[0]: s.action
              for p in graphopt.last_report().pass_records("attention") for s in p.sites}
     assert sites == {"model.layers.0.self_attn": "rewritten",
                      "model.layers.1.self_attn": "skipped"}
+
+
+def test_lightning_mode_keeps_sites_that_fill_a_kv_cache_and_says_so():
+    """transformers' default use_cache=True returns the layers' keys/values for later decode
+    steps, which would read softmax keys/values of a Lightning model: kept, with a warning."""
+    from graphopt.models import build_model, sample_batch
+
+    model = build_model("llama", dtype=torch.float64)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.warns(UserWarning, match="kept 2 softmax-attention site"):
+        torch.compile(model, backend="graphopt", options={
+            "lowering": "eager", "attention": "lightning"})(input_ids=sample_batch(model, 1, 16))
+    sites = [s for p in graphopt.last_report().pass_records("attention") for s in p.sites]
+    assert len(sites) == 2 and all("KV cache" in s.reason for s in sites)
 
 
 def test_a_layer_pattern_that_selects_nothing_is_reported_loudly():

@@ -335,7 +335,9 @@ def _run_model_passes(exported: torch.export.ExportedProgram, args: tuple,
     dumper = Dumper(config.dump_dir, report.graph_id, report)
     dumper.graph("01_exported", gm, render=True)
     runner = PassRunner(config, report, dumper, flat)
+    report.graphs["model"] = len(gm.graph.nodes)
     gm = runner.run_stage("pre_autograd", gm, "inference", training=False)
+    report.graphs["model_after_passes"] = len(gm.graph.nodes)
     problem = check_outputs(original, gm)
     if problem:
         raise ExportError(f"graphopt's model passes ({', '.join(runner.ran)}) changed the "

@@ -142,11 +142,19 @@ class SoftmaxToLightning:
         # builders of the body's inputs (a causal mask built outside the region).
         root, outer = ctx.extras.get("root", gm), ctx.extras.get("outer")
         writes = WritesBetween(gm.graph)
+        cached = 0
         for node in sites:
             reason = autocast_reason(node) or self.convert(gm, node, env, root, outer, writes)
             done = reason.startswith("APPROXIMATE")
             ctx.record("rewritten" if done else "skipped", site_name(node), reason)
             modified = modified or done
+            cached += "KV cache" in reason
+        if cached:  # loud: a forward with transformers' default use_cache=True converts nothing
+            warnings.warn(f"graphopt: attention='lightning' kept {cached} softmax-attention "
+                          "site(s) of this graph because they read or fill a KV cache (a "
+                          "converted prefill followed by softmax decode steps would compute "
+                          "neither model); call the model with use_cache=False to convert "
+                          "them", stacklevel=2)
         self._report_unused_patterns(sites, ctx)
         return modified
 
