@@ -7,7 +7,8 @@ A Llama (transformers class, fp32, random weights) runs under graphopt.compile w
 plan (dp_shard=2 ZeRO-2, tp=2 + SP) three ways: no recomputation, ``recompute_layers`` = all
 layers (full), ``selective_recompute``. Reported per row, side by side in one run:
 - saved MiB: bytes autograd keeps for the backward on one rank, counted by saved-tensor
-  hooks around one compiled forward (unique storages; parameters excluded). The compiled
+  hooks around one compiled forward (unique storages; parameters, FSDP's gathered ones
+  included, excluded). The compiled
   layers' saved tensors pass through the hooks, so selective checkpointing's kept outputs are
   counted too (in eager mode they would not be);
 - pred MiB: the planner's activation bytes for the same model and plan
@@ -38,10 +39,13 @@ def _sizes(args: argparse.Namespace) -> dict:
                 num_key_value_heads=4)
 
 
-def _plan(kwargs: dict, mode: str, layers: int) -> ParallelPlan:
+def _plan(kwargs: dict, mode: str, args: argparse.Namespace) -> ParallelPlan:
+    """The plan with its recomputation; its microbatch is the rank's whole share of the
+    batch (the step runs it at once, so the planner prices the same activations)."""
     extra = MODES[mode]
-    return ParallelPlan(**kwargs, **(dict(recompute_layers=layers) if extra == "layers"
-                                     else extra))
+    dp = ParallelPlan(**kwargs).dp
+    return ParallelPlan(**kwargs, microbatch=args.batch // dp,
+                        **(dict(recompute_layers=args.layers) if extra == "layers" else extra))
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, plan: ParallelPlan) -> dict:
@@ -64,14 +68,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, plan: ParallelPlan)
                                                  local[:, 1:].flatten())
 
     loss().backward()  # compile
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter):  # (FSDP's gathered ones too)
+            return t
         local_t = t.to_local() if hasattr(t, "to_local") else t
-        ptr = local_t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = local_t.untyped_storage().nbytes()
+        seen[local_t.untyped_storage().data_ptr()] = local_t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -117,7 +120,7 @@ def main() -> None:
     for kwargs in PLANS:
         base: tuple[float, float, float, float] | None = None
         for mode in MODES:
-            plan = _plan(kwargs, mode, args.layers)
+            plan = _plan(kwargs, mode, args)
             ranks = run_distributed(_worker, 2, args, plan)
             step = statistics.median(max(r["times"][i] for r in ranks)
                                      for i in range(args.reps))
