@@ -2,13 +2,18 @@
 
     torchrun --nproc-per-node 4 examples/parallel_train.py                   # dp_shard=2 x tp=2
     torchrun --nproc-per-node 4 examples/parallel_train.py --plan plan.json  # any plan file
+    ... --plan plans.json --index 2  # the third plan of `graphopt plan --json plans.json`
+    ... --bf16               # bf16 compute, float32 master weights and optimizer states
     ... --save ckpt/         # a torch.distributed.checkpoint after the last step
     ... --resume ckpt/       # start from it (saved under any plan, e.g. --plan other.json)
 
-One DeviceMesh from the plan (graphopt.parallel.build_mesh), the model sharded by
-graphopt.parallelize (TP+SP layout derived from the model, FSDP2 ZeRO-3 over dp_shard), each
-decoder layer compiled by graphopt, trained with AdamW on random tokens. Rank 0 prints the loss
-per step and where each parameter lives. gloo on CPU; on GPUs torchrun + NCCL run the same code.
+graphopt.compile with options={"parallel": plan} builds the DeviceMesh, shards the model
+(graphopt.parallelize: TP+SP layout derived from the model, FSDP2 over dp_shard, EP, PP, CP,
+the plan's activation recomputation) and compiles each decoder layer with graphopt; AdamW on
+random tokens, gradients clipped by the whole model's norm. A pipeline plan (pp > 1) trains
+with ``model.step``. The checkpoint holds the model, the optimizer and the step, so a resumed
+run continues with the next step's batch. Rank 0 prints the loss per step and where each
+parameter lives. gloo on CPU; on GPUs torchrun + NCCL run the same code.
 """
 
 from __future__ import annotations
@@ -24,56 +29,62 @@ from graphopt.models import build_model
 from graphopt.parallel import (
     ModelState,
     OptimizerState,
-    build_mesh,
-    build_optimizer,
+    PipelinedModel,
     clip_grad_norm_,
+    optimizer_for,
 )
 from graphopt.planner.plan import ParallelPlan
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", help="plan JSON (graphopt plan --json); default dp_shard=2, "
-                        "tp=2, ZeRO-3 when 4 ranks run, else pure FSDP")
+    parser.add_argument("--plan", help="plan JSON (ParallelPlan.save or graphopt plan --json); "
+                        "default dp_shard=2, tp=2, ZeRO-3 when 4 ranks run, else pure FSDP")
+    parser.add_argument("--index", type=int, default=0, help="which plan of a `graphopt plan "
+                        "--json` file (0: the best)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--save", help="write a checkpoint here after the last step")
     parser.add_argument("--resume", help="load a checkpoint (written under any plan) first")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.plan:
-        plan = ParallelPlan.load(args.plan)
+        plan = ParallelPlan.load(args.plan, args.index)
     elif world % 2 == 0 and world >= 4:
         plan = ParallelPlan(dp_shard=world // 2, tp=2, zero_stage=3)
     else:
         plan = ParallelPlan(dp_shard=world, zero_stage=3)
     torch.manual_seed(0)  # the same weights on every rank
-    model = build_model("llama", num_hidden_layers=2)
-    mesh = build_mesh(plan)
-    model = graphopt.parallelize(model, plan, mesh)
-    # Each decoder layer's forward is compiled (graphopt.compile does the same with
-    # options={"parallel": plan}): its SP input hook stays eager, see docs/parallel.md.
-    for block in model.model.layers:
-        block.forward = torch.compile(block.forward, backend="graphopt",
-                                      options={"lowering": "eager"})
-    opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-3)
-    # model and optimizer under the unparallelized names and shapes (docs/parallel.md)
-    state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
+    model = graphopt.compile(build_model("llama", num_hidden_layers=2), options={
+        "parallel": plan, "lowering": "eager", **({"mixed_precision": "bf16"} if args.bf16
+                                                  else {})})
+    mesh = model.graphopt_parallel.mesh  # the plan's DeviceMesh
+    opt = optimizer_for(model, torch.optim.AdamW, lr=1e-3)
+    # model, optimizer and step under the unparallelized names and shapes (docs/parallel.md)
+    progress = {"step": torch.zeros((), dtype=torch.int64)}
+    state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt),
+             "progress": progress}
     if args.resume:
         dcp.load(state, checkpoint_id=args.resume)
-    gen = torch.Generator().manual_seed(1234)
-    for step in range(args.steps):
-        batch = torch.randint(0, 256, (2 * plan.dp, 64), generator=gen)  # global batch
+    start = int(progress["step"])
+    for step in range(start, start + args.steps):
+        gen = torch.Generator().manual_seed(1234 + step)  # the step's global batch
+        batch = torch.randint(0, 256, (2 * plan.dp * plan.pp, 64), generator=gen)
         local = batch.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-        loss = model(input_ids=local, labels=local, use_cache=False).loss
-        loss.backward()
+        if isinstance(model, PipelinedModel):  # the loss only on the last stage's ranks
+            loss = model.step(local)
+        else:
+            loss = model(input_ids=local, labels=local, use_cache=False).loss
+            loss.backward()
         clip_grad_norm_(model, max_norm=1.0)  # the whole model's norm, equal on every rank
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
+        held = torch.tensor([0.0 if loss is None else float(loss), float(loss is not None)])
+        dist.all_reduce(held)  # mean over the ranks that hold a loss
         if rank == 0:
-            print(f"step {step}: loss {float(mean) / world:.4f}")
+            print(f"step {step}: loss {float(held[0] / held[1]):.4f}")
+    progress["step"].fill_(start + args.steps)
     if args.save:
         dcp.save(state, checkpoint_id=args.save)
     if rank == 0:

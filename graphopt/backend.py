@@ -70,7 +70,11 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                           "use sp=True (a sequence length divisible by tp), or run "
                           "graphopt.parallelize(model, plan) without compiling")
     moe = options.pop("moe", None) if plan is not None and plan.ep > 1 else None
-    mixed = options.pop("mixed_precision", None) if plan is not None else None
+    mixed = options.pop("mixed_precision", None)
+    if mixed is not None and plan is None:
+        raise ConfigError("option 'mixed_precision' applies to a parallel plan (options["
+                          "'parallel']); without one, run the compiled model under "
+                          "torch.autocast(device, dtype=torch.bfloat16)")
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
     if plan is not None:
         from graphopt.parallel import parallelize

@@ -261,6 +261,9 @@ def _reject_unknown(options: Mapping[str, Any], valid: set[str], what: str) -> N
             raise ConfigError(
                 f"unknown {what} option {key!r}{did_you_mean(str(key), valid)}; "
                 f"valid options: {', '.join(sorted(valid))}"
+                + ("; graphopt.compile(model, options=...) also takes 'parallel', 'cluster' "
+                   "(with parallel='auto') and 'mixed_precision' (with a plan)"
+                   if what == "graphopt" else "")
             )
 
 

@@ -94,6 +94,11 @@ def _gemms_worker(rank, world):
         with Count() as count:
             loss.backward()
         counts[tag] = count.n
+    from tests.helpers import config_errors
+
+    plan = ParallelPlan(dp_shard=2, recompute_layers=3)
+    counts["refused"] = config_errors(lambda: graphopt.parallelize(
+        build_model("llama", torch.float64), plan, build_mesh(plan)))[0]
     return counts
 
 
@@ -106,3 +111,5 @@ def test_planned_recomputation_recomputes_in_the_backward():
     for counts in run_distributed(_gemms_worker, 2):
         assert counts["full"] - counts["none"] == 12, counts
         assert 2 <= counts["selective"] - counts["none"] < 12, counts
+        assert "recompute_layers=3 exceeds the decoder layers per pipeline rank (2 of 2)" \
+            in counts["refused"]  # was clamped to the 2 layers silently (a new user)

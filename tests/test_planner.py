@@ -583,3 +583,18 @@ def test_a_plans_expert_parallelism_refuses_token_dropping_options():
     with pytest.raises(ConfigError, match="dropless"):
         _moe_options({"capacity_factor": 1.0, "drop_policy": "probs"}, plan)
     assert _moe_options({"all_to_all": "flat"}, plan).ep == 2
+
+
+def test_a_plan_file_of_graphopt_plan_loads_any_ranked_plan(tmp_path):
+    import json
+
+    plans = [ParallelPlan(dp_shard=8).to_dict(), ParallelPlan(tp=2, dp_shard=4).to_dict()]
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"plans": plans}))
+    assert ParallelPlan.load(path) == ParallelPlan(dp_shard=8)
+    assert ParallelPlan.load(path, index=1) == ParallelPlan(tp=2, dp_shard=4)
+    with pytest.raises(ConfigError, match=r"holds 2 plans \(0 .. 1, best first\)"):
+        ParallelPlan.load(path, index=2)
+    ParallelPlan(tp=2).save(tmp_path / "one.json")
+    with pytest.raises(ConfigError, match="holds one plan"):
+        ParallelPlan.load(tmp_path / "one.json", index=1)

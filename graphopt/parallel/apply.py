@@ -158,6 +158,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
                           f"{type(plan).__name__}")
     unexecuted = plan.problems()
+    if plan.recompute_layers:
+        count = len(decoder_layers(model))
+        per_stage = -(-count // plan.pp)
+        if plan.recompute_layers > per_stage:
+            unexecuted.append(f"recompute_layers={plan.recompute_layers} exceeds the decoder "
+                              f"layers per pipeline rank ({per_stage} of {count})")
     compute_dtype = mixed_precision_dtype(mixed_precision, model)
     if unexecuted:
         raise ConfigError("cannot execute this parallel plan: " + "; ".join(unexecuted))
@@ -425,6 +431,10 @@ def apply_recompute(model: nn.Module, plan: ParallelPlan) -> str:
     parts = getattr(model, "parts", None)
     layers = [b for p in parts for b in p.layers.values()] if parts is not None \
         else decoder_layers(model)
+    if plan.recompute_layers > len(layers):
+        raise ConfigError(f"recompute_layers={plan.recompute_layers} but this rank holds "
+                          f"{len(layers)} decoder layers: at most {len(layers)} (all of "
+                          "them)")
     moe = [any(getattr(m, "gate_up_proj", None) is not None for m in b.modules())
            for b in layers]
     order = sorted(range(len(layers)), key=lambda i: (not moe[i], i))

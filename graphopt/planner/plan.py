@@ -268,10 +268,11 @@ class ParallelPlan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> ParallelPlan:
-        """Read a plan written by :meth:`save`, or the best plan (``plans[0]``) of the
-        output of ``graphopt plan --json``; ConfigError as :meth:`from_dict`, and for a file
-        that is missing or not JSON."""
+    def load(cls, path: str | os.PathLike[str], index: int = 0) -> ParallelPlan:
+        """Read a plan written by :meth:`save`, or plan ``index`` of the output of
+        ``graphopt plan --json`` (ranked, best first: 0 is the best); ConfigError as
+        :meth:`from_dict`, for a file that is missing or not JSON, and for an index the
+        file does not have."""
         try:
             data = json.loads(Path(path).read_text())
         except OSError as exc:
@@ -286,7 +287,13 @@ class ParallelPlan:
             if not isinstance(plans, list) or not plans:
                 raise ConfigError(f"{str(path)!r} looks like `graphopt plan --json` output "
                                   "but its 'plans' list is empty")
-            return cls.from_dict(plans[0])
+            if not isinstance(index, int) or not -len(plans) <= index < len(plans):
+                raise ConfigError(f"{str(path)!r} holds {len(plans)} plans (0 .. "
+                                  f"{len(plans) - 1}, best first); index {index!r} is not one")
+            return cls.from_dict(plans[index])
+        if index:
+            raise ConfigError(f"{str(path)!r} holds one plan; index {index} needs the output "
+                              "of `graphopt plan --json`")
         return cls.from_dict(data)
 
     def describe(self) -> str:
