@@ -3,6 +3,7 @@ is on sys.path)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -65,3 +66,13 @@ def minimax_toy(kind: str, checkpointing: bool = False) -> tuple[object, Callabl
         return model, torch.compile(fn, backend="graphopt", options={
             "lowering": "eager", "attention": "exact", "moe": {}})
     return model, fn
+
+
+def add_size_args(parser: argparse.ArgumentParser) -> None:
+    """The executed-plan benchmarks' model and batch sizes: --layers, --hidden, --seq,
+    --batch (global, sequences), --reps (timed steps)."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)

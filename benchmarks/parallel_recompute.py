@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from common import add_size_args
 
 from graphopt.distributed import run_distributed
 from graphopt.planner.plan import ParallelPlan
@@ -105,11 +106,7 @@ def _predict(args: argparse.Namespace, plan: ParallelPlan) -> tuple[str, float, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=5)
+    add_size_args(parser)
     args = parser.parse_args()
     print(f"llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, global batch "
           f"{args.batch}, fp32, 2 gloo ranks x 1 thread, graphopt.compile (eager lowering); "
