@@ -171,9 +171,10 @@ class OptimizerState:
     states keyed by the unparallelized model's parameter names, experts' states as global
     DTensors like their parameters (module docstring). Built on
     ``torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict``, which
-    initializes empty states with a zero-learning-rate step; its step counts are set back to
-    0 (Adam's bias correction of the first real step stays a fresh optimizer's; an SGD with
-    dampening starts its momentum from zeros instead of the first gradient).
+    initializes empty states with a zero-learning-rate step; for a fresh optimizer that
+    step is undone (the live optimizer's states emptied again; the checkpoint holds them
+    with step 0). A run resumed from a checkpoint saved before any step starts from those
+    zero states: exact for Adam/AdamW, not for NAdam (mu_product) or SGD with dampening.
 
     ZeRO-1 (``ZeroRedundancyOptimizer``): each rank saves the states of the parameters it
     owns (its local ``.optim``), so the checkpoint again holds each state once.
@@ -200,12 +201,15 @@ class OptimizerState:
 
         fresh = not self.optimizer.state
         self._own = get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT())
-        if fresh:  # torch created the states with a zero-learning-rate step, which counted
-            # as Adam's step 1: the first real update was then bias-corrected as step 2 (26%
-            # too small, a review). Step 0 with zero moments is a fresh Adam's state.
+        if fresh:  # torch created the states with a zero-learning-rate step. Left in the
+            # live optimizer it counted as a real step (Adam's bias correction: the first
+            # update 26% too small; NAdam's mu_product; SGD's dampened momentum started from
+            # zeros; found by reviews): the live optimizer is made empty again, its states
+            # start at its first real step. The checkpoint keeps these tensors, step 0.
             for key, v in self._own.items():
                 if key.endswith(".step") and isinstance(v, torch.Tensor):
                     v.zero_()
+            self.optimizer.state.clear()
         self._keys: dict[str, str] = {}
         out: dict[str, Any] = {}
         for key, v in self._own.items():

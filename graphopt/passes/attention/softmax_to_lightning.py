@@ -17,7 +17,8 @@ Contract:
         "approximate"). Every site is either converted or reported "skipped" with the
         matcher's reason: a mask from a graph input (padding, or a mask passed across a graph
         break), non-causal or sliding-window masks, dropout > 0, query length != key length
-        (KV cache), a K permuted other than over its last two dims, a trainable or
+        (KV cache), keys/values read from or stored into a KV cache (``kv_cache_reason``;
+        warned once per graph), a K permuted other than over its last two dims, a trainable or
         input-dependent scale, an unknown layer index with per-layer slopes, an autocast
         region, ``lightning.every`` / ``lightning.layers``. The output keeps the site's dtype.
     reads meta: ``val``, ``nn_module_stack`` (layer index, module path), ``grapharg``,
@@ -149,7 +150,7 @@ class SoftmaxToLightning:
             ctx.record("rewritten" if done else "skipped", site_name(node), reason)
             modified = modified or done
             cached += "KV cache" in reason
-        if cached:  # loud: a forward with transformers' default use_cache=True converts nothing
+        if cached:  # loud: a forward that returns transformers' default cache (use_cache=True)
             warnings.warn(f"graphopt: attention='lightning' kept {cached} softmax-attention "
                           "site(s) of this graph because they read or fill a KV cache (a "
                           "converted prefill followed by softmax decode steps would compute "
