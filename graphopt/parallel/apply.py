@@ -272,7 +272,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         report.notes.append(apply_recompute(model, plan))
     _apply_dp(model, plan, mesh, report, compute_dtype)
     if compute_dtype is not None:
-        report.notes.append(_apply_autocast(model, plan, compute_dtype))
+        report.notes.append(_apply_autocast(model, compute_dtype))
     if plan.pp == 1:  # PipelinedModel.step records its own starts (and checks S under SP)
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
         if report.sp:
@@ -431,10 +431,6 @@ def apply_recompute(model: nn.Module, plan: ParallelPlan) -> str:
     parts = getattr(model, "parts", None)
     layers = [b for p in parts for b in p.layers.values()] if parts is not None \
         else decoder_layers(model)
-    if plan.recompute_layers > len(layers):
-        raise ConfigError(f"recompute_layers={plan.recompute_layers} but this rank holds "
-                          f"{len(layers)} decoder layers: at most {len(layers)} (all of "
-                          "them)")
     moe = [any(getattr(m, "gate_up_proj", None) is not None for m in b.modules())
            for b in layers]
     order = sorted(range(len(layers)), key=lambda i: (not moe[i], i))
@@ -502,7 +498,7 @@ def _mp_policy(dtype: torch.dtype | None) -> dict[str, Any]:
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
 
 
-def _apply_autocast(model: nn.Module, plan: ParallelPlan, dtype: torch.dtype) -> str:
+def _apply_autocast(model: nn.Module, dtype: torch.dtype) -> str:
     """``torch.autocast`` around the model's forward (PP: each stage's), also where FSDP2
     casts the parameters: a model's float32 buffers meet bf16 activations there (MiniMax's
     decay tables: "expected m1 and m2 to have the same dtype" under FSDP2's param_dtype
@@ -540,8 +536,8 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
 
         report.notes.append(reduce_expert_grads(model, plan, mesh, shard, dtype))
         experts = {p for p in expert_params(model) if not hasattr(p, "placements")}
-    ignored: dict[str, Any] = {"ignored_params": experts} if experts else {}
-    ignored.update(_mp_policy(dtype))
+    fsdp_kwargs: dict[str, Any] = {"ignored_params": experts} if experts else {}
+    fsdp_kwargs.update(_mp_policy(dtype))
     units = list(getattr(model, "parts", [model]))  # PP: each stage is an FSDP root
     if shard:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \
@@ -549,14 +545,14 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         for unit in units:
             for block in _blocks(unit):
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
-                            **ignored)
+                            **fsdp_kwargs)
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
-                        **ignored)
+                        **fsdp_kwargs)
         kind = "HSDP" if plan.dp_replicate > 1 else "FSDP"
         report.notes.append(f"{kind} (ZeRO-{plan.zero_stage}) over {dp_mesh.mesh_dim_names}")
     elif plan.dp > 1 and plan.pp > 1:  # replicas of each stage
         for unit in units:
-            replicate(unit, mesh=mesh["dp"], **ignored)
+            replicate(unit, mesh=mesh["dp"], **fsdp_kwargs)
         report.notes.append(f"replicas (FSDP2 replicate) of each stage over dp={plan.dp}")
     elif plan.dp * plan.cp > 1 and plan.tp == 1:  # DDP: plain tensors (ZeRO-1's input)
         from torch.distributed._composable import replicate as ddp
@@ -568,7 +564,7 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
             " + ZeRO-1 optimizer sharding (build_optimizer)" if plan.dp_shard > 1 and
             plan.zero_stage == 1 else ""))
     elif plan.dp * plan.cp > 1:  # with TP: FSDP2's replicate handles DTensor parameters
-        replicate(model, mesh=mesh["dp_cp"], **ignored)
+        replicate(model, mesh=mesh["dp_cp"], **fsdp_kwargs)
         report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp} x cp={plan.cp}")
 
 

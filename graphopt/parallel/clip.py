@@ -29,8 +29,8 @@ Pseudo-code::
             + [norm(plain dense grads)] ; experts = norm(plain expert grads)
     p-norm: s = sum(part^p) + all_reduce_sum(experts^p, ep); s = all_reduce_sum(s, pp)
     inf:    s = max(...), all-reduced with MAX
-    total = s^(1/p); nan / inf if any rank's gradients hold one (a sum of flags: gloo's
-    max reduction can drop a NaN)
+    total = s^(1/p); inf-norm: nan / inf if any rank's gradients hold one (a sum of flags:
+    gloo's max reduction can drop a NaN)
     grads *= min(1, max_norm / (total + 1e-6))
 """
 
@@ -105,7 +105,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     local = torch.maximum(local, mine) if p == float("inf") else local + mine
     if plan.pp > 1:
         local = _all_reduce(local, mesh["pp"].get_group(), p)
-    total = local if p == float("inf") else local.pow(1.0 / p)
+    if p != float("inf"):  # sums carry a NaN or inf from any rank
+        return local.pow(1.0 / p)
     # A max all-reduce over gloo dropped a NaN held by a rank other than rank 0 (a review:
     # the inf-norm came out finite on every rank and rank 1 stepped NaN into its weights),
     # so every rank's non-finite gradients are counted once more, with a sum over all ranks
@@ -120,7 +121,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         return torch.full((), float("nan"), dtype=torch.float64)
     if flags[1]:
         return torch.full((), float("inf"), dtype=torch.float64)
-    return total
+    return local
 
 
 def _tied_copy(model: nn.Module) -> Any:
