@@ -125,7 +125,6 @@ class NotCausalAttention(torch.nn.Module):
     def __init__(self, kind):
         super().__init__()
         self.kind = kind
-        self.scale = torch.nn.Parameter(torch.tensor(0.3))
 
     def forward(self, q, k, v, pad=None):
         s = q.shape[2]
@@ -134,7 +133,7 @@ class NotCausalAttention(torch.nn.Module):
             scores = q @ k.transpose(1, 3)
         else:
             scores = q @ k.transpose(-1, -2)
-        scores = scores * (self.scale if kind == "trainable_scale" else 0.3)
+        scores = scores * 0.3
         if kind == "no_mask":
             pass
         elif kind == "padding_mask":
@@ -157,7 +156,6 @@ class NotCausalAttention(torch.nn.Module):
     ("padding_mask", "depends on a graph input"),
     ("sliding_window", "not the causal (lower-triangular) mask"),
     ("dropout", "attention dropout > 0"),
-    ("trainable_scale", "trainable parameter"),
 ])
 def test_refusals_keep_the_graph_and_say_why(kind, reason):
     model = NotCausalAttention(kind)
@@ -169,6 +167,58 @@ def test_refusals_keep_the_graph_and_say_why(kind, reason):
     assert [s.action for s in record.sites] == ["skipped"], record.sites
     assert reason in record.sites[0].reason, record.sites[0].reason
     assert not record.modified and record.op_delta == {}
+
+
+class RuntimeScale(torch.nn.Module):
+    """Scores scaled by a trainable temperature (``kind`` "trainable"), a scale computed from
+    an input ("from_input") or a float64 [1] tensor that would promote float32 scores
+    ("promoting")."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.temperature = torch.nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-1, -2)
+        if self.kind == "trainable":
+            scores = scores / self.temperature
+        elif self.kind == "from_input":
+            scores = scores * (q.detach().abs().amax() * 0.1)
+        else:
+            scores = scores * self.temperature.detach().reshape(1)
+        scores = scores + _causal_additive(q.shape[2]).to(q.dtype)
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+
+
+@pytest.mark.parametrize("kind", ["trainable", "from_input"])
+def test_a_scale_known_at_run_time_multiplies_q_and_gets_its_gradient(kind):
+    model = RuntimeScale(kind)
+    args = [x.double().requires_grad_() for x in _inputs(kind)]
+    gm, record = _convert(model, args)
+    assert [s.action for s in record.sites] == ["rewritten"], record.sites
+    assert record.op_delta.get("aten.softmax.int", 0) == -1
+    q, k, v = args
+    factor = 1 / model.temperature if kind == "trainable" else q.detach().abs().amax() * 0.1
+    expected = F.rms_norm(lightning_attention(q * factor, k, v, minimax_slopes(4, 0, 1)), [D])
+    got = as_function(gm, model)(*args)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(got.sum(), [*args, model.temperature], allow_unused=True)
+    want = torch.autograd.grad(expected.sum(), [*args, model.temperature], allow_unused=True)
+    for g, w in zip(grads, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    if kind == "trainable":
+        assert grads[-1] is not None and grads[-1].abs() > 0  # the temperature learns
+
+
+def test_a_run_time_scale_that_would_promote_the_scores_is_kept():
+    model, args = RuntimeScale("promoting"), _inputs("promoting")
+    gm, record = _convert(model, args)
+    assert [s.action for s in record.sites] == ["skipped"], record.sites
+    assert "would promote the torch.float32 scores" in record.sites[0].reason
+    assert not record.modified
 
 
 class MissedByTheOldDetector(torch.nn.Module):
@@ -269,15 +319,19 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     return F.rms_norm(o, [o.shape[-1]]).transpose(1, 2).contiguous(), None
 
 
-@pytest.mark.parametrize("name, implementation", [
-    ("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"),
-    ("mixtral", "eager"),
+@pytest.mark.parametrize("name, implementation, dynamic", [
+    ("gpt2", "eager", False), ("gpt2", "sdpa", False), ("llama", "eager", False),
+    ("qwen3", "sdpa", False), ("mixtral", "eager", False),
+    ("gpt2", "eager", True), ("qwen3", "eager", True), ("qwen3", "sdpa", True),
 ])
 def test_lightning_mode_on_real_models_equals_lightning_attention_per_layer(
-        name, implementation):
+        name, implementation, dynamic):
     """Logits and every parameter gradient of the converted model equal the same model whose
     attention function is ``_reference_attention`` (float64): so in every layer the pass bound
-    the right q/k/v (after RoPE, before repeat_kv), scale, slopes and norm."""
+    the right q/k/v (after RoPE, before repeat_kv), scale, slopes and norm. With
+    ``dynamic=True`` Dynamo lifts the attention's float ``scaling`` to a graph input: the
+    scale is then a run-time factor (it was kept as "depends on a graph input" before), and a
+    changed ``scaling`` reaches the converted graph (checked by a second call)."""
     from transformers import AttentionInterface
 
     import graphopt
@@ -294,7 +348,7 @@ def test_lightning_mode_on_real_models_equals_lightning_attention_per_layer(
     graphopt.clear_reports()
     compiled = torch.compile(
         lambda i: model(input_ids=i, labels=i, use_cache=False),
-        backend="graphopt",
+        backend="graphopt", dynamic=dynamic,
         options={"lowering": "eager", "attention": "lightning",
                  "lightning": {"num_layers": layers}})
     got = compiled(ids)
@@ -306,10 +360,20 @@ def test_lightning_mode_on_real_models_equals_lightning_attention_per_layer(
     for pname, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[pname].grad, rtol=1e-8, atol=1e-9,
                                    msg=lambda m, n=pname: f"{n}: {m}")
-    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
-             for s in p.sites]
+    sites = [s for r in graphopt.reports() if r.status == "compiled"  # not Dynamo's restarts
+             for p in r.pass_records("attention") for s in p.sites]
     assert [s.action for s in sites] == ["rewritten"] * layers, sites
     assert all(s.reason.startswith("APPROXIMATE") for s in sites)
+    assert all(r.fallback is None and r.dynamic == dynamic for r in graphopt.reports())
+    if dynamic:
+        for m in (model, reference):
+            for module in m.modules():
+                if hasattr(module, "scaling") and hasattr(module, "layer_idx"):
+                    module.scaling = module.scaling * 0.5
+        ids = sample_batch(model, batch=3, seq=13)
+        torch.testing.assert_close(compiled(ids).logits,
+                                   reference(input_ids=ids, use_cache=False).logits,
+                                   rtol=1e-9, atol=1e-9)
 
 
 def test_graph_break_that_passes_the_mask_between_graphs_is_reported():

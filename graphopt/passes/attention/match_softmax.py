@@ -14,7 +14,9 @@ A site is
     product through such ops (``softmax(Q K^T ...) ... @ V`` in any spelling).
 Convertible (hand-written, :func:`match_handwritten_softmax_attention`):
     softmax(Q @ K^T [* or / scale] [+ mask]) [casts, dropout p=0] @ V over [B, H, S, D],
-    scale a number or a one-element tensor of constants/buffers, K^T a transpose(-2, -1) or
+    scale a number or a one-element tensor (constants and buffers are folded; one computed
+    from a graph input or a trainable parameter is kept as a run-time factor, see
+    ``SoftmaxAttention.factors``), K^T a transpose(-2, -1) or
     permute(0, 1, 3, 2), the mask added (float), ``masked_fill``-ed or ``where``-selected
     (bool) and proven causal by :func:`not_constant_causal`; GQA through ``repeat_kv``.
 """
@@ -41,7 +43,7 @@ from graphopt.passes.attention.match_common import (
     written_in_place,
 )
 from graphopt.passes.attention.match_symbolic import hinted
-from graphopt.passes.fx_utils import tensor_meta
+from graphopt.passes.fx_utils import size_hint, tensor_meta
 
 SDPA_OPS = {aten.scaled_dot_product_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -72,6 +74,12 @@ class SoftmaxAttention:
     v: fx.Node
     scale: float
     output: fx.Node
+    factors: tuple[tuple[fx.Node, bool], ...] = ()
+    """Scale factors known only when the graph runs, as ``(node, divides)``: a one-element
+    tensor computed from a graph input (``dynamic=True`` lifts float module attributes such
+    as transformers' ``self.scaling`` to graph inputs) or a trainable temperature. The
+    conversion multiplies (divides) ``phi(q)`` by each, so they stay live and differentiable;
+    the constant part is ``scale``."""
 
 
 def _reaches_product(start: list[fx.Node], step: str, shape: tuple[int, ...]) -> bool:
@@ -174,8 +182,10 @@ def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | Non
         raise NoMatch("non-causal attention is not converted to causal Lightning Attention")
     if args.get("dropout_p", 0.0) not in (0, 0.0):
         raise NoMatch("attention dropout > 0 (training dropout)")
-    scale = args.get("scale") or 1.0 / int(q_val.shape[3]) ** 0.5
-    return SoftmaxAttention(q, k, v, float(scale), node)
+    scale = args.get("scale")
+    if isinstance(scale, fx.Node):  # a SymFloat under dynamic=True
+        return SoftmaxAttention(q, k, v, 1.0, node, ((scale, False),))
+    return SoftmaxAttention(q, k, v, float(scale or 1.0 / int(q_val.shape[3]) ** 0.5), node)
 
 
 def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any],
@@ -190,7 +200,7 @@ def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any
     val = tensor_meta(softmax)
     if val is None or int(softmax.args[1]) % val.dim() != val.dim() - 1:  # type: ignore
         raise NoMatch("softmax is not over the last (key) dimension")
-    scale, mask, qk = _scores(softmax.args[0], env)  # type: ignore[arg-type]
+    scale, factors, mask, qk = _scores(softmax.args[0], env)  # type: ignore[arg-type]
     if mask is None:
         raise NoMatch("no attention mask: non-causal attention is not converted to causal "
                       "Lightning Attention")
@@ -210,7 +220,7 @@ def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any
     (k0, nk), (v0, nv) = _unrepeat(k), _unrepeat(v)  # type: ignore[arg-type]
     if nk == nv and nk > 1:
         k, v = k0, v0
-    return SoftmaxAttention(q, k, v, scale, output)  # type: ignore[arg-type]
+    return SoftmaxAttention(q, k, v, scale, output, factors)  # type: ignore[arg-type]
 
 
 SIZE_PROBES = (1, 2, 5, 16, 37)
@@ -404,6 +414,22 @@ def _constant_scalar(node: Any, env: dict[fx.Node, Any], what: str) -> float:
     return float(value.reshape(()))
 
 
+def _runtime_scalar(node: Any, env: dict[fx.Node, Any]) -> bool:
+    """True for a scale factor that is one number known only at run time: a node whose
+    value depends on a graph input or a trainable parameter (not constants and buffers only,
+    which ``_constant_scalar`` folds) and is a symbolic number or a tensor of one element
+    with at most 4 dims (so it broadcasts over [B, H, S, D] without changing its shape)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if not any(n.op == "placeholder" and not is_buffer(n, env) for n in ancestors(node)):
+        return False
+    val = node.meta.get("val")
+    if isinstance(val, (torch.SymFloat, torch.SymInt)):
+        return True
+    return (isinstance(val, torch.Tensor) and val.dim() <= 4
+            and all(size_hint(d) == 1 for d in val.shape))
+
+
 def _k_transposed(k_t: Any) -> fx.Node:
     """K from K^T; refuses permutes that are not a swap of the last two dims."""
     val = tensor_meta(k_t) if isinstance(k_t, fx.Node) else None
@@ -446,9 +472,12 @@ def _unrepeat(x: fx.Node) -> tuple[fx.Node, int]:
 
 
 def _scores(x: fx.Node, env: dict[fx.Node, Any]
-            ) -> tuple[float, tuple[fx.Node, bool] | None, fx.Node]:
-    """Walk from the softmax input up to ``Q @ K^T``: (scale, (mask, blocked) or None, qk)."""
+            ) -> tuple[float, tuple[tuple[fx.Node, bool], ...], tuple[fx.Node, bool] | None,
+                       fx.Node]:
+    """Walk from the softmax input up to ``Q @ K^T``: (constant scale, run-time scale
+    factors (see ``SoftmaxAttention.factors``), (mask, blocked) or None, qk)."""
     scale, mask = 1.0, None
+    factors: list[tuple[fx.Node, bool]] = []
 
     def set_mask(node: fx.Node, blocked: bool) -> None:
         nonlocal mask
@@ -458,7 +487,7 @@ def _scores(x: fx.Node, env: dict[fx.Node, Any]
 
     for _ in range(12):
         if is_call(x, aten.matmul.default):
-            return scale, mask, x
+            return scale, tuple(factors), mask, x
         if is_call(x, *_CASTS):
             x = x.args[0]  # type: ignore[assignment]
         elif is_call(x, aten.mul.Tensor, aten.div.Tensor):
@@ -467,8 +496,12 @@ def _scores(x: fx.Node, env: dict[fx.Node, Any]
                 a, b = b, a
             if x.target is aten.div.Tensor and a is not x.args[0]:
                 raise NoMatch("scores divide a tensor (not a scale)")
-            factor = _constant_scalar(b, env, "the scale")
-            scale = scale * factor if x.target is aten.mul.Tensor else scale / factor
+            divides = x.target is aten.div.Tensor
+            if _runtime_scalar(b, env):
+                factors.append((b, divides))  # type: ignore[arg-type]
+            else:
+                factor = _constant_scalar(b, env, "the scale")
+                scale = scale / factor if divides else scale * factor
             x = a  # type: ignore[assignment]
         elif is_call(x, aten.add.Tensor):
             a, b = x.args

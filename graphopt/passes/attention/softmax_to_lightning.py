@@ -18,9 +18,12 @@ Contract:
         matcher's reason: a mask from a graph input (padding, or a mask passed across a graph
         break), non-causal or sliding-window masks, dropout > 0, query length != key length
         (KV cache), keys/values read from or stored into a KV cache (``kv_cache_reason``;
-        warned once per graph), a K permuted other than over its last two dims, a trainable or
-        input-dependent scale, an unknown layer index with per-layer slopes, an autocast
-        region, ``lightning.every`` / ``lightning.layers``. The output keeps the site's dtype.
+        warned once per graph), a K permuted other than over its last two dims, a run-time
+        scale that would promote the scores' dtype, an unknown layer index with per-layer
+        slopes, an autocast region, ``lightning.every`` / ``lightning.layers``. A scale
+        computed from a graph input or a trainable temperature (``dynamic=True`` lifts
+        transformers' ``self.scaling`` to a graph input) multiplies phi(q) in the graph,
+        so it stays live and differentiable. The output keeps the site's dtype.
     reads meta: ``val``, ``nn_module_stack`` (layer index, module path), ``grapharg``,
         ``autocast``.
     writes meta: new nodes get ``val``, ``nn_module_stack`` and ``graphopt_replaced`` of the
@@ -33,7 +36,8 @@ Pseudo-code:
         q, k, v, scale, out = match_softmax_attention_site(site)   # or skipped: reason
         check GQA heads, lightning.every, lightning.layers, a known layer index
         slopes = minimax_slopes(H, layer, num_layers, kind)
-        o = lightning_attention_fwd(phi(q), phi(k), v, buffer(slopes), scale)[0]
+        o = lightning_attention_fwd(phi(q) * runtime factors, phi(k), v, buffer(slopes),
+                                    constant scale)[0]
         replace out by cast(rms_norm(o), out.dtype)
 """
 
@@ -129,6 +133,34 @@ def kv_cache_reason(k: fx.Node, v: fx.Node) -> str:
     return ""
 
 
+def _promoting_factor(q: fx.Node, factors: tuple[tuple[fx.Node, bool], ...]) -> str:
+    """Why multiplying q by a run-time scale factor would change q's dtype, or ""."""
+    q_val = tensor_meta(q)
+    for node, _ in factors:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and q_val is not None \
+                and torch.result_type(q_val, val) != q_val.dtype:
+            return (f"the run-time scale {node.name} ({val.dtype}, {val.dim()} dims) would "
+                    f"promote the {q_val.dtype} scores")
+    return ""
+
+
+def _scaled(gm: fx.GraphModule, before: fx.Node, q: fx.Node,
+            factors: tuple[tuple[fx.Node, bool], ...]) -> fx.Node:
+    """``q * f`` (or ``q / f``) for each run-time scale factor ``f`` of the scores (new nodes
+    before ``before``): (phi(q) f) . phi(k) = f (phi(q) . phi(k)), the kernel's constant
+    ``scale`` times the factors, and gradients reach a trainable temperature."""
+    for node, divides in factors:
+        target = aten.div.Tensor if divides else aten.mul.Tensor
+        with gm.graph.inserting_before(before):
+            new = gm.graph.call_function(target, (q, node))
+        new.meta.update(val=fake_call(target, q, node),
+                        nn_module_stack=before.meta.get("nn_module_stack", {}),
+                        graphopt_replaced=[before.name])
+        q = new
+    return q
+
+
 @dataclass(frozen=True)
 class SoftmaxToLightning:
     """One conversion with the ``lightning.*`` options."""
@@ -209,7 +241,11 @@ class SoftmaxToLightning:
                     "several layers after a graph break), so MiniMax's per-layer slopes cannot "
                     "be chosen; use lightning.slopes='alibi' or remove the graph break")
         slopes = minimax_slopes(int(q_val.shape[1]), layer or 0, depth, opts.slopes)
+        promoted = _promoting_factor(found.q, found.factors)
+        if promoted:
+            return f"kept: {promoted}"
         q, k = (self._feature_map(gm, found.output, x) for x in (found.q, found.k))
+        q = _scaled(gm, found.output, q, found.factors)
         self._insert(gm, found.output, q, k, found.v, slopes, found.scale)
         return (f"APPROXIMATE: softmax -> Lightning Attention ({opts.slopes} slopes, feature "
                 f"map {opts.feature_map}, norm {opts.norm}, layer {layer} of {depth})"
