@@ -41,6 +41,25 @@ def test_profile_round_trips_through_json(tmp_path):
     assert load_profile(path) == CLUSTERS["h100-sxm"]
 
 
+def test_the_documented_cluster_file_loads(tmp_path):
+    """docs/cost_model.md's example cluster file is valid: it loads, its numbers are read
+    (not defaulted), and a collective inside a node prices its link."""
+    from pathlib import Path
+
+    from graphopt.cost import load_profile
+
+    doc = (Path(__file__).parents[1] / "docs" / "cost_model.md").read_text()
+    example = doc.split("```json\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "cluster.json"
+    path.write_text(example)
+    profile = load_profile(path)
+    assert profile.name == "my-h800-cluster" and profile.device.memory_bytes == 80e9
+    assert [(lv.size, lv.link.bandwidth) for lv in profile.levels] == [(8, 200e9), (64, 12.5e9)]
+    assert profile.device.peak_flops["bfloat16"] == 989.5e12
+    within = flat_time("all_reduce", 8, 1e9, profile.levels[0].link)
+    assert within == pytest.approx(2 * 7 / 8 * 1e9 / 200e9 + 2 * 7 * 3e-6)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("h800", "unknown profile 'h800'; valid names: a100-80gb"),
     ({"name": "x", "device": "h100-sxm"}, "missing field(s) levels"),
