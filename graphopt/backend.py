@@ -63,12 +63,6 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         if not isinstance(plan, ParallelPlan):
             raise ConfigError(f"option 'parallel' must be 'auto', a ParallelPlan or the path "
                               f"of its JSON, got {type(plan).__name__}")
-    if plan is not None and plan.tp > 1 and not plan.sp:
-        raise ConfigError("a plan with tp > 1 and sp=False cannot be compiled: torch 2.13's "
-                          "DTensor backward under torch.compile fails for it (backend="
-                          "'aot_eager' too: 'Tensor' object has no attribute '_local_tensor'); "
-                          "use sp=True (a sequence length divisible by tp), or run "
-                          "graphopt.parallelize(model, plan) without compiling")
     moe = options.pop("moe", None) if plan is not None and plan.ep > 1 else None
     mixed = options.pop("mixed_precision", None)
     if mixed is not None and plan is None:
@@ -98,10 +92,29 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                 forward, recompute = forward.args
             block.forward = torch.compile(forward, backend="graphopt", options=options,
                                           **kwargs)
+            if plan.tp > 1 and not plan.sp:
+                block.forward = functools.partial(_waited_inputs, block.forward)
             if recompute is not None:
                 block.forward = functools.partial(_checkpointed, block.forward, recompute)
         return model
     return torch.compile(model, backend="graphopt", options=options, **kwargs)
+
+
+def _waited_inputs(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward`` with each ``AsyncCollectiveTensor`` argument replaced by a plain copy.
+
+    TP without SP: the vocab-parallel embedding's all-reduced output (DTensor ``to_local``)
+    is an AsyncCollectiveTensor, which torch 2.13 mishandles as an input of a compiled
+    graph: the backward handed a plain gradient to DTensor's redistribute ("'Tensor' object
+    has no attribute '_local_tensor'", backend="aot_eager" too). An eager clone (one
+    hidden-state copy per step) waits for the collective and keeps the autograd edge."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils import _pytree as pytree
+
+    def wait(x: Any) -> Any:
+        return x.clone() if isinstance(x, AsyncCollectiveTensor) else x
+
+    return forward(*pytree.tree_map(wait, args), **pytree.tree_map(wait, kwargs))
 
 
 def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
