@@ -216,7 +216,8 @@ def export(
             checks.add_column(col)
         for what, err, tol in result.checks:
             checks.add_row(what, f"{err:.3g}", f"{tol:.3g}",
-                           "[green]yes[/]" if err <= tol else "[red]NO[/]")
+                           "[green]yes[/]" if err <= tol else "-" if err != err and tol != tol
+                           else "[red]NO[/]")  # NaN, NaN: a reference that cannot run
         console.print(checks)
     console.print(f"wrote {escape(str(onnx))} ({onnx.stat().st_size / 1e6:.1f} MB) in "
                   f"{sum(result.seconds.values()):.1f}s")

@@ -17,7 +17,7 @@ import graphopt  # noqa: E402
 import graphopt.kernels.lightning.op  # noqa: E402,F401  (registers the graphopt ops)
 import graphopt.kernels.moe.op  # noqa: E402,F401
 from graphopt.errors import ConfigError  # noqa: E402
-from graphopt.export.onnx import ExportError  # noqa: E402
+from graphopt.export.onnx import ExportError, check_onnx  # noqa: E402
 from graphopt.models import build_model, sample_batch  # noqa: E402
 
 Dim = torch.export.Dim
@@ -319,6 +319,83 @@ def test_review_findings_are_clear_errors_or_correct_checks(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="contradict"):
         graphopt.export_onnx(Nested(), (torch.randn(3, 4), torch.randn(3, 4)), None,
                              tmp_path / "n.onnx", dynamic=False, dynamic_shapes=({0: b}, {0: b}))
+
+
+def test_minimax_padded_batch_of_one_equals_transformers(tmp_path: Path) -> None:
+    """Found by a review: graphopt's MiniMax layer rewrite zeroed padding only for batches
+    > 1 (transformers 4.x's condition); transformers 5 zeroes it at any batch, so a padded
+    batch of one leaked padding into the lightning state (logits of real tokens 5e-2 off,
+    check=True passing on an unpadded example). Now the layer's own
+    ``apply_mask_to_padding_states`` zeroes it."""
+    model = build_model("minimax")
+    model.set_experts_implementation("grouped_mm")
+
+    class WithMask(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):  # type: ignore[no-untyped-def]
+            return self.m(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=False).logits
+
+    wrapper, seq = WithMask(), Dim("seq", max=255)
+    ids = sample_batch(model, 1, 32)
+    result = graphopt.export_onnx(wrapper, (ids, torch.ones_like(ids)),
+                                  {"attention": "exact", "moe": {}}, tmp_path / "m.onnx",
+                                  dynamic_shapes=({1: seq}, {1: seq}))
+    assert result.module_rewrites == ["m.model.layers.0.self_attn"]
+    for length, pad in [(20, 4), (40, 17)]:
+        x = sample_batch(model, 1, length)
+        mask = torch.ones_like(x)
+        mask[0, :pad] = 0
+        (got,) = _run(result.path, [x, mask])
+        with torch.no_grad():
+            want = wrapper(x, mask)
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+
+
+def test_second_review_findings_fail_early_with_the_fix(tmp_path: Path, monkeypatch) -> None:
+    """From a second review: a dynamic export of max_position_embeddings positions failed in
+    torch.export (ConstraintViolationError); an unwritable file failed after all the work; a
+    base model (no logits) raised an AttributeError; a missing onnxruntime said only "No
+    module named onnxruntime"; check=True's grown input had a random 0/1 attention mask
+    (fully masked rows: false alarms on correct exports)."""
+    import sys
+
+    model = build_model("llama")  # max_position_embeddings 256
+    with pytest.raises(ConfigError, match="use at most 255 positions, or dynamic=False"):
+        graphopt.export_onnx(model, sample_batch(model, 2, 256), None, tmp_path / "a.onnx")
+    if Path("/proc").is_dir():
+        with pytest.raises(ConfigError, match="cannot write /proc/x.onnx"):
+            graphopt.export_onnx(model, sample_batch(model, 2, 16), None, "/proc/x.onnx")
+    from transformers import LlamaModel
+
+    with pytest.raises(ConfigError, match="LlamaModel returns BaseModelOutputWithPast without "
+                                          "logits"):
+        graphopt.export_onnx(LlamaModel(model.config), sample_batch(model, 2, 16), None,
+                             tmp_path / "b.onnx")
+
+    class WithMask(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):  # type: ignore[no-untyped-def]
+            return self.m(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=False).logits
+
+    b, s = Dim("batch"), Dim("seq", max=200)
+    ids = sample_batch(model, 2, 16)
+    shapes = ({0: b, 1: s}, {0: b, 1: s})
+    result = graphopt.export_onnx(WithMask(), (ids, torch.ones_like(ids)), None,
+                                  tmp_path / "c.onnx", dynamic_shapes=shapes, check=True)
+    assert result.ok and len(result.checks) == 4, result.checks
+    assert "batch+1, seq+3" in result.checks[-1][0]
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(ImportError, match="pip install onnxruntime.*check=False"):
+        check_onnx(result)
 
 
 def test_export_keeps_the_model_s_train_eval_modes_and_dense_moe_stays_finite(

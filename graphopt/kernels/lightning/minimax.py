@@ -26,6 +26,19 @@ def lightning_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and all(hasattr(m, a) for a in LIGHTNING_PARTS)]
 
 
+def _padding_zeroed(layer: Any, states: Tensor, attention_mask: Tensor) -> Tensor:
+    """``states`` [B, S, N] with padding positions zeroed by the installed transformers' own
+    ``apply_mask_to_padding_states`` of the layer's modeling module: its condition changed
+    between versions (4.x skipped batch 1; 5.x zeroes at any batch, so a padded batch of one
+    leaked padding into the lightning state here: 5e-2 logit error, a review)."""
+    import sys
+
+    own = getattr(sys.modules.get(type(layer).__module__), "apply_mask_to_padding_states", None)
+    if own is not None:
+        return own(states, attention_mask)
+    return (states * attention_mask[:, :, None]).to(states.dtype)
+
+
 def minimax_lightning_layer(layer: Any, hidden_states: Tensor, attention_mask: Tensor | None,
                             kernel: Callable[[Tensor, Tensor, Tensor, Tensor],
                                              tuple[Tensor, Tensor | None]]
@@ -40,9 +53,8 @@ def minimax_lightning_layer(layer: Any, hidden_states: Tensor, attention_mask: T
     b, length, _ = hidden_states.shape
     heads, dim = layer.num_attention_heads, layer.head_dim
     qkv = layer.act_fn(layer.qkv_proj(hidden_states))
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] > 1 \
-            and attention_mask.shape[1] > 1:
-        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        qkv = _padding_zeroed(layer, qkv, attention_mask)
     qkv = qkv.reshape(b, length, heads, 3 * dim)
     q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
     out, state = kernel(q, k, v, layer.slope_rate.reshape(-1).to(q.dtype))
