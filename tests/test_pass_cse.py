@@ -1,5 +1,6 @@
 """cse: merges identical pure ops; refuses across mutation, RNG and grad-mode changes."""
 
+import pytest
 import torch
 
 from graphopt.testing import (
@@ -110,6 +111,43 @@ def test_two_equal_graph_outputs_stay_two_tensors():
     assert a is not b
     a.add_(1)
     torch.testing.assert_close(b, x * 2)
+
+
+@pytest.mark.parametrize("edit", ["data", "in_place"])
+def test_a_returned_tensor_is_not_merged_with_one_saved_for_backward(edit):
+    """Found by a review: ``a = x.exp(); b = x.exp(); return a, (b * w).sin().sum()`` merged
+    a and b, so autograd saved the returned tensor. A caller that edits it before backward
+    (``a.data.mul_(3)``) got a w gradient 15.4 off, silently; ``a.mul_(3)`` raised "modified
+    by an inplace operation". Eager and aot_eager are right in both cases."""
+    import graphopt
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+
+        def forward(self, x):
+            a, b = x.exp(), x.exp()
+            return a, (b * self.w).sin().sum()
+
+    def grad(model, x):
+        a, loss = model(x)
+        (a.data if edit == "data" else a).mul_(3.0)
+        loss.backward()
+        return model.w.grad
+
+    torch.manual_seed(0)
+    eager, x = Model(), torch.randn(4, 6, dtype=torch.float64)
+    model = Model()
+    model.load_state_dict(eager.state_dict())
+    graphopt.clear_reports()
+    compiled = torch.compile(model, backend="graphopt", options={"lowering": "eager"})
+    torch.testing.assert_close(grad(compiled, x.clone()), grad(eager, x.clone()),
+                               rtol=1e-12, atol=1e-12)
+    (report,) = graphopt.reports()
+    (record,) = report.pass_records("cse")
+    assert report.fallback is None and record.count("rewritten") == 0
+    assert any("saved for the backward" in s.reason for s in record.sites)
 
 
 def test_training_batch_norms_are_not_merged():

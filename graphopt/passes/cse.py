@@ -10,12 +10,15 @@ Contract:
         the same arguments (floats compared with their sign: x * 0.0 is not x * -0.0), in
         the same grad-mode/autocast region, with no in-place write to any tensor between
         them, neither output is written in place later, directly or through any alias
-        (:func:`graphopt.passes.fx_utils.mutated_nodes`), not both of them (or views of
-        them) are graph outputs, and the op draws no random numbers.
+        (:func:`graphopt.passes.fx_utils.mutated_nodes`), neither of them (nor a view) is a
+        graph output (the caller owns an output and may write it in place, e.g.
+        ``out.data.mul_()`` or a residual ``+=`` after a graph break, while the merged twin
+        is still saved for the backward: a silently wrong gradient, a review), and the op
+        draws no random numbers.
     reads meta: nothing but the graph. writes meta: nothing (the later node is erased; the
         kept node gains ``meta['graphopt_cse_merged']``, the names it replaced).
     records: "rewritten" per merged node with the op; "skipped" for a duplicate kept
-        because both are graph outputs; nothing per unique node.
+        because one or both are graph outputs; nothing per unique node.
 
 Pseudo-code:
     region = 0
@@ -108,8 +111,12 @@ class CSEPass(GraphPass):
                            f"{op_name(node)}: same as {first.name}, but both (or views of "
                            "them) are graph outputs; the caller would get one tensor twice")
                 continue
-            if classes[node] in escaping:
-                escaping.add(classes[first])
+            if classes[node] in escaping or classes[first] in escaping:
+                ctx.record("skipped", site_name(node),
+                           f"{op_name(node)}: same as {first.name}, but one of them (or a "
+                           "view) is a graph output: the caller may write it in place while "
+                           "the other is still read (saved for the backward)")
+                continue
             node.replace_all_uses_with(first)
             first.meta.setdefault("graphopt_cse_merged", []).append(node.name)
             graph.erase_node(node)
