@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -200,7 +201,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     captured = capture(gm, example_inputs)
     report.add_time("normalize", time.perf_counter() - t0)
     runner = PassRunner(config, report, dumper, example_inputs)
-    model, snapshots = _model_stage(gm, captured, runner, config, report, dumper)
+    from graphopt.passes.attention.match_common import recording_buffer_reads
+
+    with recording_buffer_reads() as buffer_reads:
+        model, snapshots = _model_stage(gm, captured, runner, config, report, dumper)
     report.graphs["model_after_passes"] = len(model.graph.nodes)
     if config.remat is not None and config.remat.profile_guided and report.training:
         from graphopt.passes.remat import observe_sizes
@@ -231,10 +235,102 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
                 "(expert-parallel op or collectives) and ranks recompile independently (a "
                 "shape change on one rank); verifying it on this rank alone would wait for "
                 "ranks that run no verification. Verified at the graph's first compile")
-            return compiled
-        return _verify_on_first_call(gm, compiled, list(example_inputs), snapshots, model,
-                                     config, report, dumper)
+        else:
+            compiled = _verify_on_first_call(gm, compiled, list(example_inputs), snapshots,
+                                             model, config, report, dumper)
+    modified = any(r.modified for r in report.passes if r.stage == "pre_autograd")
+    if buffer_reads and modified and report.fallback is None:
+        compiled = _guard_folded_buffers(gm, compiled, example_inputs, buffer_reads, model,
+                                         report, dumper)
     return compiled
+
+
+def _guard_folded_buffers(original: fx.GraphModule, compiled: Callable[..., Any],
+                          example_inputs: Sequence[Any],
+                          reads: dict[int, tuple[str, torch.Tensor]], model: fx.GraphModule,
+                          report: CompileReport, dumper: Dumper) -> Callable[..., Any]:
+    """``compiled``, guarded on the values of the module buffers the model passes read.
+
+    The attention pass proves masks causal and fits slopes from buffers at compile time
+    (``match_common.evaluate``), and Dynamo does not guard buffer values: a buffer changed
+    after the compile (``load_state_dict`` of other values, ``m.mask[:, :4] = True``) kept a
+    rewrite made for its old value (a review: output 2.5 off, input gradient 102, silently).
+    Each call checks that each such input is the same tensor at the same version counter
+    (microseconds); otherwise its values are compared with a copy taken at compile time.
+    Equal: accepted (and remembered). Different: the call runs Dynamo's graph as captured,
+    eagerly (as ``backend="eager"``: correct, uncompiled), with a FallbackWarning once;
+    ``torch._dynamo.reset()`` recompiles for the new values. A graph whose passes exchange
+    data between ranks (the expert-parallel op) raises GraphoptError instead: Dynamo's
+    graph has no such exchange, and the other ranks would wait for it."""
+    from graphopt.passes.fx_utils import communicates
+
+    guards = [_BufferGuard(i, reads[id(x)][0], weakref.ref(x), _version(x), x.detach().clone())
+              for i, x in enumerate(example_inputs)
+              if isinstance(x, torch.Tensor) and id(x) in reads and not is_fake(x)]
+    if not guards:
+        return compiled
+    names = ", ".join(g.name for g in guards)
+    report.notes.append(f"values of buffers read at compile time ({names}) are guarded: a "
+                        "call where one changed runs Dynamo's graph eagerly")
+    warned: list[bool] = []
+
+    def unchanged(args: Sequence[Any]) -> bool:
+        for guard in guards:
+            x, value = args[guard.index], guard.value
+            if isinstance(x, torch.Tensor) and x is guard.ref() and guard.version is not None \
+                    and _version(x) == guard.version:
+                continue
+            if not (isinstance(x, torch.Tensor) and x.shape == value.shape
+                    and x.dtype == value.dtype and bool(torch.equal(x.detach(), value))):
+                return False
+            guard.ref, guard.version = weakref.ref(x), _version(x)
+        return True
+
+    exchanges = any(communicates(n.target, n.args) for n in model.graph.nodes
+                    if n.op == "call_function")
+
+    def call(*args: Any) -> Any:
+        if unchanged(args):
+            return compiled(*args)
+        if exchanges:
+            raise GraphoptError(
+                f"a buffer whose value the model passes read at compile time ({names}) has "
+                "changed, and this graph exchanges data between ranks (expert parallelism), "
+                "so it cannot fall back to Dynamo's graph on this rank alone: change buffers "
+                "before the first call, or call torch._dynamo.reset() on every rank after "
+                "changing them")
+        if not warned:
+            warned.append(True)
+            why = (f"a buffer whose value the model passes read at compile time ({names}) "
+                   "has changed; calls with the new value run Dynamo's graph as captured, "
+                   "eagerly (uncompiled); torch._dynamo.reset() recompiles for it")
+            report.notes.append(why)
+            dumper.write_report()
+            warnings.warn(f"graphopt: {why}", FallbackWarning, stacklevel=2)
+        return original(*args)
+
+    return call
+
+
+@dataclasses.dataclass
+class _BufferGuard:
+    """One guarded buffer input: its position, source name, the tensor last accepted (and
+    its version counter) and its value at compile time."""
+
+    index: int
+    name: str
+    ref: weakref.ref[torch.Tensor]
+    version: int | None
+    value: torch.Tensor
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """The tensor's version counter (in-place writes bump it); None for inference tensors,
+    which have none (their values are compared on every call)."""
+    try:
+        return int(x._version)
+    except RuntimeError:
+        return None
 
 
 def _recompile_that_communicates(model: fx.GraphModule) -> bool:

@@ -1,6 +1,8 @@
 """The pass pipeline: order, disabling, joint passes, training/inference, dynamic shapes,
 graph breaks, and errors that name the failing pass."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -212,3 +214,79 @@ def test_a_layer_pattern_that_selects_nothing_is_reported_loudly():
     assert any(s.site == "lightning.layers" and "model.layers.0.self_attn" in s.reason
                for s in sites)
     assert not any(s.action == "rewritten" for s in sites)
+
+
+class _MaskBuffer(torch.nn.Module):
+    """SDPA with a causal mask held in a buffer: attention="exact" proves it causal from its
+    value and rewrites the call to is_causal=True."""
+
+    def __init__(self, seq=8):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).tril())
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+class _DecayBuffer(torch.nn.Module):
+    """Linear attention's parallel form ((Q K^T) * D) V, D a buffer: attention="exact" fits
+    the kernel's slopes from D's value."""
+
+    def __init__(self, slopes=(0.1, 0.5), seq=16):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+        self.register_buffer("decay", self.decays(slopes, seq))
+
+    @staticmethod
+    def decays(slopes, seq=16):
+        d = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).double()
+        rates = torch.tensor(slopes, dtype=torch.float64).view(-1, 1, 1)
+        return torch.where(d >= 0, torch.exp(-rates * d), torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return ((q @ k.transpose(-1, -2)) * self.decay) @ v
+
+
+@pytest.mark.parametrize("kind", ["mask", "decay"])
+def test_a_buffer_changed_after_compile_does_not_keep_the_rewrite_made_for_it(kind):
+    """Found by a review: the attention pass proves masks causal and fits decay slopes from
+    buffer values at compile time, and Dynamo does not guard values: after
+    ``m.mask[:, :4] = True`` (a prefix-LM mask) the compiled model kept is_causal (output 2.5
+    off), after a new decay its old slopes (input gradient 102 off), silently. Now such a call
+    runs Dynamo's graph eagerly (FallbackWarning once); equal values (a load_state_dict of
+    the same buffers, a reassigned equal tensor) keep the compiled graph."""
+    from graphopt.errors import FallbackWarning
+
+    torch.manual_seed(0)
+    model = _MaskBuffer() if kind == "mask" else _DecayBuffer()
+    x = torch.randn(2, 8 if kind == "mask" else 16, 16, dtype=torch.float64,
+                    requires_grad=True)
+    graphopt.clear_reports()
+    compiled = torch.compile(model, backend="graphopt",
+                             options={"lowering": "eager", "attention": "exact"})
+
+    def check():
+        got, = torch.autograd.grad(compiled(x).pow(2).sum(), x)
+        want, = torch.autograd.grad(model(x).pow(2).sum(), x)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+    check()
+    (report,) = graphopt.reports()
+    assert report.pass_records("attention")[0].count("rewritten") == 1
+    assert any("are guarded" in note for note in report.notes)
+    model.load_state_dict(model.state_dict())  # the same values, new version counters
+    if kind == "mask":
+        model.mask = model.mask.clone()  # an equal tensor, another object
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        check()
+    if kind == "mask":
+        model.mask[:, :4] = True
+    else:
+        model.decay.copy_(_DecayBuffer.decays((0.3, 0.05)))
+    with pytest.warns(FallbackWarning, match="has changed; calls with the new value run"):
+        check()
+    assert len(graphopt.reports()) == 1  # no recompile: the guard ran Dynamo's graph

@@ -4,11 +4,17 @@ Vocabulary: a *matcher* takes a node and returns what it matched or raises :clas
 whose message is the reason the report shows; matchers never edit a graph. Values of small
 subgraphs (decays, masks, scales) are *evaluated* from an environment that maps placeholders
 to the compile's real example inputs; a placeholder counts as a constant of the model only
-when it is a module buffer (:func:`is_buffer`).
+when it is a module buffer (:func:`is_buffer`). The buffers an evaluation reads are recorded
+(:func:`recording_buffer_reads`): the pipeline guards their values at run time, so a buffer
+changed after the compile (``load_state_dict``, an in-place edit) does not keep a rewrite
+made for its old value (``pipeline._guard_folded_buffers``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -112,6 +118,29 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
     return None
 
 
+_BUFFER_READS: ContextVar[dict[int, tuple[str, torch.Tensor]] | None] = ContextVar(
+    "graphopt_buffer_reads", default=None)
+
+
+@contextlib.contextmanager
+def recording_buffer_reads() -> Iterator[dict[int, tuple[str, torch.Tensor]]]:
+    """Collect, for the block, every module buffer an evaluation read: id(tensor) -> (the
+    buffer's source name, the example tensor)."""
+    reads: dict[int, tuple[str, torch.Tensor]] = {}
+    token = _BUFFER_READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _BUFFER_READS.reset(token)
+
+
+def _note_buffer_read(node: fx.Node, env: dict[fx.Node, Any]) -> None:
+    reads = _BUFFER_READS.get()
+    if reads is not None and is_buffer(node, env):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        reads[id(env[node])] = (str(getattr(source, "name", node.name)), env[node])
+
+
 def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
     """Value of a node computed from real placeholder values (small decay/mask subgraphs);
     results are memoized in ``env``.
@@ -140,6 +169,8 @@ def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
         args = torch.fx.node.map_arg(node.args, lambda n: evaluate(n, env))
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: evaluate(n, env))
         env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+    elif node.op == "placeholder":
+        _note_buffer_read(node, env)
     return env[node]
 
 
@@ -157,7 +188,9 @@ def ancestors(node: fx.Node) -> list[fx.Node]:
 def is_buffer(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
     """A graph input that is a module buffer (Dynamo source ``..._buffers[...]``) with a known
     value. Buffers are treated as constants of the model: a causal mask or decay read from one
-    is frozen at compile time (a model that rewrites such a buffer in place is not supported)."""
+    is frozen at compile time. A buffer written in place inside the graph is refused
+    (``evaluate``); one changed between calls is caught by the pipeline's run-time guard on
+    the buffers read (``recording_buffer_reads``)."""
     value = env.get(node)
     source = node.meta.get("grapharg")
     name = str(getattr(getattr(source, "source", None), "name", ""))
