@@ -41,7 +41,11 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def clone_inputs(inputs: Sequence[Any]) -> list[Any]:
-    """Detached copies that require grad where the originals do; symbolic sizes -> hints."""
+    """Detached copies that require grad where the originals do; symbolic sizes -> hints.
+    Inputs that share a storage (``f(base, base[1])``) get views of one copied storage with
+    their offsets: Dynamo compiled the graph for that aliasing, and separate copies broke
+    it (a review: "setStorage: ... out of bounds" or a false VerificationError)."""
+    shared = _shared_storages(inputs)
     out: list[Any] = []
     for x in inputs:
         if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
@@ -49,11 +53,42 @@ def clone_inputs(inputs: Sequence[Any]) -> list[Any]:
         elif isinstance(x, torch.Tensor):
             # Same sizes and strides (a sliced input stays non-contiguous): compiled graphs
             # assert the strides they were compiled for.
-            y = _strided_copy(x.detach())
-            out.append(y.requires_grad_(x.requires_grad))
+            copied = shared.get(_storage_key(x))
+            if copied is not None:
+                y = copied.as_strided(x.shape, x.stride(), x.storage_offset())
+            else:
+                y = _strided_copy(x.detach())
+            out.append(y.requires_grad_(x.requires_grad) if y.is_leaf else y)
         else:
             out.append(x)
     return out
+
+
+def _storage_key(x: torch.Tensor) -> tuple[Any, ...]:
+    try:
+        return (x.device, x.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensor subclasses, no storage
+        return (x.device, id(x))
+
+
+def _shared_storages(inputs: Sequence[Any]) -> dict[tuple[Any, ...], torch.Tensor]:
+    """storage key -> a copy of the whole storage (flat, the inputs' dtype) for storages
+    that two or more tensor inputs of one dtype view."""
+    groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.numel() > 0:
+            groups.setdefault(_storage_key(x), []).append(x)
+    copies = {}
+    for key, members in groups.items():
+        first = members[0]
+        if len(members) < 2 or any(m.dtype != first.dtype for m in members):
+            continue
+        try:
+            length = first.untyped_storage().nbytes() // first.element_size()
+        except (RuntimeError, NotImplementedError):
+            continue
+        copies[key] = torch.as_strided(first.detach(), (length,), (1,), 0).clone()
+    return copies
 
 
 def _strided_copy(x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +126,17 @@ def _run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
         return values, []
     gen = torch.Generator().manual_seed(seed)
     cot = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in diff_out]
-    g = torch.autograd.grad(diff_out, wrt, cot, allow_unused=True)
+    try:
+        # Keep the graph: verify's backward is the compiled function's first, which
+        # compiles AOTAutograd's lazy backward graph; without retain_graph it donates the
+        # saved buffers and then refuses the user's backward(retain_graph=True) (a review).
+        g = torch.autograd.grad(diff_out, wrt, cot, allow_unused=True, retain_graph=True)
+    except RuntimeError as exc:
+        if "donated buffers" not in str(exc):
+            raise
+        # compiled eagerly with donated buffers (dynamic shapes): torch refuses a kept graph
+        # there, for the user too; the refusal happens before the backward runs
+        g = torch.autograd.grad(diff_out, wrt, cot, allow_unused=True)
     return values, [None if t is None else t.detach() for t in g]
 
 

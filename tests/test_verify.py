@@ -163,3 +163,43 @@ def test_a_wrong_exact_pass_that_only_changes_a_buffer_update_is_caught():
         "lowering": "eager", "verify": True, "enable": ["test_wrong_exact"]})
     with pytest.raises(VerificationError, match="test_wrong_exact"):
         compiled(torch.randn(4, 8, dtype=torch.float64))
+
+
+def test_verify_keeps_inputs_that_share_a_storage_aliased():
+    """Found by a review: verify copied each input on its own, so ``f(base, base[1])`` with an
+    in-place write through the second input (a graph compiled for that aliasing) raised
+    "setStorage: ... out of bounds"; now both copies view one copied storage."""
+    def f(a, b):
+        b.mul_(2)  # writes a[1] too
+        return a.sin()
+
+    base = torch.randn(4, 6, dtype=torch.float64)
+    want_base = base.clone()
+    want = f(want_base, want_base[1])
+    compiled = torch.compile(f, backend="graphopt", options={"lowering": "eager",
+                                                             "verify": True})
+    got = compiled(base, base[1])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(base, want_base)
+    assert graphopt.last_report().verify["status"] == "passed"
+
+
+def test_backward_with_retain_graph_after_verify():
+    """Found by a review: verify's own first backward compiled the lazy backward graph with
+    AOTAutograd's donated buffers, which then refused the user's
+    ``backward(retain_graph=True)``; aot_eager and graphopt without verify run it."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    compiled = torch.compile(model, backend="graphopt", options={"lowering": "eager",
+                                                                 "verify": True})
+    out = compiled(x).pow(2).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x).pow(2).sum()
+    ref.backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, 2 * p.grad, rtol=1e-12, atol=1e-12)
+    assert graphopt.last_report().verify["status"] == "passed"
