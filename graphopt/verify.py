@@ -22,7 +22,8 @@ import torch.utils._pytree as pytree
 
 from graphopt.config import GraphoptConfig
 from graphopt.errors import VerificationError
-from graphopt.passes.fx_utils import is_random
+from graphopt.passes.fx_utils import is_mutating, is_random
+from graphopt.passes.regions import checkpoint_bodies
 from graphopt.report import CompileReport
 
 _TOLERANCE = {  # (rtol, atol) with atol relative to the reference's largest magnitude
@@ -271,6 +272,17 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
         report.verify = {"status": "skipped",
                          "detail": f"graph draws random numbers ({', '.join(random_ops[:3])}); "
                                    "eager and compiled runs cannot be compared value by value"}
+        return
+    written = [n.name for _, _, body in checkpoint_bodies(snapshots[0][2])
+               for n in _all_nodes(body) if is_mutating(n)]
+    if written:
+        report.verify = {
+            "status": "skipped",
+            "detail": f"a checkpoint region writes in place ({', '.join(written[:3])}: e.g. "
+                      "BatchNorm's running statistics); the eager reference repeats such "
+                      "writes (its recomputation runs them again, and running the captured "
+                      "graph eagerly did so in the forward already) while compiled graphs, "
+                      "aot_eager's too, write once, so the runs cannot be compared (a review)"}
         return
     dtype = least_precise_dtype(snapshots[0][2])
 
