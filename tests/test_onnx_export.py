@@ -365,6 +365,9 @@ def test_second_review_findings_fail_early_with_the_fix(tmp_path: Path, monkeypa
     import sys
 
     model = build_model("llama")  # max_position_embeddings 256
+    from graphopt.export.onnx import _export_config
+
+    assert _export_config({"remat": None, "verify": False, "inductor_config": {}}).remat is None
     with pytest.raises(ConfigError, match="use at most 255 positions, or dynamic=False"):
         graphopt.export_onnx(model, sample_batch(model, 2, 256), None, tmp_path / "a.onnx")
     if Path("/proc").is_dir():

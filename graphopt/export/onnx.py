@@ -237,8 +237,12 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
 
 
 def _export_config(options: Mapping[str, Any] | None) -> GraphoptConfig:
+    # an option that says "off" (remat None, verify False, an empty inductor_config) is
+    # dropped rather than refused (a review)
+    options = {k: v for k, v in (options or {}).items()
+               if not (k in _NOT_FOR_EXPORT and k != "lowering" and v in (None, False, {}))}
     for key, why in _NOT_FOR_EXPORT.items():
-        if options and key in options:
+        if key in options:
             raise ConfigError(f"option {key!r} does not apply to an ONNX export: {why}")
     config = GraphoptConfig.from_options(options)
     if config.moe is not None and config.moe.ep > 1:
