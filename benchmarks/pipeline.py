@@ -4,10 +4,12 @@ run.
     python benchmarks/pipeline.py [--layers 8] [--hidden 256] [--seq 128] [--reps 3]
 
 A Llama (transformers class, fp32, random weights) runs as graphopt.parallelize's pipeline
-(pp=2 and pp=4, 1F1B; pp=4 interleaved 1F1B with 2 virtual stages) for m = 4, 8, 16 microbatches of
-one sequence. The step time of 1F1B is T(m) = (m + pp - 1) x t, t the time of one
+(pp=2 and pp=4, 1F1B; interleaved 1F1B with 2 virtual stages on pp=2 and pp=4; zero bubble,
+torch's ScheduleInterleavedZeroBubble, on pp=2 with 2 virtual stages) for m = 4, 8, 16
+microbatches of one sequence. The step time of 1F1B is T(m) = (m + pp - 1) x t, t the time of one
 microbatch's forward + backward on one stage (PipeDream-Flush; Narayanan et al. SC'21,
-eq. (1): bubble fraction (pp - 1) / (m + pp - 1)), and (m + (pp - 1) / v) x t interleaved.
+eq. (1): bubble fraction (pp - 1) / (m + pp - 1)), (m + (pp - 1) / v) x t interleaved and
+(m + (pp - 1) / (3 v)) x t zero bubble (Qi et al. 2024, sec. 3.1, T_F = T_B = T_W).
 The benchmark fits T(m) = a m + b over the measured m by least squares: a is the measured
 t, and the measured bubble fraction at m is b / T(m); the planner's is
 graphopt.planner.perf's ``bubble_s / step_s`` for the same plan (its formula). Each rank
@@ -27,7 +29,9 @@ import torch
 from graphopt.distributed import run_distributed, slowest_rank_seconds
 from graphopt.planner.plan import ParallelPlan
 
-PLANS = [dict(pp=2), dict(pp=4), dict(pp=4, virtual_stages=2, pp_schedule="interleaved")]
+PLANS = [dict(pp=2), dict(pp=2, virtual_stages=2, pp_schedule="interleaved"),
+         dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble"), dict(pp=4),
+         dict(pp=4, virtual_stages=2, pp_schedule="interleaved")]
 MICROBATCHES = (4, 8, 16)
 
 
@@ -91,8 +95,9 @@ def main() -> None:
             sum((m - mean_m) ** 2 for m in ms)
         intercept = mean_t - slope * mean_m
         for m in ms:
-            formula = (plan.pp - 1) / plan.virtual_stages / (m + (plan.pp - 1) /
-                                                             plan.virtual_stages)
+            ramp = (plan.pp - 1) / plan.virtual_stages / (
+                3 if plan.pp_schedule == "zero_bubble" else 1)
+            formula = ramp / (m + ramp)
             print(f"{plan.describe():40s} {m:3d} {steps[m] * 1e3:8.1f} {slope * 1e3:7.1f} "
                   f"{intercept / steps[m]:7.3f} {formula:8.3f} "
                   f"{_predicted_bubble(args, plan, m):8.3f}")

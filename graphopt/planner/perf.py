@@ -20,7 +20,12 @@ memory (even stages: the first, second and last are priced; uneven: all):
              and hierarchical all-to-all of graphopt.cost.moe (tokens mb*s/(cp*tp) per rank)
     PP       1F1B: (m + pp - 1) slots; interleaved with v stages: m + (pp - 1)/v slots, v x the
              p2p sends (Narayanan et al. SC'21 sec. 2.2); one slot = stage compute + TP/CP/EP
-             + 2 p2p of mb*s/cp*h/tp
+             + 2 p2p of mb*s/cp*h/tp. Zero bubble (torch's ScheduleInterleavedZeroBubble,
+             the ZB-H1 schedule of Qi et al. ICLR 2024 with v stages per rank): the backward
+             splits into input (B) and weight (W) gradients and W fills the bubble, which
+             becomes (pp - 1)(T_F + T_B - T_W)/v (their sec. 3.1) = (pp - 1)/v x slot/3 with
+             T_F = T_B = T_W (a layer's backward is two GEMMs per forward GEMM, one for each);
+             memory as interleaved (ZB-H1 keeps 1F1B's peak, their Table 2)
     DP       gradients: reduce-scatter over dp_shard, then an all-gather of the updated
              parameters (ZeRO-1/2, the distributed optimizer) or, with ZeRO-3, all-gathers of
              the parameters for every microbatch's forward and backward (FSDP with
@@ -54,6 +59,10 @@ from graphopt.cost.memory import model_state_bytes
 from graphopt.cost.profiles import ClusterProfile
 from graphopt.planner.model import LayerCost, PlanModel
 from graphopt.planner.plan import ParallelPlan, Prediction
+
+ZERO_BUBBLE_SHARE = 1 / 3
+"""The zero-bubble schedule's bubble over 1F1B's: (T_F + T_B - T_W) / (T_F + T_B + T_W) with
+T_F = T_B = T_W (Qi et al. 2024, sec. 3.1)."""
 
 USABLE_MEMORY = 0.92
 """Fraction of device memory a plan may use (allocator fragmentation, workspace)."""
@@ -165,7 +174,8 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     slowest = max(picks, key=lambda i: stages[i][0])
     compute, dense_n, moe_n, recomputed = stages[slowest]
     v = plan.virtual_stages
-    if (m + (pp - 1) / v) * compute > bound_s * (1 + 1e-9):  # ties are not pruned: the
+    ramp = (pp - 1) / v * (ZERO_BUBBLE_SHARE if plan.pp_schedule == "zero_bubble" else 1.0)
+    if (m + ramp) * compute > bound_s * (1 + 1e-9):  # ties are not pruned: the
         return None  # bound is computed from tokens/s, its last digit can fall below
     rec_share = recomputed / max(sizes[slowest], 1)
     # communication per microbatch and stage
@@ -188,8 +198,8 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                                plan.ep, cluster) if model.moe else 0.0
     p2p = 2 * v * _coll("p2p", act / tp, 2, cluster, plan.stride("pp")) if pp > 1 else 0.0
     slot = compute + tp_comm + cp_comm + ep_comm + p2p
-    total = m * slot + (pp - 1) * slot / v
-    bubble = (pp - 1) * slot / v
+    total = m * slot + ramp * slot
+    bubble = ramp * slot
     # data parallel gradient / parameter traffic
     dense_params = (model.dense.params * model.dense_layers +
                     (model.moe.params * model.moe_layers if model.moe else 0.0)) / (tp * pp)

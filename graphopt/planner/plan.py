@@ -66,8 +66,8 @@ class ParallelPlan:
     pp_schedule: str = "1f1b"
     """"1f1b" | "interleaved" (virtual_stages > 1) | "zero_bubble" (interleaved with the
     weight-gradient computation deferred into the bubbles: Qi et al. 2024, torch's
-    ScheduleInterleavedZeroBubble; executed, not searched: the planner prices it as
-    interleaved)."""
+    ScheduleInterleavedZeroBubble; searched and priced with a third of interleaving's
+    bubble, see :mod:`graphopt.planner.perf`)."""
     ep: int = 1
     expert_tp: int = 1
     recompute_layers: int = 0

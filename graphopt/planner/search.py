@@ -149,7 +149,12 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                 continue
             if v > 1 and (global_batch // (dp * mb)) % pp:
                 continue  # interleaved 1F1B: microbatches a multiple of pp
-            for layout in layouts if v == 1 else [()]:
+            # zero bubble (weight gradients deferred) with v > 1, except over ZeRO-3, which
+            # the executor refuses with torch's schedule (apply.parallelize)
+            schedules = ["1f1b"] if v == 1 else ["interleaved"] + \
+                (["zero_bubble"] if not (zero == 3 and shard > 1) else [])
+            for layout, schedule in itertools.product(layouts if v == 1 else [()],
+                                                      schedules):
                 most = max(layout) if layout else per_stage
                 # recomputation: none, selective (per-op), half or all layers of a stage
                 for rec, sel in [(0, False)] + [(0, True)] * selective + \
@@ -162,7 +167,7 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                                        cp_kind=kind,
                                        pp=pp,
                                        virtual_stages=v,
-                                       pp_schedule="interleaved" if v > 1 else "1f1b",
+                                       pp_schedule=schedule,
                                        microbatch=mb, ep=ep, recompute_layers=rec,
                                        selective_recompute=sel, stage_layers=layout)
 
