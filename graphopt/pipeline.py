@@ -256,7 +256,10 @@ def _guard_folded_buffers(original: fx.GraphModule, compiled: Callable[..., Any]
     after the compile (``load_state_dict`` of other values, ``m.mask[:, :4] = True``) kept a
     rewrite made for its old value (a review: output 2.5 off, input gradient 102, silently).
     Each call checks that each such input is the same tensor at the same version counter
-    (microseconds); otherwise its values are compared with a copy taken at compile time.
+    and data pointer (microseconds); otherwise its values are compared with a copy taken at
+    compile time. Writes that bypass the version counter into the same memory
+    (``buffer.data[...] = ...``, through ``numpy()`` or the storage) are not seen, as
+    autograd's own checks of saved tensors do not see them; ``.data = new`` is.
     Equal: accepted (and remembered). Different: the call runs Dynamo's graph as captured,
     eagerly (as ``backend="eager"``: correct, uncompiled), with a FallbackWarning once;
     ``torch._dynamo.reset()`` recompiles for the new values. A graph whose passes exchange
@@ -264,7 +267,8 @@ def _guard_folded_buffers(original: fx.GraphModule, compiled: Callable[..., Any]
     graph has no such exchange, and the other ranks would wait for it."""
     from graphopt.passes.fx_utils import communicates
 
-    guards = [_BufferGuard(i, reads[id(x)][0], weakref.ref(x), _version(x), x.detach().clone())
+    guards = [_BufferGuard(i, reads[id(x)][0], weakref.ref(x), _version(x), _data_ptr(x),
+                           x.detach().clone())
               for i, x in enumerate(example_inputs)
               if isinstance(x, torch.Tensor) and id(x) in reads and not is_fake(x)]
     if not guards:
@@ -278,12 +282,12 @@ def _guard_folded_buffers(original: fx.GraphModule, compiled: Callable[..., Any]
         for guard in guards:
             x, value = args[guard.index], guard.value
             if isinstance(x, torch.Tensor) and x is guard.ref() and guard.version is not None \
-                    and _version(x) == guard.version:
+                    and _version(x) == guard.version and _data_ptr(x) == guard.data_ptr:
                 continue
             if not (isinstance(x, torch.Tensor) and x.shape == value.shape
                     and x.dtype == value.dtype and bool(torch.equal(x.detach(), value))):
                 return False
-            guard.ref, guard.version = weakref.ref(x), _version(x)
+            guard.ref, guard.version, guard.data_ptr = weakref.ref(x), _version(x), _data_ptr(x)
         return True
 
     exchanges = any(communicates(n.target, n.args) for n in model.graph.nodes
@@ -321,7 +325,15 @@ class _BufferGuard:
     name: str
     ref: weakref.ref[torch.Tensor]
     version: int | None
+    data_ptr: int
     value: torch.Tensor
+
+
+def _data_ptr(x: torch.Tensor) -> int:
+    try:
+        return int(x.data_ptr())
+    except RuntimeError:  # no storage (a tensor subclass)
+        return -1
 
 
 def _version(x: torch.Tensor) -> int | None:

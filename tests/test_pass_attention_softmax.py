@@ -191,6 +191,22 @@ class RuntimeScale(torch.nn.Module):
         return torch.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
+def test_a_run_time_scale_written_in_place_after_the_scores_is_kept():
+    """Found by a review: the converted graph multiplies phi(q) by the scale at the
+    attention's output, after an in-place write the model makes between the scores and the
+    output (``s.mul_(2)``): the output was doubled, silently. Such a scale is refused."""
+    def fn(q, k, v, s):
+        scores = (q @ k.transpose(-1, -2)) * s + _causal_additive(q.shape[2])
+        p = torch.softmax(scores, dim=-1)
+        s.mul_(2.0)
+        return p @ v
+
+    args = [*_inputs("mul_scale"), torch.full((1, 1, 1, 1), 0.3)]
+    gm, record = _convert(fn, args)
+    assert [s.action for s in record.sites] == ["skipped"], record.sites
+    assert "is written in place in the graph" in record.sites[0].reason
+
+
 @pytest.mark.parametrize("kind", ["trainable", "from_input"])
 def test_a_scale_known_at_run_time_multiplies_q_and_gets_its_gradient(kind):
     model = RuntimeScale(kind)
@@ -217,7 +233,7 @@ def test_a_run_time_scale_that_would_promote_the_scores_is_kept():
     model, args = RuntimeScale("promoting"), _inputs("promoting")
     gm, record = _convert(model, args)
     assert [s.action for s in record.sites] == ["skipped"], record.sites
-    assert "would promote the torch.float32 scores" in record.sites[0].reason
+    assert "would promote q (torch.float32)" in record.sites[0].reason
     assert not record.modified
 
 

@@ -183,7 +183,7 @@ def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | Non
     if args.get("dropout_p", 0.0) not in (0, 0.0):
         raise NoMatch("attention dropout > 0 (training dropout)")
     scale = args.get("scale")
-    if isinstance(scale, fx.Node):  # a SymFloat under dynamic=True
+    if isinstance(scale, fx.Node):  # a SymFloat under dynamic=True (numbers are not written)
         return SoftmaxAttention(q, k, v, 1.0, node, ((scale, False),))
     return SoftmaxAttention(q, k, v, float(scale or 1.0 / int(q_val.shape[3]) ** 0.5), node)
 
@@ -498,6 +498,10 @@ def _scores(x: fx.Node, env: dict[fx.Node, Any]
                 raise NoMatch("scores divide a tensor (not a scale)")
             divides = x.target is aten.div.Tensor
             if _runtime_scalar(b, env):
+                writer = written_in_place(b)  # type: ignore[arg-type]
+                if writer is not None:  # the conversion reads it at the attention's output
+                    raise NoMatch(f"the run-time scale {b.name} is written in place in the "  # type: ignore[union-attr]
+                                  f"graph ({writer.name}), after the scores read it")
                 factors.append((b, divides))  # type: ignore[arg-type]
             else:
                 factor = _constant_scalar(b, env, "the scale")

@@ -141,7 +141,7 @@ def _promoting_factor(q: fx.Node, factors: tuple[tuple[fx.Node, bool], ...]) -> 
         if isinstance(val, torch.Tensor) and q_val is not None \
                 and torch.result_type(q_val, val) != q_val.dtype:
             return (f"the run-time scale {node.name} ({val.dtype}, {val.dim()} dims) would "
-                    f"promote the {q_val.dtype} scores")
+                    f"promote q ({q_val.dtype}) where it multiplies it")
     return ""
 
 
