@@ -74,9 +74,12 @@ def main() -> None:
         local = batch.chunk(plan.dp)[mesh["dp"].get_local_rank()]
         if isinstance(model, PipelinedModel):  # the loss only on the last stage's ranks
             loss = model.step(local)
-        else:
-            loss = model(input_ids=local, labels=local, use_cache=False).loss
-            loss.backward()
+        else:  # microbatches of plan.microbatch, gradients accumulated (as planned)
+            loss = torch.zeros(())
+            for mb in local.split(plan.microbatch):
+                part = model(input_ids=mb, labels=mb, use_cache=False).loss * len(mb) / len(local)
+                part.backward()
+                loss += part.detach()
         clip_grad_norm_(model, max_norm=1.0)  # the whole model's norm, equal on every rank
         opt.step()
         opt.zero_grad()

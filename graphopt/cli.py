@@ -463,6 +463,13 @@ def plan(
                       f"{pred.mfu:.1%}", f"{pred.memory_bytes / 2**30:.1f}",
                       f"{pred.bubble_s:.2g}", comm)
     console.print(table)
+    from graphopt.parallel.auto import not_executable
+
+    for i, p in enumerate(result.top, 1):  # the planner also ranks plans for other executors
+        why = not_executable(p, global_batch)
+        if why:
+            console.print(f"[yellow]plan {i} is not executed by graphopt.parallelize:[/] "
+                          f"{escape(why)} (parallel='auto' passes over it)")
     _print_hand_configurations(result)
     _print_toy_note(source)
     if plot is not None:

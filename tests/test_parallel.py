@@ -814,3 +814,37 @@ def test_frozen_parameters_under_tensor_parallelism():
     refused the gradient-layout hook on a tensor without gradient (a review)."""
     for errors in run_distributed(_frozen_worker, 2):
         assert all(e < 1e-12 for e in errors), errors
+
+
+def _microbatch_worker(rank, world):
+    """Training forwards of 2 and 1 sequences under a plan of microbatch 1 (pp = 1)."""
+    import warnings
+
+    import graphopt
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    model = graphopt.parallelize(build_model("llama", dtype=torch.float64),
+                                 ParallelPlan(dp_shard=2, zero_stage=3))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    seen = []
+    for batch in (ids[:1], ids, ids):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+        seen.append([str(w.message) for w in caught if "plan's microbatch" in str(w.message)])
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=ids, use_cache=False)
+    seen.append([str(w.message) for w in caught if "plan's microbatch" in str(w.message)])
+    return seen
+
+
+def test_a_forward_of_more_sequences_than_the_plans_microbatch_warns_once():
+    """Found by a review: the planner prices a pp = 1 plan's activations for microbatches of
+    plan.microbatch sequences, accumulated; a whole local batch at once held 3.8-9.7x the
+    predicted bytes, silently. A training forward of more sequences now warns, once; a
+    microbatch-sized one and an evaluation forward do not."""
+    for seen in run_distributed(_microbatch_worker, 2):
+        assert [len(s) for s in seen] == [0, 1, 0, 0], seen
+        assert "got 2 sequences, the plan's microbatch is 1" in seen[1][0]

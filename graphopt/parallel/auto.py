@@ -4,8 +4,8 @@ process runs in, and keep the best one graphopt executes.
 Contract: :func:`auto_plan` describes the live model to the planner (its transformers
 config, written as config.json, traced on the meta device by
 :func:`graphopt.planner.model.plan_model`), searches ``world`` devices of the cluster
-profile (:func:`graphopt.planner.search.search` without activation recomputation, which
-graphopt.parallelize does not apply; top 200 by predicted throughput) and
+profile (:func:`graphopt.planner.search.search` with activation recomputation, which
+graphopt.parallelize executes; top 200 by predicted throughput) and
 returns the first plan :func:`not_executable` accepts, with notes saying what won, its
 predicted step time and throughput, and which better plans were passed over and why.
 
@@ -19,6 +19,7 @@ no executable plan among the top 200 (names the best and why it is not executabl
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
         config.to_json_file(str(Path(tmp) / "config.json"))
         planned = plan_model(str(Path(tmp) / "config.json"), int(spec["seq"]), profile,
                              dtype=dtype)
+    planned = dataclasses.replace(planned, name=type(model).__name__)  # not the temp path
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
     passed = []
     for plan in result.top:

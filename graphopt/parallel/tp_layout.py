@@ -493,5 +493,6 @@ def _check_divisible(layout: TPLayout, model: nn.Module, modules: dict[str, nn.M
                         "the embedding to a multiple of tp")
     if problems:
         raise ConfigError("tensor parallelism cannot split this model: " + "; ".join(problems)
-                          + ". Choose a tp that divides them (graphopt plan checks heads), "
-                          "or tp=1")
+                          + ". Choose a tp that divides them (graphopt plan checks the "
+                          "heads only; parallel='auto' checks the KV heads and vocabulary "
+                          "too), or tp=1")

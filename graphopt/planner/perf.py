@@ -243,12 +243,23 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         # the largest layers are the recomputed ones
         rec_moe = min(rec, n_moe) if a_moe >= a_dense else max(0, rec - n_dense)
         kept = (n_dense - (rec - rec_moe)) * a_dense + (n_moe - rec_moe) * a_moe
-        stage_act = kept * mb / cp * tp_share + rec * act / tp
-        if rec:  # one layer rebuilt at a time
-            stage_act += max(a_dense if n_dense else 0.0, a_moe if n_moe else 0.0) * mb / cp \
-                * tp_share
+        kept_mb = kept * mb / cp * tp_share
+        stage_act = kept_mb + rec * act / tp
         in_flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
         acts = stage_act * in_flight
+        # the backward's transient, for the microbatch being back-propagated: a recomputed
+        # layer rebuilt whole, or under selective checkpointing one layer's recomputed ops
+        rebuild = 0.0
+        if rec:
+            rebuild = max(a_dense if n_dense else 0.0, a_moe if n_moe else 0.0) * mb / cp \
+                * tp_share
+            if not (n_dense and n_moe):  # recomputed layers are the stage's first: the kept
+                rebuild = max(0.0, rebuild - kept_mb)  # ones are freed when they rebuild
+        elif plan.selective_recompute:
+            full = max(model.dense.activation_bytes - a_dense if n_dense else 0.0,
+                       model.moe.activation_bytes - a_moe if n_moe and model.moe else 0.0)
+            rebuild = full * mb / cp * tp_share
+        acts += rebuild
         if i == pp - 1:
             acts += model.head.activation_bytes * mb / cp / tp
         ends = (i == 0) + (i == pp - 1)  # embedding on the first, LM head on the last

@@ -153,6 +153,15 @@ class ParallelPlan:
                 not all(isinstance(a, str) for a in self.mesh_order) or \
                 sorted(self.mesh_order) != sorted(AXES):
             out.append(f"mesh_order must order all of {AXES}, got {self.mesh_order}")
+        elif self.zero_stage >= 2 and self.dp_replicate > 1 and self.dp_shard * self.cp > 1:
+            order = list(self.mesh_order)
+            if order.index("dp_replicate") < max(order.index("dp_shard"), order.index("cp")):
+                # FSDP2's HSDP mesh (dp_replicate, dp_shard x cp) must be in the device
+                # mesh's order (a review: a raw KeyError after TP/EP were applied)
+                out.append(f"HSDP (ZeRO-{self.zero_stage} over dp_shard with dp_replicate) "
+                           "needs dp_replicate outside dp_shard and cp in mesh_order "
+                           f"(innermost first), got {self.mesh_order}: move dp_replicate "
+                           "after them")
         fold = self.dp_shard * self.cp * self.tp
         if (self.ep * self.expert_tp) > fold or fold % (self.ep * self.expert_tp):
             out.append(f"ep ({self.ep}) x expert_tp ({self.expert_tp}) must divide "
