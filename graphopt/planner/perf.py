@@ -24,8 +24,10 @@ memory (even stages: the first, second and last are priced; uneven: all):
              the ZB-H1 schedule of Qi et al. ICLR 2024 with v stages per rank): the backward
              splits into input (B) and weight (W) gradients and W fills the bubble, which
              becomes (pp - 1)(T_F + T_B - T_W)/v (their sec. 3.1) = (pp - 1)/v x slot/3 with
-             T_F = T_B = T_W (a layer's backward is two GEMMs per forward GEMM, one for each);
-             memory as interleaved (ZB-H1 keeps 1F1B's peak, their Table 2)
+             T_F = T_B = T_W (a layer's backward is two GEMMs per forward GEMM, one for each),
+             with a slot 1.18x interleaving's (``ZERO_BUBBLE_SLOT``, measured: torch's
+             schedule runs two autograd passes per backward); memory as interleaved (ZB-H1
+             keeps 1F1B's peak, their Table 2)
     DP       gradients: reduce-scatter over dp_shard, then an all-gather of the updated
              parameters (ZeRO-1/2, the distributed optimizer) or, with ZeRO-3, all-gathers of
              the parameters for every microbatch's forward and backward (FSDP with
@@ -63,6 +65,14 @@ from graphopt.planner.plan import ParallelPlan, Prediction
 ZERO_BUBBLE_SHARE = 1 / 3
 """The zero-bubble schedule's bubble over 1F1B's: (T_F + T_B - T_W) / (T_F + T_B + T_W) with
 T_F = T_B = T_W (Qi et al. 2024, sec. 3.1)."""
+
+ZERO_BUBBLE_SLOT = 1.18
+"""The zero-bubble schedule's time per microbatch over interleaving's: torch 2.13's
+ScheduleInterleavedZeroBubble runs the input and the weight gradients as two autograd
+passes. Measured by benchmarks/pipeline.py (pp=2, v=2, Llama hidden 256 on CPU ranks): 37.7
+vs 31.9 ms per microbatch, while the bubble fell to 0.38x (formula: 1/3). An upper bound for
+large GEMMs, where the second pass's fixed costs weigh less; a GPU measurement is pending.
+With it, zero bubble wins only with few microbatches per stage (m < ~3.4 (pp - 1) / v)."""
 
 USABLE_MEMORY = 0.92
 """Fraction of device memory a plan may use (allocator fragmentation, workspace)."""
@@ -174,7 +184,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     slowest = max(picks, key=lambda i: stages[i][0])
     compute, dense_n, moe_n, recomputed = stages[slowest]
     v = plan.virtual_stages
-    ramp = (pp - 1) / v * (ZERO_BUBBLE_SHARE if plan.pp_schedule == "zero_bubble" else 1.0)
+    zero_bubble = plan.pp_schedule == "zero_bubble"
+    ramp = (pp - 1) / v * (ZERO_BUBBLE_SHARE if zero_bubble else 1.0)
+    if zero_bubble:
+        compute *= ZERO_BUBBLE_SLOT
     if (m + ramp) * compute > bound_s * (1 + 1e-9):  # ties are not pruned: the
         return None  # bound is computed from tokens/s, its last digit can fall below
     rec_share = recomputed / max(sizes[slowest], 1)
