@@ -303,17 +303,25 @@ def _guard_folded_buffers(original: fx.GraphModule, compiled: Callable[..., Any]
                 "so it cannot fall back to Dynamo's graph on this rank alone: change buffers "
                 "before the first call, or call torch._dynamo.reset() on every rank after "
                 "changing them")
-        if not warned:
-            warned.append(True)
-            why = (f"a buffer whose value the model passes read at compile time ({names}) "
-                   "has changed; calls with the new value run Dynamo's graph as captured, "
-                   "eagerly (uncompiled); torch._dynamo.reset() recompiles for it")
-            report.notes.append(why)
-            dumper.write_report()
-            warnings.warn(f"graphopt: {why}", FallbackWarning, stacklevel=2)
+        _note_fallback_once(warned, report, dumper, (
+            f"a buffer whose value the model passes read at compile time ({names}) has "
+            "changed; calls with the new value run Dynamo's graph as captured, eagerly "
+            "(uncompiled); torch._dynamo.reset() recompiles for it"))
         return original(*args)
 
     return call
+
+
+def _note_fallback_once(warned: list[bool], report: CompileReport, dumper: Dumper,
+                        why: str) -> None:
+    """The first time a compiled graph's call runs Dynamo's graph instead: note ``why`` in
+    the report (and its dump) and warn with a FallbackWarning."""
+    if warned:
+        return
+    warned.append(True)
+    report.notes.append(why)
+    dumper.write_report()
+    warnings.warn(f"graphopt: {why}", FallbackWarning, stacklevel=4)
 
 
 @dataclasses.dataclass
@@ -393,14 +401,10 @@ def _forward_ad_through_dynamo_graph(original: fx.GraphModule, compiled: Callabl
                 f"forward-mode AD tangents reach graphopt's ops ({', '.join(own)}), which the "
                 "model calls itself and which have no forward-mode formula: use reverse mode "
                 "(backward, torch.func.vjp/jacrev)")
-        if not warned:
-            warned.append(True)
-            why = (f"forward-mode AD tangents reach graphopt's ops ({', '.join(ops)}), which "
-                   "have no forward-mode formula: calls with tangents run Dynamo's graph as "
-                   "captured, eagerly")
-            report.notes.append(why)
-            dumper.write_report()
-            warnings.warn(f"graphopt: {why}", FallbackWarning, stacklevel=2)
+        _note_fallback_once(warned, report, dumper, (
+            f"forward-mode AD tangents reach graphopt's ops ({', '.join(ops)}), which have no "
+            "forward-mode formula: calls with tangents run Dynamo's graph as captured, "
+            "eagerly"))
         return original(*args)
 
     return call

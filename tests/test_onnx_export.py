@@ -321,6 +321,18 @@ def test_review_findings_are_clear_errors_or_correct_checks(tmp_path: Path) -> N
                              tmp_path / "n.onnx", dynamic=False, dynamic_shapes=({0: b}, {0: b}))
 
 
+class WithMask(torch.nn.Module):
+    """A causal LM as (input_ids, attention_mask) -> logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids, attention_mask):  # type: ignore[no-untyped-def]
+        return self.m(input_ids=input_ids, attention_mask=attention_mask,
+                      use_cache=False).logits
+
+
 def test_minimax_padded_batch_of_one_equals_transformers(tmp_path: Path) -> None:
     """Found by a review: graphopt's MiniMax layer rewrite zeroed padding only for batches
     > 1 (transformers 4.x's condition); transformers 5 zeroes it at any batch, so a padded
@@ -330,16 +342,8 @@ def test_minimax_padded_batch_of_one_equals_transformers(tmp_path: Path) -> None
     model = build_model("minimax")
     model.set_experts_implementation("grouped_mm")
 
-    class WithMask(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.m = model
 
-        def forward(self, input_ids, attention_mask):  # type: ignore[no-untyped-def]
-            return self.m(input_ids=input_ids, attention_mask=attention_mask,
-                          use_cache=False).logits
-
-    wrapper, seq = WithMask(), Dim("seq", max=255)
+    wrapper, seq = WithMask(model), Dim("seq", max=255)
     ids = sample_batch(model, 1, 32)
     result = graphopt.export_onnx(wrapper, (ids, torch.ones_like(ids)),
                                   {"attention": "exact", "moe": {}}, tmp_path / "m.onnx",
@@ -380,19 +384,11 @@ def test_second_review_findings_fail_early_with_the_fix(tmp_path: Path, monkeypa
         graphopt.export_onnx(LlamaModel(model.config), sample_batch(model, 2, 16), None,
                              tmp_path / "b.onnx")
 
-    class WithMask(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask):  # type: ignore[no-untyped-def]
-            return self.m(input_ids=input_ids, attention_mask=attention_mask,
-                          use_cache=False).logits
 
     b, s = Dim("batch"), Dim("seq", max=200)
     ids = sample_batch(model, 2, 16)
     shapes = ({0: b, 1: s}, {0: b, 1: s})
-    result = graphopt.export_onnx(WithMask(), (ids, torch.ones_like(ids)), None,
+    result = graphopt.export_onnx(WithMask(model), (ids, torch.ones_like(ids)), None,
                                   tmp_path / "c.onnx", dynamic_shapes=shapes, check=True)
     assert result.ok and len(result.checks) == 4, result.checks
     assert "batch+1, seq+3" in result.checks[-1][0]
