@@ -205,7 +205,9 @@ def _bad_batch_worker(rank, world):
         # one rank's batch refused, or the ranks' microbatch counts differ: every rank
         # raises (before, the others waited in the schedule's sends or FSDP's collectives)
         lambda: pipe.step(ids[:4] if rank == 0 else ids[:6]),
-        lambda: pipe.step(ids[:4] if rank == 0 else ids))
+        lambda: pipe.step(ids[:4] if rank == 0 else ids),
+        # ids past the vocabulary: only stage 0's embedding failed, the other stage waited
+        lambda: pipe.step(ids[:4] + (256 if rank == 0 else 0)))
     for seq in range(8, 28, 2):  # ten sequence lengths: the last 8 schedules are kept
         pipe.step(torch.zeros(4, seq, dtype=torch.long))
     return messages, sorted(pipe._schedules)
@@ -224,6 +226,8 @@ def test_bad_batches_for_a_pipeline_are_clear_errors():
                 "microbatch count (3) to be a multiple of pp (2)") in messages[7]
         assert f"different microbatch counts (2 to 4; this rank {2 if rank == 0 else 4})" \
             in messages[8]
+        assert ("token ids range over [256, 256]; the model's vocabulary has 256"
+                if rank == 0 else "another rank refused its batch") in messages[9]
         assert cached == [(2, seq) for seq in range(12, 28, 2)]  # least recently used out
 
 

@@ -144,6 +144,9 @@ class PipelinedModel(nn.Module):
         """The full model's path of the decoder layer list (``model.layers``)."""
         self._schedules: dict[tuple[int, ...], Any] = {}
         self.seq_split = 1
+        self.vocab_size: int | None = None
+        """Token ids at or past it are refused on every rank (only the first stage would
+        fail in its embedding, and the others waited for it: a review's hang)."""
         """TP degree whose ranks split the sequence (SP): S must divide by it (set by
         :func:`pipeline`, the same on every rank so all of them refuse a bad batch)."""
         self._microbatches, self._labelled = 1, 1
@@ -241,7 +244,8 @@ class PipelinedModel(nn.Module):
             DP rank or the same label count on every DP rank; a custom ``loss_fn``: the mean
             of its microbatch values), else None.
         Raises:
-            ConfigError: input_ids not [B, S] integers, labels of another shape, a padding
+            ConfigError: input_ids not [B, S] integers or outside the vocabulary, labels of
+                another shape, a padding
                 ``attention_mask``, B not divisible by the microbatch size, fewer
                 microbatches than pp, a microbatch count that interleaving cannot split
                 (not a multiple of pp), S not divisible by tp under SP.
@@ -293,6 +297,11 @@ class PipelinedModel(nn.Module):
         if labels is not None and labels.shape != input_ids.shape:
             raise ConfigError(f"labels {tuple(labels.shape)} must have input_ids' shape "
                               f"{tuple(input_ids.shape)}")
+        if self.vocab_size is not None and input_ids.numel() and (
+                int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            raise ConfigError(f"token ids range over [{int(input_ids.min())}, "
+                              f"{int(input_ids.max())}]; the model's vocabulary has "
+                              f"{self.vocab_size}")
         if self.seq_split > 1 and input_ids.shape[1] % self.seq_split:
             raise ConfigError(f"sequence length {input_ids.shape[1]} is not divisible by "
                               f"tp={self.seq_split} under SP: pad to a multiple or use "
@@ -379,6 +388,7 @@ def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
     pipe = PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
                           prefix)
     pipe.seq_split = plan.tp if sp else 1
+    pipe.vocab_size = model.get_input_embeddings().num_embeddings
     if plan.dp_replicate * plan.dp_shard > 1:
         pipe.dp_group = mesh["dp_cp"].get_group()  # cp = 1 under pp
     weight = model.get_input_embeddings().weight
