@@ -399,6 +399,15 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
             param.register_post_accumulate_grad_hook(_grad_like_param)  # hook: a review)
 
 
+def _batch_input(args: tuple, kwargs: dict) -> Any:
+    """A model forward's token input: input_ids (or inputs_embeds) [B, S, ...], by keyword or
+    as the first tensor argument; None when there is none."""
+    x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    if x is None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return x
+
+
 def _microbatch_check(microbatch: int) -> Callable[..., None]:
     """Forward pre-hook (pp = 1): warn once when a forward with gradients (training; models
     are often trained in eval mode, without dropout) gets more sequences than
@@ -409,9 +418,7 @@ def _microbatch_check(microbatch: int) -> Callable[..., None]:
     warned: list[bool] = []
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if x is None:
-            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        x = _batch_input(args, kwargs)
         if warned or not torch.is_grad_enabled() or \
                 not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] <= microbatch:
             return
@@ -428,9 +435,7 @@ def _sp_length_check(tp: int) -> Callable[..., None]:
     """Forward pre-hook: under SP the sequence is split over the TP ranks; a length tp does
     not divide would make the ranks' collectives disagree (gloo aborts the process)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if x is None:
-            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        x = _batch_input(args, kwargs)
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
             raise ConfigError(f"sequence length {x.shape[1]} is not divisible by tp={tp} "
                               "under SP (the sequence is split over the TP ranks): pad to a "

@@ -414,13 +414,11 @@ def _constant_scalar(node: Any, env: dict[fx.Node, Any], what: str) -> float:
     return float(value.reshape(()))
 
 
-def _runtime_scalar(node: Any, env: dict[fx.Node, Any]) -> bool:
+def _runtime_scalar(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
     """True for a scale factor that is one number known only at run time: a node whose
     value depends on a graph input or a trainable parameter (not constants and buffers only,
     which ``_constant_scalar`` folds) and is a symbolic number or a tensor of one element
     with at most 4 dims (so it broadcasts over [B, H, S, D] without changing its shape)."""
-    if not isinstance(node, fx.Node):
-        return False
     if not any(n.op == "placeholder" and not is_buffer(n, env) for n in ancestors(node)):
         return False
     val = node.meta.get("val")
@@ -497,12 +495,12 @@ def _scores(x: fx.Node, env: dict[fx.Node, Any]
             if x.target is aten.div.Tensor and a is not x.args[0]:
                 raise NoMatch("scores divide a tensor (not a scale)")
             divides = x.target is aten.div.Tensor
-            if _runtime_scalar(b, env):
-                writer = written_in_place(b)  # type: ignore[arg-type]
+            if isinstance(b, fx.Node) and _runtime_scalar(b, env):
+                writer = written_in_place(b)
                 if writer is not None:  # the conversion reads it at the attention's output
-                    raise NoMatch(f"the run-time scale {b.name} is written in place in the "  # type: ignore[union-attr]
+                    raise NoMatch(f"the run-time scale {b.name} is written in place in the "
                                   f"graph ({writer.name}), after the scores read it")
-                factors.append((b, divides))  # type: ignore[arg-type]
+                factors.append((b, divides))
             else:
                 factor = _constant_scalar(b, env, "the scale")
                 scale = scale / factor if divides else scale * factor
