@@ -562,6 +562,40 @@ def test_fp32_models_pay_fp32_model_states_and_gradient_traffic():
     assert states["fp32"][1] / states["bf16"][1] == pytest.approx(2, rel=0.05)
 
 
+def test_cp_ranks_share_the_gradient_and_zero_group_as_graphopt_parallel_runs_it():
+    """graphopt.parallel reduces and shards the dense parameters over dp_shard x cp (CP
+    ranks hold the same parameters) and the experts over edp_shard: the planner prices
+    both groups so. It priced dp_shard only: cp = 2 x dp_shard = 1 had no gradient traffic
+    and unsharded ZeRO-2 states."""
+    model = plan_model("llama3-8b", 32768, H100, overrides=SMALL)
+    cp, dp = (evaluate(ParallelPlan(**kw, zero_stage=2), model, H100, 8, dp_overlap=False)
+              for kw in ({"cp": 2}, {"dp_shard": 2}))
+    assert cp.comm_s["dp"] > 0
+    assert cp.comm_s["dp"] == pytest.approx(dp.comm_s["dp"], rel=1e-9)
+    assert cp.memory_parts["params+grads+optimizer"] == pytest.approx(
+        dp.memory_parts["params+grads+optimizer"], rel=1e-9)
+    # ZeRO-1 runs ZeroRedundancyOptimizer over dp_shard only: with cp alone, nothing is
+    # sharded (as ZeRO-0), and the search takes ZeRO-2/3 there
+    zero1, zero0 = (evaluate(ParallelPlan(cp=2, zero_stage=z), model, H100, 8).memory_parts
+                    for z in (1, 0))
+    assert zero1 == zero0
+    assert zero1["params+grads+optimizer"] > cp.memory_parts["params+grads+optimizer"]
+    cp_only = [p for p in search(model, H100, 2, 8, top_k=100).top
+               if p.cp == 2 and p.dp_shard == 1]
+    assert cp_only and {p.zero_stage for p in cp_only} <= {2, 3}
+    # a group over axes that are not adjacent in the mesh: 8 ranks {0,1,4,5,8,9,12,13} of
+    # cp=2 (stride 1), tp=2, dp_shard=4 (stride 4) span 16 devices: 2 apart on average
+    plan = ParallelPlan(cp=2, tp=2, dp_shard=4, mesh_order=("cp", "tp", "dp_shard",
+                                                             "dp_replicate", "pp"))
+    assert plan.group_stride(("dp_shard", "cp")) == 2
+    assert ParallelPlan(tp=2, cp=2, dp_shard=4).group_stride(("dp_shard", "cp")) == 2
+    assert ParallelPlan(tp=8, dp_shard=4).group_stride(("dp_shard", "cp")) == 8
+    # experts: ep=4 over dp_shard=4 x tp=2 leaves edp_shard = 2: ranks 4 apart (the
+    # consecutive ones split the experts)
+    p = ParallelPlan(tp=2, dp_shard=4, ep=4, zero_stage=2)
+    assert p.group_stride(("dp_shard", "cp", "tp"), 2) == 4
+
+
 def test_uneven_stages_are_priced_at_their_fullest_stage():
     """Memory goes with layers x (pp - i) in-flight microbatches: stages (2, 14, 15, 1) are as
     full as (2, 14, 14, 2) at stage 1 (14 layers, 3 in flight); the third stage (15 layers,

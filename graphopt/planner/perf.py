@@ -28,7 +28,8 @@ memory (even stages: the first, second and last are priced; uneven: all):
              with a slot 1.18x interleaving's (``ZERO_BUBBLE_SLOT``, measured: torch's
              schedule runs two autograd passes per backward); memory as interleaved (ZB-H1
              keeps 1F1B's peak, their Table 2)
-    DP       gradients: reduce-scatter over dp_shard, then an all-gather of the updated
+    DP       gradients: reduce-scatter over dp_shard x cp (the experts': over edp_shard,
+             the fold's ranks holding the same experts), then an all-gather of the updated
              parameters (ZeRO-1/2, the distributed optimizer) or, with ZeRO-3, all-gathers of
              the parameters for every microbatch's forward and backward (FSDP with
              reshard-after-forward); all-reduce over dp_replicate; gradients and
@@ -42,11 +43,12 @@ memory (even stages: the first, second and last are priced; uneven: all):
     memory   parameters/gradients/Adam states of the stage's layers (+ the embedding on the
              first, the LM head on the last; graphopt.cost.memory.model_state_bytes in the
              model's dtype: bf16 2 + 2 + 12 bytes per parameter, fp32 4 + 4 + 8; ZeRO over
-             dp_shard) + saved activations of min(m, pp - i) in-flight microbatches on
-             stage i (x (1 + (pp-1)/(pp v)) interleaved), /tp with SP (without SP the
-             [b, s, h] share, 10/34 after Korthikanti et al. 2022, stays whole); a recomputed
-             layer keeps only its input; selective checkpointing keeps what the traced
-             policy keeps; the LM head's activations on the last stage
+             dp_shard x cp, the experts' over edp_shard) + saved activations of
+             min(m, pp - i) in-flight microbatches on stage i (x (1 + (pp-1)/(pp v))
+             interleaved), /tp with SP (without SP the [b, s, h] share, 10/34 after
+             Korthikanti et al. 2022, stays whole); a recomputed layer keeps only its
+             input; selective checkpointing keeps what the traced policy keeps; the LM
+             head's activations on the last stage
     MFU      model FLOPs (traced, no recomputation) priced at the peak FLOP/s of each op's
              dtype (the rates the layer times are bounded by) * B / (time * devices); for a
              one-dtype model, model FLOPs * B / (time * devices * peak(dtype)); at most 1
@@ -91,6 +93,25 @@ def _coll(kind: str, nbytes: float, group: int, cluster: ClusterProfile, stride:
     if key not in _CACHE:
         _CACHE[key] = collective_time(kind, nbytes, group, cluster, stride=stride)
     return _CACHE[key]
+
+
+def _dp_sync(grads: float, plan: ParallelPlan, m: int, group: int, zero: int, stride: int,
+             cluster: ClusterProfile) -> float:
+    """Seconds of one step's data-parallel traffic for ``grads`` bytes of gradients (and,
+    gathered, parameters) sharded (ZeRO stage ``zero``) or reduced over ``group`` ranks
+    ``stride`` apart: ZeRO-0 all-reduce; ZeRO-1/2 reduce-scatter + all-gather of the
+    updated shards; ZeRO-3 reduce-scatter + all-gathers for each of the m microbatches'
+    forward and backward; then the all-reduce of the (sharded) gradients over
+    dp_replicate."""
+    if not grads:
+        return 0.0
+    t = _coll("reduce_scatter" if zero >= 1 else "all_reduce", grads, group, cluster, stride)
+    if zero == 3:
+        t += 2 * m * _coll("all_gather", grads, group, cluster, stride)
+    elif zero >= 1:
+        t += _coll("all_gather", grads, group, cluster, stride)
+    return t + _coll("all_reduce", grads / (group if zero >= 1 else 1), plan.dp_replicate,
+                     cluster, plan.stride("dp_replicate"))
 
 
 def _ep_comm(tokens: int, top_k: int, hidden: int, ffn: int, nbytes: int, ep: int,
@@ -220,23 +241,32 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     expert_params = (model.moe.expert_params * model.moe_layers / (pp * plan.ep *
                                                                     plan.expert_tp)
                      if model.moe else 0.0)
-    params = dense_params + expert_params
-    grads = nb * params  # gradient (and, gathered, parameter) bytes in the model's dtype
-    dp_stride = plan.stride("dp_shard")
-    dp_time = _coll("reduce_scatter" if plan.zero_stage >= 1 else "all_reduce",
-                    grads, plan.dp_shard, cluster, dp_stride)
-    if plan.zero_stage == 3:  # parameters gathered for every microbatch's fwd and bwd
-        dp_time += 2 * m * _coll("all_gather", grads, plan.dp_shard, cluster, dp_stride)
-    elif plan.zero_stage >= 1:  # updated parameter shards gathered after the optimizer step
-        dp_time += _coll("all_gather", grads, plan.dp_shard, cluster, dp_stride)
-    dp_time += _coll("all_reduce", grads / (plan.dp_shard if plan.zero_stage >= 1 else 1),
-                     plan.dp_replicate, cluster, plan.stride("dp_replicate"))
+    # the dense parameters' gradient group is dp_shard x cp (CP ranks hold the same
+    # parameters; graphopt.parallel shards and reduces over mesh["dp_shard_cp"], as
+    # Megatron-LM's data-parallel group with CP); the experts' is edp_shard, the fold's
+    # ranks that hold the same experts (dp_shard*cp*tp / (ep*expert_tp)), as
+    # graphopt.parallel.expert executes it
+    # (with ep = 1 the experts are dense parameters, replicated over tp). The ZeRO stage
+    # each group gets is the one the executor runs: ZeRO-2/3 by FSDP over the group;
+    # ZeRO-1 by ZeroRedundancyOptimizer over dp_shard, for the dense parameters only
+    # (refused with cp > 1 or ep > 1 over dp_shard > 1, so unsharded otherwise)
+    zero = plan.zero_stage
+    shard_group = plan.dp_shard * cp
+    zero_dense = zero if shard_group > 1 and (zero >= 2 or plan.dp_shard > 1) else 0
+    dense_stride = plan.group_stride(("dp_shard", "cp"))
+    if plan.ep > 1:
+        edp_shard = plan.dp_shard * cp * tp // (plan.ep * plan.expert_tp)
+        zero_experts = zero if zero >= 2 and edp_shard > 1 else 0
+        expert_stride = plan.group_stride(("dp_shard", "cp", "tp"), edp_shard)
+    else:
+        edp_shard, zero_experts, expert_stride = shard_group, zero_dense, dense_stride
+    dp_time = _dp_sync(nb * dense_params, plan, m, shard_group, zero_dense, dense_stride,
+                       cluster)
+    dp_time += _dp_sync(nb * expert_params, plan, m, edp_shard, zero_experts, expert_stride,
+                        cluster)
     exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
     total += exposed_dp
     # memory: the fullest stage
-    # experts' data-parallel shard group: the fold's ranks that hold the same experts
-    # (dp_shard*cp*tp / (ep*expert_tp)), as graphopt.parallel.expert executes it
-    edp_shard = plan.dp_shard * plan.cp * plan.tp // (plan.ep * plan.expert_tp)
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
 
     def layer_bytes(cost: LayerCost) -> float:
@@ -283,10 +313,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         experts = model.moe.expert_params * n * (1 - dense_share) / (
             plan.ep * plan.expert_tp) if model.moe else 0.0
         st = model_state_bytes(layer_params + extra, param_bytes=nb, grad_bytes=nb,
-                               zero_stage=plan.zero_stage if plan.dp_shard > 1 else 0,
-                               dp=plan.dp_shard) + \
+                               zero_stage=zero_dense, dp=shard_group) + \
             model_state_bytes(experts, param_bytes=nb, grad_bytes=nb,
-                              zero_stage=plan.zero_stage if edp_shard > 1 else 0, dp=edp_shard)
+                              zero_stage=zero_experts, dp=edp_shard)
         return st.total + acts, st.total, acts
 
     fullest = max((stage_memory(i) for i in picks), key=lambda x: x[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,22 @@ class ParallelPlan:
                 return out
             out *= getattr(self, name)
         raise ConfigError(f"unknown mesh axis {axis!r}; axes: {', '.join(AXES)}")
+
+    def group_stride(self, axes: tuple[str, ...], size: int | None = None) -> int:
+        """Mean devices between neighbours of a group spanning ``axes`` (e.g. ("dp_shard",
+        "cp"): the gradient group when CP shards the sequence) that holds ``size`` ranks
+        (default: the product of the axes' degrees; less for a subgroup such as the
+        experts' data-parallel one, which takes every (ep x expert_tp)-th rank of its
+        fold). It is the span of the group's ranks divided by their count: the stride of
+        the one axis, or for axes not adjacent in ``mesh_order`` the stride that puts as
+        many ranks in a node as the real placement does."""
+        used = [a for a in axes if getattr(self, a) > 1]
+        if not used:
+            return 1
+        if size is None:
+            size = math.prod(getattr(self, a) for a in used)
+        span = max(self.stride(a) * getattr(self, a) for a in used)
+        return max(1, span // max(size, 1))
 
     def problems(self, devices: int | None = None, layers: int | None = None,
                  heads: int | None = None, experts: int | None = None,

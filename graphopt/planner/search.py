@@ -147,14 +147,15 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
         fold = shard * cp * tp
         eps = [e for e in _divisors(fold) if node % e == 0 and model.experts % e == 0] \
             if model.experts else [1]
-        zeros = (1, 3) if shard > 1 else (1,)
+        # ZeRO shards over dp_shard x cp (FSDP's group in graphopt.parallel)
+        zeros = (1, 3) if shard * cp > 1 else (1,)
         # ring attention always; Ulysses all-to-all when the heads split over tp x cp
         kinds = ("ring", "all_to_all") if cp > 1 and model.heads % (tp * cp) == 0 and \
             model.kv_heads % (tp * cp) == 0 else ("ring",)
         for ep, zero, v, mb, kind in itertools.product(eps, zeros, vs, (1, 2, 4, 8), kinds):
             if (global_batch // dp) % mb:
                 continue
-            if zero == 1 and shard > 1 and max(tp, cp, pp, ep) > 1:
+            if zero == 1 and shard * cp > 1 and max(tp, cp, pp, ep) > 1:
                 # graphopt.parallelize runs ZeRO-1 (ZeroRedundancyOptimizer) for data
                 # parallelism alone; with TP/CP/PP/EP it runs ZeRO-2 (FSDP2 without
                 # resharding after forward), priced the same with sharded gradients (a
@@ -165,7 +166,7 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
             # zero bubble (weight gradients deferred) with v > 1, except over ZeRO-3, which
             # the executor refuses with torch's schedule (apply.parallelize)
             schedules = ["1f1b"] if v == 1 else ["interleaved"] + \
-                (["zero_bubble"] if not (zero == 3 and shard > 1) else [])
+                (["zero_bubble"] if not (zero == 3 and shard * cp > 1) else [])
             for layout, schedule in itertools.product(layouts if v == 1 else [()],
                                                       schedules):
                 most = max(layout) if layout else per_stage
