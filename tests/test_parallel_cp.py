@@ -19,7 +19,9 @@ from tests.test_parallel import _full, _full_precision_rmsnorm, _held
 A2A = dict(cp_kind="all_to_all")
 RUNS = {
     2: [("llama", dict(cp=2, **A2A)), ("qwen3", dict(cp=2, **A2A)),
-        ("qwen3", dict(cp=2)),  # ring (the default kind)
+        # ring (the default kind); ZeRO-3 over cp alone (FSDP over dp_shard x cp, as the
+        # planner prices and searches it)
+        ("qwen3", dict(cp=2, zero_stage=3)),
         ("minimax", dict(cp=2, **A2A)),  # lightning layers pass their state
         ("llama_mha", dict(cp=2))],  # no GQA: the ring sends transformers' strided K/V
     4: [("llama", dict(cp=2, tp=2, **A2A)),
@@ -58,7 +60,7 @@ def _run(name, plan, steps=3):
     with torch.no_grad():
         logits = _full(model(input_ids=local, use_cache=False).logits)
         embedded = logits
-        if plan.devices == plan.cp:  # the embedding is a plain module (no TP/FSDP shards)
+        if plan.devices == plan.cp and plan.zero_stage < 2:  # a plain embedding (no shards)
             embedded = _full(model(inputs_embeds=model.get_input_embeddings()(local),
                                    use_cache=False).logits)
         want = ref(input_ids=ids, use_cache=False).logits.chunk(plan.dp)[
