@@ -28,6 +28,7 @@ from torch import fx
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 
 
 def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list]:
@@ -68,7 +69,8 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
     ours_only = _default_checkpoint_context(gm)
 
     def run(*args: Any) -> Any:
-        return _FakeAttrs(gm, fake_mode).run(*args)
+        with _AutocastApplied():
+            return _FakeAttrs(gm, fake_mode).run(*args)
 
     # its "context_fn is passed" warning would be about graphopt's default
     quiet = quiet_logger("torch._higher_order_ops.wrap", logging.ERROR) if ours_only \
@@ -125,6 +127,34 @@ def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> Non
         fake_mode.allow_non_fake_inputs = allow
 
 
+class _AutocastApplied(TorchFunctionMode):
+    """Turn autocast on for the trace inside the graph's own autocast regions.
+
+    Dynamo records ``with torch.autocast(...)`` in the compiled code as
+    ``_enter_autocast``/``_exit_autocast`` calls; under a pre-dispatch trace those only
+    record themselves (torch.export's own trace enters the region's Python API first), so
+    the region's ops were traced with float32 fake values. Conversions then traced as at
+    that dtype: ``y = h.float(); y.mul_(0.5)`` on a bf16 ``h`` became an in-place write to
+    ``h`` itself, and every later read of ``h`` read the scaled copy (a review: output 0.51
+    and gradients 0.37 off, silently; aot_eager exact). Here each region is entered as
+    ``torch.autocast`` enters under a trace: autocast's thread-local state is set for the
+    ops inside (the fakes get their run-time dtypes, a real conversion records a copy)
+    and the pre-dispatch mode below records the same enter/exit calls as before, so the
+    graph still turns autocast on when it runs. Regions inside ``torch.utils.checkpoint``
+    bodies are traced through this mode too."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is _ENTER_AUTOCAST:
+            region = torch.amp.autocast_mode._UnmanagedAutocast(*args, **(kwargs or {}))
+            region.__enter__()
+            return region
+        if func is _EXIT_AUTOCAST and args and isinstance(args[0], torch.autocast):
+            args[0].__exit__(None, None, None)
+            return None
+        return func(*args, **(kwargs or {}))
+
+
 class _FakeAttrs(fx.Interpreter):
     """Dynamo's graph, run with its real ``get_attr`` tensors replaced by fake copies, so the
     trace never touches real state. A compiled ``optimizer.step`` reads parameters and
@@ -153,13 +183,11 @@ class _RuntimeMeta(_FakeAttrs):
     graph; the capture guard compares the outputs' with Dynamo's), as of the end of the run,
     like Dynamo's ``example_value`` (a buffer written in place with a value that requires
     grad, ``out = zeros_like(x); out[:, i] = x[:, i] * w``, requires grad from then on; its
-    creation-time False made the guard fall back on such graphs). The pre-dispatch trace
-    records an autocast region as ``_enter_autocast``/``_exit_autocast`` calls around ops
-    whose fake values were computed without autocast (a bf16 linear shows as float32), so
-    dtype-reasoning passes would be misled (a needed ``.float()`` looks like a no-op); here
-    the enter/exit calls execute, each value inside gets its run-time dtype in
-    ``meta['val']`` and ``meta['autocast'] = (device_type, dtype)``, and passes that reason
-    about dtypes skip those nodes.
+    creation-time False made the guard fall back on such graphs). An autocast region's
+    enter/exit calls execute here, each value inside gets its run-time dtype in
+    ``meta['val']`` (also after a pass rewrote the region, and in checkpoint bodies) and
+    ``meta['autocast'] = (device_type, dtype)``, and passes that reason about dtypes skip
+    those nodes (the dtypes of the ops they would insert are autocast's choice).
     """
 
     def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:

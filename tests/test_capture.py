@@ -96,6 +96,57 @@ def test_autocast_region_inside_the_graph_keeps_dtypes():
     assert torch.compile(model, backend="graphopt", options=EAGER)(x)[0].dtype == torch.float32
 
 
+class AutocastCopyWrittenInPlace(nn.Module):
+    """A float32 copy of a bf16 autocast result, changed in place, next to a later read of
+    the bf16 result (``variant``: how the copy is spelled; "alias" converts to the dtype
+    the value already has, which returns it itself in eager)."""
+
+    def __init__(self, variant, checkpointed):
+        super().__init__()
+        self.lin, self.lin2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.variant, self.checkpointed = variant, checkpointed
+
+    def body(self, x):
+        h = self.lin(x)  # bf16 at run time
+        if self.variant == "float":
+            y = h.float()
+            y.mul_(0.5)
+        elif self.variant == "to":
+            y = h.to(torch.float32)
+            y.add_(1.0)
+        elif self.variant == "type_as":
+            y = h.type_as(x)
+            y.masked_fill_(y > 0, 0.0)
+        else:
+            y = h.to(torch.bfloat16)
+            y.mul_(2)
+        return self.lin2(h), y
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if self.checkpointed:
+                return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+            return self.body(x)
+
+
+@pytest.mark.parametrize("variant, checkpointed", [
+    ("float", False), ("to", False), ("type_as", False), ("alias", False), ("float", True)])
+def test_a_copy_made_inside_an_autocast_region_stays_a_copy(variant, checkpointed):
+    """normalize traced the compiled code's autocast regions without autocast, so a bf16
+    value was float32 in the trace and ``h.float()`` traced as ``h`` itself: the in-place
+    write to the copy became a write to ``h`` and the later ``lin2(h)`` read it (a review:
+    output 0.51 and gradients 0.37 off, no fallback; aot_eager exact). The regions are now
+    traced with autocast on, as they run."""
+    import torch.utils.checkpoint  # noqa: F401
+
+    torch.manual_seed(0)
+    model = AutocastCopyWrittenInPlace(variant, checkpointed)
+    x = torch.randn(4, 16, requires_grad=True)
+    graphopt.clear_reports()
+    (report,) = _compile_and_compare(model, [x], rtol=0, atol=0)
+    assert report.fallback is None
+
+
 def test_ambient_autocast_matches_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
