@@ -10,6 +10,7 @@ import graphopt
 from graphopt import ConfigError, GraphoptConfig
 from graphopt.config import GraphoptConfig as Config
 from graphopt.models import build_model, sample_batch
+from graphopt.passes.attention.softmax_to_lightning import NORM_EPS
 from graphopt.testing import (
     as_function,
     assert_as_accurate_as_eager,
@@ -626,7 +627,8 @@ def test_lightning_mode_converts_causal_sdpa_to_the_documented_function():
     gm, record = run_pass("attention", gm, Config(attention="lightning"))
     assert record.count("rewritten") == 1 and record.sites[0].reason.startswith("APPROXIMATE")
     expected = torch.nn.functional.rms_norm(
-        lightning_attention(q, k, v, minimax_slopes(4, 0, 1), scale=8 ** -0.5), [8])
+        lightning_attention(q, k, v, minimax_slopes(4, 0, 1), scale=8 ** -0.5), [8],
+        eps=NORM_EPS)
     torch.testing.assert_close(as_function(gm, fn)(q, k, v), expected)
 
 

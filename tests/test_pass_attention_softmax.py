@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from graphopt.config import GraphoptConfig as Config
 from graphopt.kernels.lightning import lightning_attention
 from graphopt.passes.attention import minimax_slopes
+from graphopt.passes.attention.softmax_to_lightning import NORM_EPS
 from graphopt.testing import as_function, bind_inputs, run_pass, trace_for_pass
 
 LIGHTNING = "graphopt.lightning_attention_fwd.default"
@@ -86,7 +87,7 @@ def test_each_spelling_becomes_lightning_attention(kind):
     assert record.op_delta.get("aten.softmax.int", 0) == -1  # the softmax is gone
     q, k, v = args
     expected = F.rms_norm(lightning_attention(q, k, v, minimax_slopes(4, 0, 1),
-                                              scale=D ** -0.5), [D])
+                                              scale=D ** -0.5), [D], eps=NORM_EPS)
     torch.testing.assert_close(as_function(gm, model)(*args), expected)
 
 
@@ -216,7 +217,8 @@ def test_a_scale_known_at_run_time_multiplies_q_and_gets_its_gradient(kind):
     assert record.op_delta.get("aten.softmax.int", 0) == -1
     q, k, v = args
     factor = 1 / model.temperature if kind == "trainable" else q.detach().abs().amax() * 0.1
-    expected = F.rms_norm(lightning_attention(q * factor, k, v, minimax_slopes(4, 0, 1)), [D])
+    expected = F.rms_norm(lightning_attention(q * factor, k, v, minimax_slopes(4, 0, 1)), [D],
+                          eps=NORM_EPS)
     got = as_function(gm, model)(*args)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     grads = torch.autograd.grad(got.sum(), [*args, model.temperature], allow_unused=True)
@@ -275,7 +277,8 @@ def test_every_site_the_matcher_sees_is_converted_or_reported(kind, action, reas
     if action == "rewritten":
         q, k, v = args
         torch.testing.assert_close(as_function(gm, model)(*args), F.rms_norm(
-            lightning_attention(q, k, v, minimax_slopes(4, 0, 1), scale=D ** -0.5), [D]))
+            lightning_attention(q, k, v, minimax_slopes(4, 0, 1), scale=D ** -0.5), [D],
+            eps=NORM_EPS))
     _, kept = run_pass("attention", trace_for_pass(model, *args), Config(attention="exact"))
     assert [s.action for s in kept.sites] == ["kept"], kept.sites
 
@@ -327,12 +330,13 @@ def test_layers_option_selects_by_module_path():
 def _reference_attention(module, query, key, value, attention_mask, scaling=None,
                          dropout=0.0, **kwargs):
     """What attention='lightning' must compute, as a transformers attention function:
-    rms_norm(lightning_attention(q, k, v, MiniMax slopes of this layer, scale)), [B, S, H, Dv]."""
+    rms_norm(lightning_attention(q, k, v, MiniMax slopes of this layer, scale), eps 1e-6),
+    [B, S, H, Dv]."""
     config = module.config
     heads, layers = query.shape[1], config.num_hidden_layers
     slopes = minimax_slopes(heads, module.layer_idx, layers).to(query.device)
     o = lightning_attention(query, key, value, slopes, scale=scaling)
-    return F.rms_norm(o, [o.shape[-1]]).transpose(1, 2).contiguous(), None
+    return F.rms_norm(o, [o.shape[-1]], eps=NORM_EPS).transpose(1, 2).contiguous(), None
 
 
 @pytest.mark.parametrize("name, implementation, dynamic", [
@@ -390,6 +394,33 @@ def test_lightning_mode_on_real_models_equals_lightning_attention_per_layer(
         torch.testing.assert_close(compiled(ids).logits,
                                    reference(input_ids=ids, use_cache=False).logits,
                                    rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+def test_the_converted_function_does_not_depend_on_the_models_dtype(dtype, tol):
+    """The output norm's eps was the dtype's machine epsilon, above a head output's mean
+    square in bf16/fp16, so each dtype converted to a different function: a float32 Llama's
+    logits were 0.29 off its float64 conversion (a review; 3.8e-7 unconverted). With a fixed
+    eps (NORM_EPS, in float32) the conversion is one function, rounded per dtype."""
+    import graphopt
+    from graphopt.models import build_model, sample_batch
+
+    logits = {}
+    for d in (torch.float64, dtype):
+        torch._dynamo.reset()
+        graphopt.clear_reports()
+        model = build_model("llama", dtype=d)
+        ids = sample_batch(model, 2, 32)
+        compiled = torch.compile(model, backend="graphopt", options={
+            "lowering": "eager", "attention": "lightning", "lightning": {"num_layers": 2}})
+        logits[d] = compiled(input_ids=ids, use_cache=False).logits.detach().double()
+        (report,) = [r for r in graphopt.reports() if r.status == "compiled"]
+        assert report.fallback is None and report.pass_records("attention")[0].count(
+            "rewritten") == 2
+        assert logits[d].dtype == torch.float64 and \
+            compiled(input_ids=ids, use_cache=False).logits.dtype == d
+    err = (logits[dtype] - logits[torch.float64]).abs().max() / logits[torch.float64].abs().max()
+    assert err < tol, err
 
 
 def test_graph_break_that_passes_the_mask_between_graphs_is_reported():

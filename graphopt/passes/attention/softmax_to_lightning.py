@@ -38,7 +38,7 @@ Pseudo-code:
         slopes = minimax_slopes(H, layer, num_layers, kind)
         o = lightning_attention_fwd(phi(q) * runtime factors, phi(k), v, buffer(slopes),
                                     constant scale)[0]
-        replace out by cast(rms_norm(o), out.dtype)
+        replace out by cast(rms_norm(float32 or float64 o, eps=NORM_EPS), out.dtype)
 """
 
 from __future__ import annotations
@@ -68,6 +68,14 @@ from graphopt.passes.fx_utils import (
     site_name,
     tensor_meta,
 )
+
+NORM_EPS = 1e-6
+"""eps of the RMS output norm, in float32 (float64 for float64 models) whatever the model's
+dtype, as MiniMax-01's lightning layers normalize (transformers' MiniMaxRMSNorm: eps 1e-6,
+float32). It was aten.rms_norm's default, the dtype's machine epsilon: 7.8e-3 in bf16,
+above the mean square of a typical head's output (~1e-4, a review on Llama), so the norm
+did almost nothing in bf16 and normalized in float32: a converted model computed a
+different function per dtype (logits 0.22-0.29 off its float64 conversion)."""
 
 _FEATURE_MAPS: dict[str, list[tuple[Any, tuple[Any, ...]]]] = {
     "identity": [], "silu": [(aten.silu.default, ())], "relu": [(aten.relu.default, ())],
@@ -268,9 +276,17 @@ class SoftmaxToLightning:
         out = insert_with_frozen_slopes(gm, node, q, k, v, slopes, scale)
         if self.options.norm == "rms":
             dim = [int(out.meta["val"].shape[3])]
+            if out.meta["val"].dtype not in (torch.float32, torch.float64):
+                with gm.graph.inserting_after(out):
+                    up = gm.graph.call_function(aten._to_copy.default, (out,),
+                                                {"dtype": torch.float32})
+                up.meta.update(out.meta, val=fake_call(aten._to_copy.default, out,
+                                                       dtype=torch.float32))
+                out = up
             with gm.graph.inserting_after(out):
-                norm = gm.graph.call_function(aten.rms_norm.default, (out, dim))
-            norm.meta.update(out.meta, val=fake_call(aten.rms_norm.default, out, dim))
+                norm = gm.graph.call_function(aten.rms_norm.default, (out, dim, None, NORM_EPS))
+            norm.meta.update(out.meta, val=fake_call(aten.rms_norm.default, out, dim, None,
+                                                     NORM_EPS))
             out = norm
         want = tensor_meta(node)
         if want is not None and want.dtype != out.meta["val"].dtype:
