@@ -5,7 +5,10 @@ included) for a fixed random cotangent, are compared with per-dtype tolerances. 
 cloned, so the user's parameters, their ``.grad`` and buffers are untouched. A mismatch is
 localized: each snapshot taken after a pre-autograd pass is run eagerly and the first one
 that differs names the pass; when all match, the compile is redone with joint passes
-switched off one prefix at a time, and if even none of them fixes it the lowering is named.
+switched off one prefix at a time, and if even none of them fixes it the lowering is named,
+unless ``torch.compile(backend="aot_eager")`` of the same graph (Dynamo's, or the last
+approximate pass's output) differs from its eager run at least half as much: then the
+graph's own rounding in its dtype is the cause, and the report says so without raising.
 A mismatch caused by an exact pass raises :class:`VerificationError`; one after an
 approximate pass is recorded in the report (approximation is its contract) and later passes
 are checked against that pass's output.
@@ -305,6 +308,7 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
             report.verify.update(status="passed", detail=f"{detail} match eager (max abs "
                                  f"error {report.verify['max_abs_error']:.3g})")
         return
+    reference_graph = original
     for name, exact, snapshot in snapshots:
         got = run_with_grads(snapshot, inputs, grads)
         bad = compare(reference, got, config)
@@ -313,8 +317,9 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
         if exact:
             _fail(report, f"pass {name!r} claims to be exact but changed the numerics: {bad}")
         report.verify.setdefault("approximate", []).append({"pass": name, "deviation": bad})
-        reference = got
-    if report.verify.get("approximate"):
+        reference, reference_graph = got, snapshot
+    approximate = [a["pass"] for a in report.verify.get("approximate", [])]
+    if approximate:
         problem = compare(reference, actual, config)
         if problem is None:
             report.verify.update(status="approximate",
@@ -324,8 +329,43 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
     for k in range(len(joint) - 1, -1, -1):
         if compare(reference, run_with_grads(recompile(joint[k:]), inputs, grads), config) is None:
             _fail(report, f"joint pass {joint[k]!r} changed the numerics: {problem}")
-    _fail(report, f"lowering {report.lowering!r} differs from eager ({problem}); no graphopt "
-                  "pass is the cause (each pass's output matches eager)")
+    against = (f"the graph after approximate pass {approximate[-1]!r} run eagerly"
+               if approximate else "eager")
+    ours, torchs = max_error(reference, actual), _aot_eager_error(reference_graph, inputs,
+                                                                  grads, reference)
+    if torchs is not None and ours <= 2 * torchs:
+        # the graph itself is that sensitive to rounding in its dtype (e.g. an approximate
+        # rewrite's output norm of a near-zero attention output under bf16 autocast): a
+        # compile by torch alone differs from the eager run as much (a review: a false
+        # alarm that blamed the lowering on lightning attention under autocast)
+        report.verify.update(
+            status="approximate" if approximate else "passed",
+            detail=f"differs from {against} by {ours:.3g} ({problem}), beyond the "
+                   f"tolerance, as torch.compile(backend='aot_eager') of the same graph does "
+                   f"({torchs:.3g}): the graph's rounding in "
+                   f"{str(dtype).replace('torch.', '')}, not a graphopt pass or lowering")
+        return
+    _fail(report, f"lowering {report.lowering!r} differs from {against} ({problem}); no "
+                  "graphopt pass is the cause (each exact pass's output matches its input's)"
+          + (f"; torch.compile(backend='aot_eager') of the same graph differs by {torchs:.3g}, "
+             f"graphopt by {ours:.3g}" if torchs is not None else ""))
+
+
+def _aot_eager_error(graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: bool,
+                     reference: Outcome) -> float | None:
+    """Largest difference between ``reference`` (``graph`` run eagerly) and
+    ``torch.compile(backend="aot_eager")``'s compile of ``graph`` (AOTAutograd, no graphopt
+    pass, eager kernels) on ``inputs``: how much compiling alone moves this graph's results.
+    None when that compile fails."""
+    import copy
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    try:
+        compiled = aot_eager(copy.deepcopy(graph), list(inputs))
+        return max_error(reference, _run_with_grads(compiled, inputs, grads))
+    except Exception:  # noqa: BLE001 (a baseline only: verify then fails as before)
+        return None
 
 
 def _fail(report: CompileReport, message: str) -> None:
