@@ -180,6 +180,37 @@ def test_real_moe_models_train_exactly(name):
     assert reports()[0].training
 
 
+class _ScaledSiLU(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.silu(x) * 1.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_experts_are_rewritten_and_a_one_percent_change_is_refused(dtype):
+    """bf16/fp16 probes compared at 3e-2 took silu(x) * 1.01 for SwiGLU (a review): the
+    rewrite dropped the scale. The probes also run in float32 now (the region's casts
+    lifted); plain SwiGLU experts of bf16/fp16 models are still rewritten."""
+    for scaled in (False, True):
+        model = build_model("mixtral", dtype=dtype)
+        model.set_experts_implementation("grouped_mm")
+        if scaled:
+            for m in model.modules():
+                if type(m).__name__.endswith("Experts"):
+                    m.act_fn = _ScaledSiLU()
+        ids = sample_batch(model, 2, 12)
+        clear_reports()
+        torch._dynamo.reset()
+        torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
+            input_ids=ids, use_cache=False)
+        sites = [s for r in reports() if r.status == "compiled"
+                 for p in r.pass_records("moe") for s in p.sites]
+        assert len(sites) == 2 and all(r.fallback is None for r in reports()), sites
+        if scaled:
+            assert all(s.action == "skipped" and "probe mismatch" in s.reason for s in sites)
+        else:
+            assert all(s.action == "rewritten" for s in sites), sites
+
+
 @pytest.mark.parametrize("drop_policy", ["position", "probs"])
 def test_capacity_is_reported_as_approximate(drop_policy):
     block = _block()
