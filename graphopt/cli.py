@@ -251,14 +251,21 @@ def explain(
     if not paths:
         _fail(f"no report.json in {dump_dir} or its graph_*, export or rank*/ folders; "
               "compile with options={'dump_dir': ...} or GRAPHOPT_DUMP_DIR first")
-    reports = []
+    reports, labels = [], []
     for path in paths:
         try:
             reports.append(CompileReport.from_dict(json.loads(path.read_text())))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             _fail(f"cannot read {path}: {type(exc).__name__}: {exc} (not a graphopt report, "
                   "or written by another version)")
-    _print_reports(reports, sites)
+        # the folder, so ranks' and other processes' graphs (graph_000.pid<P>) stay apart
+        folder = path.parent.relative_to(dump_dir).as_posix()
+        labels.append(_report_label(reports[-1]) if folder == "." else folder)
+    try:
+        _print_reports(reports, sites, labels)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        _fail(f"cannot render the reports of {dump_dir}: {type(exc).__name__}: {exc} (a "
+              "report.json with fields of the wrong type: not written by this graphopt)")
 
 
 @app.command()
@@ -587,7 +594,13 @@ def _print_toy_note(source: ModelSource) -> None:
         console.print(f"[yellow]{escape(source.toy_note())}[/]")
 
 
-def _print_reports(reports: list[CompileReport], sites: int) -> None:
+def _print_reports(reports: list[CompileReport], sites: int,
+                   labels: list[str] | None = None) -> None:
+    names = {id(r): label for r, label in zip(reports, labels or [])}
+
+    def _graph_label(report: CompileReport) -> str:
+        return names.get(id(report)) or _report_label(report)
+
     summary = Table(title="graphopt compile report", caption=(
         "nodes: FX nodes of the captured graph before -> after the model passes; rewrites / "
         "skips: pass sites rewritten / left as they are with a reason (listed below); "
@@ -641,7 +654,7 @@ def _print_reports(reports: list[CompileReport], sites: int) -> None:
                           f"{escape(str(r.verify.get('detail')))}[/]")
 
 
-def _graph_label(report: CompileReport) -> str:
+def _report_label(report: CompileReport) -> str:
     """The graph's id in the tables, "onnx" for an ONNX export's graph."""
     return "onnx" if report.options.get("export") == "onnx" else str(report.graph_id)
 

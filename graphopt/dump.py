@@ -4,7 +4,7 @@ Layout, per graph Dynamo compiles (``graph_NNN``)::
 
     00_dynamo.py                 the Torch-IR graph Dynamo produced
     01_normalized.py             the pre-autograd ATen graph
-    NN_<stage>.<pass>.before.py / .after.py / .diff
+    NN_<stage>.<graph>.<pass>.before.py / .after.py / .diff
     joint.py | forward.py | backward.py | inference.py
     *.dot (+ .svg when Graphviz's ``dot`` is installed), when pydot is installed
     report.json, report.md
@@ -36,26 +36,52 @@ from graphopt.report import CompileReport
 _claimed: set[Path] = set()
 
 
-def _claim(root: Path) -> None:
-    """On this process's first dump into ``root``, remove the graph_NNN folders an earlier
-    run left there (only folders graphopt wrote: they hold a report.json), so one dump
-    directory never mixes two runs."""
+def _claim(top: Path, root: Path) -> None:
+    """On this process's first dump into ``root`` (``top`` or, for a rank, ``top/rank<R>``),
+    remove the graph_NNN folders an earlier run left there (only folders graphopt wrote and
+    no live process owns), so one dump directory never mixes two runs. A single process
+    also removes an earlier multi-rank run's ``rank*/`` folders, and rank 0 of a
+    multi-rank run an earlier single process's folders and those of ranks beyond this
+    world (a review: ``graphopt explain`` listed a torchrun run's graphs next to a later
+    single process's, both as graph 0)."""
     key = root.resolve()
     if key in _claimed:
         return
     _claimed.add(key)
-    for old in [*root.glob("graph_[0-9]*"), root / "export"]:
-        if ((old / "report.json").exists() or (old / "00_dynamo.py").exists()) and \
-                not _owned_by_another_live_process(old):
-            shutil.rmtree(old, ignore_errors=True)
+    stale = _graph_folders(root)
+    if root == top:
+        stale += [f for rank in top.glob("rank[0-9]*") for f in _graph_folders(rank)]
+    elif root.name == "rank0":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        stale += _graph_folders(top) + [
+            f for rank in top.glob("rank[0-9]*") if rank.name[4:].isdigit() and
+            int(rank.name[4:]) >= world for f in _graph_folders(rank)]
+    for old in stale:
+        _remove_if_dead(old)
+
+
+def _graph_folders(root: Path) -> list[Path]:
+    return [*root.glob("graph_[0-9]*"), root / "export"]
+
+
+def _remove_if_dead(folder: Path) -> None:
+    """Remove a graph folder graphopt wrote (report.json, 00_dynamo.py or .owner in it)
+    unless a live process other than this one owns it."""
+    if any((folder / name).exists() for name in ("report.json", "00_dynamo.py", ".owner")) \
+            and not _owned_by_another_live_process(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _owner(folder: Path) -> int | None:
+    try:
+        return int((folder / ".owner").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _owned_by_another_live_process(folder: Path) -> bool:
-    try:
-        pid = int((folder / ".owner").read_text())
-    except (OSError, ValueError):
-        return False
-    if pid == os.getpid():
+    pid = _owner(folder)
+    if pid is None or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)
@@ -88,12 +114,16 @@ class Dumper:
         self._step = 0
         if root is None:
             return
-        root = _rank_root(root)
+        top, root = root, _rank_root(root)
         folder = root / (f"graph_{graph_id:03d}" if graph_id >= 0 else "export")
         try:
-            _claim(root)
+            _claim(top, root)
             if _owned_by_another_live_process(folder):
                 folder = folder.with_name(f"{folder.name}.pid{os.getpid()}")
+            elif _owner(folder) not in (None, os.getpid()):
+                # written by a process that has ended since this one's first dump (two
+                # runs on one directory: the other's graph_001 got this run's files too)
+                _remove_if_dead(folder)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / ".owner").write_text(str(os.getpid()))
         except OSError as exc:

@@ -225,7 +225,6 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     report.timing["graphopt_overhead"] = total - sum(
         report.timing.get(k, 0.0) for k in ("aot_autograd", "lowering"))
     report.status = "compiled"
-    dumper.write_report()
     compiled = _forward_ad_through_dynamo_graph(gm, compiled, model, report, dumper)
     if config.verify.enabled:
         assert snapshots is not None
@@ -242,6 +241,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     if buffer_reads and modified and report.fallback is None:
         compiled = _guard_folded_buffers(gm, compiled, example_inputs, buffer_reads, model,
                                          report, dumper)
+    dumper.write_report()  # after every note above (a review: the buffer guard's was missing)
     return compiled
 
 

@@ -52,6 +52,28 @@ def test_explain_reports_a_corrupt_report_clearly(tmp_path):
     (tmp_path / "report.json").write_text("{not json")
     result = runner.invoke(app, ["explain", str(tmp_path)])
     assert result.exit_code == 2 and "cannot read" in result.output
+    # valid JSON, fields of the wrong type: raw AttributeError/ValueError before (a review)
+    for bad in ('{"graph_id": 0, "status": 5}', '{"graph_id": 0, "timing": {"total": "x"}}'):
+        (tmp_path / "report.json").write_text(bad)
+        result = runner.invoke(app, ["explain", str(tmp_path)])
+        assert result.exit_code == 2 and "cannot re" in result.output, result.output
+
+
+def test_explain_labels_graphs_by_folder(tmp_path):
+    """Ranks' graphs and another process's (graph_000.pid<P>) share ids: each row names its
+    folder (both were "0" before, a review)."""
+    import json
+
+    from graphopt.report import CompileReport
+
+    for folder in ("rank0/graph_000", "rank1/graph_000", "graph_000.pid12"):
+        (tmp_path / folder).mkdir(parents=True)
+        report = CompileReport(graph_id=0, status="compiled", notes=[f"from {folder}"])
+        (tmp_path / folder / "report.json").write_text(json.dumps(report.to_dict()))
+    result = runner.invoke(app, ["explain", str(tmp_path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for folder in ("rank0/graph_000", "rank1/graph_000", "graph_000.pid12"):
+        assert f"graph {folder}: note: from {folder}" in result.output
 
 
 def test_demo_rejects_bad_arguments_before_building_anything():

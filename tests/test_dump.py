@@ -107,3 +107,51 @@ def test_dumps_never_delete_or_share_a_live_process_folder_and_split_ranks(tmp_p
     ordered = sorted(paths, key=_dump_order)
     assert [p.parent.name for p in ordered] == ["graph_999", "graph_1000", "export",
                                                 "graph_010", "graph_002"]
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_folder_of_a_run_that_ended_meanwhile_is_not_mixed_with_this_one(tmp_path,
+                                                                            monkeypatch):
+    """Two runs on one directory: the other process owned graph_001 at this one's first
+    dump and exited later; this run's graph 1 then wrote its files next to the other's
+    forward/backward (a review). Such a folder is now emptied first. And a single process
+    removes an earlier torchrun run's rank*/ graphs (rank 0 an earlier single process's and
+    those of ranks beyond its world): `graphopt explain` showed both runs' graph 0."""
+    import graphopt.dump as dump
+    from graphopt.dump import Dumper
+    from graphopt.report import CompileReport
+
+    def folder(path: Path, owner: int) -> Path:
+        path.mkdir(parents=True)
+        (path / "forward.py").write_text("theirs")
+        (path / ".owner").write_text(str(owner))
+        return path
+
+    dump._claimed.add(tmp_path.resolve())  # this process claimed the directory earlier
+    theirs = folder(tmp_path / "graph_001", _dead_pid())
+    mine = Dumper(tmp_path, 1, CompileReport(graph_id=1))
+    assert mine.dir == theirs and not (theirs / "forward.py").exists()
+
+    single = tmp_path / "single"
+    old_rank = folder(single / "rank0" / "graph_000", _dead_pid())
+    Dumper(single, 0, CompileReport(graph_id=0))
+    assert not old_rank.exists() and (single / "graph_000" / ".owner").exists()
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    old_single = single / "graph_000"
+    (old_single / ".owner").write_text(str(_dead_pid()))
+    beyond = folder(single / "rank3" / "graph_000", _dead_pid())
+    kept = folder(single / "rank1" / "graph_000", os.getppid())  # rank 1, still running
+    Dumper(single, 0, CompileReport(graph_id=0))
+    assert not old_single.exists() and not beyond.exists() and kept.exists()
+    assert (single / "rank0" / "graph_000" / ".owner").read_text() == str(os.getpid())

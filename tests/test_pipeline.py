@@ -295,3 +295,21 @@ def test_a_buffer_changed_after_compile_does_not_keep_the_rewrite_made_for_it(ki
     with pytest.warns(FallbackWarning, match="has changed; calls with the new value run"):
         check()
     assert len(graphopt.reports()) == 1  # no recompile: the guard ran Dynamo's graph
+
+
+def test_the_dumped_report_holds_every_note_without_verify(tmp_path):
+    """The report was written before the buffer guard added its note, so with verify off
+    report.json/report.md lacked it while graphopt.last_report() had it (a review)."""
+    import json
+
+    torch.manual_seed(0)
+    model = _MaskBuffer()
+    graphopt.clear_reports()
+    compiled = torch.compile(model, backend="graphopt", options={
+        "lowering": "eager", "attention": "exact", "dump_dir": str(tmp_path)})
+    with torch.no_grad():
+        compiled(torch.randn(2, 8, 16, dtype=torch.float64))
+    (report,) = graphopt.reports()
+    assert any("are guarded" in note for note in report.notes)
+    (path,) = tmp_path.glob("graph_*/report.json")
+    assert json.loads(path.read_text())["notes"] == report.notes
