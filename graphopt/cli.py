@@ -4,6 +4,7 @@ estimate, plan."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -70,7 +71,8 @@ def demo(
         ignored = [name for name, value, default in (
             ("--model", model, "minimax"), ("--lowering", lowering, "eager"),
             ("--attention", attention, "exact"), ("--dtype", dtype, "float32"),
-            ("--dump-dir", dump_dir, None)) if value != default]
+            ("--dump-dir", dump_dir, None), ("--no-verify", verify, True),
+            ("--no-moe", moe, True)) if value != default]
         if ignored:
             _fail(f"--parallel runs MiniMax in float64 with eager modules; it does not take "
                   f"{', '.join(ignored)}: drop them, or drop --parallel")
@@ -98,15 +100,25 @@ def demo(
                               progress=lambda msg: status.update(f"[bold]{escape(msg)}[/]"))
     except graphopt.GraphoptError as exc:
         _fail(str(exc))
+    except Exception as exc:  # Dynamo wraps a backend's errors: show graphopt's own
+        inner = getattr(exc, "inner_exception", None)
+        if isinstance(inner, graphopt.GraphoptError):
+            _fail(f"{type(inner).__name__}: {inner}")
+        raise
     _print_reports(graphopt.reports(), sites=0)
     table = Table(title=f"{model}: compiled vs eager ({dtype}, lowering {lowering}, "
                         f"attention {attention}" + (", moe" if moe else "") + ")")
     for col in ("check", "max abs error", "tolerance", "ok"):
         table.add_column(col)
     approximate = attention == "lightning"
+    failed = False
     for name, err, tol in result.checks:
-        ok = "[green]yes[/]" if err <= tol else (
-            "[yellow]differs (approximate)[/]" if approximate else "[red]NO[/]")
+        if err <= tol:
+            ok = "[green]yes[/]"
+        elif approximate and math.isfinite(err):  # NaN/Inf fail in every mode
+            ok = "[yellow]differs (approximate)[/]"
+        else:
+            ok, failed = "[red]NO[/]", True
         table.add_row(name, f"{err:.3g}", f"{tol:.3g}", ok)
     console.print(table)
     console.print(f"compile + first training step {result.train_s:.1f}s, inference step "
@@ -115,8 +127,9 @@ def demo(
     if approximate:
         console.print("attention='lightning' replaces softmax attention by Lightning Attention "
                       "(APPROXIMATE): outputs are expected to differ from eager; the run "
-                      "checks that it compiles, trains and reports each site.")
-    elif not result.ok:
+                      "checks that it compiles, trains with finite values and reports each "
+                      "site.")
+    if failed:
         raise typer.Exit(1)
 
 
@@ -126,7 +139,9 @@ def _parallel_demo(world: int, batch: int, seq: int) -> None:
     from graphopt.demo import run_parallel_demo
 
     if batch < 2 * world:
-        batch = 2 * world  # the default batch (2) cannot feed N data-parallel ranks
+        if batch != 2:  # the default batch (2) cannot feed N data-parallel ranks
+            console.print(f"--batch {batch} raised to {2 * world}: two sequences per rank")
+        batch = 2 * world
     try:
         with console.status(f"[bold]planning and running on {world} local ranks[/]"):
             result = run_parallel_demo(world, batch, seq)
@@ -135,11 +150,16 @@ def _parallel_demo(world: int, batch: int, seq: int) -> None:
     table = Table(title=f"MiniMax on {world} ranks: {result.plan}")
     for col in ("check", "value", "ok"):
         table.add_column(col)
-    good = result.loss_error < 1e-9 and result.grad_error < 1e-9
-    table.add_row("loss vs one process (float64)", f"{result.loss_error:.3g}",
-                  "[green]yes[/]" if result.loss_error < 1e-9 else "[red]NO[/]")
-    table.add_row("every gradient vs one process", f"{result.grad_error:.3g}",
-                  "[green]yes[/]" if result.grad_error < 1e-9 else "[red]NO[/]")
+    # relative, at float32's level: transformers' RMSNorm computes in float32 in a float64
+    # model, and CPU float32 reductions round differently for different batch sizes, so a
+    # 3-way split differs from one process by ~1e-7 (1e-17 for 2 and 4 ranks); plain
+    # FSDP2 does the same (a review: --parallel 3 and 5 failed an absolute 1e-9)
+    tol = 1e-6
+    good = result.loss_error < tol and result.grad_error < tol
+    table.add_row("loss vs one process (float64, relative)", f"{result.loss_error:.3g}",
+                  "[green]yes[/]" if result.loss_error < tol else "[red]NO[/]")
+    table.add_row("every gradient vs one process (relative)", f"{result.grad_error:.3g}",
+                  "[green]yes[/]" if result.grad_error < tol else "[red]NO[/]")
     table.add_row("step time: measured / predicted",
                   f"{result.measured_s * 1e3:.1f} ms / {result.predicted_s * 1e3:.1f} ms", "")
     console.print(table)
@@ -323,7 +343,9 @@ def calibrate(
     console.print(table)
     from graphopt.cost.profiles import local_profile_path
 
-    console.print(f"wrote {escape(str(out or local_profile_path()))} (profile 'local')")
+    console.print(f"wrote {escape(str(out))} (use it with --profile {escape(str(out))})"
+                  if out is not None else
+                  f"wrote {escape(str(local_profile_path()))} (profile 'local')")
 
 
 @app.command()
@@ -345,7 +367,7 @@ def estimate(
 
     from graphopt.cost import estimate as run
     from graphopt.errors import GraphoptError
-    from graphopt.models import build_architecture, resolve_model, sample_batch
+    from graphopt.models import build_architecture, resolve_model
 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(_DTYPES)}")
@@ -353,7 +375,9 @@ def estimate(
     try:
         source = resolve_model(model)
         net = build_architecture(source, getattr(torch, dtype), overrides, seq=seq)
-        ids = sample_batch(net, batch=batch, seq=seq).to("meta")
+        # on the meta device directly: token values do not matter to the fake trace, and
+        # real ids of batch x seq took that memory first (80 GB for 1e5 x 1e5, a review)
+        ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
         est = run(net, {"input_ids": ids, "labels": ids, "use_cache": False}, profile,
                   train=train, tracing="fake")
     except (GraphoptError, ValueError, TypeError) as exc:  # transformers' config validation
@@ -427,9 +451,11 @@ def plan(
         raise typer.BadParameter("dtype must be bfloat16 or float32")
     if activations not in ("traced", "fused"):
         raise typer.BadParameter("--activations must be traced or fused")
-    if json_out is not None and (json_out.is_dir() or not json_out.parent.is_dir()):
-        raise typer.BadParameter(f"--json {json_out}: not a writable file path (a directory, "
-                                 "or its folder does not exist)")
+    for flag, path in (("--json", json_out), ("--plot", plot)):
+        # checked before the search: the plot was written first and a bad path lost both
+        if path is not None and not _writable(path):
+            raise typer.BadParameter(f"{flag} {path}: not a writable file path (a directory, "
+                                     "or its folder does not exist or is not writable)")
     overrides = _parse_overrides(override)
     from graphopt.planner.plan import ParallelPlan
 
@@ -438,8 +464,14 @@ def plan(
     except (OSError, ValueError, TypeError, KeyError) as exc:
         _fail(f"--published: {type(exc).__name__}: {exc}")
     if seq_buckets is not None:
+        unused = [flag for flag, used in (("--json", json_out), ("--plot", plot),
+                                          ("--published", published), ("--top", top != 5))
+                  if used]
+        if unused:  # one best plan per bucket: these would silently do nothing (a review)
+            _fail(f"--seq-buckets prints the best plan of each bucket; {', '.join(unused)} "
+                  "apply to one sequence length: drop them, or drop --seq-buckets")
         _plan_buckets(model, cluster, devices, seq, global_batch, dtype, overrides, seq_buckets,
-                      activations)
+                      activations, recompute)
         return
     try:
         profile = load_profile(cluster)
@@ -472,11 +504,30 @@ def plan(
     console.print(table)
     from graphopt.parallel.auto import not_executable
 
-    for i, p in enumerate(result.top, 1):  # the planner also ranks plans for other executors
-        why = not_executable(p, global_batch)
+    ranked = list(result.top)
+    reasons = [not_executable(p, global_batch) for p in ranked]
+    for i, why in enumerate(reasons, 1):  # the planner also ranks plans for other executors
         if why:
             console.print(f"[yellow]plan {i} is not executed by graphopt.parallelize:[/] "
                           f"{escape(why)} (parallel='auto' passes over it)")
+    if all(reasons):  # the best plan graphopt runs, for the --json file's default
+        try:
+            deeper = search(pm, profile, devices, global_batch, top_k=200,
+                            published=known, recompute=recompute)
+        except GraphoptError:
+            deeper = None
+        runnable = [p for p in (deeper.top if deeper else [])
+                    if not not_executable(p, global_batch)]
+        if runnable:
+            ranked.append(runnable[0])
+            reasons.append("")
+            pred = runnable[0].prediction
+            assert pred is not None
+            console.print(f"best plan graphopt.parallelize executes (rank "
+                          f"{deeper.top.index(runnable[0]) + 1 if deeper else '?'}): "
+                          f"{escape(runnable[0].describe())}, step {pred.step_s:.3g} s, "
+                          f"MFU {pred.mfu:.1%}" + (" (in --json after the ranked ones)"
+                                                   if json_out else ""))
     _print_hand_configurations(result)
     _print_toy_note(source)
     if plot is not None:
@@ -491,10 +542,29 @@ def plan(
     if json_out is not None:
         json_out.write_text(json.dumps({
             "model": model, "cluster": cluster, "devices": devices, "seq": seq,
-            "global_batch": global_batch, "plans": [p.to_dict() for p in result.top],
+            "global_batch": global_batch, "plans": [p.to_dict() for p in ranked],
+            # why graphopt.parallelize does not run each plan ("": it does); ParallelPlan.
+            # load and options={"parallel": file} take the first it runs
+            "not_executed": reasons,
             "hand": [{"name": n, "plan": p.to_dict(), "verdict": w}
                      for n, p, w in result.hand]}, indent=2))
         console.print(f"wrote {escape(str(json_out))}")
+
+
+def _writable(path: Path) -> bool:
+    """Whether a file can be written at ``path``, by opening it for appending (a file this
+    creates is removed again): permission bits do not tell for root or /proc."""
+    if path.is_dir():
+        return False
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError:
+        return False
+    if not existed:
+        path.unlink(missing_ok=True)
+    return True
 
 
 def _parse_length(text: str) -> int:
@@ -512,7 +582,7 @@ def _parse_length(text: str) -> int:
 
 def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch: int,
                   dtype: str, overrides: dict[str, Any], buckets: str,
-                  activations: str = "traced") -> None:
+                  activations: str = "traced", recompute: bool = True) -> None:
     """Plan each sequence-length bucket at the same tokens per iteration and print where the
     best plan changes (the basis for re-planning per batch bucket)."""
     import torch
@@ -539,7 +609,7 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
             pm = plan_model(model, length, profile, getattr(torch, dtype),
                             activations=activations, overrides=overrides)
             try:
-                best = search(pm, profile, devices, batch, top_k=1).best
+                best = search(pm, profile, devices, batch, top_k=1, recompute=recompute).best
             except GraphoptError as exc:
                 table.add_row(str(length), str(batch), f"[red]{escape(str(exc)[:90])}[/]",
                               "", "", "", "")

@@ -16,6 +16,11 @@ from graphopt.errors import ConfigError
 from graphopt.models import build_model, expert_count, sample_batch
 from graphopt.verify import default_tolerance
 
+TOLERANCE = 2
+"""The demo's checks allow twice verify's tolerance of the dtype (bf16: rtol 2e-2, so 4%
+of the loss; float32/float64 models: float32's 1e-4, since transformers' RMSNorm computes
+in float32). It was 10x: 20% of the loss in bf16 (a review)."""
+
 
 @dataclass
 class DemoResult:
@@ -62,10 +67,11 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     rtol, _ = default_tolerance(torch.float32 if dtype == torch.float64 else dtype)
     result = DemoResult()
 
-    def step(model: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def step(model: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = model(input_ids=ids, labels=labels, use_cache=False)
         out.loss.backward()
-        grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
@@ -79,10 +85,22 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     result.train_s = time.perf_counter() - start
     loss_e, grads_e = step(eager)
     scale = max(1.0, float(loss_e.abs()))
-    result.checks.append(("training loss", _max_err(loss_c, loss_e), 10 * rtol * scale))
-    grad_err = max(_max_err(c, e) / max(1.0, float(e.abs().max()))
-                   for c, e in zip(grads_c, grads_e))
-    result.checks.append((f"{len(grads_e)} parameter gradients (relative)", grad_err, 10 * rtol))
+    result.checks.append(("training loss", _max_err(loss_c, loss_e), TOLERANCE * rtol * scale))
+    # the same parameters must get gradients (a lost gradient path is the worst bug: pairing
+    # the two lists by position hid missing ones, a review)
+    names_c = set(grads_c)
+    compiled_names = {n.replace("_orig_mod.", "", 1) for n in names_c}
+    if compiled_names != set(grads_e):
+        missing = sorted(set(grads_e) - compiled_names) + sorted(compiled_names - set(grads_e))
+        result.checks.append((f"parameters with a gradient: compiled {len(names_c)}, eager "
+                              f"{len(grads_e)} (differ at {', '.join(missing[:3])})",
+                              float("inf"), 0.0))
+    else:
+        by_name = {n.replace("_orig_mod.", "", 1): g for n, g in grads_c.items()}
+        grad_err = max(_max_err(by_name[n], e) / max(1.0, float(e.abs().max()))
+                       for n, e in grads_e.items())
+        result.checks.append((f"{len(grads_e)} parameter gradients (relative)", grad_err,
+                              TOLERANCE * rtol))
 
     progress("compiling + inference step (torch.no_grad)")
     start = time.perf_counter()
@@ -92,7 +110,7 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     result.infer_s = time.perf_counter() - start
     scale = max(1.0, float(logits_e.abs().max()))
     result.checks.append(("inference logits after the update", _max_err(logits_c, logits_e),
-                          10 * rtol * scale))
+                          TOLERANCE * rtol * scale))
     return result
 
 
@@ -187,9 +205,13 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict[str, Any], batch: 
     start = time.perf_counter()
     if plan.pp > 1:
         loss = model.step(local)
-    else:
-        loss = next_token(model(input_ids=local, use_cache=False).logits, local)
-        loss.backward()
+    else:  # the plan's microbatches, gradients accumulated (as its prediction assumes)
+        chunks = local.split(plan.microbatch)
+        loss = torch.zeros((), dtype=torch.float64)
+        for mb in chunks:
+            part = next_token(model(input_ids=mb, use_cache=False).logits, mb) / len(chunks)
+            part.backward()
+            loss += part.detach()
     elapsed = time.perf_counter() - start
     ref_loss = next_token(reference(input_ids=ids, use_cache=False).logits, ids)
     ref_loss.backward()
@@ -204,13 +226,16 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict[str, Any], batch: 
             if full.startswith(path + "."):
                 want = want[a:b]
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-        grad_error = max(grad_error, float((grad - want).abs().max()))
+        grad_error = max(grad_error, float((grad - want).abs().max()) /
+                         max(float(want.abs().max()), 1e-30))
     # the dp ranks' mean loss on the last stage: gather it to every rank
     value = torch.tensor([float(loss.detach()) if loss is not None else 0.0,
                           1.0 if loss is not None else 0.0], dtype=torch.float64)
     dist.all_reduce(value)
     mean = value[0] / value[1]
-    return {"loss_error": abs(float(mean - ref_loss.detach())), "grad_error": grad_error,
+    ref = float(ref_loss.detach())
+    return {"loss_error": abs(float(mean) - ref) / abs(ref),
+            "grad_error": grad_error,
             "seconds": elapsed, "notes": report.notes}
 
 

@@ -185,3 +185,35 @@ def test_parallel_demo_refuses_what_it_does_not_take_and_plans_for_any_world():
     assert result.exit_code != 0 and "does not take --model" in result.output
     plan, why = demo_plan(2, 4, 32)
     assert plan.devices == 2 and "2+ axes" in why[0], (plan.describe(), why)
+
+
+def test_demo_fails_when_the_compiled_model_loses_gradients(monkeypatch):
+    """The gradient check paired the two runs' gradient lists by position, so parameters
+    without a gradient on the compiled side went unnoticed (a review). Simulated by a
+    'compile' that stops the last two parameters' gradients."""
+    import graphopt.demo as demo
+
+    def lossy_compile(model, **_):
+        for p in list(model.parameters())[-2:]:
+            p.requires_grad_(False)
+        return model
+
+    monkeypatch.setattr(demo.torch, "compile", lossy_compile)
+    result = demo.run_demo("gpt2", "eager", torch.float32, 2, 16, None, False)
+    assert not result.ok
+    (check,) = [c for c in result.checks if c[0].startswith("parameters with a gradient")]
+    assert "compiled 26, eager 28" in check[0] and "ln_f" in check[0]
+
+
+def test_demo_shows_graphopts_error_not_dynamos_traceback(monkeypatch):
+    import graphopt.passes.cse as cse
+
+    def boom(self, gm, ctx):
+        raise RuntimeError("simulated pass bug")
+
+    monkeypatch.setattr(cse.CSEPass, "run", boom)
+    result = runner.invoke(app, ["demo", "--model", "llama", "--no-verify", "--seq", "16"],
+                           terminal_width=200)
+    assert result.exit_code == 2, result.output
+    assert "PassFailedError: pass 'cse'" in result.output and "disable" in result.output
+    assert "Traceback" not in result.output

@@ -688,3 +688,42 @@ def test_a_plan_file_of_graphopt_plan_loads_any_ranked_plan(tmp_path):
     ParallelPlan(tp=2).save(tmp_path / "one.json")
     with pytest.raises(ConfigError, match="holds one plan"):
         ParallelPlan.load(tmp_path / "one.json", index=1)
+    # by default the best plan graphopt executes (the file's not_executed reasons): README's
+    # llama3-70b example ranked only CP x PP plans first, and the best was loaded (a review)
+    path.write_text(json.dumps({"plans": plans, "not_executed": ["CP with PP is not executed",
+                                                                 ""]}))
+    assert ParallelPlan.load(path) == ParallelPlan(tp=2, dp_shard=4)
+    assert ParallelPlan.load(path, index=0) == ParallelPlan(dp_shard=8)
+    path.write_text(json.dumps({"plans": plans, "not_executed": ["CP with PP is not executed"]
+                                * 2}))
+    with pytest.raises(ConfigError, match=r"none of the 2 plans .*\(CP with PP is not executed\)"):
+        ParallelPlan.load(path)
+
+
+def test_cli_plan_json_holds_the_best_executed_plan_and_bad_flag_mixes_are_refused(tmp_path):
+    """README's `graphopt plan --model llama3-70b ... --devices 64 --seq 8192 --global-batch
+    256 --json plans.json` ranks CP x PP plans first, which graphopt.parallelize does not run:
+    the file also holds the best plan it runs, marked, and loading the file takes that one.
+    --seq-buckets ignored --json/--plot/--published/--top; --plot to an unwritable path failed
+    after the whole search (a review)."""
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+    from graphopt.parallel.auto import not_executable
+
+    out = tmp_path / "plans.json"
+    result = CliRunner().invoke(app, [
+        "plan", "--model", "llama3-70b", "--cluster", "h100-sxm", "--devices", "64", "--seq",
+        "8192", "--global-batch", "256", "--json", str(out)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert len(data["not_executed"]) == len(data["plans"])
+    plan = ParallelPlan.load(out)
+    assert not not_executable(plan, 256)
+    assert data["plans"].index(plan.to_dict()) == data["not_executed"].index("")
+    args = ["plan", "--model", "llama", "--devices", "8", "--global-batch", "8", "--seq", "128"]
+    mixed = CliRunner().invoke(app, [*args, "--seq-buckets", "64,128", "--json", str(out)])
+    assert mixed.exit_code == 2 and "--seq-buckets prints the best plan" in mixed.output
+    assert "--json" in mixed.output
+    bad_plot = CliRunner().invoke(app, [*args, "--plot", "/proc/p.png"])
+    assert bad_plot.exit_code == 2 and "not a writable file path" in bad_plot.output

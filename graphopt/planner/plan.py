@@ -294,11 +294,12 @@ class ParallelPlan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], index: int = 0) -> ParallelPlan:
+    def load(cls, path: str | os.PathLike[str], index: int | None = None) -> ParallelPlan:
         """Read a plan written by :meth:`save`, or plan ``index`` of the output of
-        ``graphopt plan --json`` (ranked, best first: 0 is the best); ConfigError as
-        :meth:`from_dict`, for a file that is missing or not JSON, and for an index the
-        file does not have."""
+        ``graphopt plan --json`` (ranked, best first: 0 is the best; the default, None, is
+        the best one graphopt.parallelize executes, as the file's ``not_executed`` list
+        says); ConfigError as :meth:`from_dict`, for a file that is missing or not JSON,
+        for an index the file does not have, and when no plan of the file is executed."""
         try:
             data = json.loads(Path(path).read_text())
         except OSError as exc:
@@ -313,6 +314,17 @@ class ParallelPlan:
             if not isinstance(plans, list) or not plans:
                 raise ConfigError(f"{str(path)!r} looks like `graphopt plan --json` output "
                                   "but its 'plans' list is empty")
+            if index is None:
+                # the ranked plans include ones graphopt does not execute (CP with PP, ...):
+                # the first one it does (a review: README's workflow loaded a CP x PP plan)
+                why = data.get("not_executed") or [""] * len(plans)
+                runnable = [i for i, w in enumerate(why) if not w]
+                if not runnable:
+                    raise ConfigError(
+                        f"none of the {len(plans)} plans in {str(path)!r} is executed by "
+                        f"graphopt.parallelize ({'; '.join(dict.fromkeys(why))}); load one "
+                        "with index=i to inspect it, or plan with other devices or batch")
+                index = runnable[0]
             if not isinstance(index, int) or not -len(plans) <= index < len(plans):
                 raise ConfigError(f"{str(path)!r} holds {len(plans)} plans (0 .. "
                                   f"{len(plans) - 1}, best first); index {index!r} is not one")
