@@ -396,6 +396,8 @@ def estimate(
                       f"({capacity / 2**30:.0f} GiB) even before optimizer states: see "
                       "`graphopt plan` for a sharded plan[/]")
     _print_toy_note(source)
+    if not top:  # --top 0: no table (it printed an empty one)
+        return
     table = Table(title="top cost contributors (by op)")
     for col in ("op", "ms", "GFLOP", "MB moved"):
         table.add_column(col)
@@ -574,8 +576,8 @@ def _parse_length(text: str) -> int:
         length = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
     except ValueError:
         length = 0
-    if length < 1:
-        raise typer.BadParameter(f"--seq-buckets takes lengths >= 1 such as 2k,8k,32768; got "
+    if length < 2:  # as --seq: the loss predicts the next token
+        raise typer.BadParameter(f"--seq-buckets takes lengths >= 2 such as 2k,8k,32768; got "
                                  f"{text!r}")
     return length
 
@@ -597,6 +599,11 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
         raise typer.BadParameter(f"--seq-buckets takes comma-separated lengths such as "
                                  f"2k,8k,32768; got {buckets!r}")
     tokens = seq * global_batch
+    longer = [n for n in lengths if n > tokens]
+    if longer:  # one sequence would already hold more tokens than the iteration
+        raise typer.BadParameter(f"--seq-buckets {', '.join(map(str, longer))}: longer than the "
+                                 f"{tokens:,} tokens per iteration (--seq x --global-batch); "
+                                 "raise --global-batch or drop those buckets")
     table = Table(title=f"{escape(model)} on {devices} devices, {tokens:,} tokens per "
                         "iteration, best plan per sequence bucket")
     for col in ("seq", "global batch", "best plan", "step s", "MFU", "memory GiB", "change"):
@@ -611,7 +618,7 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
             try:
                 best = search(pm, profile, devices, batch, top_k=1, recompute=recompute).best
             except GraphoptError as exc:
-                table.add_row(str(length), str(batch), f"[red]{escape(str(exc)[:90])}[/]",
+                table.add_row(str(length), str(batch), f"[red]{escape(str(exc))}[/]",
                               "", "", "", "")
                 continue
             pred = best.prediction
@@ -673,7 +680,8 @@ def _print_reports(reports: list[CompileReport], sites: int,
 
     summary = Table(title="graphopt compile report", caption=(
         "nodes: FX nodes of the captured graph before -> after the model passes; rewrites / "
-        "skips: pass sites rewritten / left as they are with a reason (listed below); "
+        "skips: pass sites rewritten / left as they are with a reason (listed below, or "
+        "by graphopt explain of the dump); "
         "graphopt s: graphopt's own compile time, total s: with AOTAutograd and the "
         "lowering; verify: the numeric check against the captured graph (option verify)"))
     for col in ("graph", "status", "lowering", "train", "nodes", "rewrites", "skips",

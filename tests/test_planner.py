@@ -328,6 +328,11 @@ def test_cli_plan_buckets_and_plot(tmp_path):
     assert "best plan per sequence bucket" in buckets.output
     assert "1024" in buckets.output and ("same" in buckets.output or
                                          "re-plan" in buckets.output)
+    # a bucket longer than the iteration's tokens ran with more tokens than the title said
+    too_long = CliRunner().invoke(app, ["plan", "--model", "llama", "--devices", "8", "--seq",
+                                        "128", "--global-batch", "2", "--seq-buckets",
+                                        "64,1k"])
+    assert too_long.exit_code == 2 and "longer than the 256 tokens" in too_long.output
 
 
 def test_selective_checkpointing_keeps_what_torchtitans_policy_keeps():
