@@ -28,7 +28,6 @@ from torch import fx
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.overrides import TorchFunctionMode
 
 
 def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list]:
@@ -69,13 +68,12 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
     ours_only = _default_checkpoint_context(gm)
 
     def run(*args: Any) -> Any:
-        with _AutocastApplied():
-            return _FakeAttrs(gm, fake_mode).run(*args)
+        return _FakeAttrs(gm, fake_mode).run(*args)
 
     # its "context_fn is passed" warning would be about graphopt's default
     quiet = quiet_logger("torch._higher_order_ops.wrap", logging.ERROR) if ours_only \
         else contextlib.nullcontext()
-    with quiet, fx_traceback.preserve_node_meta(), fake_mode:
+    with quiet, fx_traceback.preserve_node_meta(), fake_mode, _autocast_restored():
         traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
                          _allow_non_fake_inputs=True)(*fakes)
     _rename_placeholders(traced, gm)
@@ -121,14 +119,15 @@ def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> Non
     allow = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True
     try:
-        with fake_mode, fresh, torch.set_grad_enabled(torch.is_grad_enabled()):
+        with fake_mode, fresh, torch.set_grad_enabled(torch.is_grad_enabled()), \
+                _autocast_restored():
             _RuntimeMeta(gm, fake_mode).run(*fakes)
     finally:
         fake_mode.allow_non_fake_inputs = allow
 
 
-class _AutocastApplied(TorchFunctionMode):
-    """Turn autocast on for the trace inside the graph's own autocast regions.
+def _enter_applied(*args: Any, **kwargs: Any) -> Any:
+    """Dynamo's ``_enter_autocast`` as ``torch.autocast`` enters under a trace.
 
     Dynamo records ``with torch.autocast(...)`` in the compiled code as
     ``_enter_autocast``/``_exit_autocast`` calls; under a pre-dispatch trace those only
@@ -136,23 +135,73 @@ class _AutocastApplied(TorchFunctionMode):
     the region's ops were traced with float32 fake values. Conversions then traced as at
     that dtype: ``y = h.float(); y.mul_(0.5)`` on a bf16 ``h`` became an in-place write to
     ``h`` itself, and every later read of ``h`` read the scaled copy (a review: output 0.51
-    and gradients 0.37 off, silently; aot_eager exact). Here each region is entered as
-    ``torch.autocast`` enters under a trace: autocast's thread-local state is set for the
-    ops inside (the fakes get their run-time dtypes, a real conversion records a copy)
-    and the pre-dispatch mode below records the same enter/exit calls as before, so the
-    graph still turns autocast on when it runs. Regions inside ``torch.utils.checkpoint``
-    bodies are traced through this mode too."""
+    and gradients 0.37 off, silently; aot_eager exact). Entered this way, autocast's
+    thread-local state is set for the ops inside (the fakes get their run-time dtypes, a
+    real conversion records a copy) and the pre-dispatch mode records the same enter/exit
+    calls as before, so the graph still turns autocast on when it runs. Outside a trace it
+    does what ``_enter_autocast`` does."""
+    region = torch.amp.autocast_mode._UnmanagedAutocast(*args, **kwargs)
+    region.__enter__()
+    _OPEN_REGIONS.append(region)
+    return region
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func is _ENTER_AUTOCAST:
-            region = torch.amp.autocast_mode._UnmanagedAutocast(*args, **(kwargs or {}))
-            region.__enter__()
-            return region
-        if func is _EXIT_AUTOCAST and args and isinstance(args[0], torch.autocast):
-            args[0].__exit__(None, None, None)
-            return None
-        return func(*args, **(kwargs or {}))
+
+def _exit_applied(region: Any) -> None:
+    """Dynamo's ``_exit_autocast`` for a region :func:`_enter_applied` entered."""
+    if isinstance(region, torch.autocast):
+        region.__exit__(None, None, None)
+        if region in _OPEN_REGIONS:
+            _OPEN_REGIONS.remove(region)
+    else:
+        _EXIT_AUTOCAST(region)
+
+
+_OPEN_REGIONS: list[torch.autocast] = []
+"""Regions :func:`_enter_applied` entered and no exit closed yet."""
+
+
+@contextlib.contextmanager
+def _autocast_restored() -> Iterator[None]:
+    """Close the regions a failed trace or run left open, so autocast's thread-local state
+    is the caller's again (a trace that raised inside a region left it changed, and the
+    fallback then ran the model under it: gradients 0.5 off, a review)."""
+    depth = len(_OPEN_REGIONS)
+    try:
+        yield
+    finally:
+        while len(_OPEN_REGIONS) > depth:
+            _OPEN_REGIONS.pop().__exit__(None, None, None)
+
+
+def _with_applied_autocast(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (a higher-order op's body, e.g. a ``torch.utils.checkpoint`` region) with its
+    autocast calls, and those of the bodies inside it, replaced by :func:`_enter_applied` /
+    :func:`_exit_applied`: such a body is traced by the op's own tracer, not by the
+    interpreter (a review: a region inside a checkpoint body kept the aliasing bug, output
+    0.69 and gradients 5.5 off). A copy sharing ``gm``'s attributes; ``gm`` itself when it
+    has no region."""
+    changed: dict[str, fx.GraphModule] = {}
+    for n in gm.graph.nodes:
+        body = getattr(gm, str(n.target), None) if n.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            applied = _with_applied_autocast(body)
+            if applied is not body:
+                changed[str(n.target)] = applied
+    if not changed and not any(n.op == "call_function" and n.target in (
+            _ENTER_AUTOCAST, _EXIT_AUTOCAST) for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is _ENTER_AUTOCAST:
+            n.target = _enter_applied
+        elif n.op == "call_function" and n.target is _EXIT_AUTOCAST:
+            n.target = _exit_applied
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)  # e.g. the checkpoint context function torch's rule reads
+    for name, applied in changed.items():
+        setattr(out, name, applied)
+    return out
 
 
 class _FakeAttrs(fx.Interpreter):
@@ -167,6 +216,18 @@ class _FakeAttrs(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode) -> None:
         super().__init__(gm)
         self.fake_mode = fake_mode
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # autocast regions are traced with autocast on (see _enter_applied), also those in
+        # the bodies of higher-order ops (checkpoint regions), which their own tracer runs
+        if target is _ENTER_AUTOCAST:
+            return _enter_applied(*args, **kwargs)
+        if target is _EXIT_AUTOCAST:
+            return _exit_applied(*args)
+        if isinstance(target, torch._ops.HigherOrderOperator) and args and \
+                isinstance(args[0], fx.GraphModule):
+            args = (_with_applied_autocast(args[0]), *args[1:])
+        return super().call_function(target, args, kwargs)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         value = super().get_attr(target, args, kwargs)

@@ -147,6 +147,66 @@ def test_a_copy_made_inside_an_autocast_region_stays_a_copy(variant, checkpointe
     assert report.fallback is None
 
 
+class _RegionInCheckpoint(nn.Module):
+    """An autocast region inside a torch.utils.checkpoint body (``disabled``: an
+    enabled=False region under an outer bf16 one), with a cast copy written in place."""
+
+    def __init__(self, disabled):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.disabled = disabled
+
+    def body(self, a):
+        if self.disabled:
+            with torch.autocast("cpu", enabled=False):
+                h = self.l2(a.float())
+                y = h.bfloat16()
+                y.mul_(0.5)
+                return self.l3(h), y
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.l2(a)
+            y = h.float()
+            y.mul_(0.5)
+            return self.l3(h), y
+
+    def forward(self, x):
+        import torch.utils.checkpoint as checkpoint
+
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.disabled):
+            return checkpoint.checkpoint(self.body, self.l1(x), use_reentrant=False)
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_an_autocast_region_inside_a_checkpoint_body_keeps_its_copies(disabled):
+    """A checkpoint body is traced by the higher-order op's own tracer: its regions kept
+    the aliasing bug (output 0.69, gradients 5.5 off; the enabled=False variant crashed at
+    run time), a review of the first fix."""
+    torch.manual_seed(0)
+    model = _RegionInCheckpoint(disabled)
+    x = torch.randn(4, 16, requires_grad=True)
+    graphopt.clear_reports()
+    (report,) = _compile_and_compare(model, [x], rtol=0, atol=0)
+    assert report.fallback is None
+
+
+def test_a_trace_that_fails_inside_an_autocast_region_leaves_autocast_as_it_was(monkeypatch):
+    """The trace now enters regions for real: one that raised inside a region left
+    autocast's state changed, and the fallback then ran under it (gradients 0.5 off)."""
+    import graphopt.normalize as normalize
+
+    def broken_exit(region):
+        raise RuntimeError("simulated failure inside the region")
+
+    monkeypatch.setattr(normalize, "_exit_applied", broken_exit)
+    torch.manual_seed(0)
+    model = _RegionInCheckpoint(True)
+    x = torch.randn(4, 16, requires_grad=True)
+    graphopt.clear_reports()
+    (report,) = _compile_and_compare(model, [x], rtol=0, atol=0)
+    assert "simulated failure" in (report.fallback or "")
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_ambient_autocast_matches_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
