@@ -256,7 +256,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     dense_stride = plan.group_stride(("dp_shard", "cp"))
     if plan.ep > 1:
         edp_shard = plan.dp_shard * cp * tp // (plan.ep * plan.expert_tp)
-        zero_experts = zero if zero >= 2 and edp_shard > 1 else 0
+        # FSDP shards the experts only where it shards the dense parameters too
+        # (apply._apply_dp: dp_shard x cp > 1); else their gradient hook all-reduces
+        zero_experts = zero if zero >= 2 and edp_shard > 1 and shard_group > 1 else 0
         expert_stride = plan.group_stride(("dp_shard", "cp", "tp"), edp_shard)
     else:
         edp_shard, zero_experts, expert_stride = shard_group, zero_dense, dense_stride
