@@ -8,7 +8,7 @@ Layout, per graph Dynamo compiles (``graph_NNN``)::
     joint.py | forward.py | backward.py | inference.py
     *.dot (+ .svg when Graphviz's ``dot`` is installed), when pydot is installed
     report.json, report.md
-    .owner                       the pid of the process writing the folder
+    .owner                       "<pid> <host>" of the process writing the folder
 
 Under torch.distributed (``WORLD_SIZE`` > 1) each rank writes under ``rank<R>/``. A folder
 another live process owns is never removed or written: that process's graph takes
@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import os
 import shutil
+import socket
 import subprocess
 import time
 import warnings
@@ -50,14 +51,19 @@ def _claim(top: Path, root: Path) -> None:
     _claimed.add(key)
     stale = _graph_folders(root)
     if root == top:
-        stale += [f for rank in top.glob("rank[0-9]*") for f in _graph_folders(rank)]
+        stale += [f for rank in _rank_folders(top) for f in _graph_folders(rank)]
     elif root.name == "rank0":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         stale += _graph_folders(top) + [
-            f for rank in top.glob("rank[0-9]*") if rank.name[4:].isdigit() and
-            int(rank.name[4:]) >= world for f in _graph_folders(rank)]
+            f for rank in _rank_folders(top) if int(rank.name[4:]) >= world
+            for f in _graph_folders(rank)]
     for old in stale:
         _remove_if_dead(old)
+
+
+def _rank_folders(top: Path) -> list[Path]:
+    """``rank<R>`` folders (exactly: a user's ``rank1_notes/`` is not one)."""
+    return [p for p in top.glob("rank[0-9]*") if p.name[4:].isdigit()]
 
 
 def _graph_folders(root: Path) -> list[Path]:
@@ -72,9 +78,20 @@ def _remove_if_dead(folder: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+_HOST = socket.gethostname()
+
+
+def _owner_tag() -> str:
+    """What ``.owner`` holds: "<pid> <host>" (a dump directory may be shared by nodes)."""
+    return f"{os.getpid()} {_HOST}"
+
+
 def _owner(folder: Path) -> int | None:
+    """The pid that owns ``folder``; -1 for a process on another host (its liveness cannot
+    be checked here: treated as alive, so a node never removes another node's dumps)."""
     try:
-        return int((folder / ".owner").read_text())
+        pid, _, host = (folder / ".owner").read_text().strip().partition(" ")
+        return int(pid) if not host or host == _HOST else -1
     except (OSError, ValueError):
         return None
 
@@ -83,6 +100,8 @@ def _owned_by_another_live_process(folder: Path) -> bool:
     pid = _owner(folder)
     if pid is None or pid == os.getpid():
         return False
+    if pid == -1:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -125,7 +144,7 @@ class Dumper:
                 # runs on one directory: the other's graph_001 got this run's files too)
                 _remove_if_dead(folder)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / ".owner").write_text(str(os.getpid()))
+            (folder / ".owner").write_text(_owner_tag())
         except OSError as exc:
             self._failed(exc)
             return

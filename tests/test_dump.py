@@ -86,7 +86,7 @@ def test_dumps_never_delete_or_share_a_live_process_folder_and_split_ranks(tmp_p
     (other / ".owner").write_text(str(os.getppid()))  # a live process that is not this one
     mine = Dumper(tmp_path, 0, CompileReport(graph_id=0))
     assert other.exists() and mine.dir == tmp_path / f"graph_000.pid{os.getpid()}"
-    assert (mine.dir / ".owner").read_text() == str(os.getpid())
+    assert (mine.dir / ".owner").read_text().split()[0] == str(os.getpid())
     export = Dumper(tmp_path, -1, CompileReport(graph_id=-1))
     assert export.dir == tmp_path / "export"
 
@@ -154,4 +154,15 @@ def test_a_folder_of_a_run_that_ended_meanwhile_is_not_mixed_with_this_one(tmp_p
     kept = folder(single / "rank1" / "graph_000", os.getppid())  # rank 1, still running
     Dumper(single, 0, CompileReport(graph_id=0))
     assert not old_single.exists() and not beyond.exists() and kept.exists()
-    assert (single / "rank0" / "graph_000" / ".owner").read_text() == str(os.getpid())
+    assert (single / "rank0" / "graph_000" / ".owner").read_text().split()[0] == \
+        str(os.getpid())
+    # another host's folder is never judged dead here, nor a user's rank1_notes/ a rank
+    (single / "rank1_notes").mkdir()
+    (single / "rank1_notes" / "graph_000").mkdir()
+    (single / "rank1_notes" / "graph_000" / "report.json").write_text("{}")
+    other_host = folder(single / "rank2" / "graph_000", 1)
+    (other_host / ".owner").write_text(f"{_dead_pid()} another-node")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    dump._claimed.discard(single.resolve())
+    Dumper(single, 0, CompileReport(graph_id=0))
+    assert other_host.exists() and (single / "rank1_notes" / "graph_000").exists()
