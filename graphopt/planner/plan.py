@@ -338,7 +338,7 @@ class ParallelPlan:
         """One line naming the parallel degrees and options that are not 1/off."""
         parts = [f"{a}={getattr(self, a)}" for a in ("dp_replicate", "dp_shard", "tp", "cp",
                                                       "pp", "ep") if getattr(self, a) > 1]
-        if self.dp_shard > 1:
+        if self.dp_shard > 1 or (self.cp > 1 and self.zero_stage >= 2):  # FSDP over dp x cp
             parts.append(f"ZeRO-{self.zero_stage}")
         if self.tp > 1 and self.sp:
             parts.append("SP")
