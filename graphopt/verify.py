@@ -349,10 +349,10 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
             return "output/gradient counts differ"
         n_out = len(reference[0])
         for i, (o, t, (e, a)) in enumerate(zip(ours, torchs, pairs)):
-            problem = None if o <= 2 * t else _compare_one(e, a, config, dtype)
-            if problem:
+            bad = None if o <= 2 * t else _compare_one(e, a, config, dtype)
+            if bad:
                 kind, j = ("output", i) if i < n_out else ("gradient", i - n_out)
-                return f"{kind} {j}: {problem}; aot_eager's error there {t:.3g}"
+                return f"{kind} {j}: {bad}; aot_eager's error there {t:.3g}"
         return None
 
     def excused(outcome: Outcome) -> bool:
