@@ -63,7 +63,7 @@ def _claim(top: Path, root: Path) -> None:
 
 def _rank_folders(top: Path) -> list[Path]:
     """``rank<R>`` folders (exactly: a user's ``rank1_notes/`` is not one)."""
-    return [p for p in top.glob("rank[0-9]*") if p.name[4:].isdigit()]
+    return [p for p in top.glob("rank[0-9]*") if p.name[4:].isascii() and p.name[4:].isdigit()]
 
 
 def _graph_folders(root: Path) -> list[Path]:

@@ -224,9 +224,9 @@ class _FakeAttrs(fx.Interpreter):
             return _enter_applied(*args, **kwargs)
         if target is _EXIT_AUTOCAST:
             return _exit_applied(*args)
-        if isinstance(target, torch._ops.HigherOrderOperator) and args and \
-                isinstance(args[0], fx.GraphModule):
-            args = (_with_applied_autocast(args[0]), *args[1:])
+        if isinstance(target, torch._ops.HigherOrderOperator):  # bodies at any position
+            args = tuple(_with_applied_autocast(a) if isinstance(a, fx.GraphModule) else a
+                         for a in args)
         return super().call_function(target, args, kwargs)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:

@@ -152,6 +152,7 @@ def test_a_folder_of_a_run_that_ended_meanwhile_is_not_mixed_with_this_one(tmp_p
     (old_single / ".owner").write_text(str(_dead_pid()))
     beyond = folder(single / "rank3" / "graph_000", _dead_pid())
     kept = folder(single / "rank1" / "graph_000", os.getppid())  # rank 1, still running
+    (single / "rank1\u00b2").mkdir()  # a superscript digit: isdigit() but not int()
     Dumper(single, 0, CompileReport(graph_id=0))
     assert not old_single.exists() and not beyond.exists() and kept.exists()
     assert (single / "rank0" / "graph_000" / ".owner").read_text().split()[0] == \

@@ -324,3 +324,28 @@ def test_a_wrong_lowering_is_still_named_with_torchs_own_difference():
         verify_compile(gm, lambda x: (gm(x)[0] * 1.01,), [torch.randn(16, dtype=torch.float64)],
                        [("normalize", True, gm)], GraphoptConfig(), report,
                        recompile=lambda disabled: gm)
+
+
+@pytest.mark.parametrize("wrong", ["nan_output", "inf_gradient"])
+def test_nan_or_inf_where_eager_is_finite_is_never_excused(wrong):
+    """The per-tensor baseline measured finite entries only: an all-NaN output (and an Inf
+    gradient entry) measured 0 error, 0 <= 2 x aot_eager's 0, and verify said "passed"
+    (a review)."""
+    from graphopt.config import GraphoptConfig
+    from graphopt.report import CompileReport
+    from graphopt.verify import verify_compile
+
+    gm = torch.fx.symbolic_trace(lambda x, w: ((x * w).sin(), (x + w).cos()))
+
+    def compiled(x, w):
+        a, b = gm(x, w)
+        if wrong == "nan_output":
+            return a * torch.nan, b
+        return a, b.clone().index_fill_(0, torch.tensor([0]), torch.inf)
+
+    report = CompileReport(graph_id=0, lowering="eager", training=True)
+    x, w = (torch.randn(16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    with pytest.warns(UserWarning, match="non-finite"), \
+            pytest.raises(VerificationError, match="lowering 'eager' differs"):
+        verify_compile(gm, compiled, [x, w], [("normalize", True, gm)], GraphoptConfig(),
+                       report, recompile=lambda disabled: gm)
