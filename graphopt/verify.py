@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from graphopt.config import GraphoptConfig
 from graphopt.errors import VerificationError
-from graphopt.passes.fx_utils import is_mutating, is_random
+from graphopt.passes.fx_utils import is_mutating, is_random, unannotated_writes
 from graphopt.passes.regions import checkpoint_bodies
 from graphopt.report import CompileReport
 
@@ -280,8 +280,8 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
                          "detail": f"graph draws random numbers ({', '.join(random_ops[:3])}); "
                                    "eager and compiled runs cannot be compared value by value"}
         return
-    written = [n.name for _, _, body in checkpoint_bodies(snapshots[0][2])
-               for n in _all_nodes(body) if is_mutating(n)]
+    written = [name for _, _, body in checkpoint_bodies(snapshots[0][2])
+               for name in _input_writes(body)]
     if written:
         report.verify = {
             "status": "skipped",
@@ -384,6 +384,36 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
           + (f"; torch.compile(backend='aot_eager') of the same graph differs by up to "
              f"{max(torchs or [0.0]):.3g}, graphopt by {max_error(reference, actual):.3g}"
              if torchs is not None else ""))
+
+
+def _input_writes(body: torch.fx.GraphModule) -> list[str]:
+    """Nodes of a checkpoint region ``body`` that write in place into one of its inputs
+    (through a view too), which its recomputation repeats: BatchNorm's running statistics.
+    Writes into tensors the region creates repeat harmlessly (a review: MoE routing's
+    ``div_``/``index_put_`` on fresh tensors skipped verify for every MoE model under
+    gradient checkpointing). Conservative: a write whose tensors carry no fake value, and
+    any write inside a nested region, counts."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node: Any) -> Any:
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+    inputs = {storage(ph) for ph in body.graph.find_nodes(op="placeholder")} - {None}
+    out = [n.name for m in body.modules() if m is not body and isinstance(
+        m, torch.fx.GraphModule) for n in m.graph.nodes if is_mutating(n)]
+    for n in body.graph.nodes:
+        if not is_mutating(n):
+            continue
+        schema = n.target._schema  # type: ignore[union-attr]
+        targets = [n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+                   for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        targets += unannotated_writes(n)
+        stores = [storage(t) for t in targets]
+        if not stores or any(s is None or s in inputs for s in stores):
+            out.append(n.name)
+    return out
 
 
 def _pairs(expected: Outcome, actual: Outcome) -> list[tuple[Any, Any]]:

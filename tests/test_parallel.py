@@ -727,21 +727,25 @@ def test_planner_golden_plans_on_large_fake_worlds(model_name, devices, global_b
 
 
 def test_planner_expert_parallel_golden_plan_on_a_large_fake_world():
-    """Mixtral-8x22B on 64 H100: the planner's best plan without PP/CP folds EP=8 over
-    dp_shard=32 x tp=2. On rank 45 of a fake 64-rank world: the EP group is the 8
-    consecutive ranks 40-47, the ranks holding the same expert (edp_shard) are 8 apart,
-    each rank keeps E/ep = 1 expert of 8, and FSDP splits that expert's rows over the 8
-    edp_shard ranks (dim 1: one expert cannot be split on dim 0)."""
+    """Mixtral-8x22B on 64 H100, EP=8 folded over dp_shard=32 x tp=2 (ZeRO-3, half the
+    layers recomputed: the planner prices it within an H100's memory; its best plans now
+    add CP and PP, which shard the gradient group over dp_shard x cp). On rank 45 of a fake
+    64-rank world: the EP group is the 8 consecutive ranks 40-47, the ranks holding the
+    same expert (edp_shard) are 8 apart, each rank keeps E/ep = 1 expert of 8, and FSDP
+    splits that expert's rows over the 8 edp_shard ranks (dim 1: one expert cannot be
+    split on dim 0)."""
     from graphopt.cost.profiles import CLUSTERS
     from graphopt.distributed import run_fake_world
     from graphopt.models import model_config, resolve_model
     from graphopt.planner.model import plan_model
-    from graphopt.planner.search import search
+    from graphopt.planner.perf import evaluate
 
     h100 = CLUSTERS["h100-sxm"]
-    result = search(plan_model("mixtral-8x22b", 4096, h100), h100, 64, 256, top_k=50)
-    plan = next(p for p in result.top if p.pp == p.cp == 1 and p.ep > 1)
-    assert (plan.dp_shard, plan.tp, plan.ep, plan.zero_stage) == (32, 2, 8, 3)
+    plan = ParallelPlan(dp_shard=32, tp=2, sp=True, ep=8, zero_stage=3, recompute_layers=28)
+    planned = plan_model("mixtral-8x22b", 4096, h100)
+    assert not plan.problems(devices=64, layers=planned.layers, heads=planned.heads,
+                             experts=planned.experts, global_batch=256, seq=4096)
+    assert evaluate(plan, planned, h100, 256).memory_bytes < h100.device.memory_bytes
     kwargs = {k: getattr(plan, k) for k in ("dp_replicate", "dp_shard", "tp", "sp",
                                              "zero_stage", "ep")}
     ep_ranks, edp_ranks, shapes = run_fake_world(_golden_plan_worker, 64, 45, "mixtral-8x22b",

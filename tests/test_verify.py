@@ -232,6 +232,37 @@ def test_a_checkpoint_region_that_writes_a_buffer_skips_verification():
     assert int(model.bn.num_batches_tracked) == 1  # as aot_eager
 
 
+def test_a_checkpoint_region_that_writes_only_its_own_tensors_is_verified():
+    """Writes into tensors the region creates (MoE routing's div_/index_put_) repeat
+    harmlessly under recomputation; verify skipped such graphs, so every MoE model under
+    gradient checkpointing went unverified (a review). A write through a view of an input
+    still skips."""
+    def region(x, w):
+        h = x @ w
+        out = h * 1.0
+        out.div_(h.abs().sum(-1, keepdim=True) + 1)  # a fresh tensor: repeatable
+        return out.tanh()
+
+    def through_view(x, w):
+        x[:, :2].mul_(2)  # the input itself, through a view: repeated by recomputation
+        return (x @ w).tanh()
+
+    for fn, status in ((region, "passed"), (through_view, "skipped")):
+        def model(x, w, fn=fn):
+            return torch.utils.checkpoint.checkpoint(fn, x, w, use_reentrant=False)
+
+        x = torch.randn(4, 6, dtype=torch.float64, requires_grad=fn is region)
+        if fn is through_view:
+            x = x.clone()
+        w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="graphopt", options={"lowering": "eager",
+                                                                     "verify": True})
+        compiled(x, w).sum().backward()
+        verify = graphopt.last_report().verify
+        assert verify["status"] == status, verify
+
+
 class _AutocastAttention(torch.nn.Module):
     """Causal SDPA under bf16 autocast with RoPE-like float32 factors (q, k float32, v bf16
     at run time, as Llama's attention under autocast)."""
