@@ -62,6 +62,31 @@ class WrongJointPass(GraphPass):
 
 @register_pass
 @dataclass(frozen=True)
+class ScaleLastGradientPass(GraphPass):
+    """Claims exactness but scales the joint graph's last gradient by 0.9: verify must name
+    it even where other tensors are noisy (tests/test_verify.py)."""
+
+    name = "test_scale_last_gradient"
+    stage = "joint"
+    exact = True
+
+    def run(self, gm, ctx):
+        if ctx.graph_kind != "joint":
+            return PassResult(gm, False)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        flat = list(out.args[0])
+        i = max(k for k, n in enumerate(flat) if isinstance(n, torch.fx.Node))
+        with gm.graph.inserting_before(out):
+            scaled = gm.graph.call_function(aten.mul.Tensor, (flat[i], 0.9))
+        scaled.meta.update(flat[i].meta)
+        flat[i] = scaled
+        out.args = (type(out.args[0])(flat),)
+        ctx.record("rewritten", "gradient", "scaled on purpose (test-only, wrong)")
+        return PassResult(gm, True)
+
+
+@register_pass
+@dataclass(frozen=True)
 class CountMatmulsPass(GraphPass):
     """Joint-stage analysis: records every mm/addmm it sees as "matched"."""
 
