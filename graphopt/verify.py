@@ -29,7 +29,12 @@ import torch.utils._pytree as pytree
 
 from graphopt.config import GraphoptConfig
 from graphopt.errors import VerificationError
-from graphopt.passes.fx_utils import is_mutating, is_random, unannotated_writes
+from graphopt.passes.fx_utils import (
+    communicates,
+    is_mutating,
+    is_random,
+    unannotated_writes,
+)
 from graphopt.passes.regions import checkpoint_bodies
 from graphopt.report import CompileReport
 
@@ -312,6 +317,16 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
             report.verify.update(status="passed", detail=f"{detail} match eager (max abs "
                                  f"error {report.verify['max_abs_error']:.3g})")
         return
+    talking = [n.name for _, _, g in snapshots for n in _all_nodes(g)
+               if n.op == "call_function" and communicates(n.target, n.args)]
+    if talking:
+        # localizing reruns the passes' snapshots (and an aot_eager baseline) on this rank
+        # alone: their collectives would wait for, or pair with, the other ranks' training
+        # collectives (as a review found for recompiles)
+        _fail(report, f"compiled differs from eager ({problem}); the graph exchanges data "
+                      f"between ranks ({', '.join(dict.fromkeys(talking[:3]))}), so verify "
+                      "does not localize the cause on one rank: run the model in one "
+                      "process (no parallel plan, moe ep=1) with verify to find the pass")
     reference_graph = original
     for name, exact, snapshot in snapshots:
         got = run_with_grads(snapshot, inputs, grads)

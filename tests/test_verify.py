@@ -354,3 +354,31 @@ def test_nan_or_inf_where_eager_is_finite_is_never_excused(wrong):
             pytest.raises(VerificationError, match="lowering 'eager' differs"):
         verify_compile(gm, compiled, [x, w], [("normalize", True, gm)], GraphoptConfig(),
                        report, recompile=lambda disabled: gm)
+
+
+def test_a_mismatch_in_a_graph_with_collectives_is_not_localized_on_one_rank():
+    """Localizing a mismatch reruns the passes' snapshots and an aot_eager baseline: in a
+    graph with collectives (expert parallelism, TP) on one rank alone, their collectives
+    would wait for or pair with the other ranks' training collectives. verify fails at
+    once and says how to localize."""
+    from graphopt.config import GraphoptConfig
+    from graphopt.report import CompileReport
+    from graphopt.verify import verify_compile
+
+    gm = torch.fx.symbolic_trace(lambda x: (x.sin(),))
+    talking = torch.fx.Graph()
+    x = talking.placeholder("x")
+    reduced = talking.call_function(torch.ops._c10d_functional.all_reduce.default,
+                                    (x, "sum", "0"))
+    talking.output((reduced,))
+    snapshot = torch.fx.GraphModule(torch.nn.Module(), talking)
+
+    def never(*args):  # a snapshot run would start a collective: must not happen
+        raise AssertionError("a snapshot ran")
+
+    report = CompileReport(graph_id=0, lowering="eager")
+    with pytest.raises(VerificationError, match=r"exchanges data between ranks "
+                       r"\(all_reduce.*run the model in one process"):
+        verify_compile(gm, lambda x: (gm(x)[0] * 2,), [torch.randn(8, dtype=torch.float64)],
+                       [("normalize", True, gm), ("moe", True, snapshot)], GraphoptConfig(),
+                       report, recompile=never)
