@@ -453,11 +453,18 @@ def plan(
         raise typer.BadParameter("dtype must be bfloat16 or float32")
     if activations not in ("traced", "fused"):
         raise typer.BadParameter("--activations must be traced or fused")
+    from graphopt.config import require_writable_file
+    from graphopt.errors import ConfigError
+
     for flag, path in (("--json", json_out), ("--plot", plot)):
         # checked before the search: the plot was written first and a bad path lost both
-        if path is not None and not _writable(path):
-            raise typer.BadParameter(f"{flag} {path}: not a writable file path (a directory, "
-                                     "or its folder does not exist or is not writable)")
+        try:
+            if path is not None:
+                require_writable_file(path, "give a file in an existing, writable folder",
+                                      create_folder=False)
+        except ConfigError as exc:
+            raise typer.BadParameter(f"{flag} {path}: not a writable file path ({exc})"
+                                     ) from None
     overrides = _parse_overrides(override)
     from graphopt.planner.plan import ParallelPlan
 
@@ -551,22 +558,6 @@ def plan(
             "hand": [{"name": n, "plan": p.to_dict(), "verdict": w}
                      for n, p, w in result.hand]}, indent=2))
         console.print(f"wrote {escape(str(json_out))}")
-
-
-def _writable(path: Path) -> bool:
-    """Whether a file can be written at ``path``, by opening it for appending (a file this
-    creates is removed again): permission bits do not tell for root or /proc."""
-    if path.is_dir():
-        return False
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError:
-        return False
-    if not existed:
-        path.unlink(missing_ok=True)
-    return True
 
 
 def _parse_length(text: str) -> int:

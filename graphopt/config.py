@@ -296,6 +296,28 @@ def _names(value: Any, option: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def require_writable_file(path: Path, fix: str, what: str = "",
+                          create_folder: bool = True) -> None:
+    """Raise ConfigError ("cannot write <what><path> (<reason>): <fix>") unless a file can be
+    written at ``path``, before any long work that would write it (an export, a
+    calibration, a plan search). Checked by opening it for appending, since permission bits
+    do not tell for root or /proc; a file this creates is removed again, an existing one is
+    left as it is. ``create_folder``: create missing parent folders (else a missing folder
+    is the reason)."""
+    if path.is_dir():
+        raise ConfigError(f"cannot write {what}{path} (it is a directory): {fix}")
+    existed = path.exists()
+    try:
+        if create_folder:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write {what}{path} ({exc.strerror or exc}): {fix}") from exc
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def _writable_dir(value: Any, from_env: bool = False) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
         raise ConfigError(f"option 'dump_dir' must be a non-empty path, got {value!r}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -36,7 +35,6 @@ from graphopt.cost.profiles import (
     cluster_to_dict,
     local_profile_path,
 )
-from graphopt.errors import ConfigError
 
 
 def _median_time(fn: Callable[[], Any], reps: int, min_time: float = 0.02) -> float:
@@ -203,19 +201,11 @@ def check_writable(path: Path) -> None:
     """Raise ConfigError unless a file can be written at ``path`` (creating its folder);
     :func:`calibrate` calls it before measuring, so a bad path fails in a second, not after
     the benchmarks. An existing file is left as it is."""
-    fix = ("pass --out with a writable file path (e.g. ./local.json), or set "
-           "GRAPHOPT_CACHE_DIR to a writable folder")
-    if path.is_dir():
-        raise ConfigError(f"cannot write the profile to {path}: it is a directory; {fix}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent):
-            pass
-        if path.exists():
-            path.open("a").close()
-    except OSError as exc:
-        raise ConfigError(f"cannot write the profile to {path}: "
-                          f"{exc.strerror or type(exc).__name__}; {fix}") from exc
+    from graphopt.config import require_writable_file
+
+    require_writable_file(path, "pass --out with a writable file path (e.g. ./local.json), "
+                          "or set GRAPHOPT_CACHE_DIR to a writable folder",
+                          what="the profile to ")
 
 
 def calibrate(path: Path | None = None, collectives: bool = True,

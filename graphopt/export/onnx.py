@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphopt.config import GraphoptConfig
+from graphopt.config import GraphoptConfig, require_writable_file
 from graphopt.dump import Dumper
 from graphopt.errors import ConfigError, GraphoptError
 from graphopt.kernels.lightning.minimax import lightning_layers, minimax_lightning_layer
@@ -183,22 +183,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
         raise ConfigError(f"moe_form must be one of {', '.join(MOE_FORMS)}, got {moe_form!r}")
     module, args, shapes, names = _prepare(model, example_inputs, dynamic, dynamic_shapes)
     path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"path {path} is a directory: give the .onnx file to write")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the folder of {path} ({exc.strerror}): give a "
-                          "writable path") from exc
-    existed = path.exists()
-    try:  # before the export's work: the file itself must be writable too
-        with open(path, "ab"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"cannot write {path} ({exc.strerror}): give a writable path"
-                          ) from exc
-    if not existed:
-        path.unlink()
+    require_writable_file(path, "give a writable path to the .onnx file")
     report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
     result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
                         example_inputs=args, eager=module)
