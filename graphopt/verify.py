@@ -230,16 +230,20 @@ def nonfinite(outcome: Outcome) -> list[str]:
 
 def max_error(expected: Outcome, actual: Outcome) -> float:
     """Largest |actual - expected| over finite entries of all outputs and gradients."""
-    worst = 0.0
-    for e_list, a_list in ((expected[0], actual[0]), (expected[1], actual[1])):
-        for e, a in zip(e_list, a_list):
-            if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and \
-                    e.is_floating_point() and e.shape == a.shape and e.numel():
-                diff = (a.double() - e.double()).abs()
-                diff = diff[torch.isfinite(diff)]
-                if diff.numel():
-                    worst = max(worst, float(diff.max()))
-    return worst
+    return max((_pair_error(e, a)[0] for e, a in _pairs(expected, actual)), default=0.0)
+
+
+def _pair_error(e: Any, a: Any) -> tuple[float, bool]:
+    """(largest |a - e| over the entries finite on both sides, whether NaN/Inf differ in
+    place or sign); (0, False) for values that are not floating tensors of equal shapes."""
+    if not (isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and
+            e.is_floating_point() and e.shape == a.shape and e.numel()):
+        return 0.0, False
+    diff = (a.double() - e.double()).abs()
+    diff = diff[torch.isfinite(diff)]
+    mismatch = not all(torch.equal(f(e), f(a)) for f in (torch.isnan, torch.isposinf,
+                                                         torch.isneginf))
+    return (float(diff.max()) if diff.numel() else 0.0), mismatch
 
 
 def _measured(report: CompileReport, reference: Outcome, actual: Outcome,
@@ -437,23 +441,10 @@ def _pairs(expected: Outcome, actual: Outcome) -> list[tuple[Any, Any]]:
 
 
 def _tensor_errors(expected: Outcome, actual: Outcome) -> list[float]:
-    """Largest |actual - expected| per output and gradient over the entries finite on both
-    sides; inf where NaN/Inf differ in place or sign (a review: all-NaN outputs measured 0
-    and were excused), 0 for values that are not floating tensors of equal shapes."""
-    out = []
-    for e, a in _pairs(expected, actual):
-        err = 0.0
-        if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and \
-                e.is_floating_point() and e.shape == a.shape and e.numel():
-            if not all(torch.equal(f(e), f(a)) for f in (torch.isnan, torch.isposinf,
-                                                         torch.isneginf)):
-                err = math.inf
-            else:
-                both = torch.isfinite(e)
-                diff = (a[both].double() - e[both].double()).abs()
-                err = float(diff.max()) if diff.numel() else 0.0
-        out.append(err)
-    return out
+    """:func:`_pair_error` per output and gradient, inf where NaN/Inf differ (a review:
+    all-NaN outputs measured 0 and were excused)."""
+    return [math.inf if mismatch else err
+            for err, mismatch in (_pair_error(e, a) for e, a in _pairs(expected, actual))]
 
 
 def _aot_eager_errors(graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: bool,
