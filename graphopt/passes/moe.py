@@ -279,16 +279,16 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     dtype = _meta(region.hidden).dtype
     tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 3e-2)
     probes = _probes(region, real)
-    checks = [(probe, tol) for probe in probes]
+    checks = [(fn, probe, tol) for probe in probes]
     if tol > 1e-4:
         # bf16/fp16 rounding hides a small change of the function (silu(x) * 1.01 passed
         # at 3e-2, a review): the same probes and ops in float32 too (grouped_mm has no
         # float64), the region's casts to its dtype lifted to float32
-        checks += [(tuple(t.float() if t.is_floating_point() else t for t in probe), 1e-4)
-                   for probe in probes]
         lifted = _extract(region, lift=dtype)
-    for probe, tolerance in checks:
-        want = (fn if tolerance == tol else lifted)(*probe)
+        checks += [(lifted, tuple(t.float() if t.is_floating_point() else t for t in probe),
+                    1e-4) for probe in probes]
+    for region_fn, probe, tolerance in checks:
+        want = region_fn(*probe)
         got = moe_experts_op(*probe, -1.0, 1, "", "flat", 1, 1)[0]
         # atol relative to the probe's largest output: absolute, a 1% change of outputs
         # of size 0.01 passed at 1e-4
