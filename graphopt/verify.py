@@ -125,7 +125,26 @@ def _run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
     """Outputs of ``fn(*clones)``, then the clones' values after the call (so an in-place
     update of a buffer or input, e.g. BatchNorm's running statistics or an EMA, is compared
     too: a review's "exact" pass that changed an EMA update passed verify), and, if
-    ``grads``, d(outputs . v)/d(inputs) for seeded v."""
+    ``grads``, d(outputs . v)/d(inputs) for seeded v.
+
+    Each run starts from the same RNG state (forked: the caller's is left as it was), so
+    another library's custom op that draws random numbers (:func:`is_foreign_op`; graphs
+    with ATen random ops are not compared) draws the same in the eager and the compiled run
+    unless a pass moved it (a review: such an op made verify blame ``normalize``)."""
+    types = {a.device.type for a in inputs if isinstance(a, torch.Tensor)} - {"cpu", "meta"}
+    kind = next(iter(sorted(types)), "cuda")
+    module = getattr(torch, kind, None)
+    count = module.device_count() if types and module is not None and \
+        hasattr(module, "device_count") else 0
+    with torch.random.fork_rng(devices=list(range(count)), device_type=kind):
+        torch.random.default_generator.manual_seed(seed)
+        if count:
+            module.manual_seed_all(seed)  # type: ignore[union-attr]
+        return _run_seeded(fn, inputs, grads, seed)
+
+
+def _run_seeded(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
+                seed: int) -> Outcome:
     args = clone_inputs(inputs)
     out = fn(*args)
     flat = [o for o in pytree.tree_leaves(out)]

@@ -131,6 +131,17 @@ class MetaDroppingPass(GraphPass):
         return PassResult(gm, True)
 
 
+@torch.library.custom_op("graphopt_test::noisy", mutates_args=())
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    """Another library's op that draws random numbers (noise injection): torch.library tags
+    it pt2_compliant and nothing says it is random."""
+    return x + 0.1 * torch.randn_like(x)
+
+
+noisy.register_fake(lambda x: torch.empty_like(x))
+noisy.register_autograd(lambda ctx, grad: grad)
+
+
 class MLP(torch.nn.Module):
     def __init__(self, dim: int = 8, dtype=torch.float64):
         super().__init__()

@@ -97,6 +97,7 @@ def build_pipeline(config: GraphoptConfig, stage: Stage) -> list[GraphPass]:
     """The passes of ``stage`` for ``config``: the defaults minus ``disable``, then ``enable``."""
     names = [n for n in PIPELINE[stage] if n not in config.disable]
     names += [n for key, n in _OPTION_KEYS.items() if key in config.pass_options
-              and get_pass(n).stage == stage and n not in names]  # on when options given
+              and get_pass(n).stage == stage and n not in names  # on when options given,
+              and n not in config.disable]  # unless verify's bisection turned it off
     names += [n for n in config.enable if get_pass(n).stage == stage and n not in names]
     return [get_pass(n).from_config(config) for n in names]

@@ -42,6 +42,7 @@ from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
     alias_classes,
     autocast_reason,
+    is_foreign_op,
     is_mutating,
     is_random,
     mutated_nodes,
@@ -72,7 +73,7 @@ def _hashable(value: Any) -> Any:
 
 def _is_pure_aten(node: fx.Node) -> bool:
     return (isinstance(node.target, torch._ops.OpOverload) and not is_mutating(node)
-            and not is_random(node)
+            and not is_random(node) and not is_foreign_op(node.target)
             and node.target is not torch.ops.aten._local_scalar_dense.default
             and not node.target._schema.name.startswith("aten::_assert"))
 
@@ -96,8 +97,10 @@ class CSEPass(GraphPass):
             if node.op != "call_function":
                 continue
             if not _is_pure_aten(node):
-                if not isinstance(node.target, torch._ops.OpOverload) or is_mutating(node):
-                    region += 1  # grad-mode switch, autocast, HOP or in-place write: a barrier
+                if not isinstance(node.target, torch._ops.OpOverload) or \
+                        is_mutating(node) or is_foreign_op(node.target):
+                    region += 1  # grad-mode switch, autocast, HOP, in-place write or another
+                    # library's op (it may have side effects): a barrier
                 continue
             if node in written or autocast_reason(node):
                 continue  # autocast: the same call may produce another dtype at run time

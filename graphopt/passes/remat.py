@@ -73,6 +73,7 @@ from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
     communicates,
+    is_foreign_op,
     is_mutating,
     is_random,
     readers_of_mutated_inputs,
@@ -238,9 +239,15 @@ def _unsafe_to_recompute(node: fx.Node) -> bool:
         return _unsafe_to_recompute(node.args[0])  # an element of a random op's tuple
         # (native_dropout's output in a user checkpoint region: its "recompute" tag made
         # the ILP infeasible at every budget, found by a review)
+    if isinstance(target, torch._ops.HigherOrderOperator):  # its body's ops decide (a
+        # review: an invoke_subgraph call with dropout inside was recomputed, 2e-3 off)
+        found = [getattr(node.graph.owning_module, str(a.target), None) for a in node.args
+                 if isinstance(a, fx.Node) and a.op == "get_attr"]
+        bodies = [b for b in found if isinstance(b, fx.GraphModule)]
+        return not bodies or any(_unsafe_to_recompute(n) for b in bodies
+                                 for n in b.graph.nodes if n.op == "call_function")
     if isinstance(target, torch._ops.OpOverload):
-        if target.namespace not in ("aten", "prims") and \
-                torch.Tag.pt2_compliant_tag not in target.tags:
+        if is_foreign_op(target):
             return True
         if target._schema.name.startswith("aten::_local_scalar") or "nonzero" in \
                 target._schema.name:
