@@ -143,22 +143,39 @@ def _bad_input_worker(rank, world):
     mask[0, 0] = 0  # one padded position
     from transformers import DynamicCache
 
+    local, labels = shard_sequence(ids, mesh)
+    packed = torch.cat([torch.arange(3), torch.arange(5)])[None]  # two sequences, one row
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
     return config_errors(
         lambda: shard_sequence(torch.zeros(2, 7, dtype=torch.long), mesh),
-        lambda: model(input_ids=shard_sequence(ids, mesh)[0], attention_mask=mask),
-        lambda: model(input_ids=shard_sequence(ids, mesh)[0],
-                      past_key_values=DynamicCache(config=model.config)),
-        lambda: model.generate(shard_sequence(ids, mesh)[0], max_new_tokens=2))
+        lambda: model(input_ids=local, attention_mask=mask),
+        lambda: model(input_ids=local, past_key_values=DynamicCache(config=model.config)),
+        lambda: model.generate(local, max_new_tokens=2),
+        lambda: model(input_ids=local, position_ids=packed[:, rank * 4:(rank + 1) * 4]),
+        lambda: model(input_ids=local, labels=labels),
+        lambda: model(input_ids=local, attention_mask={"full_attention": causal}),
+        lambda: model(input_ids=local, attention_mask=causal),
+        # what CP would pass itself is accepted
+        lambda: model(input_ids=local, position_ids=torch.arange(4)[None] + 4 * rank,
+                      attention_mask=torch.ones(2, 4, dtype=torch.long)))
 
 
 def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error():
     """A KV cache (decoding, generate()) under CP held only this rank's chunk, and the next
-    step read it as the whole past: logits off by 0.1-1.1 without an error (a review)."""
+    step read it as the whole past: logits off by 0.1-1.1 without an error (a review).
+    Packed sequences (position_ids restarting at 0) attended across their boundaries
+    (logits 0.5 off); labels= gave a loss shifted twice, averaged per chunk; a dict of
+    masks crashed and a 4-D causal mask was called padding (a later review)."""
     for messages in run_distributed(_bad_input_worker, 2):
         assert "sequence length 7 is not divisible by 2 (cp=2)" in messages[0]
         assert "this batch has a padding mask" in messages[1]
         assert "a KV cache (past_key_values, generate()) would hold only" in messages[2]
         assert "a KV cache (past_key_values, generate()) would hold only" in messages[3]
+        assert "packed sequences (positions restarting at 0)" in messages[4]
+        assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[5]
+        assert "a precomputed attention mask (a dict of masks or a 4-D mask)" in messages[6]
+        assert "a precomputed attention mask" in messages[7]
+        assert messages[8] == "ran"
 
 
 @pytest.mark.parametrize("kind", ["_ulysses", "_ring"])
@@ -203,6 +220,51 @@ def test_cp_refuses_models_whose_mixing_it_would_drop(name, config, message):
         with pytest.raises(ConfigError, match=message):
             check_cp(model, ParallelPlan(cp=2, cp_kind=kind))
     assert model.config._attn_implementation != "graphopt_cp_probe"  # restored
+
+
+LLAMA4 = dict(TINY, intermediate_size_mlp=128, head_dim=16, num_local_experts=2,
+              num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 0])
+
+
+@pytest.mark.parametrize("build, message", [
+    # the window in a composite model's text config passed the check: ring logits 0.5-0.6 off
+    (lambda t: t.Gemma3ForConditionalGeneration(t.Gemma3Config(
+        text_config=dict(TINY, head_dim=16, sliding_window=4,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=16),
+        mm_tokens_per_image=4)), "sliding-window attention under CP is not executed"),
+    # Llama4's chunked attention (its mask function's result was dropped: 0.35-0.41 off)
+    (lambda t: t.Llama4ForCausalLM(t.Llama4TextConfig(**LLAMA4, attention_chunk_size=4)),
+     r"chunked attention \(attention_chunk_size\) under CP is not executed"),
+    # and its query temperature, computed from the chunk's own positions
+    (lambda t: t.Llama4ForCausalLM(t.Llama4TextConfig(**LLAMA4, attention_chunk_size=None,
+                                                      floor_scale=4)),
+     "attention temperature tuning"),
+])
+def test_cp_refuses_position_dependent_attention_in_any_config(build, message):
+    """A later review found three silently wrong CP runs that the probe cannot see (their
+    masks and query scales bypass the attention function it replaces)."""
+    import transformers
+
+    from graphopt.parallel.context import check_cp
+
+    torch.manual_seed(0)
+    model = build(transformers)
+    for kind in ("ring", "all_to_all"):
+        with pytest.raises(ConfigError, match=message):
+            check_cp(model, ParallelPlan(cp=2, cp_kind=kind))
+
+
+def test_the_ring_refuses_a_sliding_window_passed_to_attention():
+    """The attention function refuses a window the model passes at run time, whatever
+    its config says."""
+    from graphopt.parallel import context
+
+    layer = torch.nn.Module()
+    x = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ConfigError, match=r"uses attention sliding_window \(4\)"):
+        context._ring(layer, x, x, x, None, sliding_window=4)
 
 
 def test_cp_probe_passes_moe_models_whose_routing_changes_the_rounding():

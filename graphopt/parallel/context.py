@@ -17,7 +17,8 @@ of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
   the chunk's length read from ``input_ids`` or ``inputs_embeds``) when
   the caller gives none, so rotary embeddings are those of the whole sequence.
 - masks: the mask function registered for ``"graphopt_cp"`` accepts no padding (a padding
-  ``attention_mask`` raises ConfigError: packed sequences without padding are what CP runs).
+  ``attention_mask`` raises ConfigError: sequences without padding, one per row, are what
+  CP runs; packed rows would need a document mask that CP's attention does not apply).
 - linear attention (MiniMax's lightning layers: ``layer_type == "linear_attention"`` with
   ``qkv_proj``, ``slope_rate``, ``norm``, ``output_gate``, ``out_proj``): the block loop
   is replaced by :func:`graphopt.kernels.lightning.cp.lightning_attention_cp`, which passes
@@ -30,13 +31,17 @@ boundaries); :func:`cp_loss` is the next-token loss whose gradients, averaged by
 parallelism over dp x cp ranks, are the whole batch's mean-loss gradients.
 
 Refused (ConfigError): a KV cache passed in (``past_key_values``, ``generate()``: it would
-hold only this rank's chunk), heads not divisible by cp (Ulysses), sliding-window attention,
-linear-attention layers of another form than MiniMax's or with the ring's zigzag layout
-(their state passing needs contiguous chunks), a sequence length the CP size (x 2 for the
-ring) does not divide, dropout in attention under the ring; and, found by running the model
-once (:func:`_mixing_outside_attention`), layers that mix positions outside the attention
-function (convolutions, state-space layers) and attention given its own mask or bias,
-soft-capping or sinks, which CP's attention would drop.
+hold only this rank's chunk), a padding or precomputed (dict, 4-D) attention mask,
+``position_ids`` other than the chunk's own (packed sequences), ``labels=`` (transformers'
+loss would shift inside the chunk; :func:`cp_loss` is CP's), heads not divisible by cp
+(Ulysses), sliding-window or chunked attention or position-dependent query scaling in any
+of the model's configs (a composite model's text config too) or a ``sliding_window`` passed
+to the attention function, linear-attention layers of another form than MiniMax's or with
+the ring's zigzag layout (their state passing needs contiguous chunks), a sequence length
+the CP size (x 2 for the ring) does not divide, dropout in attention under the ring; and,
+found by running the model once (:func:`_mixing_outside_attention`), layers that mix
+positions outside the attention function (convolutions, state-space layers) and attention
+given its own mask or bias, soft-capping or sinks, which CP's attention would drop.
 """
 
 from __future__ import annotations
@@ -62,13 +67,24 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
     if config is None:
         raise ConfigError("cp > 1 runs transformers models (attention interface): this model "
                           "has no config; use cp=1")
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
     if plan.cp_kind == "all_to_all" and (not heads or heads % (plan.cp * plan.tp)):
         raise ConfigError(f"Ulysses CP splits the attention heads ({heads}) over cp x tp "
                           f"({plan.cp} x {plan.tp}): choose a cp dividing heads / tp")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise ConfigError("sliding-window attention under CP is not executed (the window "
-                          "crosses chunks): use cp=1")
+    for c in _configs(model):
+        if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True):
+            raise ConfigError("sliding-window attention under CP is not executed (the window "
+                              "crosses chunks): use cp=1")
+        if getattr(c, "attention_chunk_size", None) or "chunked_attention" in (
+                getattr(c, "layer_types", None) or ()):
+            raise ConfigError("chunked attention (attention_chunk_size) under CP is not "
+                              "executed (CP's attention is causal over the whole sequence): "
+                              "use cp=1")
+        if getattr(c, "attn_temperature_tuning", None):
+            raise ConfigError("attention temperature tuning (attn_temperature_tuning) scales "
+                              "queries by positions the model counts from its input, which "
+                              "under CP would be each rank's chunk: use cp=1")
     for path, module in model.named_modules():
         if getattr(module, "layer_type", None) == "linear_attention" and \
                 plan.cp_kind == "ring":
@@ -83,6 +99,23 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
     problem = _mixing_outside_attention(model)
     if problem:
         raise ConfigError(f"context parallelism cannot run this model: {problem}; use cp=1")
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every transformers config of ``model``: its modules' and their sub-configs (a
+    composite model's ``text_config``: a review found Gemma3ForConditionalGeneration's
+    sliding window, in its text config, passing the check)."""
+    from transformers import PretrainedConfig
+
+    found: dict[int, Any] = {}
+    stack = [c for m in model.modules() if isinstance(c := getattr(m, "config", None),
+                                                      PretrainedConfig)]
+    while stack:
+        c = stack.pop()
+        if id(c) not in found:
+            found[id(c)] = c
+            stack += [v for v in vars(c).values() if isinstance(v, PretrainedConfig)]
+    return list(found.values())
 
 
 PROBE = "graphopt_cp_probe"
@@ -194,12 +227,14 @@ def _mixing_outside_attention(model: nn.Module) -> str:
 def _dropped_by_cp(module: nn.Module, attention_mask: torch.Tensor | None,
                    kwargs: dict[str, Any]) -> list[str]:
     """What CP's attention functions would drop from this call: a mask or bias the model
-    built itself (CP's mask function gives None), soft-capping, attention sinks."""
+    built itself (CP's mask function gives None), soft-capping, attention sinks, a sliding
+    window."""
     name = type(module).__name__
     out = [f"{name} passes its own attention mask or bias (CP computes plain causal "
            "attention)"] if attention_mask is not None else []
     out += [f"{name} uses attention {key} ({kwargs[key]!r}), which CP's attention does not "
-            "apply" for key in ("softcap", "s_aux", "sinks") if kwargs.get(key) is not None]
+            "apply" for key in ("softcap", "s_aux", "sinks", "sliding_window")
+            if kwargs.get(key) is not None]
     return out
 
 
@@ -321,26 +356,19 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:  # inputs_embeds [B, L, H]: the same chunk, embedded by the caller
             ids = kwargs.get("inputs_embeds")
-        mask = kwargs.get("attention_mask")
-        # every CP rank refuses a padded batch together: the padding may sit in one rank's
-        # chunk only, and a rank that went on alone waited in the next collective (a review)
-        # a KV cache passed in (decoding, generate()) would hold only this rank's chunk and
-        # the next step's attention would read it as the whole past (a review: decode logits
-        # off by 0.1-1.1, no error)
-        cached = any(kwargs.get(k) is not None for k in ("past_key_values", "cache"))
-        flags = torch.tensor([0.0 if mask is None or bool(mask.all()) else 1.0, float(cached)],
-                             device=ids.device if isinstance(ids, torch.Tensor) else None)
+        length = ids.shape[1] if isinstance(ids, torch.Tensor) else 0
+        device = ids.device if isinstance(ids, torch.Tensor) else None
+        own = _chunk_positions(length, rank, plan.cp, ring, device)
+        # every CP rank refuses together (the cause may sit in one rank's chunk only, and a
+        # rank that went on alone waited in the next collective: a review)
+        flags = torch.tensor([float(bool(problem)) for problem in _refusals(kwargs, own)],
+                             device=device)
         dist.all_reduce(flags, group=group)
-        if flags[0].item():
-            _no_padding_mask(attention_mask=torch.zeros(1, dtype=torch.bool))
-        if flags[1].item():
-            raise ConfigError("CP splits the sequence over ranks, so a KV cache "
-                              "(past_key_values, generate()) would hold only this rank's "
-                              "chunk: decode with a plan without CP (cp=1) or in one process; "
-                              "CP runs training and whole-sequence forwards")
+        for (_, message), flag in zip(_REFUSALS, flags.tolist()):
+            if flag:
+                raise ConfigError(message)
         if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
-            kwargs["position_ids"] = _chunk_positions(ids.shape[1], rank, plan.cp, ring,
-                                                      ids.device).unsqueeze(0)
+            kwargs["position_ids"] = own.unsqueeze(0)
         return args, kwargs
 
     model.register_forward_pre_hook(positions, with_kwargs=True)
@@ -351,6 +379,44 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
     return (f"CP={plan.cp} ({what}" + (
                 f"; {swapped} lightning layer(s) pass their KV state between ranks"
                 if swapped else ""))
+
+
+_REFUSALS = (
+    ("padding", "context parallelism runs causal attention without padding; this batch has "
+                "a padding mask: pack sequences without padding or use cp=1"),
+    ("mask", "CP builds its own causal attention, so a precomputed attention mask (a dict of "
+             "masks or a 4-D mask) would be dropped: pass a 2-D padding mask [B, S] without "
+             "padding, or none"),
+    ("cache", "CP splits the sequence over ranks, so a KV cache (past_key_values, "
+              "generate()) would hold only this rank's chunk: decode with a plan without CP "
+              "(cp=1) or in one process; CP runs training and whole-sequence forwards"),
+    ("positions", "position_ids other than this rank's positions in one sequence (0..S-1 "
+                  "over the CP ranks, as shard_sequence cuts it) are not executed under CP: "
+                  "packed sequences (positions restarting at 0) would attend across their "
+                  "boundaries, which CP's causal attention does not mask; omit position_ids "
+                  "(graphopt passes the chunk's) or use cp=1"),
+    ("labels", "transformers' loss from labels= shifts the labels inside this rank's chunk "
+               "and averages per chunk; under CP pass no labels and compute the loss with "
+               "graphopt.parallel.context.cp_loss on shard_sequence's labels"),
+)
+
+
+def _refusals(kwargs: dict[str, Any], own: torch.Tensor) -> list[bool]:
+    """Per entry of _REFUSALS, whether this rank's call is refused. A review found each
+    silently wrong or crashing: a padding mask; a dict of precomputed masks (crashed) or a
+    4-D mask; a KV cache (decode logits off by 0.1-1.1); packed position_ids (logits 0.5
+    off: transformers masks packed sequences apart, CP's mask function gives None); labels
+    (the loss shifted twice, per-chunk mean)."""
+    mask = kwargs.get("attention_mask")
+    precomputed = (isinstance(mask, dict) and any(v is not None for v in mask.values())) or \
+        (isinstance(mask, torch.Tensor) and mask.dim() != 2)
+    padded = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
+    cached = any(kwargs.get(k) is not None for k in ("past_key_values", "cache"))
+    given = kwargs.get("position_ids")
+    positions = isinstance(given, torch.Tensor) and not (
+        given.shape[-1] == own.numel() and bool((given == own.to(given.device)).all()))
+    labels = kwargs.get("labels") is not None
+    return [padded, precomputed, cached, positions, labels]
 
 
 def _chunk_positions(local: int, rank: int, size: int, ring: bool,

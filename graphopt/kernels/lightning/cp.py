@@ -1,26 +1,25 @@
 """Exact context parallelism for Lightning Attention: the recurrent KV state is passed
 between ranks instead of the keys and values.
 
-Rank r of a CP group of P ranks holds the r-th contiguous chunk of the sequence (length L,
-the same on every rank) of q, k, v [B, H, L, D]. With lambda_h = exp(-slope_h):
+Rank r of a CP group of P ranks holds the r-th contiguous chunk of the sequence (length
+L_r; chunks may differ in length) of q, k, v [B, H, L_r, D]. With lambda_h = exp(-slope_h):
 
-    S_r    = sum_{t < L} lambda^(L - 1 - t) k_t^T v_t          (chunk r's own state, [D, Dv])
-    S_in_r = sum_{j < r} lambda^(L (r - 1 - j)) S_j            (the state entering chunk r)
+    S_r    = sum_{t < L_r} lambda^(L_r - 1 - t) k_t^T v_t      (chunk r's own state, [D, Dv])
+    S_in_r = sum_{j < r} lambda^(L_{j+1} + ... + L_{r-1}) S_j  (the state entering chunk r)
     o_r    = LightningAttention(q_r, k_r, v_r, initial_state=S_in_r)
 
 which is the single-device recurrence S_{t+1} = lambda S_t + k_t^T v_t cut at chunk
 boundaries (Lightning Attention-2's inter-block term, arXiv:2401.04658 eq. (3), with a
 chunk per rank instead of a block per loop step; the prefix over ranks is the associative
 scan of (lambda^L, S) pairs). Communication: one all-gather of the P local states
-(B*H*D*Dv elements each, independent of L) forward, its reduce-scatter backward; the
+(B*H*D*Dv elements each, independent of L) and one of the P lengths forward, the states'
+reduce-scatter backward; no host synchronization; the
 backward is autograd's through the all-gather (``all_gather_single_autograd``: the
 reduce-scatter sums every later rank's dS_in into dS_j, the reverse scan), the prefix
 combine and the op's own gradient for ``initial_state``. Causal, so no load balancing is
 needed: every rank does the same work.
 
-Errors: ValueError for chunks of different lengths across ranks (checked once per call with
-the all-gathered lengths) or the op's own shape errors; RuntimeError without
-torch.distributed.
+Errors: the op's own shape errors; RuntimeError without torch.distributed.
 """
 
 from __future__ import annotations
@@ -46,9 +45,13 @@ def chunk_state(k: Tensor, v: Tensor, slope: Tensor) -> Tensor:
     dtype (float32, float64 for float64)."""
     acc = acc_dtype(k.dtype)
     length = k.shape[2]
-    steps = torch.arange(length - 1, -1, -1, device=k.device, dtype=acc)
-    weight = torch.exp(-slope.to(acc)[:, None] * steps)  # [H, L], exponents <= 0
-    return torch.einsum("bhld,bhle->bhde", k.to(acc) * weight[None, :, :, None], v.to(acc))
+    # in acc, also under autocast (mixed_precision="bf16" runs the forward in a bf16 region,
+    # where the einsum ran in bf16: a review measured 2.7x the error of one process)
+    with torch.autocast(k.device.type, enabled=False):
+        steps = torch.arange(length - 1, -1, -1, device=k.device, dtype=acc)
+        weight = torch.exp(-slope.to(acc)[:, None] * steps)  # [H, L], exponents <= 0
+        return torch.einsum("bhld,bhle->bhde", k.to(acc) * weight[None, :, :, None],
+                            v.to(acc))
 
 
 def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, group: str = "",
@@ -62,32 +65,30 @@ def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, group
             Dv]; slope [Hq]; as :func:`graphopt.kernels.lightning.lightning_attention`.
         group: the CP process group's name ("" = the world), ranks in sequence order.
     Returns:
-        o [B, Hq, L, Dv] in q's dtype: rows of the whole sequence's output for this chunk.
-    Raises:
-        ValueError: chunks of different lengths on different ranks.
+        o [B, Hq, L, Dv] in q's dtype: rows of the whole sequence's output for this chunk
+        (the ranks' chunk lengths may differ).
     """
     import torch.distributed._functional_collectives as funcol
 
     pg = _group(group)
     size, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    length = q.shape[2]
-    lengths = torch.zeros(size, dtype=torch.int64)
-    lengths[rank] = length
-    dist.all_reduce(lengths, group=pg)
-    if bool((lengths != length).any()):
-        raise ValueError(f"context-parallel lightning attention needs equal chunks; the ranks "
-                         f"hold {lengths.tolist()} positions: pad the sequence to a multiple "
-                         f"of the CP size ({size})")
     hq = q.shape[1]
     local = chunk_state(expand_kv(k, hq), expand_kv(v, hq), slope)
     states = funcol.all_gather_single_autograd(local.contiguous(), gather_dim=0, group=pg)
     states = states.view(size, *local.shape)
+    # the chunks' lengths, on q's device (NCCL groups take no CPU tensors) and without a
+    # host synchronization (a graph break under torch.compile, as the equality check that
+    # this replaces was: a review)
+    lengths = funcol.all_gather_tensor(torch.full((1,), q.shape[2], device=q.device,
+                                                  dtype=torch.int64), 0, pg)
     # rank 0 too (an empty sum: zeros), so every rank's backward runs the all-gather's
     # reduce-scatter (a collective: skipping it on one rank would hang the others)
     acc = local.dtype
-    hops = torch.arange(rank - 1, -1, -1, device=q.device, dtype=acc)  # r - 1 - j
-    decay = torch.exp(-slope.to(acc)[None, :] * (length * hops)[:, None])  # [r, H]
-    initial = (states[:rank] * decay[:, None, :, None, None]).sum(0)
+    with torch.autocast(q.device.type, enabled=False):
+        ends = torch.cumsum(lengths.to(acc), 0)  # ends[j]: positions in chunks 0..j
+        hops = (ends[rank - 1] - ends[:rank]) if rank else ends[:0]  # chunks j+1..r-1
+        decay = torch.exp(-slope.to(acc)[None, :] * hops[:, None])  # [r, H]
+        initial = (states[:rank] * decay[:, None, :, None, None]).sum(0)
     out = lightning_attention(q, k, v, slope, scale=scale, initial_state=initial,
                               block_size=block_size, checkpoint_every=checkpoint_every,
                               impl=impl)
