@@ -84,6 +84,7 @@ class AOTLowering(Lowering):
         def partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
                       **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             mark_mutated(joint)
+            joint.meta[PARTITION_ARGS] = (joint_inputs, kwargs)
             joint = hooks.run_joint(joint, "joint")
             hooks.graph_ready("joint", joint)
             forward, backward = self.partition(joint, joint_inputs, **kwargs)
@@ -108,6 +109,28 @@ class AOTLowering(Lowering):
             # had saved the inputs, and the backward refused their versions
             keep_inference_input_mutations=True,
         )(gm, list(example_inputs))
+
+
+PARTITION_ARGS = "graphopt_partition_args"
+"""Joint-graph meta set before the joint passes run: (joint_inputs, kwargs) of the
+partitioner call that follows, so a pass can partition a copy (the remat pass measures what
+the partitioner saves without it: :func:`partitioner_saved`)."""
+
+
+def partitioner_saved(joint: fx.GraphModule) -> list[fx.Node] | None:
+    """The activations (not primal inputs) that :func:`min_cut_partition` saves for the
+    backward of an untagged copy of ``joint``: what compiling without the remat pass saves
+    (PyTorch recomputes cheap ops itself); None without :data:`PARTITION_ARGS`."""
+    from graphopt.pipeline import copy_graph_module
+
+    args = joint.meta.get(PARTITION_ARGS)
+    if args is None:
+        return None
+    joint_inputs, kwargs = args
+    forward, _ = min_cut_partition(copy_graph_module(joint), joint_inputs, **kwargs)
+    outputs: Any = forward.graph.output_node().args[0]
+    return [n for n in outputs[kwargs.get("num_fwd_outputs", 0):]
+            if isinstance(n, fx.Node) and n.op != "placeholder"]
 
 
 def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],

@@ -67,10 +67,11 @@ class _JointPassPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        from graphopt.lowering.base import min_cut_partition
+        from graphopt.lowering.base import PARTITION_ARGS, min_cut_partition
 
         if self.mark_mutated is not None:
             self.mark_mutated(gm)
+        gm.meta[PARTITION_ARGS] = (joint_inputs, kwargs)
         gm = self.hooks.run_joint(gm, "joint")
         self.hooks.graph_ready("joint", gm)
         return min_cut_partition(gm, joint_inputs, **kwargs)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,12 +17,14 @@ class RematOptions:
     """``options={"remat": {...}}``: choose keep or recompute per saved activation.
 
     budget: memory for saved activations: bytes (int), "NNGiB"/"NNMiB"/"NNKiB", "NN%" or a
-    float in (0, 1] (a fraction of what keeping every activation saves).
+    float in (0, 1] (a fraction of keep-all: every value the backward reads saved). PyTorch's
+    partitioner alone saves less than keep-all (it recomputes cheap ops); a budget at or
+    above what it saves changes nothing (the report says so).
     solver: "ilp" (exact, scipy/HiGHS, falls back to greedy past ``time_limit``) or "greedy".
     """
 
     budget: Any = None
-    """Required: with no budget (or 100%) every activation is kept and remat does nothing."""
+    """Required: with no budget remat would do nothing."""
     solver: str = "ilp"
     time_limit: float = 10.0
     offload: bool = False
@@ -38,8 +41,12 @@ class RematOptions:
         if self.solver not in ("ilp", "greedy"):
             raise ConfigError(f"remat.solver must be 'ilp' or 'greedy', got {self.solver!r}")
         if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
-                or self.time_limit <= 0:
-            raise ConfigError(f"remat.time_limit must be seconds > 0, got {self.time_limit!r}")
+                or not math.isfinite(self.time_limit) or self.time_limit <= 0:
+            raise ConfigError(f"remat.time_limit must be finite seconds > 0, got "
+                              f"{self.time_limit!r}")
+        if self.offload is True and self.solver == "greedy":
+            raise ConfigError("remat.offload needs solver 'ilp' (greedy decides keep or "
+                              "recompute only, so offload would do nothing): drop one of them")
         if self.budget is None:
             raise ConfigError("remat needs a budget, e.g. options={'remat': {'budget': '50%'}} "
                               "(bytes, 'NNGiB', 'NN%' or a fraction in (0, 1]); without one "
@@ -56,6 +63,10 @@ class RematOptions:
     def resolve(self, keep_all_bytes: int) -> int:
         """The budget in bytes, given what keeping every activation saves."""
         b = self.budget
+        if isinstance(b, numbers.Integral) and not isinstance(b, bool):
+            b = int(b)  # numpy integers are bytes too (a review)
+        elif isinstance(b, numbers.Real) and not isinstance(b, (bool, int)):
+            b = float(b)
         if isinstance(b, bool):
             raise ConfigError(f"remat.budget must be bytes, 'NNGiB', 'NN%' or a fraction; got "
                               f"{b!r}")
