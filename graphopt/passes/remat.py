@@ -256,6 +256,14 @@ def _unsafe_to_recompute(node: fx.Node) -> bool:
     return False
 
 
+def _record_user_regions(ctx: PassContext, user: list[fx.Node]) -> None:
+    if user:
+        ctx.record("kept", "user checkpoint regions",
+                   f"{len(user)} values tagged by torch.utils.checkpoint / selective "
+                   "checkpointing keep the user's save/recompute choice; graphopt decides "
+                   "the rest")
+
+
 def _partitioner_bytes(gm: fx.GraphModule) -> int | None:
     """Activation bytes PyTorch's min-cut partitioner saves for ``gm`` without remat's tags
     (None when the lowering did not record its partitioner call)."""
@@ -589,24 +597,27 @@ class RematPass(GraphPass):
         opts = self.options
         forward, backward = split_joint(gm)
         user = [v for v in forward if user_policy(v) is not None]
+        keep_all = sum(_bytes(v) for v in keep_everything(forward,
+                                                          _needed(forward, backward))[0])
+        # fractions are of what compiling without remat saves: PyTorch's min-cut partition
+        # of this graph (user checkpoint regions honored), which recomputes cheap ops itself;
+        # tagging at a budget above it saved more than no remat (a review: 10-26% at 1.0)
         alone = _partitioner_bytes(gm)
-        if alone is not None and not user:
-            keep_all = sum(_bytes(v) for v in keep_everything(
-                forward, _needed(forward, backward))[0])
-            budget = opts.resolve(keep_all)
-            if budget >= alone:  # tagging would save more than PyTorch's partition (a
-                # review: budget 1.0 saved 10-26% more than no remat)
-                ctx.record("kept", "saved activations",
-                           f"budget {budget} bytes of keep-all {keep_all}: PyTorch's "
-                           f"partitioner alone saves {alone} bytes (it recomputes cheap ops "
-                           "itself), within the budget; nothing recomputed or offloaded, its "
-                           "partition kept")
-                return PassResult(gm, False)
+        budget = opts.resolve(keep_all if alone is None else alone)
+        of = (f"budget {budget} bytes (without remat PyTorch's partitioner saves {alone}, "
+              f"keep-all {keep_all})" if alone is not None else
+              f"budget {budget} bytes of keep-all {keep_all}")
+        if alone is not None and budget >= alone:
+            ctx.record("kept", "saved activations",
+                       f"{of}: within the budget; nothing recomputed or offloaded, PyTorch's "
+                       "partition kept")
+            _record_user_regions(ctx, user)
+            return PassResult(gm, False)
         observed = ctx.extras.get("observed_sizes") if opts.profile_guided else None
-        decision = plan(gm, opts.resolve, opts.solver, opts.time_limit, opts.offload,
+        decision = plan(gm, lambda _: budget, opts.solver, opts.time_limit, opts.offload,
                         opts.profile, observed)
         if opts.profile_guided:
-            guess = plan(gm, opts.resolve, opts.solver, opts.time_limit, opts.offload,
+            guess = plan(gm, lambda _: budget, opts.solver, opts.time_limit, opts.offload,
                          opts.profile)
             changed = sum(1 for a, b in ((guess.saved, decision.saved),
                                          (guess.recomputed, decision.recomputed),
@@ -622,8 +633,7 @@ class RematPass(GraphPass):
                        "no data-dependent sizes in this graph: the static plan is exact")
         if not (decision.recomputed or decision.offloaded or user):
             ctx.record("kept", "saved activations",
-                       f"budget {opts.resolve(decision.keep_all_bytes)} bytes of keep-all "
-                       f"{decision.keep_all_bytes}: every saved activation fits; nothing "
+                       f"{of}: every saved activation fits; nothing "
                        f"recomputed or offloaded, PyTorch's partition kept (solver "
                        f"{decision.solver}: {decision.status})")
             return PassResult(gm, False)
@@ -638,11 +648,7 @@ class RematPass(GraphPass):
                 else ""
             ctx.record("rewritten", "offload", f"{len(decision.offloaded)} values offloaded "
                        f"to host, {sum(_bytes(v) for v in decision.offloaded)} bytes" + note)
-        if user:
-            ctx.record("kept", "user checkpoint regions",
-                       f"{len(user)} values tagged by torch.utils.checkpoint / selective "
-                       "checkpointing keep the user's save/recompute choice; graphopt decides "
-                       "the rest")
+        _record_user_regions(ctx, user)
         for v in forward:
             if v in decision.offloaded:
                 continue
@@ -651,11 +657,10 @@ class RematPass(GraphPass):
             elif v in decision.saved:
                 v.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             # values the backward does not need stay untagged
-        budget = self.options.resolve(decision.keep_all_bytes)
         times = decision.times
         over = decision.saved_bytes > budget
         ctx.record("skipped" if over else "rewritten", "saved activations",
-                   f"budget {budget} bytes of keep-all {decision.keep_all_bytes}: saved "
+                   f"{of}: saved "
                    f"{decision.saved_bytes} bytes, {len(decision.recomputed)} values "
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
                    f"{decision.solver}: {decision.status}, "

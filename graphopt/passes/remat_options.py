@@ -17,9 +17,11 @@ class RematOptions:
     """``options={"remat": {...}}``: choose keep or recompute per saved activation.
 
     budget: memory for saved activations: bytes (int), "NNGiB"/"NNMiB"/"NNKiB", "NN%" or a
-    float in (0, 1] (a fraction of keep-all: every value the backward reads saved). PyTorch's
-    partitioner alone saves less than keep-all (it recomputes cheap ops); a budget at or
-    above what it saves changes nothing (the report says so).
+    float in (0, 1]: a fraction of what compiling without remat saves (PyTorch's min-cut
+    partition of the graph, which recomputes cheap ops itself; as torch's
+    ``activation_memory_budget``), or of keep-all (every value the backward reads saved)
+    where the lowering does not say how it partitions. A budget at or above what the
+    partition without remat saves changes nothing (the report says so).
     solver: "ilp" (exact, scipy/HiGHS, falls back to greedy past ``time_limit``) or "greedy".
     """
 
@@ -61,7 +63,7 @@ class RematOptions:
             load_profile(self.profile)  # unknown names fail here, listing the valid ones
 
     def resolve(self, keep_all_bytes: int) -> int:
-        """The budget in bytes, given what keeping every activation saves."""
+        """The budget in bytes, given what a fraction is of (bytes)."""
         b = self.budget
         if isinstance(b, numbers.Integral) and not isinstance(b, bool):
             b = int(b)  # numpy integers are bytes too (a review)
@@ -74,7 +76,7 @@ class RematOptions:
             if b < 0:
                 raise ConfigError(f"remat.budget must be >= 0 bytes, got {b}")
             if 0 < b < 1024:
-                hint = ("for the whole keep-all size write 1.0 or '100%'" if b == 1 else
+                hint = ("for no reduction write 1.0 or '100%'" if b == 1 else
                         f"for a percentage write '{b}%' (= {b / 100})" if b <= 100 else
                         "for a fraction write a float in (0, 1] or 'NN%'")
                 raise ConfigError(f"remat.budget={b} is read as {b} bytes; {hint}; for bytes "
