@@ -87,6 +87,41 @@ def test_a_custom_op_that_draws_random_numbers_is_compared_from_one_rng_state():
     assert torch.equal(torch.random.get_rng_state(), after)
 
 
+@torch.compiler.nested_compile_region
+def _region(x, weight, bias):
+    return torch.tanh(torch.nn.functional.linear(x, weight, bias)) * torch.sigmoid(x)
+
+
+class RegionMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8, dtype=torch.float64)
+                                          for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = _region(x, layer.weight, layer.bias)
+        return x.square().mean()
+
+
+def test_a_graph_that_cannot_run_eagerly_is_skipped_not_a_crash():
+    """invoke_subgraph (nested_compile_region, here called 4 times): running Dynamo's graph
+    eagerly with gradients raised "fake_mode should be enabled for HOPs" out of the user's
+    step (a review). verify now reports that it has no eager reference."""
+    model = RegionMLP()
+    compiled = torch.compile(model, backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled(x).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).backward()
+    torch.testing.assert_close(got, [p.grad for p in model.parameters()])
+    report = graphopt.last_report()
+    assert report.verify["status"] == "skipped"
+    assert "does not run eagerly" in report.verify["detail"]
+
+
 def test_verify_leaves_user_parameters_and_grads_untouched():
     model = MLP()
     before = [p.detach().clone() for p in model.parameters()]
