@@ -97,10 +97,10 @@ class CSEPass(GraphPass):
             if node.op != "call_function":
                 continue
             if not _is_pure_aten(node):
-                if not isinstance(node.target, torch._ops.OpOverload) or \
-                        is_mutating(node) or is_foreign_op(node.target):
-                    region += 1  # grad-mode switch, autocast, HOP, in-place write or another
-                    # library's op (it may have side effects): a barrier
+                if not isinstance(node.target, torch._ops.OpOverload) or is_mutating(node):
+                    region += 1  # grad-mode switch, autocast, HOP or in-place write: a barrier
+                    # (another library's op that declares no writes is none: it is just
+                    # never merged itself)
                 continue
             if node in written or autocast_reason(node):
                 continue  # autocast: the same call may produce another dtype at run time

@@ -58,9 +58,11 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -465,10 +467,18 @@ def plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
          time_limit: float = 10.0, offload: bool = False, profile: Any = None,
          observed: dict[Any, int] | None = None) -> RematPlan:
     """See :func:`_plan`; ``observed`` sizes (profile-guided mode) replace the size hints."""
+    with observed_sizes(observed):
+        return _plan(gm, budget_of, solver, time_limit, offload, profile)
+
+
+@contextlib.contextmanager
+def observed_sizes(observed: dict[Any, int] | None) -> Iterator[None]:
+    """Data-dependent sizes priced at their ``observed`` values (profile-guided mode) inside
+    the block, at the hint outside."""
     _OBSERVED.clear()
     _OBSERVED.update(observed or {})
     try:
-        return _plan(gm, budget_of, solver, time_limit, offload, profile)
+        yield
     finally:
         _OBSERVED.clear()
 
@@ -597,12 +607,16 @@ class RematPass(GraphPass):
         opts = self.options
         forward, backward = split_joint(gm)
         user = [v for v in forward if user_policy(v) is not None]
-        keep_all = sum(_bytes(v) for v in keep_everything(forward,
-                                                          _needed(forward, backward))[0])
-        # fractions are of what compiling without remat saves: PyTorch's min-cut partition
-        # of this graph (user checkpoint regions honored), which recomputes cheap ops itself;
-        # tagging at a budget above it saved more than no remat (a review: 10-26% at 1.0)
-        alone = _partitioner_bytes(gm)
+        observed = ctx.extras.get("observed_sizes") if opts.profile_guided else None
+        with observed_sizes(observed):  # (priced at the hint, profile-guided budgets were
+            # fractions of a guessed size: a review measured 0.1% of no remat at 0.5)
+            keep_all = sum(_bytes(v) for v in keep_everything(
+                forward, _needed(forward, backward))[0])
+            # fractions are of what compiling without remat saves: PyTorch's min-cut
+            # partition of this graph (user checkpoint regions honored), which recomputes
+            # cheap ops itself; tagging at a budget above it saved more than no remat (a
+            # review: 10-26% at 1.0)
+            alone = _partitioner_bytes(gm)
         budget = opts.resolve(keep_all if alone is None else alone)
         of = (f"budget {budget} bytes (without remat PyTorch's partitioner saves {alone}, "
               f"keep-all {keep_all})" if alone is not None else
@@ -613,7 +627,6 @@ class RematPass(GraphPass):
                        "partition kept")
             _record_user_regions(ctx, user)
             return PassResult(gm, False)
-        observed = ctx.extras.get("observed_sizes") if opts.profile_guided else None
         decision = plan(gm, lambda _: budget, opts.solver, opts.time_limit, opts.offload,
                         opts.profile, observed)
         if opts.profile_guided:

@@ -79,7 +79,7 @@ def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, group
     # the chunks' lengths, on q's device (NCCL groups take no CPU tensors) and without a
     # host synchronization (a graph break under torch.compile, as the equality check that
     # this replaces was: a review)
-    lengths = funcol.all_gather_tensor(torch.full((1,), q.shape[2], device=q.device,
+    lengths = funcol.all_gather_single(torch.full((1,), q.shape[2], device=q.device,
                                                   dtype=torch.int64), 0, pg)
     # rank 0 too (an empty sum: zeros), so every rank's backward runs the all-gather's
     # reduce-scatter (a collective: skipping it on one rank would hang the others)
