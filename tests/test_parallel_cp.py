@@ -157,7 +157,9 @@ def _bad_input_worker(rank, world):
         lambda: model(input_ids=local, attention_mask=causal),
         # what CP would pass itself is accepted
         lambda: model(input_ids=local, position_ids=torch.arange(4)[None] + 4 * rank,
-                      attention_mask=torch.ones(2, 4, dtype=torch.long)))
+                      attention_mask=torch.ones(2, 4, dtype=torch.long)),
+        lambda: model(local, None, None, None, None, labels),  # labels by position
+        lambda: model(input_ids=local[:, :3 + rank]))  # chunks of 3 and 4 tokens
 
 
 def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error():
@@ -176,6 +178,8 @@ def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error(
         assert "a precomputed attention mask (a dict of masks or a 4-D mask)" in messages[6]
         assert "a precomputed attention mask" in messages[7]
         assert messages[8] == "ran"
+        assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[9]
+        assert "the CP ranks hold chunks of different lengths" in messages[10]
 
 
 @pytest.mark.parametrize("kind", ["_ulysses", "_ring"])
@@ -254,6 +258,25 @@ def test_cp_refuses_position_dependent_attention_in_any_config(build, message):
     for kind in ("ring", "all_to_all"):
         with pytest.raises(ConfigError, match=message):
             check_cp(model, ParallelPlan(cp=2, cp_kind=kind))
+
+
+@pytest.mark.parametrize("build", [
+    # every layer has RoPE and no chunking: temperature tuning (NoPE layers only) is inactive
+    lambda t: t.Llama4ForCausalLM(t.Llama4TextConfig(**dict(LLAMA4, no_rope_layers=[1, 1]),
+                                                     attention_chunk_size=None)),
+    # a window configured but no layer uses it (layer_types all full_attention)
+    lambda t: t.Qwen3ForCausalLM(t.Qwen3Config(**TINY, head_dim=16, use_sliding_window=True,
+                                               sliding_window=4, max_window_layers=8)),
+])
+def test_cp_accepts_configs_whose_position_dependent_features_are_off(build):
+    """A review of the refusals above: these were refused although nothing they refuse
+    is active in them."""
+    import transformers
+
+    from graphopt.parallel.context import check_cp
+
+    torch.manual_seed(0)
+    check_cp(build(transformers), ParallelPlan(cp=2, cp_kind="all_to_all"))
 
 
 def test_the_ring_refuses_a_sliding_window_passed_to_attention():

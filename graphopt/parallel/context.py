@@ -73,15 +73,20 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
         raise ConfigError(f"Ulysses CP splits the attention heads ({heads}) over cp x tp "
                           f"({plan.cp} x {plan.tp}): choose a cp dividing heads / tp")
     for c in _configs(model):
-        if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True):
+        kinds = getattr(c, "layer_types", None)  # per layer, where the config lists them
+        sliding = "sliding_attention" in kinds if kinds else bool(
+            getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True))
+        if sliding:
             raise ConfigError("sliding-window attention under CP is not executed (the window "
                               "crosses chunks): use cp=1")
-        if getattr(c, "attention_chunk_size", None) or "chunked_attention" in (
-                getattr(c, "layer_types", None) or ()):
+        if "chunked_attention" in (kinds or ()) or (
+                not kinds and getattr(c, "attention_chunk_size", None)):
             raise ConfigError("chunked attention (attention_chunk_size) under CP is not "
                               "executed (CP's attention is causal over the whole sequence): "
                               "use cp=1")
-        if getattr(c, "attn_temperature_tuning", None):
+        nope = getattr(c, "no_rope_layers", None)  # Llama 4: 0 = a layer without RoPE,
+        # where the temperature tuning applies
+        if getattr(c, "attn_temperature_tuning", None) and (nope is None or 0 in nope):
             raise ConfigError("attention temperature tuning (attn_temperature_tuning) scales "
                               "queries by positions the model counts from its input, which "
                               "under CP would be each rank's chunk: use cp=1")
@@ -352,22 +357,40 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
             module.forward = types.MethodType(_lightning_cp_forward, module)
             swapped += 1
 
+    import inspect
+
+    signature = inspect.signature(model.forward)
+
     def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        ids = kwargs.get("input_ids", args[0] if args else None)
+        try:  # arguments by name, also those passed by position (labels, masks)
+            given = dict(signature.bind_partial(*args, **kwargs).arguments)
+        except TypeError:
+            given = dict(kwargs)
+        given.update(given.pop("kwargs", None) or {})
+        ids = given.get("input_ids")
         if ids is None:  # inputs_embeds [B, L, H]: the same chunk, embedded by the caller
-            ids = kwargs.get("inputs_embeds")
+            ids = given.get("inputs_embeds")
         length = ids.shape[1] if isinstance(ids, torch.Tensor) else 0
         device = ids.device if isinstance(ids, torch.Tensor) else None
         own = _chunk_positions(length, rank, plan.cp, ring, device)
         # every CP rank refuses together (the cause may sit in one rank's chunk only, and a
-        # rank that went on alone waited in the next collective: a review)
-        flags = torch.tensor([float(bool(problem)) for problem in _refusals(kwargs, own)],
+        # rank that went on alone waited in the next collective: a review); the last two
+        # entries (sum of lengths and of their squares) tell whether the chunks are equal
+        flags = torch.tensor([float(bool(problem)) for problem in _refusals(given, own)]
+                             + [float(length), float(length) ** 2], dtype=torch.float64,
                              device=device)
         dist.all_reduce(flags, group=group)
-        for (_, message), flag in zip(_REFUSALS, flags.tolist()):
+        *refused, total, squares = flags.tolist()
+        for (_, message), flag in zip(_REFUSALS, refused):
             if flag:
                 raise ConfigError(message)
-        if kwargs.get("position_ids") is None and isinstance(ids, torch.Tensor):
+        if squares * plan.cp != total * total:
+            raise ConfigError(f"the CP ranks hold chunks of different lengths (this rank "
+                              f"{length}, {total / plan.cp:g} on average): Ulysses, the ring "
+                              "and the positions CP passes need equal chunks; cut the "
+                              "sequence with graphopt.parallel.context.shard_sequence (pad it "
+                              "to a multiple of the CP size)")
+        if given.get("position_ids") is None and isinstance(ids, torch.Tensor):
             kwargs["position_ids"] = own.unsqueeze(0)
         return args, kwargs
 
