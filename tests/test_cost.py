@@ -429,6 +429,9 @@ def test_a_fake_trace_on_a_cpu_profile_prices_what_the_real_cpu_run_computes(tmp
     ("peak_flops", [1e11], "peak_flops must map"),
     ("host_bandwidth", -5, "host_bandwidth must be a positive number"),
     ("name", 3, "device name must be a string"),
+    # a dtype typo made float32 ops run at the bf16 rate, 10x too fast (a review)
+    ("peak_flops", {"fp32": 67e12, "bfloat16": 989.5e12}, "peak_flops needs 'float32'"),
+    ("peak_flops", {"bfloat16": 989.5e12}, "peak_flops needs 'float32'"),
 ])
 def test_bad_device_profile_fields_are_named(field, value, message):
     """Found by a review: a zero in the GEMM curve was a ZeroDivisionError, True as a peak
@@ -440,6 +443,24 @@ def test_bad_device_profile_fields_are_named(field, value, message):
     with pytest.raises(ConfigError, match=message):
         cluster_from_dict({"name": "x", "device": device, "levels": [
             {"name": "node", "size": 1, "link": {"bandwidth": 1e9, "latency": 1e-5}}]})
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(sourse="x"), r"cluster profile has unknown field\(s\) sourse"),
+    (lambda p: p["levels"][0]["link"].update(bandwdth=1e9),
+     r"levels\[0\].link has unknown field\(s\) bandwdth"),
+    (lambda p: p.update(levels=5), "levels must be a list"),
+])
+def test_typos_in_a_profile_file_are_named(change, message):
+    """A review: unknown top-level and link fields were ignored silently, levels: 5 was a
+    TypeError."""
+    from graphopt.cost.profiles import cluster_from_dict
+
+    profile = {"name": "x", "device": "h100-sxm", "levels": [
+        {"name": "node", "size": 8, "link": {"bandwidth": 1e9, "latency": 1e-5}}]}
+    change(profile)
+    with pytest.raises(ConfigError, match=message):
+        cluster_from_dict(profile)
 
 
 def test_a_profile_calibrated_with_other_threads_warns():

@@ -99,6 +99,12 @@ class DeviceProfile:
                 _number(v) and v > 0 for v in self.peak_flops.values()):
             raise ConfigError(f"device {self.name!r}: peak_flops must map dtype names to "
                               f"positive FLOP/s, got {dict(self.peak_flops)!r}")
+        unknown = sorted(set(self.peak_flops) - set(PEAK_DTYPES))
+        if unknown or "float32" not in self.peak_flops:
+            # a typo ("fp32") made float32 ops run at the bf16 rate: 10x too fast, silently
+            raise ConfigError(f"device {self.name!r}: peak_flops needs 'float32' (also the "
+                              "rate of integer ops) and dtype names from "
+                              f"{', '.join(PEAK_DTYPES)}; got {', '.join(self.peak_flops)}")
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float64 falls back to float32 / 2 when not listed;
@@ -192,6 +198,10 @@ class ClusterProfile:
         return ClusterProfile(self.name, self.device,
                               (*self.levels[:-1], ClusterLevel(last.name, outer, last.link)),
                               self.source)
+
+
+PEAK_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
+"""The dtype names a device's ``peak_flops`` may list."""
 
 
 def _number(value: Any) -> bool:
@@ -373,17 +383,24 @@ def load_profile(spec: str | Path | Mapping[str, Any] | ClusterProfile) -> Clust
                       "or a .json/.yaml file")
 
 
-def _require(data: Mapping[str, Any], keys: list[str], what: str) -> None:
+def _require(data: Mapping[str, Any], keys: list[str], what: str,
+             optional: tuple[str, ...] = ()) -> None:
+    """``data`` is a mapping with ``keys`` and nothing but them and ``optional`` (a typo'd
+    field was ignored: a review)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{what} must be a mapping, got {type(data).__name__}")
     missing = [k for k in keys if k not in data]
     if missing:
         raise ConfigError(f"{what} is missing field(s) {', '.join(missing)}")
+    unknown = sorted(set(data) - set(keys) - set(optional))
+    if unknown:
+        raise ConfigError(f"{what} has unknown field(s) {', '.join(map(str, unknown))}; "
+                          f"valid: {', '.join([*keys, *optional])}")
 
 
 def cluster_from_dict(data: Mapping[str, Any]) -> ClusterProfile:
     """Inverse of :func:`cluster_to_dict`; validates every field."""
-    _require(data, ["name", "device", "levels"], "cluster profile")
+    _require(data, ["name", "device", "levels"], "cluster profile", ("source",))
     if not isinstance(data["name"], str):
         raise ConfigError(f"cluster profile name must be a string, got {data['name']!r}")
     dev = data["device"]
@@ -392,14 +409,14 @@ def cluster_from_dict(data: Mapping[str, Any]) -> ClusterProfile:
             raise ConfigError(f"unknown device {dev!r}; valid: {', '.join(DEVICES)}")
         device = DEVICES[dev.lower()]
     else:
-        _require(dev, ["name", "peak_flops", "memory_bytes", "memory_bandwidth"], "device")
-        allowed = {f.name for f in fields(DeviceProfile)}
-        unknown = set(dev) - allowed
-        if unknown:
-            raise ConfigError(f"device has unknown field(s) {', '.join(sorted(unknown))}; "
-                              f"valid: {', '.join(sorted(allowed))}")
+        required = ["name", "peak_flops", "memory_bytes", "memory_bandwidth"]
+        _require(dev, required, "device", tuple(sorted(
+            f.name for f in fields(DeviceProfile) if f.name not in required)))
         device = DeviceProfile(**dev)
     levels = []
+    if not isinstance(data["levels"], (list, tuple)):
+        raise ConfigError("cluster profile levels must be a list of {name, size, link}, "
+                          f"innermost first; got {data['levels']!r}")
     for i, lv in enumerate(data["levels"]):
         _require(lv, ["name", "size", "link"], f"levels[{i}]")
         _require(lv["link"], ["bandwidth", "latency"], f"levels[{i}].link")
