@@ -126,6 +126,15 @@ def test_lightning_attention_op_has_flop_formula():
         lightning_flops(1, 2, 100, 8, 8, 64, backward=False)
     assert by_op["graphopt.lightning_attention_bwd.default"][1] == \
         lightning_flops(1, 2, 100, 8, 8, 64, backward=True)
+    # packed sequences (cu_seqlens) run the varlen ops: they were priced at 0 (a review)
+    gm = trace_step(_Wrap(lambda q, s, cu: lightning_attention(q, q, q, s, cu_seqlens=cu,
+                                                               block_size=32)),
+                    (q, torch.full((2,), 0.1), torch.tensor([0, 40, 100])), tracing="fake")
+    by_op = graph_cost(gm, CLUSTERS["h100-sxm"].device).by_op()
+    assert by_op["graphopt.lightning_attention_varlen_fwd.default"][1] == \
+        lightning_flops(1, 2, 100, 8, 8, 32, backward=False)
+    assert by_op["graphopt.lightning_attention_varlen_bwd.default"][1] == \
+        lightning_flops(1, 2, 100, 8, 8, 32, backward=True)
 
 
 class _Wrap(torch.nn.Module):

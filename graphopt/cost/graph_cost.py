@@ -89,6 +89,26 @@ def _lightning_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: 
     return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
 
 
+def _lightning_varlen_fwd(q: Any, k: Any, v: Any, *_: Any, out_shape: Any = None,
+                          **__: Any) -> Any:
+    """Packed sequences (q [1, Hq, T, D]): each sequence's chunks, T tokens in all (a
+    review found these ops priced at 0 FLOPs)."""
+    b, hq, s, d = q
+    return lightning_flops(b, hq, s, d, v[-1], _varlen_block(_), backward=False)
+
+
+def _lightning_varlen_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, *_: Any,
+                          out_shape: Any = None, **__: Any) -> Any:
+    b, hq, s, d = q
+    return lightning_flops(b, hq, s, d, v[-1], _varlen_block(_), backward=True)
+
+
+def _varlen_block(rest: tuple[Any, ...]) -> Any:
+    """block_size among the varlen ops' arguments after v: slope, scale, initial_state,
+    cu_seqlens, block_size (the first int after cu_seqlens)."""
+    return rest[4] if len(rest) > 4 and isinstance(rest[4], int) else 64
+
+
 def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
     """torch._grouped_mm (MoE experts): every row of mat_a meets one group's matrix, so the
     total is that of one GEMM over all rows: 2 M K N for [M, K] x [E, K, N], and for the
@@ -127,6 +147,8 @@ def custom_flop_formulas() -> dict[Any, Any]:
     table: dict[Any, Any] = {
         torch.ops.graphopt.lightning_attention_fwd: _lightning_fwd,
         torch.ops.graphopt.lightning_attention_bwd: _lightning_bwd,
+        torch.ops.graphopt.lightning_attention_varlen_fwd: _lightning_varlen_fwd,
+        torch.ops.graphopt.lightning_attention_varlen_bwd: _lightning_varlen_bwd,
         aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
     }
