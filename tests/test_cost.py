@@ -402,12 +402,15 @@ def test_graphopt_leaves_torchs_flop_table_alone():
     assert ours.get_total_flops() == 2 * 2 * 64 * 64 * 16 * 2 // 2  # causal: half
 
 
-def test_a_fake_trace_on_a_cpu_profile_prices_what_the_real_cpu_run_computes(tmp_path):
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_fake_trace_on_a_cpu_profile_prices_what_the_real_cpu_run_computes(tmp_path, name):
     """graphopt estimate traces the model on the meta device: transformers kept an explicit
     S x S causal mask (it cannot read the traced position ids to rule out packed sequences)
     and SDPA decomposed into the math path there, so a CPU profile's estimate of a Llama
     step was 5.5x the memory and 1.45x the FLOPs of the real run (a review). Now it equals
-    the real trace's FLOPs and is within 5% of its memory."""
+    the real trace's FLOPs and is within 5% of its memory. GPT-2 trains with attention
+    dropout 0.1, which the CPU flash kernel lacks: the real run takes the math path, and
+    the estimate priced flash (memory 37% low, a later review)."""
     import json
 
     from graphopt.models import build_model
@@ -418,12 +421,12 @@ def test_a_fake_trace_on_a_cpu_profile_prices_what_the_real_cpu_run_computes(tmp
         "memory_bandwidth": 2e10, "kind": "cpu"}, "levels": [
             {"name": "node", "size": 1, "link": {"bandwidth": 1e9, "latency": 1e-5}}]}))
     torch.manual_seed(0)
-    model = build_model("llama").train()
-    ids = torch.randint(0, 256, (1, 512))
+    model = build_model(name).train()
+    ids = torch.randint(0, 256, (1, 512 if name == "llama" else 128))
     real = estimate(model, {"input_ids": ids, "labels": ids, "use_cache": False},
                     str(profile), tracing="real")
     with torch.device("meta"):
-        meta_model = build_model("llama").train()
+        meta_model = build_model(name).train()
     meta_ids = ids.to("meta")
     fake = estimate(meta_model, {"input_ids": meta_ids, "labels": meta_ids,
                                  "use_cache": False}, str(profile), tracing="fake")
