@@ -489,3 +489,24 @@ def test_a_profile_calibrated_with_other_threads_warns():
     ids = torch.randint(0, 256, (1, 16))
     with pytest.warns(UserWarning, match="calibrated with"):
         estimate(model, {"input_ids": ids, "use_cache": False}, profile, train=False)
+
+
+def test_estimate_names_the_fix_for_a_meta_model_or_nothing_to_train():
+    """A review: the documented call (no use_cache) on a meta-device model raised a raw
+    AssertionError (transformers built a real DynamicCache in the fake trace); tracing='real'
+    on it a raw meta-tensor error; a model without trainable parameters a raw autograd
+    error."""
+    from graphopt.models import build_model
+
+    with torch.device("meta"):
+        meta_model = build_model("llama").train()
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    est = estimate(meta_model, {"input_ids": ids, "labels": ids}, "h100-sxm", tracing="fake")
+    assert est.flops > 0
+    with pytest.raises(ConfigError, match="on the meta device: a real trace runs them; use "
+                                          "tracing='fake'"):
+        estimate(meta_model, {"input_ids": ids, "labels": ids}, "h100-sxm")
+    frozen = build_model("llama").requires_grad_(False)
+    real_ids = torch.zeros(1, 16, dtype=torch.long)
+    with pytest.raises(ConfigError, match="nothing to differentiate"):
+        estimate(frozen, {"input_ids": real_ids, "labels": real_ids}, "h100-sxm")

@@ -4,6 +4,7 @@ and whole-step estimates.
 
     from graphopt.cost import estimate, load_profile, collective_time
     est = estimate(model, {"input_ids": ids, "labels": ids}, "h100-sxm", tracing="fake")
+    # tracing="fake": a model built on the meta device (no weights); "real" runs real weights
 """
 
 from graphopt.cost.collectives import collective_time

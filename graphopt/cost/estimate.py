@@ -14,6 +14,7 @@ ATen ops too, and parameters are graph inputs (their memory is counted separatel
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -158,7 +159,18 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
                     {f"model.{k}": v for k, v in buffers.items()})
         return torch.func.functional_call(wrapper, prefixed, args, kwargs)
 
+    if "use_cache" not in kwargs and "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False  # a training step keeps no KV cache (transformers built a
+        # real DynamicCache inside the fake trace: an AssertionError, found by a review)
     if tracing == "real":
+        if any(p.is_meta for p in params.values()):
+            raise ConfigError("the model's parameters are on the meta device: a real trace "
+                              "runs them; use tracing='fake'")
+        if train and not trainable and not any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+            raise ConfigError("nothing to differentiate: no trainable parameter and no input "
+                              "with requires_grad; use train=False")
         return record_step(model, args, kwargs, train)
     detached = {k: v.detach().requires_grad_(v.requires_grad) for k, v in params.items()}
     context = torch.enable_grad() if train else torch.no_grad()
