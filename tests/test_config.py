@@ -66,6 +66,21 @@ def test_npu_without_torch_npu_says_what_to_install():
         GraphoptConfig.from_options({"lowering": "npu"})
 
 
+@pytest.mark.skipif(npu_available(), reason="torch_npu is installed here")
+def test_npu_installed_but_not_importable_says_why(tmp_path, monkeypatch):
+    """A torch_npu that fails at import (CANN's environment not sourced) passed the check,
+    which only looked for the package, and failed at the first call inside Dynamo's error
+    (a review). Here a stand-in package raises the ImportError torch_npu raises then."""
+    package = tmp_path / "torch_npu"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('libhccl.so: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(LoweringUnavailableError, match=r"torch_npu is installed but does not "
+                       r"import \(ImportError: libhccl.so.*set_env.sh"):
+        GraphoptConfig.from_options({"lowering": "npu"})
+
+
 def test_unknown_mode():
     with pytest.raises(ConfigError, match="unknown torch.compile mode 'fastest'"):
         GraphoptConfig.from_options({}, mode="fastest")

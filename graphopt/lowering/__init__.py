@@ -56,3 +56,11 @@ def require_npu() -> None:
             "(`pip install torch-npu==<your torch version>`, or `pip install "
             "'graphopt[npu]'`), or use lowering='inductor' or 'eager' here"
         )
+    try:  # installed is not importable: without the CANN toolkit's environment it fails at
+        # import, which surfaced at the first call inside Dynamo's error (a review)
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # noqa: BLE001 - named in the error
+        raise LoweringUnavailableError(
+            f"lowering='npu': torch_npu is installed but does not import ({type(exc).__name__}: "
+            f"{exc}); source the Ascend CANN toolkit's set_env.sh (and check that torch_npu "
+            "matches your torch), or use lowering='inductor' or 'eager' here") from exc
