@@ -81,6 +81,10 @@ def test_local_profile_before_calibration_says_to_calibrate(tmp_path, monkeypatc
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="run `graphopt calibrate` first"):
         load_profile("local")
+    (tmp_path / "local.json").write_text('{"name": "local", "dev')  # interrupted calibrate
+    with pytest.raises(ConfigError, match=r"the 'local' profile .* is unusable: .*not valid "
+                                          r"JSON.*run `graphopt calibrate` again or delete"):
+        load_profile("local")
 
 
 def _traced(fn, *args):

@@ -354,7 +354,12 @@ def load_profile(spec: str | Path | Mapping[str, Any] | ClusterProfile) -> Clust
         if not path.exists():
             raise ConfigError(f"profile 'local' has not been measured yet ({path} is missing);"
                               " run `graphopt calibrate` first")
-        return load_profile(path)
+        try:
+            return load_profile(path)
+        except ConfigError as exc:  # an interrupted calibrate, a hand edit
+            raise ConfigError(f"the 'local' profile (the default once `graphopt calibrate` "
+                              f"ran) is unusable: {exc}; run `graphopt calibrate` again or "
+                              f"delete {path}") from exc
     path = Path(text)
     if path.suffix in (".json", ".yaml", ".yml"):
         if not path.exists():
