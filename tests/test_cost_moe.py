@@ -36,3 +36,9 @@ def test_auto_choice_and_errors():
         schedule_times(LAYER, 10**6, "h200")
     with pytest.raises(ConfigError, match="must divide the EP size"):
         schedule_times(LAYER, 12, "h200", ranks_per_node=8)
+    # a review: ep=0 was a ZeroDivisionError, ep=-4 chose 'peer', negative sizes passed
+    for ep in (0, -4):
+        with pytest.raises(ConfigError, match="ep must be an int >= 1"):
+            choose_schedule(LAYER, ep, "h200")
+    with pytest.raises(ConfigError, match="MoELayerShape.tokens must be a number >= 0"):
+        MoELayerShape(tokens=-1, top_k=2, hidden=8, ffn=8)

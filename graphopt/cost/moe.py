@@ -48,6 +48,14 @@ class MoELayerShape:
     dtype_bytes: int = 2
     dtype: str = "bfloat16"
 
+    def __post_init__(self) -> None:
+        for name in ("tokens", "top_k", "hidden", "ffn", "dtype_bytes"):
+            value = getattr(self, name)  # (a symbolic size passes: it has no value yet)
+            least = 0 if name == "tokens" else 1
+            if isinstance(value, bool) or (isinstance(value, (int, float)) and value < least):
+                raise ConfigError(f"MoELayerShape.{name} must be a number >= {least}, got "
+                                  f"{value!r}")
+
     @property
     def dispatch_bytes(self) -> float:
         """Bytes one rank dispatches per direction: T * K rows of H elements."""
@@ -108,9 +116,15 @@ def schedule_times(shape: MoELayerShape, ep: int, cluster: ClusterProfile | str,
     {schedule: (seconds, chunks)}. ``ranks_per_node`` defaults to the cluster's node size.
 
     Raises:
-        ConfigError: an EP group larger than the cluster, a ranks_per_node not dividing ep.
+        ConfigError: ep or ranks_per_node not an int >= 1, an EP group larger than the
+            cluster, a ranks_per_node not dividing ep.
     """
     profile = load_profile(cluster) if isinstance(cluster, str) else cluster
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"ep must be an int >= 1 (ranks in the EP group), got {ep!r}")
+    if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(
+            ranks_per_node, int) or ranks_per_node < 1):
+        raise ConfigError(f"ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
     if ep > profile.max_devices:
         raise ConfigError(f"ep={ep} exceeds cluster {profile.name!r} "
                           f"({profile.max_devices} devices)")
