@@ -50,6 +50,18 @@ class MLP(torch.nn.Module):
         return x.square().mean()
 
 
+def _same_seed_grads(fn, model, x):
+    """(parameter gradients of the compiled ``fn``, of the eager ``model``), each run from
+    seed 1, so random ops draw the same when nothing redraws them."""
+    torch.manual_seed(1)
+    fn(x).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(1)
+    model(x).backward()
+    return got, [p.grad for p in model.parameters()]
+
+
 def _compile(fn, **remat):
     torch._dynamo.reset()
     graphopt.clear_reports()
@@ -95,13 +107,7 @@ def test_random_ops_are_saved_not_recomputed(tmp_path):
     graphopt.clear_reports()
     fn = torch.compile(model, backend="graphopt", options={
         "lowering": "eager", "remat": {"budget": 0.05}, "dump_dir": str(tmp_path)})
-    torch.manual_seed(1)
-    fn(x).backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    torch.manual_seed(1)
-    model(x).backward()
-    torch.testing.assert_close(got, [p.grad for p in model.parameters()])
+    torch.testing.assert_close(*_same_seed_grads(fn, model, x))
     (backward,) = tmp_path.glob("graph_*/backward.py")
     code = backward.read_text()
     assert "aten.mm" in code and "native_dropout_backward" in code
@@ -625,14 +631,7 @@ def test_ops_that_may_draw_random_numbers_are_never_recomputed(model_class, budg
     model = model_class().to(torch.float64).train()
     x = torch.randn(64, 64, dtype=torch.float64)
     fn = _compile(model, budget=budget)
-    torch.manual_seed(1)
-    fn(x).backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    torch.manual_seed(1)
-    model(x).backward()
-    torch.testing.assert_close(got, [p.grad for p in model.parameters()], rtol=1e-12,
-                               atol=1e-14)
+    torch.testing.assert_close(*_same_seed_grads(fn, model, x), rtol=1e-12, atol=1e-14)
     report = graphopt.last_report()
     if model_class is NoisyMLP:
         assert report.fallback is None
