@@ -443,6 +443,32 @@ def test_graph_break_that_passes_the_mask_between_graphs_is_reported():
                "unknown" in s.reason for s in sites), sites
 
 
+def test_a_mask_passed_in_that_keeps_every_site_is_warned_about():
+    """generate() passes an all-ones attention_mask even without padding, so following the
+    KV-cache warning's advice (use_cache=False) converted nothing, with no warning (a
+    review): the sites are kept (the mask's values could pad) and now a warning says how
+    to convert them."""
+    import graphopt
+    from graphopt.models import build_model, sample_batch
+
+    model = build_model("llama")
+    ids = sample_batch(model, batch=1, seq=8)
+    mask = torch.ones_like(ids)
+    graphopt.clear_reports()
+    fn = torch.compile(lambda i, m: model(input_ids=i, attention_mask=m,
+                                          use_cache=False).logits,
+                       backend="graphopt", options={"lowering": "eager",
+                                                    "attention": "lightning"})
+    with pytest.warns(UserWarning, match=r"kept \d+ softmax-attention site\(s\) of this "
+                      r"graph because their attention mask is a graph input"):
+        out = fn(ids, mask)
+    torch.testing.assert_close(out, model(input_ids=ids, attention_mask=mask,
+                                          use_cache=False).logits)
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites]
+    assert sites and all(s.action == "skipped" for s in sites), sites
+
+
 class _WindowSDPA(torch.nn.Module):
     """A causal sliding window of 48 tokens written as a mask from the sequence size, with
     the window held in a 0-d buffer, a non-integer float, or a large buffer table."""

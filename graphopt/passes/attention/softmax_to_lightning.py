@@ -183,19 +183,29 @@ class SoftmaxToLightning:
         # builders of the body's inputs (a causal mask built outside the region).
         root, outer = ctx.extras.get("root", gm), ctx.extras.get("outer")
         writes = WritesBetween(gm.graph)
-        cached = 0
+        cached = masked = 0
         for node in sites:
             reason = autocast_reason(node) or self.convert(gm, node, env, root, outer, writes)
             done = reason.startswith("APPROXIMATE")
             ctx.record("rewritten" if done else "skipped", site_name(node), reason)
             modified = modified or done
             cached += "KV cache" in reason
+            masked += "depends on a graph input's values" in reason
         if cached:  # loud: a forward that returns transformers' default cache (use_cache=True)
             warnings.warn(f"graphopt: attention='lightning' kept {cached} softmax-attention "
                           "site(s) of this graph because they read or fill a KV cache (a "
                           "converted prefill followed by softmax decode steps would compute "
                           "neither model); call the model with use_cache=False to convert "
                           "them", stacklevel=2)
+        if masked and not modified:  # as loud: generate() passes an all-ones mask even
+            # without padding, so following the advice above converted nothing, silently
+            # (a review)
+            warnings.warn(f"graphopt: attention='lightning' kept {masked} softmax-attention "
+                          "site(s) of this graph because their attention mask is a graph "
+                          "input whose values could pad: a mask passed in (generate() "
+                          "passes one even without padding) or one built before a graph "
+                          "break; call the model without attention_mask (and without graph "
+                          "breaks before attention) to convert them", stacklevel=2)
         self._report_unused_patterns(sites, ctx)
         return modified
 
