@@ -457,6 +457,29 @@ def test_minimax_model_recompiled_for_a_new_length_keeps_the_rewrite():
     assert any("bounds follow the sequence length" in s.reason for s in loops)
 
 
+def test_a_linear_attention_layer_whose_loop_does_not_match_is_reported():
+    """A review: a MiniMax prefill with its cache under dynamic=True, batch 2, one block
+    (S 10) left the loop neither rewritten nor mentioned (the matcher's no-match is silent
+    by design, for concatenations that are not loops); the only record blamed the decay
+    matrix's dynamic size. A linear-attention layer without a loop record now says that
+    none matched; one with a loop record or a rewrite gets nothing more."""
+    from graphopt.passes.attention.attention_pass import _report_unmatched
+    from graphopt.passes.base import PassContext
+    from graphopt.report import PassRecord
+
+    record = PassRecord("attention", "pre_autograd", "model", True)
+    ctx = PassContext(Config(), record_=record)
+    ctx.record("skipped", "model.layers.0.self_attn:matmul_1", "the decay matrix's size "
+               "follows a dynamic input size")
+    ctx.record("rewritten", "model.layers.2.self_attn:matmul_4", "parallel form")
+    ctx.record("skipped", "model.layers.4.self_attn:cat", "the slope depends on an input")
+    _report_unmatched({f"model.layers.{i}.self_attn": "MiniMaxLightningAttention"
+                       for i in (0, 2, 4)}, {"model.layers.4.self_attn"}, ctx)
+    added = record.sites[3:]
+    assert [(s.action, s.site) for s in added] == [("skipped", "model.layers.0.self_attn")]
+    assert "MiniMaxLightningAttention: no block loop graphopt rewrites" in added[0].reason
+
+
 def test_bf16_minimax_model_is_rewritten_and_as_accurate_as_eager():
     """The bf16 model through torch.compile: its loop is rewritten (it used to be refused on
     its rounded tables) and logits and every gradient are as close to the float64 model's

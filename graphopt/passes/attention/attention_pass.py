@@ -71,11 +71,13 @@ class AttentionPass(GraphPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         sites = softmax_attention_sites(gm.graph)
+        linear = _linear_attention_modules(gm.graph)
         env = self._input_env(gm, ctx)
         modified = False
         if self.mode != "lightning":
             modified |= report_or_make_causal(sites, ctx, env, self.mode)
-        loops_modified, in_loops = rewrite_block_loops(gm, ctx, env, self.mode)
+        found: set[str] = set()
+        loops_modified, in_loops = rewrite_block_loops(gm, ctx, env, self.mode, found)
         modified |= loops_modified
         if modified:
             eliminate_dead_code(gm.graph)
@@ -84,6 +86,7 @@ class AttentionPass(GraphPass):
             modified |= SoftmaxToLightning(self.lightning).convert_sites(gm, sites, ctx, env)
         if modified:
             eliminate_dead_code(gm.graph)
+        _report_unmatched(linear, found, ctx)
         return PassResult(gm, modified)
 
     @staticmethod
@@ -93,3 +96,32 @@ class AttentionPass(GraphPass):
         inputs = ctx.extras.get("example_inputs") or []
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         return {p: x for p, x in zip(placeholders, inputs) if x is not None}
+
+
+def _linear_attention_modules(graph: fx.Graph) -> dict[str, str]:
+    """Module path -> class name of the linear-attention layers this graph runs (by class
+    name: ``*LightningAttention*`` / ``*LinearAttention*``, e.g. MiniMax's)."""
+    found: dict[str, str] = {}
+    for node in graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+            name = name.rsplit(".", 1)[-1].strip("'>")
+            if "LightningAttention" in name or "LinearAttention" in name:
+                found[str(path)] = name
+    return found
+
+
+def _report_unmatched(linear: dict[str, str], found: set[str], ctx: PassContext) -> None:
+    """A linear-attention layer in which no block loop was found (matched or refused with a
+    reason) and nothing was rewritten is reported: a review found a one-block MiniMax loop
+    with a symbolic batch (dynamic=True) neither rewritten nor mentioned."""
+    if ctx.record_ is None:
+        return
+    rewritten = {s.site.rsplit(":", 1)[0] if ":" in s.site else ""  # site_name: path:node
+                 for s in ctx.record_.sites if s.action == "rewritten"}
+    for path, name in sorted(linear.items()):
+        if not any(p == path or p.startswith(path + ".") for p in found | rewritten):
+            ctx.record("skipped", path or "(graph)", f"{name}: no block loop graphopt "
+                       "rewrites was found in this layer's graph (its pattern did not match "
+                       "here, e.g. a one-block loop with a symbolic batch under "
+                       "dynamic=True); the layer runs as written")

@@ -71,13 +71,20 @@ from graphopt.passes.attention.match_linear import (
 )
 from graphopt.passes.attention.match_symbolic import hint, sym_expr
 from graphopt.passes.base import PassContext
-from graphopt.passes.fx_utils import autocast_reason, fake_call, site_name, tensor_meta
+from graphopt.passes.fx_utils import (
+    autocast_reason,
+    fake_call,
+    module_path,
+    site_name,
+    tensor_meta,
+)
 
 
 def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node, Any],
-                        mode: str) -> tuple[bool, set[fx.Node]]:
+                        mode: str, found: set[str] | None = None) -> tuple[bool, set[fx.Node]]:
     """Rewrite every MiniMax block loop (mode "exact"; report them otherwise). Returns
-    (graph changed, the loops' per-block intra products: not parallel forms)."""
+    (graph changed, the loops' per-block intra products: not parallel forms); adds the
+    module path of every loop it matched or refused to ``found``."""
     modified = False
     in_loops: set[fx.Node] = set()
     writes = WritesBetween(gm.graph)
@@ -88,9 +95,13 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         except LoopRefused as exc:  # loop-shaped: say why (its blocks' products may still
             # be rewritten as parallel forms below: they are not added to in_loops)
             ctx.record("skipped", site, f"linear-attention block loop: {exc}")
+            if found is not None:
+                found.add(module_path(cat))
             continue
         except NoMatch:
             continue  # not loop-shaped at all: nothing to report
+        if found is not None:
+            found.add(module_path(cat))
         in_loops.update(b.intra for b in loop.blocks)
         if autocast_reason(cat):
             ctx.record("skipped", site, autocast_reason(cat))
