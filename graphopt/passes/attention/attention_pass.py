@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from graphopt.passes import register_pass
@@ -46,6 +47,8 @@ from graphopt.passes.attention.sdpa_causal_mask import report_or_make_causal
 from graphopt.passes.attention.softmax_to_lightning import SoftmaxToLightning
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import eliminate_dead_code
+
+aten = torch.ops.aten
 
 
 @register_pass
@@ -99,10 +102,14 @@ class AttentionPass(GraphPass):
 
 
 def _linear_attention_modules(graph: fx.Graph) -> dict[str, str]:
-    """Module path -> class name of the linear-attention layers this graph runs (by class
-    name: ``*LightningAttention*`` / ``*LinearAttention*``, e.g. MiniMax's)."""
+    """Module path -> class name of the linear-attention layers whose products this graph
+    computes (by class name: ``*LightningAttention*`` / ``*LinearAttention*``, e.g.
+    MiniMax's)."""
     found: dict[str, str] = {}
+    products = (aten.matmul.default, aten.bmm.default, aten.mm.default)
     for node in graph.nodes:
+        if node.op != "call_function" or node.target not in products:
+            continue  # the layer's products are here (not in a checkpoint body, say)
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
             name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
             name = name.rsplit(".", 1)[-1].strip("'>")
