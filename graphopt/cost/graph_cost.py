@@ -89,24 +89,20 @@ def _lightning_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: 
     return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
 
 
-def _lightning_varlen_fwd(q: Any, k: Any, v: Any, *_: Any, out_shape: Any = None,
+def _lightning_varlen_fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state: Any,
+                          cu_seqlens: Any, block_size: Any, *_: Any, out_shape: Any = None,
                           **__: Any) -> Any:
     """Packed sequences (q [1, Hq, T, D]): each sequence's chunks, T tokens in all (a
     review found these ops priced at 0 FLOPs)."""
     b, hq, s, d = q
-    return lightning_flops(b, hq, s, d, v[-1], _varlen_block(_), backward=False)
+    return lightning_flops(b, hq, s, d, v[-1], block_size, backward=False)
 
 
-def _lightning_varlen_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, *_: Any,
-                          out_shape: Any = None, **__: Any) -> Any:
+def _lightning_varlen_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: Any,
+                          scale: Any, initial_state: Any, cu_seqlens: Any, block_size: Any,
+                          *_: Any, out_shape: Any = None, **__: Any) -> Any:
     b, hq, s, d = q
-    return lightning_flops(b, hq, s, d, v[-1], _varlen_block(_), backward=True)
-
-
-def _varlen_block(rest: tuple[Any, ...]) -> Any:
-    """block_size among the varlen ops' arguments after v: slope, scale, initial_state,
-    cu_seqlens, block_size (the first int after cu_seqlens)."""
-    return rest[4] if len(rest) > 4 and isinstance(rest[4], int) else 64
+    return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
 
 
 def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:

@@ -46,6 +46,7 @@ given its own mask or bias, soft-capping or sinks, which CP's attention would dr
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -323,9 +324,7 @@ def _require_causal(module: nn.Module, kwargs: dict[str, Any],
 def _no_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None,
                      **kwargs: Any) -> None:
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ConfigError("context parallelism runs causal attention without padding; this "
-                          "batch has a padding mask: pack sequences without padding or use "
-                          "cp=1")
+        raise ConfigError(_PADDING)
     return None
 
 
@@ -356,8 +355,6 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
             module.graphopt_cp_group = str(group.group_name)  # type: ignore[assignment]
             module.forward = types.MethodType(_lightning_cp_forward, module)
             swapped += 1
-
-    import inspect
 
     signature = inspect.signature(model.forward)
 
@@ -404,9 +401,10 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
                 if swapped else ""))
 
 
+_PADDING = ("context parallelism runs causal attention without padding; this batch has a "
+            "padding mask: pack sequences without padding or use cp=1")
 _REFUSALS = (
-    ("padding", "context parallelism runs causal attention without padding; this batch has "
-                "a padding mask: pack sequences without padding or use cp=1"),
+    ("padding", _PADDING),
     ("mask", "CP builds its own causal attention, so a precomputed attention mask (a dict of "
              "masks or a 4-D mask) would be dropped: pass a 2-D padding mask [B, S] without "
              "padding, or none"),

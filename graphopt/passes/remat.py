@@ -13,7 +13,9 @@ recomputation in the backward; built by :func:`build_ilp`, solved by scipy's HiG
                 s_u + r_u >= r_v      for every forward input u of v       (recompute closure)
                 sum_v s_v * b_v <= B  b_v: bytes of v's own storage, B: the budget
                 r_v = 0  for random ops (dropout: recomputing would draw new numbers), ops
-                         with side effects, graphopt custom ops not marked safe, and values
+                         with side effects, other libraries' custom ops (their schema does
+                         not say whether they draw random numbers), higher-order ops whose
+                         bodies hold any of these, and values
                          read from an input the graph mutates in place (BatchNorm's running
                          statistics, a buffer updated in forward: the backward would read
                          the updated input)
@@ -51,7 +53,10 @@ Contract:
         ILP; a "kept" site says how many).
     records: per saved value "kept" (bytes, what recomputing would cost), per recomputed or
         offloaded value "rewritten" (bytes, predicted recompute time), and
-        a summary site (budget, keep-all bytes, saved bytes, solver, status); "skipped" with
+        a summary site (budget, what PyTorch's partition saves without remat, keep-all
+        bytes, saved bytes, solver, status); "kept" alone when the budget covers what that
+        partition saves (nothing is tagged then: B, as a fraction, is a fraction of it, as
+        torch's ``activation_memory_budget``); "skipped" with
         the minimum when the budget is infeasible (every value is then saved or recomputed as
         cheaply as the solver finds, and the report says so).
 """
@@ -95,7 +100,6 @@ class RematPlan:
     saved: set[fx.Node]
     recomputed: set[fx.Node]
     saved_bytes: int
-    keep_all_bytes: int
     recompute_s: float
     solver: str
     status: str
@@ -463,12 +467,12 @@ def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str,
     return saved, recomputed, "greedy" + ("" if total() <= budget else " (over budget)")
 
 
-def plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
+def plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
          time_limit: float = 10.0, offload: bool = False, profile: Any = None,
          observed: dict[Any, int] | None = None) -> RematPlan:
     """See :func:`_plan`; ``observed`` sizes (profile-guided mode) replace the size hints."""
     with observed_sizes(observed):
-        return _plan(gm, budget_of, solver, time_limit, offload, profile)
+        return _plan(gm, budget, solver, time_limit, offload, profile)
 
 
 @contextlib.contextmanager
@@ -483,17 +487,15 @@ def observed_sizes(observed: dict[Any, int] | None) -> Iterator[None]:
         _OBSERVED.clear()
 
 
-def _plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
+def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
           time_limit: float = 10.0, offload: bool = False, profile: Any = None) -> RematPlan:
-    """Decide keep/recompute(/offload) for ``gm`` (a joint graph); ``budget_of(keep_all)``
-    gives the budget in bytes; ``profile`` prices nodes and host copies (default: "local"
-    when calibrated, else h100-sxm)."""
+    """Decide keep/recompute(/offload) for ``gm`` (a joint graph) within ``budget`` bytes of
+    saved activations; ``profile`` prices nodes and host copies (default: "local" when
+    calibrated, else h100-sxm)."""
     forward, backward = split_joint(gm)
     for v in readers_of_mutated_inputs(gm.graph):
         v.meta[READS_MUTATED_INPUT] = True
     needed = _needed(forward, backward)
-    keep_all = sum(_bytes(v) for v in keep_everything(forward, needed)[0])
-    budget = int(budget_of(keep_all))
     device = load_profile(profile or default_profile_name()).device
     times = _node_times(gm, device)
     offload_cost = None
@@ -517,7 +519,7 @@ def _plan(gm: fx.GraphModule, budget_of: Any, solver: str = "ilp",
     cost = sum(times.get(v.name, 0.0) for v in recomputed)
     if offload_cost:
         cost += sum(offload_cost[v] for v in offloaded)
-    return RematPlan(saved, recomputed, saved_bytes, keep_all, cost, name, status, offloaded,
+    return RematPlan(saved, recomputed, saved_bytes, cost, name, status, offloaded,
                      device.kind, times, infeasible)
 
 
@@ -627,10 +629,10 @@ class RematPass(GraphPass):
                        "partition kept")
             _record_user_regions(ctx, user)
             return PassResult(gm, False)
-        decision = plan(gm, lambda _: budget, opts.solver, opts.time_limit, opts.offload,
+        decision = plan(gm, budget, opts.solver, opts.time_limit, opts.offload,
                         opts.profile, observed)
         if opts.profile_guided:
-            guess = plan(gm, lambda _: budget, opts.solver, opts.time_limit, opts.offload,
+            guess = plan(gm, budget, opts.solver, opts.time_limit, opts.offload,
                          opts.profile)
             changed = sum(1 for a, b in ((guess.saved, decision.saved),
                                          (guess.recomputed, decision.recomputed),

@@ -16,7 +16,9 @@ Contract:
     reads meta: ``val``, ``grapharg``, ``nn_module_stack``, ``autocast``;
         ``ctx.extras["example_inputs"]`` (real values to evaluate decays, masks, scales).
     writes meta: new nodes get ``val``, ``nn_module_stack`` and ``graphopt_replaced``.
-    records: see the steps.
+    records: see the steps; and a linear-attention layer (class ``*LightningAttention*`` /
+        ``*LinearAttention*``) whose products this graph computes but in which no block
+        loop was matched or refused and nothing rewritten: "skipped", saying so.
 
 Pseudo-code (the order is today's; each step is one module):
     sites = softmax_attention_sites(graph)   # match_softmax; found before any rewrite
