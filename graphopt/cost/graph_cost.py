@@ -115,13 +115,65 @@ def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
     return 2 * a[0] * a[1] * a[2] * n  # 3-D x 3-D: batched
 
 
+def causal_fraction(s_q: Any, s_k: Any) -> Any:
+    """Fraction of the ``s_q x s_k`` scores a causal fused-attention kernel computes: the
+    kernels (PyTorch's CPU flash kernel, FlashAttention-2/3, memory-efficient and cuDNN
+    attention) skip the blocks above SDPA's top-left-aligned diagonal. The area below it:
+    ``s_q / 2 s_k`` for ``s_q <= s_k``, ``1 - s_k / 2 s_q`` otherwise; 1/2 for a square mask
+    (also symbolic), as FlashAttention's own benchmarks count causal FLOPs (Dao 2023,
+    benchmarks/benchmark_flash_attention.py divides by 2 when causal)."""
+    import sympy
+
+    if isinstance(s_q, int) and isinstance(s_k, int):
+        if s_q <= 0 or s_k <= 0:
+            return 1
+        if s_q <= s_k:
+            return sympy.Rational(s_q, 2 * s_k)
+        return 1 - sympy.Rational(s_k, 2 * s_q)
+    return sympy.Rational(1, 2) if s_q == s_k else 1
+
+
+def _causal(count: Any, q: Any, k: Any, is_causal: Any) -> Any:
+    """``count`` (torch's formula: every score computed) scaled to what a causal kernel
+    executes, rounded down (an int or SymInt stays one)."""
+    if not is_causal:
+        return count
+    fraction = causal_fraction(q[-2], k[-2])
+    if fraction == 1:
+        return count
+    return count * int(fraction.p) // int(fraction.q)  # (SymInt-safe)
+
+
+def _causal_formula(op: Any) -> Any:
+    """torch's FLOP formula of fused-attention ``op`` (forward or backward), times
+    :func:`causal_fraction` when the call is causal (``is_causal`` found by the op's schema).
+    torch's formulas count every score ("We aren't accounting for causal attention here"),
+    so a causal step was priced at twice the attention work its kernel does on GPU and NPU
+    profiles (the CPU kernels were already counted as executed)."""
+    from torch.utils.flop_counter import flop_registry
+
+    base = flop_registry[op]
+    names = [a.name for a in op.default._schema.arguments]
+    where = names.index("is_causal")
+    q_at = names.index("query")
+    k_at = names.index("key")
+
+    def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> Any:  # takes values
+        causal = kwargs.get("is_causal", args[where] if len(args) > where else False)
+        count = base(*args, out_val=out_val, **kwargs)
+        return _causal(count, args[q_at].shape, args[k_at].shape, causal)
+
+    formula._get_raw = True  # type: ignore[attr-defined]
+    return formula
+
+
 def _sdpa_cpu(q: Any, k: Any, v: Any, dropout_p: Any = 0.0, is_causal: bool = False,
               *_: Any, out_shape: Any = None, **__: Any) -> Any:
     """PyTorch's CPU flash-attention kernels have no formula upstream; with is_causal the
-    kernel skips the blocks above the diagonal, so half the FLOPs are executed."""
+    kernel skips the blocks above the diagonal (:func:`causal_fraction`)."""
     from torch.utils.flop_counter import sdpa_flop_count
 
-    return sdpa_flop_count(q, k, v) // (2 if is_causal else 1)
+    return _causal(sdpa_flop_count(q, k, v), q, k, is_causal)
 
 
 def _sdpa_cpu_bwd(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
@@ -129,7 +181,7 @@ def _sdpa_cpu_bwd(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                   out_shape: Any = None, **__: Any) -> Any:
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
-    return sdpa_backward_flop_count(grad_out, q, k, v) // (2 if is_causal else 1)
+    return _causal(sdpa_backward_flop_count(grad_out, q, k, v), q, k, is_causal)
 
 
 @functools.cache
@@ -148,6 +200,12 @@ def custom_flop_formulas() -> dict[Any, Any]:
         aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
     }
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"):
+        for suffix in ("", "_backward"):
+            op = getattr(aten, name + suffix, None)
+            if op is not None:
+                table[op] = _causal_formula(op)
     if hasattr(aten, "_grouped_mm"):
         table[aten._grouped_mm] = _grouped
     return table

@@ -48,9 +48,12 @@ class DeviceProfile:
     memory_efficiency: float = 0.8
     source: str = ""
     attention_efficiency: float = 0.5
-    """Fused attention kernels (flash/efficient SDPA) reach this fraction of the matmul rate
-    (softmax, exp and masking run between the GEMMs); FlashAttention-2 reports 50-73% of peak
-    on A100 (Dao 2023); calibrated locally."""
+    """Fused attention kernels (flash/efficient/cuDNN SDPA) reach this fraction of the matmul
+    rate on the FLOPs they execute (a causal kernel skips the scores above the diagonal:
+    ``graph_cost.causal_fraction``; softmax, exp and masking run between the GEMMs). 0.5 of
+    a 0.7 matmul efficiency is 35% of peak: FlashAttention-2 (SDPA's flash kernel) on H100 as
+    FlashAttention-3 reports it (Shah et al. 2024, abstract); FlashAttention-2 reports 50-73%
+    of peak on A100 (Dao 2023). Calibrated locally."""
     host_bandwidth: float = 25e9
     """Bytes/s between device and host memory per direction (PCIe 4.0 x16 ~25 GB/s; PCIe 5.0
     ~50 GB/s; NVLink-C2C on GB200 ~450 GB/s); prices offloading."""
