@@ -466,23 +466,29 @@ set a host timer to run the tuned launch path under the interpreter."""
 
 
 def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args: tuple,
-            t: dict[str, int], tuned: tuple[str, ...], **consts: Any) -> None:
+            t: dict[str, int], tuned: tuple[str, ...], reset: tuple[str, ...] = (),
+            **consts: Any) -> None:
     """Run ``kernel`` with the tiles ``t``. On a GPU/NPU the tiles named in ``tuned`` and the
     warps/stages are autotuned (triton.autotune, keyed on head dims, chunk and mode; configs
     that do not fit shared memory are skipped by the autotuner); under the interpreter they
-    are ``t``'s. Only kernels that write every output element each run are tuned (the scans
-    update in place and keep ``t``)."""
+    are ``t``'s. Tuned kernels write every element of their outputs each run, except the
+    outputs named in ``reset``, which a tile writes in part (dK/dQ's dslope parts: one per D
+    tile) and which the autotuner zeroes before each benchmarked config and before the
+    chosen one runs (without it, the parts a 32-wide tile wrote while it was benchmarked
+    were summed into a 64-wide winner's dslope: 4.8 relative off on the tuning call, a
+    review). The scans update in place and keep ``t``."""
     if "DOT" in kernel.arg_names:
         consts = {**consts, "DOT": dot_precision()}
     if not TUNE or not tuned:
         meta = {**t, **consts}
         kernel[grid(meta)](*args, **meta, **_options(t["C"]))
         return
-    key = (id(kernel), tuned)
+    key = (id(kernel), tuned, reset)
     if key not in _AUTOTUNED:
         _AUTOTUNED[key] = triton.autotune(
             _configs(tuned), key=["D", "DV", "C", "R", *sorted(consts)],
-            prune_configs_by={"early_config_prune": _prune}, do_bench=BENCHMARKER)(kernel)
+            prune_configs_by={"early_config_prune": _prune}, do_bench=BENCHMARKER,
+            reset_to_zero=list(reset) or None)(kernel)
     fixed = {n: v for n, v in t.items() if n not in tuned}
     _AUTOTUNED[key][lambda meta: grid({**fixed, **consts, **meta})](*args, **fixed, **consts)
 
@@ -602,7 +608,8 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     dk = torch.empty(b, h // group, seq, d, dtype=_out_dtype(q), device=q.device)
     dvv = torch.empty(b, h // group, seq, dv, dtype=_out_dtype(q), device=q.device)
     # dslope parts per (program, D tile): room for the narrowest D tile (16), zeros where a
-    # wider tuned tile leaves slots unused, so BK is tuned too.
+    # wider tuned tile leaves slots unused (zeroed again by the autotuner), so BK is tuned
+    # too.
     nk = triton.cdiv(d, 16)
     parts = torch.zeros(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
     for grad_k, part in ((True, parts[0]), (False, parts[1])):
@@ -610,8 +617,8 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
         _launch(_chunk_dqdk, lambda m, heads=heads: (  # type: ignore[misc]
                     g.slots * t["R"], heads, triton.cdiv(d, m["BK"])),
                 (q_, k_, v_, go, slope_f, states, dsend, dq, dk, part, g.cu, g.table, seq, h,
-                 group, g.n_per, nk, float(scale)), t, ("BK", "BV"), D=d, DV=dv,
-                GRAD_K=grad_k, LOWP=_lowp(q.dtype), VARLEN=g.varlen)
+                 group, g.n_per, nk, float(scale)), t, ("BK", "BV"), ("DSLOPE",), D=d,
+                DV=dv, GRAD_K=grad_k, LOWP=_lowp(q.dtype), VARLEN=g.varlen)
     _launch(_chunk_out, lambda m: (g.slots * t["R"], h // group, triton.cdiv(dv, m["BV"])),
             (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
              float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, LOWP=_lowp(q.dtype),
