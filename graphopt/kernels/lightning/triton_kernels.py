@@ -458,7 +458,7 @@ def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> lis
     return kept or configs[:1]
 
 
-_AUTOTUNED: dict[tuple[int, tuple[str, ...]], Any] = {}
+_AUTOTUNED: dict[tuple[int, tuple[str, ...], tuple[str, ...]], Any] = {}
 
 BENCHMARKER: Callable[..., list[float]] | None = None
 """The autotuner's timer (triton.autotune's ``do_bench``); None: the device driver's. Tests
