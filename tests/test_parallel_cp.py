@@ -35,7 +35,7 @@ def _run(name, plan, steps=3):
 
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, build_optimizer, parallelize
-    from graphopt.parallel.context import _chunk_positions, cp_loss, shard_sequence
+    from graphopt.parallel.context import chunk_positions, cp_loss, shard_sequence
 
     torch.manual_seed(0)
     ref = build_model("llama", dtype=torch.float64, num_key_value_heads=4) \
@@ -51,7 +51,7 @@ def _run(name, plan, steps=3):
     opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     rank, length = mesh["cp"].get_local_rank(), local.shape[1]
-    positions = _chunk_positions(length, rank, plan.cp, plan.cp_kind == "ring")
+    positions = chunk_positions(length, rank, plan.cp, plan.cp_kind == "ring")
     # fewer labels in the first two sequences (DP rank 0's when dp = 2): the loss is the
     # mean over every labelled position of the global batch, not a mean of DP ranks' means
     full_labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)

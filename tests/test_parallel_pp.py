@@ -37,7 +37,13 @@ RUNS = {
         ("minimax", L2, dict(pp=2, dp_shard=2, zero_stage=2)),
         # tied weight under FSDP2 (it replaces the parameters), accumulation, DP ranks with
         # different label counts
-        ("llama", TIED, dict(pp=2, dp_shard=2, zero_stage=3), dict(accum=2, uneven=True))],
+        ("llama", TIED, dict(pp=2, dp_shard=2, zero_stage=3), dict(accum=2, uneven=True)),
+        # CP x PP: each stage on its sequence chunks (ring: zigzag; Ulysses, interleaved,
+        # ZeRO-3 over cp). Not uneven: with dp = 1 it labels positions 1..3 of every
+        # sequence only, all in the first chunk, and the loss would not see the others
+        ("llama", L4, dict(pp=2, cp=2)),
+        ("llama", L4, dict(pp=2, cp=2, cp_kind="all_to_all", virtual_stages=2,
+                           pp_schedule="interleaved", microbatch=2, zero_stage=3))],
 }
 
 
@@ -68,6 +74,18 @@ def _run(name, overrides, plan, steps=3, accum=1, uneven=False):
     if uneven:
         labels[:8 // plan.dp, 3:] = -100
     dp_rank = mesh["dp"].get_local_rank()
+
+    def share(x, y):  # this rank's rows of a part; under CP its chunk, labels shifted
+        x, y = x.chunk(plan.dp)[dp_rank], y.chunk(plan.dp)[dp_rank]
+        if plan.cp == 1:
+            return x, y
+        from graphopt.parallel.context import chunk_positions
+
+        shifted = torch.cat([y[:, 1:], torch.full_like(y[:, :1], -100)], dim=1)
+        index = chunk_positions(x.shape[1] // plan.cp, mesh["cp"].get_local_rank(), plan.cp,
+                                plan.cp_kind == "ring")
+        return x[:, index], shifted[:, index]
+
     # part a of the batch: part a of every DP rank's share
     parts = [(torch.cat([x.chunk(plan.dp)[r].chunk(accum)[a] for r in range(plan.dp)]),
               torch.cat([y.chunk(plan.dp)[r].chunk(accum)[a] for r in range(plan.dp)]))
@@ -83,14 +101,14 @@ def _run(name, overrides, plan, steps=3, accum=1, uneven=False):
     loss_err, grad_err = None, 0.0
     for step in range(steps):
         for part_ids, part_labels in parts:
-            loss = pipe.step(part_ids.chunk(plan.dp)[dp_rank],
-                             labels=part_labels.chunk(plan.dp)[dp_rank])
+            mine, my_labels = share(part_ids, part_labels)
+            loss = pipe.step(mine, labels=my_labels)
             ref_loss = _ref_loss(ref, part_ids, part_labels)
             ref_loss.backward()
-            if loss is not None:  # last stage: its DP mean is the part's global mean
+            if loss is not None:  # last stage: its DP x CP mean is the part's global mean
                 mean = loss.detach().clone()
-                dist.all_reduce(mean, group=mesh["dp"].get_group())
-                err = abs(float(mean / plan.dp - ref_loss)) / abs(float(ref_loss))
+                dist.all_reduce(mean, group=mesh["dp_cp"].get_group())
+                err = abs(float(mean / (plan.dp * plan.cp) - ref_loss)) / abs(float(ref_loss))
                 loss_err = max(loss_err or 0.0, err)
         if step == 0:
             grad_err = max(float((_full(p.grad) - want(pipe.original_names[n],
@@ -100,6 +118,13 @@ def _run(name, overrides, plan, steps=3, accum=1, uneven=False):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+    if plan.cp > 1:  # refused on every rank together: no labels (they must be shifted
+        # across the chunks), chunks of different lengths (the all-to-all / ring would hang)
+        with pytest.raises(ConfigError, match="shard_sequence"):
+            pipe.step(mine)
+        cut = mine[:, :-2] if mesh["cp"].get_local_rank() == 0 else mine
+        with pytest.raises(ConfigError, match="chunks of different lengths"):
+            pipe.step(cut, labels=my_labels[:, :cut.shape[1]])
     param_err = max(float((_full(p.detach()) - want(pipe.original_names[n],
                                                     refs[pipe.original_names[n]].detach()))
                           .abs().max()) for n, p in pipe.named_parameters())

@@ -713,8 +713,9 @@ def test_a_plan_file_of_graphopt_plan_loads_any_ranked_plan(tmp_path):
 
 def test_cli_plan_json_holds_the_best_executed_plan_and_bad_flag_mixes_are_refused(tmp_path):
     """README's `graphopt plan --model llama3-70b ... --devices 64 --seq 8192 --global-batch
-    256 --json plans.json` ranks CP x PP plans first, which graphopt.parallelize does not run:
-    the file also holds the best plan it runs, marked, and loading the file takes that one.
+    256 --json plans.json` ranked CP x PP plans first, which graphopt.parallelize did not run
+    then: the file also holds the best plan it runs, marked, and loading the file takes that
+    one.
     --seq-buckets ignored --json/--plot/--published/--top; --plot to an unwritable path failed
     after the whole search (a review)."""
     from typer.testing import CliRunner

@@ -175,8 +175,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         from graphopt.parallel.context import check_cp
 
         check_cp(model, plan)
-        if plan.pp > 1:
-            raise ConfigError("cp > 1 with pp > 1 is not executed yet: use one of them")
         if plan.zero_stage == 1 and plan.dp_shard > 1:
             raise ConfigError("ZeRO-1 with cp > 1 is not executed: use zero_stage 2 or 3")
     if plan.pp > 1:
@@ -258,14 +256,19 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             # transformers' synced_gpus keeps such a rank stepping until all are done
             setattr(model, "generate",  # noqa: B010
                     functools.partial(_synced_generate, getattr(model, "generate")))  # noqa: B009
-    if plan.cp > 1:
+    if plan.cp > 1 and plan.pp == 1:
         from graphopt.parallel.context import apply_cp
 
         report.notes.append(apply_cp(model, plan, mesh))
     if plan.pp > 1:
+        from graphopt.parallel.context import apply_cp
         from graphopt.parallel.pipeline import pipeline
 
+        full = model
         model = pipeline(model, plan, mesh, sp=report.sp)
+        if plan.cp > 1:  # after the stages' probe (it compares the model with its stages
+            # in one process); the stages pass the chunk's positions themselves
+            report.notes.append(apply_cp(full, plan, mesh, hook=False))
         report.notes.append(
             f"PP={plan.pp} ({plan.pp_schedule}, {plan.virtual_stages} stage(s) per rank): "
             "this rank runs " + ", ".join(
@@ -585,10 +588,11 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
                         **fsdp_kwargs)
         kind = "HSDP" if plan.dp_replicate > 1 else "FSDP"
         report.notes.append(f"{kind} (ZeRO-{plan.zero_stage}) over {dp_mesh.mesh_dim_names}")
-    elif plan.dp > 1 and plan.pp > 1:  # replicas of each stage
+    elif plan.dp * plan.cp > 1 and plan.pp > 1:  # replicas of each stage
         for unit in units:
-            replicate(unit, mesh=mesh["dp"], **fsdp_kwargs)
-        report.notes.append(f"replicas (FSDP2 replicate) of each stage over dp={plan.dp}")
+            replicate(unit, mesh=mesh["dp_cp"], **fsdp_kwargs)
+        report.notes.append(f"replicas (FSDP2 replicate) of each stage over dp={plan.dp}"
+                            + (f" x cp={plan.cp}" if plan.cp > 1 else ""))
     elif plan.dp * plan.cp > 1 and plan.tp == 1:  # DDP: plain tensors (ZeRO-1's input)
         from torch.distributed._composable import replicate as ddp
 

@@ -47,8 +47,6 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
             global_batch // (plan.dp * plan.microbatch) < plan.pp:
         return (f"{global_batch // (plan.dp * plan.microbatch)} microbatch(es) per step for "
                 f"{plan.pp} pipeline stages: the pipeline runs at least one per stage")
-    if plan.cp > 1 and plan.pp > 1:
-        return "CP with PP is not executed"
     if plan.expert_tp > 1:
         return "tensor-parallel experts are not executed"
     if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or

@@ -328,8 +328,11 @@ def _no_padding_mask(*args: Any, attention_mask: torch.Tensor | None = None,
     return None
 
 
-def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
-    """Make ``model`` run on this rank's sequence chunk (module docstring); returns a note."""
+def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True) -> str:
+    """Make ``model`` run on this rank's sequence chunk (module docstring); returns a note.
+    ``hook=False`` (pipeline stages, which pass the chunk's positions and check the batch
+    themselves: graphopt.parallel.pipeline) installs the attention only, not the forward
+    pre-hook on ``model``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -369,7 +372,7 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
             ids = given.get("inputs_embeds")
         length = ids.shape[1] if isinstance(ids, torch.Tensor) else 0
         device = ids.device if isinstance(ids, torch.Tensor) else None
-        own = _chunk_positions(length, rank, plan.cp, ring, device)
+        own = chunk_positions(length, rank, plan.cp, ring, device)
         # every CP rank refuses together (the cause may sit in one rank's chunk only, and a
         # rank that went on alone waited in the next collective: a review); the last two
         # entries (sum of lengths and of their squares) tell whether the chunks are equal
@@ -391,7 +394,8 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any) -> str:
             kwargs["position_ids"] = own.unsqueeze(0)
         return args, kwargs
 
-    model.register_forward_pre_hook(positions, with_kwargs=True)
+    if hook:
+        model.register_forward_pre_hook(positions, with_kwargs=True)
     what = (f"ring attention): this rank holds chunks {rank} and {2 * plan.cp - 1 - rank} of "
             f"{2 * plan.cp} (zigzag); keys and values pass around the ring" if ring else
             f"Ulysses all-to-all): this rank holds sequence chunk {rank} of {plan.cp}; "
@@ -440,8 +444,8 @@ def _refusals(kwargs: dict[str, Any], own: torch.Tensor) -> list[bool]:
     return [padded, precomputed, cached, positions, labels]
 
 
-def _chunk_positions(local: int, rank: int, size: int, ring: bool,
-                     device: Any = None) -> torch.Tensor:
+def chunk_positions(local: int, rank: int, size: int, ring: bool,
+                    device: Any = None) -> torch.Tensor:
     """Global positions of this rank's ``local`` tokens: a contiguous chunk, or the ring's
     zigzag chunks r and 2P-1-r."""
     if not ring:
@@ -469,7 +473,7 @@ def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Te
                           + (", two chunks per rank for the ring" if ring else "") + "): pad "
                           "or pack sequences to a multiple")
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    index = _chunk_positions(seq // size, rank, size, ring, ids.device)
+    index = chunk_positions(seq // size, rank, size, ring, ids.device)
     return ids[:, index], labels[:, index]
 
 

@@ -32,6 +32,14 @@ the sum), so both copies get the exact gradient and stay equal through the optim
 weight is looked up by name at each step: data parallelism (FSDP2, replicate) replaces the
 stage's parameters after :func:`pipeline` built it.
 
+With CP (``plan.cp > 1``) each rank's batch is its chunk of every sequence
+(:func:`graphopt.parallel.context.shard_sequence`, labels shifted across the chunks, so
+``step`` needs them): the stages take the chunk's global positions
+(:func:`~graphopt.parallel.context.chunk_positions`), attention is CP's (installed by
+:func:`~graphopt.parallel.context.apply_cp`), the default loss does not shift again and
+counts labels over the dp x cp ranks (:func:`~graphopt.parallel.context.cp_loss`'s
+scaling), and every rank refuses chunks of different lengths together.
+
 Errors (ConfigError, before anything changes): a model whose forward is not that
 composition (eager attention, sliding windows, or a difference found by running both on
 a probe sequence: :func:`_check_stages_compute_the_model`), a model without that structure, more
@@ -89,10 +97,15 @@ class DecoderStage(nn.Module):
     lm_head: Any
 
     def __init__(self, model: Any, layers: list[nn.Module], start: int, end: int,
-                 index: int, count: int, seq_split: int = 1) -> None:
+                 index: int, count: int, seq_split: int = 1,
+                 cp: tuple[int, int, bool] | None = None) -> None:
         super().__init__()
         self.seq_split = 1 if index == 0 else seq_split
         """SP: a later stage receives its sequence shard (positions count the whole)."""
+        self.cp = cp
+        """CP: (this rank's CP index, CP size, ring): the stage holds this rank's chunk of
+        each sequence, and its positions are the chunk's global ones
+        (:func:`graphopt.parallel.context.chunk_positions`)."""
         inner = model.model
         self.first, self.last = index == 0, index == count - 1
         self.index, self.start, self.end = index, start, end
@@ -106,7 +119,13 @@ class DecoderStage(nn.Module):
         """Token ids [B, S] (first stage) or hidden states [B, S(/tp under SP), H] ->
         hidden states, or logits [B, S, V] on the last stage (class docstring)."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        positions = torch.arange(h.shape[1] * self.seq_split, device=h.device).unsqueeze(0)
+        length = h.shape[1] * self.seq_split
+        if self.cp is None:
+            positions = torch.arange(length, device=h.device).unsqueeze(0)
+        else:
+            from graphopt.parallel.context import chunk_positions
+
+            positions = chunk_positions(length, *self.cp, device=h.device).unsqueeze(0)
         kwargs: dict[str, Any] = {"attention_mask": None, "position_ids": positions}
         if self.rotary_emb is not None:
             kwargs["position_embeddings"] = self.rotary_emb(h, positions)
@@ -151,8 +170,12 @@ class PipelinedModel(nn.Module):
         :func:`pipeline`, the same on every rank so all of them refuse a bad batch)."""
         self._microbatches, self._labelled = 1, 1
         self.dp_group: Any = None
-        """The DP ranks' group (dp_replicate x dp_shard), over which the labelled positions
-        are counted; None: one DP rank."""
+        """The group of DP and CP ranks (dp_replicate x dp_shard x cp), over which the
+        labelled positions are counted; None: one such rank."""
+        self.cp = 1
+        """CP size: each rank's batch is its chunk of every sequence (from
+        :func:`graphopt.parallel.context.shard_sequence`, labels shifted already)."""
+        self.cp_ring = False
         self.tied: tuple[str, Any] | None = None
         """(name of the tied embedding weight in this module, group of the first and last
         pipeline rank) if any."""
@@ -221,9 +244,12 @@ class PipelinedModel(nn.Module):
         # in float32 at least, as transformers' loss and cp_loss upcast: bf16 logits (mixed
         # precision) summed in bf16 gave a loss 0.5% off and gradients 0.45% (a new user)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        summed = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
-                                             labels[:, 1:].flatten(), ignore_index=-100,
-                                             reduction="sum")
+        if self.cp == 1:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        # under CP the labels come shifted across chunk boundaries (shard_sequence), as
+        # cp_loss takes them
+        summed = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                             ignore_index=-100, reduction="sum")
         return summed * self._dp_size() / self._labelled
 
     def _dp_size(self) -> int:
@@ -248,19 +274,22 @@ class PipelinedModel(nn.Module):
                 another shape, a padding
                 ``attention_mask``, B not divisible by the microbatch size, fewer
                 microbatches than pp, a microbatch count that interleaving cannot split
-                (not a multiple of pp), S not divisible by tp under SP.
+                (not a multiple of pp), S not divisible by tp under SP; under CP, no
+                labels, a chunk the ring cannot halve, chunks of different lengths over
+                the ranks.
         """
         try:
             count = self._microbatch_count(input_ids, labels, attention_mask)
             problem = None
         except ConfigError as exc:
             count, problem = 0, exc
-        self._same_count_everywhere(count, problem)
+        self._same_count_everywhere(count, problem,
+                                    input_ids.shape[-1] if self.cp > 1 else None)
         schedule = self._schedule(count, tuple(input_ids.shape[1:]))
         target = labels if labels is not None else input_ids
         self._microbatches = count
-        labelled = (target[:, 1:] != -100).sum().to(torch.float64)
-        if self.dp_group is not None:  # every DP rank's labels (uneven -100 over DP ranks)
+        labelled = ((target if self.cp > 1 else target[:, 1:]) != -100).sum().to(torch.float64)
+        if self.dp_group is not None:  # every DP (and CP) rank's labels (uneven -100)
             torch.distributed.all_reduce(labelled, group=self.dp_group)
         self._labelled = max(1, int(labelled))
         report = getattr(self, "graphopt_parallel", None)
@@ -302,6 +331,15 @@ class PipelinedModel(nn.Module):
             raise ConfigError(f"token ids range over [{int(input_ids.min())}, "
                               f"{int(input_ids.max())}]; the model's vocabulary has "
                               f"{self.vocab_size}")
+        if self.cp > 1 and labels is None:
+            raise ConfigError("under CP (cp > 1) step takes this rank's chunk of the batch "
+                              "and its labels, shifted across the chunk boundaries: "
+                              "ids, labels = graphopt.parallel.context.shard_sequence(batch, "
+                              "mesh); model.step(ids, labels=labels)")
+        if self.cp_ring and input_ids.shape[1] % 2:
+            raise ConfigError(f"ring CP holds two chunks per rank (zigzag); this rank's "
+                              f"{input_ids.shape[1]} tokens do not split in two: cut the "
+                              "batch with graphopt.parallel.context.shard_sequence")
         if self.seq_split > 1 and input_ids.shape[1] % self.seq_split:
             raise ConfigError(f"sequence length {input_ids.shape[1]} is not divisible by "
                               f"tp={self.seq_split} under SP: pad to a multiple or use "
@@ -325,23 +363,32 @@ class PipelinedModel(nn.Module):
                               "plan.microbatch")
         return count
 
-    def _same_count_everywhere(self, count: int, problem: ConfigError | None) -> None:
+    def _same_count_everywhere(self, count: int, problem: ConfigError | None,
+                               length: int | None = None) -> None:
         """Raise on every rank when any rank refused its batch or the ranks' microbatch
         counts differ (FSDP's collectives and the pipeline's sends run per microbatch: a
         review found DP ranks with 2 and 3 microbatches deadlocked in FSDP's reduce-scatter
-        and all-gather, or gloo aborted on mismatched sizes). One all-reduce over all ranks.
-        """
+        and all-gather, or gloo aborted on mismatched sizes), or, under CP (``length``:
+        this rank's chunk length), the chunks differ in length (Ulysses' all-to-all and the
+        ring need equal chunks). One all-reduce over all ranks."""
         if not torch.distributed.is_initialized():
             if problem is not None:
                 raise problem
             return
-        flags = torch.tensor([count, -count, problem is not None], dtype=torch.float64)
+        size = -1 if length is None else length
+        flags = torch.tensor([count, -count, problem is not None, size, -size],
+                             dtype=torch.float64)
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if problem is not None:
             raise problem
         if flags[2]:
             raise ConfigError("another rank refused its batch (its ConfigError says why); "
                               "every rank stops here")
+        if flags[3] != -flags[4]:
+            raise ConfigError(f"the CP ranks hold chunks of different lengths ({int(-flags[4])}"
+                              f" to {int(flags[3])} tokens; this rank {length}): cut every "
+                              "batch with graphopt.parallel.context.shard_sequence (the same "
+                              "sequence length on every rank)")
         if flags[0] != -flags[1]:
             raise ConfigError(f"ranks split their batches into different microbatch counts "
                               f"({int(-flags[1])} to {int(flags[0])}; this rank {count}): "
@@ -383,14 +430,18 @@ def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
     bounds = _plan_bounds(plan, len(layers))
     rank = mesh["pp"].get_local_rank()
     mine = [s for s in range(count) if s % plan.pp == rank]
-    parts = [DecoderStage(model, layers, *bounds[s], s, count, plan.tp if sp else 1)
+    cp = None
+    if plan.cp > 1:
+        cp = (mesh["cp"].get_local_rank(), plan.cp, plan.cp_kind == "ring")
+    parts = [DecoderStage(model, layers, *bounds[s], s, count, plan.tp if sp else 1, cp)
              for s in mine]
     pipe = PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
                           prefix)
     pipe.seq_split = plan.tp if sp else 1
+    pipe.cp, pipe.cp_ring = plan.cp, plan.cp_kind == "ring"
     pipe.vocab_size = model.get_input_embeddings().num_embeddings
-    if plan.dp_replicate * plan.dp_shard > 1:
-        pipe.dp_group = mesh["dp_cp"].get_group()  # cp = 1 under pp
+    if plan.dp_replicate * plan.dp_shard * plan.cp > 1:
+        pipe.dp_group = mesh["dp_cp"].get_group()
     weight = model.get_input_embeddings().weight
     if weight is model.get_output_embeddings().weight:
         group = _embedding_group(mesh)

@@ -315,7 +315,7 @@ class ParallelPlan:
                 raise ConfigError(f"{str(path)!r} looks like `graphopt plan --json` output "
                                   "but its 'plans' list is empty")
             if index is None:
-                # the ranked plans include ones graphopt does not execute (CP with PP, ...):
+                # the ranked plans include ones graphopt does not execute (expert_tp, ...):
                 # the first one it does (a review: README's workflow loaded a CP x PP plan)
                 why = data.get("not_executed") or [""] * len(plans)
                 runnable = [i for i, w in enumerate(why) if not w]
