@@ -11,9 +11,11 @@ graphopt.compile with options={"parallel": plan} builds the DeviceMesh, shards t
 (graphopt.parallelize: TP+SP layout derived from the model, FSDP2 over dp_shard, EP, PP, CP,
 the plan's activation recomputation) and compiles each decoder layer with graphopt; AdamW on
 random tokens, gradients clipped by the whole model's norm. A pipeline plan (pp > 1) trains
-with ``model.step``. The checkpoint holds the model, the optimizer and the step, so a resumed
-run continues with the next step's batch. Rank 0 prints the loss per step and where each
-parameter lives. gloo on CPU; on GPUs torchrun + NCCL run the same code.
+with ``model.step``; under CP (cp > 1) each rank takes its chunk of every sequence
+(``shard_sequence``) and CP's loss (``cp_loss``, or ``model.step``'s under PP). The
+checkpoint holds the model, the optimizer and the step, so a resumed run continues with the
+next step's batch. Rank 0 prints the loss per step and where each parameter lives. gloo on
+CPU; on GPUs torchrun + NCCL run the same code.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from graphopt.parallel import (
     clip_grad_norm_,
     optimizer_for,
 )
+from graphopt.parallel.context import cp_loss, shard_sequence
 from graphopt.planner.plan import ParallelPlan
 
 
@@ -72,12 +75,20 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1234 + step)  # the step's global batch
         batch = torch.randint(0, 256, (2 * plan.dp * plan.pp, 64), generator=gen)
         local = batch.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+        labels = None
+        if plan.cp > 1:  # this rank's chunk of every sequence, labels shifted across chunks
+            local, labels = shard_sequence(local, mesh)
         if isinstance(model, PipelinedModel):  # the loss only on the last stage's ranks
-            loss = model.step(local)
+            loss = model.step(local, labels=labels)
         else:  # microbatches of plan.microbatch, gradients accumulated (as planned)
             loss = torch.zeros(())
-            for mb in local.split(plan.microbatch):
-                part = model(input_ids=mb, labels=mb, use_cache=False).loss * len(mb) / len(local)
+            for i, mb in enumerate(local.split(plan.microbatch)):
+                if labels is None:
+                    part = model(input_ids=mb, labels=mb, use_cache=False).loss
+                else:  # CP's loss: the mean over every labelled position of all chunks
+                    lb = labels.split(plan.microbatch)[i]
+                    part = cp_loss(model(input_ids=mb, use_cache=False).logits, lb, mesh)
+                part = part * len(mb) / len(local)
                 part.backward()
                 loss += part.detach()
         clip_grad_norm_(model, max_norm=1.0)  # the whole model's norm, equal on every rank
