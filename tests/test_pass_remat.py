@@ -655,3 +655,56 @@ def test_a_pass_turned_on_by_its_options_is_turned_off_by_disable():
     assert [p.name for p in build_pipeline(config, "joint")] == ["remat"]
     off = dataclasses.replace(config, disable=("remat",))
     assert build_pipeline(off, "joint") == []
+
+
+def test_the_budget_base_is_what_the_whole_partition_saves(monkeypatch):
+    """The budget's base stops PyTorch's min-cut partition of an untagged copy once it chose
+    its saved values (extracting the two graphs was most of its time); the values are those
+    the whole partition saves (MLP with dropout, and Llama; compared on every joint graph
+    the pass sees). Dropout in a user checkpoint region is recomputed, and the extraction
+    adds the RNG states it saves: there the whole partition runs (the first version
+    missed them)."""
+    import torch.fx as fx
+    from torch.utils.checkpoint import checkpoint
+
+    import graphopt.lowering.base as base
+    from graphopt.pipeline import copy_graph_module
+
+    compared = []
+    fast = base.partitioner_saved
+
+    def whole(joint):
+        joint_inputs, kwargs = joint.meta[base.PARTITION_ARGS]
+        forward, _ = base.min_cut_partition(copy_graph_module(joint), joint_inputs, **kwargs)
+        outputs = forward.graph.output_node().args[0][kwargs.get("num_fwd_outputs", 0):]
+        return [n for n in outputs if isinstance(n, fx.Node) and n.op != "placeholder"]
+
+    def both(joint):
+        got = fast(joint)
+        compared.append(([n.name for n in got], [n.name for n in whole(joint)]))
+        return got
+
+    stopped = []
+    partition = base.min_cut_partition
+
+    def counted(*args, **kwargs):
+        try:
+            return partition(*args, **kwargs)
+        except base._Chosen:
+            stopped.append(1)
+            raise
+
+    monkeypatch.setattr(base, "partitioner_saved", both)
+    monkeypatch.setattr(base, "min_cut_partition", counted)
+    torch.manual_seed(0)
+    mlp = MLP(dropout=0.3).train()
+    x = torch.randn(16, 64)
+    llama = build_model("llama", num_hidden_layers=2).train()
+    ids = sample_batch(llama, batch=2, seq=16)
+    for fn, arg in ((mlp, x), (lambda x: checkpoint(mlp, x, use_reentrant=False), x),
+                    (lambda i: llama(input_ids=i, labels=i, use_cache=False).loss, ids)):
+        _compile(fn, budget=0.5)(arg).backward()
+    assert len(compared) >= 3
+    bad = [(sorted(set(g) ^ set(w)), len(w)) for g, w in compared if sorted(g) != sorted(w)]
+    assert not bad, (bad, len(compared))
+    assert len(stopped) == len(compared) - 1  # all but the checkpointed dropout's graph

@@ -130,10 +130,13 @@ def partitioner_saved(joint: fx.GraphModule) -> list[fx.Node] | None:
         return None
     joint_inputs, kwargs = args
     choose = getattr(partitioners, "choose_saved_values_set", None)
+    rng = getattr(partitioners, "has_recomputable_rng_ops", None)
     copy = copy_graph_module(joint)
-    if choose is not None:  # stop at the min-cut's choice: extracting and recompiling the
-        # forward and backward graphs took more than half the time (5 of 9 s on a 32-layer
-        # Llama joint graph), and only the choice is needed
+    if choose is not None and rng is not None and not rng(copy):
+        # stop at the min-cut's choice: extracting and recompiling the forward and backward
+        # graphs took more than half the time (5 of 9 s on a 32-layer Llama joint graph),
+        # and only the choice is needed. Not when random ops are recomputed (dropout in a
+        # user checkpoint region): the extraction then adds the RNG states it saves
         chosen: list[Any] = []
 
         def record(*a: Any, **k: Any) -> Any:
@@ -147,7 +150,7 @@ def partitioner_saved(joint: fx.GraphModule) -> list[fx.Node] | None:
             return [n for n in chosen if isinstance(n, fx.Node) and n.op != "placeholder"]
         finally:
             partitioners.choose_saved_values_set = choose
-    else:  # (torch renamed it: the whole partition)
+    else:  # the whole partition
         forward, _ = min_cut_partition(copy, joint_inputs, **kwargs)
     outputs: Any = forward.graph.output_node().args[0]
     return [n for n in outputs[kwargs.get("num_fwd_outputs", 0):]
