@@ -592,3 +592,41 @@ def test_generate_under_expert_parallelism_keeps_finished_ranks_stepping():
     plan's generate() now defaults to transformers' synced_gpus=True."""
     for got, want in run_distributed(_eos_worker, 2):
         assert got == want
+
+
+def _frozen_experts_worker(rank, world, zero_stage):
+    import copy
+
+    from graphopt.models import build_model, sample_batch
+    from graphopt.parallel import parallelize
+    from graphopt.parallel.expert import find_experts
+    from graphopt.planner.plan import ParallelPlan
+
+    torch.manual_seed(0)
+    ref = build_model("mixtral", dtype=torch.float64, num_hidden_layers=2).train()
+    for module in find_experts(ref).values():
+        module.requires_grad_(False)
+    model = parallelize(copy.deepcopy(ref),
+                        ParallelPlan(dp_shard=2, ep=2, zero_stage=zero_stage))
+    ids = sample_batch(ref, batch=4, seq=8)
+    local = ids.chunk(2)[rank]
+    model(input_ids=local, labels=local, use_cache=False).loss.backward()
+    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    refs, err = dict(ref.named_parameters()), 0.0
+    for name, p in model.named_parameters():
+        assert p.requires_grad == refs[name].requires_grad, name
+        if p.requires_grad:
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            err = max(err, float((grad - refs[name].grad).abs().max()))
+        else:
+            assert p.grad is None, name
+    return err
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_frozen_experts_under_expert_parallelism(zero_stage):
+    """Experts frozen for fine-tuning (requires_grad False) under EP: parallelize crashed
+    registering its gradient hook on them; they stay frozen, get no gradient (the EP op
+    skips their weight-gradient GEMMs) and every other gradient equals one process."""
+    for err in run_distributed(_frozen_experts_worker, 2, zero_stage):
+        assert err < 1e-12, err

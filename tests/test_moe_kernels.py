@@ -372,3 +372,39 @@ def test_empty_experts_weight_gradients_are_zeroed_where_grouped_mm_is_unreliabl
         assert moe_experts_module.empty_groups_unreliable(torch.device("cuda")) == unreliable
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert moe_experts_module.empty_groups_unreliable(torch.device("cuda"))
+
+
+def test_frozen_experts_skip_their_weight_gradients(monkeypatch):
+    """Experts that do not require grad (fine-tuning everything else, e.g. LoRA on the
+    attention) get no weight-gradient GEMMs (two of the backward's four grouped GEMMs per
+    expert), in eager and compiled (AOTAutograd traces the backward with the experts
+    frozen); hidden and routing-weight gradients stay those of transformers' loop."""
+    import graphopt.kernels.moe.experts as kernels
+
+    calls = []
+    weight_grad = kernels._weight_grad
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return weight_grad(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "_weight_grad", counted)
+    experts = _experts()
+    hidden = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing(20, 2, 4)
+    g = torch.randn(20, 16, dtype=torch.float64)
+    compiled = torch.compile(moe_experts, backend="aot_eager", fullgraph=True)
+    for fn in (moe_experts, compiled):
+        out = fn(hidden, index, weights, experts.gate_up_proj, experts.down_proj)
+        torch.autograd.grad(out, (hidden, weights, experts.gate_up_proj, experts.down_proj), g)
+        assert len(calls) == 2, calls  # trained: gate_up's and down's
+        calls.clear()
+    experts.requires_grad_(False)
+    want = torch.autograd.grad(experts(hidden, index, weights), (hidden, weights), g)
+    torch._dynamo.reset()
+    for fn in (moe_experts, torch.compile(moe_experts, backend="aot_eager", fullgraph=True)):
+        out = fn(hidden, index, weights, experts.gate_up_proj, experts.down_proj)
+        got = torch.autograd.grad(out, (hidden, weights), g)
+        assert not calls
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

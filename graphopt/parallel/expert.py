@@ -208,7 +208,8 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
         return grad.div_(dp) if dp > 1 else grad
 
     for p in expert_params(model):
-        p.register_hook(hook)
+        if p.requires_grad:  # frozen experts: no gradient to reduce (a hook would raise)
+            p.register_hook(hook)
     return ("experts: gradients " + (f"summed over edp ({emesh['edp'].size()} ranks), "
                                       if group is not None else "")
             + f"divided by dp x cp={dp} (gradient hook)")

@@ -113,17 +113,22 @@ def swiglu_experts_forward(rows: Tensor, counts: Tensor, gate_up: Tensor,
 
 def swiglu_experts_backward(rows: Tensor, gu: Tensor, counts: Tensor, gate_up: Tensor,
                             down: Tensor, grad_y: Tensor, grad_gate_up: Tensor | None = None,
-                            grad_down: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                            grad_down: Tensor | None = None, weights: bool = True
+                            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(grad_rows [n, H], grad_gate_up [El, 2F, H], grad_down [El, H, F]): the weight
-    gradients are added into the given buffers (in place) or returned as new tensors."""
+    gradients are added into the given buffers (in place) or returned as new tensors;
+    ``weights=False`` (frozen experts) skips their two grouped GEMMs and returns the buffers
+    as given."""
     g, u = gu.chunk(2, dim=-1)
     silu = F.silu(g)
-    a = silu * u
     grad_a = grouped_mm(grad_y, down, counts)
-    grad_down = _weight_grad(grad_down, grad_y, a, counts, tuple(down.shape))
+    if weights:
+        grad_down = _weight_grad(grad_down, grad_y, silu * u, counts, tuple(down.shape))
     f = g.shape[1]
     grad_gu = torch.empty_like(gu)
     grad_gu[:, :f] = torch.ops.aten.silu_backward(grad_a * u, g)  # grad * silu'(g), fused
     torch.mul(grad_a, silu, out=grad_gu[:, f:])
-    grad_gate_up = _weight_grad(grad_gate_up, grad_gu, rows, counts, tuple(gate_up.shape))
+    if weights:
+        grad_gate_up = _weight_grad(grad_gate_up, grad_gu, rows, counts,
+                                    tuple(gate_up.shape))
     return grouped_mm(grad_gu, gate_up, counts), grad_gate_up, grad_down

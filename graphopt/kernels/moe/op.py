@@ -236,10 +236,12 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
                          top_k_weights: Tensor, gate_up: Tensor, down: Tensor, y_rows: Tensor,
                          gu: Tensor, owned: Tensor, piece_rows: Tensor, counts_all: Tensor,
                          order: Tensor, capacity_factor: float, ep: int, group: str,
-                         schedule: str, chunks: int, ranks_per_node: int
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         schedule: str, chunks: int, ranks_per_node: int,
+                         weight_grads: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad hidden, grad top_k_weights, grad gate_up, grad down) of moe_experts' ``out``;
-    ``order`` is the forward's sort (not sorted again)."""
+    ``order`` is the forward's sort (not sorted again). ``weight_grads=False`` (the experts
+    are frozen: fine-tuning everything else) skips the two weight-gradient grouped GEMMs of
+    every expert and returns empty [0] tensors for them."""
     pg = resolve_group(group, ep)
     token = order // top_k_index.shape[1]
     valid, kept = _rows(counts_all[dist.get_rank(pg) if pg is not None else 0], order.numel(),
@@ -258,14 +260,19 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
 
     def backward(key: Any, gy: Tensor, per_expert: Tensor) -> Tensor:
         x, gu_rows = saved[key]
-        gx, local["up"], local["down"] = swiglu_experts_backward(
-            x, gu_rows, per_expert, w1, w2, gy, local.get("up"), local.get("down"))
+        gx, up, dn = swiglu_experts_backward(x, gu_rows, per_expert, w1, w2, gy,
+                                             local.get("up"), local.get("down"), weight_grads)
+        if up is not None and dn is not None:
+            local["up"], local["down"] = up, dn
         return gx
 
     trip = RoundTrip(counts_all, pg, schedule, chunks, ranks_per_node)
     grad_x = trip(grad_y, backward, tag=2)
-    grad_gate_up = local["up"] if "up" in local else torch.zeros_like(gate_up)
-    grad_down = local["down"] if "down" in local else torch.zeros_like(down)
+    if not weight_grads:
+        grad_gate_up, grad_down = gate_up.new_empty(0), down.new_empty(0)
+    else:
+        grad_gate_up = local["up"] if "up" in local else torch.zeros_like(gate_up)
+        grad_down = local["down"] if "down" in local else torch.zeros_like(down)
     if kept is not None:  # rows past the last grouped-GEMM offset: never computed
         grad_x = torch.where(kept.unsqueeze(-1), grad_x, 0)
     grad_hidden = torch.zeros_like(hidden).index_add(0, token[:valid], grad_x)
@@ -277,8 +284,11 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
 def _(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
       gate_up: Tensor, down: Tensor, y_rows: Tensor, gu: Tensor, owned: Tensor,
       piece_rows: Tensor, counts_all: Tensor, order: Tensor, capacity_factor: float, ep: int,
-      group: str, schedule: str, chunks: int, ranks_per_node: int
+      group: str, schedule: str, chunks: int, ranks_per_node: int, weight_grads: bool = True
       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if not weight_grads:
+        return (torch.empty_like(hidden), torch.empty_like(top_k_weights),
+                gate_up.new_empty(0), down.new_empty(0))
     return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up),
             torch.empty_like(down))
 
@@ -291,9 +301,12 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
 
 def _backward(ctx: Any, grad_out: Tensor, *unused: Any) -> tuple[Any, ...]:
     hidden, index, weights, gate_up, down, *saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    experts = bool(need[3] or need[4])  # frozen experts: no weight-gradient GEMMs
     grads = moe_experts_backward(grad_out.contiguous(), hidden, index, weights, gate_up, down,
-                                 *saved, *ctx.options)
-    return (grads[0], None, grads[1], grads[2], grads[3]) + (None,) * 7
+                                 *saved, *ctx.options, experts)
+    return (grads[0], None, grads[1], grads[2] if need[3] else None,
+            grads[3] if need[4] else None) + (None,) * 7
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
