@@ -441,12 +441,25 @@ def test_causal_gpu_attention_is_priced_at_the_scores_its_kernel_computes():
         assert got["_scaled_dot_product_flash_attention_backward"] == 5 * want // 2
         assert count(lambda c=causal: aten._scaled_dot_product_efficient_attention(
             q, q, q, None, True, 0.0, c))["_scaled_dot_product_efficient_attention"] == want
-    # 64 queries over 96 keys, top-left aligned: 64 * 65 / 2 of 64 * 96 scores ~ 1/3
-    assert causal_fraction(64, 96) == sympy.Rational(1, 3)
-    assert causal_fraction(96, 64) == 1 - sympy.Rational(1, 3)
-    rect = count(lambda: aten._scaled_dot_product_flash_attention(q, kv, kv, 0.0, True))
-    assert rect["_scaled_dot_product_flash_attention"] == sdpa_flop_count(
-        q.shape, kv.shape, kv.shape) // 3
+    # 64 queries over 96 keys. SDPA's is_causal (memory-efficient kernel) is aligned
+    # top-left: query i sees keys 0..i, 64 * 65 / 2 of 64 * 96 scores. The CUDA flash op's
+    # is_causal is aligned bottom-right (torch's causal_lower_right: a chunk of queries after
+    # 32 cached keys), query i sees 0..i + 32: 64 * 32 + 64 * 65 / 2 (a review: the first
+    # version priced that one top-left, 2x low; 31x at 512 queries over 8192 keys)
+    top, bottom = sympy.Rational(2080, 6144), sympy.Rational(4128, 6144)
+    assert causal_fraction(64, 96) == top and causal_fraction(64, 96, True) == bottom
+    assert causal_fraction(512, 8192, True) == sympy.Rational(512 * 7680 + 512 * 513 // 2,
+                                                               512 * 8192)
+    assert causal_fraction(1, 100, True) == 1 and causal_fraction(1, 100) == sympy.Rational(
+        1, 100)  # decode: one query sees every cached key / SDPA's is_causal: only the first
+    assert causal_fraction(96, 64) == sympy.Rational(64 * 65 // 2 + 32 * 64, 96 * 64)
+    assert causal_fraction(96, 64, True) == sympy.Rational(64 * 65 // 2, 96 * 64)
+    rect = sdpa_flop_count(q.shape, kv.shape, kv.shape)
+    flash = count(lambda: aten._scaled_dot_product_flash_attention(q, kv, kv, 0.0, True))
+    assert flash["_scaled_dot_product_flash_attention"] == rect * 4128 // 6144
+    efficient = count(lambda: aten._scaled_dot_product_efficient_attention(
+        q, kv, kv, None, False, 0.0, True))
+    assert efficient["_scaled_dot_product_efficient_attention"] == rect * 2080 // 6144
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -115,30 +115,39 @@ def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
     return 2 * a[0] * a[1] * a[2] * n  # 3-D x 3-D: batched
 
 
-def causal_fraction(s_q: Any, s_k: Any) -> Any:
+def causal_fraction(s_q: Any, s_k: Any, lower_right: bool = False) -> Any:
     """Fraction of the ``s_q x s_k`` scores a causal fused-attention kernel computes: the
-    kernels (PyTorch's CPU flash kernel, FlashAttention-2/3, memory-efficient and cuDNN
-    attention) skip the blocks above SDPA's top-left-aligned diagonal. The area below it:
-    ``s_q / 2 s_k`` for ``s_q <= s_k``, ``1 - s_k / 2 s_q`` otherwise; 1/2 for a square mask
-    (also symbolic), as FlashAttention's own benchmarks count causal FLOPs (Dao 2023,
-    benchmarks/benchmark_flash_attention.py divides by 2 when causal)."""
+    kernels skip the blocks above the causal diagonal. 1/2 for a square mask (also for a
+    symbolic size), as FlashAttention's own benchmarks count causal FLOPs (Dao 2023,
+    benchmarks/benchmark_flash_attention.py divides by 2 when causal). Otherwise the scores
+    below the diagonal, counted exactly: aligned top-left (SDPA's ``is_causal``: query i sees
+    keys 0..i; the CPU flash, memory-efficient and cuDNN kernels) or, ``lower_right``,
+    bottom-right (query i sees keys 0..i + s_k - s_q: the CUDA flash kernel's
+    ``is_causal``, which SDPA reaches only through ``causal_lower_right``, the KV-cache /
+    chunked-prefill mask; torch/nn/attention/bias.py). A symbolic non-square size: 1."""
     import sympy
 
     if isinstance(s_q, int) and isinstance(s_k, int):
         if s_q <= 0 or s_k <= 0:
             return 1
-        if s_q <= s_k:
-            return sympy.Rational(s_q, 2 * s_k)
-        return 1 - sympy.Rational(s_k, 2 * s_q)
+        if s_q == s_k:
+            return sympy.Rational(1, 2)
+        if lower_right:
+            d = s_k - s_q  # query i sees min(max(i + d + 1, 0), s_k) keys
+            kept = s_q * d + s_q * (s_q + 1) // 2 if d >= 0 else s_k * (s_k + 1) // 2
+        else:  # query i sees min(i + 1, s_k) keys
+            kept = (s_q * (s_q + 1) // 2 if s_q <= s_k
+                    else s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k)
+        return sympy.Rational(kept, s_q * s_k)
     return sympy.Rational(1, 2) if s_q == s_k else 1
 
 
-def _causal(count: Any, q: Any, k: Any, is_causal: Any) -> Any:
+def _causal(count: Any, q: Any, k: Any, is_causal: Any, lower_right: bool = False) -> Any:
     """``count`` (torch's formula: every score computed) scaled to what a causal kernel
     executes, rounded down (an int or SymInt stays one)."""
     if not is_causal:
         return count
-    fraction = causal_fraction(q[-2], k[-2])
+    fraction = causal_fraction(q[-2], k[-2], lower_right)
     if fraction == 1:
         return count
     return count * int(fraction.p) // int(fraction.q)  # (SymInt-safe)
@@ -146,10 +155,11 @@ def _causal(count: Any, q: Any, k: Any, is_causal: Any) -> Any:
 
 def _causal_formula(op: Any) -> Any:
     """torch's FLOP formula of fused-attention ``op`` (forward or backward), times
-    :func:`causal_fraction` when the call is causal (``is_causal`` found by the op's schema).
-    torch's formulas count every score ("We aren't accounting for causal attention here"),
-    so a causal step was priced at twice the attention work its kernel does on GPU and NPU
-    profiles (the CPU kernels were already counted as executed)."""
+    :func:`causal_fraction` when the call is causal (``is_causal`` found by the op's schema;
+    the CUDA flash ops' causal mask is aligned bottom-right). torch's formulas count every
+    score ("We aren't accounting for causal attention here"), so a causal step was priced at
+    twice the attention work its kernel does on GPU and NPU profiles (the CPU kernels were
+    already counted as executed)."""
     from torch.utils.flop_counter import flop_registry
 
     base = flop_registry[op]
@@ -157,11 +167,12 @@ def _causal_formula(op: Any) -> Any:
     where = names.index("is_causal")
     q_at = names.index("query")
     k_at = names.index("key")
+    lower_right = "flash" in str(op)
 
     def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> Any:  # takes values
         causal = kwargs.get("is_causal", args[where] if len(args) > where else False)
         count = base(*args, out_val=out_val, **kwargs)
-        return _causal(count, args[q_at].shape, args[k_at].shape, causal)
+        return _causal(count, args[q_at].shape, args[k_at].shape, causal, lower_right)
 
     formula._get_raw = True  # type: ignore[attr-defined]
     return formula

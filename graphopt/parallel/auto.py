@@ -49,6 +49,9 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
                 f"{plan.pp} pipeline stages: the pipeline runs at least one per stage")
     if plan.expert_tp > 1:
         return "tensor-parallel experts are not executed"
+    if plan.pp_schedule == "zero_bubble" and plan.zero_stage == 3 and \
+            plan.dp_shard * plan.cp > 1:
+        return "zero-bubble with ZeRO-3 gives wrong weight gradients (torch's schedule)"
     if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or
                                                         plan.pp > 1 or plan.cp > 1):
         return "ZeRO-1 is executed with data parallelism alone"

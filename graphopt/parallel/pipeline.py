@@ -197,8 +197,9 @@ class PipelinedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Not a forward: raises ConfigError (pipeline stages run inside ``step``)."""
         raise ConfigError("a PipelinedModel (pp > 1) trains with loss = model.step(input_ids, "
-                          "labels=None); its stages run inside the pipeline schedule, not "
-                          "through model(...)")
+                          "labels=None) (under CP: ids, labels = graphopt.parallel.context."
+                          "shard_sequence(batch, mesh); model.step(ids, labels=labels)); its "
+                          "stages run inside the pipeline schedule, not through model(...)")
 
     def _schedule(self, microbatches: int, shape: tuple[int, ...] = ()) -> Any:
         from torch.distributed.pipelining import (
@@ -422,6 +423,12 @@ def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
         ConfigError: see the module docstring.
     """
     check_pipeline(model, plan)
+    if plan.cp > 1 and loss_fn is not None:  # a review: per-chunk means, NaN for a chunk
+        # without labels, and labels that come shifted already
+        raise ConfigError("under CP the pipeline's loss is the per-token mean over every "
+                          "chunk (graphopt.parallel.context.cp_loss's scaling); a custom "
+                          "loss_fn would see one chunk with labels shifted already and "
+                          "average per chunk: drop loss_fn, or use cp=1")
     from graphopt.parallel.apply import decoder_layers
 
     layers = decoder_layers(model)
