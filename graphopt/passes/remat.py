@@ -193,6 +193,43 @@ def split_joint(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]]:
     return forward, backward
 
 
+def split_as_partitioned(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]]:
+    """(forward, backward) as PyTorch's min-cut partitioner classifies the joint graph
+    (``classify_nodes``): forward = the call_function nodes the forward outputs need (its
+    ``required_fw_nodes``); backward = every other node the graph computes, tangent inputs
+    included: what depends on a tangent, and what only the backward needs ("unclaimed":
+    e.g. RMSNorm's ``2 * x`` of its gradient formula), which the partitioner computes in the
+    backward from saved forward values. A MUST_SAVE tag on such a node does nothing (the
+    partitioner bans recomputation of required forward nodes only): pricing them as saved,
+    a plan claimed 27-29% more saved bytes than the partition kept on a 4-layer Llama, and
+    recomputed more than its budget needed. Without the partitioner's arguments in the
+    meta (:data:`graphopt.lowering.base.PARTITION_ARGS`): :func:`split_joint`."""
+    from graphopt.lowering.base import PARTITION_ARGS
+
+    args = gm.meta.get(PARTITION_ARGS)
+    count = args[1].get("num_fwd_outputs") if args is not None else None
+    if not isinstance(count, int):
+        return split_joint(gm)
+    outputs: Any = gm.graph.output_node().args[0]
+    required: set[fx.Node] = set()
+    stack = [o for o in outputs[:count] if isinstance(o, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in required or node.op == "placeholder":
+            continue
+        required.add(node)
+        stack.extend(node.all_input_nodes)
+    for node in gm.graph.nodes:  # every element of a forward op's tuple (dropout's mask:
+        # only the backward reads it, but it comes from the forward's draw)
+        if node.target is operator.getitem and node.args[0] in required:
+            required.add(node)
+    forward = [n for n in gm.graph.nodes if n.op == "call_function" and n in required]
+    backward = {n for n in gm.graph.nodes
+                if (n.op == "call_function" and n not in required)
+                or (n.op == "placeholder" and "tangent" in n.name)}
+    return forward, backward
+
+
 def _needed(forward: list[fx.Node], backward: set[fx.Node]) -> list[fx.Node]:
     fwd = set(forward)
     return [n for n in forward if any(u in backward for u in n.users) and n in fwd]
@@ -237,6 +274,24 @@ READS_MUTATED_INPUT = "graphopt_reads_mutated_input"
 (``fx_utils.readers_of_mutated_inputs``): recomputing them would read the updated input."""
 
 
+def rng_state_bytes(node: fx.Node) -> int:
+    """Bytes PyTorch's partitioner saves when it recomputes ``node``: ops tagged
+    ``nondeterministic_seeded`` (SDPA kernels, which take a dropout probability, even at
+    0) are recomputed from a saved RNG state (``functionalize_rng_ops``): the generator
+    state of the op's device, 5,056 bytes on CPU, a seed and an offset (16 bytes) on CUDA.
+    0 for other ops. Unpriced, a plan that recomputed a 4-layer Llama's attention saved
+    20 KB (2% of its budget) more than it said."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in target.tags):
+        return 0
+    device = next((t.device for t in torch.utils._pytree.tree_leaves(node.meta.get("val"))
+                   if isinstance(t, torch.Tensor)), None)
+    if device is not None and device.type == "cpu":
+        return int(torch.get_rng_state().numel())
+    return 16
+
+
 def _unsafe_to_recompute(node: fx.Node) -> bool:
     target = node.target
     if is_random(node) or is_mutating(node) or node.meta.get(READS_MUTATED_INPUT) or \
@@ -268,6 +323,25 @@ def _record_user_regions(ctx: PassContext, user: list[fx.Node]) -> None:
                    f"{len(user)} values tagged by torch.utils.checkpoint / selective "
                    "checkpointing keep the user's save/recompute choice; graphopt decides "
                    "the rest")
+
+
+def _partitioner_cse(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` after the common-subexpression elimination PyTorch's min-cut partitioner runs
+    first (``torch._functorch.compile_utils.fx_graph_cse``, when functorch's ``cse`` config
+    is on, as by default), as a new GraphModule with ``gm``'s meta; ``gm`` itself otherwise.
+    The plan then prices the values the partition will see: on a 4-layer Llama the four
+    layers' float masks SDPA's decomposition builds (identical ``where`` nodes) were four
+    saved values to the ILP and one after the partitioner merged them; a quarter to a third
+    of the bytes the plan said it saved were such twins, so it recomputed more than its
+    budget needed."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    if not functorch_config.cse:
+        return gm
+    merged = fx.GraphModule(gm, fx_graph_cse(gm.graph))
+    merged.meta.update(gm.meta)
+    return merged
 
 
 def _partitioner_bytes(gm: fx.GraphModule) -> int | None:
@@ -365,8 +439,11 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
                 if blocks == 4 and _is_view(v):  # rebuilt on the copy of an offloaded base
                     rows.append(({2 * n + j: 1.0, 3 * n + j: 1.0, 3 * n + i: -1.0}, 0.0,
                                  math.inf))
-    rows.append(({index[v]: float(_bytes(v)) for v in forward
-                  if not _is_view(v) and not _is_tuple(v)}, -math.inf, float(budget)))
+    memory = {index[v]: float(_bytes(v)) for v in forward
+              if not _is_view(v) and not _is_tuple(v)}
+    memory.update({n + index[v]: float(rng_state_bytes(v)) for v in forward
+                   if rng_state_bytes(v) and upper[n + index[v]]})  # recomputed: its state
+    rows.append((memory, -math.inf, float(budget)))
     a = lil_matrix((len(rows), blocks * n))
     lb, ub = np.zeros(len(rows)), np.zeros(len(rows))
     for k, (coeffs, lo, hi) in enumerate(rows):
@@ -492,7 +569,7 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
     """Decide keep/recompute(/offload) for ``gm`` (a joint graph) within ``budget`` bytes of
     saved activations; ``profile`` prices nodes and host copies (default: "local" when
     calibrated, else h100-sxm)."""
-    forward, backward = split_joint(gm)
+    forward, backward = split_as_partitioned(gm)
     for v in readers_of_mutated_inputs(gm.graph):
         v.meta[READS_MUTATED_INPUT] = True
     needed = _needed(forward, backward)
@@ -515,7 +592,7 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
         saved, recomputed, status = solve_greedy(forward, needed, times, budget)
         result = (saved, recomputed, set(), status)
     saved, recomputed, offloaded, status = result
-    saved_bytes = sum(_bytes(v) for v in saved)
+    saved_bytes = sum(_bytes(v) for v in saved) + sum(rng_state_bytes(v) for v in recomputed)
     cost = sum(times.get(v.name, 0.0) for v in recomputed)
     if offload_cost:
         cost += sum(offload_cost[v] for v in offloaded)
@@ -607,7 +684,8 @@ class RematPass(GraphPass):
             return PassResult(gm, False)
         start = time.perf_counter()
         opts = self.options
-        forward, backward = split_joint(gm)
+        original, gm = gm, _partitioner_cse(gm)
+        forward, backward = split_as_partitioned(gm)
         user = [v for v in forward if user_policy(v) is not None]
         observed = ctx.extras.get("observed_sizes") if opts.profile_guided else None
         with observed_sizes(observed):  # (priced at the hint, profile-guided budgets were
@@ -628,7 +706,7 @@ class RematPass(GraphPass):
                        f"{of}: within the budget; nothing recomputed or offloaded, PyTorch's "
                        "partition kept")
             _record_user_regions(ctx, user)
-            return PassResult(gm, False)
+            return PassResult(original, False)
         decision = plan(gm, budget, opts.solver, opts.time_limit, opts.offload,
                         opts.profile, observed)
         if opts.profile_guided:
@@ -651,7 +729,7 @@ class RematPass(GraphPass):
                        f"{of}: every saved activation fits; nothing "
                        f"recomputed or offloaded, PyTorch's partition kept (solver "
                        f"{decision.solver}: {decision.status})")
-            return PassResult(gm, False)
+            return PassResult(original, False)
         for v in decision.offloaded:
             _offload(gm, v, backward)
         if decision.offloaded:
