@@ -7,11 +7,14 @@ Decision model (an ILP in the spirit of Checkmate, Jain et al. MLSys 2020, restr
 recomputation in the backward; built by :func:`build_ilp`, solved by scipy's HiGHS MILP):
 
     variables   s_v in {0,1}: v is saved;  r_v in {0,1}: v is recomputed in the backward,
-                for every forward node v of the joint graph
+                for every forward node v of the joint graph (forward and backward as the
+                partitioner classifies them, after its CSE: :func:`split_as_partitioned`)
     minimize    sum_v r_v * t_v                        t_v: cost-model time of node v
     subject to  s_v + r_v >= 1        for v used by the backward          (:func:`_needed`)
                 s_u + r_u >= r_v      for every forward input u of v       (recompute closure)
-                sum_v s_v * b_v <= B  b_v: bytes of v's own storage, B: the budget
+                sum_v s_v * b_v + r_v * g_v <= B  b_v: bytes of v's own storage, g_v: the
+                         RNG state saved to recompute a seeded op (:func:`rng_state_bytes`),
+                         B: the budget
                 r_v = 0  for random ops (dropout: recomputing would draw new numbers), ops
                          with side effects, other libraries' custom ops (their schema does
                          not say whether they draw random numbers), higher-order ops whose
