@@ -347,12 +347,12 @@ def _partitioner_cse(gm: fx.GraphModule) -> fx.GraphModule:
     return merged
 
 
-def _partitioner_bytes(gm: fx.GraphModule) -> int | None:
+def _partitioner_bytes(gm: fx.GraphModule, cse_done: bool = False) -> int | None:
     """Activation bytes PyTorch's min-cut partitioner saves for ``gm`` without remat's tags
     (None when the lowering did not record its partitioner call)."""
     from graphopt.lowering.base import partitioner_saved
 
-    saved = partitioner_saved(gm)
+    saved = partitioner_saved(gm, cse_done)
     if saved is None:
         return None
     primals = {_storage(t) for n in gm.graph.nodes if n.op == "placeholder"
@@ -699,7 +699,7 @@ class RematPass(GraphPass):
             # partition of this graph (user checkpoint regions honored), which recomputes
             # cheap ops itself; tagging at a budget above it saved more than no remat (a
             # review: 10-26% at 1.0)
-            alone = _partitioner_bytes(gm)
+            alone = _partitioner_bytes(gm, cse_done=gm is not original)
         budget = opts.resolve(keep_all if alone is None else alone)
         of = (f"budget {budget} bytes (without remat PyTorch's partitioner saves {alone}, "
               f"keep-all {keep_all})" if alone is not None else
