@@ -728,3 +728,41 @@ def test_the_budget_base_is_what_the_whole_partition_saves(monkeypatch):
     bad = [(sorted(set(g) ^ set(w)), len(w)) for g, w in compared if sorted(g) != sorted(w)]
     assert not bad, (bad, len(compared))
     assert len(stopped) == len(compared) - 1  # all but the checkpointed dropout's graph
+
+
+def test_greedy_never_recomputes_what_a_selective_checkpoint_policy_saves():
+    """A selective-checkpointing policy that saves every GEMM, at a budget below what those
+    saves alone take: the ILP is infeasible and greedy ran; its recompute closure reached the
+    user's saved addmm through a chain and recomputed them (held 0 bytes, the report saying
+    the user's choice was kept: a review). Now they stay saved, the summary says over budget."""
+    import functools
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+    params = list(layers.parameters())
+    x = torch.randn(32, 64)
+    gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in gemms else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def body(t):
+        for layer in layers:
+            t = torch.tanh(layer(t))
+        return t
+
+    def fn(x):
+        return checkpoint(body, x, use_reentrant=False, context_fn=functools.partial(
+            create_selective_checkpoint_contexts, policy)).square().mean()
+
+    compiled = _compile(fn, budget=0.5)
+    compiled(x).backward()
+    assert _saved_activation_bytes(compiled, params, x) == 4 * 32 * 64 * 4
+    summary = _remat_summary()
+    assert summary.action == "skipped" and "over budget" in summary.reason, summary.reason

@@ -517,8 +517,8 @@ def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str,
     def closure(v: fx.Node, plan: set[fx.Node], depth: int) -> bool:
         """Add to ``plan`` what recomputing ``v`` needs (inputs not saved: recomputed too,
         up to ``depth`` levels); False if something on the way cannot be recomputed."""
-        if _unsafe_to_recompute(v) or depth < 0:
-            return False
+        if _unsafe_to_recompute(v) or depth < 0 or user_policy(v) == "save":
+            return False  # (a user-saved input was recomputed through a chain: a review)
         plan.add(v)
         for u in v.all_input_nodes:
             if u not in fwd or (u in saved and u is not v) or u in recomputed or u in plan:
@@ -728,10 +728,13 @@ class RematPass(GraphPass):
                         f"{decision.saved_bytes} bytes)") if observed else
                        "no data-dependent sizes in this graph: the static plan is exact")
         if not (decision.recomputed or decision.offloaded or user):
-            ctx.record("kept", "saved activations",
-                       f"{of}: every saved activation fits; nothing "
-                       f"recomputed or offloaded, PyTorch's partition kept (solver "
-                       f"{decision.solver}: {decision.status})")
+            fits = decision.saved_bytes <= budget
+            ctx.record("kept" if fits else "skipped", "saved activations",
+                       f"{of}: " + ("every saved activation fits; " if fits else
+                                    f"over budget ({decision.saved_bytes} bytes) and nothing "
+                                    "the solver may recompute helps; ")
+                       + f"nothing recomputed or offloaded, PyTorch's partition kept "
+                       f"(solver {decision.solver}: {decision.status})")
             return PassResult(original, False)
         for v in decision.offloaded:
             _offload(gm, v, backward)
