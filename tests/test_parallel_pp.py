@@ -38,12 +38,12 @@ RUNS = {
         # tied weight under FSDP2 (it replaces the parameters), accumulation, DP ranks with
         # different label counts
         ("llama", TIED, dict(pp=2, dp_shard=2, zero_stage=3), dict(accum=2, uneven=True)),
-        # CP x PP: each stage on its sequence chunks (ring: zigzag; Ulysses, interleaved,
-        # ZeRO-3 over cp). Not uneven: with dp = 1 it labels positions 1..3 of every
-        # sequence only, all in the first chunk, and the loss would not see the others
-        ("llama", L4, dict(pp=2, cp=2)),
-        ("llama", L4, dict(pp=2, cp=2, cp_kind="all_to_all", virtual_stages=2,
-                           pp_schedule="interleaved", microbatch=2, zero_stage=3))],
+        # CP x PP: each stage on its sequence chunks (ring: zigzag). Not uneven: with dp = 1
+        # it labels positions 1..3 of every sequence only, all in the first chunk, and the
+        # loss would not see the others
+        # (Ulysses, interleaved, ZeRO-3 over cp passed at the same tolerances; dropped from
+        # CI for time)
+        ("llama", L4, dict(pp=2, cp=2))],
 }
 
 
