@@ -153,7 +153,7 @@ def _causal(count: Any, q: Any, k: Any, is_causal: Any, lower_right: bool = Fals
     return count * int(fraction.p) // int(fraction.q)  # (SymInt-safe)
 
 
-def _causal_formula(op: Any) -> Any:
+def _causal_formula(op: Any, lower_right: bool) -> Any:
     """torch's FLOP formula of fused-attention ``op`` (forward or backward), times
     :func:`causal_fraction` when the call is causal (``is_causal`` found by the op's schema;
     the CUDA flash ops' causal mask is aligned bottom-right). torch's formulas count every
@@ -167,7 +167,6 @@ def _causal_formula(op: Any) -> Any:
     where = names.index("is_causal")
     q_at = names.index("query")
     k_at = names.index("key")
-    lower_right = "flash" in str(op)
 
     def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> Any:  # takes values
         causal = kwargs.get("is_causal", args[where] if len(args) > where else False)
@@ -215,8 +214,9 @@ def custom_flop_formulas() -> dict[Any, Any]:
                  "_scaled_dot_product_cudnn_attention"):
         for suffix in ("", "_backward"):
             op = getattr(aten, name + suffix, None)
-            if op is not None:
-                table[op] = _causal_formula(op)
+            if op is not None:  # the CUDA flash op's causal mask is aligned bottom-right
+                table[op] = _causal_formula(
+                    op, lower_right=name == "_scaled_dot_product_flash_attention")
     if hasattr(aten, "_grouped_mm"):
         table[aten._grouped_mm] = _grouped
     return table
