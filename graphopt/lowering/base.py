@@ -80,10 +80,12 @@ class AOTLowering(Lowering):
             return compile_one
 
         mark_mutated = mutated_input_marker(gm)
+        mark_activations = activation_input_marker(example_inputs)
 
         def partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
                       **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             mark_mutated(joint)
+            mark_activations(joint)
             joint.meta[PARTITION_ARGS] = (joint_inputs, kwargs)
             joint = hooks.run_joint(joint, "joint")
             hooks.graph_ready("joint", joint)
@@ -119,7 +121,7 @@ the partitioner saves without it: :func:`partitioner_saved`)."""
 
 def partitioner_saved(joint: fx.GraphModule, cse_done: bool = False
                       ) -> list[fx.Node] | None:
-    """The activations (not primal inputs) that :func:`min_cut_partition` saves for the
+    """The values (activations and primal inputs) that :func:`min_cut_partition` saves for the
     backward of an untagged copy of ``joint``: what compiling without the remat pass saves
     (PyTorch recomputes cheap ops itself); None without :data:`PARTITION_ARGS`.
     ``cse_done``: ``joint`` went through the partitioner's CSE already (the remat pass runs
@@ -152,14 +154,13 @@ def partitioner_saved(joint: fx.GraphModule, cse_done: bool = False
             with functorch_config.patch(cse=functorch_config.cse and not cse_done):
                 forward, _ = min_cut_partition(copy, joint_inputs, **kwargs)
         except _Chosen:
-            return [n for n in chosen if isinstance(n, fx.Node) and n.op != "placeholder"]
+            return [n for n in chosen if isinstance(n, fx.Node)]
         finally:
             partitioners.choose_saved_values_set = choose
     else:  # the whole partition
         forward, _ = min_cut_partition(copy, joint_inputs, **kwargs)
     outputs: Any = forward.graph.output_node().args[0]
-    return [n for n in outputs[kwargs.get("num_fwd_outputs", 0):]
-            if isinstance(n, fx.Node) and n.op != "placeholder"]
+    return [n for n in outputs[kwargs.get("num_fwd_outputs", 0):] if isinstance(n, fx.Node)]
 
 
 class _Chosen(Exception):
@@ -206,24 +207,63 @@ def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]
     flags = [n in written for n in inputs]
     unknown = any(n.op == "get_attr" for n in written)
 
-    def same(a: Any, b: Any) -> bool:
-        import torch
-
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return bool(a.dtype == b.dtype and a.dim() == b.dim())
-        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
-
     def mark(joint: fx.GraphModule) -> None:
         if not any(flags) and not unknown:
             return
-        primals = [n for n in joint.graph.find_nodes(op="placeholder")
-                   if not n.name.startswith("tangents")]
-        tail = primals[len(primals) - len(inputs):] if len(primals) >= len(inputs) else []
-        exact = not unknown and len(tail) == len(inputs) and all(
-            same(p.meta.get("val"), i.meta.get("example_value", i.meta.get("val")))
-            for p, i in zip(tail, inputs))
-        for p, flag in zip(tail, flags) if exact else ((p, True) for p in primals):
+        tail = None if unknown else _matching_primals(
+            joint, [i.meta.get("example_value", i.meta.get("val")) for i in inputs])
+        for p, flag in zip(tail, flags) if tail is not None else \
+                ((p, True) for p in _primals(joint)):
             if flag:
                 p.meta[MUTATED_INPUT] = True
 
     return mark
+
+
+ACTIVATION_INPUT = "graphopt_activation_input"
+"""Joint-graph placeholder meta set by :func:`activation_input_marker`: the input is an
+activation of autograd's graph (it has a ``grad_fn``: after a graph break, the previous
+graph's output), which the backward keeps alive if it holds it."""
+
+
+def activation_input_marker(example_inputs: Sequence[Any]
+                            ) -> Callable[[fx.GraphModule], None]:
+    """A function that sets ``meta[ACTIVATION_INPUT]`` on the joint graph's primal
+    placeholders whose example input has a ``grad_fn`` (another graph's activation, not a
+    parameter, buffer or the caller's batch, which live on whatever the backward holds).
+    Matched as :func:`mutated_input_marker` matches; nothing is marked when the match fails
+    (the remat pass then prices such inputs as free, as before)."""
+    import torch
+
+    flags = [isinstance(x, torch.Tensor) and x.grad_fn is not None for x in example_inputs]
+
+    def mark(joint: fx.GraphModule) -> None:
+        tail = _matching_primals(joint, list(example_inputs)) if any(flags) else None
+        for p, flag in zip(tail or [], flags):
+            if flag:
+                p.meta[ACTIVATION_INPUT] = True
+
+    return mark
+
+
+def _primals(joint: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in joint.graph.find_nodes(op="placeholder")
+            if not n.name.startswith("tangents")]
+
+
+def _matching_primals(joint: fx.GraphModule, values: list[Any]) -> list[fx.Node] | None:
+    """The joint graph's last ``len(values)`` primal placeholders (AOTAutograd puts lifted
+    parameters and effect tokens first), when each matches its value by dtype and rank (a
+    tensor) or by not being a tensor; None otherwise."""
+    import torch
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return bool(a.dtype == b.dtype and a.dim() == b.dim())
+        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+
+    primals = _primals(joint)
+    if len(primals) < len(values):
+        return None
+    tail = primals[len(primals) - len(values):]
+    return tail if all(same(p.meta.get("val"), v) for p, v in zip(tail, values)) else None

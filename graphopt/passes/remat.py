@@ -39,7 +39,9 @@ observed by running the graph once on the real inputs (:func:`observe_sizes`; Me
 "tensor access pattern observed at run time"), with a report of how the decision changed.
 
 Primal inputs (parameters, user inputs) are available in the backward as they were in the
-forward, except those the graph mutates (above). "greedy" (for very large
+forward, except those the graph mutates (above); an input that is another graph's activation
+(after a graph break) costs its bytes when the plan holds it only to recompute from it
+(h_p >= r_v, in the budget row: :func:`activation_inputs`). "greedy" (for very large
 graphs, or when the ILP exceeds ``time_limit``): recompute the candidates with the most bytes
 per second of recomputation whose inputs are already available, until under budget.
 
@@ -111,6 +113,9 @@ class RematPlan:
     times: dict[str, float] = field(default_factory=dict)
     ilp_infeasible: bool = False
     """The ILP found no plan (infeasible or out of time) and greedy ran instead."""
+    held_inputs: list[fx.Node] = field(default_factory=list)
+    """Graph inputs that are not parameters the backward holds to recompute from
+    (:func:`held_inputs`; their bytes are in ``saved_bytes``)."""
 
 
 _UNBACKED_HINT = 64  # sizes that depend on data (MoE token counts): a typical value
@@ -233,6 +238,36 @@ def split_as_partitioned(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node
     return forward, backward
 
 
+def activation_inputs(gm: fx.GraphModule, backward: set[fx.Node]
+                      ) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(priced, read_by_backward): the joint graph's tensor inputs that are activations of
+    autograd's graph (marked by the lowering: :data:`graphopt.lowering.base.ACTIVATION_INPUT`,
+    the example input had a ``grad_fn``): after a graph break, the previous graph's outputs.
+    The backward holding one keeps it alive past its own graph's use, as PyTorch's min-cut
+    partitioner prices it (by size). ``read_by_backward``: the backward reads them
+    directly, so they are held whatever the plan (outside the budget, reported);
+    ``priced``: the others, held only when the plan recomputes a value that reads them
+    (inside the budget). Left free before, remat recomputed ``h.float()`` from a float64
+    input and held 262,144 bytes where PyTorch's partition held 131,072 (budget 65,536)
+    while it reported 0 saved. Parameters, buffers and the caller's batch (no
+    ``grad_fn``) stay free: they live on whatever the backward holds. A previous graph's
+    value without a ``grad_fn`` (a mask built before the break) is free too: a gap."""
+    from graphopt.lowering.base import ACTIVATION_INPUT
+
+    priced: list[fx.Node] = []
+    read: list[fx.Node] = []
+    for p in gm.graph.find_nodes(op="placeholder"):
+        if p.meta.get(ACTIVATION_INPUT) and _bytes(p):
+            (read if any(u in backward for u in p.users) else priced).append(p)
+    return priced, read
+
+
+def held_inputs(priced: list[fx.Node], recomputed: set[fx.Node]) -> list[fx.Node]:
+    """The ``priced`` inputs (:func:`activation_inputs`) the backward holds because it
+    recomputes a value that reads them."""
+    return [p for p in priced if any(u in recomputed for u in p.users)]
+
+
 def _needed(forward: list[fx.Node], backward: set[fx.Node]) -> list[fx.Node]:
     fwd = set(forward)
     return [n for n in forward if any(u in backward for u in n.users) and n in fwd]
@@ -347,17 +382,22 @@ def _partitioner_cse(gm: fx.GraphModule) -> fx.GraphModule:
     return merged
 
 
-def _partitioner_bytes(gm: fx.GraphModule, cse_done: bool = False) -> int | None:
-    """Activation bytes PyTorch's min-cut partitioner saves for ``gm`` without remat's tags
-    (None when the lowering did not record its partitioner call)."""
+def _partitioner_bytes(gm: fx.GraphModule, cse_done: bool = False,
+                       priced: list[fx.Node] | None = None) -> int | None:
+    """Activation bytes PyTorch's min-cut partitioner saves for ``gm`` without remat's tags,
+    with the ``priced`` inputs it saves (:func:`activation_inputs`); None when the lowering
+    did not record its partitioner call."""
     from graphopt.lowering.base import partitioner_saved
 
     saved = partitioner_saved(gm, cse_done)
     if saved is None:
         return None
-    primals = {_storage(t) for n in gm.graph.nodes if n.op == "placeholder"
+    names = {p.name for p in priced or []}
+    primals = {_storage(t) for n in gm.graph.nodes
+               if n.op == "placeholder" and n.name not in names
                for t in torch.utils._pytree.tree_leaves(n.meta.get("val"))
                if isinstance(t, torch.Tensor)}
+    saved = [v for v in saved if v.op != "placeholder" or v.name in names]
     sizes: dict[Any, float] = {}  # one entry per storage: views of a saved value, or of a
     for v in saved:  # primal (a weight's transpose), add nothing
         for t in torch.utils._pytree.tree_leaves(v.meta.get("val")):
@@ -391,21 +431,25 @@ def user_policy(node: fx.Node) -> str | None:
 
 
 def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
-              budget: int, offload_cost: dict[fx.Node, float] | None = None
-              ) -> tuple[Any, ...]:
+              budget: int, offload_cost: dict[fx.Node, float] | None = None,
+              inputs: list[fx.Node] | None = None) -> tuple[Any, ...]:
     """(c, constraints, integrality, bounds, index, blocks) of the MILP in the module
     docstring; ``blocks`` is 2 (save, recompute) or 4 (+ offload, priced by
     ``offload_cost``: seconds to copy the value to host memory and back, + view rebuilt on
-    an offloaded base's copy)."""
+    an offloaded base's copy). ``inputs`` (:func:`activation_inputs`' priced ones): one
+    more variable each after the blocks, h_p >= r_v for every v reading p, b_p in the
+    budget row."""
     from scipy.optimize import Bounds, LinearConstraint
     from scipy.sparse import lil_matrix
 
     index = {n: i for i, n in enumerate(forward)}
     n = len(forward)
     blocks = 4 if offload_cost is not None else 2
-    c = np.zeros(blocks * n)
-    lower = np.zeros(blocks * n)
-    upper = np.ones(blocks * n)
+    held = {p: blocks * n + k for k, p in enumerate(inputs or [])}
+    width = blocks * n + len(held)
+    c = np.zeros(width)
+    lower = np.zeros(width)
+    upper = np.ones(width)
     largest = max([_bytes(v) for v in forward] + [1])
     for v, i in index.items():
         c[n + i] = max(times.get(v.name, 0.0), 1e-9)
@@ -436,6 +480,8 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
         rows.append((row, 1.0, math.inf))
     for v, i in index.items():
         for u in v.all_input_nodes:
+            if u in held:  # recomputation holds the graph input it reads
+                rows.append(({held[u]: 1.0, n + i: -1.0}, 0.0, math.inf))
             if u in index:  # recomputation reads saved or recomputed inputs
                 j = index[u]
                 rows.append(({j: 1.0, n + j: 1.0, n + i: -1.0}, 0.0, math.inf))
@@ -446,27 +492,29 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
               if not _is_view(v) and not _is_tuple(v)}
     memory.update({n + index[v]: float(rng_state_bytes(v)) for v in forward
                    if rng_state_bytes(v) and upper[n + index[v]]})  # recomputed: its state
+    memory.update({k: float(_bytes(p)) for p, k in held.items()})
     rows.append((memory, -math.inf, float(budget)))
-    a = lil_matrix((len(rows), blocks * n))
+    a = lil_matrix((len(rows), width))
     lb, ub = np.zeros(len(rows)), np.zeros(len(rows))
     for k, (coeffs, lo, hi) in enumerate(rows):
         for j, val in coeffs.items():
             a[k, j] = val
         lb[k], ub[k] = lo, hi
-    return (c, LinearConstraint(a.tocsr(), lb, ub), np.ones(blocks * n),
+    return (c, LinearConstraint(a.tocsr(), lb, ub), np.ones(width),
             Bounds(lower, upper), index, blocks)
 
 
 def solve_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
               budget: int, time_limit: float,
-              offload_cost: dict[fx.Node, float] | None = None
+              offload_cost: dict[fx.Node, float] | None = None,
+              inputs: list[fx.Node] | None = None
               ) -> tuple[set[fx.Node], set[fx.Node], set[fx.Node], str] | None:
     """Optimal (saved, recomputed, offloaded, status), or None when infeasible / out of
-    time."""
+    time; ``inputs``: graph inputs priced when recomputation holds them (:func:`build_ilp`)."""
     from scipy.optimize import milp
 
     c, constraints, integrality, bounds, index, blocks = build_ilp(
-        forward, needed, times, budget, offload_cost)
+        forward, needed, times, budget, offload_cost, inputs)
     res = milp(c, constraints=constraints, integrality=integrality, bounds=bounds,
                options={"time_limit": time_limit})
     if res.x is None or res.status not in (0, 1):
@@ -501,7 +549,8 @@ def keep_everything(forward: list[fx.Node], needed: list[fx.Node]
 
 
 def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, float],
-                 budget: int) -> tuple[set[fx.Node], set[fx.Node], str]:
+                 budget: int, inputs: list[fx.Node] | None = None
+                 ) -> tuple[set[fx.Node], set[fx.Node], str]:
     """Recompute the most bytes per second of recomputation first; a candidate's inputs that
     are not saved are recomputed with it (chains up to 8 ops); views and tuple outputs come
     back from their saved bases. Values the user's checkpoint regions tag "recompute" are
@@ -511,8 +560,9 @@ def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str,
     fwd = set(forward)
     users_recompute = [v for v in forward if user_policy(v) == "recompute"]
 
-    def total() -> int:
-        return sum(_bytes(v) for v in saved)
+    def total() -> int:  # (+ the graph inputs recomputation holds: :func:`held_inputs`)
+        return sum(_bytes(v) for v in saved) + sum(
+            _bytes(p) for p in held_inputs(inputs or [], recomputed))
 
     def closure(v: fx.Node, plan: set[fx.Node], depth: int) -> bool:
         """Add to ``plan`` what recomputing ``v`` needs (inputs not saved: recomputed too,
@@ -536,14 +586,17 @@ def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str,
                          and user_policy(v) != "save"),
                         key=lambda v: -_bytes(v) / max(times.get(v.name, 0.0), 1e-9))
     for v in candidates:
-        if total() <= budget:
+        before = total()
+        if before <= budget:
             break
         plan = set()
         saved.discard(v)
         if closure(v, plan, depth=8):
             recomputed |= plan
-        else:
-            saved.add(v)
+            if total() < before:
+                continue
+            recomputed -= plan  # holds a graph input larger than what it frees
+        saved.add(v)
     return saved, recomputed, "greedy" + ("" if total() <= budget else " (over budget)")
 
 
@@ -585,22 +638,25 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
     result = None
     name = solver
     infeasible = False  # proven by the ILP (greedy alone proves nothing)
+    priced, _ = activation_inputs(gm, backward)
     if solver == "ilp":
-        result = solve_ilp(forward, needed, times, budget, time_limit, offload_cost)
+        result = solve_ilp(forward, needed, times, budget, time_limit, offload_cost, priced)
         if result is None:
             name = "greedy (ILP infeasible or out of time" + (
                 "; greedy does not offload)" if offload else ")")
             infeasible = True
     if result is None:
-        saved, recomputed, status = solve_greedy(forward, needed, times, budget)
+        saved, recomputed, status = solve_greedy(forward, needed, times, budget, priced)
         result = (saved, recomputed, set(), status)
     saved, recomputed, offloaded, status = result
-    saved_bytes = sum(_bytes(v) for v in saved) + sum(rng_state_bytes(v) for v in recomputed)
+    held = held_inputs(priced, recomputed)
+    saved_bytes = sum(_bytes(v) for v in saved) + sum(rng_state_bytes(v) for v in recomputed) \
+        + sum(_bytes(p) for p in held)
     cost = sum(times.get(v.name, 0.0) for v in recomputed)
     if offload_cost:
         cost += sum(offload_cost[v] for v in offloaded)
     return RematPlan(saved, recomputed, saved_bytes, cost, name, status, offloaded,
-                     device.kind, times, infeasible)
+                     device.kind, times, infeasible, held)
 
 
 _DEVICE_PUT = torch.ops.prims.device_put.default
@@ -699,11 +755,18 @@ class RematPass(GraphPass):
             # partition of this graph (user checkpoint regions honored), which recomputes
             # cheap ops itself; tagging at a budget above it saved more than no remat (a
             # review: 10-26% at 1.0)
-            alone = _partitioner_bytes(gm, cse_done=gm is not original)
+            priced, read = activation_inputs(gm, backward)
+            alone = _partitioner_bytes(gm, cse_done=gm is not original, priced=priced)
         budget = opts.resolve(keep_all if alone is None else alone)
         of = (f"budget {budget} bytes (without remat PyTorch's partitioner saves {alone}, "
               f"keep-all {keep_all})" if alone is not None else
               f"budget {budget} bytes of keep-all {keep_all}")
+        if read:
+            ctx.record("kept", "graph inputs held by the backward",
+                       f"the backward reads {len(read)} graph inputs that are not parameters "
+                       f"({sum(_bytes(p) for p in read)} bytes: the batch, or a previous "
+                       "graph's activations) directly: held whatever the plan, outside the "
+                       "budget")
         if alone is not None and budget >= alone:
             ctx.record("kept", "saved activations",
                        f"{of}: within the budget; nothing recomputed or offloaded, PyTorch's "
@@ -727,6 +790,14 @@ class RematPass(GraphPass):
                         f"{_UNBACKED_HINT} (saved {guess.saved_bytes} -> "
                         f"{decision.saved_bytes} bytes)") if observed else
                        "no data-dependent sizes in this graph: the static plan is exact")
+        if alone is not None and decision.saved_bytes > budget \
+                and decision.saved_bytes >= alone:
+            ctx.record("skipped", "saved activations",
+                       f"{of}: over budget, and the least the solver found "
+                       f"({decision.saved_bytes} bytes; solver {decision.solver}: "
+                       f"{decision.status}) is not below PyTorch's partition: that is kept")
+            _record_user_regions(ctx, user)
+            return PassResult(original, False)
         if not (decision.recomputed or decision.offloaded or user):
             fits = decision.saved_bytes <= budget
             ctx.record("kept" if fits else "skipped", "saved activations",
@@ -760,7 +831,12 @@ class RematPass(GraphPass):
         over = decision.saved_bytes > budget
         ctx.record("skipped" if over else "rewritten", "saved activations",
                    f"{of}: saved "
-                   f"{decision.saved_bytes} bytes, {len(decision.recomputed)} values "
+                   f"{decision.saved_bytes} bytes"
+                   + (f" (with {len(decision.held_inputs)} graph inputs that are not "
+                      "parameters, held to recompute from: "
+                      f"{sum(_bytes(p) for p in decision.held_inputs)} bytes)"
+                      if decision.held_inputs else "")
+                   + f", {len(decision.recomputed)} values "
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
                    f"{decision.solver}: {decision.status}, "
                    f"{time.perf_counter() - start:.2f}s"
