@@ -100,8 +100,13 @@ def _in_caller_context(i: int, worker: Callable[..., None], env: dict[str, str],
 
 def _distributed_worker(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,
                         args: tuple[Any, ...]) -> None:
+    import os
+
     import torch.distributed as dist
 
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: one intra-op thread per rank
+        # (2 ranks of 2 threads each on 2 cores spent their time preempting each other)
+        torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
