@@ -9,6 +9,7 @@ spawned); each joins a gloo group through a TCP rendezvous on a free local port.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -120,13 +121,23 @@ def _distributed_worker(rank: int, fn: Callable[..., Any], world: int, port: int
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined in a real gloo
     process group on 127.0.0.1; returns every rank's (picklable) result, rank order.
-    ``fn`` must be importable (a module-level function). A failing rank raises here."""
+    ``fn`` must be importable (a module-level function). A failing rank raises here.
+    The rendezvous port is free when chosen; if another process took it before rank 0 bound
+    it (concurrent test workers), the group starts again on a new port (twice at most)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/result"
-        _start(_distributed_worker, (fn, world, free_port(), out, args), world)
-        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = f"{tmp}/result"
+            try:
+                _start(_distributed_worker, (fn, world, free_port(), out, args), world)
+            except Exception as e:
+                if attempt < 2 and "address already in use" in str(e).lower() \
+                        and not any(os.path.exists(f"{out}.{r}") for r in range(world)):
+                    continue
+                raise
+            return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+    raise AssertionError("unreachable")
 
 
 def _fake_worker(_: int, fn: Callable[..., Any], world: int, rank: int, out: str,
