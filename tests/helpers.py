@@ -218,17 +218,21 @@ def plan_backward(model, plan, mesh, ids=BATCH):
 
 def held_grads(model, ref):
     """(name, this rank's gradient of ``model`` gathered over its mesh, ``ref``'s gradient
-    of the same parameter: the slice of experts this rank holds under EP) per parameter
-    of a parallelized ``model`` (PP: its stage names mapped to the model's)."""
+    of the same parameter: the slice of experts this rank holds under EP, and their FFN
+    slice with expert_tp) per parameter of a parallelized ``model`` (PP: its stage names
+    mapped to the model's)."""
+    from graphopt.parallel.expert import held_part
+
     refs, names = dict(ref.named_parameters()), getattr(model, "original_names", {})
-    experts = model.graphopt_parallel.experts
+    report = model.graphopt_parallel
     out = []
     for name, p in model.named_parameters():
         full = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         name = names.get(name, name)
         want = refs[name].grad
-        for path, (start, end, _) in experts.items():
+        for path, (start, end, _) in report.experts.items():
             if name.startswith(path + "."):
-                want = want[start:end]
+                want = held_part(name.rsplit(".", 1)[1], want, (start, end),
+                                 report.expert_ffn)
         out.append((name, full, want))
     return out

@@ -113,10 +113,12 @@ def _run_plan(name, plan, steps=3):
 
 def _held(name, full, report):
     """The part of the single-process tensor ``full`` that parameter ``name`` holds: its
-    experts under EP (report.experts), else all of it."""
+    experts under EP (report.experts; with expert_tp, their FFN slice), else all of it."""
+    from graphopt.parallel.expert import held_part
+
     for path, (start, end, _) in report.experts.items():
         if name.startswith(path + "."):
-            return full[start:end]
+            return held_part(name.rsplit(".", 1)[1], full, (start, end), report.expert_ffn)
     return full
 
 
@@ -133,9 +135,10 @@ def _expected_bytes(plan, measured, ranks):
     experts = measured["expert_params"]
     dense = measured["full_params"] - experts - measured["tp_params"] + \
         measured["tp_params"] / plan.tp
-    edp_shard = plan.dp_shard * plan.cp * plan.tp // plan.ep
+    edp_shard = plan.dp_shard * plan.cp * plan.tp // (plan.ep * plan.expert_tp)
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for held, shards in ((dense, plan.dp_shard), (experts / plan.ep, edp_shard)):
+    for held, shards in ((dense, plan.dp_shard),
+                         (experts / (plan.ep * plan.expert_tp), edp_shard)):
         zero = plan.zero_stage if shards > 1 else 0
         states = model_state_bytes(held, param_bytes=8, grad_bytes=8, optimizer="adam",
                                    mixed_precision=False, zero_stage=zero, dp=shards)
@@ -160,6 +163,8 @@ MOE_RUNS = {
         # shared experts split by TP inside the MoE block SP keeps replicated
         ("deepseek_v3", dict(tp=2))],
     4: [("minimax", dict(dp_shard=2, tp=2, ep=4, zero_stage=3)),
+        # tensor-parallel experts: each TP rank holds half of every local expert's FFN dim
+        ("mixtral", dict(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=3)),
         ("mixtral", dict(dp_replicate=2, dp_shard=2, ep=2, zero_stage=3)),
         ("mixtral/idle-experts", dict(dp_shard=4, ep=4, zero_stage=3))],
 }
@@ -407,7 +412,12 @@ def test_models_an_axis_cannot_split_and_world_mismatch_are_errors():
      r"6 experts are not divisible by ep=4: choose an ep that divides 6"),
     ("mixtral", dict(dp_shard=2, ep=2, zero_stage=1), r"ZeRO-1 with ep > 1 is not executed"),
     ("mixtral", dict(dp_shard=4, ep=2, expert_tp=2, zero_stage=3),
-     r"expert_tp=2: tensor-parallel experts are not built yet"),
+     r"expert_tp=2 with tp=1: graphopt splits experts over the TP group only .*use "
+     r"expert_tp=1$"),
+    ("mixtral", dict(dp_shard=2, tp=4, ep=2, expert_tp=2, zero_stage=3),
+     r"expert_tp=2 with tp=4: .*use expert_tp=1 or expert_tp=4"),
+    ("mixtral", dict(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=3, intermediate_size=127),
+     r"FFN dim \(127\) is not divisible by expert_tp=2"),
     ("llama", dict(dp_shard=2, ep=2, zero_stage=3), r"ep=2 but the model has no routed-experts"),
 ])
 def test_impossible_expert_parallel_plans_are_refused_before_anything_changes(model, plan,
@@ -415,8 +425,8 @@ def test_impossible_expert_parallel_plans_are_refused_before_anything_changes(mo
     from graphopt.models import build_model
     from graphopt.parallel import parallelize
 
-    experts = plan.pop("num_local_experts", None)
-    net = build_model(model, **({"num_local_experts": experts} if experts else {}))
+    config = {k: plan.pop(k) for k in ("num_local_experts", "intermediate_size") if k in plan}
+    net = build_model(model, **config)
     before = {n: p.shape for n, p in net.named_parameters()}
     with pytest.raises(ConfigError, match=message):
         parallelize(net, ParallelPlan(**plan))

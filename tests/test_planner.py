@@ -516,6 +516,10 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
     assert "vocab_size (50257)" in not_executable(ParallelPlan(tp=4), config=config)
     for plan in (ParallelPlan(selective_recompute=True), ParallelPlan(recompute_layers=2)):
         assert not_executable(plan) == ""  # graphopt.parallelize applies recomputation
+    # tensor-parallel experts: executed over the TP group (expert_tp = tp) only
+    etp = dict(dp_shard=4, ep=2, zero_stage=3)
+    assert not_executable(ParallelPlan(tp=2, expert_tp=2, **etp)) == ""
+    assert "expert_tp = tp" in not_executable(ParallelPlan(tp=4, expert_tp=2, **etp))
 
 
 def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():

@@ -75,6 +75,9 @@ class ParallelReport:
     parameters: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
     experts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """EP: experts module path -> (first expert, end, E) this rank holds."""
+    expert_ffn: tuple[int, int] = (0, 1)
+    """Tensor-parallel experts (expert_tp > 1): (this rank's slice, expert_tp) of each
+    expert's FFN dim (:func:`graphopt.parallel.expert.held_part`)."""
     parallel_plan: ParallelPlan | None = None
     """The plan executed (with the planner's prediction when it came from a search)."""
     mesh: Any = None
@@ -196,22 +199,20 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     moe_opts = _moe_options(moe, plan)
     if plan.ep > 1:  # refuse before anything changes
         from graphopt.parallel.expert import check_experts, find_experts
+        from graphopt.parallel.mesh import check_expert_tp
 
         found = find_experts(model)
         if not found:
             raise ConfigError(f"ep={plan.ep} but the model has no routed-experts module "
                               "(parameters gate_up_proj [E, 2F, H], down_proj [E, H, F]): "
                               "use ep=1")
+        check_expert_tp(plan)
         for path, module in found.items():
-            check_experts(path, module, plan.ep)
+            check_experts(path, module, plan.ep, plan.expert_tp)
         if plan.zero_stage == 1 and plan.dp_shard > 1:
             raise ConfigError("ZeRO-1 with ep > 1 is not executed (ZeroRedundancyOptimizer "
                               "would broadcast one rank's experts over ranks holding others): "
                               "use zero_stage 2 or 3")
-        if plan.expert_tp > 1:
-            raise ConfigError(f"expert_tp={plan.expert_tp}: tensor-parallel experts are not "
-                              "built yet (graphopt folds EP over dp_shard x cp x tp): use "
-                              "expert_tp=1")
     mesh = mesh if mesh is not None else build_mesh(plan)
     report = ParallelReport(plan.describe(), parallel_plan=plan, mesh=mesh)
     if plan.tp > 1:
@@ -244,9 +245,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         report.experts = apply_ep(
             model, plan, mesh, "flat" if auto else moe_opts.all_to_all,
             1 if moe_opts.chunks == "auto" else moe_opts.chunks, moe_opts.ranks_per_node)
+        if plan.expert_tp > 1:
+            report.expert_ffn = (mesh["tp"].get_local_rank(), plan.expert_tp)
         report.notes.append(f"EP={plan.ep}: this rank holds experts "
                             f"{_expert_ranges(report.experts)}"
-                            + (f", tokens split over tp={plan.tp}" if plan.tp > 1 else ""))
+                            + (f", each expert's FFN dim split over tp={plan.tp} (expert_tp)"
+                               if plan.expert_tp > 1 else
+                               f", tokens split over tp={plan.tp}" if plan.tp > 1 else ""))
         if auto:
             choose_schedule_at_first_step(model, plan, moe_opts, report.notes)
         else:
@@ -669,7 +674,10 @@ def build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
 def _expert_placement(name: str, report: ParallelReport) -> str:
     for path, (start, end, e) in report.experts.items():
         if name.startswith(path + "."):
-            return f"ep: experts {start}..{end - 1} of {e} (dim 0); "
+            t, etp = report.expert_ffn
+            return f"ep: experts {start}..{end - 1} of {e} (dim 0); " + (
+                f"etp: FFN slice {t} of {etp} (gate and up rows, down columns); "
+                if etp > 1 else "")
     return ""
 
 

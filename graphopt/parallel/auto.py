@@ -47,8 +47,8 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
             global_batch // (plan.dp * plan.microbatch) < plan.pp:
         return (f"{global_batch // (plan.dp * plan.microbatch)} microbatch(es) per step for "
                 f"{plan.pp} pipeline stages: the pipeline runs at least one per stage")
-    if plan.expert_tp > 1:
-        return "tensor-parallel experts are not executed"
+    if plan.expert_tp not in (1, plan.tp):
+        return "tensor-parallel experts are executed over the TP group only (expert_tp = tp)"
     if plan.pp_schedule == "zero_bubble" and plan.zero_stage == 3 and \
             plan.dp_shard * plan.cp > 1:
         return "zero-bubble with ZeRO-3 gives wrong weight gradients (torch's schedule)"

@@ -36,7 +36,9 @@ chunks it holds, DCP writes each chunk once):
 - ZeRO-1: ``ZeroRedundancyOptimizer`` keeps each parameter's states on its owner rank only;
   each rank saves its local optimizer's.
 
-Refused (ConfigError): a model graphopt did not parallelize.
+Refused (ConfigError): a model graphopt did not parallelize; tensor-parallel experts
+(expert_tp > 1: each rank holds two chunks of ``gate_up_proj``, its slice of the gate half
+and of the up half, and DCP takes one chunk per rank and tensor).
 
 Pseudo-code::
 
@@ -78,6 +80,13 @@ class _Experts:
         report = _report(model)
         self.experts: dict[str, tuple[int, int, int]] = dict(report.experts)
         self.plan, self.mesh = report.parallel_plan, report.mesh
+        if self.experts and self.plan.expert_tp > 1:
+            raise ConfigError(
+                f"checkpoints of tensor-parallel experts (expert_tp={self.plan.expert_tp}) "
+                "are not written: each TP rank holds a slice of both halves of gate_up_proj "
+                "[E, 2F, H], two chunks per rank, which torch.distributed.checkpoint cannot "
+                "describe (one chunk per rank and tensor; a strided placement was saved as "
+                "overlapping chunks). Train runs that save or resume with expert_tp=1")
 
     def owner(self, name: str) -> int | None:
         """E (the global expert count) if ``name`` is an experts parameter, else None."""

@@ -13,8 +13,9 @@ Each gradient counts once:
 - DTensor gradients (TP, FSDP2/HSDP, FSDP'd experts): the norm of the whole tensor over its
   mesh (``torch.nn.utils.get_total_norm`` per mesh; DTensor reduces the shards).
 - EP experts (``graphopt.parallel.expert``): each EP rank holds other experts, so their
-  part is summed over the EP group (replicas over edp hold equal gradients and are not
-  summed).
+  part is summed over the EP group, and with tensor-parallel experts over the etp (TP)
+  group, whose ranks hold other FFN slices (replicas over edp hold equal gradients and are
+  not summed).
 - Plain gradients (DDP/replicate, replicated modules): equal on the ranks that hold them.
 - PP: each stage's part is summed over the pipeline group; a tied embedding held by the
   first and the last stage counts once (the first stage's).
@@ -101,7 +102,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if plan.ep > 1:  # other EP ranks hold other experts
         from graphopt.parallel.mesh import expert_mesh
 
-        mine = _all_reduce(mine, expert_mesh(mesh, plan)["ep"].get_group(), p)
+        emesh = expert_mesh(mesh, plan)
+        mine = _all_reduce(mine, emesh["ep"].get_group(), p)
+        if plan.expert_tp > 1:  # and other FFN slices of them
+            mine = _all_reduce(mine, emesh["etp"].get_group(), p)
     local = torch.maximum(local, mine) if p == float("inf") else local + mine
     if plan.pp > 1:
         local = _all_reduce(local, mesh["pp"].get_group(), p)

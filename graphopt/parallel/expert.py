@@ -17,6 +17,15 @@ Tokens and gradients (every token is dispatched exactly once in the world):
   SP, and with SP too: the replicated MoE block all-gathers its input), so with tp > 1 each
   TP rank dispatches its share of the rows (``graphopt::scatter_rows``) and the outputs are
   all-gathered back (``graphopt::gather_rows``; Megatron's scatter/gather region mappings).
+- Tensor-parallel experts (``expert_tp`` = tp > 1; Megatron-Core's expert tensor
+  parallelism with the ETP group = the TP group): EP folds over dp_shard x cp, and each TP
+  rank keeps slice t of every local expert's FFN dim (gate and up rows
+  ``[t*F/tp, (t+1)*F/tp)`` of ``gate_up_proj``'s two halves, the same columns of
+  ``down_proj``). SwiGLU is elementwise over F, so each rank's experts give a partial
+  output for all of the TP group's (identical) tokens: the input and routing weights enter
+  through ``graphopt::copy_to_group`` (backward: the partial gradients summed over TP) and
+  the combined output leaves through ``graphopt::reduce_from_group`` (forward: the sum
+  over TP). No token is split over TP then; each is computed once per FFN slice.
 - An expert's gradient on its owner is the sum over the tokens every DP rank routed to it;
   ranks holding the same experts (the ``edp`` group: dp_replicate x edp_shard) sum their
   gradients and divide by dp x cp, the dense parameters' average (CP ranks' losses carry
@@ -27,8 +36,8 @@ Tokens and gradients (every token is dispatched exactly once in the world):
   (all-reduce over edp, then / dp). Dense data parallelism ignores the expert parameters.
 
 Refused by :func:`graphopt.parallelize` with ConfigError before anything changes: no
-experts module, E not divisible by
-ep, expert layouts other than transformers' concatenated, untransposed, bias-free SwiGLU,
+experts module, E not divisible by ep, F not divisible by expert_tp, expert_tp other than
+1 or tp, expert layouts other than transformers' concatenated, untransposed, bias-free SwiGLU,
 ZeRO-1 with ep > 1 (ZeroRedundancyOptimizer would broadcast one rank's experts over ranks
 that hold others: use ZeRO-2/3 or 0).
 
@@ -37,6 +46,9 @@ Pseudo-code::
     emesh = expert_mesh(mesh, plan); r = emesh["ep"].local_rank
     for experts in model: keep rows r*E/ep .. (r+1)*E/ep of gate_up_proj, down_proj
         forward = gather_rows(moe_experts(scatter_rows(x, idx, w), local experts, ep group))
+    with expert_tp = tp: also keep FFN slice t (TP rank) of each local expert, and
+        forward = reduce_from_group(moe_experts(copy_to_group(x), idx,
+                                                copy_to_group(w), local slices, ep group))
 """
 
 from __future__ import annotations
@@ -64,7 +76,10 @@ class EPState:
     chunks: int
     split_group: str
     split: int
-    """TP degree whose ranks share the same tokens (1: none)."""
+    """TP degree whose ranks share the same tokens and split them (1: none)."""
+    etp_group: str = ""
+    etp: int = 1
+    """Tensor-parallel experts: the TP group over which each expert's FFN dim is split."""
 
 
 def find_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -78,13 +93,17 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def check_experts(path: str, module: Any, ep: int) -> None:
+def check_experts(path: str, module: Any, ep: int, expert_tp: int = 1) -> None:
     """Raise ConfigError unless ``module`` is SwiGLU experts in transformers' layout with
-    E divisible by ep."""
+    E divisible by ep and the FFN dim F divisible by expert_tp."""
     e = module.gate_up_proj.shape[0]
     if e % ep:
         raise ConfigError(f"{path}: {e} experts are not divisible by ep={ep}: choose an ep "
                           f"that divides {e}")
+    f = module.down_proj.shape[-1]
+    if f % expert_tp:
+        raise ConfigError(f"{path}: the experts' FFN dim ({f}) is not divisible by "
+                          f"expert_tp={expert_tp}: use an expert_tp that divides {f}")
     layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False,
               "has_bias": False, "has_post_expert_norm": False}
     odd = {k: getattr(module, k) for k, v in layout.items() if getattr(module, k, v) != v}
@@ -114,22 +133,46 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = 
     rpn = ranks_per_node or plan.ep
     if plan.ep % rpn:
         raise ConfigError(f"ranks_per_node ({rpn}) must divide ep ({plan.ep})")
+    etp = plan.expert_tp
+    tp_group = str(mesh["tp"].get_group().group_name) if plan.tp > 1 else ""
+    split = plan.tp if etp == 1 else 1  # ETP: every TP rank computes all of its tokens
     state = EPState(plan.ep, str(emesh["ep"].get_group().group_name), rpn, all_to_all, chunks,
-                    str(mesh["tp"].get_group().group_name) if plan.tp > 1 else "", plan.tp)
+                    tp_group if split > 1 else "", split, tp_group if etp > 1 else "", etp)
+    part = (mesh["tp"].get_local_rank(), etp)
     held = {}
     for path, module in experts.items():
         e = module.gate_up_proj.shape[0]
         per = e // plan.ep
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(module, name)
-            local = nn.Parameter(full.detach()[rank * per:(rank + 1) * per].clone(),
-                                 requires_grad=full.requires_grad)
+            local = nn.Parameter(
+                held_part(name, full.detach(), (rank * per, (rank + 1) * per), part).clone(),
+                requires_grad=full.requires_grad)
             local._graphopt_expert = True  # type: ignore[attr-defined]
             setattr(module, name, local)
         module.graphopt_ep = state  # type: ignore[assignment]
         module.forward = types.MethodType(_ep_forward, module)  # type: ignore[method-assign]
         held[path] = (rank * per, (rank + 1) * per, e)
     return held
+
+
+def held_part(name: str, full: torch.Tensor, experts: tuple[int, int],
+              ffn: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """The part of an experts parameter ``full`` (``gate_up_proj`` [E, 2F, H] or
+    ``down_proj`` [E, H, F]) a rank holds: experts ``experts`` = (start, end) on dim 0,
+    and with ``ffn`` = (t, expert_tp) slice t of the FFN dim (``gate_up_proj``: rows
+    [t*F/etp, (t+1)*F/etp) of its gate half and of its up half, concatenated as
+    transformers concatenates them; ``down_proj``: those columns). A view where it can be."""
+    out = full[experts[0]:experts[1]]
+    t, etp = ffn
+    if etp == 1:
+        return out
+    if name == "down_proj":
+        f = out.shape[2] // etp
+        return out[:, :, t * f:(t + 1) * f]
+    gate, up = out.chunk(2, dim=1)
+    f = gate.shape[1] // etp
+    return torch.cat([gate[:, t * f:(t + 1) * f], up[:, t * f:(t + 1) * f]], dim=1)
 
 
 def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -148,10 +191,18 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
         x, w, up, down = x.to(dtype), w.to(dtype), up.to(dtype), down.to(dtype)
     if st.split > 1:
         x, idx, w = (ops.scatter_rows(t, st.split_group, st.split) for t in (x, idx, w))
+    if st.etp > 1:  # partial outputs from this rank's FFN slice (module docstring). The
+        # routing weights' gradient is a sum of TP partials: taken in the wider of their
+        # dtype and the tokens' (Mixtral's float32 weights in a float64 model: each partial
+        # rounded to float32, the router's gradient was 1e-10 off, 6e-8 after 3 steps)
+        w = w.to(torch.promote_types(w.dtype, x.dtype))
+        x, w = (ops.copy_to_group(t, st.etp_group, st.etp) for t in (x, w))
     out = ops.moe_experts(x, idx, w, up, down, -1.0, st.ep, st.group,
                           st.schedule, st.chunks, st.ranks_per_node)[0]
     if st.split > 1:
         out = ops.gather_rows(out, st.split_group, st.split, rows)
+    if st.etp > 1:
+        out = ops.reduce_from_group(out, st.etp_group, st.etp)
     return out
 
 

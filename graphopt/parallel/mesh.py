@@ -76,44 +76,62 @@ def build_mesh(plan: ParallelPlan, device_type: str | None = None) -> Any:
     return mesh
 
 
-EXPERT_AXES = ("pp", "dp_replicate", "edp_shard", "ep")
+EXPERT_AXES = ("pp", "dp_replicate", "edp_shard", "ep", "etp")
 
 
 def expert_mesh(mesh: Any, plan: ParallelPlan) -> Any:
     """The MoE layers' mesh over the same ranks as ``mesh`` (MoE parallel folding,
     Megatron-Core; torchtitan's ``dp_shard_in_ep``): axes ``(pp, dp_replicate, edp_shard,
-    ep)``. The fold dp_shard x cp x tp (ranks in ``mesh``'s order, innermost fastest) is cut
-    into blocks of ``plan.ep`` consecutive ranks: an EP group; ranks at the same place in
-    different blocks hold the same experts and form ``edp_shard`` (the experts' FSDP group;
-    with dp_replicate, ``edp`` = dp_replicate x edp_shard is flattened). Built once per
-    mesh (collective: every rank calls it).
+    ep, etp)``. The fold dp_shard x cp x tp (ranks in ``mesh``'s order, innermost fastest)
+    is cut into blocks of ``plan.ep`` consecutive ranks: an EP group; ranks at the same
+    place in different blocks hold the same experts and form ``edp_shard`` (the experts'
+    FSDP group; with dp_replicate, ``edp`` = dp_replicate x edp_shard is flattened). With
+    ``expert_tp`` = tp > 1 (tensor-parallel experts) the TP group is ``etp``, each of its
+    ranks holding a slice of every local expert's FFN dim, and EP folds over dp_shard x cp
+    only; ``etp`` has size 1 otherwise. Built once per mesh (collective: every rank calls
+    it).
 
     Picture for dp_shard=2, tp=2, ep=2 on 4 ranks: EP groups [0, 1] and [2, 3] (the TP
-    groups); edp_shard groups [0, 2] and [1, 3].
+    groups); edp_shard groups [0, 2] and [1, 3]. With expert_tp=2 as well (dp_shard=2 x
+    tp=2, ep=2, expert_tp=2): EP groups [0, 2] and [1, 3], etp groups [0, 1] and [2, 3].
 
     Raises:
-        ConfigError: expert_tp > 1 (not executed yet) or ep not dividing the fold.
+        ConfigError: expert_tp other than 1 or tp (the ETP group must be the TP group,
+            whose ranks hold the same tokens), or ep not dividing the fold.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
     cached = getattr(mesh, "_graphopt_expert_mesh", None)
     if cached is not None:
         return cached
-    if plan.expert_tp > 1:
-        raise ConfigError(f"expert_tp={plan.expert_tp}: tensor-parallel experts are not built "
-                          "yet (graphopt folds EP over dp_shard x cp x tp): use expert_tp=1")
+    check_expert_tp(plan)
+    etp = plan.expert_tp
     names = mesh.mesh_dim_names
-    fold = [a for a in names if a in ("dp_shard", "cp", "tp")]
-    size = plan.dp_shard * plan.cp * plan.tp
+    fold = [a for a in names if a in ("dp_shard", "cp") + (("tp",) if etp == 1 else ())]
+    size = plan.dp_shard * plan.cp * (plan.tp if etp == 1 else 1)
     if size % plan.ep:
-        raise ConfigError(f"ep ({plan.ep}) must divide dp_shard*cp*tp ({size})")
-    order = [names.index("pp"), names.index("dp_replicate")] + [names.index(a) for a in fold]
+        raise ConfigError(f"ep ({plan.ep}) must divide "
+                          + ("dp_shard*cp*tp" if etp == 1 else "dp_shard*cp") + f" ({size})")
+    order = [names.index("pp"), names.index("dp_replicate")] + [names.index(a) for a in fold] \
+        + ([names.index("tp")] if etp > 1 else [])
     grid = mesh.mesh.permute(order).reshape(plan.pp, plan.dp_replicate, size // plan.ep,
-                                            plan.ep)
+                                            plan.ep, etp)
     experts = DeviceMesh(mesh.device_type, grid, mesh_dim_names=EXPERT_AXES)
     experts["dp_replicate", "edp_shard"]._flatten("edp")
     mesh._graphopt_expert_mesh = experts
     return experts
+
+
+def check_expert_tp(plan: ParallelPlan) -> None:
+    """Raise ConfigError unless ``plan.expert_tp`` is 1 or tp: graphopt executes
+    tensor-parallel experts over the TP group (Megatron's ETP = TP), whose ranks hold the
+    same tokens at the MoE block; other ETP groups would first all-gather tokens, which is
+    not built."""
+    if plan.expert_tp not in (1, plan.tp):
+        raise ConfigError(f"expert_tp={plan.expert_tp} with tp={plan.tp}: graphopt splits "
+                          "experts over the TP group only (expert_tp = tp, whose ranks hold "
+                          "the same tokens) or not at all: use expert_tp=1"
+                          + (f" or expert_tp={plan.tp}" if plan.tp > 1 else ""))
 
 
 def axis_group(mesh: Any, axis: str) -> Any:

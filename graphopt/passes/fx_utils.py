@@ -96,7 +96,8 @@ def is_mutating(node: fx.Node) -> bool:
 
 
 _GRAPHOPT_COMM = {"graphopt::moe_experts": 6, "graphopt::scatter_rows": 2,
-                  "graphopt::gather_rows": 2}  # op -> index of its group-size argument
+                  "graphopt::gather_rows": 2, "graphopt::copy_to_group": 2,
+                  "graphopt::reduce_from_group": 2}  # op -> index of its group-size argument
 
 
 def communicates(op: Any, args: tuple) -> bool:

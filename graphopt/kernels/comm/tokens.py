@@ -13,7 +13,14 @@ is rows ``share_bounds(T, size)[r]`` (contiguous; the first T % size ranks get o
     gather_rows(y)    forward: all-gather of the shares -> [T, ...];  backward: this rank's
                       share of the (replicated) output gradient.
 
-Both are ``torch.library`` custom ops (opaque to Dynamo, autograd registered), so graphs
+For tensor-parallel experts (each rank of the group holds a slice of every expert's FFN
+dim and computes a partial output for the same tokens)::
+
+    copy_to_group(x)      forward: x;  backward: all-reduce (sum) of the partial gradients
+    reduce_from_group(y)  forward: all-reduce (sum) of the partial outputs;  backward: the
+                          replicated gradient itself
+
+All are ``torch.library`` custom ops (opaque to Dynamo, autograd registered), so graphs
 that contain them compile. Errors: RuntimeError when the group is not initialized or its
 size is not ``size``.
 """
@@ -41,7 +48,8 @@ def share_bounds(rows: int, size: int) -> list[tuple[int, int]]:
 def _group(name: str, size: int) -> dist.ProcessGroup:
     from graphopt.distributed import group_by_name
 
-    return group_by_name(name, size, "scatter_rows/gather_rows")
+    return group_by_name(name, size, "graphopt's token ops (scatter_rows, gather_rows, "
+                         "copy_to_group, reduce_from_group)")
 
 
 @torch.library.custom_op("graphopt::scatter_rows", mutates_args=())
@@ -93,3 +101,51 @@ def _gather_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
 
 scatter_rows.register_autograd(_scatter_backward, setup_context=_scatter_setup)
 gather_rows.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# Tensor-parallel experts (graphopt.parallel.expert with expert_tp = tp): the experts' input
+# is replicated over the TP group and each rank computes a partial output from its slice of
+# the FFN dim; Megatron-LM's "copy to" / "reduce from the model-parallel region" mappings.
+
+
+@torch.library.custom_op("graphopt::copy_to_group", mutates_args=())
+def copy_to_group(x: Tensor, group: str, size: int) -> Tensor:
+    """``x`` (replicated over ``group``) itself; backward: the sum over the group of the
+    ranks' partial gradients."""
+    _group(group, size)
+    return x.clone()
+
+
+@copy_to_group.register_fake
+def _(x: Tensor, group: str, size: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("graphopt::reduce_from_group", mutates_args=())
+def reduce_from_group(x: Tensor, group: str, size: int) -> Tensor:
+    """The sum over ``group`` of the ranks' partial ``x``; backward: the (replicated)
+    gradient itself."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_group(group, size))
+    return out
+
+
+@reduce_from_group.register_fake
+def _(x: Tensor, group: str, size: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _group_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.group, ctx.size = inputs[1], inputs[2]
+
+
+def _copy_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    return reduce_from_group(grad, ctx.group, ctx.size), None, None
+
+
+def _reduce_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    return copy_to_group(grad, ctx.group, ctx.size), None, None
+
+
+copy_to_group.register_autograd(_copy_backward, setup_context=_group_setup)
+reduce_from_group.register_autograd(_reduce_backward, setup_context=_group_setup)
