@@ -39,11 +39,12 @@ observed by running the graph once on the real inputs (:func:`observe_sizes`; Me
 "tensor access pattern observed at run time"), with a report of how the decision changed.
 
 Primal inputs (parameters, user inputs) are available in the backward as they were in the
-forward, except those the graph mutates (above); an input that is another graph's activation
-(after a graph break) costs its bytes when the plan holds it only to recompute from it
-(h_p >= r_v, in the budget row: :func:`activation_inputs`). "greedy" (for very large
-graphs, or when the ILP exceeds ``time_limit``): recompute the candidates with the most bytes
-per second of recomputation whose inputs are already available, until under budget.
+forward, except those the graph mutates (above); an input that is not a parameter (after a
+graph break, another graph's activation) costs its bytes when the plan holds it only to
+recompute from it (h_p >= r_v, in the budget row: :func:`activation_inputs`). "greedy" (for
+very large graphs, or when the ILP exceeds ``time_limit``): recompute the candidates with
+the most bytes per second of recomputation whose inputs are already available, until under
+budget.
 
 The decision is applied by tagging every forward node with
 ``torch.utils.checkpoint.CheckpointPolicy`` (MUST_SAVE / MUST_RECOMPUTE) and partitioning with
@@ -62,8 +63,9 @@ Contract:
         bytes, saved bytes, solver, status); "kept" alone when the budget covers what that
         partition saves (nothing is tagged then: B, as a fraction, is a fraction of it, as
         torch's ``activation_memory_budget``); "skipped" with
-        the minimum when the budget is infeasible (every value is then saved or recomputed as
-        cheaply as the solver finds, and the report says so).
+        the least greedy finds when the budget is infeasible (every value is then saved or
+        recomputed as cheaply as greedy finds, and the report says so), or "kept" when that
+        is not below PyTorch's partition (which then runs untagged).
 """
 
 from __future__ import annotations
@@ -240,25 +242,27 @@ def split_as_partitioned(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node
 
 def activation_inputs(gm: fx.GraphModule, backward: set[fx.Node]
                       ) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(priced, read_by_backward): the joint graph's tensor inputs that are activations of
-    autograd's graph (marked by the lowering: :data:`graphopt.lowering.base.ACTIVATION_INPUT`,
-    the example input had a ``grad_fn``): after a graph break, the previous graph's outputs.
-    The backward holding one keeps it alive past its own graph's use, as PyTorch's min-cut
-    partitioner prices it (by size). ``read_by_backward``: the backward reads them
-    directly, so they are held whatever the plan (outside the budget, reported);
-    ``priced``: the others, held only when the plan recomputes a value that reads them
-    (inside the budget). Left free before, remat recomputed ``h.float()`` from a float64
-    input and held 262,144 bytes where PyTorch's partition held 131,072 (budget 65,536)
-    while it reported 0 saved. Parameters, buffers and the caller's batch (no
-    ``grad_fn``) stay free: they live on whatever the backward holds. A previous graph's
-    value without a ``grad_fn`` (a mask built before the break) is free too: a gap."""
-    from graphopt.lowering.base import ACTIVATION_INPUT
+    """(priced, read_by_backward): the joint graph's tensor inputs that are not parameters
+    (marked by the lowering: :data:`graphopt.lowering.base.NOT_A_PARAMETER`): the
+    batch, buffers, and after a graph break the previous graph's activations, which the
+    backward keeps alive if it holds them (PyTorch's min-cut partitioner prices such
+    inputs by size too). ``read_by_backward``: a backward op that depends on a tangent
+    reads them, so every partition holds them (outside the budget, reported); ``priced``:
+    the others, held when the plan recomputes a value that reads them (inside the budget).
+    An input only tangent-free backward ops read (a clamp's mask of it) is priced: the
+    min-cut computes such an op in the forward unless the input is held anyway (filed as
+    read, a plan recomputed from it and held 65,536 bytes where PyTorch's partition held
+    40,960, while reporting 0: a review). Left free before, remat recomputed ``h.float()``
+    from a float64 input and held 393,216 bytes while claiming 131,072. Parameters are
+    free: they live on anyway. ``backward``: :func:`split_as_partitioned`'s."""
+    from graphopt.lowering.base import NOT_A_PARAMETER
 
+    tangent_side = split_joint(gm)[1]
     priced: list[fx.Node] = []
     read: list[fx.Node] = []
     for p in gm.graph.find_nodes(op="placeholder"):
-        if p.meta.get(ACTIVATION_INPUT) and _bytes(p):
-            (read if any(u in backward for u in p.users) else priced).append(p)
+        if p.meta.get(NOT_A_PARAMETER) and _bytes(p) and p not in backward:
+            (read if any(u in tangent_side for u in p.users) else priced).append(p)
     return priced, read
 
 
@@ -582,9 +586,12 @@ def solve_greedy(forward: list[fx.Node], needed: list[fx.Node], times: dict[str,
         if v in saved and closure(v, plan, depth=8):
             saved.discard(v)
             recomputed |= plan
+    order = {v: i for i, v in enumerate(forward)}  # ties in graph order: the same plan on
+    # every run (set order broke them: 55,296 to 88,064 bytes for one graph, a review)
     candidates = sorted((v for v in saved if not _unsafe_to_recompute(v)
                          and user_policy(v) != "save"),
-                        key=lambda v: -_bytes(v) / max(times.get(v.name, 0.0), 1e-9))
+                        key=lambda v: (-_bytes(v) / max(times.get(v.name, 0.0), 1e-9),
+                                       order[v]))
     for v in candidates:
         before = total()
         if before <= budget:
@@ -649,6 +656,10 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
         saved, recomputed, status = solve_greedy(forward, needed, times, budget, priced)
         result = (saved, recomputed, set(), status)
     saved, recomputed, offloaded, status = result
+    for v in [v for v in saved if v.target is operator.getitem and v.args[0] in recomputed]:
+        saved.discard(v)  # a tuple element of a recomputed op comes with it (the partitioner
+        recomputed.add(v)  # ignores its MUST_SAVE; the claim counted a recomputed SDPA's
+        # logsumexp as saved: the tie-break that prefers recomputing it is below HiGHS's gap)
     held = held_inputs(priced, recomputed)
     saved_bytes = sum(_bytes(v) for v in saved) + sum(rng_state_bytes(v) for v in recomputed) \
         + sum(_bytes(p) for p in held)
@@ -764,9 +775,9 @@ class RematPass(GraphPass):
         if read:
             ctx.record("kept", "graph inputs held by the backward",
                        f"the backward reads {len(read)} graph inputs that are not parameters "
-                       f"({sum(_bytes(p) for p in read)} bytes: the batch, or a previous "
-                       "graph's activations) directly: held whatever the plan, outside the "
-                       "budget")
+                       f"({sum(_bytes(p) for p in read)} bytes: the batch, buffers, or a "
+                       "previous graph's activations) directly: held whatever the plan, "
+                       "outside the budget")
         if alone is not None and budget >= alone:
             ctx.record("kept", "saved activations",
                        f"{of}: within the budget; nothing recomputed or offloaded, PyTorch's "
@@ -792,10 +803,11 @@ class RematPass(GraphPass):
                        "no data-dependent sizes in this graph: the static plan is exact")
         if alone is not None and decision.saved_bytes > budget \
                 and decision.saved_bytes >= alone:
-            ctx.record("skipped", "saved activations",
+            ctx.record("kept", "saved activations",
                        f"{of}: over budget, and the least the solver found "
                        f"({decision.saved_bytes} bytes; solver {decision.solver}: "
-                       f"{decision.status}) is not below PyTorch's partition: that is kept")
+                       f"{decision.status}) is not below PyTorch's partition: nothing "
+                       "recomputed or offloaded, PyTorch's partition kept")
             _record_user_regions(ctx, user)
             return PassResult(original, False)
         if not (decision.recomputed or decision.offloaded or user):
@@ -840,8 +852,9 @@ class RematPass(GraphPass):
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
                    f"{decision.solver}: {decision.status}, "
                    f"{time.perf_counter() - start:.2f}s"
-                   + ((" -- budget infeasible or the ILP out of time: the minimum found is "
-                       f"{decision.saved_bytes} bytes") if over and decision.ilp_infeasible
+                   + ((" -- budget infeasible or the ILP out of time: the least greedy "
+                       f"found is {decision.saved_bytes} bytes (not proven minimal)")
+                      if over and decision.ilp_infeasible
                       else (" -- over budget: greedy's plan saves "
                             f"{decision.saved_bytes} bytes (greedy is not exhaustive; "
                             "solver 'ilp' may meet the budget)") if over else ""))
