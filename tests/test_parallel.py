@@ -416,6 +416,10 @@ def test_models_an_axis_cannot_split_and_world_mismatch_are_errors():
      r"expert_tp=1$"),
     ("mixtral", dict(dp_shard=2, tp=4, ep=2, expert_tp=2, zero_stage=3),
      r"expert_tp=2 with tp=4: .*use expert_tp=1 or expert_tp=4"),
+    # (expert_tp = tp offered only where ep divides dp_shard x cp: a review)
+    ("mixtral", dict(tp=4, ep=2, expert_tp=2, zero_stage=3), r"use expert_tp=1$"),
+    ("mixtral", dict(dp_replicate=2, tp=2, ep=2, expert_tp=2, zero_stage=3),
+     r"with tensor-parallel experts, EP over dp_shard x cp \(1\) and expert_tp over tp"),
     ("mixtral", dict(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=3, intermediate_size=127),
      r"FFN dim \(127\) is not divisible by expert_tp=2"),
     ("llama", dict(dp_shard=2, ep=2, zero_stage=3), r"ep=2 but the model has no routed-experts"),

@@ -103,7 +103,8 @@ def check_experts(path: str, module: Any, ep: int, expert_tp: int = 1) -> None:
     f = module.down_proj.shape[-1]
     if f % expert_tp:
         raise ConfigError(f"{path}: the experts' FFN dim ({f}) is not divisible by "
-                          f"expert_tp={expert_tp}: use an expert_tp that divides {f}")
+                          f"expert_tp={expert_tp}: use expert_tp=1, or a tp (= expert_tp) "
+                          f"that divides {f}")
     layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False,
               "has_bias": False, "has_post_expert_norm": False}
     odd = {k: getattr(module, k) for k, v in layout.items() if getattr(module, k, v) != v}

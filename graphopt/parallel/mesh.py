@@ -127,11 +127,18 @@ def check_expert_tp(plan: ParallelPlan) -> None:
     tensor-parallel experts over the TP group (Megatron's ETP = TP), whose ranks hold the
     same tokens at the MoE block; other ETP groups would first all-gather tokens, which is
     not built."""
+    fold = plan.dp_shard * plan.cp  # what EP folds over when expert_tp = tp
     if plan.expert_tp not in (1, plan.tp):
         raise ConfigError(f"expert_tp={plan.expert_tp} with tp={plan.tp}: graphopt splits "
                           "experts over the TP group only (expert_tp = tp, whose ranks hold "
                           "the same tokens) or not at all: use expert_tp=1"
-                          + (f" or expert_tp={plan.tp}" if plan.tp > 1 else ""))
+                          + (f" or expert_tp={plan.tp}" if plan.tp > 1 and fold % plan.ep == 0
+                             else ""))
+    if plan.expert_tp > 1 and fold % plan.ep:
+        raise ConfigError(f"expert_tp={plan.expert_tp}: with tensor-parallel experts EP folds "
+                          f"over dp_shard x cp ({fold}) only, which ep={plan.ep} does not "
+                          f"divide: use an ep that divides {fold}, or expert_tp=1 (EP then "
+                          "folds over dp_shard x cp x tp)")
 
 
 def axis_group(mesh: Any, axis: str) -> Any:

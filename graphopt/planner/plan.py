@@ -182,7 +182,10 @@ class ParallelPlan:
         fold = self.dp_shard * self.cp * self.tp
         if (self.ep * self.expert_tp) > fold or fold % (self.ep * self.expert_tp):
             out.append(f"ep ({self.ep}) x expert_tp ({self.expert_tp}) must divide "
-                       f"dp_shard*cp*tp ({fold}): MoE layers fold EP over those devices")
+                       f"dp_shard*cp*tp ({fold}): MoE layers fold EP over those devices"
+                       + (" (with tensor-parallel experts, EP over dp_shard x cp "
+                          f"({self.dp_shard * self.cp}) and expert_tp over tp)"
+                          if self.expert_tp > 1 else ""))
         if devices is not None and self.devices != devices:
             out.append(f"the degrees multiply to {self.devices} devices, the job has {devices}")
         if stages and len(stages) != self.pp:
