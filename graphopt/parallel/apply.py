@@ -18,9 +18,10 @@ rank's share of the batch gives the single-process loss and, gathered, its gradi
 - dp_replicate: with dp_shard > 1, HSDP (``fully_shard`` on the 2-D mesh
   dp_replicate x dp_shard_cp: shard inside, all-reduce across); else ``replicate``.
 - ep: each rank keeps only its experts (:mod:`graphopt.parallel.expert`: EP folded over
-  dp_shard x cp x tp, ``graphopt::moe_experts`` all-to-all dispatch/combine); dense data
-  parallelism ignores the expert parameters, whose gradients are reduced over the ranks
-  holding the same experts.
+  dp_shard x cp x tp, ``graphopt::moe_experts`` all-to-all dispatch/combine; with
+  expert_tp = tp, over dp_shard x cp, each TP rank holding a slice of every expert's FFN
+  dim); dense data parallelism ignores the expert parameters, whose gradients are reduced
+  over the ranks holding the same experts.
 - pp: decoder-layer stages run by torch.distributed.pipelining (:mod:`graphopt.parallel.
   pipeline`); the result is a PipelinedModel trained with its ``step``.
 - cp: the sequence split over CP ranks, softmax attention by Ulysses all-to-all
