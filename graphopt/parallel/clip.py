@@ -11,7 +11,9 @@ DTensor and plain gradients (TP without SP, EP with FSDP) raised.
 
 Each gradient counts once:
 - DTensor gradients (TP, FSDP2/HSDP, FSDP'd experts): the norm of the whole tensor over its
-  mesh (``torch.nn.utils.get_total_norm`` per mesh; DTensor reduces the shards).
+  mesh, from the local shards (``torch.nn.utils.get_total_norm`` of them, summed over the
+  mesh dims that shard them: DTensor's own reduction raised a KeyError on FSDP2 x TP meshes
+  with dp_shard inside tp; Partial gradients still go through DTensor).
 - EP experts (``graphopt.parallel.expert``): each EP rank holds other experts, so their
   part is summed over the EP group, and with tensor-parallel experts over the etp (TP)
   group, whose ranks hold other FFN slices (replicas over edp hold equal gradients and are
@@ -50,10 +52,39 @@ def _norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
     """The ``p``-norm of ``grads`` as a plain float64 scalar (0 for none)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
+    if hasattr(grads[0], "device_mesh") and not any(
+            pl.is_partial() for g in grads for pl in g.placements):  # type: ignore[attr-defined]
+        return _sharded_norm(grads, p)
     total = torch.nn.utils.get_total_norm(grads, norm_type=p)
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     return total.detach().to(torch.float64).cpu()
+
+
+def _sharded_norm(grads: list[Any], p: float) -> torch.Tensor:
+    """The ``p``-norm of DTensor ``grads`` (one mesh, no Partial placement) from their
+    local shards: per placement, the local norm (to the p) summed (inf: the max) over the
+    mesh dims that shard it; Replicate dims hold copies and are not summed. DTensor's own
+    reduction (torch.nn.utils.get_total_norm, then full_tensor) raised a KeyError ("Invalid
+    mesh_dim_names ('dp_shard_cp', 'tp') ... ascending order") on FSDP2 x TP meshes whose
+    dp_shard is inside tp in mesh_order (a review)."""
+    mesh = grads[0].device_mesh
+    groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(tuple(g.placements), []).append(g.to_local())
+    inf = p == float("inf")
+    parts = []
+    for placements, locals_ in groups.items():
+        local = torch.nn.utils.get_total_norm(locals_, norm_type=p).detach()
+        value = local.to(torch.float64).cpu()  # (_all_reduce moves it where the group needs)
+        value = value if inf else value.pow(p)
+        for dim, placement in enumerate(placements):
+            if not placement.is_replicate():  # Shard, _StridedShard (not a Shard in torch
+                # 2.13: FSDP2's dim-0 split after TP's; summed, or the norm came out 1/sqrt(2))
+                value = _all_reduce(value, mesh.get_group(dim), p)
+        parts.append(value if inf else value.pow(1.0 / p))  # a norm, as _combine takes
+    total = _combine(parts, p)
+    return total if inf else total.pow(1.0 / p)
 
 
 def _combine(parts: list[torch.Tensor], p: float) -> torch.Tensor:
@@ -62,10 +93,16 @@ def _combine(parts: list[torch.Tensor], p: float) -> torch.Tensor:
 
 
 def _all_reduce(value: torch.Tensor, group: Any, p: float) -> torch.Tensor:
+    """``value`` (a host scalar) summed (inf: max) over ``group``, on the device the group's
+    backend takes (NCCL / HCCL do not reduce host tensors), back on the host."""
     op = dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM
-    value = value.clone()
-    dist.all_reduce(value, op=op, group=group)
-    return value
+    try:
+        kind = dist.distributed_c10d._get_object_coll_device(group)
+    except (AttributeError, RuntimeError, ValueError):  # a torch without the helper
+        kind = value.device.type
+    out = value.to(kind).clone()
+    dist.all_reduce(out, op=op, group=group)
+    return out.to(value.device)
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
