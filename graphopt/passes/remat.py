@@ -41,7 +41,7 @@ observed by running the graph once on the real inputs (:func:`observe_sizes`; Me
 Primal inputs (parameters, user inputs) are available in the backward as they were in the
 forward, except those the graph mutates (above); an input that is not a parameter (after a
 graph break, another graph's activation) costs its bytes when the plan holds it only to
-recompute from it (h_p >= r_v, in the budget row: :func:`activation_inputs`). "greedy" (for
+recompute from it (h_p >= r_v, in the budget row: :func:`non_parameter_inputs`). "greedy" (for
 very large graphs, or when the ILP exceeds ``time_limit``): recompute the candidates with
 the most bytes per second of recomputation whose inputs are already available, until under
 budget.
@@ -240,7 +240,7 @@ def split_as_partitioned(gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node
     return forward, backward
 
 
-def activation_inputs(gm: fx.GraphModule, backward: set[fx.Node]
+def non_parameter_inputs(gm: fx.GraphModule, backward: set[fx.Node]
                       ) -> tuple[list[fx.Node], list[fx.Node]]:
     """(priced, read_by_backward): the joint graph's tensor inputs that are not parameters
     (marked by the lowering: :data:`graphopt.lowering.base.NOT_A_PARAMETER`): the
@@ -267,7 +267,7 @@ def activation_inputs(gm: fx.GraphModule, backward: set[fx.Node]
 
 
 def held_inputs(priced: list[fx.Node], recomputed: set[fx.Node]) -> list[fx.Node]:
-    """The ``priced`` inputs (:func:`activation_inputs`) the backward holds because it
+    """The ``priced`` inputs (:func:`non_parameter_inputs`) the backward holds because it
     recomputes a value that reads them."""
     return [p for p in priced if any(u in recomputed for u in p.users)]
 
@@ -389,7 +389,7 @@ def _partitioner_cse(gm: fx.GraphModule) -> fx.GraphModule:
 def _partitioner_bytes(gm: fx.GraphModule, cse_done: bool = False,
                        priced: list[fx.Node] | None = None) -> int | None:
     """Activation bytes PyTorch's min-cut partitioner saves for ``gm`` without remat's tags,
-    with the ``priced`` inputs it saves (:func:`activation_inputs`); None when the lowering
+    with the ``priced`` inputs it saves (:func:`non_parameter_inputs`); None when the lowering
     did not record its partitioner call."""
     from graphopt.lowering.base import partitioner_saved
 
@@ -440,7 +440,7 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
     """(c, constraints, integrality, bounds, index, blocks) of the MILP in the module
     docstring; ``blocks`` is 2 (save, recompute) or 4 (+ offload, priced by
     ``offload_cost``: seconds to copy the value to host memory and back, + view rebuilt on
-    an offloaded base's copy). ``inputs`` (:func:`activation_inputs`' priced ones): one
+    an offloaded base's copy). ``inputs`` (:func:`non_parameter_inputs`' priced ones): one
     more variable each after the blocks, h_p >= r_v for every v reading p, b_p in the
     budget row."""
     from scipy.optimize import Bounds, LinearConstraint
@@ -645,7 +645,7 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
     result = None
     name = solver
     infeasible = False  # proven by the ILP (greedy alone proves nothing)
-    priced, _ = activation_inputs(gm, backward)
+    priced, _ = non_parameter_inputs(gm, backward)
     if solver == "ilp":
         result = solve_ilp(forward, needed, times, budget, time_limit, offload_cost, priced)
         if result is None:
@@ -766,7 +766,7 @@ class RematPass(GraphPass):
             # partition of this graph (user checkpoint regions honored), which recomputes
             # cheap ops itself; tagging at a budget above it saved more than no remat (a
             # review: 10-26% at 1.0)
-            priced, read = activation_inputs(gm, backward)
+            priced, read = non_parameter_inputs(gm, backward)
             alone = _partitioner_bytes(gm, cse_done=gm is not original, priced=priced)
         budget = opts.resolve(keep_all if alone is None else alone)
         of = (f"budget {budget} bytes (without remat PyTorch's partitioner saves {alone}, "
