@@ -76,7 +76,6 @@ def _start(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> N
     environment variables and working directory, as a spawned one would."""
     import importlib.util
     import multiprocessing
-    import os
 
     import torch.multiprocessing as mp
 
@@ -91,8 +90,6 @@ def _start(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> N
 
 def _in_caller_context(i: int, worker: Callable[..., None], env: dict[str, str], cwd: str,
                        args: tuple[Any, ...]) -> None:
-    import os
-
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -101,8 +98,6 @@ def _in_caller_context(i: int, worker: Callable[..., None], env: dict[str, str],
 
 def _distributed_worker(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,
                         args: tuple[Any, ...]) -> None:
-    import os
-
     import torch.distributed as dist
 
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: one intra-op thread per rank
