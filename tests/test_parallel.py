@@ -483,10 +483,15 @@ def test_graphopt_compile_with_a_parallel_plan_file(tmp_path, name, sp):
 
 
 def _checkpoint_and_padding_worker(rank, world):
-    """EP under gradient checkpointing equals one process (the recomputation runs the
-    expert round trip again; its state, like the first forward's, is autograd's), and a
-    CP batch padded only in rank 1's chunk is refused on both ranks (rank 0 went on into
-    the next collective)."""
+    """EP under gradient checkpointing equals one process, with torch's checkpoint early
+    stop (its default) and without it: the recomputation runs the expert round trip again
+    (counted: a review suspected early stop skipped it, which would leave the recomputed
+    path untested); its state, like the first forward's, is autograd's. And a CP batch
+    padded only in rank 1's chunk is refused on both ranks (rank 0 went on into the next
+    collective)."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    from graphopt.kernels.comm import RoundTrip
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, parallelize
     from graphopt.parallel.context import shard_sequence
@@ -494,16 +499,34 @@ def _checkpoint_and_padding_worker(rank, world):
     torch.manual_seed(0)
     ref = build_model("mixtral", dtype=torch.float64)
     _full_precision_rmsnorm(ref)
-    model = copy.deepcopy(ref)
-    plan = ParallelPlan(dp_shard=2, ep=2, zero_stage=0)
-    parallelize(model, plan, build_mesh(plan))
-    model.gradient_checkpointing_enable()
-    model.train()
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
-    _lm_loss(model, ids.chunk(2)[rank]).backward()
     _lm_loss(ref, ids).backward()
-    grad_err = max(float((p.grad - _held(n, r.grad, model.graphopt_parallel)).abs().max())
-                   for (n, p), r in zip(model.named_parameters(), ref.parameters()))
+    grad_errs, forward_trips = [], []
+    run_trip = RoundTrip.__call__
+    for early_stop in (True, False):
+        model = copy.deepcopy(ref)
+        model.zero_grad()
+        plan = ParallelPlan(dp_shard=2, ep=2, zero_stage=0)
+        parallelize(model, plan, build_mesh(plan))
+        model.gradient_checkpointing_enable()
+        model.train()
+        trips = [0]
+
+        def counted(self, rows, compute, tag=0, trips=trips):
+            trips[0] += tag == 0 and self.size > 1
+            return run_trip(self, rows, compute, tag)
+
+        RoundTrip.__call__ = counted
+        try:
+            with set_checkpoint_early_stop(early_stop):
+                _lm_loss(model, ids.chunk(2)[rank]).backward()
+        finally:
+            RoundTrip.__call__ = run_trip
+        forward_trips.append(trips[0])
+        grad_errs.append(max(
+            float((p.grad - _held(n, r.grad, model.graphopt_parallel)).abs().max())
+            for (n, p), r in zip(model.named_parameters(), ref.parameters())))
+    layers = ref.config.num_hidden_layers
 
     cp_plan = ParallelPlan(cp=2, cp_kind="all_to_all")
     mesh = build_mesh(cp_plan)
@@ -518,12 +541,14 @@ def _checkpoint_and_padding_worker(rank, world):
         refused = ""
     except ConfigError as exc:
         refused = str(exc)
-    return grad_err, refused
+    return grad_errs, forward_trips, layers, refused
 
 
 def test_expert_parallel_checkpointing_is_exact_and_cp_padding_is_refused_everywhere():
-    for grad_err, refused in run_distributed(_checkpoint_and_padding_worker, 2):
-        assert grad_err < 1e-9, grad_err
+    for grad_errs, trips, layers, refused in run_distributed(_checkpoint_and_padding_worker,
+                                                              2):
+        assert max(grad_errs) < 1e-9, grad_errs
+        assert trips == [2 * layers] * 2, (trips, layers)  # forward + recomputation
         assert "padding mask" in refused
 
 
