@@ -17,6 +17,8 @@ Hypertron setting, and search speed.
    batch of 2048 sequences (8M tokens) are assumptions (not given in our summary of the
    paper).
 3. Search time for 2,048 and 16,384 devices (targets < 10 s and < 60 s on this 2-core CPU).
+   Tensor-parallel experts: for MoE jobs, the best plan next to the best one with
+   expert_tp = tp, side by side under the same model (``--only etp``).
 4. Megatron-Core r0.8.0 on H100 (NVIDIA/Megatron-LM README of July 2024, its weak-scaling
    table images/model_table.png: GPT 1.7B-462B, vocabulary 131,072, sequence 4096, TP/PP/DP,
    batch, TFLOP/s per GPU; DP/TP/PP communication overlapped) and torchtitan on H100
@@ -104,6 +106,34 @@ def hypertron() -> None:
         assert pred is not None
         print(f"| {name} ({model.params / 1e9:.0f}B) | 2048 x 910B | {result.best.describe()} "
               f"| {pred.mfu:.1%} | 56.7% |", flush=True)
+
+
+def expert_tp() -> None:
+    """The best plan and the best with tensor-parallel experts (expert_tp = tp), ranked in
+    one search (top 200) per job."""
+    print("\n| job | best plan | tokens/s | best expert_tp = tp plan (rank) | tokens/s | "
+          "ratio | its EP / TP / DP s vs the best's |")
+    print("|---|---|---|---|---|---|---|")
+    for name, cl, devices, batch, seq in (("mixtral-8x22b", "h100-sxm", 256, 1024, 4096),
+                                          ("mixtral-8x22b", "ascend-910b", 2048, 2048, 4096),
+                                          ("deepseek-v3", "h100-sxm", 2048, 2048, 8192)):
+        cluster = CLUSTERS[cl]
+        result = search(plan_model(name, seq, cluster), cluster, devices, batch, top_k=200)
+        best = result.best
+        etp = next((p for p in result.top if p.expert_tp > 1), None)
+        b = best.prediction
+        assert b is not None
+        if etp is None:
+            print(f"| {name}, {devices} x {cl}, batch {batch} | {best.describe()} | "
+                  f"{b.tokens_per_s:,.0f} | none in the top {len(result.top)} | | | |")
+            continue
+        e = etp.prediction
+        assert e is not None
+        parts = " / ".join(f"{e.comm_s[k]:.3g} vs {b.comm_s[k]:.3g}" for k in ("ep", "tp", "dp"))
+        print(f"| {name}, {devices} x {cl}, batch {batch} | {best.describe()} | "
+              f"{b.tokens_per_s:,.0f} | {etp.describe()} ({result.top.index(etp) + 1}) | "
+              f"{e.tokens_per_s:,.0f} | {e.tokens_per_s / b.tokens_per_s:.3f} | {parts} |",
+              flush=True)
 
 
 def speed() -> None:
@@ -254,16 +284,21 @@ def torchtitan() -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", choices=["all", "quick"], default="all")
-    parser.add_argument("--only", choices=["published"], default=None,
-                        help="only the Megatron-Core and torchtitan validation tables")
+    parser.add_argument("--only", choices=["published", "etp"], default=None,
+                        help="only the Megatron-Core and torchtitan validation tables, or "
+                             "only the tensor-parallel experts table")
     args = parser.parse_args()
     if args.only == "published":
         megatron_core()
         torchtitan()
         return
+    if args.only == "etp":
+        expert_tp()
+        return
     rows = MEGATRON_SC21_TABLE1 if args.rows == "all" else MEGATRON_SC21_TABLE1[:3]
     megatron(rows)
     hypertron()
+    expert_tp()
     speed()
     megatron_core()
     torchtitan()

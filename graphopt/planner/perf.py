@@ -17,7 +17,16 @@ memory (even stages: the first, second and last are priced; uneven: all):
              overlapped with the layer's attention except what exceeds half its time;
              all-to-all (Ulysses): 8 all-to-alls of mb*s/cp*h/tp per layer, exposed
     EP       dispatch + combine per MoE layer, forward and backward: the faster of the flat
-             and hierarchical all-to-all of graphopt.cost.moe (tokens mb*s/(cp*tp) per rank)
+             and hierarchical all-to-all of graphopt.cost.moe (tokens mb*s/(cp*tp) per rank;
+             with tensor-parallel experts, expert_tp = tp, mb*s/cp: every TP rank dispatches
+             all of its group's tokens). With tp > 1 the EP op also communicates over TP
+             (graphopt.parallel.expert): expert_tp = 1 all-gathers its rows share of the
+             output in the forward and of the input's and routing weights' gradients in the
+             backward; expert_tp = tp all-reduces the partial output in the forward and the
+             input's and routing weights' partial gradients in the backward (Megatron-LM's
+             reduce-from / copy-to region mappings). Counted per MoE layer on 4 gloo ranks
+             (dp_shard=2 x tp=2, ep=2; tests/test_planner_etp.py): the rest of a layer's TP
+             collectives are the same for both
     PP       1F1B: (m + pp - 1) slots; interleaved with v stages: m + (pp - 1)/v slots, v x the
              p2p sends (Narayanan et al. SC'21 sec. 2.2); one slot = stage compute + TP/CP/EP
              + 2 p2p of mb*s/cp*h/tp. Zero bubble (torch's ScheduleInterleavedZeroBubble,
@@ -48,7 +57,12 @@ memory (even stages: the first, second and last are priced; uneven: all):
              interleaved), /tp with SP (without SP the [b, s, h] share, 10/34 after
              Korthikanti et al. 2022, stays whole); a recomputed layer keeps only its
              input; selective checkpointing keeps what the traced policy keeps; the LM
-             head's activations on the last stage
+             head's activations on the last stage; tensor-parallel experts keep their
+             dispatched rows unsplit over TP: (1 - 1/tp) x mb*s/cp x ((2k + 1) h bytes +
+             2k int64 indices) more per MoE layer (the input, the permuted and the expert
+             output rows, k routed copies each; saved by the EP op also when the layer is
+             recomputed: it is not run again); the difference measured on 4 gloo ranks is
+             1.006x that (tests/test_planner_etp.py)
     MFU      model FLOPs (traced, no recomputation) priced at the peak FLOP/s of each op's
              dtype (the rates the layer times are bounded by) * B / (time * devices); for a
              one-dtype model, model FLOPs * B / (time * devices * peak(dtype)); at most 1
@@ -125,6 +139,48 @@ def _ep_comm(tokens: int, top_k: int, hidden: int, ffn: int, nbytes: int, ep: in
         lat = a2a_latency(MoELayerShape(tokens, top_k, hidden, ffn, nbytes), ep, cluster)
         _CACHE[key] = 2 * min(lat["flat"], lat["hierarchical"])  # forward + backward
     return _CACHE[key]
+
+
+def ep_tokens_per_rank(plan: ParallelPlan, tokens: int) -> int:
+    """Tokens one rank dispatches in EP's all-to-all when its TP group holds ``tokens`` at
+    the MoE block: its 1/tp share (expert_tp = 1 splits the rows over TP), or all of them
+    with tensor-parallel experts (every TP rank dispatches the group's tokens to its
+    slice of the experts). Measured: tests/test_planner_etp.py."""
+    return tokens if plan.expert_tp > 1 else tokens // plan.tp
+
+
+def ep_tp_collectives(plan: ParallelPlan, tokens: int, hidden: int, top_k: int,
+                      nbytes: int) -> list[tuple[str, float]]:
+    """(kind, bytes) of the collectives over TP that one MoE layer's expert-parallel op runs
+    per microbatch, forward and backward, as graphopt.parallel.expert executes it with
+    ``tokens`` tokens of ``hidden`` features at the MoE block (the TP group's: mb * s/cp),
+    ``top_k`` routed experts and ``nbytes`` bytes per element. expert_tp = 1 splits the rows
+    over TP (``graphopt::scatter_rows`` / ``gather_rows``): all-gathers of the output
+    (forward) and of the input's gradient and the routing weights' (backward); expert_tp =
+    tp (Megatron-LM's reduce-from / copy-to mappings, ``graphopt::reduce_from_group`` /
+    ``copy_to_group``): all-reduces of the partial output (forward) and of the input's and
+    routing weights' partial gradients (backward). Bytes are the gathered / reduced tensor
+    (graphopt.cost.collectives' convention). Empty without EP or TP. Measured on 4 gloo
+    ranks: tests/test_planner_etp.py."""
+    if plan.ep <= 1 or plan.tp <= 1:
+        return []
+    kind = "all_reduce" if plan.expert_tp > 1 else "all_gather"
+    rows = tokens * hidden * nbytes
+    return [(kind, rows), (kind, rows), (kind, tokens * top_k * nbytes)]
+
+
+def etp_activation_bytes(plan: ParallelPlan, tokens: int, hidden: int, top_k: int,
+                         nbytes: int) -> float:
+    """Saved-activation bytes one MoE layer holds per microbatch with tensor-parallel
+    experts beyond expert_tp = 1 (0 without them): each TP rank dispatches all ``tokens``
+    rows of its group, not its 1/tp share, so the input, the k routed copies permuted for
+    the experts and the k expert outputs ((2k + 1) rows of ``hidden`` x ``nbytes``) and two
+    int64 indices per routed copy are (1 - 1/tp) larger. The EP op saves them also when its
+    layer is recomputed (it is not run again). The difference measured on 4 gloo ranks is
+    1.006x this (tests/test_planner_etp.py)."""
+    if plan.expert_tp <= 1:
+        return 0.0
+    return (1 - 1 / plan.tp) * tokens * ((2 * top_k + 1) * hidden * nbytes + 2 * top_k * 8)
 
 
 def _split_time(gemm_s: float, split_s: float, replicated_s: float, plan: ParallelPlan,
@@ -228,8 +284,13 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         else:
             per_layer = 8 * _coll("all_to_all", act / tp, cp, cluster, plan.stride("cp"))
         cp_comm = (dense_n + moe_n) * per_layer
-    ep_comm = moe_n * _ep_comm(mb * seq // (cp * tp), model.top_k, h, model.moe_ffn, nb,
-                               plan.ep, cluster) if model.moe else 0.0
+    moe_tokens = mb * seq // cp  # tokens at a MoE block: its TP group's
+    ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
+                               model.moe_ffn, nb, plan.ep, cluster) if model.moe else 0.0
+    if model.moe and plan.ep > 1:  # the EP op's TP collectives (docstring)
+        tp_comm += moe_n * sum(
+            _coll(kind, size, tp, cluster, tp_stride) for kind, size in
+            ep_tp_collectives(plan, moe_tokens, h, model.top_k, nb))
     p2p = 2 * v * _coll("p2p", act / tp, 2, cluster, plan.stride("pp")) if pp > 1 else 0.0
     slot = compute + tp_comm + cp_comm + ep_comm + p2p
     total = m * slot + ramp * slot
@@ -290,6 +351,8 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         kept = (n_dense - (rec - rec_moe)) * a_dense + (n_moe - rec_moe) * a_moe
         kept_mb = kept * mb / cp * tp_share
         stage_act = kept_mb + rec * act / tp
+        if n_moe:
+            stage_act += n_moe * etp_activation_bytes(plan, moe_tokens, h, model.top_k, nb)
         in_flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
         acts = stage_act * in_flight
         # the backward's transient, for the microbatch being back-propagated: a recomputed

@@ -341,6 +341,8 @@ class ParallelPlan:
         """One line naming the parallel degrees and options that are not 1/off."""
         parts = [f"{a}={getattr(self, a)}" for a in ("dp_replicate", "dp_shard", "tp", "cp",
                                                       "pp", "ep") if getattr(self, a) > 1]
+        if self.expert_tp > 1:
+            parts.append(f"expert_tp={self.expert_tp}")
         if self.dp_shard > 1 or (self.cp > 1 and self.zero_stage >= 2):  # FSDP over dp x cp
             parts.append(f"ZeRO-{self.zero_stage}")
         if self.tp > 1 and self.sp:

@@ -1,6 +1,7 @@
 """Search the parallel space: every factorization of the device count over
 pp x dp_replicate x dp_shard x cp x tp (with ep folded over dp_shard x cp x tp for MoE
-models), pipeline schedule, microbatch size, ZeRO stage and recomputation, pruned by
+models, and tensor-parallel experts: expert_tp = tp with ep over dp_shard x cp),
+pipeline schedule, microbatch size, ZeRO stage and recomputation, pruned by
 divisibility and memory, scored by :func:`graphopt.planner.perf.evaluate`.
 
 When nothing is left, :func:`no_layout_reason` says which rule emptied the space and
@@ -155,6 +156,10 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
         for ep, zero, v, mb, kind in itertools.product(eps, zeros, vs, (1, 2, 4, 8), kinds):
             if (global_batch // dp) % mb:
                 continue
+            # tensor-parallel experts as graphopt.parallel executes them: expert_tp = tp,
+            # EP over dp_shard x cp, ep x tp in a node, the FFN dim divisible by tp
+            etps = [1] + [tp] * (tp > 1 and ep > 1 and (shard * cp) % ep == 0 and
+                                 node % (ep * tp) == 0 and model.moe_ffn % tp == 0)
             if zero == 1 and shard * cp > 1 and max(tp, cp, pp, ep) > 1:
                 # graphopt.parallelize runs ZeRO-1 (ZeroRedundancyOptimizer) for data
                 # parallelism alone; with TP/CP/PP/EP it runs ZeRO-2 (FSDP2 without
@@ -167,8 +172,8 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
             # the executor refuses with torch's schedule (apply.parallelize)
             schedules = ["1f1b"] if v == 1 else ["interleaved"] + \
                 (["zero_bubble"] if not (zero == 3 and shard * cp > 1) else [])
-            for layout, schedule in itertools.product(layouts if v == 1 else [()],
-                                                      schedules):
+            for layout, schedule, etp in itertools.product(layouts if v == 1 else [()],
+                                                           schedules, etps):
                 most = max(layout) if layout else per_stage
                 # recomputation: none, selective (per-op), half or all layers of a stage
                 for rec, sel in [(0, False)] + [(0, True)] * selective + \
@@ -182,7 +187,8 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                                        pp=pp,
                                        virtual_stages=v,
                                        pp_schedule=schedule,
-                                       microbatch=mb, ep=ep, recompute_layers=rec,
+                                       microbatch=mb, ep=ep, expert_tp=etp,
+                                       recompute_layers=rec,
                                        selective_recompute=sel, stage_layers=layout)
 
 
