@@ -28,6 +28,24 @@ CASES = [  # (model, overrides, plan A, plan B), 4 ranks each
     # ring CP x ZeRO-3, resumed with a ZeRO-1 optimizer (states on their owner ranks only)
     ("llama", {}, dict(cp=2, dp_shard=2, zero_stage=3), dict(dp_replicate=2, dp_shard=2,
                                                           zero_stage=1)),
+    # tensor-parallel experts (two boxes of gate_up_proj per rank: graphopt's ExpertBoxes),
+    # resumed with expert_tp=1 (ep=4 over dp_shard x tp), and the other way round
+    ("mixtral", {}, dict(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=3),
+     dict(dp_shard=2, tp=2, ep=4, zero_stage=2)),
+    ("qwen3_moe", {}, dict(dp_shard=4, ep=2, zero_stage=3),
+     dict(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=2, sp=False)),
+]
+
+
+CASES_8 = [  # tensor-parallel experts FSDP-split over edp_shard = 2 (8 ranks)
+    # on dim 0 (experts), resumed under cp=2 with tensor-parallel experts again
+    ("mixtral", {}, dict(dp_shard=4, tp=2, ep=2, expert_tp=2, zero_stage=3),
+     dict(dp_shard=2, tp=2, cp=2, ep=2, expert_tp=2, zero_stage=3)),
+    # on dim 1 (one expert per rank: FSDP splits its held rows, the gate and the up slice),
+    # resumed under FSDP x EP alone
+    ("mixtral", dict(num_local_experts=2), dict(dp_shard=4, tp=2, ep=2, expert_tp=2,
+                                                zero_stage=3),
+     dict(dp_shard=8, ep=2, zero_stage=3)),
 ]
 
 
@@ -90,8 +108,20 @@ def test_a_checkpoint_saved_under_one_plan_resumes_under_another(tmp_path):
     review). Before ModelState, the experts' checkpoint held one EP rank's experts only
     (a one-process load failed with 'Size mismatch ... [2, 64, 128] ... [4, 64, 128]', and
     a resume under the same plan gave every EP rank the first rank's experts)."""
-    run_distributed(_worker, 4, CASES, str(tmp_path))
-    for i, (name, overrides, plan_a, plan_b) in enumerate(CASES):
+    _check(tmp_path, 4, CASES)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tensor_parallel_experts_fsdp_split_checkpoints_resume_on_8_ranks(tmp_path):
+    """Tensor-parallel experts under FSDP (edp_shard = 2): each rank's boxes are FSDP's
+    local part of its held FFN slice (ExpertBoxes), split on the experts dim or on the
+    rows (then one box per rank: the gate or the up slice)."""
+    _check(tmp_path, 8, CASES_8)
+
+
+def _check(tmp_path, world, cases):
+    run_distributed(_worker, world, cases, str(tmp_path))
+    for i, (name, overrides, plan_a, plan_b) in enumerate(cases):
         for steps, tag in ((0, "0"), (1, "a"), (2, "b")):
             want = _one_process(name, overrides, steps).state_dict()
             got = _load_plain(name, overrides, f"{tmp_path}/{i}_{tag}").state_dict()

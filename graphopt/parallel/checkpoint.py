@@ -36,9 +36,17 @@ chunks it holds, DCP writes each chunk once):
 - ZeRO-1: ``ZeroRedundancyOptimizer`` keeps each parameter's states on its owner rank only;
   each rank saves its local optimizer's.
 
-Refused (ConfigError): a model graphopt did not parallelize; tensor-parallel experts
-(expert_tp > 1: each rank holds two chunks of ``gate_up_proj``, its slice of the gate half
-and of the up half, and DCP takes one chunk per rank and tensor).
+- Tensor-parallel experts (expert_tp = tp > 1): a rank holds slice t of every local
+  expert's FFN dim, in ``gate_up_proj`` [E, 2F, H] two boxes of the global tensor (rows
+  [t F/etp, (t+1) F/etp) of the gate half and the same rows of the up half), which no
+  DTensor placement describes (DTensor has one box per rank; a ``_StridedShard`` view was
+  written as overlapping chunks). They are handed to DCP as :class:`ExpertBoxes`, a tensor
+  that implements DCP's ``_Checkpointable`` protocol (``__create_write_items__``,
+  ``__create_chunk_list__``, ``__get_tensor_shard__``, as DTensor does): one write/read
+  item per box, each a view of this rank's storage; ``down_proj`` [E, H, F] is one box
+  (columns). With FSDP over edp_shard the box is FSDP's local part of the held slice.
+
+Refused (ConfigError): a model graphopt did not parallelize.
 
 Pseudo-code::
 
@@ -72,37 +80,96 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class ExpertBoxes(torch.Tensor):
+    """A global experts tensor ([E, 2F, H] ``gate_up_proj`` or [E, H, F] ``down_proj``) of
+    which this rank holds the boxes ``boxes`` = [(global offsets, view of this rank's
+    storage)], as ``torch.distributed.checkpoint`` takes it: DCP's ``_Checkpointable``
+    protocol (torch/distributed/_checkpointable.py; DTensor implements it with one box per
+    rank) with one write item per box on save and one chunk per box on load, which copies
+    into the views (the parameters, in place). A wrapper with the global shape and no data
+    of its own: any other use raises RuntimeError. Module docstring: tensor-parallel
+    experts."""
+
+    boxes: list[tuple[tuple[int, ...], torch.Tensor]]
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size,
+                boxes: list[tuple[tuple[int, ...], torch.Tensor]],
+                like: torch.Tensor) -> ExpertBoxes:
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype,
+                                                  device=like.device)
+        out.boxes = boxes
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        raise RuntimeError(f"ExpertBoxes stands for a checkpoint's experts tensor only "
+                           f"({func} called on it); use the model's parameters")
+
+    def _chunk(self, offsets: tuple[int, ...], view: torch.Tensor) -> Any:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=view.shape)
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[object]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)),
+                          type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=self._chunk(offsets, view),
+                              properties=TensorProperties.create_from_tensor(view),
+                              size=self.shape))
+                for offsets, view in self.boxes]
+
+    def __create_chunk_list__(self) -> list[object]:
+        return [self._chunk(offsets, view) for offsets, view in self.boxes]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        for offsets, view in self.boxes:
+            if torch.Size(offsets) == index.offset:
+                return view
+        raise ValueError(f"no box of {index.fqn} at {index.offset} on this rank")
+
+
 class _Experts:
-    """Views of this rank's expert tensors as DTensors of the global [E, ...] (module
-    docstring)."""
+    """Views of this rank's expert tensors as DTensors of the global [E, ...], or with
+    tensor-parallel experts as :class:`ExpertBoxes` (module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
         report = _report(model)
         self.experts: dict[str, tuple[int, int, int]] = dict(report.experts)
         self.plan, self.mesh = report.parallel_plan, report.mesh
-        if self.experts and self.plan.expert_tp > 1:
-            raise ConfigError(
-                f"checkpoints of tensor-parallel experts (expert_tp={self.plan.expert_tp}) "
-                "are not written: each TP rank holds a slice of both halves of gate_up_proj "
-                "[E, 2F, H], two chunks per rank, which torch.distributed.checkpoint cannot "
-                "describe (one chunk per rank and tensor; a strided placement was saved as "
-                "overlapping chunks). Train runs that save or resume with expert_tp=1")
+        self.ffn: tuple[int, int] = tuple(report.expert_ffn)  # type: ignore[assignment]
 
-    def owner(self, name: str) -> int | None:
-        """E (the global expert count) if ``name`` is an experts parameter, else None."""
-        for path, (_, _, e) in self.experts.items():
-            if name in (f"{path}.gate_up_proj", f"{path}.down_proj"):
-                return e
+    def owner(self, name: str) -> tuple[str, int, int] | None:
+        """(parameter name in the module: gate_up_proj | down_proj, this rank's first
+        expert, E the global expert count) if ``name`` is an experts parameter, else
+        None."""
+        for path, (start, _, e) in self.experts.items():
+            for kind in ("gate_up_proj", "down_proj"):
+                if name == f"{path}.{kind}":
+                    return kind, start, e
         return None
 
-    def global_view(self, t: torch.Tensor, e: int) -> torch.Tensor:
+    def global_view(self, t: torch.Tensor, owner: tuple[str, int, int]) -> torch.Tensor:
         """This rank's experts tensor ``t`` ([E/ep, ...], plain or an FSDP2 DTensor over
-        edp_shard) as a DTensor [E, ...] sharing its storage."""
+        edp_shard) as a DTensor [E, ...] sharing its storage, or with tensor-parallel
+        experts as :class:`ExpertBoxes`."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor.placement_types import _StridedShard
 
         from graphopt.parallel.mesh import expert_mesh
 
+        kind, start, e = owner
+        if self.ffn[1] > 1:
+            return self._boxes(t, kind, start, e)
         emesh = expert_mesh(self.mesh, self.plan)
         mesh = emesh["dp_replicate", "edp_shard", "ep"]
         ep = self.plan.ep
@@ -118,6 +185,40 @@ class _Experts:
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(_local(t), mesh, [Replicate(), fsdp, Shard(0)],
                                   run_check=False, shape=shape, stride=stride)
+
+    def _boxes(self, t: torch.Tensor, kind: str, start: int, e: int) -> ExpertBoxes:
+        """This rank's part of a tensor-parallel experts tensor as boxes of the global one:
+        its held slice (expert.held_part: experts [start, start + E/ep), FFN slice t of
+        etp), or with FSDP over edp_shard FSDP's local box of it, mapped to global
+        offsets; ``gate_up_proj``'s held rows are split at the gate/up boundary."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = _local(t)
+        if isinstance(t, DTensor):
+            sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                   t.placements)
+        else:
+            sizes, offsets = tuple(local.shape), (0,) * local.dim()
+        part, etp = self.ffn
+        held = t.shape  # the held slice [E/ep, 2F/etp, H] or [E/ep, H, F/etp]
+        boxes: list[tuple[tuple[int, ...], torch.Tensor]] = []
+        if kind == "down_proj":
+            f = held[2]
+            shape = torch.Size((e, held[1], f * etp))
+            if local.numel():
+                boxes.append(((start + offsets[0], offsets[1], part * f + offsets[2]), local))
+        else:
+            f = held[1] // 2
+            shape = torch.Size((e, 2 * f * etp, held[2]))
+            for half in (0, 1):  # rows [half f, (half + 1) f) of the held slice
+                lo, hi = max(half * f, offsets[1]), min((half + 1) * f, offsets[1] + sizes[1])
+                if lo < hi and sizes[0] and sizes[2]:
+                    view = local[:, lo - offsets[1]:hi - offsets[1]]
+                    boxes.append(((start + offsets[0],
+                                   half * f * etp + part * f + lo - half * f, offsets[2]),
+                                  view))
+        return ExpertBoxes(shape, boxes, local)
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -155,8 +256,8 @@ class ModelState:
         self._targets = {}
         for name, t in _named_tensors(self.model).items():
             self._targets[name] = t
-            e = self.experts.owner(name)
-            out[name] = self.experts.global_view(t, e) if e is not None else t
+            owner = self.experts.owner(name)
+            out[name] = self.experts.global_view(t, owner) if owner is not None else t
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -170,6 +271,8 @@ class ModelState:
             self.state_dict()
         with torch.no_grad():
             for name, target in self._targets.items():
+                if isinstance(state_dict[name], ExpertBoxes):
+                    continue  # DCP loaded into its views of the parameter
                 src, dst = _local(state_dict[name]), _local(target)
                 if src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
@@ -225,11 +328,11 @@ class OptimizerState:
             kind, rest = key.split(".", 1)
             fqn, leaf = rest.rsplit(".", 1)
             name = self._names.get(fqn, fqn)
-            e = self.experts.owner(name) if kind == "state" else None
+            owner = self.experts.owner(name) if kind == "state" else None
             new = f"{kind}.{name}.{leaf}"
             self._keys[new] = key
-            out[new] = self.experts.global_view(v, e) \
-                if e is not None and isinstance(v, torch.Tensor) and v.dim() else v
+            out[new] = self.experts.global_view(v, owner) \
+                if owner is not None and isinstance(v, torch.Tensor) and v.dim() else v
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -242,6 +345,8 @@ class OptimizerState:
         with torch.no_grad():
             for new, key in self._keys.items():
                 mine, loaded = self._own[key], state_dict[new]
+                if isinstance(loaded, ExpertBoxes):
+                    continue  # DCP loaded into its views of the state
                 if isinstance(mine, torch.Tensor):
                     src, dst = _local(loaded), _local(mine)
                     if src.data_ptr() != dst.data_ptr():
