@@ -18,14 +18,17 @@ BATCH, SEQ = 2, 64
 
 def _step_worker(rank: int, world: int) -> dict[int, tuple[dict, int, int]]:
     """For expert_tp 1 and 2: (gloo collectives of one training step by (name, shape), rows
-    sent by the all-to-alls, saved-activation bytes) on this rank, float32 Mixtral whose
+    sent by the all-to-alls, saved-activation bytes, the ranks of rank 0's EP group) on
+    this rank, float32 Mixtral whose
     router sends token i to experts i mod E and i + 1 mod E (so any run of 4 consecutive
     tokens sends half of its routed copies to the other EP rank, the uniform routing the
     planner assumes)."""
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, parallelize
+    from graphopt.parallel.mesh import expert_mesh
 
     router = type(build_model("mixtral").model.layers[0].mlp.gate)
     original = router.forward
@@ -41,7 +44,9 @@ def _step_worker(rank: int, world: int) -> dict[int, tuple[dict, int, int]]:
         torch.manual_seed(0)
         model = build_model("mixtral")
         plan = ParallelPlan(dp_shard=2, tp=2, ep=2, expert_tp=etp, zero_stage=0, sp=False)
-        parallelize(model, plan, build_mesh(plan))
+        mesh = build_mesh(plan)
+        parallelize(model, plan, mesh)
+        group = dist.get_process_group_ranks(expert_mesh(mesh, plan)["ep"].get_group())
         model.train()
         ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # warm
@@ -73,7 +78,7 @@ def _step_worker(rank: int, world: int) -> dict[int, tuple[dict, int, int]]:
                 calls[(event.name, shape)] += 1
                 if event.name == "gloo:send":
                     sent += shape[0]
-        out[etp] = (dict(calls), sent, sum(saved.values()))
+        out[etp] = (dict(calls), sent, sum(saved.values()), group)
     return out
 
 
@@ -102,7 +107,7 @@ def test_ep_op_collectives_over_tp_are_the_ones_the_planner_prices(measured):
     for per_rank in measured:
         extra = {}
         for etp in (1, 2):
-            calls, _, _ = per_rank[etp]
+            calls = per_rank[etp][0]
             plan = ParallelPlan(dp_shard=2, tp=2, ep=2, expert_tp=etp)
             want: collections.Counter = collections.Counter()
             for kind, nbytes in ep_tp_collectives(plan, tokens, hidden, top_k, 4):
@@ -186,3 +191,27 @@ def test_search_generates_tensor_parallel_experts_within_the_executors_rules():
         0.6 * one.memory_parts["params+grads+optimizer"]
     assert four.memory_parts["activations"] > one.memory_parts["activations"]
     assert "expert_tp=4" in with_etp.describe()
+
+
+def test_ep_groups_are_placed_as_the_planner_prices_them(measured):
+    """The planner's EP group (ep_group_devices) is the executor's (rank 0's group: [0, 1]
+    with expert_tp = 1, the TP pair; [0, 2] with expert_tp = 2, across dp_shard); a group
+    tp devices apart spans more nodes, and its all-to-all is priced over them (Mixtral
+    8x22B, 8-device nodes: ep=8 with expert_tp=2 and cp=2 puts 4 EP ranks per node)."""
+    from graphopt.cost.profiles import load_profile
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.perf import ep_group_devices, ep_ranks_per_node, evaluate
+
+    for etp in (1, 2):
+        plan = ParallelPlan(dp_shard=2, tp=2, ep=2, expert_tp=etp)
+        assert measured[0][etp][3] == ep_group_devices(plan), (etp, measured[0][etp][3])
+    spread = ParallelPlan(dp_shard=64, tp=2, cp=2, ep=8, expert_tp=2, zero_stage=2)
+    packed = ParallelPlan(dp_shard=64, tp=2, cp=2, ep=8, zero_stage=2)
+    assert ep_group_devices(spread) == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert ep_ranks_per_node(spread, 8) == 4 and ep_ranks_per_node(packed, 8) == 8
+    cluster = load_profile("h100-sxm")
+    model = plan_model("mixtral-8x22b", 4096, cluster)
+    # 2 x the tokens per rank (expert_tp = 2), and over two nodes: more than 2 x
+    ratio = evaluate(spread, model, cluster, 1024).comm_s["ep"] / \
+        evaluate(packed, model, cluster, 1024).comm_s["ep"]
+    assert ratio > 4, ratio

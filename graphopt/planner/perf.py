@@ -128,15 +128,49 @@ def _dp_sync(grads: float, plan: ParallelPlan, m: int, group: int, zero: int, st
                      cluster, plan.stride("dp_replicate"))
 
 
+def ep_group_devices(plan: ParallelPlan) -> list[int]:
+    """The devices of the first EP group: EP takes ``plan.ep`` consecutive ranks of its fold
+    (dp_shard x cp x tp, or dp_shard x cp with tensor-parallel experts, innermost first in
+    ``mesh_order``; graphopt.parallel.mesh.expert_mesh), so with expert_tp = tp its ranks
+    are tp devices apart. Checked against the executor's groups in
+    tests/test_planner_etp.py."""
+    fold = [a for a in plan.mesh_order if a in ("dp_shard", "cp") +
+            (("tp",) if plan.expert_tp == 1 else ()) and getattr(plan, a) > 1]
+    out = []
+    for i in range(plan.ep):
+        at, rest = 0, i
+        for axis in fold:
+            rest, coord = divmod(rest, getattr(plan, axis))
+            at += coord * plan.stride(axis)
+        out.append(at)
+    return out
+
+
+_EP_NODES: dict[tuple[object, ...], int] = {}
+
+
+def ep_ranks_per_node(plan: ParallelPlan, node: int) -> int:
+    """The most ranks of one EP group (:func:`ep_group_devices`) on one node of ``node``
+    devices: the all-to-all's intra-node share (a review priced an expert_tp = 2 EP group
+    of 8 ranks spanning 2 nodes as one node's, 4.5x too fast)."""
+    key = (plan.mesh_order, plan.dp_shard, plan.cp, plan.tp, plan.ep, plan.expert_tp, node)
+    if key not in _EP_NODES:
+        nodes = [d // node for d in ep_group_devices(plan)]
+        _EP_NODES[key] = max(nodes.count(n) for n in set(nodes))
+    return _EP_NODES[key]
+
+
 def _ep_comm(tokens: int, top_k: int, hidden: int, ffn: int, nbytes: int, ep: int,
-             cluster: ClusterProfile) -> float:
+             cluster: ClusterProfile, ranks_per_node: int) -> float:
     if ep <= 1 or tokens == 0:
         return 0.0
-    key = ("ep", tokens, top_k, hidden, ffn, nbytes, ep, cluster.levels, cluster.device.name)
+    key = ("ep", tokens, top_k, hidden, ffn, nbytes, ep, ranks_per_node, cluster.levels,
+           cluster.device.name)
     if key not in _CACHE:
         from graphopt.cost.moe import MoELayerShape, a2a_latency
 
-        lat = a2a_latency(MoELayerShape(tokens, top_k, hidden, ffn, nbytes), ep, cluster)
+        lat = a2a_latency(MoELayerShape(tokens, top_k, hidden, ffn, nbytes), ep, cluster,
+                          ranks_per_node)
         _CACHE[key] = 2 * min(lat["flat"], lat["hierarchical"])  # forward + backward
     return _CACHE[key]
 
@@ -286,7 +320,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         cp_comm = (dense_n + moe_n) * per_layer
     moe_tokens = mb * seq // cp  # tokens at a MoE block: its TP group's
     ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
-                               model.moe_ffn, nb, plan.ep, cluster) if model.moe else 0.0
+                               model.moe_ffn, nb, plan.ep, cluster,
+                               ep_ranks_per_node(plan, cluster.devices_per(0))) \
+        if model.moe and plan.ep > 1 else 0.0
     if model.moe and plan.ep > 1:  # the EP op's TP collectives (docstring)
         tp_comm += moe_n * sum(
             _coll(kind, size, tp, cluster, tp_stride) for kind, size in
