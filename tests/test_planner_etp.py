@@ -18,11 +18,11 @@ BATCH, SEQ = 2, 64
 
 def _step_worker(rank: int, world: int) -> dict[int, tuple[dict, int, int]]:
     """For expert_tp 1 and 2: (gloo collectives of one training step by (name, shape), rows
-    sent by the all-to-alls, saved-activation bytes, the ranks of rank 0's EP group) on
-    this rank, float32 Mixtral whose
-    router sends token i to experts i mod E and i + 1 mod E (so any run of 4 consecutive
-    tokens sends half of its routed copies to the other EP rank, the uniform routing the
-    planner assumes)."""
+    sent by the all-to-alls, saved-activation bytes, the ranks of rank 0's EP group, and
+    with every layer recomputed the bytes the checkpoint caches of graphopt's ops) on this
+    rank, float32 Mixtral whose router sends token i to experts i mod E and i + 1 mod E
+    (so any run of 4 consecutive tokens sends half of its routed copies to the other EP
+    rank, the uniform routing the planner assumes)."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -78,8 +78,50 @@ def _step_worker(rank: int, world: int) -> dict[int, tuple[dict, int, int]]:
                 calls[(event.name, shape)] += 1
                 if event.name == "gloo:send":
                     sent += shape[0]
-        out[etp] = (dict(calls), sent, sum(saved.values()), group)
+        out[etp] = (dict(calls), sent, sum(saved.values()), group,
+                    _recompute_cache(plan, ids))
     return out
+
+
+def _recompute_cache(plan: ParallelPlan, ids: torch.Tensor) -> int:
+    """Bytes of graphopt ops' outputs the checkpoint caches (torch's selective checkpoint
+    storage, unwrapped) after the forward of ``plan`` with every layer recomputed."""
+    import dataclasses
+
+    from torch.utils._pytree import tree_flatten
+
+    import graphopt.planner.model as plan_model
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+
+    contexts = []
+    original = plan_model.selective_checkpoint_context
+
+    def recorded(full: bool = False):
+        forward, recompute = original(full)
+        contexts.append(forward)
+        return forward, recompute
+
+    plan_model.selective_checkpoint_context = recorded
+    try:
+        model = build_model("mixtral")
+        plan = dataclasses.replace(plan, recompute_layers=model.config.num_hidden_layers)
+        parallelize(model, plan, build_mesh(plan))
+        model.train()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        cached = 0
+        for forward in contexts:
+            for key, outputs in forward.storage.items():
+                op = key[0] if isinstance(key, tuple) else key
+                if str(op).startswith("graphopt."):
+                    leaves = [getattr(x, "val", x) for x in tree_flatten(outputs)[0]]
+                    cached += sum(x.numel() * x.element_size() for x in leaves
+                                  if isinstance(x, torch.Tensor))
+        loss.backward()
+    finally:
+        plan_model.selective_checkpoint_context = original
+    assert contexts
+    return cached
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +257,20 @@ def test_ep_groups_are_placed_as_the_planner_prices_them(measured):
     ratio = evaluate(spread, model, cluster, 1024).comm_s["ep"] / \
         evaluate(packed, model, cluster, 1024).comm_s["ep"]
     assert ratio > 4, ratio
+
+
+def test_recomputed_moe_layers_hold_the_ep_ops_cache_the_planner_prices(measured):
+    """A fully recomputed MoE layer keeps what the checkpoint caches of the ops that
+    communicate (graphopt's policy: saved, not run again): the EP op's outputs and its TP
+    row split or region mappings, exactly ep_recompute_cache_bytes per layer under the
+    uniform router (and 0 without EP)."""
+    from graphopt.planner.perf import ep_recompute_cache_bytes
+
+    layers, hidden, top_k, _, ffn = _config()
+    assert ep_recompute_cache_bytes(ParallelPlan(tp=2), 128, 64, 128, 2, 4) == 0
+    for per_rank in measured:
+        for etp in (1, 2):
+            plan = ParallelPlan(dp_shard=2, tp=2, ep=2, expert_tp=etp)
+            want = layers * ep_recompute_cache_bytes(plan, BATCH * SEQ, hidden, ffn, top_k, 4)
+            assert per_rank[etp][4] > 0 and abs(per_rank[etp][4] / want - 1) < 0.02, \
+                (etp, per_rank[etp][4], want)

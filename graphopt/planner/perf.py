@@ -59,10 +59,16 @@ memory (even stages: the first, second and last are priced; uneven: all):
              input; selective checkpointing keeps what the traced policy keeps; the LM
              head's activations on the last stage; tensor-parallel experts keep their
              dispatched rows unsplit over TP: (1 - 1/tp) x mb*s/cp x ((2k + 1) h bytes +
-             2k int64 indices) more per MoE layer (the input, the permuted and the expert
-             output rows, k routed copies each; saved by the EP op also when the layer is
-             recomputed: it is not run again); the difference measured on 4 gloo ranks is
-             1.006x that (tests/test_planner_etp.py)
+             2k int64 indices) more per kept MoE layer (the input, the permuted and the
+             expert output rows, k routed copies each); the difference measured on 4 gloo
+             ranks is 1.006x that (tests/test_planner_etp.py). A recomputed MoE layer under
+             EP also holds what the checkpoint caches of the ops that communicate (saved,
+             not run again): the EP op's outputs and its TP row split or region mappings
+             (ep_recompute_cache_bytes, measured equal). graphopt's executor caches the
+             TP collectives' outputs of a recomputed layer too (T x h each) and does not
+             run them again, where Megatron-LM and torchtitan recompute them: the model
+             prices theirs (6 collectives per recomputed layer, no cache), which the
+             published tables validate
     MFU      model FLOPs (traced, no recomputation) priced at the peak FLOP/s of each op's
              dtype (the rates the layer times are bounded by) * B / (time * devices); for a
              one-dtype model, model FLOPs * B / (time * devices * peak(dtype)); at most 1
@@ -203,15 +209,41 @@ def ep_tp_collectives(plan: ParallelPlan, tokens: int, hidden: int, top_k: int,
     return [(kind, rows), (kind, rows), (kind, tokens * top_k * nbytes)]
 
 
+def ep_recompute_cache_bytes(plan: ParallelPlan, tokens: int, hidden: int, ffn: int,
+                             top_k: int, nbytes: int) -> float:
+    """Bytes a fully recomputed MoE layer still holds per microbatch under EP (0 without
+    it): graphopt's checkpoint policy saves the ops that communicate (they are not run
+    again: graphopt.planner.model.selective_checkpoint_context), so the checkpoint caches
+    their outputs. The EP op (graphopt::moe_experts) with T = :func:`ep_tokens_per_rank`
+    tokens and R = T k received rows (uniform routing): the output [T, H], the combined
+    rows [T k, H], the experts' gate/up output [R, 2F/expert_tp], their input rows [R, H]
+    and the sort [T k] int64; with TP its row split (expert_tp = 1: scatter_rows' share of
+    the input [T, H], indices [T, k] int64 and weights [T, k], gather_rows' output
+    [tokens, H]) or its region mappings (expert_tp = tp: copy_to_group's input [T, H] and
+    weights [T, k], reduce_from_group's output [T, H]). Measured equal on 2 and 4 gloo
+    ranks by reading the checkpoint's cache (tests/test_planner_etp.py)."""
+    if plan.ep <= 1:
+        return 0.0
+    t = ep_tokens_per_rank(plan, tokens)
+    rows = t * top_k
+    out = (t * hidden + rows * hidden + rows * 2 * ffn // plan.expert_tp +
+           rows * hidden) * nbytes + rows * 8
+    if plan.tp > 1 and plan.expert_tp == 1:
+        out += t * hidden * nbytes + rows * (8 + nbytes) + tokens * hidden * nbytes
+    elif plan.expert_tp > 1:
+        out += (2 * t * hidden + rows) * nbytes
+    return out
+
+
 def etp_activation_bytes(plan: ParallelPlan, tokens: int, hidden: int, top_k: int,
                          nbytes: int) -> float:
     """Saved-activation bytes one MoE layer holds per microbatch with tensor-parallel
     experts beyond expert_tp = 1 (0 without them): each TP rank dispatches all ``tokens``
     rows of its group, not its 1/tp share, so the input, the k routed copies permuted for
     the experts and the k expert outputs ((2k + 1) rows of ``hidden`` x ``nbytes``) and two
-    int64 indices per routed copy are (1 - 1/tp) larger. The EP op saves them also when its
-    layer is recomputed (it is not run again). The difference measured on 4 gloo ranks is
-    1.006x this (tests/test_planner_etp.py)."""
+    int64 indices per routed copy are (1 - 1/tp) larger (in a kept layer; a recomputed
+    one holds :func:`ep_recompute_cache_bytes`). The difference measured on 4 gloo ranks
+    is 1.006x this (tests/test_planner_etp.py)."""
     if plan.expert_tp <= 1:
         return 0.0
     return (1 - 1 / plan.tp) * tokens * ((2 * top_k + 1) * hidden * nbytes + 2 * top_k * 8)
@@ -387,8 +419,12 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         kept = (n_dense - (rec - rec_moe)) * a_dense + (n_moe - rec_moe) * a_moe
         kept_mb = kept * mb / cp * tp_share
         stage_act = kept_mb + rec * act / tp
-        if n_moe:
-            stage_act += n_moe * etp_activation_bytes(plan, moe_tokens, h, model.top_k, nb)
+        if n_moe:  # tensor-parallel experts' unsplit rows in the kept MoE layers; in
+            # the recomputed ones what the checkpoint caches of the EP op (not run again)
+            stage_act += (n_moe - rec_moe) * etp_activation_bytes(plan, moe_tokens, h,
+                                                                  model.top_k, nb)
+            stage_act += rec_moe * ep_recompute_cache_bytes(plan, moe_tokens, h,
+                                                            model.moe_ffn, model.top_k, nb)
         in_flight = min(m, pp - i) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
         acts = stage_act * in_flight
         # the backward's transient, for the microbatch being back-propagated: a recomputed
