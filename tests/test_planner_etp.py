@@ -83,9 +83,10 @@ def _step_worker(rank: int, world: int) -> dict[int, tuple[dict, int, int]]:
     return out
 
 
-def _recompute_cache(plan: ParallelPlan, ids: torch.Tensor) -> int:
-    """Bytes of graphopt ops' outputs the checkpoint caches (torch's selective checkpoint
-    storage, unwrapped) after the forward of ``plan`` with every layer recomputed."""
+def _recompute_cache(plan: ParallelPlan, ids: torch.Tensor) -> tuple[int, int]:
+    """Bytes of graphopt ops' and of functional collectives' outputs the checkpoint caches
+    (torch's selective checkpoint storage, unwrapped) after the forward of ``plan`` with
+    every layer recomputed."""
     import dataclasses
 
     from torch.utils._pytree import tree_flatten
@@ -109,19 +110,20 @@ def _recompute_cache(plan: ParallelPlan, ids: torch.Tensor) -> int:
         parallelize(model, plan, build_mesh(plan))
         model.train()
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        cached = 0
+        cached = [0, 0]
         for forward in contexts:
             for key, outputs in forward.storage.items():
-                op = key[0] if isinstance(key, tuple) else key
-                if str(op).startswith("graphopt."):
-                    leaves = [getattr(x, "val", x) for x in tree_flatten(outputs)[0]]
-                    cached += sum(x.numel() * x.element_size() for x in leaves
-                                  if isinstance(x, torch.Tensor))
+                op = str(key[0] if isinstance(key, tuple) else key)
+                leaves = [getattr(x, "val", x) for x in tree_flatten(outputs)[0]]
+                size = sum(x.numel() * x.element_size() for x in leaves
+                           if isinstance(x, torch.Tensor))
+                cached[0 if op.startswith("graphopt.") else 1] += \
+                    size if op.startswith(("graphopt.", "_c10d_functional.")) else 0
         loss.backward()
     finally:
         plan_model.selective_checkpoint_context = original
     assert contexts
-    return cached
+    return cached[0], cached[1]
 
 
 @pytest.fixture(scope="module")
@@ -260,10 +262,11 @@ def test_ep_groups_are_placed_as_the_planner_prices_them(measured):
 
 
 def test_recomputed_moe_layers_hold_the_ep_ops_cache_the_planner_prices(measured):
-    """A fully recomputed MoE layer keeps what the checkpoint caches of the ops that
-    communicate (graphopt's policy: saved, not run again): the EP op's outputs and its TP
-    row split or region mappings, exactly ep_recompute_cache_bytes per layer under the
-    uniform router (and 0 without EP)."""
+    """A fully recomputed MoE layer keeps what the checkpoint caches of graphopt's ops that
+    communicate (saved, not run again): the EP op's outputs and its TP row split or region
+    mappings, ep_recompute_cache_bytes per layer under the uniform router (and 0 without
+    EP); TP's functional collectives are run again, as the planner prices them (their
+    outputs were cached: 2 x [T, H] per layer here)."""
     from graphopt.planner.perf import ep_recompute_cache_bytes
 
     layers, hidden, top_k, _, ffn = _config()
@@ -272,5 +275,7 @@ def test_recomputed_moe_layers_hold_the_ep_ops_cache_the_planner_prices(measured
         for etp in (1, 2):
             plan = ParallelPlan(dp_shard=2, tp=2, ep=2, expert_tp=etp)
             want = layers * ep_recompute_cache_bytes(plan, BATCH * SEQ, hidden, ffn, top_k, 4)
-            assert per_rank[etp][4] > 0 and abs(per_rank[etp][4] / want - 1) < 0.02, \
-                (etp, per_rank[etp][4], want)
+            graphopt_bytes, collective_bytes = per_rank[etp][4]
+            assert graphopt_bytes > 0 and abs(graphopt_bytes / want - 1) < 0.02, \
+                (etp, graphopt_bytes, want)
+            assert collective_bytes == 0, collective_bytes

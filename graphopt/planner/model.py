@@ -129,10 +129,17 @@ _REGIONS = itertools.count(1)
 
 def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint`` applying :data:`SELECTIVE_SAVE`, or with
-    ``full`` recomputing every op (full activation recomputation). Either way ops that
-    exchange data between ranks (``graphopt.passes.fx_utils.communicates``: the
-    expert-parallel MoE op, functional collectives) are saved, not run again in the
-    backward (graphopt.normalize's checkpoint policy does the same)."""
+    ``full`` recomputing every op (full activation recomputation). Either way graphopt's
+    ops that exchange data between ranks (``graphopt.passes.fx_utils.communicates``: the
+    expert-parallel MoE op and its TP row split / region mappings) are saved, not run
+    again in the backward (graphopt.normalize's checkpoint policy does the same): a
+    recomputation would repeat the all-to-alls and the expert GEMMs. Functional
+    collectives (TP/SP's, from DTensor) are run again under ``full``, as Megatron-LM's and
+    torchtitan's full recomputation do and as graphopt.planner.perf prices it (2 more TP
+    collectives per layer, the layer's input the only activation kept; caching their
+    outputs held 2 more [T, H] tensors per recomputed layer), and saved under the
+    selective policy. Every rank recomputes the same layers, so the rerun collectives
+    match across ranks."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     from graphopt.passes.fx_utils import communicates
@@ -141,7 +148,9 @@ def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if communicates(func, args):
-            return CheckpointPolicy.MUST_SAVE
+            functional = func.namespace in ("_c10d_functional", "c10d_functional")
+            return CheckpointPolicy.PREFER_RECOMPUTE if full and functional else \
+                CheckpointPolicy.MUST_SAVE
         if full:
             return CheckpointPolicy.PREFER_RECOMPUTE
         mode = "recompute" if ctx.is_recompute else "forward"
