@@ -113,3 +113,37 @@ def test_planned_recomputation_recomputes_in_the_backward():
         assert 2 <= counts["selective"] - counts["none"] < 12, counts
         assert "recompute_layers=3 exceeds the decoder layers per pipeline rank (2 of 2)" \
             in counts["refused"]  # was clamped to the 2 layers silently (a new user)
+
+
+def _ulysses_worker(rank, world):
+    """gloo all-to-alls of one Llama step under Ulysses CP (cp=2), without and with both
+    layers fully recomputed."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh
+    from graphopt.parallel.context import shard_sequence
+
+    out = {}
+    for rec in (0, 2):
+        plan = ParallelPlan(cp=2, cp_kind="all_to_all", recompute_layers=rec)
+        mesh = build_mesh(plan)
+        model = graphopt.parallelize(build_model("llama"), plan, mesh)
+        model.train()
+        local, _ = shard_sequence(BATCH, mesh)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(input_ids=local, use_cache=False).logits.sum().backward()
+        out[rec] = collections.Counter(e.name for e in prof.events())["gloo:all_to_all"]
+    return out, model.config.num_hidden_layers
+
+
+def test_full_recomputation_runs_the_layers_functional_collectives_again():
+    """As Megatron-LM and torchtitan, and as the planner prices it: Ulysses' 8 all-to-alls
+    per layer become 12 when the layer is fully recomputed (the forward's 4 run again; they
+    had been cached, holding their outputs: graphopt.planner.model's policy keeps only
+    graphopt's own EP ops)."""
+    for counts, layers in run_distributed(_ulysses_worker, 2):
+        assert counts == {0: 8 * layers, 2: 12 * layers}, counts

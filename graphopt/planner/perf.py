@@ -15,7 +15,8 @@ memory (even stages: the first, second and last are priced; uneven: all):
              checkpointing under SP (the forward's all-gathers are recomputed)
     CP       ring: KV blocks of the local chunk passed cp-1 times forward, 2(cp-1) backward,
              overlapped with the layer's attention except what exceeds half its time;
-             all-to-all (Ulysses): 8 all-to-alls of mb*s/cp*h/tp per layer, exposed
+             all-to-all (Ulysses): 8 all-to-alls of mb*s/cp*h/tp per layer, exposed, 12 in
+             a fully recomputed layer (the forward's run again)
     EP       dispatch + combine per MoE layer, forward and backward: the faster of the flat
              and hierarchical all-to-all of graphopt.cost.moe (tokens mb*s/(cp*tp) per rank;
              with tensor-parallel experts, expert_tp = tp, mb*s/cp: every TP rank dispatches
@@ -348,7 +349,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             ring = 3 * (cp - 1) * _coll("p2p", kv, 2, cluster, plan.stride("cp"))
             per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
         else:
-            per_layer = 8 * _coll("all_to_all", act / tp, cp, cluster, plan.stride("cp"))
+            # full recomputation runs the forward's 4 again (functional collectives)
+            per_layer = (8 + 4 * rec_share) * _coll("all_to_all", act / tp, cp, cluster,
+                                                    plan.stride("cp"))
         cp_comm = (dense_n + moe_n) * per_layer
     moe_tokens = mb * seq // cp  # tokens at a MoE block: its TP group's
     ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
