@@ -182,3 +182,57 @@ def test_a_save_before_the_first_step_leaves_any_optimizer_as_it_was(tmp_path):
     for results in run_distributed(_fresh_save_worker, 2, str(tmp_path)):
         for name, err in results:
             assert err < 1e-10, (name, err)
+
+
+def _in_memory_worker(rank, world, root):
+    """Two Mixtral models with tensor-parallel experts (seeds 0 and 1, one AdamW step
+    each): model 1's ModelState / OptimizerState load model 0's state_dict() in memory;
+    then an async_save of that layout."""
+    import torch.distributed.checkpoint as dcp
+
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import ModelState, OptimizerState, build_mesh, build_optimizer
+
+    plan = ParallelPlan(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=3)
+    mesh = build_mesh(plan)
+    models, opts, states = [], [], []
+    for seed in (0, 1):
+        model = graphopt.parallelize(build_model("mixtral", torch.float64, seed=seed), plan,
+                                     mesh)
+        opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2)
+        plan_backward(model, plan, mesh)
+        opt.step()
+        models.append(model)
+        opts.append(opt)
+        states.append({"model": ModelState(model), "optimizer": OptimizerState(model, opt)})
+    for part in ("model", "optimizer"):
+        states[1][part].load_state_dict(states[0][part].state_dict())
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    err = max(float((local(a) - local(b)).abs().max())
+              for a, b in zip(models[0].parameters(), models[1].parameters()))
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = max(err, float((local(opts[0].state[a][key]) -
+                                  local(opts[1].state[b][key])).abs().max()))
+    experts = sum("experts" in n for n, _ in models[0].named_parameters())
+    try:
+        dcp.async_save(states[0], checkpoint_id=f"{root}/async").result()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return err, experts, refused
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tensor_parallel_experts_state_copies_in_memory_and_async_save_says_why_not(tmp_path):
+    """A review: loading another ModelState's state_dict() in memory skipped the experts
+    with expert_tp > 1 (0.12 left, silently); their boxes are copied now (Adam states too).
+    async_save's host staging cannot copy ExpertBoxes: the error names it and the fix."""
+    for err, experts, refused in run_distributed(_in_memory_worker, 4, str(tmp_path)):
+        assert experts and err == 0, err
+        assert "async_save" in refused and "torch.distributed.checkpoint.save" in refused, \
+            refused

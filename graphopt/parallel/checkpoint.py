@@ -104,8 +104,12 @@ class ExpertBoxes(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
-        raise RuntimeError(f"ExpertBoxes stands for a checkpoint's experts tensor only "
-                           f"({func} called on it); use the model's parameters")
+        raise RuntimeError(
+            f"ExpertBoxes stands for a checkpoint's tensor-parallel experts tensor only "
+            f"({func} called on it): torch.distributed.checkpoint's save and load take it, "
+            "other tensor operations do not (async_save's host staging among them: use "
+            "torch.distributed.checkpoint.save with expert_tp > 1); for the values use the "
+            "model's parameters")
 
     def _chunk(self, offsets: tuple[int, ...], view: torch.Tensor) -> Any:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -130,6 +134,29 @@ class ExpertBoxes(torch.Tensor):
 
     def __create_chunk_list__(self) -> list[object]:
         return [self._chunk(offsets, view) for offsets, view in self.boxes]
+
+    def copy_into(self, target: torch.Tensor) -> None:
+        """Copy these boxes into ``target``'s (the same global tensor on this rank, e.g.
+        another model's ModelState): a no-op where they are the same views (what
+        ``torch.distributed.checkpoint.load`` wrote already).
+
+        Raises:
+            ConfigError: the two hold different boxes (another layout): go through
+                torch.distributed.checkpoint, which reshards.
+        """
+        assert isinstance(target, ExpertBoxes)
+        mine = dict(target.boxes)
+        if self.shape != target.shape or sorted(dict(self.boxes)) != sorted(mine):
+            raise ConfigError(
+                f"an in-memory state of tensor-parallel experts holds other boxes of the "
+                f"[{', '.join(map(str, self.shape))}] tensor than this rank's (another plan): "
+                "save it with torch.distributed.checkpoint.save and load that, which "
+                "reshards")
+        with torch.no_grad():
+            for offsets, view in self.boxes:
+                dst = mine[offsets]
+                if view.data_ptr() != dst.data_ptr() or view.stride() != dst.stride():
+                    dst.copy_(view)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         for offsets, view in self.boxes:
@@ -271,9 +298,14 @@ class ModelState:
             self.state_dict()
         with torch.no_grad():
             for name, target in self._targets.items():
-                if isinstance(state_dict[name], ExpertBoxes):
-                    continue  # DCP loaded into its views of the parameter
-                src, dst = _local(state_dict[name]), _local(target)
+                loaded = state_dict[name]
+                if isinstance(loaded, ExpertBoxes):  # a no-op after DCP's load (it wrote
+                    # into these views); another model's state is copied
+                    owner = self.experts.owner(name)
+                    assert owner is not None
+                    loaded.copy_into(self.experts.global_view(target, owner))
+                    continue
+                src, dst = _local(loaded), _local(target)
                 if src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
 
@@ -345,8 +377,11 @@ class OptimizerState:
         with torch.no_grad():
             for new, key in self._keys.items():
                 mine, loaded = self._own[key], state_dict[new]
-                if isinstance(loaded, ExpertBoxes):
-                    continue  # DCP loaded into its views of the state
+                if isinstance(loaded, ExpertBoxes):  # as ModelState.load_state_dict
+                    owner = self.experts.owner(new.split(".", 1)[1].rsplit(".", 1)[0])
+                    assert owner is not None and isinstance(mine, torch.Tensor)
+                    loaded.copy_into(self.experts.global_view(mine, owner))
+                    continue
                 if isinstance(mine, torch.Tensor):
                     src, dst = _local(loaded), _local(mine)
                     if src.data_ptr() != dst.data_ptr():

@@ -14,7 +14,9 @@ memory (even stages: the first, second and last are priced; uneven: all):
              6 with recomputation (Megatron-LM SC'21 sec. 3) or with selective
              checkpointing under SP (the forward's all-gathers are recomputed)
     CP       ring: KV blocks of the local chunk passed cp-1 times forward, 2(cp-1) backward,
-             overlapped with the layer's attention except what exceeds half its time;
+             and the forward's once more in a recomputed or selectively checkpointed layer
+             (ring attention's exchange is not a saved op), overlapped with the layer's
+             attention except what exceeds half its time;
              all-to-all (Ulysses): 8 all-to-alls of mb*s/cp*h/tp per layer, exposed, 12 in
              a fully recomputed layer (the forward's run again)
     EP       dispatch + combine per MoE layer, forward and backward: the faster of the flat
@@ -65,11 +67,10 @@ memory (even stages: the first, second and last are priced; uneven: all):
              ranks is 1.006x that (tests/test_planner_etp.py). A recomputed MoE layer under
              EP also holds what the checkpoint caches of the ops that communicate (saved,
              not run again): the EP op's outputs and its TP row split or region mappings
-             (ep_recompute_cache_bytes, measured equal). graphopt's executor caches the
-             TP collectives' outputs of a recomputed layer too (T x h each) and does not
-             run them again, where Megatron-LM and torchtitan recompute them: the model
-             prices theirs (6 collectives per recomputed layer, no cache), which the
-             published tables validate
+             (ep_recompute_cache_bytes, measured 1.0003x). TP/SP's collectives of a fully
+             recomputed layer run again (6 per layer, nothing cached), as in Megatron-LM
+             and torchtitan, whose published tables validate this model, and in graphopt's
+             executor (graphopt.planner.model.selective_checkpoint_context)
     MFU      model FLOPs (traced, no recomputation) priced at the peak FLOP/s of each op's
              dtype (the rates the layer times are bounded by) * B / (time * devices); for a
              one-dtype model, model FLOPs * B / (time * devices * peak(dtype)); at most 1
@@ -346,7 +347,8 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     if cp > 1:
         kv = 2 * mb * seq // cp * model.kv_heads * (h // model.heads) * nb / tp
         if plan.cp_kind == "ring":
-            ring = 3 * (cp - 1) * _coll("p2p", kv, 2, cluster, plan.stride("cp"))
+            rerun = rec_share + (1 - rec_share) * plan.selective_recompute
+            ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, plan.stride("cp"))
             per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
         else:
             # full recomputation runs the forward's 4 again (functional collectives)
