@@ -891,3 +891,18 @@ def test_a_forward_of_more_sequences_than_the_plans_microbatch_warns_once():
     for seen in run_distributed(_microbatch_worker, 2):
         assert [len(s) for s in seen] == [0, 1, 0, 0], seen
         assert "got 2 sequences, the plan's microbatch is 1" in seen[1][0]
+
+
+def test_experts_fsdp_split_that_fsdp2_cannot_do_is_refused_up_front():
+    """FSDP2 splits a rank's experts on dim 0 when edp_shard divides their count, else on
+    dim 1, which it cannot split unevenly: torch raised NotImplementedError from inside
+    parallelize (a review, 12 ranks with tensor-parallel experts). Refused up front now."""
+    from graphopt.models import build_model
+    from graphopt.parallel.expert import check_experts, find_experts, fsdp_dim
+
+    (path, experts), = list(find_experts(build_model("mixtral")).items())[:1]
+    check_experts(path, experts, 2, 1, edp_shard=2)  # 2 local experts over 2: dim 0
+    assert fsdp_dim({"gate_up_proj": (1, 256, 64), "down_proj": (1, 64, 128)}, 2) == 1
+    with pytest.raises(ConfigError, match=r"edp_shard=3 .* dim 1, which 3 does not divide "
+                                          r"\(gate_up_proj \[2, 256, 64\], down_proj"):
+        check_experts(path, experts, 2, 1, edp_shard=3)

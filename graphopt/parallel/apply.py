@@ -208,8 +208,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "(parameters gate_up_proj [E, 2F, H], down_proj [E, H, F]): "
                               "use ep=1")
         check_expert_tp(plan)
+        # FSDP shards the experts over edp_shard where it shards the dense parameters
+        edp = plan.dp_shard * plan.cp * plan.tp // (plan.ep * plan.expert_tp) \
+            if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 else 1
         for path, module in found.items():
-            check_experts(path, module, plan.ep, plan.expert_tp)
+            check_experts(path, module, plan.ep, plan.expert_tp, edp)
         if plan.zero_stage == 1 and plan.dp_shard > 1:
             raise ConfigError("ZeRO-1 with ep > 1 is not executed (ZeroRedundancyOptimizer "
                               "would broadcast one rank's experts over ranks holding others): "

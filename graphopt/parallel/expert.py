@@ -93,9 +93,11 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def check_experts(path: str, module: Any, ep: int, expert_tp: int = 1) -> None:
+def check_experts(path: str, module: Any, ep: int, expert_tp: int = 1,
+                  edp_shard: int = 1) -> None:
     """Raise ConfigError unless ``module`` is SwiGLU experts in transformers' layout with
-    E divisible by ep and the FFN dim F divisible by expert_tp."""
+    E divisible by ep, the FFN dim F divisible by expert_tp, and (``edp_shard`` > 1: FSDP
+    over the experts' data-parallel ranks) a rank's part splittable by :func:`fsdp_dim`."""
     e = module.gate_up_proj.shape[0]
     if e % ep:
         raise ConfigError(f"{path}: {e} experts are not divisible by ep={ep}: choose an ep "
@@ -105,6 +107,10 @@ def check_experts(path: str, module: Any, ep: int, expert_tp: int = 1) -> None:
         raise ConfigError(f"{path}: the experts' FFN dim ({f}) is not divisible by "
                           f"expert_tp={expert_tp}: use expert_tp=1, or a tp (= expert_tp) "
                           f"that divides {f}")
+    if edp_shard > 1:
+        e_local, h = e // ep, module.down_proj.shape[1]
+        fsdp_dim({"gate_up_proj": (e_local, 2 * f // expert_tp, h),
+                  "down_proj": (e_local, h, f // expert_tp)}, edp_shard)
     layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False,
               "has_bias": False, "has_post_expert_norm": False}
     odd = {k: getattr(module, k) for k, v in layout.items() if getattr(module, k, v) != v}
@@ -219,6 +225,28 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "_graphopt_expert", False)]
 
 
+def fsdp_dim(shapes: dict[str, tuple[int, ...]], edp_shard: int) -> int:
+    """The dim FSDP2 splits this rank's experts tensors (``shapes``: gate_up_proj
+    [E/ep, 2F/expert_tp, H], down_proj [E/ep, H, F/expert_tp]) on over ``edp_shard`` ranks:
+    0 (the local experts) when edp_shard divides their count, else 1 (inside each expert).
+
+    Raises:
+        ConfigError: edp_shard divides neither (FSDP2 splits only dim 0 unevenly: torch
+            raised NotImplementedError from inside parallelize, found by a review).
+    """
+    if shapes["gate_up_proj"][0] % edp_shard == 0:
+        return 0
+    uneven = [f"{n} {list(s)}" for n, s in shapes.items() if s[1] % edp_shard]
+    if uneven:
+        raise ConfigError(
+            f"FSDP of the experts over edp_shard={edp_shard} (dp_shard*cp*tp / "
+            f"(ep*expert_tp)) splits this rank's {shapes['gate_up_proj'][0]} expert(s) "
+            f"inside, on dim 1, which {edp_shard} does not divide ({', '.join(uneven)}): use "
+            "a plan whose edp_shard divides the local experts (E/ep) or those dims (a "
+            "larger ep, or expert_tp = tp), or zero_stage 0/1")
+    return 1
+
+
 def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: bool,
                         dtype: torch.dtype | None = None) -> str:
     """Make expert gradients the average over dp of the per-DP-rank gradients (module
@@ -238,10 +266,10 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
         fs_mesh = emesh["dp_replicate", "edp_shard"] if plan.dp_replicate > 1 \
             else emesh["edp_shard"]
         for module in find_experts(model).values():
-            local = int(module.gate_up_proj.shape[0])  # type: ignore[index]
-            dim = 0 if local % edp_shard == 0 else 1  # fewer local experts than shards:
+            dim = fsdp_dim({n: tuple(getattr(module, n).shape)
+                            for n in ("gate_up_proj", "down_proj")}, edp_shard)
             fully_shard(module, mesh=fs_mesh, reshard_after_forward=plan.zero_stage == 3,
-                        shard_placement_fn=_shard_on(dim),  # split inside them
+                        shard_placement_fn=_shard_on(dim),
                         **_mp_policy(dtype))
             module.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
             if dist.get_backend(fs_mesh.get_group(0)) == "gloo":  # no PREMUL_SUM in gloo:
