@@ -2,6 +2,7 @@
 roofline, and vs transformers' MiniMax block loop; saved-for-backward bytes.
 
     python benchmarks/lightning_attention.py [--seqs 256 1024 4096 16384 32768] [--reps 3]
+    python benchmarks/lightning_attention.py --only subsets   # gradients of some inputs
 
 Shapes: B=1, H=8, D=Dv=64, float32 (the issue's). Every ratio compares numbers measured in
 this run (medians of --reps after one warm-up).
@@ -61,6 +62,26 @@ def bench_vs_sdpa(seqs: list[int], reps: int, peak: float) -> None:
         print(f"| {s} | {t_sdpa * 1e3:.1f} | {t_la * 1e3:.1f} | {t_sdpa / t_la:.2f}x | "
               f"{t_sdpa_t * 1e3:.1f} | {t_la_t * 1e3:.1f} | {t_sdpa_t / t_la_t:.2f}x | "
               f"{gflops:.0f} | {gflops / peak:.0%} |", flush=True)
+
+
+def bench_subsets(seqs: list[int], reps: int) -> None:
+    """fwd+bwd when only some inputs need gradients (the backward skips the rest: no
+    reverse state scan without k/v, no dQ without q) vs all of q, k, v, side by side."""
+    b, h, d = 1, 8, 64
+    print("\n| S | q, k, v ms | q only ms | speedup | k, v only ms | speedup |")
+    print("|---|---|---|---|---|---|")
+    for s in seqs:
+        base = [torch.randn(b, h, s, d) for _ in range(3)]
+        slope = torch.rand(h) * 0.1
+        go = torch.randn(b, h, s, d)
+        times = []
+        for needs in ("qkv", "q", "kv"):
+            q, k, v = (x.clone().requires_grad_(n in needs) for n, x in zip("qkv", base))
+            times.append(median_time(
+                lambda q=q, k=k, v=v: lightning_attention(q, k, v, slope).backward(go), reps))
+        print(f"| {s} | {times[0] * 1e3:.1f} | {times[1] * 1e3:.1f} | "
+              f"{times[0] / times[1]:.2f}x | {times[2] * 1e3:.1f} | {times[0] / times[2]:.2f}x |",
+              flush=True)
 
 
 def minimax_layer(hidden: int = 512, heads: int = 8) -> torch.nn.Module:
@@ -139,7 +160,12 @@ def main() -> None:
                                                                    32768])
     parser.add_argument("--minimax-seqs", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", choices=["subsets"], default=None,
+                        help="only the table of gradients of some inputs")
     args = parser.parse_args()
+    if args.only == "subsets":
+        bench_subsets([1024, 4096, 16384], args.reps)
+        return
     peak = matmul_gflops(args.reps)
     ceiling = bmm_ceiling_gflops(args.reps, batch=8 * 16384 // 64)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; fp32 2048^3 matmul: "

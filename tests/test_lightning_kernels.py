@@ -380,3 +380,39 @@ def test_an_empty_batch_runs_forward_and_backward():
         o = lightning_attention(q, k, v, slope, impl="chunked")
         o.sum().backward()
         assert o.shape == shape and q.grad.shape == shape and slope.grad.shape == slope.shape
+
+
+@pytest.mark.parametrize("needs", [("q",), ("k", "v"), ("k",), ("v",), ("h0",), ("q", "h0"),
+                                   ("q", "slope")])
+def test_gradients_of_some_inputs_skip_the_others_and_stay_exact(needs, monkeypatch):
+    """Only the inputs in ``needs`` require grad: the backward is told (need_q / need_kv:
+    k, v or the initial state), skips the rest (no reverse state scan without need_kv) and
+    the gradients it returns equal the float64 reference's."""
+    import graphopt.kernels.lightning.op as op
+
+    seen = []
+    original = op.chunked_backward
+
+    def recorded(*args, **kwargs):
+        seen.append(args[-2:])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(op, "chunked_backward", recorded)
+    q, k, v, slope, h0 = _inputs(2, 2, 1, 150, 8, 12, torch.float64, seed=3, init=True)
+    named = dict(q=q, k=k, v=v, slope=slope, h0=h0)
+    for name, x in named.items():
+        x.requires_grad_(name in needs)
+    o, st_ = lightning_attention(q, k, v, slope, initial_state=h0, output_final_state=True,
+                                 impl="chunked", block_size=16, checkpoint_every=2)
+    refs = {n: x.detach().clone().requires_grad_(n in needs) for n, x in named.items()}
+    o_r, st_r = lightning_attention_reference(refs["q"], refs["k"], refs["v"], refs["slope"],
+                                              1.0, refs["h0"])
+    gen = torch.Generator().manual_seed(1)
+    go = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    gs = torch.randn(st_.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((o * go).sum() + (st_ * gs).sum(), [named[n] for n in needs])
+    want = torch.autograd.grad((o_r * go).sum() + (st_r * gs).sum(), [refs[n] for n in needs])
+    for name, g, w in zip(needs, got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9,
+                                   msg=lambda m, n=name: f"d{n}: {m}")
+    assert seen == [("q" in needs, bool({"k", "v", "h0"} & set(needs)))], seen

@@ -49,6 +49,35 @@ run(1, 1, 1, 5, 16, 16, 16, True, 3)       # shorter than one block
 run(1, 2, 1, 70, 80, 72, 16, True, 4)      # D, Dv over one 64-wide tile: 2 x 2 tiles, 5 chunks
 run(2, 4, 2, 20, 16, 16, 16, False, 6)     # GQA groups of 2 read in the kernels (h // 2)
 
+# Gradients of some inputs only: the dQ or the dK/dV launches are skipped (need_q /
+# need_kv), the gradients asked for equal the reference's.
+def subset(needs):
+    gen = torch.Generator().manual_seed(7)
+    named = dict(q=torch.randn(1, 2, 40, 16, generator=gen),
+                 k=torch.randn(1, 1, 40, 16, generator=gen),
+                 v=torch.randn(1, 1, 40, 16, generator=gen),
+                 slope=torch.rand(2, generator=gen) * 0.5,
+                 h0=torch.randn(1, 2, 16, 16, generator=gen))
+    for n, x in named.items():
+        x.requires_grad_(n in needs)
+    o, st = lightning_attention(named["q"], named["k"], named["v"], named["slope"],
+                                scale=0.5, initial_state=named["h0"], output_final_state=True,
+                                impl="triton", block_size=16)
+    refs = {n: x.detach().double().requires_grad_(n in needs) for n, x in named.items()}
+    o_r, st_r = lightning_attention_reference(refs["q"], refs["k"], refs["v"], refs["slope"],
+                                              0.5, refs["h0"])
+    go, gs = torch.randn(o.shape, generator=gen), torch.randn(st.shape, generator=gen)
+    got = torch.autograd.grad((o * go).sum() + (st * gs).sum(), [named[n] for n in needs])
+    want = torch.autograd.grad((o_r * go.double()).sum() + (st_r * gs.double()).sum(),
+                               [refs[n] for n in needs])
+    for n, g, w in zip(needs, got, want):
+        m = max(1.0, float(w.abs().max()))
+        torch.testing.assert_close(g.double() / m, w / m, rtol=1e-4, atol=1e-4,
+                                   msg=lambda x, n=n: f"subset {needs}: d{n}: {x}")
+
+for needs in (("q",), ("k", "v"), ("h0",), ("q", "slope")):
+    subset(needs)
+
 # Packed variable-length sequences in one launch per kernel (GQA, one initial state per
 # sequence, a sequence shorter than a chunk, one of several chunks with a tail): outputs,
 # final states and every gradient equal separate reference calls.

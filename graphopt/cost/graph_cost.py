@@ -84,7 +84,9 @@ def _lightning_fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state
 
 def _lightning_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: Any,
                    scale: Any, checkpoints: Any, block_size: Any, checkpoint_every: Any,
-                   need_slope_grad: Any, impl: Any, *, out_shape: Any = None, **_: Any) -> Any:
+                   need_slope_grad: Any, impl: Any, *_: Any, out_shape: Any = None,
+                   **__: Any) -> Any:
+    """The whole backward, also where need_q / need_kv skip part of it (an upper bound)."""
     b, hq, s, d = q
     return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
 

@@ -171,11 +171,14 @@ def chunked_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float
 
 def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
                      v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
-                     block_size: int, checkpoint_every: int, need_slope_grad: bool
+                     block_size: int, checkpoint_every: int, need_slope_grad: bool,
+                     need_q: bool = True, need_kv: bool = True
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Gradients (dq, dk, dv, dslope or None, d initial_state) of (2)-(3), see module doc.
 
-    Shapes as in :func:`chunked_forward`; results in the accumulation dtype.
+    Shapes as in :func:`chunked_forward`; results in the accumulation dtype. ``need_q`` /
+    ``need_kv`` False: dq, resp. dk, dv and d initial_state are zeros, not computed (no
+    reverse state scan, no dK/dV products), unless ``need_slope_grad``, which reads both.
     """
     bsz, heads, seq, d = q.shape
     dv_dim = v.shape[-1]
@@ -183,7 +186,12 @@ def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Te
     qf, kf, vf, d_state = setup.qf, setup.kf, setup.vf, setup.state
     acc = d_state.dtype
     go = grad_o.to(acc)
-    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    want_q, want_kv = need_q or need_slope_grad, need_kv or need_slope_grad
+    dq = torch.empty_like(qf) if want_q else torch.zeros_like(qf)
+    dk, dv = (torch.empty_like(kf), torch.empty_like(vf)) if want_kv else \
+        (torch.zeros_like(kf), torch.zeros_like(vf))
+    if not want_kv:
+        d_state = torch.zeros_like(d_state)
     dslope = torch.zeros(heads, dtype=acc, device=q.device) if need_slope_grad else None
     segments = setup.segments
     for seg_index in range(len(segments) - 1, -1, -1):
@@ -198,6 +206,12 @@ def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Te
         kbb = kb * b
         kv = kbb.transpose(-1, -2) @ vb
         prev, _ = _scan_states(kv, lam, checkpoints[:, :, seg_index])
+        dov_m = (gob @ vb.transpose(-1, -2)).mul_(m)  # (dO V^T) * M [B, H, n, L, L]
+        if want_q:
+            dsp = gob @ prev.transpose(-1, -2)  # dO S_prev^T [B, H, n, L, D]
+            dq[:, :, sl] = (dov_m @ kb).add_(dsp * a).reshape(bsz, heads, -1, d)
+        if not want_kv:
+            continue
         qa = qb * a
         qdo = qa.transpose(-1, -2) @ gob  # [B, H, n, D, Dv]
         nexts = []
@@ -205,11 +219,8 @@ def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Te
             nexts.append(d_state)
             d_state = lam * d_state + qdo[:, :, i]
         d_next = torch.stack(nexts[::-1], dim=2)
-        dov_m = (gob @ vb.transpose(-1, -2)).mul_(m)  # (dO V^T) * M [B, H, n, L, L]
         qk = qb @ kb.transpose(-1, -2)
-        dsp = gob @ prev.transpose(-1, -2)  # dO S_prev^T [B, H, n, L, D]
         vds = vb @ d_next.transpose(-1, -2)  # V dS_next^T [B, H, n, L, D]
-        dq[:, :, sl] = (dov_m @ kb).add_(dsp * a).reshape(bsz, heads, -1, d)
         dk[:, :, sl] = (dov_m.transpose(-1, -2) @ qb).add_(vds * b).reshape(bsz, heads, -1, d)
         qkm = qk * m if dslope is not None else qk.mul_(m)
         dv[:, :, sl] = (qkm.transpose(-1, -2) @ gob).add_(kbb @ d_next).reshape(

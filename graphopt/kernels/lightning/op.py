@@ -171,7 +171,13 @@ def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
 def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
                             v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
                             block_size: int, checkpoint_every: int, need_slope_grad: bool,
-                            impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            impl: str, need_q: bool = True, need_kv: bool = True
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dslope, d initial_state) of ``lightning_attention_fwd`` in
+    the inputs' shapes and dtypes. ``need_q`` / ``need_kv`` False (q, resp. k, v and the
+    initial state, need no gradient): that part is not computed and returned as zeros
+    (the chunked path skips the reverse state scan and the dK/dV products, Triton its dQ
+    or dK/dV launches), unless ``need_slope_grad``, which reads both."""
     b, hq, _, d = q.shape
     if b * hq == 0:  # an empty batch or no heads: nothing flows back
         zeros = q.new_zeros(b, hq, d, v.shape[-1], dtype=acc_dtype(q.dtype))
@@ -182,10 +188,11 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
     kk, vv = _kernel_kv(k, v, hq, impl)
     if impl == "triton":
         grads = triton_backward(grad_o, grad_state, q, kk, vv, slope, scale, checkpoints,
-                                block_size, need_slope_grad)
+                                block_size, need_slope_grad, need_q, need_kv)
     else:
         grads = chunked_backward(grad_o, grad_state, q, kk, vv, slope, scale, checkpoints,
-                                 block_size, checkpoint_every, need_slope_grad)
+                                 block_size, checkpoint_every, need_slope_grad, need_q,
+                                 need_kv)
     return _input_grads(grads, q, k, v, slope)
 
 
@@ -212,8 +219,8 @@ def _input_grads(grads: tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor], q:
 @lightning_attention_bwd.register_fake
 def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
       slope: Tensor, scale: float, checkpoints: Tensor, block_size: int,
-      checkpoint_every: int, need_slope_grad: bool, impl: str
-      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+      checkpoint_every: int, need_slope_grad: bool, impl: str, need_q: bool = True,
+      need_kv: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     b, hq, _, d = q.shape
     acc = acc_dtype(q.dtype)
     # Contiguous, as the real implementation returns them (not the inputs' strides: q/k/v
@@ -239,7 +246,8 @@ def _backward(ctx: Any, grad_o: Tensor | None,
     need = ctx.needs_input_grad
     dq, dk, dv, dslope, dstate = lightning_attention_bwd(
         grad_o, grad_state, q, k, v, slope, ctx.scale, ckpt, ctx.block_size,
-        ctx.checkpoint_every, bool(need[3]), ctx.impl)
+        ctx.checkpoint_every, bool(need[3]), ctx.impl, bool(need[0]),
+        bool(need[1] or need[2] or (ctx.has_initial_state and need[5])))
     return (dq, dk, dv, dslope if need[3] else None, None,
             dstate if ctx.has_initial_state else None, None, None, None)
 

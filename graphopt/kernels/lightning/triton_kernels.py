@@ -581,10 +581,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
 
 def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
               slope: Tensor, scale: float, initial: Tensor | None, block_size: int,
-              cu_seqlens: Tensor | None, need_slope_grad: bool
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+              cu_seqlens: Tensor | None, need_slope_grad: bool, need_q: bool = True,
+              need_kv: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Gradients from the initial states [N, H, D, Dv] (the chunk states are recomputed by
-    the forward's two parallel launches: selective rematerialization)."""
+    the forward's two parallel launches: selective rematerialization). ``need_q`` /
+    ``need_kv`` False: the dQ, resp. dK and dV, launches are skipped (zeros returned)
+    unless ``need_slope_grad`` (its parts come from the dQ and dK launches)."""
     b, h, seq, d = q.shape
     dv = v.shape[-1]
     t = _tiles(d, dv, block_size)
@@ -603,26 +605,33 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
     _run_scan(dsend, slope_f, dht, dh0, g, seq, d, dv, t, grad_state is not None, True)
-    dq = torch.empty(b, h, seq, d, dtype=_out_dtype(q), device=q.device)
+    want_q, want_kv = need_q or need_slope_grad, need_kv or need_slope_grad
+    new = torch.empty if want_q else torch.zeros
+    dq = new(b, h, seq, d, dtype=_out_dtype(q), device=q.device)
     # dK, dV in K/V's heads: each program sums its GQA group's query heads.
-    dk = torch.empty(b, h // group, seq, d, dtype=_out_dtype(q), device=q.device)
-    dvv = torch.empty(b, h // group, seq, dv, dtype=_out_dtype(q), device=q.device)
+    new = torch.empty if want_kv else torch.zeros
+    dk = new(b, h // group, seq, d, dtype=_out_dtype(q), device=q.device)
+    dvv = new(b, h // group, seq, dv, dtype=_out_dtype(q), device=q.device)
     # dslope parts per (program, D tile): room for the narrowest D tile (16), zeros where a
     # wider tuned tile leaves slots unused (zeroed again by the autotuner), so BK is tuned
     # too.
     nk = triton.cdiv(d, 16)
     parts = torch.zeros(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
     for grad_k, part in ((True, parts[0]), (False, parts[1])):
+        if not (want_kv if grad_k else want_q):
+            continue
         heads = h // group if grad_k else h  # dK: per K/V head
         _launch(_chunk_dqdk, lambda m, heads=heads: (  # type: ignore[misc]
                     g.slots * t["R"], heads, triton.cdiv(d, m["BK"])),
                 (q_, k_, v_, go, slope_f, states, dsend, dq, dk, part, g.cu, g.table, seq, h,
                  group, g.n_per, nk, float(scale)), t, ("BK", "BV"), ("DSLOPE",), D=d,
                 DV=dv, GRAD_K=grad_k, LOWP=_lowp(q.dtype), VARLEN=g.varlen)
-    _launch(_chunk_out, lambda m: (g.slots * t["R"], h // group, triton.cdiv(dv, m["BV"])),
-            (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
-             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True, LOWP=_lowp(q.dtype),
-            VARLEN=g.varlen)
+    if want_kv:
+        _launch(_chunk_out, lambda m: (g.slots * t["R"], h // group,
+                                       triton.cdiv(dv, m["BV"])),
+                (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
+                 float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True,
+                LOWP=_lowp(q.dtype), VARLEN=g.varlen)
     dslope = parts.sum(dim=(0, 1, 3)) if need_slope_grad else None
     return dq, dk, dvv, dslope, dh0
 
@@ -648,7 +657,8 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
 
 def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
                    v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
-                   block_size: int, need_slope_grad: bool
+                   block_size: int, need_slope_grad: bool, need_q: bool = True,
+                   need_kv: bool = True
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Same contract as ``chunked.chunked_backward`` with k, v of Hk heads (dk, dv are
     [B, Hk, S, D | Dv] in q's dtype, each GQA group summed in the kernels) and checkpoints
@@ -656,7 +666,7 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
     forward's two parallel launches, so the forward saves q, k, v, slope and one state only
     (selective rematerialization)."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, checkpoints[:, :, 0],
-                     block_size, None, need_slope_grad)
+                     block_size, None, need_slope_grad, need_q, need_kv)
 
 
 def triton_varlen_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
