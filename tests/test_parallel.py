@@ -135,7 +135,7 @@ def _expected_bytes(plan, measured, ranks):
     experts = measured["expert_params"]
     dense = measured["full_params"] - experts - measured["tp_params"] + \
         measured["tp_params"] / plan.tp
-    edp_shard = plan.dp_shard * plan.cp * plan.tp // (plan.ep * plan.expert_tp)
+    edp_shard = plan.edp_shard
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for held, shards in ((dense, plan.dp_shard),
                          (experts / (plan.ep * plan.expert_tp), edp_shard)):

@@ -209,8 +209,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "use ep=1")
         check_expert_tp(plan)
         # FSDP shards the experts over edp_shard where it shards the dense parameters
-        edp = plan.dp_shard * plan.cp * plan.tp // (plan.ep * plan.expert_tp) \
-            if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 else 1
+        edp = plan.edp_shard if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 else 1
         for path, module in found.items():
             check_experts(path, module, plan.ep, plan.expert_tp, edp)
         if plan.zero_stage == 1 and plan.dp_shard > 1:

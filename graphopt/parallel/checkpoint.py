@@ -355,6 +355,7 @@ class OptimizerState:
                     v.zero_()
             self.optimizer.state.clear()
         self._keys: dict[str, str] = {}
+        self._owners: dict[str, tuple[str, int, int]] = {}
         out: dict[str, Any] = {}
         for key, v in self._own.items():
             kind, rest = key.split(".", 1)
@@ -363,6 +364,8 @@ class OptimizerState:
             owner = self.experts.owner(name) if kind == "state" else None
             new = f"{kind}.{name}.{leaf}"
             self._keys[new] = key
+            if owner is not None:
+                self._owners[new] = owner
             out[new] = self.experts.global_view(v, owner) \
                 if owner is not None and isinstance(v, torch.Tensor) and v.dim() else v
         return out
@@ -378,9 +381,8 @@ class OptimizerState:
             for new, key in self._keys.items():
                 mine, loaded = self._own[key], state_dict[new]
                 if isinstance(loaded, ExpertBoxes):  # as ModelState.load_state_dict
-                    owner = self.experts.owner(new.split(".", 1)[1].rsplit(".", 1)[0])
-                    assert owner is not None and isinstance(mine, torch.Tensor)
-                    loaded.copy_into(self.experts.global_view(mine, owner))
+                    assert isinstance(mine, torch.Tensor)
+                    loaded.copy_into(self.experts.global_view(mine, self._owners[new]))
                     continue
                 if isinstance(mine, torch.Tensor):
                     src, dst = _local(loaded), _local(mine)

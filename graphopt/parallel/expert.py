@@ -243,7 +243,7 @@ def fsdp_dim(shapes: dict[str, tuple[int, ...]], edp_shard: int) -> int:
             f"(ep*expert_tp)) splits this rank's {shapes['gate_up_proj'][0]} expert(s) "
             f"inside, on dim 1, which {edp_shard} does not divide ({', '.join(uneven)}): use "
             "a plan whose edp_shard divides the local experts (E/ep) or those dims (a "
-            "larger ep, or expert_tp = tp), or zero_stage 0/1")
+            "larger ep, or expert_tp = tp), or zero_stage=0")
     return 1
 
 

@@ -96,6 +96,12 @@ class ParallelPlan:
         """Data-parallel degree (replicas x shards)."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def edp_shard(self) -> int:
+        """Ranks of the MoE fold that hold the same experts (the experts' FSDP group):
+        dp_shard*cp*tp / (ep*expert_tp) (graphopt.parallel.mesh.expert_mesh)."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.expert_tp)
+
     def stride(self, axis: str) -> int:
         """Devices between neighbours of ``axis`` in the mesh (1: innermost)."""
         out = 1
