@@ -77,6 +77,17 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         model = parallelize(model, plan, moe=moe,  # moe: the plan's EP runs it
                             mixed_precision=mixed)
         model.graphopt_parallel.notes[:0] = auto_notes
+        if plan.tp > 1 and "dynamic" not in kwargs:
+            # torch 2.13's AOTAutograd recurses without end tracing some DTensor graphs with
+            # symbolic shapes (TP without SP, DeepSeek-V3's MLA under TP: a second sequence
+            # length made Dynamo mark it dynamic, the recompile raised RecursionError, with
+            # backend="aot_eager" too; pytorch/pytorch#152954, #152963). Static shapes: a new
+            # length recompiles (up to torch._dynamo.config.recompile_limit per layer)
+            kwargs = {**kwargs, "dynamic": False}
+            model.graphopt_parallel.notes.append(
+                "compiled with dynamic=False (tp > 1: torch's DTensor graphs fail to compile "
+                "with dynamic shapes; each new sequence length recompiles; pass dynamic=... "
+                "to override)")
         parts = getattr(model, "parts", None)  # pp > 1: this rank's pipeline stages
         blocks = [b for p in parts for b in p.layers.values()] if parts is not None \
             else decoder_layers(model)

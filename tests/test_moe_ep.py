@@ -446,6 +446,25 @@ def test_ep_groups_smaller_than_the_world_come_from_the_mesh():
             _close(g_up, want[3], 1e-9, 1e-9, f"{schedule} grad gate_up")
 
 
+def test_share_bounds_of_a_symbolic_token_count():
+    """Under dynamic shapes the token ops' fake kernels split a SymInt count (divmod of a
+    SymInt raised TypeError): the symbolic bounds evaluate to the concrete ones."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from graphopt.kernels.comm.tokens import share_bounds
+
+    env = ShapeEnv()
+    for rows in (7, 23, 24):
+        symbol = env.create_symbol(rows, ConstantSource(f"rows{rows}"))
+        sym = env.create_symintnode(symbol, hint=rows)
+        for size in (1, 2, 3, 4):
+            bounds = share_bounds(sym, size)
+            assert any(isinstance(b, torch.SymInt) for pair in bounds for b in pair)
+            assert [(int(a), int(b)) for a, b in bounds] == share_bounds(rows, size)
+    assert share_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+
+
 def _rows_worker(rank: int, world: int) -> tuple:
     """7 replicated rows over 3 ranks (shares 3, 2, 2): scatter, scale by the rank, gather."""
     from graphopt.kernels.comm.tokens import gather_rows, scatter_rows

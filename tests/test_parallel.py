@@ -482,6 +482,79 @@ def test_graphopt_compile_with_a_parallel_plan_file(tmp_path, name, sp):
         assert fallbacks and all("DTensor" in f for f in fallbacks if f)
 
 
+# (model, plan, graphopt.compile's kwargs), run one after another in the same processes
+# (no Dynamo reset between them: a review saw a second plan fail after a first)
+LENGTH_RUNS = [
+    # tp > 1: graphopt.compile makes the layers static (torch's DTensor graphs fail with
+    # dynamic shapes), so each length recompiles
+    ("llama", dict(tp=2, sp=False), {}),
+    # EP folded over TP with dynamic shapes: the token split's fake kernel took divmod of a
+    # SymInt (TypeError at the second length)
+    ("mixtral", dict(tp=2, ep=2, zero_stage=0), {"dynamic": True}),
+    # no DTensor in the layers' graphs: Dynamo's automatic dynamic shapes as usual
+    ("mixtral", dict(dp_shard=2, ep=2, zero_stage=3), {}),
+    # what graphopt.compile avoids: the clear error that replaces the RecursionError
+    ("llama", dict(tp=2, sp=False), {"dynamic": True}),
+]
+
+
+def _lengths_worker(rank, world, lengths):
+    import graphopt
+    from graphopt.models import build_model
+
+    out = []
+    for name, kw, compile_kwargs in LENGTH_RUNS:
+        torch.manual_seed(0)
+        ref = build_model(name, dtype=torch.float64)
+        _full_precision_rmsnorm(ref)
+        model = copy.deepcopy(ref)
+        plan = ParallelPlan(**kw)
+        graphopt.clear_reports()
+        compiled = graphopt.compile(model, options={"parallel": plan, "lowering": "eager"},
+                                    **compile_kwargs)
+        report = model.graphopt_parallel
+        errors = []
+        for length in lengths:
+            ids = torch.randint(0, 256, (2, length),
+                                generator=torch.Generator().manual_seed(length))
+            local = ids.chunk(plan.dp)[report.mesh["dp"].get_local_rank()]
+            model.zero_grad()
+            ref.zero_grad()
+            try:
+                _lm_loss(compiled, local).backward()
+            except Exception as exc:  # noqa: BLE001 - the expected error, checked below
+                errors.append(str(exc))
+                break
+            _lm_loss(ref, ids).backward()
+            errors.append(max(float((_full(p.grad) - _held(n, r.grad, report)).abs().max())
+                              for (n, p), r in zip(model.named_parameters(),
+                                                   ref.parameters())))
+        compiled_graphs = sum(r.status == "compiled" for r in graphopt.reports())
+        out.append((errors, compiled_graphs, report.notes))
+    return out
+
+
+def test_compiled_plans_train_exactly_on_new_sequence_lengths():
+    """Three sequence lengths (each new one recompiles, static or dynamic) train like one
+    process for TP, EP folded over TP with dynamic=True, and FSDP + EP; a TP graph torch
+    cannot compile with dynamic shapes gets an error naming the fix, not a RecursionError."""
+    lengths = [16, 24, 20]
+    for per_rank in run_distributed(_lengths_worker, 2, lengths):
+        for (name, kw, compile_kwargs), (errors, graphs, notes) in zip(LENGTH_RUNS, per_rank):
+            static = any("compiled with dynamic=False" in n for n in notes)
+            assert static == (kw.get("tp", 1) > 1 and not compile_kwargs), (kw, notes)
+            if compile_kwargs.get("dynamic") and not kw.get("ep"):
+                assert len(errors) == 1, errors  # the first (dynamic) compile refused
+                assert "compile with dynamic=False" in errors[0], errors[0]
+                assert "pytorch/pytorch#152954" in errors[0], errors[0]
+                continue
+            assert len(errors) == len(lengths), (name, kw, errors)
+            assert max(errors) < 1e-9, (name, kw, errors)
+            # compiled per length (static), once (dynamic=True), static then dynamic (auto)
+            least = len(lengths) if static else 1 if compile_kwargs else 2
+            assert graphs >= least, (name, kw, graphs)
+
+
 def _checkpoint_and_padding_worker(rank, world):
     """EP under gradient checkpointing equals one process, with torch's checkpoint early
     stop (its default) and without it: the recomputation runs the expert round trip again

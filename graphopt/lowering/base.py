@@ -103,14 +103,40 @@ class AOTLowering(Lowering):
         # FakeTensors), keeps Dynamo out of the backward compiler, and flattens compiled
         # autograd's list inputs (the primals then no longer match gm's placeholders one to
         # one, so the mutation marker marks every primal: safe)
-        return aot_autograd(  # type: ignore[no-any-return]
-            fw_compiler=for_kind("forward"), bw_compiler=for_kind("backward"),
-            inference_compiler=for_kind("inference"), partition_fn=partition,
-            # as aot_eager and compile_fx: an input mutation (BatchNorm's running stats)
-            # stays in the graph; in the runtime epilogue it ran after a checkpoint region
-            # had saved the inputs, and the backward refused their versions
-            keep_inference_input_mutations=True,
-        )(gm, list(example_inputs))
+        try:
+            return aot_autograd(  # type: ignore[no-any-return]
+                fw_compiler=for_kind("forward"), bw_compiler=for_kind("backward"),
+                inference_compiler=for_kind("inference"), partition_fn=partition,
+                # as aot_eager and compile_fx: an input mutation (BatchNorm's running
+                # stats) stays in the graph; in the runtime epilogue it ran after a
+                # checkpoint region had saved the inputs, and the backward refused their
+                # versions
+                keep_inference_input_mutations=True,
+            )(gm, list(example_inputs))
+        except RecursionError as exc:
+            if dtensor_with_symbolic_shapes(example_inputs):
+                raise RuntimeError(
+                    "torch's AOTAutograd recursed without end tracing a graph of DTensors "
+                    "with dynamic shapes (a known torch limitation: pytorch/pytorch#152954, "
+                    "#152963; backend='aot_eager' fails the same way): compile with "
+                    "dynamic=False (graphopt.compile does so for tp > 1 unless 'dynamic' is "
+                    "given), or pad batches to a fixed sequence length") from exc
+            raise
+
+
+def dtensor_with_symbolic_shapes(inputs: Sequence[Any]) -> bool:
+    """Whether some input is a DTensor and some input's shape (or an input itself) is
+    symbolic."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def symbolic(x: Any) -> bool:
+        if isinstance(x, torch.SymInt):
+            return True
+        return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                   for d in x.shape)
+
+    return any(isinstance(x, DTensor) for x in inputs) and any(map(symbolic, inputs))
 
 
 PARTITION_ARGS = "graphopt_partition_args"

@@ -35,14 +35,13 @@ from torch import Tensor
 
 
 def share_bounds(rows: int, size: int) -> list[tuple[int, int]]:
-    """[(start, end)] of each rank's contiguous share of ``rows`` rows."""
-    base, extra = divmod(rows, size)
-    bounds, start = [], 0
-    for r in range(size):
-        end = start + base + (r < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    """[(start, end)] of each rank's contiguous share of ``rows`` rows. ``rows`` may be a
+    SymInt (a dynamic token count under torch.compile: the fake kernels call this), so no
+    ``divmod`` (SymInt has none) and no branch on it: rank r starts at
+    r * (rows // size) + min(r, rows % size)."""
+    base, extra = rows // size, rows % size
+    return [(r * base + torch.sym_min(r, extra), (r + 1) * base + torch.sym_min(r + 1, extra))
+            for r in range(size)]
 
 
 def _group(name: str, size: int) -> dist.ProcessGroup:
