@@ -142,6 +142,38 @@ def test_lightning_attention_op_has_flop_formula():
         lightning_flops(1, 2, 100, 8, 8, 32, backward=True)
 
 
+@pytest.mark.parametrize("need_q, need_kv", [(True, True), (True, False), (False, True)])
+def test_lightning_flops_equal_the_chunked_kernels_matmuls(need_q, need_kv):
+    """The formula is the algorithm as executed: torch's FlopCounterMode over the chunked
+    forward and backward (S a multiple of C, D != Dv) counts exactly its FLOPs, for each
+    gradient subset the backward computes (need_q / need_kv); the backward op's formula in
+    a traced step prices the subset autograd asks for (only q needs a gradient here)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphopt.kernels.lightning import lightning_attention
+    from graphopt.kernels.lightning.chunked import chunked_backward, chunked_forward
+
+    b, h, s, d, dv, block = 2, 3, 256, 16, 8, 64
+    q, k = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, h, s, dv, dtype=torch.float64)
+    slope = torch.linspace(0.05, 0.2, h, dtype=torch.float64)
+    with FlopCounterMode(display=False) as fwd:
+        o, _, checkpoints = chunked_forward(q, k, v, slope, 1.0, None, block, 2)
+    assert fwd.get_total_flops() == lightning_flops(b, h, s, d, dv, block, backward=False)
+    with FlopCounterMode(display=False) as bwd:
+        chunked_backward(torch.randn_like(o), None, q, k, v, slope, 1.0, checkpoints, block,
+                         2, False, need_q, need_kv)
+    assert bwd.get_total_flops() == lightning_flops(b, h, s, d, dv, block, backward=True,
+                                                    need_q=need_q, need_kv=need_kv)
+    if need_q and not need_kv:
+        qg = q.float().requires_grad_()
+        gm = trace_step(_Wrap(lambda q, k, v, s: lightning_attention(q, k, v, s)),
+                        (qg, k.float(), v.float(), slope.float()), tracing="fake")
+        by_op = graph_cost(gm, CLUSTERS["h100-sxm"].device).by_op()
+        assert by_op["graphopt.lightning_attention_bwd.default"][1] == \
+            lightning_flops(b, h, s, d, dv, 64, backward=True, need_kv=False)
+
+
 class _Wrap(torch.nn.Module):
     def __init__(self, fn):
         super().__init__()

@@ -63,16 +63,27 @@ _ATTENTION = {getattr(aten, name).default for name in (
 
 
 def lightning_flops(b: Any, hq: Any, s: Any, d: Any, dv: Any, block: Any,
-                    backward: bool) -> Any:
+                    backward: bool, need_q: bool = True, need_kv: bool = True) -> Any:
     """FLOPs of the chunked Lightning Attention algorithm as executed (full C x C blocks).
 
     Forward per head: Q K^T 2SCD + (.)V 2SCDv + KV states 2SDDv + inter 2SDDv. Backward:
-    dO V^T, (.)K, (.)^T Q, Q K^T, (.)^T dO (2SC(3D + 2Dv)), four state products and the
-    recomputed states (5 x 2SDDv). Source: Lightning Attention-2 (Qin et al. 2024), Alg. 1-2.
+    dO V^T 2SCDv for either part; dQ: (.)K 2SCD, the recomputed states and dO S^T
+    (2 x 2SDDv); dK, dV: Q K^T and (.)^T Q (2 x 2SCD), (.)^T dO 2SCDv, the reverse state
+    scan's Q^T dO, V dS^T and K dS (3 x 2SDDv). All of it 2SC(3D + 2Dv) + 5 x 2SDDv;
+    ``need_q`` / ``need_kv`` False (the backward op's flags, autograd's needs_input_grad)
+    drop that part, as the kernels do. Equal to the matmul FLOPs torch's FlopCounterMode
+    counts on the chunked path (tests/test_cost.py). b, hq, s, d, dv, block: ints or
+    SymInts (batch, query heads, sequence, head dims, chunk length). Source: Lightning
+    Attention-2 (Qin et al. 2024), Alg. 1-2.
     """
-    fwd = 2 * s * (block * (d + dv) + 2 * d * dv)
-    bwd = 2 * s * (block * (3 * d + 2 * dv) + 5 * d * dv)
-    return b * hq * (bwd if backward else fwd)
+    if not backward:
+        return b * hq * 2 * s * (block * (d + dv) + 2 * d * dv)
+    bwd = block * dv  # dO V^T
+    if need_q:
+        bwd = bwd + block * d + 2 * d * dv
+    if need_kv:
+        bwd = bwd + block * (2 * d + dv) + 3 * d * dv
+    return b * hq * 2 * s * bwd
 
 
 def _lightning_fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state: Any,
@@ -84,11 +95,13 @@ def _lightning_fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state
 
 def _lightning_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, slope: Any,
                    scale: Any, checkpoints: Any, block_size: Any, checkpoint_every: Any,
-                   need_slope_grad: Any, impl: Any, *_: Any, out_shape: Any = None,
-                   **__: Any) -> Any:
-    """The whole backward, also where need_q / need_kv skip part of it (an upper bound)."""
+                   need_slope_grad: Any, impl: Any, need_q: Any = True, need_kv: Any = True,
+                   *_: Any, out_shape: Any = None, **__: Any) -> Any:
+    """The part need_q / need_kv ask for (the slope's gradient reads both parts)."""
     b, hq, s, d = q
-    return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
+    return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True,
+                           need_q=bool(need_q or need_slope_grad),
+                           need_kv=bool(need_kv or need_slope_grad))
 
 
 def _lightning_varlen_fwd(q: Any, k: Any, v: Any, slope: Any, scale: Any, initial_state: Any,

@@ -178,7 +178,9 @@ def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Te
 
     Shapes as in :func:`chunked_forward`; results in the accumulation dtype. ``need_q`` /
     ``need_kv`` False: dq, resp. dk, dv and d initial_state are zeros, not computed (no
-    reverse state scan, no dK/dV products), unless ``need_slope_grad``, which reads both.
+    reverse state scan, no dK/dV products; without dq, no recomputed forward states),
+    unless ``need_slope_grad``, which reads both. FLOPs: :func:`graphopt.cost.lightning_flops`
+    with the same ``need_q`` / ``need_kv`` (equal to the matmul FLOPs counted here).
     """
     bsz, heads, seq, d = q.shape
     dv_dim = v.shape[-1]
@@ -204,8 +206,9 @@ def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Te
         m, a, b = dec.m.unsqueeze(1), dec.a.unsqueeze(1), dec.b.unsqueeze(1)
         lam = dec.block  # [H, 1, 1]: broadcasts against states [B, H, D, Dv]
         kbb = kb * b
-        kv = kbb.transpose(-1, -2) @ vb
-        prev, _ = _scan_states(kv, lam, checkpoints[:, :, seg_index])
+        if want_q:  # the forward's states again, from the checkpoint (dQ and dslope)
+            kv = kbb.transpose(-1, -2) @ vb
+            prev, _ = _scan_states(kv, lam, checkpoints[:, :, seg_index])
         dov_m = (gob @ vb.transpose(-1, -2)).mul_(m)  # (dO V^T) * M [B, H, n, L, L]
         if want_q:
             dsp = gob @ prev.transpose(-1, -2)  # dO S_prev^T [B, H, n, L, D]
