@@ -147,3 +147,46 @@ def test_full_recomputation_runs_the_layers_functional_collectives_again():
     graphopt's own EP ops)."""
     for counts, layers in run_distributed(_ulysses_worker, 2):
         assert counts == {0: 8 * layers, 2: 12 * layers}, counts
+
+
+def _ring_worker(rank, world):
+    """Ring exchanges (graphopt.kernels.comm.ring_attention._pass calls) of one Llama step
+    under ring CP (cp=2): no recomputation, both layers fully, both selectively."""
+    import graphopt
+    from graphopt.kernels.comm import ring_attention
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh
+    from graphopt.parallel.context import shard_sequence
+
+    out = {}
+    original = ring_attention._pass
+    for name, kw in (("none", {}), ("full", dict(recompute_layers=2)),
+                     ("selective", dict(recompute_layers=2, selective_recompute=True))):
+        plan = ParallelPlan(cp=2, **kw)
+        mesh = build_mesh(plan)
+        model = graphopt.parallelize(build_model("llama"), plan, mesh)
+        model.train()
+        local, _ = shard_sequence(BATCH, mesh)
+        calls = [0]
+
+        def counted(tensors, pg, calls=calls):
+            calls[0] += 1
+            return original(tensors, pg)
+
+        ring_attention._pass = counted
+        try:
+            model(input_ids=local, use_cache=False).logits.sum().backward()
+        finally:
+            ring_attention._pass = original
+        out[name] = calls[0]
+    return out, model.config.num_hidden_layers
+
+
+def test_recomputation_runs_ring_attention_again():
+    """Ring attention is a pair of graphopt ops (one graph under compile); recomputed layers
+    still run its forward exchange again, full or selective, as graphopt.planner.perf
+    prices it (a fourth KV exchange): cp=2 passes KV once forward and twice backward per
+    layer, once more per recomputed layer."""
+    for counts, layers in run_distributed(_ring_worker, 2):
+        assert counts == {"none": 3 * layers, "full": 4 * layers,
+                          "selective": 4 * layers}, counts

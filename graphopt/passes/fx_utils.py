@@ -97,16 +97,22 @@ def is_mutating(node: fx.Node) -> bool:
 
 _GRAPHOPT_COMM = {"graphopt::moe_experts": 6, "graphopt::scatter_rows": 2,
                   "graphopt::gather_rows": 2, "graphopt::copy_to_group": 2,
-                  "graphopt::reduce_from_group": 2}  # op -> index of its group-size argument
+                  "graphopt::reduce_from_group": 2, "graphopt::ring_attention_fwd": 5,
+                  "graphopt::ring_attention_bwd": 8}  # op -> index of its group-size argument
+RING_ATTENTION = ("graphopt::ring_attention_fwd", "graphopt::ring_attention_bwd")
+"""Context parallelism's ring attention ops (graphopt.kernels.comm.ring_attention): they
+communicate, and activation checkpointing runs them again (as it ran the Python ring
+before they were ops, and as graphopt.planner.perf prices CP under recomputation)."""
 
 
 def communicates(op: Any, args: tuple) -> bool:
     """True for an op call that exchanges data between ranks: torch's functional collectives
-    (``_c10d_functional``), and graphopt's expert-parallel MoE op and token scatter/gather
-    with a group of more than one rank (their size argument). Such a call must run the same
-    number of times on every rank: recomputing it in the backward (activation checkpointing,
-    the remat pass) repeats its communication, and a recomputation that one rank decides and
-    another does not (the remat ILP sees each rank's own token counts) hangs the group."""
+    (``_c10d_functional``), and graphopt's expert-parallel MoE op, token scatter/gather and
+    ring attention with a group of more than one rank (their size argument). Such a call
+    must run the same number of times on every rank: recomputing it in the backward
+    (activation checkpointing, the remat pass) repeats its communication, and a
+    recomputation that one rank decides and another does not (the remat ILP sees each
+    rank's own token counts) hangs the group."""
     schema = getattr(op, "_schema", None)
     if schema is None:
         return False

@@ -138,18 +138,19 @@ def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
     torchtitan's full recomputation do and as graphopt.planner.perf prices it (2 more TP
     collectives per layer, the layer's input the only activation kept; caching their
     outputs held 2 more [T, H] tensors per recomputed layer), and saved under the
-    selective policy. Every rank recomputes the same layers, so the rerun collectives
-    match across ranks."""
+    selective policy. Ring attention (CP) runs again under both, as perf prices it. Every
+    rank recomputes the same layers, so the rerun collectives match across ranks."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    from graphopt.passes.fx_utils import communicates
+    from graphopt.passes.fx_utils import RING_ATTENTION, communicates
 
     count = {"forward": 0, "recompute": 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if communicates(func, args):
             functional = func.namespace in ("_c10d_functional", "c10d_functional")
-            return CheckpointPolicy.PREFER_RECOMPUTE if full and functional else \
+            ring = func._schema.name in RING_ATTENTION  # run again, full or selective
+            return CheckpointPolicy.PREFER_RECOMPUTE if (full and functional) or ring else \
                 CheckpointPolicy.MUST_SAVE
         if full:
             return CheckpointPolicy.PREFER_RECOMPUTE

@@ -10,7 +10,8 @@ at step s rank r holds the keys/values of rank (r - s) mod P, attends its two qu
 to those two key chunks by their global chunk order (an earlier chunk fully, the same chunk
 causally, a later one not at all), merges the partial results with a running row maximum
 and sum, and passes the keys/values to rank r + 1 (isend/irecv) while it computes.
-Backward: with the saved log-sum-exp L_i, P_ij = exp(s_ij - L_i), D_i = rowsum(dO_i O_i):
+Backward: with the saved log-sum-exp L_i, P_ij = exp(s_ij - L_i), D_i = rowsum(dO_i O_i)
+(O as returned, in q's dtype, as FlashAttention-2's backward reads it):
 dS = P (dO V^T - D), dQ += dS K scale, dK += dS^T Q scale, dV += P^T dO; keys/values make
 the same trip and their gradients travel with them, arriving home after P steps.
 
@@ -36,16 +37,16 @@ def zigzag_chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
 
 
-def _pass(tensors: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+def _pass(tensors: list[Tensor], pg: dist.ProcessGroup) -> list[Tensor]:
     """Send ``tensors`` to the next rank of the ring and receive the previous rank's."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    nxt = dist.get_global_rank(group, (rank + 1) % size)
-    prv = dist.get_global_rank(group, (rank - 1) % size)
+    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    nxt = dist.get_global_rank(pg, (rank + 1) % size)
+    prv = dist.get_global_rank(pg, (rank - 1) % size)
     # contiguous receive buffers: gloo (and NCCL) reject strided ones, and K/V arrive as
     # transformers' transpose views when there is no GQA repeat to copy them
     out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors] + \
-        [dist.P2POp(dist.irecv, o, prv, group) for o in out]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, pg) for t in tensors] + \
+        [dist.P2POp(dist.irecv, o, prv, pg) for o in out]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return out
@@ -70,66 +71,109 @@ def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     return s
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                group: dist.ProcessGroup) -> Tensor:
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[2] // 2
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qa = q.to(acc)
-        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
-        row_max = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        row_sum = torch.zeros(q.shape[:3], dtype=acc, device=q.device)
-        kv = [k, v]
-        for step in range(size):
-            src = (rank - step) % size
-            nxt = _pass(kv, group) if step < size - 1 else None
-            ka, va = kv[0].to(acc), kv[1].to(acc)
-            for rows, cols, causal in _pairs(rank, src, size, c):
-                s = _scores(qa[:, :, rows], ka[:, :, cols], scale, causal)
-                new_max = torch.maximum(row_max[:, :, rows], s.amax(-1))
-                keep = torch.exp(row_max[:, :, rows] - new_max)
-                p = torch.exp(s - new_max.unsqueeze(-1))
-                row_sum[:, :, rows] = row_sum[:, :, rows] * keep + p.sum(-1)
-                out[:, :, rows] = out[:, :, rows] * keep.unsqueeze(-1) + p @ va[:, :, cols]
-                row_max[:, :, rows] = new_max
-            if nxt is not None:
-                kv = nxt
-        out = out / row_sum.unsqueeze(-1)
-        lse = row_max + torch.log(row_sum)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group = scale, group
-        return out.to(q.dtype)
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[2] // 2
-        acc = out.dtype
-        qa, do = q.to(acc), grad_out.to(acc)
-        delta = (do * out).sum(-1)
-        dq = torch.zeros_like(qa)
-        kv = [k, v]
-        dkv = [torch.zeros(k.shape, dtype=acc, device=k.device),
-               torch.zeros(v.shape, dtype=acc, device=v.device)]
-        for step in range(size):
-            src = (rank - step) % size
-            ka, va = kv[0].to(acc), kv[1].to(acc)
-            for rows, cols, causal in _pairs(rank, src, size, c):
-                s = _scores(qa[:, :, rows], ka[:, :, cols], scale, causal)
-                p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))
-                dp = do[:, :, rows] @ va[:, :, cols].transpose(-1, -2)
-                ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
-                dq[:, :, rows] += ds @ ka[:, :, cols] * scale
-                dkv[0][:, :, cols] += ds.transpose(-1, -2) @ qa[:, :, rows] * scale
-                dkv[1][:, :, cols] += p.transpose(-1, -2) @ do[:, :, rows]
-            # keys/values and their gradients move on together; after P moves they are home
-            moved = _pass(kv + dkv, group)
-            kv, dkv = moved[:2], moved[2:]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+@torch.library.custom_op("graphopt::ring_attention_fwd", mutates_args=())
+def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, group: str,
+                       size: int) -> tuple[Tensor, Tensor]:
+    """The forward (module docstring) over the ``size`` ranks of ``group`` (its name, ""
+    the world): (out [B, H, 2c, Dv] in q's dtype, lse [B, H, 2c] in the accumulation
+    dtype, float32 or float64). A ``torch.library`` op with :func:`ring_attention_bwd`
+    registered as its autograd, so Dynamo keeps a layer with ring attention in one graph
+    (the exchange is opaque) and AOTAutograd sees one forward and one backward op."""
+    from graphopt.distributed import group_by_name
+
+    pg = group_by_name(group, size, "ring attention")
+    rank = dist.get_rank(pg)
+    c = q.shape[2] // 2
+    acc = _acc(q.dtype)
+    qa = q.to(acc)
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
+    row_max = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    row_sum = torch.zeros(q.shape[:3], dtype=acc, device=q.device)
+    kv = [k, v]
+    for step in range(size):
+        src = (rank - step) % size
+        nxt = _pass(kv, pg) if step < size - 1 else None
+        ka, va = kv[0].to(acc), kv[1].to(acc)
+        for rows, cols, causal in _pairs(rank, src, size, c):
+            s = _scores(qa[:, :, rows], ka[:, :, cols], scale, causal)
+            new_max = torch.maximum(row_max[:, :, rows], s.amax(-1))
+            keep = torch.exp(row_max[:, :, rows] - new_max)
+            p = torch.exp(s - new_max.unsqueeze(-1))
+            row_sum[:, :, rows] = row_sum[:, :, rows] * keep + p.sum(-1)
+            out[:, :, rows] = out[:, :, rows] * keep.unsqueeze(-1) + p @ va[:, :, cols]
+            row_max[:, :, rows] = new_max
+        if nxt is not None:
+            kv = nxt
+    out = out / row_sum.unsqueeze(-1)
+    return out.to(q.dtype), row_max + torch.log(row_sum)
+
+
+@ring_attention_fwd.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, scale: float, group: str,
+      size: int) -> tuple[Tensor, Tensor]:
+    return (q.new_empty(*q.shape[:3], v.shape[-1]),
+            q.new_empty(q.shape[:3], dtype=_acc(q.dtype)))
+
+
+@torch.library.custom_op("graphopt::ring_attention_bwd", mutates_args=())
+def ring_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, scale: float, group: str, size: int
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in q's, k's and v's dtypes (module docstring): keys/values make the
+    forward's trip again with their gradients, which arrive home after ``size`` moves."""
+    from graphopt.distributed import group_by_name
+
+    pg = group_by_name(group, size, "ring attention")
+    rank = dist.get_rank(pg)
+    c = q.shape[2] // 2
+    acc = lse.dtype
+    qa, do = q.to(acc), grad_out.to(acc)
+    delta = (do * out.to(acc)).sum(-1)
+    dq = torch.zeros_like(qa)
+    kv = [k, v]
+    dkv = [torch.zeros(k.shape, dtype=acc, device=k.device),
+           torch.zeros(v.shape, dtype=acc, device=v.device)]
+    for step in range(size):
+        src = (rank - step) % size
+        ka, va = kv[0].to(acc), kv[1].to(acc)
+        for rows, cols, causal in _pairs(rank, src, size, c):
+            s = _scores(qa[:, :, rows], ka[:, :, cols], scale, causal)
+            p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))
+            dp = do[:, :, rows] @ va[:, :, cols].transpose(-1, -2)
+            ds = p * (dp - delta[:, :, rows].unsqueeze(-1))
+            dq[:, :, rows] += ds @ ka[:, :, cols] * scale
+            dkv[0][:, :, cols] += ds.transpose(-1, -2) @ qa[:, :, rows] * scale
+            dkv[1][:, :, cols] += p.transpose(-1, -2) @ do[:, :, rows]
+        # keys/values and their gradients move on together; after P moves they are home
+        moved = _pass(kv + dkv, pg)
+        kv, dkv = moved[:2], moved[2:]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+@ring_attention_bwd.register_fake
+def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+      scale: float, group: str, size: int) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, scale, group, size = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale, ctx.group, ctx.size = scale, group, size
+
+
+def _backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, ctx.scale,
+                                    ctx.group, ctx.size)
+    return dq, dk, dv, None, None, None
+
+
+ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
@@ -154,4 +198,5 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup,
         raise ValueError(f"q has {q.shape[1]} heads, k/v {k.shape[1]}/{v.shape[1]}: expand "
                          "the key/value heads first")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, float(scale), group)
+    return ring_attention_fwd(q, k, v, float(scale), group.group_name,
+                              dist.get_world_size(group))[0]
