@@ -174,6 +174,50 @@ def test_lightning_flops_equal_the_chunked_kernels_matmuls(need_q, need_kv):
             lightning_flops(b, h, s, d, dv, 64, backward=True, need_kv=False)
 
 
+def _ring_flops_worker(rank, world):
+    """(matmul FLOPs counted in the ring ops' implementations, fwd and bwd; the cost
+    model's price of the ops as a compiled graph calls them)."""
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphopt.cost.graph_cost import custom_flop_formulas
+    from graphopt.kernels.comm.ring_attention import ring_attention_bwd, ring_attention_fwd
+
+    b, h, local, d, dv = 2, 3, 12, 8, 4
+    q, k = (torch.randn(b, h, local, d, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, h, local, dv, dtype=torch.float64)
+    name = dist.group.WORLD.group_name
+    counted = []
+    with FlopCounterMode(display=False) as mode:  # the implementations' own matmuls
+        out, lse = ring_attention_fwd._init_fn(q, k, v, 0.3, name, world)
+    counted.append(mode.get_total_flops())
+    with FlopCounterMode(display=False) as mode:
+        ring_attention_bwd._init_fn(torch.randn_like(out), q, k, v, out, lse, 0.3, name, world)
+    counted.append(mode.get_total_flops())
+    priced = []
+    for call in (lambda: ring_attention_fwd(q, k, v, 0.3, name, world),
+                 lambda: ring_attention_bwd(torch.randn_like(out), q, k, v, out, lse, 0.3,
+                                            name, world)):
+        with FlopCounterMode(display=False, custom_mapping=custom_flop_formulas()) as mode:
+            call()
+        priced.append(mode.get_total_flops())
+    return counted, priced
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ring_attention_ops_have_the_flops_they_execute(world):
+    """Ring CP's ops inside a compiled graph are priced (they were outside any graph before
+    they became ops): the formula equals the matmul FLOPs their implementations run, on 1
+    and 2 gloo ranks (2 cp + 1 key chunks of c x c per rank)."""
+    from graphopt.cost.graph_cost import ring_attention_flops
+    from graphopt.distributed import run_distributed
+
+    for counted, priced in run_distributed(_ring_flops_worker, world):
+        want = [ring_attention_flops(2, 3, 12, 8, 4, world, backward) for backward in
+                (False, True)]
+        assert counted == priced == want, (counted, priced, want)
+
+
 class _Wrap(torch.nn.Module):
     def __init__(self, fn):
         super().__init__()

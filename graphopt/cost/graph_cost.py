@@ -120,6 +120,32 @@ def _lightning_varlen_bwd(grad_o: Any, grad_state: Any, q: Any, k: Any, v: Any, 
     return lightning_flops(b, hq, s, d, v[-1], block_size, backward=True)
 
 
+def ring_attention_flops(b: Any, h: Any, local: Any, d: Any, dv: Any, cp: Any,
+                         backward: bool) -> Any:
+    """FLOPs one rank's ring attention executes (graphopt.kernels.comm.ring_attention):
+    its 2 zigzag chunks of c = local / 2 rows attend to 2 cp + 1 key chunks over the P steps
+    (every earlier chunk, and its own two causally), each a full c x c block: forward
+    Q K^T and P V, 2c^2 (D + Dv) per block; backward S again, dP = dO V^T, dQ, dK, dV,
+    2c^2 (3D + 2Dv). b, h, local, d, dv: ints or SymInts (batch, heads, local rows, head
+    dims); cp the ring size. Equal to FlopCounterMode's count of the ops' matmuls
+    (tests/test_cost.py)."""
+    c = local // 2
+    per_block = (3 * d + 2 * dv) if backward else (d + dv)
+    return b * h * (2 * cp + 1) * 2 * c * c * per_block
+
+
+def _ring_fwd(q: Any, k: Any, v: Any, scale: Any, group: Any, size: Any, *_: Any,
+              out_shape: Any = None, **__: Any) -> Any:
+    b, h, local, d = q
+    return ring_attention_flops(b, h, local, d, v[-1], size, backward=False)
+
+
+def _ring_bwd(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: Any,
+              group: Any, size: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
+    b, h, local, d = q
+    return ring_attention_flops(b, h, local, d, v[-1], size, backward=True)
+
+
 def _grouped(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> Any:
     """torch._grouped_mm (MoE experts): every row of mat_a meets one group's matrix, so the
     total is that of one GEMM over all rows: 2 M K N for [M, K] x [E, K, N], and for the
@@ -215,13 +241,16 @@ def custom_flop_formulas() -> dict[Any, Any]:
     a ``FlopCounterMode(custom_mapping=...)``: given to graphopt's own counters only, never
     registered in torch's global table (registering them changed a user's own
     FlopCounterMode counts once graphopt was imported: found by a review)."""
-    import graphopt.kernels.lightning.op  # noqa: F401  (defines the ops)
+    import graphopt.kernels.comm.ring_attention  # noqa: F401  (defines the ops)
+    import graphopt.kernels.lightning.op  # noqa: F401
 
     table: dict[Any, Any] = {
         torch.ops.graphopt.lightning_attention_fwd: _lightning_fwd,
         torch.ops.graphopt.lightning_attention_bwd: _lightning_bwd,
         torch.ops.graphopt.lightning_attention_varlen_fwd: _lightning_varlen_fwd,
         torch.ops.graphopt.lightning_attention_varlen_bwd: _lightning_varlen_bwd,
+        torch.ops.graphopt.ring_attention_fwd: _ring_fwd,
+        torch.ops.graphopt.ring_attention_bwd: _ring_bwd,
         aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
     }

@@ -149,8 +149,10 @@ def ring_attention_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
             dkv[0][:, :, cols] += ds.transpose(-1, -2) @ qa[:, :, rows] * scale
             dkv[1][:, :, cols] += p.transpose(-1, -2) @ do[:, :, rows]
         # keys/values and their gradients move on together; after P moves they are home
-        moved = _pass(kv + dkv, pg)
-        kv, dkv = moved[:2], moved[2:]
+        # (a ring of one rank: home already; gloo refuses a send to itself)
+        if size > 1:
+            moved = _pass(kv + dkv, pg)
+            kv, dkv = moved[:2], moved[2:]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
