@@ -910,26 +910,36 @@ def _frozen_worker(rank, world):
     from tests.helpers import held_grads, lm_loss, plan_backward
 
     out = []
-    for kw in (dict(tp=2), dict(tp=2, sp=False)):
+    for name, kw in (("llama", dict(tp=2)), ("llama", dict(tp=2, sp=False)),
+                     ("qwen3", dict(tp=2, sp=False))):
         plan = ParallelPlan(**kw)
-        ref, model = (build_model("llama", dtype=torch.float64) for _ in range(2))
+        ref, model = (build_model(name, dtype=torch.float64) for _ in range(2))
         for m in (ref, model):
             m.model.embed_tokens.weight.requires_grad_(False)
+            m.model.layers[0].requires_grad_(False)  # its norms (and Qwen3's q/k norms) too
         model = parallelize(model, plan, build_mesh(plan))
+        trained = [n for n, p in model.named_parameters()
+                   if p.requires_grad and (n.startswith("model.layers.0.") or "embed" in n)]
         plan_backward(model, plan, build_mesh(plan))
         lm_loss(ref, torch.randint(0, 256, (8, 16),
                                    generator=torch.Generator().manual_seed(1))).backward()
-        out.append(max(0.0 if want is None else float((got - want).abs().max())
-                       for _, got, want in held_grads(model, ref) if got is not None or
-                       want is not None))
+        with_grad = [n for n, p in model.named_parameters()
+                     if p.grad is not None and n.startswith("model.layers.0.")]
+        out.append((max(0.0 if want is None else float((got - want).abs().max())
+                        for _, got, want in held_grads(model, ref) if got is not None or
+                        want is not None), trained, with_grad))
     return out
 
 
 def test_frozen_parameters_under_tensor_parallelism():
     """A frozen embedding (requires_grad=False) under tp=2 crashed in parallelize: torch
-    refused the gradient-layout hook on a tensor without gradient (a review)."""
-    for errors in run_distributed(_frozen_worker, 2):
-        assert all(e < 1e-12 for e in errors), errors
+    refused the gradient-layout hook on a tensor without gradient (a review). Frozen norms
+    stay frozen: torch's SequenceParallel made their replicated weights require gradients,
+    so AdamW trained them (a review: Llama's norms with SP, Qwen3's q/k norms without)."""
+    for results in run_distributed(_frozen_worker, 2):
+        for error, trained, with_grad in results:
+            assert error < 1e-12 and not trained and not with_grad, (error, trained,
+                                                                      with_grad)
 
 
 def _microbatch_worker(rank, world):

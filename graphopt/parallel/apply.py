@@ -406,7 +406,14 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
         if layout.lm_head is None:
             raise ConfigError("SP needs the LM head sharded to gather the sequence back; this "
                               "model's head stays replicated: use sp=False")
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    for name, param in model.named_parameters():
+        # torch 2.13's SequenceParallel replicates a norm's weight as a new nn.Parameter,
+        # requires_grad=True whatever the original's: frozen norms were trained (a review:
+        # Llama's RMSNorms with SP, Qwen3's q_norm / k_norm with or without)
+        if name in frozen:
+            param.requires_grad_(False)
     for param in model.parameters():
         if param.requires_grad:  # frozen parameters get no gradient (and torch refuses the
             param.register_post_accumulate_grad_hook(_grad_like_param)  # hook: a review)
