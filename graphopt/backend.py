@@ -70,6 +70,16 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                           "'parallel']); without one, run the compiled model under "
                           "torch.autocast(device, dtype=torch.bfloat16)")
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
+    if plan is not None and plan.pp > 1 and plan.pp_schedule == "zero_bubble":
+        # torch 2.13: the schedule runs a stage's backward in two parts (input, then weight
+        # gradients); a compiled layer's backward refused that ("compiled with non-empty
+        # donated buffers ... retain_graph=False") and the other ranks waited forever (a
+        # review; turning donated buffers off did not end the hang)
+        raise ConfigError("pp_schedule='zero_bubble' cannot run compiled layers (torch's "
+                          "split backward fails on them and the other pipeline ranks "
+                          "hang): use pp_schedule='interleaved' or '1f1b' with "
+                          "graphopt.compile, or graphopt.parallelize(model, plan) without "
+                          "compiling")
     if plan is not None:
         from graphopt.parallel import parallelize
         from graphopt.parallel.apply import _checkpointed, decoder_layers
