@@ -516,6 +516,10 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
     assert "vocab_size (50257)" in not_executable(ParallelPlan(tp=4), config=config)
     for plan in (ParallelPlan(selective_recompute=True), ParallelPlan(recompute_layers=2)):
         assert not_executable(plan) == ""  # graphopt.parallelize applies recomputation
+    # lightning layers (MiniMax) run CP with all-to-all: "auto" picked the ring (a review)
+    minimax = SimpleNamespace(layer_types=["linear_attention", "full_attention"])
+    assert "not the ring" in not_executable(ParallelPlan(cp=2), config=minimax)
+    assert not_executable(ParallelPlan(cp=2, cp_kind="all_to_all"), config=minimax) == ""
     # tensor-parallel experts: executed over the TP group (expert_tp = tp) only
     etp = dict(dp_shard=4, ep=2, zero_stage=3)
     assert not_executable(ParallelPlan(tp=2, expert_tp=2, **etp)) == ""

@@ -47,6 +47,11 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
             global_batch // (plan.dp * plan.microbatch) < plan.pp:
         return (f"{global_batch // (plan.dp * plan.microbatch)} microbatch(es) per step for "
                 f"{plan.pp} pipeline stages: the pipeline runs at least one per stage")
+    if plan.cp > 1 and plan.cp_kind == "ring" and \
+            "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        # graphopt.parallel.context refuses it (lightning state passing needs contiguous
+        # chunks); "auto" picked it for MiniMax, which parallelize then refused (a review)
+        return "lightning (linear-attention) layers run CP with all-to-all, not the ring"
     if plan.expert_tp not in (1, plan.tp):
         return "tensor-parallel experts are executed over the TP group only (expert_tp = tp)"
     if plan.pp_schedule == "zero_bubble" and plan.zero_stage == 3 and \
