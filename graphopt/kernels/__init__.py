@@ -8,6 +8,12 @@ import torch
 from torch.autograd import forward_ad
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of graphopt's kernels for inputs of ``dtype``: float64 kept,
+    everything else (bf16, fp16, fp32) accumulated in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def has_tangent(*values: Any) -> bool:
     """Whether a tensor among ``values`` carries a forward-mode AD tangent (a dual tensor of
     the current ``torch.autograd.forward_ad.dual_level``)."""

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from graphopt.kernels import acc_dtype
+
 
 def zigzag_chunks(rank: int, size: int) -> tuple[int, int]:
     """The two global chunk indices (of 2 x size) rank ``rank`` holds."""
@@ -71,10 +73,6 @@ def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     return s
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 @torch.library.custom_op("graphopt::ring_attention_fwd", mutates_args=())
 def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, group: str,
                        size: int) -> tuple[Tensor, Tensor]:
@@ -88,7 +86,7 @@ def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, group: str
     pg = group_by_name(group, size, "ring attention")
     rank = dist.get_rank(pg)
     c = q.shape[2] // 2
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     qa = q.to(acc)
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
     row_max = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -116,7 +114,7 @@ def ring_attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, group: str
 def _(q: Tensor, k: Tensor, v: Tensor, scale: float, group: str,
       size: int) -> tuple[Tensor, Tensor]:
     return (q.new_empty(*q.shape[:3], v.shape[-1]),
-            q.new_empty(q.shape[:3], dtype=_acc(q.dtype)))
+            q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype)))
 
 
 @torch.library.custom_op("graphopt::ring_attention_bwd", mutates_args=())

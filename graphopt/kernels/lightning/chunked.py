@@ -37,11 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from graphopt.kernels import acc_dtype
+
 Tensor = torch.Tensor
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass
