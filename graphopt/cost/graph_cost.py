@@ -127,8 +127,9 @@ def ring_attention_flops(b: Any, h: Any, local: Any, d: Any, dv: Any, cp: Any,
     (every earlier chunk, and its own two causally), each a full c x c block: forward
     Q K^T and P V, 2c^2 (D + Dv) per block; backward S again, dP = dO V^T, dQ, dK, dV,
     2c^2 (3D + 2Dv). b, h, local, d, dv: ints or SymInts (batch, heads, local rows, head
-    dims); cp the ring size. Equal to FlopCounterMode's count of the ops' matmuls
-    (tests/test_cost.py)."""
+    dims); cp the ring size. Returns FLOPs (int or SymInt). Equal to FlopCounterMode's
+    count of the ops' matmuls (tests/test_cost.py). Source: Ring Attention (Liu et al.
+    2023) with the zigzag causal balancing of Megatron-LM's context parallelism."""
     c = local // 2
     per_block = (3 * d + 2 * dv) if backward else (d + dv)
     return b * h * (2 * cp + 1) * 2 * c * c * per_block
