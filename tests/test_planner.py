@@ -524,6 +524,12 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
     etp = dict(dp_shard=4, ep=2, zero_stage=3)
     assert not_executable(ParallelPlan(tp=2, expert_tp=2, **etp)) == ""
     assert "expert_tp = tp" in not_executable(ParallelPlan(tp=4, expert_tp=2, **etp))
+    # graphopt.compile refuses zero-bubble pipelines: "auto" (which compiles) passes over
+    zb = ParallelPlan(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=1)
+    assert not_executable(zb, global_batch=8) == ""
+    assert "zero-bubble" in not_executable(zb, global_batch=8, compiled=True)
+    assert not_executable(dataclasses.replace(zb, pp_schedule="interleaved"), 8,
+                          compiled=True) == ""
 
 
 def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():
@@ -747,3 +753,31 @@ def test_cli_plan_json_holds_the_best_executed_plan_and_bad_flag_mixes_are_refus
     assert "--json" in mixed.output
     bad_plot = CliRunner().invoke(app, [*args, "--plot", "/proc/p.png"])
     assert bad_plot.exit_code == 2 and "not a writable file path" in bad_plot.output
+
+
+def test_mixed_layer_kinds_are_priced_each_with_graphopts_lightning_kernel():
+    # MiniMax (toy: a lightning layer, then a softmax one): each kind measured on its own
+    # and lightning layers traced with the kernel graphopt.compile puts in place of
+    # transformers' block loop; before, both layers were priced as the softmax layer and
+    # the loop's fake trace took ~20 s at seq 1024
+    from graphopt.cost.estimate import trace_step
+    from graphopt.cost.graph_cost import graph_cost
+    from graphopt.models import build_architecture, resolve_model
+    from graphopt.planner.model import _lightning_kernel_layers
+
+    seq = 512
+    planned = plan_model("minimax", seq, H100)
+    model = build_architecture(resolve_model("minimax"), torch.bfloat16, seq=seq,
+                               attn_implementation="graphopt_fused_cost")
+    assert _lightning_kernel_layers(model) == 1
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    gm = trace_step(model, {"input_ids": ids, "labels": ids, "use_cache": False},
+                    tracing="fake", fused_attention=True)
+    ops = {n.target for n in gm.graph.nodes}
+    assert torch.ops.graphopt.lightning_attention_fwd.default in ops
+    assert torch.ops.graphopt.lightning_attention_bwd.default in ops
+    device = dataclasses.replace(H100.device, matmul_efficiency=1.0)
+    assert planned.flops_per_sequence() == pytest.approx(float(graph_cost(gm, device).flops),
+                                                         rel=1e-12)
+    assert planned.head.flops > 0  # was clamped to 0: the softmax layer cost more than
+    # the head and the lightning layer together

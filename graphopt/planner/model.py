@@ -216,12 +216,13 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     cfg = model_config(source, overrides, seq)
     attn = "graphopt_fused_cost" if attention == "flash" else "graphopt_megatron_cost"
 
-    def build(layers: int, dense: int) -> Any:
+    types = [str(t) for t in (getattr(cfg, "layer_types", None) or ())]
+
+    def build(layers: int, dense: int, kind: str | None) -> Any:
         extra: dict[str, Any] = {"first_k_dense_replace": dense} \
             if hasattr(cfg, "first_k_dense_replace") else {}
-        types = getattr(cfg, "layer_types", None)  # mixed layers (MiniMax: linear, full):
-        if types:  # the first ones; the per-layer cost is then the second layer's kind and
-            extra["layer_types"] = list(types)[:layers]  # the head absorbs the difference
+        if types:  # mixed layers (MiniMax: linear, full attention): all of one kind
+            extra["layer_types"] = [kind] * layers
         layer_key = "n_layer" if source.config_class == "GPT2Config" else "num_hidden_layers"
         return build_architecture(source, dtype, {**(overrides or {}), layer_key: layers,
                                                   **extra}, seq=seq, attn_implementation=attn)
@@ -229,18 +230,29 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     layers = int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0)))
     dense_k = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
     has_moe = expert_count(cfg) > 0
-    one = _measure(build(1, 1 if dense_k else 0), seq, cluster)
+
+    def costs(kind: str | None) -> tuple[LayerCost, LayerCost, LayerCost | None]:
+        """(head, dense layer, MoE layer) from models of 1 and 2 layers of ``kind``."""
+        one = _measure(build(1, 1 if dense_k else 0, kind), seq, cluster)
+        if has_moe and dense_k:
+            moe = _sub(_measure(build(2, 1, kind), seq, cluster), one)
+            dense = _sub(_measure(build(2, 2, kind), seq, cluster), one)
+            return _sub(one, dense), dense, moe
+        layer = _sub(_measure(build(2, 0, kind), seq, cluster), one)
+        return _sub(one, layer), layer, (layer if has_moe else None)
+
     moe: LayerCost | None
-    if has_moe and dense_k:
-        moe = _sub(_measure(build(2, 1), seq, cluster), one)
-        dense = _sub(_measure(build(2, 2), seq, cluster), one)
-        head = _sub(one, dense)
-        n_dense, n_moe = min(dense_k, layers), max(layers - dense_k, 0)
-    else:
-        layer = _sub(_measure(build(2, 0), seq, cluster), one)
-        head = _sub(one, layer)
-        dense, moe = layer, (layer if has_moe else None)
-        n_dense, n_moe = (layers, 0) if not has_moe else (0, layers)
+    kinds: list[str | None] = list(dict.fromkeys(types[:layers])) or [None]
+    measured = {kind: costs(kind) for kind in kinds}
+    head = measured[kinds[0]][0]
+    # one layer's cost: the mean over the layers of each category (dense: the first
+    # first_k_dense_replace layers), by the kinds they have (totals exact; a pipeline stage
+    # is priced with the mean mix)
+    n_dense, n_moe = ((min(dense_k, layers), max(layers - dense_k, 0)) if has_moe and dense_k
+                      else (layers, 0) if not has_moe else (0, layers))
+    per_layer = types[:layers]
+    dense = _mix(measured, 1, per_layer[:n_dense] if has_moe and dense_k else per_layer)
+    moe = _mix(measured, 2, per_layer[n_dense:]) if has_moe else None
     hidden = int(getattr(cfg, "hidden_size", getattr(cfg, "n_embd", 0)))
     heads = int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 0)))
     kv_heads = int(getattr(cfg, "num_key_value_heads", heads) or heads)
@@ -267,9 +279,53 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     return result
 
 
+def _mix(measured: dict[str | None, tuple[LayerCost, LayerCost, LayerCost | None]],
+         index: int, types: list[str]) -> LayerCost:
+    """The mean of ``measured[kind][index]`` over ``types`` (each layer's kind); the one
+    kind's cost when the model has no layer types (or none in ``types``)."""
+    if None in measured or not types:
+        cost = next(iter(measured.values()))[index]
+        assert cost is not None
+        return cost
+    total = [0.0] * len(dataclasses.fields(LayerCost))
+    for kind in types:
+        cost = measured[kind][index]
+        assert cost is not None
+        total = [t + x / len(types) for t, x in zip(total, dataclasses.astuple(cost))]
+    return LayerCost(*total)
+
+
 def _sub(a: LayerCost, b: LayerCost) -> LayerCost:
     return LayerCost(*(max(0.0, x - y) for x, y in zip(dataclasses.astuple(a),
                                                        dataclasses.astuple(b))))
+
+
+def _lightning_kernel_layers(model: Any) -> int:
+    """Run ``model``'s MiniMax-form linear-attention layers with graphopt's Lightning kernel
+    (:func:`graphopt.kernels.lightning.lightning_attention`, the op graphopt.compile's
+    attention pass puts in place of transformers' block loop, with the pass's block length)
+    so that the trace prices what graphopt executes; fake-tracing the loop itself also took
+    seconds per thousand tokens (one Python iteration per block per layer). Returns the
+    number of layers swapped."""
+    import types
+
+    from graphopt.kernels.lightning import lightning_attention
+    from graphopt.kernels.lightning.minimax import lightning_layers, minimax_lightning_layer
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, state = lightning_attention(q, k, v, slope, scale=1.0, output_final_state=True)
+        return out, state
+
+    def forward(self: Any, hidden_states: torch.Tensor, *args: Any,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        return minimax_lightning_layer(self, hidden_states, mask, kernel)
+
+    layers = lightning_layers(model)
+    for _, layer in layers:
+        layer.forward = types.MethodType(forward, layer)
+    return len(layers)
 
 
 def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
@@ -283,6 +339,7 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
     from graphopt.cost.training import tp_split_times
 
     hidden = int(getattr(model.config, "hidden_size", getattr(model.config, "n_embd", 0)))
+    _lightning_kernel_layers(model)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     gm = trace_step(model, inputs, tracing="fake", fused_attention=True)
