@@ -70,16 +70,6 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                           "'parallel']); without one, run the compiled model under "
                           "torch.autocast(device, dtype=torch.bfloat16)")
     GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
-    if plan is not None and plan.pp > 1 and plan.pp_schedule == "zero_bubble":
-        # torch 2.13: the schedule runs a stage's backward in two parts (input, then weight
-        # gradients); a compiled layer's backward refused that ("compiled with non-empty
-        # donated buffers ... retain_graph=False") and the other ranks waited forever (a
-        # review; turning donated buffers off did not end the hang)
-        raise ConfigError("pp_schedule='zero_bubble' cannot run compiled layers (torch's "
-                          "split backward fails on them and the other pipeline ranks "
-                          "hang): use pp_schedule='interleaved' or '1f1b' with "
-                          "graphopt.compile, or graphopt.parallelize(model, plan) without "
-                          "compiling")
     if plan is not None:
         from graphopt.parallel import parallelize
         from graphopt.parallel.apply import _checkpointed, decoder_layers
@@ -87,6 +77,22 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         model = parallelize(model, plan, moe=moe,  # moe: the plan's EP runs it
                             mixed_precision=mixed)
         model.graphopt_parallel.notes[:0] = auto_notes
+        if plan.pp > 1 and plan.pp_schedule == "zero_bubble":
+            # torch's zero-bubble schedule runs a stage's backward as two autograd.grad calls:
+            # input gradients (retain_graph=True), then weight gradients from the kept graph.
+            # A backward compiled with AOTAutograd's donated buffers refuses the first (the
+            # other pipeline ranks then waited forever: a review). torch 2.13 reads the flag
+            # when it compiles and again when each backward runs (a backward compiled with it
+            # off still fails its run-time check while it is on), so it is off process-wide.
+            # Measured (tests/test_parallel_pp.py): the weight-gradient pass does not run
+            # the compiled backward again (a step's GEMMs equal interleaved 1F1B's)
+            import torch._functorch.config as functorch_config
+
+            functorch_config.donated_buffer = False
+            model.graphopt_parallel.notes.append(
+                "zero-bubble: AOTAutograd's donated buffers are off in this process "
+                "(torch._functorch.config.donated_buffer = False; the schedule's split "
+                "backward keeps the compiled layers' graphs for the weight gradients)")
         if plan.tp > 1 and "dynamic" not in kwargs:
             # torch 2.13's AOTAutograd recurses without end tracing some DTensor graphs with
             # symbolic shapes (TP without SP, DeepSeek-V3's MLA under TP: a second sequence

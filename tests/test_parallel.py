@@ -778,18 +778,6 @@ def test_torch_compile_backend_refuses_the_parallel_option():
                       options={"parallel": "plan.json"})(torch.randn(1, 2))
 
 
-def test_zero_bubble_pipelines_are_refused_under_graphopt_compile():
-    """A compiled layer's backward refused the zero-bubble schedule's split backward and the
-    other pipeline rank hung (a review): refused up front, before any sharding."""
-    import graphopt
-    from graphopt.models import build_model
-
-    plan = ParallelPlan(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=2)
-    model = build_model("llama")
-    with pytest.raises(ConfigError, match="pp_schedule='interleaved' or '1f1b'"):
-        graphopt.compile(model, options={"parallel": plan})
-
-
 def _golden_plan_worker(rank, world, model_name, plan_kwargs):
     """On torch's fake process group: the planner's plan applied to the real architecture
     (2 layers, meta device): mesh groups and local shapes."""

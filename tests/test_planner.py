@@ -524,12 +524,6 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
     etp = dict(dp_shard=4, ep=2, zero_stage=3)
     assert not_executable(ParallelPlan(tp=2, expert_tp=2, **etp)) == ""
     assert "expert_tp = tp" in not_executable(ParallelPlan(tp=4, expert_tp=2, **etp))
-    # graphopt.compile refuses zero-bubble pipelines: "auto" (which compiles) passes over
-    zb = ParallelPlan(pp=2, virtual_stages=2, pp_schedule="zero_bubble", microbatch=1)
-    assert not_executable(zb, global_batch=8) == ""
-    assert "zero-bubble" in not_executable(zb, global_batch=8, compiled=True)
-    assert not_executable(dataclasses.replace(zb, pp_schedule="interleaved"), 8,
-                          compiled=True) == ""
 
 
 def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():

@@ -34,16 +34,11 @@ CLUSTER_KEYS = ("profile", "seq", "global_batch")
 
 
 def not_executable(plan: ParallelPlan, global_batch: int | None = None,
-                   config: Any = None, compiled: bool = False) -> str:
+                   config: Any = None) -> str:
     """Why graphopt.parallelize cannot run ``plan`` ("" when it can), for a job of
     ``global_batch`` sequences per step and a model of transformers ``config`` when given
     (TP splits its KV heads and vocabulary: graphopt.parallel.tp_layout refuses a tp that
-    does not divide them, where the planner checks only the query heads); ``compiled``:
-    run through graphopt.compile, which refuses zero-bubble pipelines."""
-    if compiled and plan.pp > 1 and plan.pp_schedule == "zero_bubble":
-        # graphopt.compile refuses it (torch 2.13's split backward on compiled layers);
-        # "auto" could pick it, then compile raised (a review)
-        return "zero-bubble pipelines do not run compiled layers (graphopt.compile)"
+    does not divide them, where the planner checks only the query heads)."""
     for name in ("num_key_value_heads", "vocab_size"):
         value = getattr(config, name, None)
         if plan.tp > 1 and isinstance(value, int) and value % plan.tp:
@@ -103,14 +98,14 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
     passed = []
     for plan in result.top:
-        why = not_executable(plan, int(spec["global_batch"]), config, compiled=True)
+        why = not_executable(plan, int(spec["global_batch"]), config)
         if not why:
             break
         passed.append(f"{plan.describe()} ({why})")
     else:
         raise ConfigError(f"none of the planner's top {len(result.top)} plans for {world} "
                           f"ranks is executable; the best, {result.best.describe()}: "
-                          f"{not_executable(result.best, int(spec['global_batch']), config, True)}")
+                          f"{not_executable(result.best, int(spec['global_batch']), config)}")
     pred = plan.prediction
     assert pred is not None
     notes = [f"auto: {plan.describe()} for {world} ranks of {profile_name!r} (seq "
