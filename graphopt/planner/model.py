@@ -124,6 +124,14 @@ parallelize_llama.py: GEMMs and attention kept, pointwise ops and norms recomput
 counted as mm for models with biased linears)."""
 
 
+RERUN_SELECTIVE = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+                   "wait_tensor")
+"""Functional collectives the selective policy runs again in the backward (the other
+collectives' outputs are kept): all-gathers, as torchtitan's per-op policy (its
+``_save_list`` keeps reduce-scatter outputs, not all-gather ones), and the waits on a
+collective (a wait on a kept output does not communicate; a kept wait after a rerun
+all-gather would hold the gathered tensor anyway)."""
+
 _REGIONS = itertools.count(1)
 
 
@@ -137,9 +145,12 @@ def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
     collectives (TP/SP's, from DTensor) are run again under ``full``, as Megatron-LM's and
     torchtitan's full recomputation do and as graphopt.planner.perf prices it (2 more TP
     collectives per layer, the layer's input the only activation kept; caching their
-    outputs held 2 more [T, H] tensors per recomputed layer), and saved under the
-    selective policy. Ring attention (CP) runs again under both, as perf prices it. Every
-    rank recomputes the same layers, so the rerun collectives match across ranks."""
+    outputs held 2 more [T, H] tensors per recomputed layer); under the selective policy
+    the all-gathers run again (SP's gathered layer inputs are not kept: torchtitan's
+    policy, which keeps reduce-scatter outputs only, and what perf prices: 2 more TP
+    collectives per selective layer with SP) and the other collectives' outputs are kept.
+    Ring attention (CP) runs again under both, as perf prices it. Every rank recomputes
+    the same layers, so the rerun collectives match across ranks."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     from graphopt.passes.fx_utils import RING_ATTENTION, communicates
@@ -150,8 +161,9 @@ def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
         if communicates(func, args):
             functional = func.namespace in ("_c10d_functional", "c10d_functional")
             ring = func._schema.name in RING_ATTENTION  # run again, full or selective
-            return CheckpointPolicy.PREFER_RECOMPUTE if (full and functional) or ring else \
-                CheckpointPolicy.MUST_SAVE
+            gather = functional and func._schema.name.split("::")[-1] in RERUN_SELECTIVE
+            return CheckpointPolicy.PREFER_RECOMPUTE if (full and functional) or ring or \
+                gather else CheckpointPolicy.MUST_SAVE
         if full:
             return CheckpointPolicy.PREFER_RECOMPUTE
         mode = "recompute" if ctx.is_recompute else "forward"
