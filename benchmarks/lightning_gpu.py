@@ -1,7 +1,8 @@
 """Lightning Attention on one CUDA GPU: graphopt's chunk-parallel Triton kernels (forward and
 forward+backward) checked against the float32 reference, then timed and measured (peak memory)
-next to flash-linear-attention's chunk_simple_gla (same function: decay g = -slope per step)
-and causal flash attention (SDPA), side by side in one run; then packed variable-length
+next to flash-linear-attention's chunk_simple_gla (same function: per-head log decay
+g_gamma = -slope per step, the route of fla's own lightning_attn) and causal flash attention
+(SDPA), side by side in one run; then packed variable-length
 sequences (cu_seqlens) in one launch per kernel vs one call per sequence vs fla's varlen;
 then the chunk length (block_size 64 / 128 / 256) against speed and peak memory. First, a
 bf16 MiniMax through torch.compile must reach the Triton kernels with bf16 eager's accuracy.
@@ -15,15 +16,21 @@ CUDA-event medians of 5 after 2 warm-ups. Prints a markdown table and the geomet
 <= 0.67x), and for S >= 4k whether graphopt beats SDPA.
 
 flash-linear-attention on a machine without internet: here run
-``pip download fla-core==0.6.0 einops --no-deps -d benchmarks/.wheels`` (ignored by git),
-carry ``benchmarks/.wheels`` and install it there with
-``pip install --no-index --no-deps benchmarks/.wheels/*.whl`` before this script.
+``pip download fla-core==0.6.0 --no-deps -d benchmarks/.wheels`` (ignored by git), carry
+``benchmarks/.wheels`` and install it there with
+``pip install --no-index --no-deps --target /tmp/site benchmarks/.wheels/*.whl`` (einops is
+on the H200 image). fla is called with ``g_gamma`` (a constant per-head decay), not with a
+per-token gate ``g``: 0.6.0 refuses its gated backward on Triton < 3.7.1 on Hopper.
+--budget SECONDS stops the timing grid after that long (the device lease is short); the rows
+skipped are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -100,8 +107,6 @@ def varlen_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
         slope = torch.linspace(0.01, 0.3, h, device="cuda")
         qf, kf, vf, gof = (t.detach().transpose(1, 2).contiguous().requires_grad_(t is not go)
                            for t in (q, k, v, go))
-        gate = (-slope).view(1, 1, h).expand(1, total, h).contiguous()
-
         def packed() -> None:
             lightning_attention(q, k, v, slope, cu_seqlens=cu, impl="triton").backward(go)
 
@@ -111,7 +116,8 @@ def varlen_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
                        for a, b in zip(bounds, bounds[1:])], dim=2).backward(go)
 
         def fla() -> None:
-            chunk_simple_gla(qf, kf, vf, g=gate, scale=1.0, cu_seqlens=cu)[0].backward(gof)
+            chunk_simple_gla(qf, kf, vf, g_gamma=-slope, scale=1.0,
+                             cu_seqlens=cu)[0].backward(gof)
 
         t_packed, _ = measure(packed)
         t_loop, _ = measure(loop)
@@ -141,9 +147,8 @@ def block_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
     if chunk_simple_gla:
         qf, kf, vf, gof = (t.detach().transpose(1, 2).contiguous().requires_grad_(t is not go)
                            for t in (q, k, v, go))
-        gate = (-slope).view(1, 1, 32).expand(1, 32768, 32).contiguous()
-        t_fla, m_fla = measure(lambda: chunk_simple_gla(qf, kf, vf, g=gate, scale=1.0)[0]
-                               .backward(gof))
+        t_fla, m_fla = measure(lambda: chunk_simple_gla(qf, kf, vf, g_gamma=-slope,
+                                                        scale=1.0)[0].backward(gof))
     for block in (64, 128, 256):
         t_ours, m_ours = measure(lambda: lightning_attention(q, k, v, slope, impl="triton",
                                                              block_size=block).backward(go))
@@ -151,8 +156,38 @@ def block_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
               flush=True)
 
 
+def check_fla(chunk_simple_gla: Callable[..., tuple]) -> None:
+    """fla's chunk_simple_gla with g_gamma = -slope computes the same function as graphopt's
+    op (fp32, forward and input gradients, [B, S, H, D] layout there, [B, H, S, D] here)."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda") * 0.3 for _ in range(3))
+    slope = torch.linspace(0.01, 0.3, 4, device="cuda")
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    theirs = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    o = lightning_attention(*ours, slope, impl="triton")
+    o_fla = chunk_simple_gla(*theirs, g_gamma=-slope, scale=1.0)[0].transpose(1, 2)
+    go = torch.randn_like(o)
+    got = torch.autograd.grad((o * go).sum(), ours)
+    want = torch.autograd.grad((o_fla * go).sum(), theirs)
+    errs = [float((a - b).abs().max() / b.abs().max())
+            for a, b in zip((o, *got), (o_fla, *(w.transpose(1, 2) for w in want)))]
+    print(f"graphopt vs fla chunk_simple_gla(g_gamma=-slope), fp32: max rel error "
+          f"(o, dq, dk, dv) {max(errs):.2e}")
+    assert max(errs) < 1e-2, errs
+
+
 def measure(fn: Callable[[], object]) -> tuple[float, float]:
-    """(median ms, peak GiB above the inputs)."""
+    """(median ms, peak GiB above the inputs). Its wall time (first-call compiles and autotuning
+    included) goes to stderr, so a run cut off by a time limit shows what it was waiting on."""
+    began = time.perf_counter()
+    print(f"  timing {getattr(fn, '__name__', 'fn')} ...", end="", file=sys.stderr, flush=True)
+    try:
+        return _measure(fn)
+    finally:
+        print(f" {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+
+
+def _measure(fn: Callable[[], object]) -> tuple[float, float]:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -200,16 +235,43 @@ def check_model(device: str = "cuda") -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="B=1, H=8, D=64 only")
+    parser.add_argument("--budget", type=float, default=math.inf,
+                        help="seconds after which the timing grid stops")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="fixed tiles instead of the autotuner (whose ~100 compiles per "
+                        "head-dim/chunk key take minutes)")
+    parser.add_argument("--skip-checks", action="store_true",
+                        help="only check_fla before the timings")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    check()
-    check_varlen()
-    check_model()
+    start = time.perf_counter()
+    if args.no_tune:
+        from graphopt.kernels.lightning import triton_kernels
+        triton_kernels.TUNE = False
+    import triton
+    print(f"torch {torch.__version__}, triton {triton.__version__}, "
+          f"{torch.cuda.get_device_name()}")
+    failed = []
+    for name, fn in (("check", check), ("check_varlen", check_varlen),
+                     ("check_model", check_model)):
+        if args.skip_checks:
+            break
+        try:
+            fn()
+            print(f"{name} done at {time.perf_counter() - start:.0f} s", flush=True)
+        except Exception as exc:  # report and go on to the timings; exit 1 at the end
+            print(f"CHECK FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(name)
     try:
         from fla.ops.simple_gla import chunk_simple_gla
     except Exception as exc:  # not installed, or refused by its triton-version guard
         print(f"flash-linear-attention unavailable: {type(exc).__name__}: {exc}")
         chunk_simple_gla = None
+    if chunk_simple_gla:
+        try:
+            check_fla(chunk_simple_gla)
+        except Exception as exc:
+            print(f"CHECK FAILED check_fla: {type(exc).__name__}: {exc}", flush=True)
+            failed.append("check_fla")
     print("| B | H | D | S | mode | graphopt ms | fla ms | SDPA ms | graphopt GiB | fla GiB | "
           "fla/graphopt time | graphopt/fla memory | SDPA/graphopt time |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -220,12 +282,15 @@ def main() -> None:
                 for s in (2048, 4096, 8192, 32768, 65536):
                     if b * h * s > 2**21:
                         continue
+                    if time.perf_counter() - start > args.budget:
+                        print(f"| {b} | {h} | {d} | {s} | skipped: --budget {args.budget:.0f} s "
+                              "spent |", flush=True)
+                        continue
                     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
                                * 0.3 for _ in range(3))
                     slope = torch.linspace(0.01, 0.3, h, device="cuda")
                     go = torch.randn_like(q)
                     qf, kf, vf, gof = (t.transpose(1, 2).contiguous() for t in (q, k, v, go))
-                    gate = (-slope).view(1, 1, h).expand(b, s, h).contiguous()
                     for mode in ("fwd", "fwd+bwd"):
                         train = mode != "fwd"
                         for t in (q, k, v, qf, kf, vf):
@@ -242,7 +307,7 @@ def main() -> None:
                                 o.backward(go)
 
                         def fla() -> None:
-                            o = chunk_simple_gla(qf, kf, vf, g=gate, scale=1.0)[0]
+                            o = chunk_simple_gla(qf, kf, vf, g_gamma=-slope, scale=1.0)[0]
                             if train:
                                 o.backward(gof)
 
@@ -266,8 +331,18 @@ def main() -> None:
         print(f"geometric mean fla/graphopt time {geo:.2f}x (target >= 1.2x), graphopt/fla "
               f"peak memory {geo_mem:.2f}x (target <= 0.67x)")
     print(f"faster than SDPA flash at S >= 4k: {sum(beats)}/{len(beats)} rows")
-    varlen_rows(chunk_simple_gla)
-    block_rows(chunk_simple_gla)
+    for name, rows in (("varlen_rows", varlen_rows), ("block_rows", block_rows)):
+        if time.perf_counter() - start > args.budget:
+            print(f"{name} skipped: --budget {args.budget:.0f} s spent")
+            continue
+        try:
+            rows(chunk_simple_gla)
+        except Exception as exc:
+            print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
+            failed.append(name)
+    print(f"total {time.perf_counter() - start:.0f} s")
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
