@@ -400,15 +400,19 @@ def test_second_review_findings_fail_early_with_the_fix(tmp_path: Path, monkeypa
 def test_export_keeps_the_model_s_train_eval_modes_and_dense_moe_stays_finite(
         tmp_path: Path) -> None:
     """Found by a review: export_onnx(check=True) left an eval-mode model in train mode
-    (its dropout then changed later eager logits by 0.36); the dense MoE form turned an
-    unrouted expert whose output overflows into NaN rows (0 * inf)."""
+    (its dropout then changed later eager logits by 0.36), and a second one that a model
+    with submodules in different modes came back with all of them in the model's mode; the
+    dense MoE form turned an unrouted expert whose output overflows into NaN rows (0 * inf)."""
     from graphopt.models import build_model
 
     model = build_model("gpt2")
     assert not model.training
+    model.transformer.h[1].train()  # one block training, the rest in eval mode
+    modes = [m.training for m in model.modules()]
+    assert any(modes) and not all(modes)
     graphopt.export_onnx(model, torch.randint(0, 256, (2, 8)), {}, tmp_path / "g.onnx",
                          check=True)
-    assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == modes
 
     gen = torch.Generator().manual_seed(0)
     e, k, h, f, t = 4, 2, 8, 6, 16
@@ -428,3 +432,40 @@ def test_export_keeps_the_model_s_train_eval_modes_and_dense_moe_stays_finite(
     got = _run(path, x)[0]
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, module(*x), rtol=1e-4, atol=1e-3)
+
+
+class _WithMask(torch.nn.Module):
+    """(input_ids, attention_mask) -> logits, as a user exports a model for padded batches."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=False).logits
+
+
+def test_check_compares_left_padded_batches_where_the_mask_keeps(tmp_path: Path) -> None:
+    """Found by a review: check=True failed a correct export of a left-padded batch: a padding
+    query attends to nothing, and onnxruntime and PyTorch fill that row differently (0.26
+    apart). The check now compares the positions the mask keeps, and says so."""
+    from torch.export import Dim
+
+    net = build_model("llama")
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    mask[1, :7] = 0  # left padding
+    batch, seq = Dim("batch"), Dim("seq", max=255)
+    res = graphopt.export_onnx(_WithMask(net), (sample_batch(net, 2, 16), mask), {},
+                               tmp_path / "m.onnx", check=True,
+                               dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+    assert res.ok, res.checks
+    example = [c for c in res.checks if "example inputs" in c[0]]
+    assert example and all("positions the attention mask keeps" in c[0] for c in example)
+    assert all(err <= tol for _, err, tol in example)
+    # all positions: the padded row differs, so comparing it would have failed the export
+    got = _run(tmp_path / "m.onnx", [sample_batch(net, 2, 16), mask])[0]
+    with torch.no_grad():
+        want = _WithMask(net)(sample_batch(net, 2, 16), mask)
+    assert (got - want)[mask.bool()].abs().max() < 1e-4
+    assert (got - want).abs().max() > 1e-3
