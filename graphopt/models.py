@@ -194,12 +194,19 @@ def _from_config_json(path: Path) -> ModelSource:
         from transformers import AutoConfig
 
         cfg = AutoConfig.for_model(model_type)
-        arch = (data.pop("architectures", None) or [None])[0]
+        archs = data.pop("architectures", None)
+        arch = archs if isinstance(archs, str) else (archs or [None])[0]
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"{path}: not a transformers config.json ({exc})") from exc
     if arch is None:
         raise ConfigError(f"{path}: config.json has no 'architectures' entry naming the model "
                           "class (e.g. LlamaForCausalLM)")
+    if not str(arch).endswith(("ForCausalLM", "LMHeadModel")):
+        raise ConfigError(f"{path}: architecture {arch} is not a causal LM: graphopt prices and "
+                          "runs a language-model training step (next-token loss over [batch, "
+                          "seq] token ids, LM head included); set 'architectures' to the "
+                          f"model's causal-LM class (e.g. "
+                          f"{str(arch).split('For')[0].removesuffix('Model')}ForCausalLM)")
     kwargs = {k: v for k, v in data.items() if not k.startswith("_") and k != "auto_map"}
     return ModelSource(str(path), type(cfg).__name__, arch, kwargs, False, f"file {path}")
 

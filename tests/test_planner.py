@@ -775,3 +775,79 @@ def test_mixed_layer_kinds_are_priced_each_with_graphopts_lightning_kernel():
                                                          rel=1e-12)
     assert planned.head.flops > 0  # was clamped to 0: the softmax layer cost more than
     # the head and the lightning layer together
+
+
+def _config_json(tmp_path, name: str, **fields) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+def test_sliding_window_layers_are_priced_by_the_scores_they_compute(tmp_path):
+    # found by a review: Mistral's / Gemma's sliding-window layers were priced as full causal
+    # attention (the planner's attention took no mask and ignored the window)
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    heads, kv_heads, head_dim, seq, window = 4, 2, 16, 1024, 256
+    sizes = dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=256)
+    full = plan_model(_config_json(tmp_path, "full", **sizes, sliding_window=None), seq, H100)
+    local = plan_model(_config_json(tmp_path, "local", **sizes, sliding_window=window), seq,
+                       H100)
+    # torch's count per score (forward + backward, all heads), then the scores a causal
+    # kernel computes (S^2 / 2) minus those a windowed one does (W^2 / 2 + (S - W) W)
+    q = (1, heads, seq, head_dim)
+    per_score = (sdpa_flop_count(q, q, q) + sdpa_backward_flop_count(q, q, q, q)) / seq**2
+    fewer = per_score * (seq**2 / 2 - window**2 / 2 - (seq - window) * window)
+    assert full.dense.flops - local.dense.flops == pytest.approx(fewer, rel=1e-9)
+    assert local.head.flops == pytest.approx(full.head.flops, rel=1e-9)
+    # as long as the sequence: a window that never cuts is full causal attention
+    same = plan_model(_config_json(tmp_path, "long", **sizes, sliding_window=seq), seq, H100)
+    assert same.dense.flops == full.dense.flops
+    # q, k, v and the output kept whole; the two calls' outputs are concatenated (a copy the
+    # windowed kernel does not make: at most one [S, heads x head_dim] tensor more)
+    extra = local.dense.activation_bytes - full.dense.activation_bytes
+    assert 0 <= extra <= seq * heads * head_dim * 2 + 64
+
+
+def test_model_inputs_the_planner_cannot_price_are_clear_errors(tmp_path):
+    # found by a review: raw tracebacks from transformers / torch, or a silent plan
+    gemma2 = dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=64)
+    # Gemma 2's logit softcap (the sdpa path refuses it): priced as plain attention
+    assert plan_model(_config_json(tmp_path, "gemma2", **gemma2), 256, H100).dense.flops > 0
+    llama = dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=256)
+    for arch, fix in (("LlamaForSequenceClassification", "LlamaForCausalLM"),
+                      ("LlamaModel", "LlamaForCausalLM")):
+        with pytest.raises(ConfigError, match=f"not a causal LM.*{fix}"):
+            plan_model(_config_json(tmp_path, arch, **llama, architectures=[arch]), 256, H100)
+    as_string = _config_json(tmp_path, "str", **llama, architectures="LlamaForCausalLM")
+    assert plan_model(as_string, 256, H100).dense.flops > 0
+    path = _config_json(tmp_path, "ok", **llama, architectures=["LlamaForCausalLM"])
+    for field, value, match in (("vocab_size", 0, "vocab_size must be a positive"),
+                                ("num_hidden_layers", 0, "num_hidden_layers must be a positive"),
+                                ("num_key_value_heads", 3, "divisible by num_key_value_heads")):
+        with pytest.raises(ConfigError, match=match):
+            plan_model(path, 256, H100, overrides={field: value})
+
+
+def test_a_ring_across_nodes_is_paced_by_the_nic():
+    # found by a review: ring CP's KV passes were priced as sends between neighbours at NVLink
+    # speed, also when the ring spans nodes (cp=64 on 8 nodes: 0 s exposed, ~5 s paced by IB)
+    from graphopt.cost.collectives import collective_time
+
+    seq, gb = 131072, 8
+    m = plan_model("llama3-8b", seq, H100)
+    in_node = evaluate(ParallelPlan(dp_shard=8, cp=8, zero_stage=3, sp=False), m, H100, gb)
+    across = evaluate(ParallelPlan(cp=64, zero_stage=3, sp=False), m, H100, gb)
+    assert in_node.comm_s["cp"] == 0.0  # hidden under half a layer's compute
+    kv = 2 * seq // 64 * m.kv_heads * (m.hidden // m.heads) * 2
+    step = collective_time("p2p", kv, 2, H100, stride=32)  # a send between nodes
+    assert step > 5 * collective_time("p2p", kv, 2, H100, stride=1)
+    # 3 passes of 63 steps per layer and microbatch, less at most half the compute hidden
+    ring = 3 * 63 * step * m.layers * gb
+    assert ring - 0.5 * across.compute_s <= across.comm_s["cp"] <= ring

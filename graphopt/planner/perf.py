@@ -350,7 +350,11 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         kv = 2 * mb * seq // cp * model.kv_heads * (h // model.heads) * nb / tp
         if plan.cp_kind == "ring":
             rerun = rec_share + (1 - rec_share) * plan.selective_recompute
-            ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, plan.stride("cp"))
+            # every rank sends at each of the cp - 1 steps; a step ends with its slowest
+            # send, which crosses the widest level the ring spans (a ring over nodes: the
+            # NIC, not NVLink; a review found 64 ranks on 8 nodes priced at NVLink speed)
+            hop = max(plan.stride("cp"), cp * plan.stride("cp") // 2)
+            ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, hop)
             per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
         else:
             # full recomputation runs the forward's 4 again (functional collectives)
