@@ -851,3 +851,26 @@ def test_a_ring_across_nodes_is_paced_by_the_nic():
     # 3 passes of 63 steps per layer and microbatch, less at most half the compute hidden
     ring = 3 * 63 * step * m.layers * gb
     assert ring - 0.5 * across.compute_s <= across.comm_s["cp"] <= ring
+
+
+@pytest.mark.parametrize("dense_layers", [{"decoder_sparse_step": 2},
+                                          {"mlp_only_layers": [0, 2]}])
+def test_qwen_moe_dense_layers_are_priced_as_dense(dense_layers):
+    # found by a review: Qwen-MoE's decoder_sparse_step / mlp_only_layers (dense layers among
+    # MoE ones) were priced as MoE layers (a 16.9B config planned as 30.6B)
+    from graphopt.cost.estimate import trace_step
+    from graphopt.cost.graph_cost import graph_cost
+    from graphopt.models import build_architecture, resolve_model
+
+    seq, overrides = 256, {"num_hidden_layers": 4, **dense_layers}
+    planned = plan_model("qwen3_moe", seq, H100, overrides=overrides)
+    assert (planned.dense_layers, planned.moe_layers) == (2, 2)
+    model = build_architecture(resolve_model("qwen3_moe"), torch.bfloat16, overrides, seq=seq,
+                               attn_implementation="graphopt_fused_cost")
+    assert planned.params == sum(p.numel() for p in model.parameters())
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    gm = trace_step(model, {"input_ids": ids, "labels": ids, "use_cache": False},
+                    tracing="fake", fused_attention=True)
+    device = dataclasses.replace(H100.device, matmul_efficiency=1.0)
+    assert planned.flops_per_sequence() == pytest.approx(float(graph_cost(gm, device).flops),
+                                                         rel=1e-9)

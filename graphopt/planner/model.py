@@ -245,7 +245,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     if activations not in ("traced", "fused"):
         raise ConfigError(f"activations must be 'traced' or 'fused', got {activations!r}")
     key = (str(spec), seq, repr(cluster.device), dtype, attention, activations,
-           tuple(sorted((overrides or {}).items())))
+           repr(sorted((overrides or {}).items())))  # values may be lists
     if key in _CACHE:
         return _CACHE[key]
     import transformers
@@ -261,8 +261,12 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     types = [str(t) for t in (getattr(cfg, "layer_types", None) or ())]
 
     def build(layers: int, dense: int, kind: str | None) -> Any:
-        extra: dict[str, Any] = {"first_k_dense_replace": dense} \
-            if hasattr(cfg, "first_k_dense_replace") else {}
+        """``layers`` layers of ``kind``, the first ``dense`` of them dense (MoE models)."""
+        extra: dict[str, Any] = {}
+        if hasattr(cfg, "first_k_dense_replace"):  # DeepSeek
+            extra["first_k_dense_replace"] = dense
+        elif hasattr(cfg, "mlp_only_layers"):  # Qwen-MoE
+            extra.update(mlp_only_layers=list(range(dense)), decoder_sparse_step=1)
         if types:  # mixed layers (MiniMax: linear, full attention): all of one kind
             extra["layer_types"] = [kind] * layers
         layer_key = "n_layer" if source.config_class == "GPT2Config" else "num_hidden_layers"
@@ -270,13 +274,14 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
                                                   **extra}, seq=seq, attn_implementation=attn)
 
     layers = int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0)))
-    dense_k = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
-    has_moe = expert_count(cfg) > 0
+    flags = moe_layer_flags(cfg, layers)
+    has_moe = any(flags)
+    mixed = has_moe and not all(flags)  # dense layers among MoE ones: both measured
 
     def costs(kind: str | None) -> tuple[LayerCost, LayerCost, LayerCost | None]:
         """(head, dense layer, MoE layer) from models of 1 and 2 layers of ``kind``."""
-        one = _measure(build(1, 1 if dense_k else 0, kind), seq, cluster)
-        if has_moe and dense_k:
+        one = _measure(build(1, 1 if mixed else 0, kind), seq, cluster)
+        if mixed:
             moe = _sub(_measure(build(2, 1, kind), seq, cluster), one)
             dense = _sub(_measure(build(2, 2, kind), seq, cluster), one)
             return _sub(one, dense), dense, moe
@@ -287,14 +292,15 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     kinds: list[str | None] = list(dict.fromkeys(types[:layers])) or [None]
     measured = {kind: costs(kind) for kind in kinds}
     head = measured[kinds[0]][0]
-    # one layer's cost: the mean over the layers of each category (dense: the first
-    # first_k_dense_replace layers), by the kinds they have (totals exact; a pipeline stage
-    # is priced with the mean mix)
-    n_dense, n_moe = ((min(dense_k, layers), max(layers - dense_k, 0)) if has_moe and dense_k
-                      else (layers, 0) if not has_moe else (0, layers))
+    # one layer's cost: the mean over the layers of each category (dense or MoE, by
+    # moe_layer_flags), by the kinds they have (totals exact; a pipeline stage is priced with
+    # the mean mix)
+    n_moe = sum(flags)
+    n_dense = layers - n_moe
     per_layer = types[:layers]
-    dense = _mix(measured, 1, per_layer[:n_dense] if has_moe and dense_k else per_layer)
-    moe = _mix(measured, 2, per_layer[n_dense:]) if has_moe else None
+    dense = _mix(measured, 1, [t for t, f in zip(per_layer, flags) if not f] if has_moe
+                 else per_layer)
+    moe = _mix(measured, 2, [t for t, f in zip(per_layer, flags) if f]) if has_moe else None
     hidden = int(getattr(cfg, "hidden_size", getattr(cfg, "n_embd", 0)))
     heads = int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 0)))
     kv_heads = int(getattr(cfg, "num_key_value_heads", heads) or heads)
@@ -319,6 +325,24 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations)
     _CACHE[key] = result
     return result
+
+
+def moe_layer_flags(cfg: Any, layers: int) -> list[bool]:
+    """Which of the ``layers`` decoder layers of transformers config ``cfg`` are MoE layers,
+    as the model classes decide: DeepSeek's first ``first_k_dense_replace`` are dense;
+    Qwen-MoE's layer i is MoE unless i is in ``mlp_only_layers`` or (i + 1) is not a
+    multiple of ``decoder_sparse_step`` (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer); other
+    MoE models (Mixtral, ...) are MoE in every layer; dense models in none."""
+    if expert_count(cfg) == 0:
+        return [False] * layers
+    if hasattr(cfg, "first_k_dense_replace"):
+        k = int(cfg.first_k_dense_replace or 0)
+        return [i >= k for i in range(layers)]
+    if hasattr(cfg, "mlp_only_layers") or hasattr(cfg, "decoder_sparse_step"):
+        only = set(getattr(cfg, "mlp_only_layers", None) or ())
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        return [i not in only and (i + 1) % step == 0 for i in range(layers)]
+    return [True] * layers
 
 
 def _check_sizes(cfg: Any) -> None:
