@@ -874,3 +874,22 @@ def test_qwen_moe_dense_layers_are_priced_as_dense(dense_layers):
     device = dataclasses.replace(H100.device, matmul_efficiency=1.0)
     assert planned.flops_per_sequence() == pytest.approx(float(graph_cost(gm, device).flops),
                                                          rel=1e-9)
+
+
+def test_tied_embeddings_are_a_full_copy_on_both_end_stages():
+    # found by a review: with tie_word_embeddings the matrix counts once in head.params, and
+    # PP stages were given half of it each; the first and the last stage each hold all of it
+    m = plan_model("llama", 256, H100, overrides={"tie_word_embeddings": True})
+    untied = plan_model("llama", 256, H100, overrides={"tie_word_embeddings": False})
+    assert m.tied_embeddings and not untied.tied_embeddings
+    assert untied.head.params - m.head.params == m.vocab * m.hidden  # one matrix less
+    plan = ParallelPlan(pp=2, sp=False)
+    states = evaluate(plan, m, H100, 8).memory_parts["params+grads+optimizer"]
+    layer_states = evaluate(plan, dataclasses.replace(m, head=dataclasses.replace(
+        m.head, params=0.0)), H100, 8).memory_parts["params+grads+optimizer"]
+    per_param = 16  # bf16 parameters and gradients, fp32 master, Adam moments (ZeRO-0)
+    assert states - layer_states == pytest.approx(m.head.params * per_param)
+    # and the two copies' gradient all-reduce is priced
+    assert evaluate(plan, m, H100, 8, dp_overlap=False).comm_s["dp"] > evaluate(
+        plan, dataclasses.replace(m, tied_embeddings=False), H100, 8,
+        dp_overlap=False).comm_s["dp"]

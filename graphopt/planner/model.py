@@ -84,6 +84,10 @@ class PlanModel:
     top_k: int = 0
     moe_ffn: int = 0
     dtype_bytes: int = 2
+    tied_embeddings: bool = False
+    """The LM head shares the embedding matrix (``tie_word_embeddings``): under PP the first
+    and the last stage each hold a full copy and all-reduce its gradient (Megatron-LM's
+    embedding group); counted once in ``head.params``."""
     activations: str = "traced"
     """What dense layers' ``activation_bytes`` count: "traced" (what the transformers
     model's eager autograd keeps) or "fused" (what Megatron-Core's fused kernels keep:
@@ -322,7 +326,8 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
         moe_ffn=int(getattr(cfg, "moe_intermediate_size", getattr(cfg, "intermediate_size", 0))
                     or 0),
-        dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations)
+        dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations,
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
     _CACHE[key] = result
     return result
 

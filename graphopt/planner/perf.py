@@ -377,7 +377,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     # data parallel gradient / parameter traffic
     dense_params = (model.dense.params * model.dense_layers +
                     (model.moe.params * model.moe_layers if model.moe else 0.0)) / (tp * pp)
-    dense_params += model.head.params / tp / (2 if pp > 1 else 1)
+    # the embedding on the first stage, the LM head on the last: halves of head.params, or
+    # with tied embeddings a full copy on each (one all-reduce of its gradient between them)
+    tied = pp > 1 and model.tied_embeddings
+    dense_params += model.head.params / tp / (2 if pp > 1 and not tied else 1)
     expert_params = (model.moe.expert_params * model.moe_layers / (pp * plan.ep *
                                                                     plan.expert_tp)
                      if model.moe else 0.0)
@@ -406,6 +409,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                        cluster)
     dp_time += _dp_sync(nb * expert_params, plan, m, edp_shard, zero_experts, expert_stride,
                         cluster)
+    if tied:  # the two copies' gradients summed: first and last stage, whose span is
+        # pp x stride (the pair priced at the level of that span, as the ring's hop above)
+        dp_time += _coll("all_reduce", nb * model.head.params / tp, 2, cluster,
+                         max(plan.stride("pp"), pp * plan.stride("pp") // 2))
     exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
     total += exposed_dp
     # memory: the fullest stage
@@ -454,7 +461,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         if i == pp - 1:
             acts += model.head.activation_bytes * mb / cp / tp
         ends = (i == 0) + (i == pp - 1)  # embedding on the first, LM head on the last
-        extra = model.head.params / tp * ends / 2
+        extra = model.head.params / tp * (min(ends, 1) if model.tied_embeddings else ends / 2)
         n = sizes[i]
         layer_params = (model.dense.params * n * dense_share +
                         (model.moe.params * n * (1 - dense_share) if model.moe else 0.0)) / tp
