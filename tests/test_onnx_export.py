@@ -372,6 +372,8 @@ def test_second_review_findings_fail_early_with_the_fix(tmp_path: Path, monkeypa
     from graphopt.export.onnx import _export_config
 
     assert _export_config({"remat": None, "verify": False, "inductor_config": {}}).remat is None
+    with pytest.raises(ConfigError, match="options must be a dict"):
+        _export_config(["attention", "exact"])  # type: ignore[arg-type]  (was AttributeError)
     with pytest.raises(ConfigError, match="use at most 255 positions, or dynamic=False"):
         graphopt.export_onnx(model, sample_batch(model, 2, 256), None, tmp_path / "a.onnx")
     if Path("/proc").is_dir():
@@ -434,18 +436,6 @@ def test_export_keeps_the_model_s_train_eval_modes_and_dense_moe_stays_finite(
     torch.testing.assert_close(got, module(*x), rtol=1e-4, atol=1e-3)
 
 
-class _WithMask(torch.nn.Module):
-    """(input_ids, attention_mask) -> logits, as a user exports a model for padded batches."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          use_cache=False).logits
-
-
 def test_check_compares_left_padded_batches_where_the_mask_keeps(tmp_path: Path) -> None:
     """Found by a review: check=True failed a correct export of a left-padded batch: a padding
     query attends to nothing, and onnxruntime and PyTorch fill that row differently (0.26
@@ -456,7 +446,7 @@ def test_check_compares_left_padded_batches_where_the_mask_keeps(tmp_path: Path)
     mask = torch.ones(2, 16, dtype=torch.int64)
     mask[1, :7] = 0  # left padding
     batch, seq = Dim("batch"), Dim("seq", max=255)
-    res = graphopt.export_onnx(_WithMask(net), (sample_batch(net, 2, 16), mask), {},
+    res = graphopt.export_onnx(WithMask(net), (sample_batch(net, 2, 16), mask), {},
                                tmp_path / "m.onnx", check=True,
                                dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
     assert res.ok, res.checks
@@ -466,6 +456,6 @@ def test_check_compares_left_padded_batches_where_the_mask_keeps(tmp_path: Path)
     # all positions: the padded row differs, so comparing it would have failed the export
     got = _run(tmp_path / "m.onnx", [sample_batch(net, 2, 16), mask])[0]
     with torch.no_grad():
-        want = _WithMask(net)(sample_batch(net, 2, 16), mask)
+        want = WithMask(net)(sample_batch(net, 2, 16), mask)
     assert (got - want)[mask.bool()].abs().max() < 1e-4
     assert (got - want).abs().max() > 1e-3

@@ -218,6 +218,9 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
 
 
 def _export_config(options: Mapping[str, Any] | None) -> GraphoptConfig:
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"options must be a dict of graphopt options (e.g. {{'attention': "
+                          f"'exact', 'moe': {{}}}}), got a {type(options).__name__}")
     # an option that says "off" (remat None, verify False, an empty inductor_config) is
     # dropped rather than refused (a review)
     options = {k: v for k, v in (options or {}).items()
