@@ -244,3 +244,88 @@ def test_autotuned_launch_path_runs_and_matches_under_interpreter():
                          env=env, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_precompile_submits_every_candidate_config_once_to_parallel_compilation(monkeypatch):
+    """On a GPU a tuned launch's candidates are compiled in threads before the autotuner
+    times them (an H200's first calls took minutes one by one). The GPU path needs a device;
+    here a stand-in kernel checks what graphopt asks of Triton: one warmup per pruned
+    candidate with its options, inside Triton's AsyncCompileMode, once per launch key."""
+    import torch
+    from triton.runtime._async_compile import active_mode
+
+    import graphopt.kernels.lightning.triton_kernels as tk
+
+    calls = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **kwargs):
+            assert active_mode.get() is not None  # submitted to the thread pool
+            calls.append(kwargs)
+            if kwargs["BK"] == 32 and kwargs["num_warps"] == 8:
+                raise RuntimeError("out of resources")  # left to the autotuner
+
+    monkeypatch.setattr(tk, "COMPILE_THREADS", 4)
+    kernel, x = Kernel(), torch.zeros(4, dtype=torch.bfloat16)
+    meta = {"C": 64, "R": 1, "D": 64, "DV": 64, "QUERY": False}
+    assert tk.precompile(kernel, (x, 3), ("BK", "BV"), meta) == 16
+    assert len(calls) == 16
+    assert {(c["BK"], c["BV"], c["num_warps"], c["num_stages"]) for c in calls} == {
+        (bk, bv, w, s) for bk in (32, 64) for bv in (32, 64) for w in (4, 8) for s in (1, 2)}
+    assert all(c["D"] == 64 and c["QUERY"] is False for c in calls)
+    assert tk.precompile(kernel, (x, 3), ("BK", "BV"), meta) == 0  # once per key
+    assert tk.precompile(kernel, (x.float(), 3), ("BK", "BV"), meta) == 16  # new dtype
+    # head dims below 64: the autotuner's pruning drops the 64-wide tiles here too
+    assert tk.precompile(kernel, (x, 3), ("BK", "BV"), {**meta, "D": 32, "DV": 32}) == 4
+    monkeypatch.setattr(tk, "COMPILE_THREADS", 1)
+    assert tk.precompile(kernel, (x, 3), ("BK", "BV"), {**meta, "D": 16}) == 0
+
+
+PRECOMPILE_SCRIPT = r"""
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class SM90:  # the JIT's view of a device: an H100/H200 target, no GPU behind it
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+
+
+driver.set_active(SM90())
+import graphopt.kernels.lightning.triton_kernels as tk
+
+tk.COMPILE_THREADS = 2
+spec = next(s for s in tk.launch_specs(32, 32, 64) if s.name == "output")
+kernel = spec.kernel
+dtypes = {"*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32}
+args = tuple(torch.zeros(64, dtype=dtypes[t]) if t in dtypes else (3 if t == "i32" else 1.5)
+             for t in (spec.types[n] for n in kernel.arg_names if n in spec.types))
+meta = {n: v for n, v in spec.constexprs.items() if n not in spec.tuned}
+assert tk.precompile(kernel, args, spec.tuned, meta) == 4  # D = 32: 32-wide tiles only
+cache = kernel.device_caches[0][0]
+assert len(cache) == 4, len(cache)
+compiled = {k.metadata.num_warps for k in cache.values()}
+assert compiled == {4, 8}, compiled
+for cfg in tk._prune(tk._configs(spec.tuned), {}, **meta):  # what the autotuner then runs:
+    kernel.warmup(*args, grid=(1,), **meta, **cfg.all_kwargs())  # found in the JIT cache
+assert len(cache) == 4, len(cache)
+assert tk.precompile(kernel, args, spec.tuned, meta) == 0
+print("ok")
+"""
+
+
+def test_precompile_puts_each_config_into_the_jit_cache_the_autotuner_reads(tmp_path):
+    """Triton's real compile path for sm_90 (no GPU: a stand-in driver gives the target;
+    ptxas from the triton wheel): the threaded warmups leave one compiled kernel per
+    candidate in the JIT cache, and the autotuner's own launches of those configs (same
+    arguments and options) find them there instead of compiling again."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

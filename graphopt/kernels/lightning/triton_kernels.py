@@ -40,6 +40,7 @@ import importlib.util
 import itertools
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -494,7 +495,55 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
             # machine, not in every process (an H200 took minutes on a first call)
             cache_results=BENCHMARKER is None)(kernel)
     fixed = {n: v for n, v in t.items() if n not in tuned}
+    if not INTERPRETED:
+        precompile(kernel, args, tuned, {**fixed, **consts})
     _AUTOTUNED[key][lambda meta: grid({**fixed, **consts, **meta})](*args, **fixed, **consts)
+
+
+COMPILE_THREADS = int(os.environ.get("GRAPHOPT_TRITON_COMPILE_THREADS",
+                                     min(16, os.cpu_count() or 1)))
+"""Threads that compile a tuned launch's candidate configs at once, before the autotuner
+times them (``GRAPHOPT_TRITON_COMPILE_THREADS``; 0 or 1: the autotuner compiles them one by
+one on first use)."""
+
+_PRECOMPILED: set[tuple[Any, ...]] = set()
+
+
+def precompile(kernel: Any, args: tuple, tuned: tuple[str, ...], meta: dict[str, Any]) -> int:
+    """Compile every candidate config of a tuned launch (the autotuner's, after its pruning)
+    for these arguments in ``COMPILE_THREADS`` threads, once per launch, argument dtypes and
+    constexprs; returns the number of configs submitted (0 when already done or disabled).
+
+    The autotuner compiles its candidates one at a time when it first times them: on an H200
+    (2026-12-04) one (head dims, chunk, dtype) key's ~16 configs x 6 launches took minutes,
+    and a D=128 fp32 correctness case did not finish in 300 s; one compile is 0.3-15 s on
+    this 2-core CPU (ptxas is slow on register-heavy configs). Triton's compile releases the
+    GIL for most of its time (16 configs of dK for sm_90: 9.4 s one by one, 5.2 s on 2
+    threads). Uses Triton's ``AsyncCompileMode`` (``triton.runtime._async_compile``, what
+    Inductor's parallel compile drives): ``kernel.warmup`` with each config's options puts
+    the compiled kernel into the JIT cache the autotuner reads, with the specialization of
+    these arguments. Configs that fail to compile are left to the autotuner (which skips
+    them), as is everything when Triton lacks the API."""
+    if COMPILE_THREADS <= 1:
+        return 0
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # an older Triton: the autotuner compiles as it goes
+        return 0
+    dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+    done = (id(kernel), tuned, dtypes, tuple(sorted(meta.items())))
+    if done in _PRECOMPILED:
+        return 0
+    _PRECOMPILED.add(done)
+    configs = _prune(_configs(tuned), {}, **meta)
+    with ThreadPoolExecutor(COMPILE_THREADS) as pool, \
+            AsyncCompileMode(pool, ignore_errors=True):
+        for cfg in configs:
+            try:
+                kernel.warmup(*args, grid=(1,), **meta, **cfg.all_kwargs())
+            except Exception:  # noqa: BLE001  (left to the autotuner, which reports it)
+                continue
+    return len(configs)
 
 
 class _Chunks(NamedTuple):
