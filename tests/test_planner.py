@@ -893,3 +893,22 @@ def test_tied_embeddings_are_a_full_copy_on_both_end_stages():
     assert evaluate(plan, m, H100, 8, dp_overlap=False).comm_s["dp"] > evaluate(
         plan, dataclasses.replace(m, tied_embeddings=False), H100, 8,
         dp_overlap=False).comm_s["dp"]
+
+
+def test_zero3_memory_counts_what_fsdp_holds_unsharded():
+    # found by a review: ZeRO-3 plans priced only the shards (plans at the memory limit were
+    # ~5 GiB over it for Llama 3 70B): FSDP also holds the computed and the prefetched
+    # layer's gathered parameters, the computed layer's unsharded gradients, and the root
+    # unit (embedding, final norm, LM head) gathered
+    m = plan_model("llama", 256, H100)
+    nb = m.dtype_bytes
+    z3 = evaluate(ParallelPlan(dp_shard=8, zero_stage=3, sp=False), m, H100, 8)
+    assert z3.memory_parts["zero3_unsharded"] == pytest.approx(
+        nb * (3 * m.dense.params + m.head.params), rel=1e-12)
+    tp2 = evaluate(ParallelPlan(dp_shard=4, tp=2, zero_stage=3, sp=False), m, H100, 8)
+    assert tp2.memory_parts["zero3_unsharded"] == pytest.approx(
+        nb * (3 * m.dense.params + m.head.params) / 2, rel=1e-12)
+    assert z3.memory_bytes == pytest.approx(sum(z3.memory_parts.values()), rel=1e-12)
+    for zero in (1, 2):
+        z = evaluate(ParallelPlan(dp_shard=8, zero_stage=zero, sp=False), m, H100, 8)
+        assert z.memory_parts["zero3_unsharded"] == 0.0

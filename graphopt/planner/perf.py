@@ -117,6 +117,20 @@ def _coll(kind: str, nbytes: float, group: int, cluster: ClusterProfile, stride:
     return _CACHE[key]
 
 
+def fsdp_working_set(dense_layer: float, moe_layer: float, root: float,
+                     param_bytes: int) -> float:
+    """Bytes ZeRO-3 (FSDP2 ``fully_shard`` per decoder layer, ``reshard_after_forward``)
+    holds unsharded at once on a device, beyond its shards: the parameters of the layer being
+    computed and of the next one, prefetched (FSDP2's default forward and backward
+    prefetch of one unit), and the computed layer's unsharded gradients until their
+    reduce-scatter; plus the root unit's parameters (embedding, final norm, LM head: FSDP2
+    keeps the root gathered between forward and backward). ``dense_layer`` / ``moe_layer``:
+    one layer's parameters on this device (after TP and EP; 0 for a kind the stage lacks);
+    ``root``: the root unit's. Found by a review: plans at the memory limit left this out
+    (Llama 3 70B's best plan on 512 H100s: ~5 GiB)."""
+    return param_bytes * (3 * max(dense_layer, moe_layer) + root)
+
+
 def _dp_sync(grads: float, plan: ParallelPlan, m: int, group: int, zero: int, stride: int,
              cluster: ClusterProfile) -> float:
     """Seconds of one step's data-parallel traffic for ``grads`` bytes of gradients (and,
@@ -422,11 +436,12 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         return cost.selective_activation_bytes if plan.selective_recompute and \
             cost.selective_activation_bytes else cost.activation_bytes
 
-    def stage_memory(i: int) -> tuple[float, float, float]:
-        """(total, model states, activations) bytes of stage i: its layers' and (first,
-        last) the embedding's / LM head's states; its layers' saved activations for each
-        microbatch in flight (1F1B: pp - i on stage i; interleaved: the first stage's
-        pp x (1 + (pp-1)/(pp v))), the LM head's on the last stage."""
+    def stage_memory(i: int) -> tuple[float, float, float, float]:
+        """(total, model states, activations, ZeRO-3 working set) bytes of stage i: its
+        layers' and (first, last) the embedding's / LM head's states; its layers' saved
+        activations for each microbatch in flight (1F1B: pp - i on stage i; interleaved: the
+        first stage's pp x (1 + (pp-1)/(pp v))), the LM head's on the last stage; under
+        ZeRO-3 what FSDP holds unsharded at once (:func:`fsdp_working_set`)."""
         n_dense = round(sizes[i] * dense_share)
         n_moe = round(sizes[i]) - n_dense if model.moe else 0
         a_dense = layer_bytes(model.dense)
@@ -471,16 +486,24 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                                zero_stage=zero_dense, dp=shard_group) + \
             model_state_bytes(experts, param_bytes=nb, grad_bytes=nb,
                               zero_stage=zero_experts, dp=edp_shard)
-        return st.total + acts, st.total, acts
+        gathered = 0.0
+        if zero_dense == 3:
+            moe_layer = (model.moe.params / tp + (model.moe.expert_params / (
+                plan.ep * plan.expert_tp) if zero_experts == 3 else 0.0)) \
+                if model.moe and n_moe else 0.0
+            gathered = fsdp_working_set(model.dense.params / tp if n_dense else 0.0,
+                                        moe_layer, extra, nb)
+        return st.total + acts + gathered, st.total, acts, gathered
 
     fullest = max((stage_memory(i) for i in picks), key=lambda x: x[0])
-    memory, states_total, activations = fullest
+    memory, states_total, activations, gathered = fullest
     at_peak = model.peak_s_per_sequence() * global_batch
     return Prediction(
         step_s=total, compute_s=compute * m, bubble_s=bubble,
         comm_s={"tp": tp_comm * m, "cp": cp_comm * m, "ep": ep_comm * m, "pp": p2p * m,
                 "dp": exposed_dp},
         memory_bytes=memory,
-        memory_parts={"params+grads+optimizer": states_total, "activations": activations},
+        memory_parts={"params+grads+optimizer": states_total, "activations": activations,
+                      "zero3_unsharded": gathered},
         mfu=at_peak / (total * plan.devices) if total > 0 else 0.0,
         tokens_per_s=global_batch * seq / total if total > 0 else math.inf)
