@@ -912,3 +912,28 @@ def test_zero3_memory_counts_what_fsdp_holds_unsharded():
     for zero in (1, 2):
         z = evaluate(ParallelPlan(dp_shard=8, zero_stage=zero, sp=False), m, H100, 8)
         assert z.memory_parts["zero3_unsharded"] == 0.0
+
+
+def test_hand_megatron_recipe_takes_kv_heads_every_tp_and_uneven_stages():
+    # found by a review: the hand "Megatron" plans halved tp from the node size (6 devices:
+    # 6 -> 3 -> 1, never 2), ignored KV heads (an invalid tp=8 for 4 KV heads), and never
+    # added pipeline stages when pp did not divide the layers (DeepSeek-V3's 61)
+    from graphopt.planner.search import hand_configurations
+
+    def megatron(model, devices, node=8):
+        hand = {name: (plan, problems) for name, plan, problems in
+                hand_configurations(model, devices, 8 * devices, node, H100)}
+        name = next(n for n in hand if "PP=" in n)
+        return hand[name]
+
+    m = plan_model("llama", 256, H100)  # 4 heads, 2 KV heads, 2 layers
+    plan, problems = megatron(m, 6)
+    assert plan.tp == 2 and not problems  # 6 devices: tp 2 (was 1)
+    gqa = dataclasses.replace(m, heads=32, kv_heads=4)
+    plan, problems = megatron(gqa, 16)
+    assert plan.tp == 4 and not problems  # was tp=8: KV heads (4) not divisible by 8
+    # odd layer count too big for one device: uneven stages, and the plan is valid
+    big = dataclasses.replace(m, dense_layers=61, dense=dataclasses.replace(
+        m.dense, params=2e9))
+    plan, problems = megatron(big, 64)
+    assert plan.pp > 1 and sum(plan.stage_layers) == 61 and not problems, (plan, problems)

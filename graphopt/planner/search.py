@@ -286,15 +286,20 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
                         cluster: ClusterProfile) -> list[tuple[str, ParallelPlan, list[str]]]:
     """Common hand-chosen plans (pure DP, FSDP, Megatron TP-in-node with PP to fit, ...),
     without predictions, each with what makes it invalid for this job (empty: valid)."""
-    tp = min(node, devices)
-    while model.heads % tp or devices % tp:
-        tp //= 2
-    pp = 1  # Megatron's recipe: TP in the node, the fewest pipeline stages that fit
+    # Megatron's recipe: the widest TP in the node that splits the query and the KV heads
+    # (num_query_groups % tp == 0) and the devices, then the fewest pipeline stages that
+    # fit (uneven stages, the executor's balanced split, where pp does not divide the
+    # layers: DeepSeek-V3's 61). A review found tp halved from the node size only (6 devices:
+    # 6 -> 3 -> 1, skipping 2), KV heads ignored, and PP never tried for odd layer counts.
+    tp = max(t for t in _divisors(devices) if t <= node and model.heads % t == 0
+             and model.kv_heads % t == 0)
     capacity = USABLE_MEMORY * cluster.device.memory_bytes
-    while devices % (tp * pp * 2) == 0 and model.layers % (pp * 2) == 0 and \
-            evaluate(_megatron(devices, tp, pp, model.layers), model, cluster,
-                     global_batch).memory_bytes > capacity:
-        pp *= 2
+    pps = [p for p in _divisors(devices // tp) if p <= model.layers]
+    pp = pps[0]
+    for pp in pps:
+        if evaluate(_megatron(devices, tp, pp, model.layers), model, cluster,
+                    global_batch).memory_bytes <= capacity:
+            break
     ep = max((e for e in _divisors(devices) if model.experts and model.experts % e == 0
               and e <= node), default=1)
     plans = {
@@ -314,8 +319,10 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
 
 def _megatron(devices: int, tp: int, pp: int, layers: int) -> ParallelPlan:
     """TP + PP + DP with full activation recomputation (Megatron-LM SC'21's configurations)."""
+    layout = stage_layouts(layers, pp)[0]
     return ParallelPlan(dp_replicate=devices // (tp * pp), tp=tp, pp=pp,
-                        recompute_layers=layers // pp)
+                        recompute_layers=max(layout, default=layers // pp),
+                        stage_layers=layout)
 
 
 def why_slower(plan: ParallelPlan, best: ParallelPlan, capacity: float) -> str:
