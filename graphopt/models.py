@@ -193,9 +193,19 @@ def _from_config_json(path: Path) -> ModelSource:
         model_type = data.pop("model_type")
         from transformers import AutoConfig
 
-        cfg = AutoConfig.for_model(model_type)
+        try:
+            cfg = AutoConfig.for_model(model_type)
+        except ValueError as exc:  # its message lists every model type (~12 kB)
+            import transformers
+
+            raise ConfigError(f"{path}: model_type {model_type!r} is not one transformers "
+                              f"{transformers.__version__} knows; fix the config.json's "
+                              "model_type (e.g. 'llama', 'qwen3_moe') or upgrade "
+                              "transformers") from exc
         archs = data.pop("architectures", None)
         arch = archs if isinstance(archs, str) else (archs or [None])[0]
+    except ConfigError:
+        raise
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"{path}: not a transformers config.json ({exc})") from exc
     if arch is None:

@@ -825,6 +825,11 @@ def test_model_inputs_the_planner_cannot_price_are_clear_errors(tmp_path):
                       ("LlamaModel", "LlamaForCausalLM")):
         with pytest.raises(ConfigError, match=f"not a causal LM.*{fix}"):
             plan_model(_config_json(tmp_path, arch, **llama, architectures=[arch]), 256, H100)
+    unknown = _config_json(tmp_path, "unknown", **{**llama, "model_type": "nosuch"},
+                           architectures=["LlamaForCausalLM"])
+    with pytest.raises(ConfigError, match="model_type 'nosuch' is not one transformers") as err:
+        plan_model(unknown, 256, H100)
+    assert len(str(err.value)) < 300  # transformers' own message lists every model type
     as_string = _config_json(tmp_path, "str", **llama, architectures="LlamaForCausalLM")
     assert plan_model(as_string, 256, H100).dense.flops > 0
     path = _config_json(tmp_path, "ok", **llama, architectures=["LlamaForCausalLM"])
