@@ -942,3 +942,28 @@ def test_hand_megatron_recipe_takes_kv_heads_every_tp_and_uneven_stages():
         m.dense, params=2e9))
     plan, problems = megatron(big, 64)
     assert plan.pp > 1 and sum(plan.stage_layers) == 61 and not problems, (plan, problems)
+
+
+def test_ulysses_prices_k_and_v_at_the_kv_heads_size_unless_repeated():
+    # Ulysses CP moves q, k, v and the output: with GQA, K and V are the KV heads' share of
+    # q's size, unless the executor repeats them (KV heads per TP rank not divisible by cp)
+    from graphopt.cost.collectives import collective_time
+
+    m = dataclasses.replace(plan_model("llama3-8b", 32768, H100), heads=32, kv_heads=8)
+    mha = dataclasses.replace(m, kv_heads=32)
+
+    def cp_time(model, cp):
+        plan = ParallelPlan(dp_shard=32 // cp, cp=cp, cp_kind="all_to_all", zero_stage=3,
+                            sp=False)
+        assert not plan.problems(devices=32, heads=model.heads, kv_heads=model.kv_heads,
+                                 global_batch=32, seq=model.seq)
+        return evaluate(plan, model, H100, 32, dp_overlap=False).comm_s["cp"]
+
+    act = 32768 // 4 * m.hidden * m.dtype_bytes  # one microbatch's [S / cp, hidden]
+    q = collective_time("all_to_all", act, 4, H100, stride=1)
+    kv = collective_time("all_to_all", act / 4, 4, H100, stride=1)
+    per_layer = cp_time(m, 4) / (m.layers * 32 // 8)  # 8 ranks' worth of microbatches: 4
+    assert per_layer == pytest.approx(2 * 2 * (q + kv), rel=1e-9)
+    assert cp_time(mha, 4) / cp_time(m, 4) == pytest.approx((q + q) / (q + kv), rel=1e-9)
+    # 8 KV heads over cp=16: repeated to the query heads, priced as MHA
+    assert cp_time(m, 16) == pytest.approx(cp_time(mha, 16), rel=1e-12)

@@ -371,9 +371,15 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, hop)
             per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
         else:
-            # full recomputation runs the forward's 4 again (functional collectives)
-            per_layer = (8 + 4 * rec_share) * _coll("all_to_all", act / tp, cp, cluster,
-                                                    plan.stride("cp"))
+            # q, k, v and the output in the forward, their gradients in the backward; full
+            # recomputation runs the forward's 4 again (functional collectives). K and V
+            # are the KV heads' share of q's size, or q's when the executor repeats them
+            # (the KV heads per TP rank not divisible by cp: graphopt.parallel.context)
+            kv_heads = model.kv_heads if (model.kv_heads // tp) % cp == 0 else model.heads
+            stride = plan.stride("cp")
+            per_layer = (2 + rec_share) * 2 * (
+                _coll("all_to_all", act / tp, cp, cluster, stride) +
+                _coll("all_to_all", act / tp * kv_heads / model.heads, cp, cluster, stride))
         cp_comm = (dense_n + moe_n) * per_layer
     moe_tokens = mb * seq // cp  # tokens at a MoE block: its TP group's
     ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
