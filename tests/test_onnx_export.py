@@ -205,6 +205,17 @@ def test_llama_lightning_export_equals_the_transformed_model(tmp_path: Path) -> 
     approximate = [c for c in result.checks if "approximate" in c[0]]
     assert len(binding) == 2 and all(err <= tol for _, err, tol in binding)
     assert approximate and all(err > 1e-3 for _, err, _ in approximate)  # it did convert
+    # a review: the file's axes were torch's symbols (s72) and its output a node's name
+    proto = onnx.load(str(result.path))
+
+    def dims(value):
+        return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+    assert [(v.name, dims(v)) for v in (*proto.graph.input, *proto.graph.output)] == [
+        ("input_ids", ["batch", "seq"]), ("logits", ["batch", "seq", 256])]
+    symbols = {d.dim_param for v in proto.graph.value_info
+               for d in v.type.tensor_type.shape.dim if d.dim_param}
+    assert not any(p.startswith("s") and p[1:].isdigit() for p in symbols), symbols
 
 
 def test_cli_exports_mixtral_in_the_dense_form(tmp_path: Path) -> None:

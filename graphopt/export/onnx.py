@@ -205,6 +205,8 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
             t0 = time.perf_counter()
             program = _onnx_export(final, table)
             assert program is not None  # dynamo=True returns the program
+            _name_axes(program.model, result.dynamic,
+                       ["logits"] if isinstance(module, CausalLMLogits) else None)
             program.save(str(path))
             result.seconds["onnx"] = time.perf_counter() - t0
     import onnx
@@ -414,6 +416,44 @@ def _translations(gm: fx.GraphModule, moe_form: str) -> tuple[dict[Any, Any], di
                                   "inference graphs")
         used[name] = forms[name]
     return table, used
+
+
+def _name_axes(model: Any, dynamic: Mapping[str, Mapping[int, str]],
+                outputs: Sequence[str] | None) -> None:
+    """Give the ONNX model's symbolic dimensions the names of the export's dynamic axes
+    (``batch``, ``seq``, a ``torch.export.Dim``'s name) everywhere they occur, and its
+    outputs ``outputs``' names; the re-traced graph had left torch's symbols (``s72``) and
+    node names (``linear_14``), found by a review. Axes left to torch.export ("auto") keep
+    theirs."""
+    import re
+
+    import onnx_ir as ir
+
+    graph = model.graph
+    rename: dict[str, str] = {}
+    for value in graph.inputs:
+        for axis, name in dynamic.get(value.name or "", {}).items():
+            dim = value.shape[axis] if value.shape is not None else None
+            if name != "auto" and isinstance(dim, ir.SymbolicDim) and dim.value:
+                rename[dim.value] = name
+    values = [*graph.inputs, *graph.outputs,
+              *(out for node in ir.traversal.RecursiveGraphIterator(graph)
+                for out in node.outputs)]
+    if not rename:
+        return
+    symbol = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
+
+    def named(dim: Any) -> Any:  # "s70" -> "seq", "s70 + 1" -> "seq + 1"
+        if not isinstance(dim, ir.SymbolicDim) or not dim.value:
+            return dim
+        return ir.SymbolicDim(symbol.sub(lambda m: rename[m.group(1)], dim.value))
+
+    for value in values:
+        if value.shape is not None:
+            value.shape = ir.Shape([named(d) for d in value.shape])
+    if outputs is not None and len(outputs) == len(graph.outputs):
+        for value, name in zip(graph.outputs, outputs):
+            value.name = name
 
 
 def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) -> Any:
