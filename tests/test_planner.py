@@ -858,9 +858,10 @@ def test_a_ring_across_nodes_is_paced_by_the_nic():
     assert ring - 0.5 * across.compute_s <= across.comm_s["cp"] <= ring
 
 
-@pytest.mark.parametrize("dense_layers", [{"decoder_sparse_step": 2},
-                                          {"mlp_only_layers": [0, 2]}])
-def test_qwen_moe_dense_layers_are_priced_as_dense(dense_layers):
+@pytest.mark.parametrize("dense_layers,counts", [
+    ({"decoder_sparse_step": 2}, (2, 2)), ({"mlp_only_layers": [0, 2]}, (2, 2)),
+    ({"mlp_only_layers": [0, 1, 2, 3]}, (4, 0)), ({"decoder_sparse_step": 5}, (4, 0))])
+def test_qwen_moe_dense_layers_are_priced_as_dense(dense_layers, counts):
     # found by a review: Qwen-MoE's decoder_sparse_step / mlp_only_layers (dense layers among
     # MoE ones) were priced as MoE layers (a 16.9B config planned as 30.6B)
     from graphopt.cost.estimate import trace_step
@@ -869,7 +870,8 @@ def test_qwen_moe_dense_layers_are_priced_as_dense(dense_layers):
 
     seq, overrides = 256, {"num_hidden_layers": 4, **dense_layers}
     planned = plan_model("qwen3_moe", seq, H100, overrides=overrides)
-    assert (planned.dense_layers, planned.moe_layers) == (2, 2)
+    assert (planned.dense_layers, planned.moe_layers) == counts
+    assert (planned.experts > 0) == (counts[1] > 0)  # no MoE layer: nothing for EP
     model = build_architecture(resolve_model("qwen3_moe"), torch.bfloat16, overrides, seq=seq,
                                attn_implementation="graphopt_fused_cost")
     assert planned.params == sum(p.numel() for p in model.parameters())

@@ -265,7 +265,9 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     types = [str(t) for t in (getattr(cfg, "layer_types", None) or ())]
 
     def build(layers: int, dense: int, kind: str | None) -> Any:
-        """``layers`` layers of ``kind``, the first ``dense`` of them dense (MoE models)."""
+        """``layers`` layers of ``kind``, the first ``dense`` of them dense (MoE models;
+        all of them where the model has no MoE layer)."""
+        dense = dense if has_moe else layers
         extra: dict[str, Any] = {}
         if hasattr(cfg, "first_k_dense_replace"):  # DeepSeek
             extra["first_k_dense_replace"] = dense
@@ -322,7 +324,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     result = PlanModel(
         str(spec), seq, hidden, heads, kv_heads,
         int(cfg.vocab_size), n_dense, n_moe, dense, moe, head,
-        experts=expert_count(cfg),
+        experts=expert_count(cfg) if has_moe else 0,
         top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
         moe_ffn=int(getattr(cfg, "moe_intermediate_size", getattr(cfg, "intermediate_size", 0))
                     or 0),
