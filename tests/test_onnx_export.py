@@ -470,3 +470,39 @@ def test_check_compares_left_padded_batches_where_the_mask_keeps(tmp_path: Path)
         want = WithMask(net)(sample_batch(net, 2, 16), mask)
     assert (got - want)[mask.bool()].abs().max() < 1e-4
     assert (got - want).abs().max() > 1e-3
+
+
+class _PaddedEncoder(torch.nn.Module):
+    """Self-attention over x [B, S, 16] with PyTorch's key_padding_mask (True = padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+
+def test_a_mask_of_the_other_polarity_is_compared_everywhere(tmp_path: Path) -> None:
+    """A review: any input named like a mask was read as 1-keeps, so a key_padding_mask
+    (True = padding) made check=True compare only the padding (an export wrong at every
+    real position passed), and the grown check input's all-True mask padded everything."""
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, 6:] = True
+    batch, seq = Dim("batch"), Dim("seq")
+    res = graphopt.export_onnx(_PaddedEncoder().eval(), (x, pad), {}, tmp_path / "e.onnx",
+                               check=True, dynamic_shapes=({0: batch, 1: seq},
+                                                           {0: batch, 1: seq}))
+    assert res.ok and len(res.checks) == 4, res.checks
+    assert not any("mask keeps" in c[0] for c in res.checks)
+    from graphopt.export.onnx import _kept_positions
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert _kept_positions(["attention_mask"], [mask]).tolist() == mask.bool().tolist()
+    assert _kept_positions(["attention_mask"], [mask.float()]) is not None  # HF float 1/0
+    assert _kept_positions(["key_padding_mask"], [mask]) is None
+    assert _kept_positions(["attention_mask"], [torch.zeros(2, 3)]) is None  # nothing kept

@@ -527,10 +527,12 @@ def check_onnx(result: OnnxExport, rtol: float | None = None, atol: float | None
     (attention="lightning", moe capacity) the second differs by design and is reported with
     an infinite tolerance. Appends (what, max abs error, tolerance) to ``result.checks``;
     tolerance = atol + rtol * max |reference| (1e-4 each; 1e-2 for float16 models). The
-    references run in eval mode, as the export traced them. With an input named like a mask
-    ([batch, seq], zeros at padding), outputs that start with [batch, seq] are compared at
-    the positions it keeps: a padded query's row (left padding: attends to nothing) is
-    defined differently by each runtime and by no model.
+    references run in eval mode, as the export traced them. With an input named
+    ``attention_mask`` of 0s and 1s ([batch, seq], transformers' convention: 1 keeps a
+    position, 0 is padding), outputs that start with [batch, seq] are compared at the
+    positions it keeps: a padded query's row (left padding: attends to nothing) is defined
+    differently by each runtime and by no model. Other masks (``key_padding_mask``: True is
+    padding) are compared everywhere.
 
     Raises:
         ImportError: onnxruntime is not installed (``pip install onnxruntime``).
@@ -601,12 +603,16 @@ def check_onnx(result: OnnxExport, rtol: float | None = None, atol: float | None
 
 
 def _kept_positions(names: list[str], tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """[batch, seq] bool of the positions an input named like a mask keeps, when it drops
-    any (padding); None otherwise."""
+    """[batch, seq] bool of the positions an ``attention_mask`` input (0/1, 1 keeps) keeps,
+    when it drops some and keeps some; None otherwise (a review: any name with "mask" was
+    read as 1-keeps, and a ``key_padding_mask``, True at padding, made the check compare
+    only the padding)."""
     for name, x in zip(names, tensors):
-        if "mask" in name.lower() and x.dim() == 2 and not x.is_floating_point() \
-                and not bool(x.bool().all()):
-            return x.bool()
+        if name.lower() != "attention_mask" or x.dim() != 2:
+            continue
+        binary = bool(((x == 0) | (x == 1)).all())
+        if binary and not bool((x != 0).all()) and bool((x != 0).any()):
+            return x != 0
     return None
 
 
@@ -625,9 +631,10 @@ def _grown(args: tuple, result: OnnxExport) -> tuple[str, tuple] | None:
     """(label, the example grown by one along batch axes (axis 0) and by three along the
     other dynamic axes (three fewer when that would pass the model's max positions)); None
     when no axis is dynamic. Axes left to torch.export (Dim.AUTO) are not grown. Integer
-    inputs are drawn below the example's largest value, except inputs named like a mask,
-    which are all ones (random 0/1 holes make fully masked rows, whose values runtimes
-    define differently: a false alarm, a review)."""
+    inputs are drawn below the example's largest value, except masks (random 0/1 holes make
+    fully masked rows, whose values runtimes define differently: a false alarm, a review):
+    an ``attention_mask`` is all ones (keep everything), another input named like a mask
+    (unknown polarity) repeats the example's last row / column."""
     axes = list(result.dynamic.values())
     if not any(name != "auto" for spec in axes for name in spec.values()):
         return None
@@ -649,8 +656,11 @@ def _grown(args: tuple, result: OnnxExport) -> tuple[str, tuple] | None:
                 step = -min(3, shape[axis] - 2)
             shape[axis] += step
             grew[name] = step
-        if "mask" in input_name.lower():
+        if input_name.lower() == "attention_mask":  # 1 keeps every position
             out.append(torch.ones(shape, dtype=x.dtype))
+        elif "mask" in input_name.lower():  # unknown polarity: the example's edge repeated
+            index = [torch.arange(n).clamp(max=old - 1) for n, old in zip(shape, x.shape)]
+            out.append(x[torch.meshgrid(*index, indexing="ij")])
         elif x.dtype == torch.int64:
             high = int(x.max()) + 1
             out.append(torch.randint(0, max(high, 1), shape, generator=gen))

@@ -117,18 +117,29 @@ def _coll(kind: str, nbytes: float, group: int, cluster: ClusterProfile, stride:
     return _CACHE[key]
 
 
+def _pair_stride(span: int, cluster: ClusterProfile) -> int:
+    """The stride that prices a transfer between two ranks as at the level of ``span``
+    devices (collective_time places a group of 2 at stride s over 2 s devices): half the span
+    rounded up (a 9-device ring crosses a node of 8), at most half the cluster."""
+    return max(1, min(-(-span // 2), cluster.max_devices // 2))
+
+
 def fsdp_working_set(dense_layer: float, moe_layer: float, root: float,
                      param_bytes: int) -> float:
     """Bytes ZeRO-3 (FSDP2 ``fully_shard`` per decoder layer, ``reshard_after_forward``)
     holds unsharded at once on a device, beyond its shards: the parameters of the layer being
     computed and of the next one, prefetched (FSDP2's default forward and backward
     prefetch of one unit), and the computed layer's unsharded gradients until their
-    reduce-scatter; plus the root unit's parameters (embedding, final norm, LM head: FSDP2
-    keeps the root gathered between forward and backward). ``dense_layer`` / ``moe_layer``:
+    reduce-scatter, in the parameter dtype and (16-bit parameters) again in float32, the
+    reduce dtype graphopt's executor and torchtitan give FSDP2's MixedPrecisionPolicy; plus
+    the root unit's parameters (embedding, final norm, LM head: FSDP2 keeps the root
+    gathered between forward and backward). ``dense_layer`` / ``moe_layer``:
     one layer's parameters on this device (after TP and EP; 0 for a kind the stage lacks);
     ``root``: the root unit's. Found by a review: plans at the memory limit left this out
     (Llama 3 70B's best plan on 512 H100s: ~5 GiB)."""
-    return param_bytes * (3 * max(dense_layer, moe_layer) + root)
+    layer = max(dense_layer, moe_layer)
+    grad_bytes = param_bytes + (4 if param_bytes < 4 else 0)
+    return param_bytes * (2 * layer + root) + grad_bytes * layer
 
 
 def _dp_sync(grads: float, plan: ParallelPlan, m: int, group: int, zero: int, stride: int,
@@ -367,7 +378,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             # every rank sends at each of the cp - 1 steps; a step ends with its slowest
             # send, which crosses the widest level the ring spans (a ring over nodes: the
             # NIC, not NVLink; a review found 64 ranks on 8 nodes priced at NVLink speed)
-            hop = max(plan.stride("cp"), cp * plan.stride("cp") // 2)
+            hop = _pair_stride(cp * plan.stride("cp"), cluster)
             ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, hop)
             per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
         else:
@@ -432,7 +443,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     if tied:  # the two copies' gradients summed: first and last stage, whose span is
         # pp x stride (the pair priced at the level of that span, as the ring's hop above)
         dp_time += _coll("all_reduce", nb * model.head.params / tp, 2, cluster,
-                         max(plan.stride("pp"), pp * plan.stride("pp") // 2))
+                         _pair_stride(pp * plan.stride("pp"), cluster))
     exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
     total += exposed_dp
     # memory: the fullest stage
