@@ -211,6 +211,12 @@ def _from_config_json(path: Path) -> ModelSource:
     if arch is None:
         raise ConfigError(f"{path}: config.json has no 'architectures' entry naming the model "
                           "class (e.g. LlamaForCausalLM)")
+    if str(arch).endswith("ForConditionalGeneration") and isinstance(data.get("text_config"),
+                                                                      dict):
+        raise ConfigError(f"{path}: {arch} is a multimodal model; graphopt plans its language "
+                          "model: save its 'text_config' as its own config.json (with that "
+                          "section's model_type, e.g. gemma3_text, and architectures "
+                          "[...ForCausalLM]) and pass that")
     if not str(arch).endswith(("ForCausalLM", "LMHeadModel")):
         raise ConfigError(f"{path}: architecture {arch} is not a causal LM: graphopt prices and "
                           "runs a language-model training step (next-token loss over [batch, "

@@ -825,6 +825,16 @@ def test_model_inputs_the_planner_cannot_price_are_clear_errors(tmp_path):
                       ("LlamaModel", "LlamaForCausalLM")):
         with pytest.raises(ConfigError, match=f"not a causal LM.*{fix}"):
             plan_model(_config_json(tmp_path, arch, **llama, architectures=[arch]), 256, H100)
+    gemma3 = _config_json(tmp_path, "gemma3", model_type="gemma3",
+                          architectures=["Gemma3ForConditionalGeneration"],
+                          text_config={"model_type": "gemma3_text", "hidden_size": 64})
+    with pytest.raises(ConfigError, match="save its 'text_config' as its own config.json"):
+        plan_model(gemma3, 256, H100)
+    for field in ("intermediate_size", "head_dim", "num_key_value_heads"):
+        with pytest.raises(ConfigError, match=f"{field} must be a positive"):
+            plan_model(_config_json(tmp_path, "ok0", **llama,
+                                    architectures=["LlamaForCausalLM"]), 256, H100,
+                       overrides={field: 0})
     unknown = _config_json(tmp_path, "unknown", **{**llama, "model_type": "nosuch"},
                            architectures=["LlamaForCausalLM"])
     with pytest.raises(ConfigError, match="model_type 'nosuch' is not one transformers") as err:

@@ -356,14 +356,15 @@ def _check_sizes(cfg: Any) -> None:
     """ConfigError for sizes no model has (found by a review: a zero vocabulary ended in a
     reshape error deep in the trace, heads not divisible by KV heads were planned)."""
     for names in (("vocab_size",), ("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
-                  ("num_attention_heads", "n_head")):
+                  ("num_attention_heads", "n_head"), ("num_key_value_heads",), ("head_dim",),
+                  ("intermediate_size", "n_inner")):
         name = next((n for n in names if getattr(cfg, n, None) is not None), None)
         if name is not None and not int(getattr(cfg, name)) > 0:
             raise ConfigError(f"{name} must be a positive integer, got {getattr(cfg, name)!r}; "
                               "fix the config or the override")
     heads = int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 1)) or 1)
     kv = getattr(cfg, "num_key_value_heads", None)
-    if kv is not None and (int(kv) <= 0 or heads % int(kv)):
+    if kv is not None and heads % int(kv):
         raise ConfigError(f"num_attention_heads ({heads}) must be divisible by "
                           f"num_key_value_heads ({kv}): each KV head serves a whole group of "
                           "query heads (GQA); fix the config or the override")

@@ -500,8 +500,8 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     _AUTOTUNED[key][lambda meta: grid({**fixed, **consts, **meta})](*args, **fixed, **consts)
 
 
-COMPILE_THREADS = int(os.environ.get("GRAPHOPT_TRITON_COMPILE_THREADS",
-                                     min(16, os.cpu_count() or 1)))
+_threads = os.environ.get("GRAPHOPT_TRITON_COMPILE_THREADS", "").strip()
+COMPILE_THREADS = int(_threads) if _threads.isdigit() else min(16, os.cpu_count() or 1)
 """Threads that compile a tuned launch's candidate configs at once, before the autotuner
 times them (``GRAPHOPT_TRITON_COMPILE_THREADS``; 0 or 1: the autotuner compiles them one by
 one on first use)."""
