@@ -35,6 +35,7 @@ import dataclasses
 import inspect
 import math
 import operator
+import re
 import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -425,8 +426,6 @@ def _name_axes(model: Any, dynamic: Mapping[str, Mapping[int, str]],
     outputs ``outputs``' names; the re-traced graph had left torch's symbols (``s72``) and
     node names (``linear_14``), found by a review. Axes left to torch.export ("auto") keep
     theirs."""
-    import re
-
     import onnx_ir as ir
 
     graph = model.graph
@@ -436,11 +435,18 @@ def _name_axes(model: Any, dynamic: Mapping[str, Mapping[int, str]],
             dim = value.shape[axis] if value.shape is not None else None
             if name != "auto" and isinstance(dim, ir.SymbolicDim) and dim.value:
                 rename[dim.value] = name
-    values = [*graph.inputs, *graph.outputs,
-              *(out for node in ir.traversal.RecursiveGraphIterator(graph)
-                for out in node.outputs)]
-    if not rename:
-        return
+    if rename:
+        _rename_dims(graph, rename)
+    if outputs is not None and len(outputs) == len(graph.outputs):
+        for value, name in zip(graph.outputs, outputs):
+            value.name = name
+
+
+def _rename_dims(graph: Any, rename: Mapping[str, str]) -> None:
+    """Replace the symbols ``rename`` names in every value's symbolic dimensions of the
+    onnx_ir ``graph`` (whole words: "s70 + 1" -> "seq + 1")."""
+    import onnx_ir as ir
+
     symbol = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
 
     def named(dim: Any) -> Any:  # "s70" -> "seq", "s70 + 1" -> "seq + 1"
@@ -448,18 +454,15 @@ def _name_axes(model: Any, dynamic: Mapping[str, Mapping[int, str]],
             return dim
         return ir.SymbolicDim(symbol.sub(lambda m: rename[m.group(1)], dim.value))
 
-    for value in values:
+    for value in (*graph.inputs, *graph.outputs,
+                  *(out for node in ir.traversal.RecursiveGraphIterator(graph)
+                    for out in node.outputs)):
         if value.shape is not None:
             value.shape = ir.Shape([named(d) for d in value.shape])
-    if outputs is not None and len(outputs) == len(graph.outputs):
-        for value, name in zip(graph.outputs, outputs):
-            value.name = name
 
 
 def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) -> Any:
     """torch.onnx.export; an op ONNX cannot express becomes an ExportError naming it."""
-    import re
-
     try:
         return torch.onnx.export(exported, custom_translation_table=table, dynamo=True,
                                  opset_version=OPSET, optimize=True, verbose=False)

@@ -523,7 +523,18 @@ def precompile(kernel: Any, args: tuple, tuned: tuple[str, ...], meta: dict[str,
     Inductor's parallel compile drives): ``kernel.warmup`` with each config's options puts
     the compiled kernel into the JIT cache the autotuner reads, with the specialization of
     these arguments. Configs that fail to compile are left to the autotuner (which skips
-    them), as is everything when Triton lacks the API."""
+    them), as is everything when Triton lacks the API.
+
+    Args:
+        kernel: the ``triton.jit`` function (not its autotuner).
+        args: the launch's positional arguments (tensors of any dtype, ints, floats), as
+            the autotuner will receive them.
+        tuned: the constexpr tile names the autotuner varies (``("BK", "BV")``).
+        meta: every other constexpr (``D``, ``DV``, ``C``, ``R``, flags) with its value.
+
+    Returns:
+        configs submitted (0: already done for this key, threads <= 1, or no API).
+    Raises nothing: compile errors stay for the autotuner to meet."""
     if COMPILE_THREADS <= 1:
         return 0
     try:
