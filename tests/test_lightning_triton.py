@@ -13,23 +13,27 @@ SCRIPT = r"""
 import torch
 from graphopt.kernels.lightning import lightning_attention, lightning_attention_reference
 
-def run(b, hq, hk, s, d, dv, block, init, seed):
+def run(b, hq, hk, s, d, dv, block, init, seed, train_slope=True):
+    # train_slope False: the kernels' variant without the dslope terms (dK reads no chunk
+    # states; the backward frees them before dK and dV are allocated)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, s, d, generator=gen).requires_grad_()
     k = torch.randn(b, hk, s, d, generator=gen).requires_grad_()
     v = torch.randn(b, hk, s, dv, generator=gen).requires_grad_()
-    slope = (torch.rand(hq, generator=gen) * 0.5).requires_grad_()
+    slope = (torch.rand(hq, generator=gen) * 0.5).requires_grad_(train_slope)
     h0 = torch.randn(b, hq, d, dv, generator=gen).requires_grad_() if init else None
     o, st = lightning_attention(q, k, v, slope, scale=0.5, initial_state=h0,
                                 output_final_state=True, block_size=block, impl="triton",
                                 checkpoint_every=2)
     ins = [q, k, v, slope] + ([h0] if init else [])
-    ref_in = [x.detach().double().requires_grad_() for x in ins]
+    ref_in = [x.detach().double().requires_grad_(x.requires_grad) for x in ins]
     o_r, st_r = lightning_attention_reference(*ref_in[:4], 0.5, ref_in[4] if init else None)
     compare(o, st, o_r, st_r, ins, ref_in, gen, "")
 
 
 def compare(o, st, o_r, st_r, ins, ref_in, gen, label):
+    names = [n for n, x in zip("q k v slope h0".split(), ins) if x.requires_grad]
+    ins, ref_in = [x for x in ins if x.requires_grad], [x for x in ref_in if x.requires_grad]
     # outputs, final states and every input gradient (random output gradients) vs the
     # float64 reference, gradients relative to their largest entry
     torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
@@ -37,7 +41,7 @@ def compare(o, st, o_r, st_r, ins, ref_in, gen, label):
     go, gs = torch.randn(o.shape, generator=gen), torch.randn(st.shape, generator=gen)
     got = torch.autograd.grad((o * go).sum() + (st * gs).sum(), ins)
     want = torch.autograd.grad((o_r * go.double()).sum() + (st_r * gs.double()).sum(), ref_in)
-    for name, g, w in zip("q k v slope h0".split(), got, want):
+    for name, g, w in zip(names, got, want):
         m = max(1.0, float(w.abs().max()))
         torch.testing.assert_close(g.double() / m, w / m, rtol=1e-4, atol=1e-4,
                                    msg=lambda x, name=name: f"{label}d{name}: {x}")
@@ -48,6 +52,50 @@ run(1, 2, 2, 64, 16, 16, 32, True, 2)      # S a multiple of the block
 run(1, 1, 1, 5, 16, 16, 16, True, 3)       # shorter than one block
 run(1, 2, 1, 70, 80, 72, 16, True, 4)      # D, Dv over one 64-wide tile: 2 x 2 tiles, 5 chunks
 run(2, 4, 2, 20, 16, 16, 16, False, 6)     # GQA groups of 2 read in the kernels (h // 2)
+run(2, 4, 2, 37, 16, 16, 16, True, 11, train_slope=False)  # fixed slopes (no dslope terms)
+
+# Strided inputs read in place (no copy): q from a [B, S, H, D] tensor (layout "bshd"),
+# k and v as the two views of one fused [B, S, Hk, D + Dv] projection, dO transposed; outputs
+# and gradients (into the underlying tensors) equal the reference's, also packed (varlen)
+# and through the public layout="bshd".
+def strided(block, seed, cu=None):
+    gen = torch.Generator().manual_seed(seed)
+    b, s, hq, hk, d, dv = (1, 61, 4, 2, 16, 8) if cu is not None else (2, 45, 4, 2, 16, 8)
+    qb = torch.randn(b, s, hq, d, generator=gen).requires_grad_()
+    kvb = torch.randn(b, s, hk, d + dv, generator=gen).requires_grad_()
+    slope = (torch.rand(hq, generator=gen) * 0.5).requires_grad_()
+    go = torch.randn(b, s, hq, dv, generator=gen).transpose(1, 2)
+    q, k, v = qb.transpose(1, 2), kvb[..., :d].transpose(1, 2), kvb[..., d:].transpose(1, 2)
+    for x in (q, k, v, go):
+        assert not x.is_contiguous() and tk._kernel_input(x) is x
+    o = lightning_attention(q, k, v, slope, scale=0.5, block_size=block, impl="triton",
+                            cu_seqlens=cu)
+    got = torch.autograd.grad((o * go).sum(), (qb, kvb, slope))
+    refs = [x.detach().double().requires_grad_() for x in (qb, kvb, slope)]
+    rq, rk, rv = (refs[0].transpose(1, 2), refs[1][..., :d].transpose(1, 2),
+                  refs[1][..., d:].transpose(1, 2))
+    if cu is None:
+        o_r, _ = lightning_attention_reference(rq, rk, rv, refs[2], 0.5)
+    else:
+        bounds = list(zip(cu.tolist(), cu.tolist()[1:]))
+        o_r = torch.cat([lightning_attention_reference(rq[:, :, a:e], rk[:, :, a:e],
+                                                       rv[:, :, a:e], refs[2], 0.5)[0]
+                         for a, e in bounds], 2)
+    want = torch.autograd.grad((o_r * go.double()).sum(), refs)
+    torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
+    for name, g, w in zip(("q", "kv", "slope"), got, want):
+        m = max(1.0, float(w.abs().max()))
+        torch.testing.assert_close(g.double() / m, w / m, rtol=1e-4, atol=1e-4,
+                                   msg=lambda x, name=name: f"strided d{name}: {x}")
+    o_bshd = lightning_attention(qb, kvb[..., :d], kvb[..., d:], slope, scale=0.5,
+                                 block_size=block, impl="triton", layout="bshd",
+                                 cu_seqlens=cu)
+    torch.testing.assert_close(o_bshd, o.transpose(1, 2), rtol=0, atol=0)
+
+
+import graphopt.kernels.lightning.triton_kernels as tk
+strided(16, 13)
+strided(16, 14, cu=torch.tensor([0, 7, 25, 61]))
 
 # Gradients of some inputs only: the dQ or the dK/dV launches are skipped (need_q /
 # need_kv), the gradients asked for equal the reference's.
@@ -111,6 +159,7 @@ tk.MAX_TILE = 16
 run(1, 2, 1, 70, 16, 16, 64, True, 7)     # 4 tiles per chunk, a 6-row second chunk
 run(2, 2, 2, 45, 8, 12, 32, False, 8)     # 2 tiles per chunk, D != Dv, B > 1
 run(1, 2, 1, 70, 80, 72, 32, True, 9)     # multi-tile head dims and chunks of 2 tiles
+run(1, 2, 1, 70, 16, 16, 64, True, 12, train_slope=False)
 varlen(32)
 gen = torch.Generator().manual_seed(10)
 # bf16 / fp16 inputs (chunks of 2 tiles): fp32 accumulation, outputs and gradients in the
@@ -119,15 +168,20 @@ gen = torch.Generator().manual_seed(10)
 # product path (a GPU's bf16 path: states and masked scores rounded to the input dtype) runs
 # here with fp16 (LOWP_DTYPES); bf16 runs fp32 products, checking its loads, stores, casts.
 tk.LOWP_DTYPES = (torch.float16,)
-for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+# fp16 (LOWP here) also stores the chunk states in fp16 (_state_dtype), with and without
+# the dslope terms.
+for dtype, tol, train_slope in ((torch.bfloat16, 1e-2, True), (torch.float16, 2e-3, True),
+                                (torch.float16, 2e-3, False)):
     q, k, v = (torch.randn(1, 2, 70, 16, generator=gen).to(dtype).requires_grad_()
                for _ in range(3))
-    slope = (torch.rand(2, generator=gen) * 0.5).requires_grad_()
+    slope = (torch.rand(2, generator=gen) * 0.5).requires_grad_(train_slope)
     o = lightning_attention(q, k, v, slope, impl="triton", block_size=32, scale=0.25)
-    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v, slope)]
-    o_r, _ = lightning_attention_reference(*ref_in, 0.25)
+    ins = (q, k, v, slope) if train_slope else (q, k, v)
+    ref_in = [x.detach().double().requires_grad_() for x in ins]
+    o_r, _ = lightning_attention_reference(*ref_in[:3], ref_in[3] if train_slope
+                                           else slope.double(), 0.25)
     go = torch.randn(o.shape, generator=gen).to(dtype)
-    got = torch.autograd.grad((o * go).sum(), (q, k, v, slope))
+    got = torch.autograd.grad((o * go).sum(), ins)
     want = torch.autograd.grad((o_r * go.double()).sum(), ref_in)
     for name, g, w in zip(("o", "dq", "dk", "dv", "dslope"), (o,) + got, (o_r,) + want):
         assert g.dtype == (torch.float32 if name == "dslope" else dtype), (name, g.dtype)

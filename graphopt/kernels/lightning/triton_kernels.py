@@ -57,28 +57,30 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per, CS: tl.constexpr,
-                  VARLEN: tl.constexpr):
-        """Chunk slot ``p`` of query head ``h`` (chunks of CS rows): (its first row in the
-        query-side row space [B * Hq * S] or [Hq * T], its first row in the key/value row
-        space [B * Hk * S] or [Hk * T] (K/V head h // group: GQA without expanding K and V),
-        int64; the chunk length L, 0 for an unused slot)."""
-        hk = h // group
+    def _chunk_of(CU, CHUNKS, p, seq, n_per, CS: tl.constexpr, VARLEN: tl.constexpr):
+        """Chunk slot ``p`` (chunks of CS rows): (its batch index: 0 for packed sequences;
+        its first position along the sequence dim [S] or [T]; the chunk length L, 0 for an
+        unused slot). Where a head's rows are is :func:`_at`'s business."""
         if VARLEN:
-            i = tl.load(CHUNKS + 2 * p)
+            n = tl.load(CHUNKS + 2 * p)
             c = tl.load(CHUNKS + 2 * p + 1)
-            bos = tl.load(CU + i)
-            seqlen = tl.load(CU + i + 1) - bos
-            first = h.to(tl.int64) * seq + bos
-            first_kv = hk.to(tl.int64) * seq + bos
+            bos = tl.load(CU + n)
+            seqlen = tl.load(CU + n + 1) - bos
+            i = 0
         else:
             i = p // n_per
             c = p % n_per
+            bos = 0
             seqlen = seq
-            first = (i.to(tl.int64) * heads + h) * seq
-            first_kv = (i.to(tl.int64) * (heads // group) + hk) * seq
         length = tl.maximum(tl.minimum(CS, seqlen - c * CS), 0)
-        return first + c * CS, first_kv + c * CS, length
+        return i, bos + c * CS, length
+
+    @triton.jit
+    def _at(i, h, pos, sb, sh, ss):
+        """Element offset (int64) of row ``pos`` of head ``h`` of batch ``i`` in a [B, H, S, X]
+        tensor of strides (sb, sh, ss, 1): any layout whose last dim is contiguous ("bhsd",
+        "bshd", the views a fused QKV projection splits into) is read in place."""
+        return i.to(tl.int64) * sb + h.to(tl.int64) * sh + pos.to(tl.int64) * ss
 
     @triton.jit
     def _decays(SLOPE, h, length, off, C: tl.constexpr):
@@ -101,33 +103,38 @@ if triton_available():
 
     @triton.jit
     def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
+                     sxb, sxh, syb, syh,
                      D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
-                     LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr):
+                     LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                     SXS: tl.constexpr, SYS: tl.constexpr):
         """OUT[p, h] tile = sum over the chunk's R tiles of (x_scale X_t * w)^T Y_t with
-        w = a (QUERY: X, Y = Q, dO on query rows) or b (X, Y = K, V on key/value rows).
-        Products take the inputs' dtype (bf16/fp16 tensor cores), fp32 accumulation."""
+        w = a (QUERY: X, Y = Q, dO of query head h) or b (X, Y = K, V of K/V head
+        h // group: GQA without expanding K and V); X, Y of strides (sxb, sxh, SXS, 1),
+        (syb, syh, SYS, 1) (row strides constexpr: see ROW_STRIDES). Products take the
+        inputs' dtype (bf16/fp16 tensor cores), fp32 accumulation."""
         p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ct = X.dtype.element_ty if LOWP else tl.float32
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
-        start, start_kv, length = _chunk_of(CU, CHUNKS, p, h, heads, group, seq, n_per,
-                                            C * R, VARLEN)
+        i, pos, length = _chunk_of(CU, CHUNKS, p, seq, n_per, C * R, VARLEN)
+        hx = h if QUERY else h // group
+        xb = X + _at(i, hx, pos, sxb, sxh, SXS)
+        yb = Y + _at(i, hx, pos, syb, syh, SYS)
         ok = ik * BK + tl.arange(0, BK)
         ov = iv * BV + tl.arange(0, BV)
         out = tl.zeros([BK, BV], dtype=tl.float32)
         for r in range(0, (length + C - 1) // C):
             s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
-            rows = (start if QUERY else start_kv) + oi
-            x = tl.load(X + rows[:, None] * D + ok[None, :],
+            x = tl.load(xb + oi[:, None] * SXS + ok[None, :],
                         mask=mrow[:, None] & (ok < D)[None, :], other=0.0).to(ct)
-            y = tl.load(Y + rows[:, None] * DV + ov[None, :],
+            y = tl.load(yb + oi[:, None] * SYS + ov[None, :],
                         mask=mrow[:, None] & (ov < DV)[None, :], other=0.0).to(ct)
             w = a if QUERY else b
             out += tl.dot(tl.trans((x * (w * x_scale)[:, None]).to(ct)), y,
                           input_precision=DOT)
         base = OUT + (p.to(tl.int64) * heads + h) * D * DV
-        tl.store(base + ok[:, None] * DV + ov[None, :], out,
+        tl.store(base + ok[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
                  mask=(ok < D)[:, None] & (ov < DV)[None, :])
 
     @triton.jit
@@ -165,16 +172,19 @@ if triton_available():
             c = count - 1 - step if REVERSE else step
             length = tl.minimum(C, seqlen - c * C)
             ptr = BUF + ((p0 + c).to(tl.int64) * heads + h) * D * DV + tile
-            local = tl.load(ptr, mask=mask, other=0.0)
-            tl.store(ptr, state, mask=mask)
+            local = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptr, state.to(BUF.dtype.element_ty), mask=mask)
             state = tl.exp(-s * length) * state + local
         tl.store(FINAL + ih.to(tl.int64) * D * DV + tile, state, mask=mask)
 
     @triton.jit
     def _chunk_out(Q, K, Z, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
-                   D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                   sqb, sqh, skb, skh, szb, szh, sob, soh, D: tl.constexpr, DV: tl.constexpr,
+                   C: tl.constexpr, R: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, GRAD_V: tl.constexpr,
-                   LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr):
+                   LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                   SQS: tl.constexpr, SKS: tl.constexpr, SZS: tl.constexpr,
+                   SOS: tl.constexpr):
         """Per tile r of chunk p (program r + R * p) and Dv tile, with M the masked decay
         and t over the chunk's tiles:
         forward (Z = V, BUF = S):        O_r  = sum_{t <= r} ((Q_r K_t^T) * M) V_t
@@ -182,9 +192,10 @@ if triton_available():
         GRAD_V (Z = dO, BUF = dS_end):   dV_r = sum_{t >= r} ((Q_t K_r^T) * M)^T dO_t
                                                 + (K_r * b) dS_end[p]
         (q scaled), dV summed over the GQA group's query heads. The tile's own rows are
-        query rows (forward) or key rows (GRAD_V), as are the output rows. Products take the
-        inputs' dtype (the state and the masked scores are rounded to it, as
-        flash-linear-attention does), fp32 accumulation."""
+        query rows (forward) or key rows (GRAD_V), as are the output rows. Strides
+        (s?b, s?h, S?S) of Q, K, Z and OUT (last dims contiguous; row strides constexpr).
+        Products take the inputs' dtype (the state and the masked scores are rounded to it,
+        as flash-linear-attention does), fp32 accumulation."""
         pr, hh, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ct = Q.dtype.element_ty if LOWP else tl.float32
         p, r = pr // R, pr % R
@@ -192,16 +203,22 @@ if triton_available():
         # (dV in K/V's heads and dtype: no fp32 per-query-head buffer); forward: hh = h.
         n_heads = group if GRAD_V else 1
         h0 = hh * n_heads
-        start0, start_kv, length = _chunk_of(CU, CHUNKS, p, h0, heads, group, seq, n_per,
-                                             C * R, VARLEN)
+        hk = h0 // group
+        i, pos, length = _chunk_of(CU, CHUNKS, p, seq, n_per, C * R, VARLEN)
         s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h0, length, r * C, C)
         ov = iv * BV + tl.arange(0, BV)
         mv = ov < DV
         oc = tl.arange(0, C)
         # scalar row bases (int64) + int32 in-tile offsets: no per-element 64-bit row indices
         # kept live across the loops (they spilled registers on sm_90)
-        xb = (K + (start_kv + r * C) * D) if GRAD_V else (Q + (start0 + r * C) * D)
-        dest = (start_kv if GRAD_V else start0) + r * C  # output rows: K/V's or Q's
+        own = pos + r * C
+        if GRAD_V:
+            xb = K + _at(i, hk, own, skb, skh, SKS)
+            sxs = SKS
+        else:
+            xb = Q + _at(i, h0, own, sqb, sqh, SQS)
+            sxs = SQS
+        dest = OUT + _at(i, hh, own, sob, soh, SOS)  # output rows: K/V's or Q's
         x_scale = 1.0 if GRAD_V else scale
         tiles = (length + C - 1) // C
         live = (r < tiles).to(tl.int32)
@@ -210,14 +227,13 @@ if triton_available():
         out = tl.zeros([C, BV], dtype=tl.float32)
         for j in range(0, n_heads):
             h = h0 + j
-            start = start0 + j * seq  # query head h's rows (heads are seq rows apart)
             s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
             w = b if GRAD_V else a
             base = BUF + (p.to(tl.int64) * heads + h) * D * DV
             for ik in range(0, tl.cdiv(D, BK)):  # state term (X_r * w) BUF[p]
                 ok = ik * BK + tl.arange(0, BK)
                 mk = ok < D
-                x = tl.load(xb + oc[:, None] * D + ok[None, :],
+                x = tl.load(xb + oc[:, None] * sxs + ok[None, :],
                             mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
                 tile = tl.load(base + ok[:, None] * DV + ov[None, :],
                                mask=mk[:, None] & mv[None, :], other=0.0)
@@ -226,51 +242,61 @@ if triton_available():
             for t in range(lo, hi):  # the chunk's other tiles: keys up to r / queries from r
                 ti = t * C + tl.arange(0, C)
                 mt = ti < length
-                first = (start if GRAD_V else start_kv) + t * C  # rows of Y = Q (GRAD_V) or K
-                yb = (Q if GRAD_V else K) + first * D
-                zb = Z + first * DV  # dO (GRAD_V) or V rows
+                # rows of Y = Q, Z = dO of query head h (GRAD_V), or Y = K, Z = V of K/V
+                # head hk
+                if GRAD_V:
+                    yb = Q + _at(i, h, pos + t * C, sqb, sqh, SQS)
+                    sy_s = SQS
+                else:
+                    yb = K + _at(i, hk, pos + t * C, skb, skh, SKS)
+                    sy_s = SKS
+                zb = Z + _at(i, h if GRAD_V else hk, pos + t * C, szb, szh, SZS)
                 sc = tl.zeros([C, C], dtype=tl.float32)  # X_r Y_t^T
                 for ik in range(0, tl.cdiv(D, BK)):
                     ok = ik * BK + tl.arange(0, BK)
                     mk = ok < D
-                    x = tl.load(xb + oc[:, None] * D + ok[None, :],
+                    x = tl.load(xb + oc[:, None] * sxs + ok[None, :],
                                 mask=mrow[:, None] & mk[None, :], other=0.0).to(ct)
-                    y = tl.load(yb + oc[:, None] * D + ok[None, :],
+                    y = tl.load(yb + oc[:, None] * sy_s + ok[None, :],
                                 mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
                     sc += tl.dot(x, tl.trans(y), input_precision=DOT)
                 ft = ti.to(tl.float32)
                 # rows: own tile, columns: tile t; the query is the later position
                 gap = ft[None, :] - fi[:, None] if GRAD_V else fi[:, None] - ft[None, :]
                 m = _decay_mask(s, gap)
-                z = tl.load(zb + oc[:, None] * DV + ov[None, :],
+                z = tl.load(zb + oc[:, None] * SZS + ov[None, :],
                             mask=mt[:, None] & mv[None, :], other=0.0).to(ct)
                 out += tl.dot((sc * m * scale).to(ct), z, input_precision=DOT)
-        tl.store(OUT + dest * DV + oc[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
+        tl.store(dest + oc[:, None] * SOS + ov[None, :], out.to(OUT.dtype.element_ty),
                  mask=mrow[:, None] & mv[None, :])
 
     @triton.jit
-    def _do_vt(DOB, mdo, VB, mv_rows, DV: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-               LOWP: tl.constexpr, DOT: tl.constexpr):
-        """dO V^T [C, C] (fp32) over the Dv tiles: C rows of dO from DOB (row mask mdo) and
-        of V from VB (row mask mv_rows), products in the input dtype under LOWP."""
+    def _do_vt(DOB, mdo, SDS: tl.constexpr, VB, mv_rows, SVS: tl.constexpr, DV: tl.constexpr,
+               C: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr, DOT: tl.constexpr):
+        """dO V^T [C, C] (fp32) over the Dv tiles: C rows of dO from DOB (row mask mdo, row
+        stride SDS) and of V from VB (row mask mv_rows, row stride SVS), products in the
+        input dtype under LOWP."""
         ct = DOB.dtype.element_ty if LOWP else tl.float32
         oc = tl.arange(0, C)
         acc = tl.zeros([C, C], dtype=tl.float32)
         for iv in range(0, tl.cdiv(DV, BV)):
             ov = iv * BV + tl.arange(0, BV)
             mv = ov < DV
-            g = tl.load(DOB + oc[:, None] * DV + ov[None, :], mask=mdo[:, None] & mv[None, :],
+            g = tl.load(DOB + oc[:, None] * SDS + ov[None, :], mask=mdo[:, None] & mv[None, :],
                         other=0.0).to(ct)
-            v = tl.load(VB + oc[:, None] * DV + ov[None, :], mask=mv_rows[:, None] & mv[None, :],
-                        other=0.0).to(ct)
+            v = tl.load(VB + oc[:, None] * SVS + ov[None, :],
+                        mask=mv_rows[:, None] & mv[None, :], other=0.0).to(ct)
             acc += tl.dot(g, tl.trans(v), input_precision=DOT)
         return acc
 
     @triton.jit
     def _chunk_dqdk(Q, K, V, DO, SLOPE, STATES, DSEND, DQ, DK, DSLOPE, CU, CHUNKS, seq, heads,
-                    group, n_per, parts, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                    group, n_per, parts, scale, sqb, sqh, skb, skh, svb, svh, sdb, sdh, sob,
+                    soh, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                     R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GRAD_K: tl.constexpr,
-                    LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr):
+                    SLOPE_GRAD: tl.constexpr, LOWP: tl.constexpr, VARLEN: tl.constexpr,
+                    DOT: tl.constexpr, SQS: tl.constexpr, SKS: tl.constexpr,
+                    SVS: tl.constexpr, SDS: tl.constexpr, SOS: tl.constexpr):
         """GRAD_K: dK of tile r of chunk p (program r + R * p) on one D tile, summed over the
         GQA group's query heads (one program per K/V head), else its dQ;
         and this program's part of dslope (linear in the D tiles: every term is a sum over
@@ -278,32 +304,35 @@ if triton_available():
         launch; the chunk's state-decay term by tile 0 in the dK launch). An unused slot or
         tile adds 0. Products take the inputs' dtype, fp32 accumulation. dQ and dK are two
         launches: one kernel computing both kept ~2x the live tiles and spilled registers
-        on sm_90 in every tile config (graphopt.kernels.resources)."""
+        on sm_90 in every tile config (graphopt.kernels.resources). Without SLOPE_GRAD
+        (the slope is not trained: MiniMax's and Lightning's fixed ALiBi-style slopes) the
+        dslope terms are skipped: dQ's extra Q_r K_t^T product per key tile, and dK's reads
+        of STATES (then any placeholder: the backward frees the states before dK). Strides
+        (s?b, s?h, S?S) of Q, K, V, dO and of the output (DQ or DK), last dims contiguous
+        (row strides constexpr)."""
         pr, hh, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ct = Q.dtype.element_ty if LOWP else tl.float32
         p, r = pr // R, pr % R
         # GRAD_K: program per K/V head hh, summing its GQA group's query heads (dK in K's
         # heads and dtype); dQ: hh is the query head.
         h0 = hh * group if GRAD_K else hh
-        start0, start_kv, length = _chunk_of(CU, CHUNKS, p, h0, heads, group, seq, n_per,
-                                             C * R, VARLEN)
+        hk = h0 // group
+        i, pos, length = _chunk_of(CU, CHUNKS, p, seq, n_per, C * R, VARLEN)
         s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h0, length, r * C, C)
         ok = ik * BK + tl.arange(0, BK)
         mk = ok < D
         oc = tl.arange(0, C)
         # scalar row bases (int64) + int32 in-tile offsets (see _chunk_out)
-        k_own = K + (start_kv + r * C) * D
-        v_own = V + (start_kv + r * C) * DV
+        own = pos + r * C
+        k_own = K + _at(i, hk, own, skb, skh, SKS)
+        v_own = V + _at(i, hk, own, svb, svh, SVS)
         tile_mask = mrow[:, None] & mk[None, :]
         tiles = (length + C - 1) // C
         first = (r == 0).to(tl.float32)  # the chunk's state-decay term: tile 0's
         if GRAD_K:
-            k = tl.load(k_own + oc[:, None] * D + ok[None, :], mask=tile_mask,
-                        other=0.0).to(tl.float32)
             dk = tl.zeros([C, BK], dtype=tl.float32)
             for j in range(0, group):
                 h = h0 + j
-                start = start0 + j * seq  # query head h's rows
                 s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
                 slot = (p.to(tl.int64) * heads + h) * D * DV
                 vds = tl.zeros([C, BK], dtype=tl.float32)  # V_r dS^T
@@ -311,63 +340,77 @@ if triton_available():
                 for iv in range(0, tl.cdiv(DV, BV)):
                     ov = iv * BV + tl.arange(0, BV)
                     mv = ov < DV
-                    v = tl.load(v_own + oc[:, None] * DV + ov[None, :],
+                    v = tl.load(v_own + oc[:, None] * SVS + ov[None, :],
                                 mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
-                    st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
-                                 mask=mk[:, None] & mv[None, :], other=0.0)
                     ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
                                  mask=mk[:, None] & mv[None, :], other=0.0)
                     vds += tl.dot(v, tl.trans(ds.to(ct)), input_precision=DOT)
-                    ssum += tl.sum(ds * st, axis=1)
-                acc = -tl.sum(vds * k, axis=1) * kpos * b
+                    if SLOPE_GRAD:
+                        st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
+                                     mask=mk[:, None] & mv[None, :], other=0.0)
+                        ssum += tl.sum(ds.to(tl.float32) * st.to(tl.float32), axis=1)
+                acc = tl.zeros([C], dtype=tl.float32)
+                if SLOPE_GRAD:  # before the tile loop: vds is not kept live through it
+                    k = tl.load(k_own + oc[:, None] * SKS + ok[None, :], mask=tile_mask,
+                                other=0.0).to(tl.float32)
+                    acc = -tl.sum(vds * k, axis=1) * kpos * b
                 dk += vds * b[:, None]
                 for t in range(r, tiles):  # queries of tile t >= r
-                    q_t = Q + (start + t * C) * D
-                    do_t = DO + (start + t * C) * DV
+                    q_t = Q + _at(i, h, pos + t * C, sqb, sqh, SQS)
+                    do_t = DO + _at(i, h, pos + t * C, sdb, sdh, SDS)
                     mt = t * C + oc < length
-                    dov = _do_vt(do_t, mt, v_own, mrow, DV, C, BV, LOWP, DOT)  # dO_t V_r^T
+                    dov = _do_vt(do_t, mt, SDS, v_own, mrow, SVS, DV, C, BV, LOWP,
+                                 DOT)  # dO_t V_r^T
                     m = _decay_mask(s, (t * C + oc).to(tl.float32)[:, None] - fi[None, :])
-                    qt = tl.load(q_t + oc[:, None] * D + ok[None, :],
+                    qt = tl.load(q_t + oc[:, None] * SQS + ok[None, :],
                                  mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
                     dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt, input_precision=DOT)
-                part = tl.sum(acc, axis=0) \
-                    - first * length * tl.exp(-s * length) * tl.sum(ssum, axis=0)
-                tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * parts + ik, part)
-            tl.store(DK + (start_kv + r * C) * D + oc[:, None] * D + ok[None, :],
+                if SLOPE_GRAD:
+                    part = tl.sum(acc, axis=0) \
+                        - first * length * tl.exp(-s * length) * tl.sum(ssum, axis=0)
+                    tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * parts + ik, part)
+            tl.store(DK + _at(i, hh, own, sob, soh, SOS) + oc[:, None] * SOS + ok[None, :],
                      dk.to(DK.dtype.element_ty), mask=tile_mask)
         else:
-            q_own = Q + (start0 + r * C) * D
-            do_own = DO + (start0 + r * C) * DV
+            q_own = Q + _at(i, h0, own, sqb, sqh, SQS)
+            do_own = DO + _at(i, h0, own, sdb, sdh, SDS)
             slot = (p.to(tl.int64) * heads + h0) * D * DV
             dq = tl.zeros([C, BK], dtype=tl.float32)  # dO_r S^T, then dQ_r
             for iv in range(0, tl.cdiv(DV, BV)):
                 ov = iv * BV + tl.arange(0, BV)
                 mv = ov < DV
-                do = tl.load(do_own + oc[:, None] * DV + ov[None, :],
+                do = tl.load(do_own + oc[:, None] * SDS + ov[None, :],
                              mask=mrow[:, None] & mv[None, :], other=0.0).to(ct)
                 st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
                              mask=mk[:, None] & mv[None, :], other=0.0)
                 dq += tl.dot(do, tl.trans(st.to(ct)), input_precision=DOT)
-            q = tl.load(q_own + oc[:, None] * D + ok[None, :], mask=tile_mask, other=0.0).to(ct)
-            acc = -tl.sum(dq * q.to(tl.float32), axis=1) * scale * (fi + 1.0) * a
+            q = tl.load(q_own + oc[:, None] * SQS + ok[None, :], mask=tile_mask,
+                        other=0.0).to(ct)
+            acc = tl.zeros([C], dtype=tl.float32)
+            if SLOPE_GRAD:
+                acc = -tl.sum(dq * q.to(tl.float32), axis=1) * scale * (fi + 1.0) * a
             dq = dq * a[:, None]
             live = (r < tiles).to(tl.int32)
             for t in range(0, (r + 1) * live):  # keys of tile t <= r, and the pairs' dslope
-                k_t = K + (start_kv + t * C) * D
-                v_t = V + (start_kv + t * C) * DV
+                k_t = K + _at(i, hk, pos + t * C, skb, skh, SKS)
+                v_t = V + _at(i, hk, pos + t * C, svb, svh, SVS)
                 mt = t * C + oc < length
-                dov = _do_vt(do_own, mrow, v_t, mt, DV, C, BV, LOWP, DOT)  # dO_r V_t^T
+                dov = _do_vt(do_own, mrow, SDS, v_t, mt, SVS, DV, C, BV, LOWP,
+                             DOT)  # dO_r V_t^T
                 gap = fi[:, None] - (t * C + oc).to(tl.float32)[None, :]
                 m = _decay_mask(s, gap)
                 dovm = dov * m  # 0 where the key is after the query, so gap needs no clamp
-                kt = tl.load(k_t + oc[:, None] * D + ok[None, :], mask=mt[:, None] & mk[None, :],
-                             other=0.0).to(ct)
+                kt = tl.load(k_t + oc[:, None] * SKS + ok[None, :],
+                             mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
                 dq += tl.dot(dovm.to(ct), kt, input_precision=DOT)
-                acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt), input_precision=DOT) * gap,
-                              axis=1) * scale
-            tl.store(DQ + (start0 + r * C) * D + oc[:, None] * D + ok[None, :],
+                if SLOPE_GRAD:
+                    acc -= tl.sum(dovm * tl.dot(q, tl.trans(kt), input_precision=DOT) * gap,
+                                  axis=1) * scale
+            tl.store(DQ + _at(i, h0, own, sob, soh, SOS) + oc[:, None] * SOS + ok[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=tile_mask)
-            tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * parts + ik, tl.sum(acc, axis=0))
+            if SLOPE_GRAD:
+                tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * parts + ik,
+                         tl.sum(acc, axis=0))
 
 
 MAX_TILE = 64
@@ -416,6 +459,19 @@ def _out_dtype(x: Tensor) -> torch.dtype:
 def _lowp(dtype: torch.dtype) -> bool:
     """Whether the products (tl.dot) take the input dtype: see LOWP_DTYPES."""
     return dtype in LOWP_DTYPES
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage of the per-chunk state buffers (S[c] before each chunk, and the backward's
+    dS_end[c]) for inputs of ``dtype``: the input dtype where the products take it (LOWP:
+    every reader rounds the state to it before its tl.dot anyway, so storing it rounded
+    halves the buffers' bytes and their traffic without changing those products), else
+    float32. The scans accumulate in float32 registers (each chunk's own outer-product sum
+    is rounded once when stored, not the running state), and the final state and the
+    initial state's gradient are float32 buffers of their own. flash-linear-attention
+    stores its forward states in the input dtype too (float32 in its backward: twice these
+    bytes; measured in docs/benchmarks.md, "Lightning memory on the CPU")."""
+    return dtype if _lowp(dtype) else torch.float32
 
 
 def _ntiles(d: int, dv: int, meta: dict[str, Any]) -> int:
@@ -590,16 +646,18 @@ def _chunks(batch: int, seq: int, c: int, cu_seqlens: Tensor | None, placeholder
 
 def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict[str, int],
             g: _Chunks, seq: int, group: int) -> tuple[Tensor, Tensor]:
-    """(S[c] for every chunk slot [P, H, D, Dv] fp32, final states [N, H, D, Dv] fp32);
-    k, v: [B * Hk * S | Hk * T, D | Dv] rows (H = Hk * group query heads), initial:
-    [N, H, D, Dv] or None."""
+    """(S[c] for every chunk slot [P, H, D, Dv] in _state_dtype, final states
+    [N, H, D, Dv] fp32);
+    k, v: [B, Hk, S | T, D | Dv] (H = Hk * group query heads; any strides with the last dim
+    contiguous, see :func:`_kernel_input`), initial: [N, H, D, Dv] or None."""
     heads = slope.shape[0]
     d, dv = k.shape[-1], v.shape[-1]
-    buf = torch.empty(g.slots, heads, d, dv, dtype=torch.float32, device=k.device)
+    buf = torch.empty(g.slots, heads, d, dv, dtype=_state_dtype(k.dtype), device=k.device)
     _launch(_chunk_outer, lambda m: (g.slots, heads, _ntiles(d, dv, m)),
-            (k, v, slope, buf, g.cu, g.table, seq, heads, group, g.n_per, 1.0), t,
-            ("BK", "BV"),
-            D=d, DV=dv, QUERY=False, LOWP=_lowp(k.dtype), VARLEN=g.varlen)
+            (k, v, slope, buf, g.cu, g.table, seq, heads, group, g.n_per, 1.0,
+             *_strides(k), *_strides(v)), t, ("BK", "BV"),
+            D=d, DV=dv, QUERY=False, LOWP=_lowp(k.dtype), VARLEN=g.varlen,
+            SXS=k.stride(2), SYS=v.stride(2))
     final = torch.empty(g.n_seqs, heads, d, dv, dtype=torch.float32, device=k.device)
     init = initial.float().contiguous() if initial is not None else final
     _run_scan(buf, slope, init, final, g, seq, d, dv, t, initial is not None, False)
@@ -615,31 +673,50 @@ def _run_scan(buf: Tensor, slope: Tensor, init: Tensor, final: Tensor, g: _Chunk
         VARLEN=g.varlen, **SCAN_OPTIONS)
 
 
-def _rows(x: Tensor) -> Tensor:
-    """[B, H, S, X] -> contiguous [B * H * S, X] rows (the kernels' layout); float64 becomes
-    float32 (the kernels' products take the input dtype: fp32 / bf16 / fp16)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return (rows.float() if rows.dtype == torch.float64 else rows).contiguous()
+def _kernel_input(x: Tensor) -> Tensor:
+    """[B, H, S, X] as the kernels read it: in place when its last dim is contiguous (every
+    other stride is an argument: "bhsd", "bshd" through the public API's transpose, the
+    q / k / v views of a fused QKV projection; no copy), else a contiguous copy; float64
+    becomes float32 (the kernels' products take the input dtype: fp32 / bf16 / fp16)."""
+    if x.dtype == torch.float64:
+        return x.float()
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _strides(x: Tensor) -> tuple[int, int]:
+    """(batch, head) strides of a [B, H, S, X] kernel input or output (elements), runtime
+    arguments; its row stride ``x.stride(2)`` is a constexpr (ROW_STRIDES)."""
+    return x.stride(0), x.stride(1)
+
+
+ROW_STRIDES = "constexpr"
+"""How the kernels take a tensor's row stride (``S?S``: elements from one position to the
+next): as a constexpr, so every in-tile offset ``row * stride`` folds into the address
+arithmetic as it did with the fixed [B * H * S, X] row layout. Runtime row strides made the
+dK kernel at D = 256 with a trained slope spill registers on sm_90 (255 registers + 8 stack
+bytes in its best config, 218 and none before; graphopt.kernels.resources). A new layout
+(bhsd, bshd, a fused QKV split) compiles and tunes its own kernels once."""
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
              initial: Tensor | None, block_size: int, cu_seqlens: Tensor | None
              ) -> tuple[Tensor, Tensor, Tensor, _Chunks]:
-    """(o [B, H, S, Dv] in q's dtype (fp32 for fp64), states [P, H, D, Dv] fp32, final
+    """(o [B, H, S, Dv] in q's dtype (fp32 for fp64), states [P, H, D, Dv] (_state_dtype), final
     [N, H, D, Dv] fp32, chunk slots)."""
     b, h, seq, d = q.shape
     dv = v.shape[-1]
     t = _tiles(d, dv, block_size)
     slope_f = slope.float().contiguous()
     g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
-    q_, k_, v_ = _rows(q), _rows(k), _rows(v)
+    q_, k_, v_ = _kernel_input(q), _kernel_input(k), _kernel_input(v)
     group = h // k.shape[1]
     states, final = _states(k_, v_, slope_f, initial, t, g, seq, group)
     o = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
     _launch(_chunk_out, lambda m: (g.slots * t["R"], h, triton.cdiv(dv, m["BV"])),
             (q_, k_, v_, slope_f, states, o, g.cu, g.table, seq, h, group, g.n_per,
-             float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=False, LOWP=_lowp(q.dtype),
-            VARLEN=g.varlen)
+             float(scale), *_strides(q_), *_strides(k_), *_strides(v_), *_strides(o)), t,
+            ("BK", "BV"), D=d, DV=dv, GRAD_V=False, LOWP=_lowp(q.dtype), VARLEN=g.varlen,
+            SQS=q_.stride(2), SKS=k_.stride(2), SZS=v_.stride(2), SOS=o.stride(2))
     return o, states, final, g
 
 
@@ -656,46 +733,63 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     t = _tiles(d, dv, block_size)
     slope_f = slope.float().contiguous()
     g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
-    q_, k_, v_, go = _rows(q), _rows(k), _rows(v), _rows(grad_o)
+    q_, k_, v_, go = (_kernel_input(x) for x in (q, k, v, grad_o))
     group = h // k.shape[1]
     states, _ = _states(k_, v_, slope_f, initial, t, g, seq, group)
     # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
     # E[last] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial
     # state.
-    dsend = torch.empty(g.slots, h, d, dv, dtype=torch.float32, device=q.device)
+    dsend = torch.empty(g.slots, h, d, dv, dtype=_state_dtype(q.dtype), device=q.device)
     _launch(_chunk_outer, lambda m: (g.slots, h, _ntiles(d, dv, m)),
-            (q_, go, slope_f, dsend, g.cu, g.table, seq, h, group, g.n_per, float(scale)), t,
-            ("BK", "BV"), D=d, DV=dv, QUERY=True, LOWP=_lowp(q.dtype), VARLEN=g.varlen)
+            (q_, go, slope_f, dsend, g.cu, g.table, seq, h, group, g.n_per, float(scale),
+             *_strides(q_), *_strides(go)), t, ("BK", "BV"), D=d, DV=dv, QUERY=True,
+            LOWP=_lowp(q.dtype), VARLEN=g.varlen, SXS=q_.stride(2), SYS=go.stride(2))
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
     _run_scan(dsend, slope_f, dht, dh0, g, seq, d, dv, t, grad_state is not None, True)
     want_q, want_kv = need_q or need_slope_grad, need_kv or need_slope_grad
-    new = torch.empty if want_q else torch.zeros
-    dq = new(b, h, seq, d, dtype=_out_dtype(q), device=q.device)
-    # dK, dV in K/V's heads: each program sums its GQA group's query heads.
-    new = torch.empty if want_kv else torch.zeros
-    dk = new(b, h // group, seq, d, dtype=_out_dtype(q), device=q.device)
-    dvv = new(b, h // group, seq, dv, dtype=_out_dtype(q), device=q.device)
     # dslope parts per (program, D tile): room for the narrowest D tile (16), zeros where a
     # wider tuned tile leaves slots unused (zeroed again by the autotuner), so BK is tuned
-    # too.
+    # too. Without a slope gradient the kernels skip those terms (one placeholder).
     nk = triton.cdiv(d, 16)
-    parts = torch.zeros(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
-    for grad_k, part in ((True, parts[0]), (False, parts[1])):
+    parts = torch.zeros(2, g.slots * t["R"] if need_slope_grad else 1, h, nk,
+                        dtype=torch.float32, device=q.device)
+    # dQ first: without a slope gradient nothing after it reads the chunk states, which are
+    # freed before dK and dV are allocated (peak: the states, dS_end and dQ, or dS_end and
+    # the three gradients; not all five).
+    dq = (torch.empty if want_q else torch.zeros)(b, h, seq, d, dtype=_out_dtype(q),
+                                                   device=q.device)
+    # dK, dV in K/V's heads: each program sums its GQA group's query heads.
+    kv_shape = (b, h // group, seq)
+    dk = dvv = q.new_empty(0)
+    for grad_k, part in ((False, parts[1]), (True, parts[0])):
+        if grad_k:
+            if not need_slope_grad:
+                states = dsend  # a placeholder: dK reads the states for dslope only
+            new = torch.empty if want_kv else torch.zeros
+            dk = new(*kv_shape, d, dtype=_out_dtype(q), device=q.device)
+            dvv = new(*kv_shape, dv, dtype=_out_dtype(q), device=q.device)
         if not (want_kv if grad_k else want_q):
             continue
         heads = h // group if grad_k else h  # dK: per K/V head
+        out = dk if grad_k else dq
         _launch(_chunk_dqdk, lambda m, heads=heads: (  # type: ignore[misc]
                     g.slots * t["R"], heads, triton.cdiv(d, m["BK"])),
                 (q_, k_, v_, go, slope_f, states, dsend, dq, dk, part, g.cu, g.table, seq, h,
-                 group, g.n_per, nk, float(scale)), t, ("BK", "BV"), ("DSLOPE",), D=d,
-                DV=dv, GRAD_K=grad_k, LOWP=_lowp(q.dtype), VARLEN=g.varlen)
+                 group, g.n_per, nk, float(scale), *_strides(q_), *_strides(k_),
+                 *_strides(v_), *_strides(go), *_strides(out)), t,
+                ("BK", "BV"), ("DSLOPE",), D=d,
+                DV=dv, GRAD_K=grad_k, SLOPE_GRAD=need_slope_grad, LOWP=_lowp(q.dtype),
+                VARLEN=g.varlen, SQS=q_.stride(2), SKS=k_.stride(2), SVS=v_.stride(2),
+                SDS=go.stride(2), SOS=out.stride(2))
     if want_kv:
         _launch(_chunk_out, lambda m: (g.slots * t["R"], h // group,
                                        triton.cdiv(dv, m["BV"])),
                 (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,
-                 float(scale)), t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True,
-                LOWP=_lowp(q.dtype), VARLEN=g.varlen)
+                 float(scale), *_strides(q_), *_strides(k_), *_strides(go), *_strides(dvv)),
+                t, ("BK", "BV"), D=d, DV=dv, GRAD_V=True,
+                LOWP=_lowp(q.dtype), VARLEN=g.varlen, SQS=q_.stride(2), SKS=k_.stride(2),
+                SZS=go.stride(2), SOS=dvv.stride(2))
     dslope = parts.sum(dim=(0, 1, 3)) if need_slope_grad else None
     return dq, dk, dvv, dslope, dh0
 
@@ -769,16 +863,17 @@ class LaunchSpec(NamedTuple):
 
 
 def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
-                 varlen: bool = False) -> list[LaunchSpec]:
+                 varlen: bool = False, slope_grad: bool = True) -> list[LaunchSpec]:
     """The launches of one forward + backward at head dims (d, dv), chunk ``block_size`` and
     input dtype ("bf16", "fp16", "fp32"): state pass, scan, output, g pass, reverse scan,
-    dK, dQ, dV."""
+    dQ, dK, dV (``slope_grad``: with the dslope terms, the kernels' larger variant)."""
     from graphopt.kernels.resources import argument_types
 
-    state = {n: "*fp32" for n in ("SLOPE", "BUF", "STATES", "DSEND", "INIT", "FINAL",
-                                  "DSLOPE")}
-    index = {n: "*i32" for n in ("CU", "CHUNKS", "OFFS")}
     lowp = dtype == "bf16"  # as LOWP_DTYPES on a GPU
+    stored = "*bf16" if lowp else "*fp32"  # _state_dtype
+    state = {n: "*fp32" for n in ("SLOPE", "INIT", "FINAL", "DSLOPE")}
+    state.update({n: stored for n in ("BUF", "STATES", "DSEND")})
+    index = {n: "*i32" for n in ("CU", "CHUNKS", "OFFS")}
     t = _tiles(d, dv, block_size)
 
     def spec(name: str, kernel: Any, tuned: tuple[str, ...], out: str | None = None,
@@ -786,20 +881,22 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
         explicit = {**state, **index, **({"OUT": out} if out else {})}
         types = argument_types(kernel, explicit, f"*{dtype}", floats=("scale", "x_scale"))
         params = {p.name for p in kernel.params if p.is_constexpr}
-        fixed = {k: v for k, v in {**t, **consts, "D": d, "DV": dv, "VARLEN": varlen,
+        rows = dict(SXS=d, SYS=dv, SQS=d, SKS=d, SVS=dv, SZS=dv, SDS=dv)  # "bhsd" inputs
+        fixed = {k: v for k, v in {**t, **rows, **consts, "D": d, "DV": dv, "VARLEN": varlen,
                                    "DOT": dot_precision(),
                                    "LOWP": lowp}.items() if k in params}
         return LaunchSpec(name, kernel, types, fixed, tuned)
 
     scan: dict[str, Any] = {"C": t["C"] * t["R"], "HAS_INIT": True}
-    return [spec("kv states", _chunk_outer, ("BK", "BV"), out="*fp32", QUERY=False),
+    return [spec("kv states", _chunk_outer, ("BK", "BV"), out=stored, QUERY=False),
             spec("scan", _scan, (), REVERSE=False, **scan),
-            spec("output", _chunk_out, ("BK", "BV"), GRAD_V=False),
-            spec("g states", _chunk_outer, ("BK", "BV"), out="*fp32", QUERY=True),
+            spec("output", _chunk_out, ("BK", "BV"), GRAD_V=False, SOS=dv),
+            spec("g states", _chunk_outer, ("BK", "BV"), out=stored, QUERY=True),
             spec("reverse scan", _scan, (), REVERSE=True, **scan),
-            spec("dK", _chunk_dqdk, ("BK", "BV"), GRAD_K=True),
-            spec("dQ", _chunk_dqdk, ("BK", "BV"), GRAD_K=False),
-            spec("dV", _chunk_out, ("BK", "BV"), GRAD_V=True)]
+            spec("dQ", _chunk_dqdk, ("BK", "BV"), GRAD_K=False, SLOPE_GRAD=slope_grad,
+                 SOS=d),
+            spec("dK", _chunk_dqdk, ("BK", "BV"), GRAD_K=True, SLOPE_GRAD=slope_grad, SOS=d),
+            spec("dV", _chunk_out, ("BK", "BV"), GRAD_V=True, SOS=dv)]
 
 
 def launch_configs(spec: LaunchSpec) -> list[tuple[dict[str, Any], int, int]]:
