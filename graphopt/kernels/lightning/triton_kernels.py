@@ -111,7 +111,7 @@ if triton_available():
         """OUT[p, h] tile = sum over the chunk's R tiles of (x_scale X_t * w)^T Y_t with
         w = a (QUERY: X, Y = Q, dO of query head h) or b (X, Y = K, V of K/V head
         h // group: GQA without expanding K and V); X, Y of strides (sxb, sxh, SXS, 1),
-        (syb, syh, SYS, 1) (row strides constexpr: see ROW_STRIDES). Products take the
+        (syb, syh, SYS, 1) (row strides constexpr: see _strides). Products take the
         inputs' dtype (bf16/fp16 tensor cores), fp32 accumulation."""
         p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ct = X.dtype.element_ty if LOWP else tl.float32
@@ -679,23 +679,19 @@ def _kernel_input(x: Tensor) -> Tensor:
     q / k / v views of a fused QKV projection; no copy), else a contiguous copy; float64
     becomes float32 (the kernels' products take the input dtype: fp32 / bf16 / fp16)."""
     if x.dtype == torch.float64:
-        return x.float()
+        x = x.float()  # keeps a dense tensor's strides: checked below as any other
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 def _strides(x: Tensor) -> tuple[int, int]:
     """(batch, head) strides of a [B, H, S, X] kernel input or output (elements), runtime
-    arguments; its row stride ``x.stride(2)`` is a constexpr (ROW_STRIDES)."""
+    arguments. Its row stride ``x.stride(2)`` is passed as a constexpr (``S?S``), so every
+    in-tile offset ``row * stride`` folds into the address arithmetic as it did with the
+    fixed [B * H * S, X] row layout: runtime row strides made the dK kernel at D = 256 with a
+    trained slope spill registers on sm_90 (255 registers + 8 stack bytes in its best
+    config; 218 and none before strides; graphopt.kernels.resources). A new layout (bhsd,
+    bshd, a fused QKV split) compiles and tunes its own kernels once."""
     return x.stride(0), x.stride(1)
-
-
-ROW_STRIDES = "constexpr"
-"""How the kernels take a tensor's row stride (``S?S``: elements from one position to the
-next): as a constexpr, so every in-tile offset ``row * stride`` folds into the address
-arithmetic as it did with the fixed [B * H * S, X] row layout. Runtime row strides made the
-dK kernel at D = 256 with a trained slope spill registers on sm_90 (255 registers + 8 stack
-bytes in its best config, 218 and none before; graphopt.kernels.resources). A new layout
-(bhsd, bshd, a fused QKV split) compiles and tunes its own kernels once."""
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
