@@ -32,6 +32,21 @@ for d, block, dtype in ((64, 64, "bf16"), (128, 64, "bf16"), (256, 64, "bf16"),
                 break
         assert found, (d, block, spec.name, "no candidate config fits an sm_90 block")
         print(d, block, spec.name, found)
+# The config a launch takes without autotuning on a GPU (TUNE False: lightning_gpu.py
+# --no-tune) fits without spills at head dims 64 and 128, fixed or trained slope (64-wide
+# tiles with 4 warps, the interpreter's, spilled up to 1,304 B/thread).
+tk.INTERPRETED = False
+for d in (64, 128):
+    for slope_grad in (False, True):
+        for spec in tk.launch_specs(d, d, 64, "bf16", slope_grad=slope_grad):
+            if not spec.tuned:
+                continue
+            tiles, options = tk.untuned({n: spec.constexprs[n] for n in ("C", "R", "BK", "BV")},
+                                        spec.tuned)
+            consts = {**spec.constexprs, **{n: tiles[n] for n in spec.tuned}}
+            res = compile_for_gpu(spec.kernel, spec.types, consts, options["num_warps"],
+                                  options["num_stages"])
+            assert res.fits(), (d, slope_grad, spec.name, "untuned", res)
 # packed sequences compile too (the chunk-table path)
 spec = tk.launch_specs(128, 128, 64, "bf16", varlen=True)[2]
 consts, warps, stages = sorted(tk.launch_configs(spec), key=lambda c: -c[1])[0]

@@ -438,6 +438,28 @@ def _options(c: int) -> dict[str, int]:
     return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
 
 
+UNTUNED_TILE = 32
+"""D / Dv tile of a tuned launch run without autotuning on a GPU/NPU (``TUNE = False``, e.g.
+``lightning_gpu.py --no-tune``), with UNTUNED_WARPS warps: the one config of the candidates
+that compiles without register spills on sm_90 for every launch at head dims 64 and 128,
+fixed or trained slope (``tests/test_kernel_resources.py``). The interpreter's tiles (64
+wide, 4 warps) spilled there in the output, dQ, dK and dV launches, up to 1,304 stack bytes
+per thread (dK with dslope at D = 128), which is what a ``--no-tune`` H200 run got."""
+
+UNTUNED_WARPS = 8
+
+
+def untuned(t: dict[str, int], tuned: tuple[str, ...]) -> tuple[dict[str, int],
+                                                                dict[str, int]]:
+    """(tiles, launch options) of a launch that is not autotuned: ``t`` and _options under
+    the interpreter (or for launches with nothing tuned), else the ``tuned`` tiles capped at
+    UNTUNED_TILE with UNTUNED_WARPS warps."""
+    if INTERPRETED or not tuned:
+        return dict(t), _options(t["C"])
+    return ({**t, **{n: min(t[n], UNTUNED_TILE) for n in tuned}},
+            {"num_warps": UNTUNED_WARPS, "num_stages": 1})
+
+
 def dot_precision() -> str:
     """The ``DOT`` constexpr, tl.dot's ``input_precision`` for fp32 products (fp32 and fp16
     inputs, fp32 states): "ieee", or "tf32" when torch's ``set_float32_matmul_precision``
@@ -537,8 +559,9 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     if "DOT" in kernel.arg_names:
         consts = {**consts, "DOT": dot_precision()}
     if not TUNE or not tuned:
-        meta = {**t, **consts}
-        kernel[grid(meta)](*args, **meta, **_options(t["C"]))
+        tiles, options = untuned(t, tuned)
+        meta = {**tiles, **consts}
+        kernel[grid(meta)](*args, **meta, **options)
         return
     key = (id(kernel), tuned, reset)
     if key not in _AUTOTUNED:
