@@ -4,7 +4,13 @@ own grouped_mm experts, forward+backward, bf16, side by side; plus correctness c
 op and of the moe pass on a small Mixtral on the GPU, and the combine (unpermute) alone:
 fused Triton gather vs index_add.
 
-    python benchmarks/moe_gpu.py [--reps 20]
+    python benchmarks/moe_gpu.py [--reps 20] [--skip-checks] [--profile I]
+
+``--profile I``: instead of the tables, torch.profiler over 5 forward+backward steps of
+SHAPES[I] for transformers' grouped_mm experts and for graphopt's op, each printing its
+GPU kernels by total CUDA time and the step's CPU (launch) time next to its GPU time: where
+the 0.80x at hidden 1024 goes (docs/benchmarks.md: the GEMMs are shared, the non-GEMM passes
+are ~1.3 ms at Mixtral size by their bytes, so the rest is kernels to find by name).
 
 Timing: CUDA events around 20 forward+backward steps after 5 warm-ups, median per step.
 """
@@ -121,11 +127,18 @@ def check_pass() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--profile", type=int, default=None, metavar="I",
+                        help="profile SHAPES[I] instead of timing the tables")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    check_op()
-    check_no_host_sync()
-    check_pass()
+    if args.profile is not None:
+        profile_shape(*SHAPES[args.profile])
+        return
+    if not args.skip_checks:
+        check_op()
+        check_no_host_sync()
+        check_pass()
     print("| tokens | experts | hidden | ffn | transformers loop ms | transformers grouped_mm ms "
           "| graphopt ms | vs loop | vs grouped_mm |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -160,6 +173,42 @@ def combine_rows(reps: int) -> None:
         plain, fused = time_step(step(False), reps), time_step(step(True), reps)
         print(f"| {t} | {k} | {h} | {plain:.3f} | {fused:.3f} | {plain / fused:.2f}x | "
               f"{diff:.1e} |", flush=True)
+
+
+def profile_shape(t: int, e: int, h: int, f: int, steps: int = 5) -> None:
+    """Per implementation: its CUDA kernels by total time over ``steps`` forward+backward
+    steps (after 3 warm-ups), and the wall, CPU-side and GPU time per step."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    grouped = experts_module(e, h, f, "grouped_mm")
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w, i = torch.randn(t, e, device="cuda").softmax(-1).topk(2, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).requires_grad_()
+    g = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    runs = {"transformers grouped_mm": lambda: grouped(x, i, w).backward(g),
+            "graphopt": lambda: moe_experts(x, i, w, grouped.gate_up_proj,
+                                            grouped.down_proj).backward(g)}
+    for name, fn in runs.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            began = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            launched = time.perf_counter() - began
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - began
+        events = prof.key_averages()
+        kernels = [ev for ev in events if ev.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_us = sum(ev.self_device_time_total for ev in kernels) / steps
+        print(f"\n== {name}: tokens {t}, experts {e}, hidden {h}, ffn {f}: per step wall "
+              f"{wall / steps * 1e3:.2f} ms, CPU until the last launch "
+              f"{launched / steps * 1e3:.2f} ms, GPU kernels {gpu_us / 1e3:.2f} ms")
+        print(events.table(sort_by="self_device_time_total", row_limit=15,
+                           max_name_column_width=60))
 
 
 def measure(t: int, e: int, h: int, f: int, reps: int) -> tuple[float, float, float]:
