@@ -51,7 +51,8 @@ for d in (64, 128):
 spec = tk.launch_specs(128, 128, 64, "bf16", varlen=True)[2]
 consts, warps, stages = sorted(tk.launch_configs(spec), key=lambda c: -c[1])[0]
 compile_for_gpu(spec.kernel, spec.types, consts, warps, stages)
-for kernel, types, consts in moe_combine.launch_specs():
+from graphopt.kernels.moe import swiglu as moe_swiglu
+for kernel, types, consts in moe_combine.launch_specs() + moe_swiglu.launch_specs():
     res = compile_for_gpu(kernel, types, consts, num_warps=4)
     assert res.fits(), (kernel, res)
 print("ok")

@@ -20,8 +20,9 @@ tensor of the whole weight per expert.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from graphopt.kernels.moe.swiglu import swiglu, swiglu_backward
 
 
 def _segments(counts: Tensor) -> list[tuple[int, int, int]]:
@@ -104,10 +105,10 @@ def _weight_grad(grad: Tensor | None, a: Tensor, b: Tensor, counts: Tensor,
 
 def swiglu_experts_forward(rows: Tensor, counts: Tensor, gate_up: Tensor,
                            down: Tensor) -> tuple[Tensor, Tensor]:
-    """(gu [n, 2F], y [n, H]); experts with no rows cost nothing."""
+    """(gu [n, 2F], y [n, H]); experts with no rows cost nothing. The activation is
+    graphopt.kernels.moe.swiglu's (one fused kernel on GPU/NPU)."""
     gu = grouped_mm(rows, gate_up.transpose(-2, -1), counts)
-    g, u = gu.chunk(2, dim=-1)
-    y = grouped_mm(F.silu(g) * u, down.transpose(-2, -1), counts)
+    y = grouped_mm(swiglu(gu), down.transpose(-2, -1), counts)
     return gu, y
 
 
@@ -118,16 +119,13 @@ def swiglu_experts_backward(rows: Tensor, gu: Tensor, counts: Tensor, gate_up: T
     """(grad_rows [n, H], grad_gate_up [El, 2F, H], grad_down [El, H, F]): the weight
     gradients are added into the given buffers (in place) or returned as new tensors;
     ``weights=False`` (frozen experts) skips their two grouped GEMMs and returns the buffers
-    as given."""
-    g, u = gu.chunk(2, dim=-1)
-    silu = F.silu(g)
+    as given. The activation's backward (and a, recomputed for the down weight gradient) is
+    one graphopt.kernels.moe.swiglu pass."""
     grad_a = grouped_mm(grad_y, down, counts)
+    grad_gu, a = swiglu_backward(gu, grad_a)
     if weights:
-        grad_down = _weight_grad(grad_down, grad_y, silu * u, counts, tuple(down.shape))
-    f = g.shape[1]
-    grad_gu = torch.empty_like(gu)
-    grad_gu[:, :f] = torch.ops.aten.silu_backward(grad_a * u, g)  # grad * silu'(g), fused
-    torch.mul(grad_a, silu, out=grad_gu[:, f:])
+        grad_down = _weight_grad(grad_down, grad_y, a, counts, tuple(down.shape))
+    del a
     if weights:
         grad_gate_up = _weight_grad(grad_gate_up, grad_gu, rows, counts,
                                     tuple(gate_up.shape))
