@@ -67,7 +67,7 @@ def strided(block, seed, cu=None):
     go = torch.randn(b, s, hq, dv, generator=gen).transpose(1, 2)
     q, k, v = qb.transpose(1, 2), kvb[..., :d].transpose(1, 2), kvb[..., d:].transpose(1, 2)
     for x in (q, k, v, go):
-        assert not x.is_contiguous() and tk._kernel_input(x) is x
+        assert not x.is_contiguous() and tk._kernel_input(x, block) is x
     o = lightning_attention(q, k, v, slope, scale=0.5, block_size=block, impl="triton",
                             cu_seqlens=cu)
     got = torch.autograd.grad((o * go).sum(), (qb, kvb, slope))
@@ -94,6 +94,13 @@ def strided(block, seed, cu=None):
 
 
 import graphopt.kernels.lightning.triton_kernels as tk
+# a row stride whose in-chunk offsets would pass int32 (the kernels' in-tile arithmetic) is
+# copied, one just inside is read in place (meta tensors: no 4 GB storage needed)
+for stride, block, copied in ((2**31 // 63 + 1, 64, True), (2**31 // 63 - 16, 64, False),
+                              (2**31 // 1023 + 1, 1024, True), (2**31 // 1023 + 1, 64, False)):
+    x = torch.empty_strided((1, 2, 4096, 16), (0, 16, stride, 1), device="meta")
+    assert (tk._kernel_input(x, block) is not x) == copied, (stride, block)
+    assert tk._kernel_input(x, block).stride(2) == (16 if copied else stride)
 strided(16, 13)
 strided(16, 14, cu=torch.tensor([0, 7, 25, 61]))
 

@@ -696,14 +696,24 @@ def _run_scan(buf: Tensor, slope: Tensor, init: Tensor, final: Tensor, g: _Chunk
         VARLEN=g.varlen, **SCAN_OPTIONS)
 
 
-def _kernel_input(x: Tensor) -> Tensor:
+INT32_MAX = 2**31 - 1
+
+
+def _kernel_input(x: Tensor, chunk: int) -> Tensor:
     """[B, H, S, X] as the kernels read it: in place when its last dim is contiguous (every
     other stride is an argument: "bhsd", "bshd" through the public API's transpose, the
     q / k / v views of a fused QKV projection; no copy), else a contiguous copy; float64
-    becomes float32 (the kernels' products take the input dtype: fp32 / bf16 / fp16)."""
+    becomes float32 (the kernels' products take the input dtype: fp32 / bf16 / fp16).
+    Also copied: a row stride so large that an offset inside one chunk of ``chunk`` rows
+    (row * stride + column, computed in int32 in the kernels; only the chunk's start is
+    int64) would pass 2^31 - 1 (found by a review: a sequence-first fused projection with
+    B * 3 * H * D > 2^31 / 1023 elements per row at block_size 1024 read out of bounds)."""
     if x.dtype == torch.float64:
         x = x.float()  # keeps a dense tensor's strides: checked below as any other
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+    rows = min(chunk, x.shape[2])
+    in_place = (x.stride(-1) == 1 or x.shape[-1] == 1) and \
+        max(rows - 1, 0) * x.stride(2) + x.shape[-1] <= INT32_MAX
+    return x if in_place else x.contiguous()
 
 
 def _strides(x: Tensor) -> tuple[int, int]:
@@ -727,7 +737,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     t = _tiles(d, dv, block_size)
     slope_f = slope.float().contiguous()
     g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
-    q_, k_, v_ = _kernel_input(q), _kernel_input(k), _kernel_input(v)
+    q_, k_, v_ = (_kernel_input(x, t["C"] * t["R"]) for x in (q, k, v))
     group = h // k.shape[1]
     states, final = _states(k_, v_, slope_f, initial, t, g, seq, group)
     o = torch.empty(b, h, seq, dv, dtype=_out_dtype(q), device=q.device)
@@ -752,7 +762,7 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     t = _tiles(d, dv, block_size)
     slope_f = slope.float().contiguous()
     g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
-    q_, k_, v_, go = (_kernel_input(x) for x in (q, k, v, grad_o))
+    q_, k_, v_, go = (_kernel_input(x, t["C"] * t["R"]) for x in (q, k, v, grad_o))
     group = h // k.shape[1]
     states, _ = _states(k_, v_, slope_f, initial, t, g, seq, group)
     # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
