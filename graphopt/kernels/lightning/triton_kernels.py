@@ -301,13 +301,15 @@ if triton_available():
         GQA group's query heads (one program per K/V head), else its dQ;
         and this program's part of dslope (linear in the D tiles: every term is a sum over
         D; each (query, key) pair of the chunk counted once, by the query's tile in the dQ
-        launch; the chunk's state-decay term by tile 0 in the dK launch). An unused slot or
+        launch; the chunk's state-decay term <dS_end[c], S[c]> by tile 0 in the dQ launch,
+        which reads S[c] anyway, so dK never reads the chunk states). An unused slot or
         tile adds 0. Products take the inputs' dtype, fp32 accumulation. dQ and dK are two
         launches: one kernel computing both kept ~2x the live tiles and spilled registers
         on sm_90 in every tile config (graphopt.kernels.resources). Without SLOPE_GRAD
         (the slope is not trained: MiniMax's and Lightning's fixed ALiBi-style slopes) the
-        dslope terms are skipped: dQ's extra Q_r K_t^T product per key tile, and dK's reads
-        of STATES (then any placeholder: the backward frees the states before dK). Strides
+        dslope terms are skipped: dQ's extra Q_r K_t^T product per key tile and its reads of
+        dS_end. dK takes any placeholder for STATES: the backward frees the states before dK
+        and dV are allocated. Strides
         (s?b, s?h, S?S) of Q, K, V, dO and of the output (DQ or DK), last dims contiguous
         (row strides constexpr)."""
         pr, hh, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -336,7 +338,6 @@ if triton_available():
                 s, oi, mrow, fi, a, kpos, b = _decays(SLOPE, h, length, r * C, C)
                 slot = (p.to(tl.int64) * heads + h) * D * DV
                 vds = tl.zeros([C, BK], dtype=tl.float32)  # V_r dS^T
-                ssum = tl.zeros([BK], dtype=tl.float32)
                 for iv in range(0, tl.cdiv(DV, BV)):
                     ov = iv * BV + tl.arange(0, BV)
                     mv = ov < DV
@@ -345,10 +346,6 @@ if triton_available():
                     ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
                                  mask=mk[:, None] & mv[None, :], other=0.0)
                     vds += tl.dot(v, tl.trans(ds.to(ct)), input_precision=DOT)
-                    if SLOPE_GRAD:
-                        st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
-                                     mask=mk[:, None] & mv[None, :], other=0.0)
-                        ssum += tl.sum(ds.to(tl.float32) * st.to(tl.float32), axis=1)
                 acc = tl.zeros([C], dtype=tl.float32)
                 if SLOPE_GRAD:  # before the tile loop: vds is not kept live through it
                     k = tl.load(k_own + oc[:, None] * SKS + ok[None, :], mask=tile_mask,
@@ -366,9 +363,8 @@ if triton_available():
                                  mask=mt[:, None] & mk[None, :], other=0.0).to(ct)
                     dk += tl.dot(tl.trans((dov * m * scale).to(ct)), qt, input_precision=DOT)
                 if SLOPE_GRAD:
-                    part = tl.sum(acc, axis=0) \
-                        - first * length * tl.exp(-s * length) * tl.sum(ssum, axis=0)
-                    tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * parts + ik, part)
+                    tl.store(DSLOPE + (pr.to(tl.int64) * heads + h) * parts + ik,
+                             tl.sum(acc, axis=0))
             tl.store(DK + _at(i, hh, own, sob, soh, SOS) + oc[:, None] * SOS + ok[None, :],
                      dk.to(DK.dtype.element_ty), mask=tile_mask)
         else:
@@ -376,6 +372,7 @@ if triton_available():
             do_own = DO + _at(i, h0, own, sdb, sdh, SDS)
             slot = (p.to(tl.int64) * heads + h0) * D * DV
             dq = tl.zeros([C, BK], dtype=tl.float32)  # dO_r S^T, then dQ_r
+            ssum = tl.zeros([BK], dtype=tl.float32)  # <dS_end, S> of the chunk (tile 0)
             for iv in range(0, tl.cdiv(DV, BV)):
                 ov = iv * BV + tl.arange(0, BV)
                 mv = ov < DV
@@ -384,6 +381,11 @@ if triton_available():
                 st = tl.load(STATES + slot + ok[:, None] * DV + ov[None, :],
                              mask=mk[:, None] & mv[None, :], other=0.0)
                 dq += tl.dot(do, tl.trans(st.to(ct)), input_precision=DOT)
+                if SLOPE_GRAD:  # read by tile 0 only (masked elsewhere)
+                    tile0 = mk & ((r + tl.zeros([BK], dtype=tl.int32)) == 0)
+                    ds = tl.load(DSEND + slot + ok[:, None] * DV + ov[None, :],
+                                 mask=tile0[:, None] & mv[None, :], other=0.0)
+                    ssum += tl.sum(ds.to(tl.float32) * st.to(tl.float32), axis=1)
             q = tl.load(q_own + oc[:, None] * SQS + ok[None, :], mask=tile_mask,
                         other=0.0).to(ct)
             acc = tl.zeros([C], dtype=tl.float32)
@@ -409,8 +411,9 @@ if triton_available():
             tl.store(DQ + _at(i, h0, own, sob, soh, SOS) + oc[:, None] * SOS + ok[None, :],
                      (dq * scale).to(DQ.dtype.element_ty), mask=tile_mask)
             if SLOPE_GRAD:
-                tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * parts + ik,
-                         tl.sum(acc, axis=0))
+                part = tl.sum(acc, axis=0) \
+                    - first * length * tl.exp(-s * length) * tl.sum(ssum, axis=0)
+                tl.store(DSLOPE + (pr.to(tl.int64) * heads + h0) * parts + ik, part)
 
 
 MAX_TILE = 64
@@ -783,9 +786,9 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     nk = triton.cdiv(d, 16)
     parts = torch.zeros(2, g.slots * t["R"] if need_slope_grad else 1, h, nk,
                         dtype=torch.float32, device=q.device)
-    # dQ first: without a slope gradient nothing after it reads the chunk states, which are
-    # freed before dK and dV are allocated (peak: the states, dS_end and dQ, or dS_end and
-    # the three gradients; not all five).
+    # dQ first: nothing after it reads the chunk states, which are freed before dK and dV
+    # are allocated (peak: the states, dS_end and dQ, or dS_end and the three gradients;
+    # not all five).
     dq = (torch.empty if want_q else torch.zeros)(b, h, seq, d, dtype=_out_dtype(q),
                                                    device=q.device)
     # dK, dV in K/V's heads: each program sums its GQA group's query heads.
@@ -793,8 +796,7 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     dk = dvv = q.new_empty(0)
     for grad_k, part in ((False, parts[1]), (True, parts[0])):
         if grad_k:
-            if not need_slope_grad:
-                states = dsend  # a placeholder: dK reads the states for dslope only
+            states = dsend  # a placeholder: dK does not read the chunk states
             new = torch.empty if want_kv else torch.zeros
             dk = new(*kv_shape, d, dtype=_out_dtype(q), device=q.device)
             dvv = new(*kv_shape, dv, dtype=_out_dtype(q), device=q.device)
