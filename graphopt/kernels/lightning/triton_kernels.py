@@ -786,34 +786,32 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     nk = triton.cdiv(d, 16)
     parts = torch.zeros(2, g.slots * t["R"] if need_slope_grad else 1, h, nk,
                         dtype=torch.float32, device=q.device)
-    # dQ first: nothing after it reads the chunk states, which are freed before dK and dV
-    # are allocated (peak: the states, dS_end and dQ, or dS_end and the three gradients;
-    # not all five).
+
+    def dqdk(grad_k: bool, states: Tensor, out: Tensor, part: Tensor) -> None:
+        """dK (per K/V head) or dQ into ``out`` (the kernel's DQ and DK: one is written)."""
+        heads = h // group if grad_k else h
+        _launch(_chunk_dqdk, lambda m: (g.slots * t["R"], heads, triton.cdiv(d, m["BK"])),
+                (q_, k_, v_, go, slope_f, states, dsend, out, out, part, g.cu, g.table, seq,
+                 h, group, g.n_per, nk, float(scale), *_strides(q_), *_strides(k_),
+                 *_strides(v_), *_strides(go), *_strides(out)), t, ("BK", "BV"),
+                ("DSLOPE",), D=d, DV=dv, GRAD_K=grad_k, SLOPE_GRAD=need_slope_grad,
+                LOWP=_lowp(q.dtype), VARLEN=g.varlen, SQS=q_.stride(2), SKS=k_.stride(2),
+                SVS=v_.stride(2), SDS=go.stride(2), SOS=out.stride(2))
+
+    # dQ first: nothing after it reads the chunk states (dK takes dS_end in their place),
+    # so they are freed before dK and dV are allocated (peak: the states, dS_end and dQ, or
+    # dS_end and the three gradients; not all five).
     dq = (torch.empty if want_q else torch.zeros)(b, h, seq, d, dtype=_out_dtype(q),
                                                    device=q.device)
+    if want_q:
+        dqdk(False, states, dq, parts[1])
+    del states
     # dK, dV in K/V's heads: each program sums its GQA group's query heads.
-    kv_shape = (b, h // group, seq)
-    dk = dvv = q.new_empty(0)
-    for grad_k, part in ((False, parts[1]), (True, parts[0])):
-        if grad_k:
-            states = dsend  # a placeholder: dK does not read the chunk states
-            new = torch.empty if want_kv else torch.zeros
-            dk = new(*kv_shape, d, dtype=_out_dtype(q), device=q.device)
-            dvv = new(*kv_shape, dv, dtype=_out_dtype(q), device=q.device)
-        if not (want_kv if grad_k else want_q):
-            continue
-        heads = h // group if grad_k else h  # dK: per K/V head
-        out = dk if grad_k else dq
-        _launch(_chunk_dqdk, lambda m, heads=heads: (  # type: ignore[misc]
-                    g.slots * t["R"], heads, triton.cdiv(d, m["BK"])),
-                (q_, k_, v_, go, slope_f, states, dsend, dq, dk, part, g.cu, g.table, seq, h,
-                 group, g.n_per, nk, float(scale), *_strides(q_), *_strides(k_),
-                 *_strides(v_), *_strides(go), *_strides(out)), t,
-                ("BK", "BV"), ("DSLOPE",), D=d,
-                DV=dv, GRAD_K=grad_k, SLOPE_GRAD=need_slope_grad, LOWP=_lowp(q.dtype),
-                VARLEN=g.varlen, SQS=q_.stride(2), SKS=k_.stride(2), SVS=v_.stride(2),
-                SDS=go.stride(2), SOS=out.stride(2))
+    new = torch.empty if want_kv else torch.zeros
+    dk = new(b, h // group, seq, d, dtype=_out_dtype(q), device=q.device)
+    dvv = new(b, h // group, seq, dv, dtype=_out_dtype(q), device=q.device)
     if want_kv:
+        dqdk(True, dsend, dk, parts[0])
         _launch(_chunk_out, lambda m: (g.slots * t["R"], h // group,
                                        triton.cdiv(dv, m["BV"])),
                 (q_, k_, go, slope_f, dsend, dvv, g.cu, g.table, seq, h, group, g.n_per,

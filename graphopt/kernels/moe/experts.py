@@ -125,8 +125,6 @@ def swiglu_experts_backward(rows: Tensor, gu: Tensor, counts: Tensor, gate_up: T
     grad_gu, a = swiglu_backward(gu, grad_a)
     if weights:
         grad_down = _weight_grad(grad_down, grad_y, a, counts, tuple(down.shape))
-    del a
-    if weights:
         grad_gate_up = _weight_grad(grad_gate_up, grad_gu, rows, counts,
                                     tuple(gate_up.shape))
     return grouped_mm(grad_gu, gate_up, counts), grad_gate_up, grad_down

@@ -70,8 +70,12 @@ def _block(f: int) -> int:
 
 
 def swiglu(gu: Tensor, fused: bool | None = None) -> Tensor:
-    """a [n, F] = silu(g) * u for gu [n, 2F] (module docstring), in gu's dtype. ``fused``:
-    the Triton kernel (True), torch (False), None: graphopt.kernels.moe.combine.use_triton."""
+    """a [n, F] = silu(g) * u for gu [n, 2F] = [g | u] (bf16/fp16/fp32; float64 on the torch
+    path), in gu's dtype, computed in float32 by the kernel (Shazeer 2020, SwiGLU; module
+    docstring). ``fused``: the Triton kernel (True), torch (False), None:
+    graphopt.kernels.moe.combine.use_triton (GPU/NPU with triton, or the interpreter).
+    Raises nothing of its own (an odd column count is the caller's: experts.py checks
+    gate_up's rows are even)."""
     n, f2 = gu.shape
     f = f2 // 2
     if not (use_triton(gu) if fused is None else fused):
@@ -88,7 +92,9 @@ def swiglu(gu: Tensor, fused: bool | None = None) -> Tensor:
 def swiglu_backward(gu: Tensor, grad_a: Tensor, fused: bool | None = None
                     ) -> tuple[Tensor, Tensor]:
     """(grad_gu [n, 2F] = [grad_g | grad_u], a [n, F]) for gu [n, 2F] and grad_a [n, F]
-    (module docstring), in gu's dtype; ``fused`` as in :func:`swiglu`."""
+    (module docstring: grad_g = grad_a * u * silu'(g), grad_u = grad_a * silu(g), a =
+    silu(g) * u), in gu's dtype (grad_a is cast to it), computed in float32 by the kernel;
+    ``fused`` as in :func:`swiglu`. Raises nothing of its own."""
     n, f2 = gu.shape
     f = f2 // 2
     if not (use_triton(gu) if fused is None else fused):
