@@ -6,6 +6,10 @@ fused Triton gather vs index_add.
 
     python benchmarks/moe_gpu.py [--reps 20] [--skip-checks] [--profile I]
 
+``--bound`` (no GPU needed): the bytes the op's non-GEMM passes move at Mixtral size and the
+speedup over transformers' grouped_mm they can give at most, from the H200 times of
+2026-12-04 (docs/benchmarks.md) or ``--times GRAPHOPT_MS GROUPED_MM_MS`` of a new run.
+
 ``--profile I``: instead of the tables, torch.profiler over 5 forward+backward steps of
 SHAPES[I] for transformers' grouped_mm experts and for graphopt's op, each printing its
 GPU kernels by total CUDA time and the step's CPU (launch) time next to its GPU time: where
@@ -128,9 +132,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--bound", action="store_true",
+                        help="the non-GEMM byte bound at Mixtral size (no GPU needed)")
+    parser.add_argument("--times", type=float, nargs=2, default=(20.39, 20.57),
+                        metavar=("GRAPHOPT_MS", "GROUPED_MM_MS"),
+                        help="measured fwd+bwd ms at 4096 tokens, Mixtral size (--bound)")
     parser.add_argument("--profile", type=int, default=None, metavar="I",
                         help="profile SHAPES[I] instead of timing the tables")
     args = parser.parse_args()
+    if args.bound:
+        non_gemm_bound(*args.times)
+        return
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     if args.profile is not None:
         profile_shape(*SHAPES[args.profile])
@@ -173,6 +185,36 @@ def combine_rows(reps: int) -> None:
         plain, fused = time_step(step(False), reps), time_step(step(True), reps)
         print(f"| {t} | {k} | {h} | {plain:.3f} | {fused:.3f} | {plain / fused:.2f}x | "
               f"{diff:.1e} |", flush=True)
+
+
+def non_gemm_bound(ours_ms: float, grouped_ms: float, tb_per_s: float = 4.0) -> None:
+    """Bytes of the op's passes other than the grouped GEMMs, forward+backward, bf16, at
+    Mixtral size (4096 tokens x top-2 = 8192 rows, H 4096, F 14336), per pass as
+    graphopt.kernels.moe runs them with torch's elementwise kernels; their time at
+    ``tb_per_s`` TB/s; the GEMMs' TFLOP/s at the measured times; and the speedup over
+    transformers' grouped_mm if the SwiGLU passes were fused (swiglu.py: 3 + 6 [n, F]
+    units instead of 5 + 14) or if every non-GEMM pass were free."""
+    t, k, h, f, item = 4096, 2, 4096, 14336, 2
+    n = t * k
+    nf, nh = n * f * item, n * h * item
+    flops = 3 * 2 * n * h * f * 3  # gate, up, down GEMMs; forward, dgrad, wgrad
+    passes = {"gather rows (forward, again in the backward)": 4 * nh,
+              "SwiGLU forward (silu, product)": 5 * nf,
+              "combine and its backward": 4 * nh,
+              "SwiGLU backward (silu, silu*u, grad_a*u, silu_backward, grad_a*silu)": 14 * nf,
+              "hidden gradient index_add": 2 * nh}
+    for name, size in passes.items():
+        print(f"{name}: {size / 1e9:.2f} GB")
+    total = sum(passes.values())
+    ms = total / (tb_per_s * 1e12) * 1e3
+    print(f"non-GEMM total {total / 1e9:.2f} GB = {ms:.2f} ms at {tb_per_s} TB/s")
+    for name, took in (("graphopt", ours_ms), ("transformers grouped_mm", grouped_ms)):
+        print(f"{name} {took} ms: grouped GEMMs at {flops / took / 1e9:.0f} TFLOP/s")
+    saved = (5 + 14 - 3 - 6) * nf
+    saved_ms = saved / (tb_per_s * 1e12) * 1e3
+    print(f"fused SwiGLU saves {saved / 1e9:.2f} GB = {saved_ms:.2f} ms: "
+          f"{grouped_ms / (ours_ms - saved_ms):.2f}x of grouped_mm; every non-GEMM pass free: "
+          f"{grouped_ms / (ours_ms - ms):.2f}x")
 
 
 def profile_shape(t: int, e: int, h: int, f: int, steps: int = 5) -> None:

@@ -34,7 +34,7 @@ for d, block, dtype in ((64, 64, "bf16"), (128, 64, "bf16"), (256, 64, "bf16"),
         print(d, block, spec.name, found)
 # The config a launch takes without autotuning on a GPU (TUNE False: lightning_gpu.py
 # --no-tune) fits without spills at head dims 64 and 128, fixed or trained slope (64-wide
-# tiles with 4 warps, the interpreter's, spilled up to 1,304 B/thread).
+# tiles with 4 warps, the interpreter's, spilled up to 1,064 B/thread).
 tk.INTERPRETED = False
 for d in (64, 128):
     for slope_grad in (False, True):

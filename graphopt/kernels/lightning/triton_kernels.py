@@ -446,7 +446,7 @@ UNTUNED_TILE = 32
 ``lightning_gpu.py --no-tune``), with UNTUNED_WARPS warps: the one config of the candidates
 that compiles without register spills on sm_90 for every launch at head dims 64 and 128,
 fixed or trained slope (``tests/test_kernel_resources.py``). The interpreter's tiles (64
-wide, 4 warps) spilled there in the output, dQ, dK and dV launches, up to 1,304 stack bytes
+wide, 4 warps) spilled there in the output, dQ, dK and dV launches, up to 1,064 stack bytes
 per thread (dK with dslope at D = 128), which is what a ``--no-tune`` H200 run got."""
 
 UNTUNED_WARPS = 8
