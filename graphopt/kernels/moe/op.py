@@ -297,12 +297,20 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
     hidden, index, weights, gate_up, down = inputs[:5]
     ctx.options = inputs[5:11]
     ctx.save_for_backward(hidden, index, weights, gate_up, down, *output[1:])
+    # Outputs 1..6 are what the backward needs, not results: no gradient flows into them
+    # (requires_grad False, so using one in a loss cannot give a silently wrong gradient),
+    # and autograd does not materialize zero gradients for them (it filled y_rows
+    # [T*K, H] and gu [T*K, 2F] with zeros in every backward).
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_out: Tensor, *unused: Any) -> tuple[Any, ...]:
     hidden, index, weights, gate_up, down, *saved = ctx.saved_tensors
     need = ctx.needs_input_grad
     experts = bool(need[3] or need[4])  # frozen experts: no weight-gradient GEMMs
+    if grad_out is None:  # out did not reach the loss (set_materialize_grads(False))
+        grad_out = torch.zeros_like(hidden)
     grads = moe_experts_backward(grad_out.contiguous(), hidden, index, weights, gate_up, down,
                                  *saved, *ctx.options, experts)
     return (grads[0], None, grads[1], grads[2] if need[3] else None,
