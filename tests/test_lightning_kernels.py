@@ -416,3 +416,57 @@ def test_gradients_of_some_inputs_skip_the_others_and_stay_exact(needs, monkeypa
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9,
                                    msg=lambda m, n=name: f"d{n}: {m}")
     assert seen == [("q" in needs, bool({"k", "v", "h0"} & set(needs)))], seen
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_unused_outputs_get_no_zero_gradients_and_either_output_alone_is_exact(varlen):
+    """The forward op's checkpoints are state for the backward (no gradient flows into them),
+    and an output that does not reach the loss gets no zero-filled gradient (autograd filled
+    the checkpoints' and the final state's before); a loss on only o, or only the final state,
+    still gets the float64 reference's gradients (dense and packed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v, slope, h0 = _inputs(1, 2, 1, 40, 8, 4, torch.float64, init=True)
+    kw = dict(cu_seqlens=torch.tensor([0, 15, 40])) if varlen else {}
+    h0 = h0.detach()[:1].expand(2 if varlen else 1, -1, -1, -1).clone().requires_grad_()
+    if not varlen:
+        outs = torch.ops.graphopt.lightning_attention_fwd(q, k, v, slope, 1.0, h0, 16, 2,
+                                                          "chunked")
+        assert outs[0].requires_grad and not outs[2].requires_grad
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like):
+                self.shapes.append(tuple(args[0]) if func.overloadpacket is torch.ops.aten.zeros
+                                   else tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    ins = (q, k, v, slope, h0)
+    ref_in = [x.detach().requires_grad_() for x in ins]
+    for pick in (0, 1):
+        o, state = lightning_attention(q, k, v, slope, initial_state=h0,
+                                       output_final_state=True, block_size=16, **kw)
+        with Fills() as fills:
+            got = torch.autograd.grad((o, state)[pick].square().sum(), ins)
+        if pick == 0:
+            state_shape = tuple(state.shape)
+            assert state_shape not in fills.shapes, fills.shapes
+        if varlen:
+            outs, states = [], []
+            for i, (a, b) in enumerate([(0, 15), (15, 40)]):
+                o_r, s_r = lightning_attention_reference(
+                    ref_in[0][:, :, a:b], ref_in[1][:, :, a:b], ref_in[2][:, :, a:b],
+                    ref_in[3], 1.0, ref_in[4][i:i + 1])
+                outs.append(o_r)
+                states.append(s_r)
+            o_r, s_r = torch.cat(outs, 2), torch.cat(states)
+        else:
+            o_r, s_r = lightning_attention_reference(*ref_in[:4], 1.0, ref_in[4])
+        want = torch.autograd.grad((o_r, s_r)[pick].square().sum(), ref_in, allow_unused=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w,
+                                       rtol=1e-9, atol=1e-9)

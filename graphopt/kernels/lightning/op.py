@@ -233,6 +233,11 @@ def _setup_context(ctx: Any, inputs: tuple,
                    output: tuple) -> None:
     q, k, v, slope, scale, initial_state, block_size, checkpoint_every, impl = inputs
     ctx.save_for_backward(q, k, v, slope, output[2])
+    # The checkpoints are the backward's state, not a result (no gradient flows into them),
+    # and unused outputs get None, not a zero-filled gradient (the checkpoints' [B, Hq, n * D,
+    # Dv] and the final state's when only o reaches the loss; _backward handles None).
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
     ctx.scale, ctx.block_size, ctx.checkpoint_every = scale, block_size, checkpoint_every
     ctx.impl = impl
     ctx.has_initial_state = initial_state is not None
@@ -352,6 +357,7 @@ def _varlen_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(q, k, v, slope, initial_state, cu_seqlens)
     ctx.scale, ctx.block_size, ctx.impl = scale, block_size, impl
     ctx.has_initial_state = initial_state is not None
+    ctx.set_materialize_grads(False)  # an unused final state: None, not zeros
 
 
 def _varlen_backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None) -> tuple:
