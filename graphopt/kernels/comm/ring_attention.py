@@ -164,6 +164,9 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, scale, group, size = inputs
     ctx.save_for_backward(q, k, v, *output)
     ctx.scale, ctx.group, ctx.size = scale, group, size
+    # lse is the backward's state: its gradient is not computed, so it must not claim one
+    # (a loss through it would get a silently wrong gradient), nor get a zero-filled one
+    ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple:
