@@ -278,6 +278,11 @@ slope = (torch.rand(2, generator=gen) * 0.5).requires_grad_()
 ref = [x.detach().double().requires_grad_() for x in (q, k, v, slope)]
 o_r, _ = lightning_attention_reference(*ref[:3], ref[3], 1.0)
 want = torch.autograd.grad(o_r.sum(), ref)
+from triton.runtime.autotuner import Autotuner
+
+tuner_runs = []
+real_run = Autotuner.run
+Autotuner.run = lambda self, *a, **kw: tuner_runs.append(call) or real_run(self, *a, **kw)
 for call in range(2):  # the tuning call, then the tuned configs
     o = lightning_attention(q, k, v, slope, impl="triton", block_size=16)
     torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
@@ -290,6 +295,8 @@ tuned = sorted((a.fn.__name__, len(a.configs), sorted(a.best_config.kwargs))
 assert tuned == [(name, 16, ["BK", "BV"]) for name in ("_chunk_dqdk", "_chunk_out",
                                                        "_chunk_outer")], tuned
 assert all(a.best_config.kwargs == {"BK": 64, "BV": 64} for a in tk._AUTOTUNED.values())
+# the second call launches the chosen configs directly (tk._CHOSEN), not through the tuner
+assert tuner_runs and set(tuner_runs) == {0}, tuner_runs
 print("ok")
 """
 

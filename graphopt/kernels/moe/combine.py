@@ -27,7 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphopt.kernels.lightning.triton_kernels import INTERPRETED, triton_available
+from graphopt.kernels.lightning.triton_kernels import (
+    INTERPRETED,
+    cdiv,
+    next_power_of_2,
+    triton_available,
+)
 
 if triton_available():
     import triton
@@ -82,7 +87,7 @@ def use_triton(x: Tensor) -> bool:
 
 
 def _block(h: int) -> int:
-    return min(1024, triton.next_power_of_2(max(h, 16)))
+    return min(1024, next_power_of_2(max(h, 16)))
 
 
 def combine(y_rows: Tensor, weights: Tensor, order: Tensor, out_dtype: torch.dtype,
@@ -107,7 +112,7 @@ def combine(y_rows: Tensor, weights: Tensor, order: Tensor, out_dtype: torch.dty
     out = torch.empty(t, h, dtype=out_dtype, device=y_rows.device)
     block = _block(h)
     if t:
-        _combine[(t, triton.cdiv(h, block))](y_rows.contiguous(), weights.contiguous(), slot,
+        _combine[(t, cdiv(h, block))](y_rows.contiguous(), weights.contiguous(), slot,
                                              out, h, K=k, BLOCK=block)
     return out
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphopt.kernels.lightning.triton_kernels import triton_available
+from graphopt.kernels.lightning.triton_kernels import cdiv, next_power_of_2, triton_available
 from graphopt.kernels.moe.combine import use_triton
 
 if triton_available():
@@ -66,7 +66,7 @@ if triton_available():
 
 
 def _block(f: int) -> int:
-    return min(1024, triton.next_power_of_2(max(f, 16)))
+    return min(1024, next_power_of_2(max(f, 16)))
 
 
 def swiglu(gu: Tensor, fused: bool | None = None) -> Tensor:
@@ -85,7 +85,7 @@ def swiglu(gu: Tensor, fused: bool | None = None) -> Tensor:
     a = gu.new_empty(n, f)
     if n and f:
         block = _block(f)
-        _swiglu[(n, triton.cdiv(f, block))](gu, a, f, BLOCK=block)
+        _swiglu[(n, cdiv(f, block))](gu, a, f, BLOCK=block)
     return a
 
 
@@ -108,7 +108,7 @@ def swiglu_backward(gu: Tensor, grad_a: Tensor, fused: bool | None = None
     grad_gu, a = torch.empty_like(gu), gu.new_empty(n, f)
     if n and f:
         block = _block(f)
-        _swiglu_backward[(n, triton.cdiv(f, block))](gu, grad_a, grad_gu, a, f, BLOCK=block)
+        _swiglu_backward[(n, cdiv(f, block))](gu, grad_a, grad_gu, a, f, BLOCK=block)
     return grad_gu, a
 
 

@@ -1,0 +1,125 @@
+"""Host (CPU-side) time of one Lightning Attention forward+backward, graphopt's Triton path
+next to flash-linear-attention's ``chunk_simple_gla``, with every kernel body skipped: what a
+GPU step costs the CPU before any kernel runs (Python wrappers, custom-op and autograd
+dispatch, allocations, grid and argument set-up), and how many kernels each launches.
+
+    python benchmarks/lightning_host.py [--reps 200]
+
+Why it matters (issue 16: faster than SDPA flash from S=4k at B=1, H=8): such a step's GPU
+time is ~0.1-0.3 ms, so a step whose CPU side takes longer than its kernels is bound by the
+host, and SDPA's flash forward and backward are one C++ launch each.
+
+What is measured: both run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)
+with the interpreter's launch replaced by a counter (no kernel body runs); fla's
+autotuner times nothing (its choice does not change the host path) and is warm before timing.
+graphopt is timed twice: with fixed tiles (the interpreter's launches) and through its
+autotuned launches (``TUNE``: triton.autotune wrappers around every tuned kernel, as on a
+GPU). Per call: median of ``--reps`` wall-clock times of ``o = attn(q, k, v); autograd.grad(o,
+(q, k, v), dO)`` after warm-ups; B=1, H=8, S=256, D=64, bf16, fixed slope (MiniMax's).
+Not included: Triton's own launcher on a GPU (its argument binding and the driver call, per
+launch, the same for both sides: the launch counts are printed so it can be added). fla-core
+0.6.0 is loaded as in lightning_memory.py (``PYTHONPATH=<unpacked wheel>``); without it the
+graphopt row is printed alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+LAUNCHES: list[str] = []
+
+
+def _skip_kernel_bodies() -> None:
+    """An interpreted launch counts itself and returns (module docstring): the interpreter's
+    own per-launch set-up (it re-reads the kernel's annotations) is skipped too."""
+    from triton.runtime import interpreter
+
+    def counted(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        if not warmup:
+            LAUNCHES.append(self.fn.__name__)
+
+    interpreter.InterpretedFunction.run = counted
+
+
+def host_time(fn: Callable[[], object], reps: int) -> tuple[float, list[str]]:
+    """(median seconds per call, kernel names launched by one call)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    LAUNCHES.clear()
+    fn()
+    return statistics.median(times), list(LAUNCHES)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(__file__))
+    from lightning_memory import load_fla
+
+    import graphopt.kernels.lightning.triton_kernels as tk
+    from graphopt.kernels.lightning import lightning_attention
+
+    tk.LOWP_DTYPES = (torch.bfloat16,)  # the GPU's bf16 path
+    _skip_kernel_bodies()
+    fla = load_fla()
+    b, h, s, d = 1, 8, 256, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, s, d, generator=gen).to(torch.bfloat16)
+                   for _ in range(4))
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    slope = torch.full((h,), 0.1)
+
+    def ours() -> object:
+        o = lightning_attention(*x, slope, impl="triton")
+        return torch.autograd.grad(o, x, do)
+
+    def ours_tuned() -> object:
+        """The GPU's launch path: triton.autotune wrappers (warm: the chosen configs are
+        cached after the first call; the host timer below picks one)."""
+        tk.TUNE, tk.BENCHMARKER = True, lambda fn, quantiles=None: [1.0, 1.0, 1.0]
+        try:
+            return ours()
+        finally:
+            tk.TUNE, tk.BENCHMARKER = False, None
+
+    rows = [("graphopt (impl='triton'), fixed tiles", ours),
+            ("graphopt (impl='triton'), autotuned launches (the GPU's path)", ours_tuned)]
+    if fla is None:
+        print("flash-linear-attention not installed: graphopt row only", file=sys.stderr)
+    else:
+        xf = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+        dof = do.transpose(1, 2).contiguous()
+
+        def theirs() -> object:
+            o = fla(*xf, g_gamma=-slope, scale=1.0)[0]
+            return torch.autograd.grad(o, xf, dof)
+        rows.append(("fla chunk_simple_gla", theirs))
+    print(f"B={b} H={h} S={s} D={d} bf16, fixed slope; host time per forward+backward with "
+          f"kernel bodies skipped, median of {args.reps}\n")
+    print("| implementation | host us | kernel launches | kernels |")
+    print("|---|---|---|---|")
+    for name, fn in rows:
+        sec, launched = host_time(fn, args.reps)
+        print(f"| {name} | {sec * 1e6:.0f} | {len(launched)} | {', '.join(launched)} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
