@@ -470,3 +470,47 @@ def test_unused_outputs_get_no_zero_gradients_and_either_output_alone_is_exact(v
         for g, w in zip(got, want):
             torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w,
                                        rtol=1e-9, atol=1e-9)
+
+
+def test_plain_eager_calls_skip_the_custom_op_and_equal_it_bit_for_bit(monkeypatch):
+    """In plain eager mode the public function runs the op's implementation through an
+    autograd.Function (no custom-op dispatch: host time, benchmarks/lightning_host.py);
+    outputs and every gradient equal the custom op's bit for bit (GQA, initial state, trained
+    slope, final state in the loss). Under a dispatch mode, FakeTensor, a function mode or a
+    functorch transform the custom op is taken."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import graphopt.kernels.lightning.op as op
+
+    q, k, v, slope, h0 = _inputs(2, 4, 2, 50, 8, 4, torch.float64, init=True)
+    ins = (q, k, v, slope, h0)
+    calls = []
+    monkeypatch.setattr(op._EagerLightning, "apply",
+                        lambda *a, real=op._EagerLightning.apply: calls.append(1) or real(*a))
+    o, state = lightning_attention(q, k, v, slope, initial_state=h0, output_final_state=True,
+                                   block_size=16)
+    assert calls == [1]
+    got = torch.autograd.grad((o.square().sum() + state.sum()), ins)
+    o2, state2, _ = torch.ops.graphopt.lightning_attention_fwd(q, k, v, slope, 1.0, h0, 16, 8,
+                                                               "chunked")
+    want = torch.autograd.grad((o2.square().sum() + state2.sum()), ins)
+    assert torch.equal(o, o2) and torch.equal(state, state2)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert op.plain_eager(q, None)
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert not op.plain_eager(q)
+    with FakeTensorMode():
+        assert not op.plain_eager(q)
+    with torch.device("cpu"):  # a torch function mode
+        assert not op.plain_eager(q)
+    seen = []
+    torch.func.grad(lambda x: seen.append(op.plain_eager(x)) or x.sum())(q.detach())
+    assert seen == [False]
+    assert not op.plain_eager(q.to("meta"))

@@ -16,6 +16,7 @@ import numbers
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from graphopt.kernels import refuse_forward_ad
 from graphopt.kernels.lightning.chunked import (
@@ -134,11 +135,11 @@ def _effective_block(impl: str, block: int) -> int:
     return max(16, 1 << (block - 1).bit_length()) if impl == "triton" else block
 
 
-@torch.library.custom_op("graphopt::lightning_attention_fwd", mutates_args=())
-def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
-                            initial_state: Tensor | None, block_size: int,
-                            checkpoint_every: int, impl: str
-                            ) -> tuple[Tensor, Tensor, Tensor]:
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+                  initial_state: Tensor | None, block_size: int, checkpoint_every: int,
+                  impl: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``graphopt::lightning_attention_fwd``'s implementation (also run directly by
+    :class:`_EagerLightning`)."""
     hq = q.shape[1]
     if impl == "triton":  # GQA in the kernels: K/V head h // (Hq / Hk), nothing expanded
         o, state, ckpt = triton_forward(q, k, v, slope, scale, initial_state, block_size)
@@ -150,6 +151,10 @@ def lightning_attention_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scal
     b, h, n, d, dv = ckpt.shape
     return (o.to(q.dtype).contiguous(), state.to(acc_dtype(q.dtype)).contiguous(),
             ckpt.to(acc_dtype(q.dtype)).reshape(b, h, n * d, dv).contiguous())
+
+
+lightning_attention_fwd = torch.library.custom_op("graphopt::lightning_attention_fwd",
+                                                  mutates_args=())(_forward_impl)
 
 
 @lightning_attention_fwd.register_fake
@@ -167,12 +172,11 @@ def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
             q.new_empty(b, hq, n * d, dv, dtype=acc))
 
 
-@torch.library.custom_op("graphopt::lightning_attention_bwd", mutates_args=())
-def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
-                            v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
-                            block_size: int, checkpoint_every: int, need_slope_grad: bool,
-                            impl: str, need_q: bool = True, need_kv: bool = True
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward_impl(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
+                   v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
+                   block_size: int, checkpoint_every: int, need_slope_grad: bool,
+                   impl: str, need_q: bool = True, need_kv: bool = True
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, dslope, d initial_state) of ``lightning_attention_fwd`` in
     the inputs' shapes and dtypes. ``need_q`` / ``need_kv`` False (q, resp. k, v and the
     initial state, need no gradient): that part is not computed and returned as zeros
@@ -194,6 +198,10 @@ def lightning_attention_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor
                                  block_size, checkpoint_every, need_slope_grad, need_q,
                                  need_kv)
     return _input_grads(grads, q, k, v, slope)
+
+
+lightning_attention_bwd = torch.library.custom_op("graphopt::lightning_attention_bwd",
+                                                  mutates_args=())(_backward_impl)
 
 
 def _kernel_kv(k: Tensor, v: Tensor, hq: int, impl: str) -> tuple[Tensor, Tensor]:
@@ -244,12 +252,13 @@ def _setup_context(ctx: Any, inputs: tuple,
 
 
 def _backward(ctx: Any, grad_o: Tensor | None,
-              grad_state: Tensor | None, _grad_ckpt: Tensor | None) -> tuple:
+              grad_state: Tensor | None, _grad_ckpt: Tensor | None,
+              backward_op: Any = None) -> tuple:
     q, k, v, slope, ckpt = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     need = ctx.needs_input_grad
-    dq, dk, dv, dslope, dstate = lightning_attention_bwd(
+    dq, dk, dv, dslope, dstate = (backward_op or lightning_attention_bwd)(
         grad_o, grad_state, q, k, v, slope, ctx.scale, ckpt, ctx.block_size,
         ctx.checkpoint_every, bool(need[3]), ctx.impl, bool(need[0]),
         bool(need[1] or need[2] or (ctx.has_initial_state and need[5])))
@@ -258,6 +267,39 @@ def _backward(ctx: Any, grad_o: Tensor | None,
 
 
 lightning_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerLightning(torch.autograd.Function):
+    """The forward op's autograd (same setup and backward) around its implementation, without
+    the custom-op dispatch: what :func:`lightning_attention` runs in plain eager mode
+    (:func:`plain_eager`). The custom op's Python dispatch costs ~55 us of host time per
+    forward+backward (benchmarks/lightning_host.py), and a launch-bound step on a GPU
+    (B=1, H=8, S=4k) is all host time."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+        out = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None,
+                 grad_ckpt: Tensor | None) -> tuple:  # type: ignore[override]
+        return _backward(ctx, grad_o, grad_state, grad_ckpt, backward_op=_backward_impl)
+
+
+def plain_eager(*tensors: Tensor | None) -> bool:
+    """Whether a call with ``tensors`` may skip the custom op: nothing traces or intercepts it
+    (Dynamo, make_fx / AOTAutograd, FakeTensor or any other dispatch or function mode, a
+    functorch transform such as torch.func.grad or vmap) and every tensor is a plain
+    torch.Tensor (or Parameter) with real data. Anything else takes the custom op, whose
+    fake implementation and registration are what those need."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or \
+            torch._C._is_torch_function_mode_enabled() or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and t.device.type != "meta")
+               for t in tensors)
 
 
 def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
@@ -497,8 +539,12 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
         return (o, state) if output_final_state else o
     validate(q, k, v, slope, initial_state)
     chosen = resolve_impl(impl, q.device, max(q.shape[-1], v.shape[-1]), q.dtype)
-    o, state, _ = torch.ops.graphopt.lightning_attention_fwd(
-        q, k, v, slope, scale_f, initial_state, _effective_block(chosen, block), every, chosen)
+    args = (q, k, v, slope, scale_f, initial_state, _effective_block(chosen, block), every,
+            chosen)
+    if plain_eager(q, k, v, slope, initial_state):
+        o, state, _ = _EagerLightning.apply(*args)
+    else:
+        o, state, _ = torch.ops.graphopt.lightning_attention_fwd(*args)
     if layout == "bshd":
         o = o.transpose(1, 2)
     return (o, state) if output_final_state else o
