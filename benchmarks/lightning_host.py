@@ -14,8 +14,9 @@ with the interpreter's launch replaced by a counter (no kernel body runs); fla's
 autotuner times nothing (its choice does not change the host path) and is warm before timing.
 graphopt is timed twice: with fixed tiles (the interpreter's launches) and through its
 autotuned launches (``TUNE``: triton.autotune wrappers around every tuned kernel, as on a
-GPU). Per call: median of ``--reps`` wall-clock times of ``o = attn(q, k, v); autograd.grad(o,
-(q, k, v), dO)`` after warm-ups; B=1, H=8, S=256, D=64, bf16, fixed slope (MiniMax's).
+GPU). Per call: median of ``--reps`` wall-clock times of ``o = attn(q, k, v)`` under no_grad
+(fwd) and of ``o = attn(q, k, v); autograd.grad(o, (q, k, v), dO)`` (fwd+bwd) after
+warm-ups; B=1, H=8, S=256, D=64, bf16, fixed slope (MiniMax's).
 Not included: Triton's own launcher on a GPU (its argument binding and the driver call, per
 launch, the same for both sides: the launch counts are printed so it can be added). fla-core
 0.6.0 is loaded as in lightning_memory.py (``PYTHONPATH=<unpacked wheel>``); without it the
@@ -29,13 +30,14 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_time  # noqa: E402
 
 LAUNCHES: list[str] = []
 
@@ -53,24 +55,19 @@ def _skip_kernel_bodies() -> None:
 
 
 def host_time(fn: Callable[[], object], reps: int) -> tuple[float, list[str]]:
-    """(median seconds per call, kernel names launched by one call)."""
-    for _ in range(5):
+    """(median seconds per call after warm-ups, kernel names launched by one call)."""
+    for _ in range(4):
         fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    sec = median_time(fn, reps)
     LAUNCHES.clear()
     fn()
-    return statistics.median(times), list(LAUNCHES)
+    return sec, list(LAUNCHES)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(__file__))
     from lightning_memory import load_fla
 
     import graphopt.kernels.lightning.triton_kernels as tk
@@ -86,40 +83,46 @@ def main() -> None:
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     slope = torch.full((h,), 0.1)
 
-    def ours() -> object:
-        o = lightning_attention(*x, slope, impl="triton")
-        return torch.autograd.grad(o, x, do)
+    def ours(train: bool, tuned: bool) -> Callable[[], object]:
+        def run() -> object:
+            # tuned: the GPU's launch path, triton.autotune wrappers (warm: the chosen configs
+            # are cached after the first call; the host timer below picks one)
+            tk.TUNE, tk.BENCHMARKER = tuned, (lambda fn, quantiles=None: [1.0, 1.0, 1.0]
+                                              if tuned else None)
+            try:
+                with torch.set_grad_enabled(train):
+                    o = lightning_attention(*x, slope, impl="triton")
+                    return torch.autograd.grad(o, x, do) if train else o
+            finally:
+                tk.TUNE, tk.BENCHMARKER = False, None
+        return run
 
-    def ours_tuned() -> object:
-        """The GPU's launch path: triton.autotune wrappers (warm: the chosen configs are
-        cached after the first call; the host timer below picks one)."""
-        tk.TUNE, tk.BENCHMARKER = True, lambda fn, quantiles=None: [1.0, 1.0, 1.0]
-        try:
-            return ours()
-        finally:
-            tk.TUNE, tk.BENCHMARKER = False, None
-
-    rows = [("graphopt (impl='triton'), fixed tiles", ours),
-            ("graphopt (impl='triton'), autotuned launches (the GPU's path)", ours_tuned)]
+    rows = [("graphopt (impl='triton'), fixed tiles", ours(False, False), ours(True, False)),
+            ("graphopt (impl='triton'), autotuned launches (the GPU's path)", ours(False, True),
+             ours(True, True))]
     if fla is None:
-        print("flash-linear-attention not installed: graphopt row only", file=sys.stderr)
+        print("flash-linear-attention not installed: graphopt rows only", file=sys.stderr)
     else:
         xf = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
         dof = do.transpose(1, 2).contiguous()
 
-        def theirs() -> object:
-            o = fla(*xf, g_gamma=-slope, scale=1.0)[0]
-            return torch.autograd.grad(o, xf, dof)
-        rows.append(("fla chunk_simple_gla", theirs))
-    print(f"B={b} H={h} S={s} D={d} bf16, fixed slope; host time per forward+backward with "
-          f"kernel bodies skipped, median of {args.reps}\n")
-    print("| implementation | host us | kernel launches | kernels |")
-    print("|---|---|---|---|")
-    for name, fn in rows:
-        sec, launched = host_time(fn, args.reps)
-        print(f"| {name} | {sec * 1e6:.0f} | {len(launched)} | {', '.join(launched)} |",
-              flush=True)
-
+        def theirs(train: bool) -> Callable[[], object]:
+            def run() -> object:
+                with torch.set_grad_enabled(train):
+                    o = fla(*xf, g_gamma=-slope, scale=1.0)[0]
+                    return torch.autograd.grad(o, xf, dof) if train else o
+            return run
+        rows.append(("fla chunk_simple_gla", theirs(False), theirs(True)))
+    print(f"B={b} H={h} S={s} D={d} bf16, fixed slope; host time with kernel bodies skipped, "
+          f"median of {args.reps}; forward under no_grad (as lightning_gpu.py's fwd rows)\n")
+    print("| implementation | fwd us | fwd launches | fwd+bwd us | fwd+bwd launches | "
+          "kernels (fwd+bwd) |")
+    print("|---|---|---|---|---|---|")
+    for name, fwd, both in rows:
+        t_fwd, n_fwd = host_time(fwd, args.reps)
+        t_both, launched = host_time(both, args.reps)
+        print(f"| {name} | {t_fwd * 1e6:.0f} | {len(n_fwd)} | {t_both * 1e6:.0f} | "
+              f"{len(launched)} | {', '.join(launched)} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphopt.cost.profiles import ClusterProfile, load_profile
 from graphopt.passes import register_pass
@@ -236,3 +237,20 @@ def held_grads(model, ref):
                                  report.expert_ffn)
         out.append((name, full, want))
     return out
+
+
+
+class ZeroFills(TorchDispatchMode):
+    """A dispatch mode recording the shape of every aten.zeros / zeros_like it sees
+    (``shapes``): autograd's materialized zero gradients show up here."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.zeros:
+            self.shapes.append(tuple(args[0]))
+        elif func.overloadpacket is torch.ops.aten.zeros_like:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))

@@ -424,7 +424,7 @@ def test_unused_outputs_get_no_zero_gradients_and_either_output_alone_is_exact(v
     and an output that does not reach the loss gets no zero-filled gradient (autograd filled
     the checkpoints' and the final state's before); a loss on only o, or only the final state,
     still gets the float64 reference's gradients (dense and packed)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from tests.helpers import ZeroFills
 
     q, k, v, slope, h0 = _inputs(1, 2, 1, 40, 8, 4, torch.float64, init=True)
     kw = dict(cu_seqlens=torch.tensor([0, 15, 40])) if varlen else {}
@@ -434,23 +434,12 @@ def test_unused_outputs_get_no_zero_gradients_and_either_output_alone_is_exact(v
                                                           "chunked")
         assert outs[0].requires_grad and not outs[2].requires_grad
 
-    class Fills(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like):
-                self.shapes.append(tuple(args[0]) if func.overloadpacket is torch.ops.aten.zeros
-                                   else tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
     ins = (q, k, v, slope, h0)
     ref_in = [x.detach().requires_grad_() for x in ins]
     for pick in (0, 1):
         o, state = lightning_attention(q, k, v, slope, initial_state=h0,
                                        output_final_state=True, block_size=16, **kw)
-        with Fills() as fills:
+        with ZeroFills() as fills:
             got = torch.autograd.grad((o, state)[pick].square().sum(), ins)
         if pick == 0:
             state_shape = tuple(state.shape)

@@ -463,27 +463,15 @@ def test_saved_outputs_are_not_differentiable_and_get_no_zero_gradients():
     state for the backward: they do not require grad (a loss through one of them would
     otherwise get a silently wrong gradient, the backward ignores them), and the backward
     fills no zero gradient for them (autograd did: [T*K, H] and [T*K, 2F] per step)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import graphopt.kernels.moe.op  # noqa: F401
+    from tests.helpers import ZeroFills
 
     hidden, index, weights, gate_up, down = _op_args()
     outs = torch.ops.graphopt.moe_experts(hidden, index, weights, gate_up, down, -1.0, 1, "",
                                           "flat", 1, 1)
     assert outs[0].requires_grad and not any(t.requires_grad for t in outs[1:])
 
-    class Fills(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like):
-                self.shapes.append(tuple(args[0]) if func.overloadpacket is torch.ops.aten.zeros
-                                   else tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
-    with Fills() as fills:
+    with ZeroFills() as fills:
         outs[0].sum().backward()
     assert fills.shapes == [], fills.shapes  # before: one zero tensor per saved output
     assert hidden.grad is not None and gate_up.grad is not None
