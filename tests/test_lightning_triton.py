@@ -288,12 +288,14 @@ for call in range(2):  # the tuning call, then the tuned configs
     torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
     for g, w in zip(torch.autograd.grad(o.sum(), (q, k, v, slope)), want):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
-# the three tuned kernels (states, output / dV, dK / dQ), each over BK x BV x warps x stages,
+# the four tuned kernels (states, output / dV, the backward's states + dS pair, dK / dQ),
+# each over BK x BV x warps x stages,
 # with a chosen config
 tuned = sorted((a.fn.__name__, len(a.configs), sorted(a.best_config.kwargs))
                for a in tk._AUTOTUNED.values())
 assert tuned == [(name, 16, ["BK", "BV"]) for name in ("_chunk_dqdk", "_chunk_out",
-                                                       "_chunk_outer")], tuned
+                                                       "_chunk_outer", "_chunk_outer_pair")
+                 ], tuned
 assert all(a.best_config.kwargs == {"BK": 64, "BV": 64} for a in tk._AUTOTUNED.values())
 # the second call launches the chosen configs directly (tk._CHOSEN), not through the tuner
 assert tuner_runs and set(tuner_runs) == {0}, tuner_runs

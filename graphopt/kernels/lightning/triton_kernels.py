@@ -115,18 +115,13 @@ if triton_available():
         return tl.where(gap >= 0, tl.exp(-s * tl.maximum(gap, 0.0)), 0.0)
 
     @triton.jit
-    def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
-                     sxb, sxh, syb, syh,
-                     D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
-                     LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
-                     SXS: tl.constexpr, SYS: tl.constexpr):
-        """OUT[p, h] tile = sum over the chunk's R tiles of (x_scale X_t * w)^T Y_t with
-        w = a (QUERY: X, Y = Q, dO of query head h) or b (X, Y = K, V of K/V head
-        h // group: GQA without expanding K and V); X, Y of strides (sxb, sxh, SXS, 1),
-        (syb, syh, SYS, 1) (row strides constexpr: see _strides). Products take the
-        inputs' dtype (bf16/fp16 tensor cores), fp32 accumulation."""
-        p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _outer_tile(X, Y, SLOPE, OUT, CU, CHUNKS, p, h, t, seq, heads, group, n_per, x_scale,
+                    sxb, sxh, syb, syh,
+                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
+                    LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                    SXS: tl.constexpr, SYS: tl.constexpr):
+        """One [BK, BV] tile ``t`` of chunk slot ``p``, head ``h``: see :func:`_chunk_outer`."""
         ct = X.dtype.element_ty if LOWP else tl.float32
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
@@ -151,15 +146,49 @@ if triton_available():
                  mask=(ok < D)[:, None] & (ov < DV)[None, :])
 
     @triton.jit
-    def _scan(BUF, SLOPE, INIT, FINAL, CU, OFFS, seq, heads, n_per,
-              D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
-              VARLEN: tl.constexpr):
-        """In place over BUF [P, H, D, Dv] for sequence i, head h: forward, BUF[c] <- state
-        before chunk c and state <- lambda^L_c state + BUF[c]; REVERSE walks the chunks from
-        the last (dS_end scan). FINAL [N, H, D, Dv] gets the last state (final state /
-        gradient of the initial state); INIT [N, H, D, Dv] is the first."""
-        ih, t = tl.program_id(0), tl.program_id(1)
+    def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
+                     sxb, sxh, syb, syh,
+                     D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
+                     LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                     SXS: tl.constexpr, SYS: tl.constexpr):
+        """OUT[p, h] tile = sum over the chunk's R tiles of (x_scale X_t * w)^T Y_t with
+        w = a (QUERY: X, Y = Q, dO of query head h) or b (X, Y = K, V of K/V head
+        h // group: GQA without expanding K and V); X, Y of strides (sxb, sxh, SXS, 1),
+        (syb, syh, SYS, 1) (row strides constexpr: see _strides). Products take the
+        inputs' dtype (bf16/fp16 tensor cores), fp32 accumulation."""
+        p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        _outer_tile(X, Y, SLOPE, OUT, CU, CHUNKS, p, h, t, seq, heads, group, n_per, x_scale,
+                    sxb, sxh, syb, syh, D, DV, C, R, BK, BV, QUERY, LOWP, VARLEN, DOT, SXS, SYS)
+
+    @triton.jit
+    def _chunk_outer_pair(K, V, Q, GO, SLOPE, STATES, DSEND, CU, CHUNKS, seq, heads, group,
+                          n_per, slots, scale, skb, skh, svb, svh, sqb, sqh, sdb, sdh,
+                          D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                          R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                          SKS: tl.constexpr, SVS: tl.constexpr, SQS: tl.constexpr,
+                          SDS: tl.constexpr):
+        """The backward's two chunk passes in one launch (one launch less on the host):
+        programs p < slots write STATES[p] = sum (K_t * b)^T V_t (as _chunk_outer with
+        QUERY=False), programs slots + p write DSEND[p] = sum (scale Q_t * a)^T dO_t
+        (QUERY=True). Strides as _chunk_outer's, for K, V, Q and dO."""
+        p, h, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if p < slots:
+            _outer_tile(K, V, SLOPE, STATES, CU, CHUNKS, p, h, t, seq, heads, group, n_per,
+                        1.0, skb, skh, svb, svh, D, DV, C, R, BK, BV, False, LOWP, VARLEN, DOT,
+                        SKS, SVS)
+        else:
+            _outer_tile(Q, GO, SLOPE, DSEND, CU, CHUNKS, p - slots, h, t, seq, heads, group,
+                        n_per, scale, sqb, sqh, sdb, sdh, D, DV, C, R, BK, BV, True, LOWP,
+                        VARLEN, DOT, SQS, SDS)
+
+    @triton.jit
+    def _scan_tile(BUF, SLOPE, INIT, FINAL, CU, OFFS, ih, t, seq, heads, n_per,
+                   D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
+                   VARLEN: tl.constexpr):
+        """Tile ``t`` of (sequence, head) ``ih``: see :func:`_scan`."""
         i, h = ih // heads, ih % heads
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
@@ -189,6 +218,34 @@ if triton_available():
             tl.store(ptr, state.to(BUF.dtype.element_ty), mask=mask)
             state = tl.exp(-s * length) * state + local
         tl.store(FINAL + ih.to(tl.int64) * D * DV + tile, state, mask=mask)
+
+    @triton.jit
+    def _scan(BUF, SLOPE, INIT, FINAL, CU, OFFS, seq, heads, n_per,
+              D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
+              VARLEN: tl.constexpr):
+        """In place over BUF [P, H, D, Dv] for sequence i, head h: forward, BUF[c] <- state
+        before chunk c and state <- lambda^L_c state + BUF[c]; REVERSE walks the chunks from
+        the last (dS_end scan). FINAL [N, H, D, Dv] gets the last state (final state /
+        gradient of the initial state); INIT [N, H, D, Dv] is the first."""
+        _scan_tile(BUF, SLOPE, INIT, FINAL, CU, OFFS, tl.program_id(0), tl.program_id(1), seq,
+                   heads, n_per, D, DV, C, BK, BV, HAS_INIT, REVERSE, VARLEN)
+
+    @triton.jit
+    def _scan_pair(STATES, INIT, FINAL, DSEND, DHT, DH0, SLOPE, CU, OFFS, seq, heads, n_per,
+                   rows, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
+                   HAS_DHT: tl.constexpr, VARLEN: tl.constexpr):
+        """The backward's two scans in one launch: programs ih < rows (= sequences x heads)
+        run the forward scan of STATES from INIT (into FINAL), programs rows + ih the reverse
+        scan of DSEND from DHT into DH0 (as two _scan launches)."""
+        ih, t = tl.program_id(0), tl.program_id(1)
+        if ih < rows:
+            _scan_tile(STATES, SLOPE, INIT, FINAL, CU, OFFS, ih, t, seq, heads, n_per, D, DV,
+                       C, BK, BV, HAS_INIT, False, VARLEN)
+        else:
+            _scan_tile(DSEND, SLOPE, DHT, DH0, CU, OFFS, ih - rows, t, seq, heads, n_per, D,
+                       DV, C, BK, BV, HAS_DHT, True, VARLEN)
 
     @triton.jit
     def _chunk_out(Q, K, Z, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
@@ -795,18 +852,29 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
     q_, k_, v_, go = (_kernel_input(x, t["C"] * t["R"]) for x in (q, k, v, grad_o))
     group = h // k.shape[1]
-    states, _ = _states(k_, v_, slope_f, initial, t, g, seq, group)
-    # g[c] = (Q_c * a)^T dO_c, then in place the reverse scan: dS_end[c] = E[c] with
+    # Two passes, each one launch for both of its parts (_chunk_outer_pair, _scan_pair):
+    # the chunk states S[c] recomputed from the initial state as the forward does, and
+    # g[c] = (Q_c * a)^T dO_c with, in place, the reverse scan dS_end[c] = E[c] where
     # E[last] = dS_T and E[c-1] = lambda^L_c E[c] + g[c]; what is left is dS of the initial
     # state.
+    states = torch.empty(g.slots, h, d, dv, dtype=_state_dtype(k.dtype), device=q.device)
     dsend = torch.empty(g.slots, h, d, dv, dtype=_state_dtype(q.dtype), device=q.device)
-    _launch(_chunk_outer, lambda m: (g.slots, h, _ntiles(d, dv, m)),
-            (q_, go, slope_f, dsend, g.cu, g.table, seq, h, group, g.n_per, float(scale),
-             *_strides(q_), *_strides(go)), t, ("BK", "BV"), D=d, DV=dv, QUERY=True,
-            LOWP=_lowp(q.dtype), VARLEN=g.varlen, SXS=q_.stride(2), SYS=go.stride(2))
+    _launch(_chunk_outer_pair, lambda m: (2 * g.slots, h, _ntiles(d, dv, m)),
+            (k_, v_, q_, go, slope_f, states, dsend, g.cu, g.table, seq, h, group, g.n_per,
+             g.slots, float(scale), *_strides(k_), *_strides(v_), *_strides(q_),
+             *_strides(go)), t, ("BK", "BV"), D=d, DV=dv, LOWP=_lowp(q.dtype),
+            VARLEN=g.varlen, SKS=k_.stride(2), SVS=v_.stride(2), SQS=q_.stride(2),
+            SDS=go.stride(2))
+    final = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
+    init = initial.float().contiguous() if initial is not None else final
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
-    _run_scan(dsend, slope_f, dht, dh0, g, seq, d, dv, t, grad_state is not None, True)
+    rows = g.n_seqs * h
+    _scan_pair[(2 * rows, _ntiles(d, dv, t))](
+        states, init, final, dsend, dht, dh0, slope_f, g.cu, g.offsets, seq, h, g.n_per, rows,
+        D=d, DV=dv, C=t["C"] * t["R"], BK=t["BK"], BV=t["BV"], HAS_INIT=initial is not None,
+        HAS_DHT=grad_state is not None, VARLEN=g.varlen, **SCAN_OPTIONS)
+    del final
     want_q, want_kv = need_q or need_slope_grad, need_kv or need_slope_grad
     # dslope parts per (program, D tile): room for the narrowest D tile (16), zeros where a
     # wider tuned tile leaves slots unused (zeroed again by the autotuner), so BK is tuned
@@ -922,13 +990,15 @@ class LaunchSpec(NamedTuple):
 def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
                  varlen: bool = False, slope_grad: bool = True) -> list[LaunchSpec]:
     """The launches of one forward + backward at head dims (d, dv), chunk ``block_size`` and
-    input dtype ("bf16", "fp16", "fp32"): state pass, scan, output, g pass, reverse scan,
-    dQ, dK, dV (``slope_grad``: with the dslope terms, the kernels' larger variant)."""
+    input dtype ("bf16", "fp16", "fp32"): state pass, scan, output, the backward's state and
+    g passes (one launch), its scan and reverse scan (one launch), dQ, dK, dV
+    (``slope_grad``: with the dslope terms, the kernels' larger variant)."""
     from graphopt.kernels.resources import argument_types
 
     lowp = dtype == "bf16"  # as LOWP_DTYPES on a GPU
     stored = "*bf16" if lowp else "*fp32"  # _state_dtype
     state = {n: "*fp32" for n in ("SLOPE", "INIT", "FINAL", "DSLOPE")}
+    state.update({n: "*fp32" for n in ("DHT", "DH0")})
     state.update({n: stored for n in ("BUF", "STATES", "DSEND")})
     index = {n: "*i32" for n in ("CU", "CHUNKS", "OFFS")}
     t = _tiles(d, dv, block_size)
@@ -948,8 +1018,9 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
     return [spec("kv states", _chunk_outer, ("BK", "BV"), out=stored, QUERY=False),
             spec("scan", _scan, (), REVERSE=False, **scan),
             spec("output", _chunk_out, ("BK", "BV"), GRAD_V=False, SOS=dv),
-            spec("g states", _chunk_outer, ("BK", "BV"), out=stored, QUERY=True),
-            spec("reverse scan", _scan, (), REVERSE=True, **scan),
+            spec("kv + g states", _chunk_outer_pair, ("BK", "BV")),
+            spec("scan + reverse scan", _scan_pair, (), C=scan["C"], HAS_INIT=True,
+                 HAS_DHT=True),
             spec("dQ", _chunk_dqdk, ("BK", "BV"), GRAD_K=False, SLOPE_GRAD=slope_grad,
                  SOS=d),
             spec("dK", _chunk_dqdk, ("BK", "BV"), GRAD_K=True, SLOPE_GRAD=slope_grad, SOS=d),
