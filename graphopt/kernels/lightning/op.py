@@ -58,7 +58,7 @@ shared memory at D = Dv = 128 on an H200). Beyond 256 "auto" takes the chunked k
 def stored_checkpoints(seq: int, block_size: int, checkpoint_every: int, impl: str) -> int:
     """States the forward keeps for the backward: ceil(floor(S / C) / r) + 1 on the chunked
     path (its backward walks the chunks from them), 1 (the initial state) on Triton (its
-    backward recomputes every chunk's state from the initial one in two parallel launches)."""
+    backward recomputes every chunk's state from the initial one in two parallel passes)."""
     return 1 if impl == "triton" else num_checkpoints(seq, block_size, checkpoint_every)
 
 

@@ -842,7 +842,7 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
               cu_seqlens: Tensor | None, need_slope_grad: bool, need_q: bool = True,
               need_kv: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Gradients from the initial states [N, H, D, Dv] (the chunk states are recomputed by
-    the forward's two parallel launches: selective rematerialization). ``need_q`` /
+    the forward's two parallel passes: selective rematerialization). ``need_q`` /
     ``need_kv`` False: the dQ, resp. dK and dV, launches are skipped (zeros returned)
     unless ``need_slope_grad`` (its parts come from the dQ and dK launches)."""
     b, h, seq, d = q.shape
@@ -925,7 +925,7 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     """Same contract as ``chunked.chunked_forward``, except that k and v keep their Hk heads
     (GQA: query head h reads K/V head h // (H / Hk), nothing expanded) and that the only
     checkpoint is the initial state (the backward recomputes every chunk's state from it in
-    two parallel launches): (o [B, H, S, Dv] in q's dtype (fp32 for fp64), final state
+    two parallel passes): (o [B, H, S, Dv] in q's dtype (fp32 for fp64), final state
     [B, H, D, Dv] fp32, checkpoints [B, H, 1, D, Dv] fp32). The block length is rounded up
     to a power of two >= 16."""
     b, h, _, d = q.shape
@@ -946,7 +946,7 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
     """Same contract as ``chunked.chunked_backward`` with k, v of Hk heads (dk, dv are
     [B, Hk, S, D | Dv] in q's dtype, each GQA group summed in the kernels) and checkpoints
     [B, H, 1, D, Dv], the initial state: the chunk states are recomputed from it by the
-    forward's two parallel launches, so the forward saves q, k, v, slope and one state only
+    forward's two parallel passes, so the forward saves q, k, v, slope and one state only
     (selective rematerialization)."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, checkpoints[:, :, 0],
                      block_size, None, need_slope_grad, need_q, need_kv)
