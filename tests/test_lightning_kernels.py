@@ -503,3 +503,26 @@ def test_plain_eager_calls_skip_the_custom_op_and_equal_it_bit_for_bit(monkeypat
     torch.func.grad(lambda x: seen.append(op.plain_eager(x)) or x.sum())(q.detach())
     assert seen == [False]
     assert not op.plain_eager(q.to("meta"))
+
+
+def test_eager_path_refuses_double_backward_and_hands_vmap_and_tracing_to_the_op():
+    """What the eager autograd.Function must not change (a review found all three after
+    it landed): double backward raises as the custom op does (through the chunked path's
+    torch ops it gave a silently wrong second-order gradient, with the saved states taken
+    as constants); a batched backward (is_grads_batched, which vmaps the backward) equals
+    one backward per row; torch.jit.trace records the custom op."""
+    q, k, v, slope, _ = _inputs(1, 2, 1, 24, 4, 4, torch.float64)
+    o = lightning_attention(q, k, v, slope, block_size=8, checkpoint_every=1)
+    (g,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="lightning_attention_bwd.*no autograd formula"):
+        torch.autograd.grad(g.square().sum(), k)
+    o = lightning_attention(q, k, v, slope, block_size=8)
+    rows = torch.randn(3, *o.shape, dtype=torch.float64)
+    batched = torch.autograd.grad(o, (q, k), rows, is_grads_batched=True, retain_graph=True)
+    for i in range(3):
+        for got, want in zip(batched, torch.autograd.grad(o, (q, k), rows[i],
+                                                          retain_graph=True)):
+            torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+    traced = torch.jit.trace(lambda *a: lightning_attention(*a, block_size=16),
+                             (q.detach(), k.detach(), v.detach(), slope.detach()))
+    assert "graphopt::lightning_attention_fwd" in str(traced.graph)

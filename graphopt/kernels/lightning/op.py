@@ -285,20 +285,32 @@ class _EagerLightning(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None,
                  grad_ckpt: Tensor | None) -> tuple:  # type: ignore[override]
-        return _backward(ctx, grad_o, grad_state, grad_ckpt, backward_op=_backward_impl)
+        """The implementation's backward in a plain backward; the custom op's otherwise:
+        under create_graph (double backward: the custom op refuses it by name, where the
+        chunked path's torch ops would differentiate with the saved states as constants and
+        Triton's would give no second-order term, both silently wrong) and under vmap
+        (is_grads_batched, jacobian(vectorize=True): the custom op has the fallback)."""
+        plain = not torch.is_grad_enabled() and plain_eager(grad_o, grad_state,
+                                                            *ctx.saved_tensors)
+        return _backward(ctx, grad_o, grad_state, grad_ckpt,
+                         backward_op=_backward_impl if plain else None)
 
 
 def plain_eager(*tensors: Tensor | None) -> bool:
     """Whether a call with ``tensors`` may skip the custom op: nothing traces or intercepts it
-    (Dynamo, make_fx / AOTAutograd, FakeTensor or any other dispatch or function mode, a
-    functorch transform such as torch.func.grad or vmap) and every tensor is a plain
-    torch.Tensor (or Parameter) with real data. Anything else takes the custom op, whose
-    fake implementation and registration are what those need."""
-    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or \
+    (Dynamo, torch.jit.trace, make_fx / AOTAutograd, FakeTensor or any other dispatch or
+    function mode, a functorch transform such as torch.func.grad or vmap) and every tensor
+    is a plain torch.Tensor (or Parameter) with real data (a storage on a real device).
+    Anything else takes the custom op, whose fake implementation and registration are what
+    those need."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or \
+            is_in_torch_dispatch_mode() or \
             torch._C._is_torch_function_mode_enabled() or \
             torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and t.device.type != "meta")
+    # storage: what a functorch wrapper or a (legacy) vmap BatchedTensor lacks
+    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and
+                             torch._C._has_storage(t) and t.device.type != "meta")
                for t in tensors)
 
 
