@@ -510,7 +510,8 @@ def test_eager_path_refuses_double_backward_and_hands_vmap_and_tracing_to_the_op
     it landed): double backward raises as the custom op does (through the chunked path's
     torch ops it gave a silently wrong second-order gradient, with the saved states taken
     as constants); a batched backward (is_grads_batched, which vmaps the backward) equals
-    one backward per row; torch.jit.trace records the custom op."""
+    one backward per row; torch.jit.trace records the custom op; non-reentrant
+    checkpointing works (the backward unpacks the saved tensors once)."""
     q, k, v, slope, _ = _inputs(1, 2, 1, 24, 4, 4, torch.float64)
     o = lightning_attention(q, k, v, slope, block_size=8, checkpoint_every=1)
     (g,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
@@ -526,3 +527,9 @@ def test_eager_path_refuses_double_backward_and_hands_vmap_and_tracing_to_the_op
     traced = torch.jit.trace(lambda *a: lightning_attention(*a, block_size=16),
                              (q.detach(), k.detach(), v.detach(), slope.detach()))
     assert "graphopt::lightning_attention_fwd" in str(traced.graph)
+    # non-reentrant checkpointing unpacks each saved tensor once (an unpack twice is refused)
+    ckpt = torch.utils.checkpoint.checkpoint(
+        lambda *a: lightning_attention(*a, block_size=8), q, k, v, slope, use_reentrant=False)
+    for got, want in zip(torch.autograd.grad(ckpt.square().sum(), (q, k, v, slope)),
+                         torch.autograd.grad(o.square().sum(), (q, k, v, slope))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

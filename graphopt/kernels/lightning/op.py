@@ -290,8 +290,9 @@ class _EagerLightning(torch.autograd.Function):
         chunked path's torch ops would differentiate with the saved states as constants and
         Triton's would give no second-order term, both silently wrong) and under vmap
         (is_grads_batched, jacobian(vectorize=True): the custom op has the fallback)."""
-        plain = not torch.is_grad_enabled() and plain_eager(grad_o, grad_state,
-                                                            *ctx.saved_tensors)
+        # the gradients only: the saved tensors were checked in the forward, and unpacking
+        # them twice is refused by non-reentrant checkpointing
+        plain = not torch.is_grad_enabled() and plain_eager(grad_o, grad_state)
         return _backward(ctx, grad_o, grad_state, grad_ckpt,
                          backward_op=_backward_impl if plain else None)
 
