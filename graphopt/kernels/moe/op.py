@@ -153,7 +153,9 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     or [R, H] (the R rows this rank's experts computed, in round-trip piece order),
     piece_rows [0] (ep = 1) or [pieces] int64 (rows of each piece in ``owned``), counts
     [ep, E], order [T*K] (the sort, reused by the backward)). With a capacity, y_rows and gu
-    rows past the kept count are unspecified (on one device) or zero (expert parallel)."""
+    rows past the kept count are unspecified (on one device) or zero (expert parallel).
+    Only ``out`` is differentiable: the other outputs are the backward's state (marked
+    non-differentiable, so they are constants to autograd, as the integer ones are)."""
     num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
     bad = None
