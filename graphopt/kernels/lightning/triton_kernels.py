@@ -8,10 +8,12 @@ chunks, then an output pass parallel over chunks), written from the equations:
     forward   kv[c]     = (K_c * b)^T V_c                     grid (chunks, B*H, D/Bk x Dv/Bv)
               S[c]      = lambda^L S[c-1] + kv[c-1]  (scan)   grid (B*H, D/Bk x Dv/Bv)
               O_c       = ((Q_c K_c^T) * M) V_c + (Q_c * a) S[c]          grid (chunks, B*H, Dv/Bv)
-    backward  S[c] again from the initial state (the op's checkpoint 0): two launches
-              g[c]      = (Q_c * a)^T dO_c                   grid (chunks, B*H, D/Bk x Dv/Bv)
+    backward  S[c] again from the initial state (the op's checkpoint 0), and
+              g[c]      = (Q_c * a)^T dO_c                   grid (2 chunks, B*H, D/Bk x Dv/Bv)
               E[c-1]    = lambda^L_c E[c] + g[c]  (reverse scan; E[N-1] = dS_T; E[c] is the
                           gradient of the state after chunk c; what is left: dS_0)
+                          the forward scan and this one share a launch: grid (2 B*H, tiles);
+                          so do the kv[c] and g[c] passes (_chunk_outer_pair, _scan_pair)
               dK (+ dslope parts), per K/V head summing its GQA group
                                                             grid (chunks, B*Hk, D/Bk)
               dQ (+ dslope parts)                           grid (chunks, B*H, D/Bk)
