@@ -188,9 +188,10 @@ if triton_available():
     @triton.jit
     def _scan_tile(BUF, SLOPE, INIT, FINAL, CU, OFFS, ih, t, seq, heads, n_per,
                    D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
-                   VARLEN: tl.constexpr):
-        """Tile ``t`` of (sequence, head) ``ih``: see :func:`_scan`."""
+                   BV: tl.constexpr, has_init, reverse, VARLEN: tl.constexpr):
+        """Tile ``t`` of (sequence, head) ``ih``: see :func:`_scan`. ``has_init`` and
+        ``reverse`` may be constexprs or runtime flags (:func:`_scan_pair`: one loop body
+        for both scans, so the pair needs no more registers than one scan)."""
         i, h = ih // heads, ih % heads
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
@@ -207,13 +208,10 @@ if triton_available():
         ov = iv * BV + tl.arange(0, BV)
         tile = ok[:, None] * DV + ov[None, :]
         mask = (ok < D)[:, None] & (ov < DV)[None, :]
-        if HAS_INIT:
-            state = tl.load(INIT + ih.to(tl.int64) * D * DV + tile, mask=mask,
-                            other=0.0).to(tl.float32)
-        else:
-            state = tl.zeros([BK, BV], dtype=tl.float32)
+        state = tl.load(INIT + ih.to(tl.int64) * D * DV + tile, mask=mask & has_init,
+                        other=0.0).to(tl.float32)
         for step in range(0, count):
-            c = count - 1 - step if REVERSE else step
+            c = tl.where(reverse, count - 1 - step, step)
             length = tl.minimum(C, seqlen - c * C)
             ptr = BUF + ((p0 + c).to(tl.int64) * heads + h) * D * DV + tile
             local = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
@@ -242,12 +240,11 @@ if triton_available():
         run the forward scan of STATES from INIT (into FINAL), programs rows + ih the reverse
         scan of DSEND from DHT into DH0 (as two _scan launches)."""
         ih, t = tl.program_id(0), tl.program_id(1)
-        if ih < rows:
-            _scan_tile(STATES, SLOPE, INIT, FINAL, CU, OFFS, ih, t, seq, heads, n_per, D, DV,
-                       C, BK, BV, HAS_INIT, False, VARLEN)
-        else:
-            _scan_tile(DSEND, SLOPE, DHT, DH0, CU, OFFS, ih - rows, t, seq, heads, n_per, D,
-                       DV, C, BK, BV, HAS_DHT, True, VARLEN)
+        rev = ih >= rows
+        _scan_tile(tl.where(rev, DSEND, STATES), SLOPE, tl.where(rev, DHT, INIT),
+                   tl.where(rev, DH0, FINAL), CU, OFFS, tl.where(rev, ih - rows, ih), t, seq,
+                   heads, n_per, D, DV, C, BK, BV, tl.where(rev, HAS_DHT, HAS_INIT), rev,
+                   VARLEN)
 
     @triton.jit
     def _chunk_out(Q, K, Z, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
