@@ -22,7 +22,9 @@ flash-linear-attention on a machine without internet: here run
 on the H200 image). fla is called with ``g_gamma`` (a constant per-head decay), not with a
 per-token gate ``g``: 0.6.0 refuses its gated backward on Triton < 3.7.1 on Hopper.
 --budget SECONDS stops the timing grid after that long (the device lease is short); the rows
-skipped are printed.
+skipped are printed. --graphs also replays every grid row from a CUDA graph (device time
+alone, printed as a second table): at B=1, H=8 and short S a call is launch-bound, and
+benchmarks/lightning_host.py measures the host side of a call on any machine.
 """
 
 from __future__ import annotations
@@ -225,6 +227,39 @@ def _measure(fn: Callable[[], object]) -> tuple[float, float]:
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def graph_ms(fn: Callable[[], object], grads: tuple[torch.Tensor, ...] = ()) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph: the device's time alone (no Python, no
+    launch path), so next to measure()'s time it shows how much of a row is the host's.
+    ``grads``: leaves whose .grad the backward accumulates into (reset, so the graph
+    allocates them from its own pool). NaN when ``fn`` cannot be captured (the reason goes
+    to stderr). Warm-up on a side stream first, as torch.cuda.graph's documentation asks
+    (autotuning and compiles happen there, not in the capture)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        for t in grads:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        ms = cuda_median_ms(graph.replay, reps=10, warmups=2)
+        del graph
+        return ms
+    except Exception as exc:  # a host synchronization or an uncapturable call
+        print(f"  CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:200]}",
+              file=sys.stderr, flush=True)
+        return math.nan
+    finally:
+        for t in grads:
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def check_model(device: str = "cuda") -> None:
     """A bf16 MiniMax (toy config) through ``torch.compile(backend="graphopt")`` with
     attention "exact" on ``device``: its block loop must be rewritten to graphopt's op (on
@@ -272,6 +307,9 @@ def main() -> None:
                         "head-dim/chunk key take minutes)")
     parser.add_argument("--skip-checks", action="store_true",
                         help="only check_fla before the timings")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also replay each grid row from a CUDA graph: the device's time "
+                        "without the host's (launch-bound rows: B=1, H=8, short S)")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.no_tune:
@@ -306,6 +344,7 @@ def main() -> None:
           "fla/graphopt time | graphopt/fla memory | SDPA/graphopt time |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     speed, memory, beats = [], [], []
+    graphed: list[str] = []
     for b in (1,) if args.quick else (1, 8):
         for h in (8,) if args.quick else (8, 32):
             for d in (64,) if args.quick else (64, 128):
@@ -346,6 +385,15 @@ def main() -> None:
                             t_sdpa, _ = measure(sdpa)
                             t_fla, m_fla = measure(fla) if chunk_simple_gla else (math.nan,
                                                                                  math.nan)
+                            if args.graphs:
+                                g_ours = graph_ms(ours, (q, k, v) if train else ())
+                                g_fla = graph_ms(fla, (qf, kf, vf) if train else ()) \
+                                    if chunk_simple_gla else math.nan
+                                g_sdpa = graph_ms(sdpa, (q, k, v) if train else ())
+                                graphed.append(f"| {b} | {h} | {d} | {s} | {mode} | "
+                                               f"{g_ours:.3f} | {g_fla:.3f} | {g_sdpa:.3f} | "
+                                               f"{t_ours:.3f} | {t_fla:.3f} | "
+                                               f"{g_fla / g_ours:.2f}x |")
                         if chunk_simple_gla:
                             speed.append(t_fla / t_ours)
                             memory.append(m_ours / m_fla)
@@ -361,6 +409,12 @@ def main() -> None:
         print(f"geometric mean fla/graphopt time {geo:.2f}x (target >= 1.2x), graphopt/fla "
               f"peak memory {geo_mem:.2f}x (target <= 0.67x)")
     print(f"faster than SDPA flash at S >= 4k: {sum(beats)}/{len(beats)} rows")
+    if graphed:
+        print("\nDevice time alone (CUDA graph replay) next to the timed calls above:\n")
+        print("| B | H | D | S | mode | graphopt graph ms | fla graph ms | SDPA graph ms | "
+              "graphopt call ms | fla call ms | fla/graphopt device time |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(graphed), flush=True)
     for name, rows in (("varlen_rows", varlen_rows), ("block_rows", block_rows),
                        ("layout_rows", layout_rows)):
         if time.perf_counter() - start > args.budget:
