@@ -275,9 +275,12 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     else:
         grad_gate_up = local["up"] if "up" in local else torch.zeros_like(gate_up)
         grad_down = local["down"] if "down" in local else torch.zeros_like(down)
-    if kept is not None:  # rows past the last grouped-GEMM offset: never computed
-        grad_x = torch.where(kept.unsqueeze(-1), grad_x, 0)
-    grad_hidden = torch.zeros_like(hidden).index_add(0, token[:valid], grad_x)
+    # grad_hidden[t] = sum_k grad_x[slot(t, k)]: the combine with unit weights (a gather per
+    # token, fp32 accumulation, deterministic on the GPU; was index_add: bf16 atomics).
+    # Rows past the last grouped-GEMM offset (never computed) are dropped rows: they add 0.
+    ones = torch.ones(top_k_weights.shape, dtype=torch.float32, device=hidden.device)
+    grad_hidden = combine(grad_x, ones, order, hidden.dtype,
+                          torch.promote_types(hidden.dtype, torch.float32), kept=kept)
     return (grad_hidden, grad_weights.view(top_k_weights.shape).to(top_k_weights.dtype),
             grad_gate_up, grad_down)
 
