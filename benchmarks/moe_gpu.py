@@ -202,7 +202,7 @@ def non_gemm_bound(ours_ms: float, grouped_ms: float, tb_per_s: float = 4.0) -> 
               "SwiGLU forward (silu, product)": 5 * nf,
               "combine and its backward": 4 * nh,
               "SwiGLU backward (silu, silu*u, grad_a*u, silu_backward, grad_a*silu)": 14 * nf,
-              "hidden gradient index_add": 2 * nh}
+              "hidden gradient (a gather of each token's k rows)": nh + nh // k}
     for name, size in passes.items():
         print(f"{name}: {size / 1e9:.2f} GB")
     total = sum(passes.values())
