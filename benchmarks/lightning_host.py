@@ -12,9 +12,11 @@ host, and SDPA's flash forward and backward are one C++ launch each.
 What is measured: both run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)
 with the interpreter's launch replaced by a counter (no kernel body runs); fla's
 autotuner times nothing (its choice does not change the host path) and is warm before timing.
-graphopt is timed twice: with fixed tiles (the interpreter's launches) and through its
-autotuned launches (``TUNE``: triton.autotune wrappers around every tuned kernel, as on a
-GPU). Per call: median of ``--reps`` wall-clock times of ``o = attn(q, k, v)`` under no_grad
+graphopt is timed with fixed tiles (the interpreter's launches), through its autotuned
+launches (``TUNE``: triton.autotune wrappers around every tuned kernel, as on a GPU), and
+autotuned with the sequential state passes (``STATE_PASS``: one launch per state pass
+instead of an outer-product launch and a scan; on a GPU "auto" times both per shape).
+Per call: median of ``--reps`` wall-clock times of ``o = attn(q, k, v)`` under no_grad
 (fwd) and of ``o = attn(q, k, v); autograd.grad(o, (q, k, v), dO)`` (fwd+bwd) after
 warm-ups; B=1, H=8, S=256, D=64, bf16, fixed slope (MiniMax's).
 Not included: Triton's own launcher on a GPU (its argument binding and the driver call, per
@@ -83,23 +85,26 @@ def main() -> None:
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     slope = torch.full((h,), 0.1)
 
-    def ours(train: bool, tuned: bool) -> Callable[[], object]:
+    def ours(train: bool, tuned: bool, state_pass: str = "parallel") -> Callable[[], object]:
         def run() -> object:
             # tuned: the GPU's launch path, triton.autotune wrappers (warm: the chosen configs
             # are cached after the first call; the host timer below picks one)
             tk.TUNE, tk.BENCHMARKER = tuned, (lambda fn, quantiles=None: [1.0, 1.0, 1.0]
                                               if tuned else None)
+            tk.STATE_PASS = state_pass
             try:
                 with torch.set_grad_enabled(train):
                     o = lightning_attention(*x, slope, impl="triton")
                     return torch.autograd.grad(o, x, do) if train else o
             finally:
-                tk.TUNE, tk.BENCHMARKER = False, None
+                tk.TUNE, tk.BENCHMARKER, tk.STATE_PASS = False, None, "auto"
         return run
 
     rows = [("graphopt (impl='triton'), fixed tiles", ours(False, False), ours(True, False)),
             ("graphopt (impl='triton'), autotuned launches (the GPU's path)", ours(False, True),
-             ours(True, True))]
+             ours(True, True)),
+            ("graphopt, autotuned, sequential state passes (STATE_PASS)",
+             ours(False, True, "sequential"), ours(True, True, "sequential"))]
     if fla is None:
         print("flash-linear-attention not installed: graphopt rows only", file=sys.stderr)
     else:

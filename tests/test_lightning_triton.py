@@ -399,3 +399,80 @@ def test_precompile_puts_each_config_into_the_jit_cache_the_autotuner_reads(tmp_
     out = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+STATE_PASS_SCRIPT = r"""
+import torch
+import graphopt.kernels.lightning.triton_kernels as tk
+from graphopt.kernels.lightning import lightning_attention, lightning_attention_reference
+
+def grads(pass_, b, hq, hk, s, d, dv, block, init, seed, cu=None, dtype=torch.float32,
+          train_slope=True, state_loss=True):
+    tk.STATE_PASS = pass_
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, s, d, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(b, hk, s, d, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(b, hk, s, dv, generator=gen).to(dtype).requires_grad_()
+    slope = (torch.rand(hq, generator=gen) * 0.5).requires_grad_(train_slope)
+    n = b if cu is None else len(cu) - 1
+    h0 = torch.randn(n, hq, d, dv, generator=gen).requires_grad_() if init else None
+    kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu)}
+    o, st = lightning_attention(q, k, v, slope, scale=0.5, initial_state=h0,
+                                output_final_state=True, block_size=block, impl="triton", **kw)
+    ins = [x for x in (q, k, v, slope, h0) if x is not None and x.requires_grad]
+    loss = (o.float() * torch.randn(o.shape, generator=gen)).sum()
+    if state_loss:
+        loss = loss + (st * torch.randn(st.shape, generator=gen)).sum()
+    return [o, st, *torch.autograd.grad(loss, ins)]
+
+cases = [dict(b=1, hq=2, hk=1, s=37, d=16, dv=16, block=16, init=True, seed=0),
+         dict(b=2, hq=4, hk=2, s=70, d=80, dv=72, block=16, init=False, seed=1),
+         dict(b=1, hq=2, hk=2, s=64, d=16, dv=8, block=32, init=True, seed=2,
+              train_slope=False, state_loss=False),
+         dict(b=1, hq=2, hk=1, s=45, d=16, dv=16, block=16, init=True, seed=3,
+              cu=[0, 1, 17, 45]),
+         dict(b=1, hq=2, hk=2, s=40, d=16, dv=16, block=16, init=False, seed=4,
+              dtype=torch.float16)]
+tk.LOWP_DTYPES = (torch.float16,)
+for case in cases:
+    par, seq = grads("parallel", **case), grads("sequential", **case)
+    for a, b in zip(par, seq):
+        assert torch.equal(a, b), (case, (a - b).abs().max())
+# ... and the sequential pass against the float64 reference once
+tk.STATE_PASS = "sequential"
+gen = torch.Generator().manual_seed(5)
+q, k, v = (torch.randn(1, 2, 50, 16, generator=gen).requires_grad_() for _ in range(3))
+slope = torch.rand(2, generator=gen).requires_grad_()
+o = lightning_attention(q, k, v, slope, block_size=16, impl="triton")
+ref = [x.detach().double().requires_grad_() for x in (q, k, v, slope)]
+o_r, _ = lightning_attention_reference(*ref, 1.0)
+torch.testing.assert_close(o.double(), o_r, rtol=1e-4, atol=1e-4)
+for g, w in zip(torch.autograd.grad(o.sum(), (q, k, v, slope)),
+                torch.autograd.grad(o_r.sum(), ref)):
+    torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+# "auto" picks the faster by the autotuner's timer, runs each once first
+calls = []
+clock = {"parallel": [2.0], "sequential": [1.0]}
+tk.BENCHMARKER = lambda fn, quantiles=None: clock[fn.__name__]
+def parallel():
+    calls.append("p")
+def sequential():
+    calls.append("s")
+assert tk._faster(parallel, sequential) == "sequential" and calls == ["p", "s"], calls
+clock = {"parallel": 0.5, "sequential": 1.0}  # do_bench's float
+assert tk._faster(parallel, sequential) == "parallel"
+print("ok")
+"""
+
+
+def test_sequential_state_pass_equals_the_parallel_one_bit_for_bit():
+    """The one-launch state passes (_chunk_states forward, _chunk_states_pair backward: each
+    sequence's chunks walked in order, flash-linear-attention's way) give the parallel
+    passes' numbers exactly (dense, GQA, multi-tile D/Dv, packed sequences, initial state,
+    fixed slope, fp16 low precision), match the float64 reference, and "auto" picks the
+    faster by the autotuner's timer."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", STATE_PASS_SCRIPT], capture_output=True,
+                         text=True, env=env, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().endswith("ok")

@@ -124,6 +124,22 @@ if triton_available():
                     LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
                     SXS: tl.constexpr, SYS: tl.constexpr):
         """One [BK, BV] tile ``t`` of chunk slot ``p``, head ``h``: see :func:`_chunk_outer`."""
+        out, ok, ov = _outer_value(X, Y, SLOPE, CU, CHUNKS, p, h, t, seq, group, n_per,
+                                   x_scale, sxb, sxh, syb, syh, D, DV, C, R, BK, BV, QUERY,
+                                   LOWP, VARLEN, DOT, SXS, SYS)
+        base = OUT + (p.to(tl.int64) * heads + h) * D * DV
+        tl.store(base + ok[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
+                 mask=(ok < D)[:, None] & (ov < DV)[None, :])
+
+    @triton.jit
+    def _outer_value(X, Y, SLOPE, CU, CHUNKS, p, h, t, seq, group, n_per, x_scale,
+                     sxb, sxh, syb, syh,
+                     D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
+                     LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                     SXS: tl.constexpr, SYS: tl.constexpr):
+        """(the fp32 [BK, BV] tile ``t`` of chunk slot ``p``'s outer-product sum for head
+        ``h`` (:func:`_chunk_outer`), its row and column indices)."""
         ct = X.dtype.element_ty if LOWP else tl.float32
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
@@ -143,9 +159,7 @@ if triton_available():
             w = a if QUERY else b
             out += tl.dot(tl.trans((x * (w * x_scale)[:, None]).to(ct)), y,
                           input_precision=DOT)
-        base = OUT + (p.to(tl.int64) * heads + h) * D * DV
-        tl.store(base + ok[:, None] * DV + ov[None, :], out.to(OUT.dtype.element_ty),
-                 mask=(ok < D)[:, None] & (ov < DV)[None, :])
+        return out, ok, ov
 
     @triton.jit
     def _chunk_outer(X, Y, SLOPE, OUT, CU, CHUNKS, seq, heads, group, n_per, x_scale,
@@ -245,6 +259,99 @@ if triton_available():
                    tl.where(rev, DH0, FINAL), CU, OFFS, tl.where(rev, ih - rows, ih), t, seq,
                    heads, n_per, D, DV, C, BK, BV, tl.where(rev, HAS_DHT, HAS_INIT), rev,
                    VARLEN)
+
+    @triton.jit
+    def _seq_states_tile(X, Y, SLOPE, BUF, INIT, FINAL, CU, CHUNKS, OFFS, ih, t, seq, heads,
+                         group, n_per, n_seqs, slots, x_scale, sxb, sxh, syb, syh,
+                         D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, QUERY: tl.constexpr,
+                         LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                         SXS: tl.constexpr, SYS: tl.constexpr, HAS_INIT: tl.constexpr,
+                         REVERSE: tl.constexpr):
+        """The state pass and its scan in one program per (sequence, head) ``ih`` and tile
+        ``t``, walking the chunks in order (REVERSE: from the last): BUF[c] <- the running
+        state, then state <- lambda^L_c state + kv[c] with kv[c] the chunk's outer-product
+        sum (:func:`_outer_value`) rounded to BUF's dtype, as :func:`_scan` reads it from the
+        parallel pass: both orders give the same numbers (flash-linear-attention's
+        ``chunk_fwd_kernel_h`` runs its state pass this way). Packed sequences: the last
+        sequence's programs also zero the spare slots after the used ones (the parallel
+        pass writes zeros there; the dQ / dK kernels read them times 0)."""
+        i, h = ih // heads, ih % heads
+        nv = tl.cdiv(DV, BV)
+        ik, iv = t // nv, t % nv
+        s = tl.load(SLOPE + h).to(tl.float32)
+        if VARLEN:
+            p0 = tl.load(OFFS + i)
+            count = tl.load(OFFS + i + 1) - p0
+            seqlen = tl.load(CU + i + 1) - tl.load(CU + i)
+        else:
+            p0 = i * n_per
+            count = n_per
+            seqlen = seq
+        ok = ik * BK + tl.arange(0, BK)
+        ov = iv * BV + tl.arange(0, BV)
+        tile = ok[:, None] * DV + ov[None, :]
+        mask = (ok < D)[:, None] & (ov < DV)[None, :]
+        state = tl.load(INIT + ih.to(tl.int64) * D * DV + tile, mask=mask & HAS_INIT,
+                        other=0.0).to(tl.float32)
+        for step in range(0, count):
+            c = count - 1 - step if REVERSE else step
+            length = tl.minimum(C * R, seqlen - c * (C * R))
+            kv, _, _ = _outer_value(X, Y, SLOPE, CU, CHUNKS, p0 + c, h, t, seq, group, n_per,
+                                    x_scale, sxb, sxh, syb, syh, D, DV, C, R, BK, BV, QUERY,
+                                    LOWP, VARLEN, DOT, SXS, SYS)
+            ptr = BUF + ((p0 + c).to(tl.int64) * heads + h) * D * DV + tile
+            tl.store(ptr, state.to(BUF.dtype.element_ty), mask=mask)
+            state = tl.exp(-s * length) * state + \
+                kv.to(BUF.dtype.element_ty).to(tl.float32)
+        tl.store(FINAL + ih.to(tl.int64) * D * DV + tile, state, mask=mask)
+        if VARLEN:
+            if i == n_seqs - 1:
+                for p in range(p0 + count, slots):
+                    tl.store(BUF + ((p0 * 0 + p).to(tl.int64) * heads + h) * D * DV + tile,
+                             tl.zeros([BK, BV], dtype=BUF.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _chunk_states(K, V, SLOPE, BUF, INIT, FINAL, CU, CHUNKS, OFFS, seq, heads, group,
+                      n_per, n_seqs, slots, skb, skh, svb, svh,
+                      D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, LOWP: tl.constexpr,
+                      VARLEN: tl.constexpr, DOT: tl.constexpr, SKS: tl.constexpr,
+                      SVS: tl.constexpr, HAS_INIT: tl.constexpr):
+        """The forward's chunk states S[c] (before chunk c) and final state in one launch:
+        :func:`_seq_states_tile` over K, V (the sequential alternative to _chunk_outer +
+        _scan; grid (sequences x heads, tiles))."""
+        _seq_states_tile(K, V, SLOPE, BUF, INIT, FINAL, CU, CHUNKS, OFFS, tl.program_id(0),
+                         tl.program_id(1), seq, heads, group, n_per, n_seqs, slots, 1.0, skb,
+                         skh, svb, svh,
+                         D, DV, C, R, BK, BV, False, LOWP, VARLEN, DOT, SKS, SVS, HAS_INIT,
+                         False)
+
+    @triton.jit
+    def _chunk_states_pair(K, V, Q, GO, SLOPE, STATES, INIT, FINAL, DSEND, DHT, DH0, CU,
+                           CHUNKS, OFFS, seq, heads, group, n_per, n_seqs, slots, rows, scale,
+                           skb, skh, svb,
+                           svh, sqb, sqh, sdb, sdh,
+                           D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                           R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           LOWP: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+                           SKS: tl.constexpr, SVS: tl.constexpr, SQS: tl.constexpr,
+                           SDS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DHT: tl.constexpr):
+        """The backward's two state passes, each with its scan, in one launch (the
+        sequential alternative to _chunk_outer_pair + _scan_pair): programs ih < rows the
+        chunk states from K, V (as _chunk_states), the others dS_end from Q, dO walking the
+        chunks from the last, from DHT into DH0."""
+        ih, t = tl.program_id(0), tl.program_id(1)
+        if ih < rows:
+            _seq_states_tile(K, V, SLOPE, STATES, INIT, FINAL, CU, CHUNKS, OFFS, ih, t, seq,
+                             heads, group, n_per, n_seqs, slots, 1.0, skb, skh, svb, svh, D,
+                             DV, C, R, BK, BV, False, LOWP, VARLEN, DOT, SKS, SVS, HAS_INIT,
+                             False)
+        else:
+            _seq_states_tile(Q, GO, SLOPE, DSEND, DHT, DH0, CU, CHUNKS, OFFS, ih - rows, t,
+                             seq, heads, group, n_per, n_seqs, slots, scale, sqb, sqh, sdb,
+                             sdh, D, DV, C, R, BK, BV, True, LOWP, VARLEN, DOT, SQS, SDS,
+                             HAS_DHT, True)
 
     @triton.jit
     def _chunk_out(Q, K, Z, SLOPE, BUF, OUT, CU, CHUNKS, seq, heads, group, n_per, scale,
@@ -763,15 +870,73 @@ def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict
     heads = slope.shape[0]
     d, dv = k.shape[-1], v.shape[-1]
     buf = torch.empty(g.slots, heads, d, dv, dtype=_state_dtype(k.dtype), device=k.device)
-    _launch(_chunk_outer, lambda m: (g.slots, heads, _ntiles(d, dv, m)),
-            (k, v, slope, buf, g.cu, g.table, seq, heads, group, g.n_per, 1.0,
-             *_strides(k), *_strides(v)), t, ("BK", "BV"),
-            D=d, DV=dv, QUERY=False, LOWP=_lowp(k.dtype), VARLEN=g.varlen,
-            SXS=k.stride(2), SYS=v.stride(2))
     final = torch.empty(g.n_seqs, heads, d, dv, dtype=torch.float32, device=k.device)
     init = initial.float().contiguous() if initial is not None else final
-    _run_scan(buf, slope, init, final, g, seq, d, dv, t, initial is not None, False)
+
+    def parallel() -> None:
+        _launch(_chunk_outer, lambda m: (g.slots, heads, _ntiles(d, dv, m)),
+                (k, v, slope, buf, g.cu, g.table, seq, heads, group, g.n_per, 1.0,
+                 *_strides(k), *_strides(v)), t, ("BK", "BV"),
+                D=d, DV=dv, QUERY=False, LOWP=_lowp(k.dtype), VARLEN=g.varlen,
+                SXS=k.stride(2), SYS=v.stride(2))
+        _run_scan(buf, slope, init, final, g, seq, d, dv, t, initial is not None, False)
+
+    def sequential() -> None:
+        _launch(_chunk_states, lambda m: (g.n_seqs * heads, _ntiles(d, dv, m)),
+                (k, v, slope, buf, init, final, g.cu, g.table, g.offsets, seq, heads, group,
+                 g.n_per, g.n_seqs, g.slots, *_strides(k), *_strides(v)), t, ("BK", "BV"),
+                D=d, DV=dv, LOWP=_lowp(k.dtype), VARLEN=g.varlen, SKS=k.stride(2),
+                SVS=v.stride(2), HAS_INIT=initial is not None)
+
+    _state_pass(("forward", g, heads, d, dv, t, k.dtype), parallel, sequential)
     return buf, final
+
+
+STATE_PASS = "auto"
+"""How the chunk states (and, in the backward, dS_end) are computed: "parallel" (one
+launch parallel over chunks for the per-chunk outer products, then a scan: 2 launches,
+parallel over chunks x heads x tiles), "sequential" (one launch walking each sequence's
+chunks in order, per (sequence, head, tile): 1 launch, parallel over heads x tiles only;
+flash-linear-attention's ``chunk_fwd_kernel_h`` way) or "auto": on a GPU/NPU the faster of
+the two, timed once per (pass, head dims, chunk, dtype, power-of-two buckets of sequences x
+heads and of chunks per sequence); under the interpreter "parallel". Both give the same
+numbers (the chunk sums are rounded to the state dtype either way)."""
+
+_STATE_PASS_CHOICE: dict[tuple[Any, ...], str] = {}
+
+
+def _state_pass(key: tuple[Any, ...], parallel: Callable[[], None],
+                sequential: Callable[[], None]) -> None:
+    """Run the state pass :data:`STATE_PASS` picks (``key``: (pass, _Chunks, heads, d, dv,
+    tiles, dtype), bucketed here)."""
+    mode = STATE_PASS
+    if mode == "auto":
+        if INTERPRETED:
+            mode = "parallel"
+        else:
+            which, g, heads, d, dv, t, dtype = key
+            bucket = (which, d, dv, t["C"], t["R"], dtype, g.varlen,
+                      next_power_of_2(g.n_seqs * heads),
+                      next_power_of_2(max(1, g.slots // max(1, g.n_seqs))))
+            mode = _STATE_PASS_CHOICE.get(bucket, "")
+            if not mode:
+                mode = _STATE_PASS_CHOICE[bucket] = _faster(parallel, sequential)
+    elif mode not in ("parallel", "sequential"):
+        raise ValueError(f"STATE_PASS must be 'auto', 'parallel' or 'sequential', got {mode!r}")
+    (parallel if mode == "parallel" else sequential)()
+
+
+def _faster(parallel: Callable[[], None], sequential: Callable[[], None]) -> str:
+    """"parallel" or "sequential", whichever is faster by the autotuner's timer (each run
+    once first: compiles and tunes its launches). Both only write their outputs (the scan
+    rewrites what the outer-product launch wrote), so running them twice is harmless."""
+    bench = BENCHMARKER or triton.testing.do_bench
+    times = []
+    for fn in (parallel, sequential):
+        fn()
+        ms = bench(fn)
+        times.append(ms[0] if isinstance(ms, (list, tuple)) else float(ms))
+    return "parallel" if times[0] <= times[1] else "sequential"
 
 
 def _run_scan(buf: Tensor, slope: Tensor, init: Tensor, final: Tensor, g: _Chunks, seq: int,
@@ -858,22 +1023,42 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     # state.
     states = torch.empty(g.slots, h, d, dv, dtype=_state_dtype(k.dtype), device=q.device)
     dsend = torch.empty(g.slots, h, d, dv, dtype=_state_dtype(q.dtype), device=q.device)
-    _launch(_chunk_outer_pair, lambda m: (2 * g.slots, h, _ntiles(d, dv, m)),
-            (k_, v_, q_, go, slope_f, states, dsend, g.cu, g.table, seq, h, group, g.n_per,
-             g.slots, float(scale), *_strides(k_), *_strides(v_), *_strides(q_),
-             *_strides(go)), t, ("BK", "BV"), D=d, DV=dv, LOWP=_lowp(q.dtype),
-            VARLEN=g.varlen, SKS=k_.stride(2), SVS=v_.stride(2), SQS=q_.stride(2),
-            SDS=go.stride(2))
     final = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(g.n_seqs, h, d, dv, dtype=torch.float32, device=q.device)
     init = initial.float().contiguous() if initial is not None else final
     dht = grad_state.float().contiguous() if grad_state is not None else dh0
     rows = g.n_seqs * h
-    _scan_pair[(2 * rows, _ntiles(d, dv, t))](
-        states, init, final, dsend, dht, dh0, slope_f, g.cu, g.offsets, seq, h, g.n_per, rows,
-        D=d, DV=dv, C=t["C"] * t["R"], BK=t["BK"], BV=t["BV"], HAS_INIT=initial is not None,
-        HAS_DHT=grad_state is not None, VARLEN=g.varlen, **SCAN_OPTIONS)
-    del final
+    strides = (*_strides(k_), *_strides(v_), *_strides(q_), *_strides(go))
+    row_strides: dict[str, Any] = dict(SKS=k_.stride(2), SVS=v_.stride(2), SQS=q_.stride(2),
+                                       SDS=go.stride(2))
+    flags: dict[str, Any] = dict(HAS_INIT=initial is not None, HAS_DHT=grad_state is not None)
+    # the buffers travel in these argument tuples, cleared after the pass (the states are
+    # freed before dK and dV below)
+    args: dict[str, tuple[Any, ...]] = {}
+    args["outer"] = (k_, v_, q_, go, slope_f, states, dsend, g.cu, g.table, seq, h, group,
+                  g.n_per, g.slots, float(scale), *strides)
+    args["scan"] = (states, init, final, dsend, dht, dh0, slope_f, g.cu, g.offsets, seq, h,
+                 g.n_per, rows)
+    args["seq"] = (k_, v_, q_, go, slope_f, states, init, final, dsend, dht, dh0, g.cu, g.table,
+                g.offsets, seq, h, group, g.n_per, g.n_seqs, g.slots, rows, float(scale),
+                *strides)
+
+    def parallel() -> None:
+        _launch(_chunk_outer_pair, lambda m: (2 * g.slots, h, _ntiles(d, dv, m)),
+                args["outer"], t, ("BK", "BV"), D=d, DV=dv, LOWP=_lowp(q.dtype),
+                VARLEN=g.varlen, **row_strides)
+        _scan_pair[(2 * rows, _ntiles(d, dv, t))](
+            *args["scan"], D=d, DV=dv, C=t["C"] * t["R"], BK=t["BK"], BV=t["BV"],
+            VARLEN=g.varlen, **flags, **SCAN_OPTIONS)
+
+    def sequential() -> None:
+        _launch(_chunk_states_pair, lambda m: (2 * rows, _ntiles(d, dv, m)), args["seq"], t,
+                ("BK", "BV"), D=d, DV=dv, LOWP=_lowp(q.dtype), VARLEN=g.varlen, **flags,
+                **row_strides)
+
+    _state_pass(("backward", g, h, d, dv, t, q.dtype), parallel, sequential)
+    args.clear()
+    del final, init
     want_q, want_kv = need_q or need_slope_grad, need_kv or need_slope_grad
     # dslope parts per (program, D tile): room for the narrowest D tile (16), zeros where a
     # wider tuned tile leaves slots unused (zeroed again by the autotuner), so BK is tuned
@@ -991,7 +1176,8 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
     """The launches of one forward + backward at head dims (d, dv), chunk ``block_size`` and
     input dtype ("bf16", "fp16", "fp32"): state pass, scan, output, the backward's state and
     g passes (one launch), its scan and reverse scan (one launch), dQ, dK, dV
-    (``slope_grad``: with the dslope terms, the kernels' larger variant)."""
+    (``slope_grad``: with the dslope terms, the kernels' larger variant), then the
+    sequential state passes that :data:`STATE_PASS` may take instead (forward; backward)."""
     from graphopt.kernels.resources import argument_types
 
     lowp = dtype == "bf16"  # as LOWP_DTYPES on a GPU
@@ -1023,7 +1209,11 @@ def launch_specs(d: int, dv: int, block_size: int, dtype: str = "bf16",
             spec("dQ", _chunk_dqdk, ("BK", "BV"), GRAD_K=False, SLOPE_GRAD=slope_grad,
                  SOS=d),
             spec("dK", _chunk_dqdk, ("BK", "BV"), GRAD_K=True, SLOPE_GRAD=slope_grad, SOS=d),
-            spec("dV", _chunk_out, ("BK", "BV"), GRAD_V=True, SOS=dv)]
+            spec("dV", _chunk_out, ("BK", "BV"), GRAD_V=True, SOS=dv),
+            # the sequential state passes (STATE_PASS), in place of the pairs above
+            spec("states (sequential)", _chunk_states, ("BK", "BV"), HAS_INIT=True),
+            spec("states + dS (sequential)", _chunk_states_pair, ("BK", "BV"), HAS_INIT=True,
+                 HAS_DHT=True)]
 
 
 def launch_configs(spec: LaunchSpec) -> list[tuple[dict[str, Any], int, int]]:
