@@ -929,12 +929,16 @@ def _state_pass(key: tuple[Any, ...], parallel: Callable[[], None],
 def _faster(parallel: Callable[[], None], sequential: Callable[[], None]) -> str:
     """"parallel" or "sequential", whichever is faster by the autotuner's timer (each run
     once first: compiles and tunes its launches). Both only write their outputs (the scan
-    rewrites what the outer-product launch wrote), so running them twice is harmless."""
+    rewrites what the outer-product launch wrote), so running them twice is harmless. A
+    timer that fails (a backend without Triton's benchmarking) leaves "parallel"."""
     bench = BENCHMARKER or triton.testing.do_bench
     times = []
     for fn in (parallel, sequential):
         fn()
-        ms = bench(fn)
+        try:
+            ms = bench(fn)
+        except Exception:  # noqa: BLE001  (timing is an optimization, never an error)
+            return "parallel"
         times.append(ms[0] if isinstance(ms, (list, tuple)) else float(ms))
     return "parallel" if times[0] <= times[1] else "sequential"
 
