@@ -200,12 +200,12 @@ if triton_available():
                         VARLEN, DOT, SQS, SDS)
 
     @triton.jit
-    def _scan_tile(BUF, SLOPE, INIT, FINAL, CU, OFFS, ih, t, seq, heads, n_per,
-                   D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr, has_init, reverse, VARLEN: tl.constexpr):
-        """Tile ``t`` of (sequence, head) ``ih``: see :func:`_scan`. ``has_init`` and
-        ``reverse`` may be constexprs or runtime flags (:func:`_scan_pair`: one loop body
-        for both scans, so the pair needs no more registers than one scan)."""
+    def _walk(SLOPE, CU, OFFS, INIT, ih, t, seq, heads, n_per, has_init, D: tl.constexpr,
+              DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr):
+        """What a scan over (sequence, head) ``ih``'s chunks needs, for state tile ``t``:
+        (sequence, head, slope, first chunk slot, chunks, sequence length, the tile's
+        offsets and mask in a [D, Dv] state, the initial state tile (0 without
+        ``has_init``))."""
         i, h = ih // heads, ih % heads
         nv = tl.cdiv(DV, BV)
         ik, iv = t // nv, t % nv
@@ -224,6 +224,17 @@ if triton_available():
         mask = (ok < D)[:, None] & (ov < DV)[None, :]
         state = tl.load(INIT + ih.to(tl.int64) * D * DV + tile, mask=mask & has_init,
                         other=0.0).to(tl.float32)
+        return i, h, s, p0, count, seqlen, tile, mask, state
+
+    @triton.jit
+    def _scan_tile(BUF, SLOPE, INIT, FINAL, CU, OFFS, ih, t, seq, heads, n_per,
+                   D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, has_init, reverse, VARLEN: tl.constexpr):
+        """Tile ``t`` of (sequence, head) ``ih``: see :func:`_scan`. ``has_init`` and
+        ``reverse`` may be constexprs or runtime flags (:func:`_scan_pair`: one loop body
+        for both scans, so the pair needs no more registers than one scan)."""
+        i, h, s, p0, count, seqlen, tile, mask, state = _walk(
+            SLOPE, CU, OFFS, INIT, ih, t, seq, heads, n_per, has_init, D, DV, BK, BV, VARLEN)
         for step in range(0, count):
             c = tl.where(reverse, count - 1 - step, step)
             length = tl.minimum(C, seqlen - c * C)
@@ -276,24 +287,8 @@ if triton_available():
         ``chunk_fwd_kernel_h`` runs its state pass this way). Packed sequences: the last
         sequence's programs also zero the spare slots after the used ones (the parallel
         pass writes zeros there; the dQ / dK kernels read them times 0)."""
-        i, h = ih // heads, ih % heads
-        nv = tl.cdiv(DV, BV)
-        ik, iv = t // nv, t % nv
-        s = tl.load(SLOPE + h).to(tl.float32)
-        if VARLEN:
-            p0 = tl.load(OFFS + i)
-            count = tl.load(OFFS + i + 1) - p0
-            seqlen = tl.load(CU + i + 1) - tl.load(CU + i)
-        else:
-            p0 = i * n_per
-            count = n_per
-            seqlen = seq
-        ok = ik * BK + tl.arange(0, BK)
-        ov = iv * BV + tl.arange(0, BV)
-        tile = ok[:, None] * DV + ov[None, :]
-        mask = (ok < D)[:, None] & (ov < DV)[None, :]
-        state = tl.load(INIT + ih.to(tl.int64) * D * DV + tile, mask=mask & HAS_INIT,
-                        other=0.0).to(tl.float32)
+        i, h, s, p0, count, seqlen, tile, mask, state = _walk(
+            SLOPE, CU, OFFS, INIT, ih, t, seq, heads, n_per, HAS_INIT, D, DV, BK, BV, VARLEN)
         for step in range(0, count):
             c = count - 1 - step if REVERSE else step
             length = tl.minimum(C * R, seqlen - c * (C * R))
