@@ -461,6 +461,21 @@ def sequential():
 assert tk._faster(parallel, sequential) == "sequential" and calls == ["p", "s"], calls
 clock = {"parallel": 0.5, "sequential": 1.0}  # do_bench's float
 assert tk._faster(parallel, sequential) == "parallel"
+# "auto" on a GPU: timed per bucket (here the sequential wins and is cached), but packed
+# sequences always take the parallel pass (the sequential one waits on the longest)
+tk.STATE_PASS, tk.INTERPRETED = "auto", False
+clock = {"parallel": 2.0, "sequential": 1.0}
+tiles = {"C": 16, "R": 1}
+for varlen, want in ((False, ["p", "s", "s"]), (True, ["p"])):
+    g = tk._Chunks(1, 4, 4, None, None, None, varlen)
+    calls.clear()
+    tk._state_pass(("forward", g, 2, 16, 16, tiles, torch.float32), parallel, sequential)
+    assert calls == want, (varlen, calls)
+calls.clear()
+tk._state_pass(("forward", g._replace(varlen=False), 2, 16, 16, tiles, torch.float32),
+               parallel, sequential)
+assert calls == ["s"], calls  # the cached choice
+tk.INTERPRETED = True
 print("ok")
 """
 

@@ -894,8 +894,10 @@ parallel over chunks x heads x tiles), "sequential" (one launch walking each seq
 chunks in order, per (sequence, head, tile): 1 launch, parallel over heads x tiles only;
 flash-linear-attention's ``chunk_fwd_kernel_h`` way) or "auto": on a GPU/NPU the faster of
 the two, timed once per (pass, head dims, chunk, dtype, power-of-two buckets of sequences x
-heads and of chunks per sequence); under the interpreter "parallel". Both give the same
-numbers (the chunk sums are rounded to the state dtype either way)."""
+heads and of chunks per sequence), "parallel" for packed sequences and under the
+interpreter. With the same tiles both give the same numbers bit for bit (the chunk sums are
+rounded to the state dtype either way); autotuned, each pass has its own tiles, and the
+results differ by rounding as any two tile choices do."""
 
 _STATE_PASS_CHOICE: dict[tuple[Any, ...], str] = {}
 
@@ -906,7 +908,10 @@ def _state_pass(key: tuple[Any, ...], parallel: Callable[[], None],
     tiles, dtype), bucketed here)."""
     mode = STATE_PASS
     if mode == "auto":
-        if INTERPRETED:
+        if INTERPRETED or key[1].varlen:
+            # packed sequences: the sequential pass takes as long as the longest sequence,
+            # which is not known on the host (a choice timed on even lengths would be reused
+            # for one long sequence and many short ones)
             mode = "parallel"
         else:
             which, g, heads, d, dv, t, dtype = key
