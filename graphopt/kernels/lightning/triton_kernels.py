@@ -283,7 +283,7 @@ if triton_available():
         ``t``, walking the chunks in order (REVERSE: from the last): BUF[c] <- the running
         state, then state <- lambda^L_c state + kv[c] with kv[c] the chunk's outer-product
         sum (:func:`_outer_value`) rounded to BUF's dtype, as :func:`_scan` reads it from the
-        parallel pass: both orders give the same numbers (flash-linear-attention's
+        parallel pass: with the same tiles both give the same numbers (flash-linear-attention's
         ``chunk_fwd_kernel_h`` runs its state pass this way). Packed sequences: the last
         sequence's programs also zero the spare slots after the used ones (the parallel
         pass writes zeros there; the dQ / dK kernels read them times 0)."""
