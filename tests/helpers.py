@@ -254,3 +254,19 @@ class ZeroFills(TorchDispatchMode):
         elif func.overloadpacket is torch.ops.aten.zeros_like:
             self.shapes.append(tuple(args[0].shape))
         return func(*args, **(kwargs or {}))
+
+
+def run_interpreted(script: str, timeout: int = 600) -> None:
+    """Run ``script`` in a fresh Python with Triton's CPU interpreter (TRITON_INTERPRET=1 must
+    be set before triton is imported, so not in this process) and assert it printed "ok"
+    last; its stderr tail is the failure message."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=timeout,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().endswith("ok")
+

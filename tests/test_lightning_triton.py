@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.helpers import run_interpreted
+
 pytest.importorskip("triton")
 
 SCRIPT = r"""
@@ -224,11 +226,7 @@ print("ok")
 
 
 def test_triton_kernels_match_reference_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                         env=env, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(SCRIPT)
 
 
 def test_gpu_head_dims_beyond_the_triton_limit_use_the_chunked_kernel():
@@ -309,11 +307,7 @@ def test_autotuned_launch_path_runs_and_matches_under_interpreter():
     config benchmarked win: the tuning call and the next give the reference's outputs and
     gradients (the slope's too: parts written by configs benchmarked before the winner are
     zeroed again)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", TUNED_SCRIPT], capture_output=True, text=True,
-                         env=env, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(TUNED_SCRIPT)
 
 
 def test_precompile_submits_every_candidate_config_once_to_parallel_compilation(monkeypatch):
@@ -486,8 +480,4 @@ def test_sequential_state_pass_equals_the_parallel_one_bit_for_bit():
     passes' numbers exactly (dense, GQA, multi-tile D/Dv, packed sequences, initial state,
     fixed slope, fp16 low precision), match the float64 reference, and "auto" picks the
     faster by the autotuner's timer."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", STATE_PASS_SCRIPT], capture_output=True,
-                         text=True, env=env, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(STATE_PASS_SCRIPT)

@@ -281,16 +281,10 @@ def test_fused_triton_combine_matches_float64_under_interpreter():
     weight and casts fused), run by Triton's CPU interpreter inside the op: fp32 dropless,
     fp32 with a capacity that drops assignments, bf16; forward and every gradient vs the
     float64 torch path."""
-    import os
-    import subprocess
-    import sys
+    from tests.helpers import run_interpreted
 
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", COMBINE_SCRIPT], capture_output=True,
-                         text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300,
-                         check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(COMBINE_SCRIPT, timeout=300)
 
 
 SWIGLU_SCRIPT = r"""
@@ -329,16 +323,10 @@ def test_fused_swiglu_matches_float64_under_interpreter():
     float64 formulas: a = silu(g) * u, grad_g = grad_a * u * silu'(g), grad_u = grad_a *
     silu(g); several column blocks, no rows, bf16. The op with these kernels inside is checked
     end to end by test_fused_triton_combine_matches_float64_under_interpreter."""
-    import os
-    import subprocess
-    import sys
+    from tests.helpers import run_interpreted
 
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", SWIGLU_SCRIPT], capture_output=True,
-                         text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300,
-                         check=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("ok")
+    run_interpreted(SWIGLU_SCRIPT, timeout=300)
 
 
 def test_capacity_is_exact_for_decimal_factors_and_never_overflows():
