@@ -13,6 +13,7 @@ selective rematerialization).
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -253,7 +254,9 @@ def _setup_context(ctx: Any, inputs: tuple,
 
 def _backward(ctx: Any, grad_o: Tensor | None,
               grad_state: Tensor | None, _grad_ckpt: Tensor | None,
-              backward_op: Any = None) -> tuple:
+              backward_op: Callable[..., tuple] | None = None) -> tuple:
+    """The forward op's backward; ``backward_op``: what computes the gradients (None: the
+    custom op ``lightning_attention_bwd``; _EagerLightning passes its implementation)."""
     q, k, v, slope, ckpt = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -272,7 +275,7 @@ lightning_attention_fwd.register_autograd(_backward, setup_context=_setup_contex
 class _EagerLightning(torch.autograd.Function):
     """The forward op's autograd (same setup and backward) around its implementation, without
     the custom-op dispatch: what :func:`lightning_attention` runs in plain eager mode
-    (:func:`plain_eager`). The custom op's Python dispatch costs ~55 us of host time per
+    (:func:`plain_eager`). The custom op's Python dispatch costs ~50 us of host time per
     forward+backward (benchmarks/lightning_host.py), and a launch-bound step on a GPU
     (B=1, H=8, S=4k) is all host time."""
 
@@ -303,7 +306,7 @@ def plain_eager(*tensors: Tensor | None) -> bool:
     function mode, a functorch transform such as torch.func.grad or vmap) and every tensor
     is a plain torch.Tensor (or Parameter) with real data (a storage on a real device).
     Anything else takes the custom op, whose fake implementation and registration are what
-    those need."""
+    those need. Returns a bool; raises nothing."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or \
             is_in_torch_dispatch_mode() or \
             torch._C._is_torch_function_mode_enabled() or \
