@@ -118,8 +118,10 @@ def varlen_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
                                            impl="triton")
                        for a, b in zip(bounds, bounds[1:])], dim=2).backward(go)
 
+        gamma = -slope
+
         def fla() -> None:
-            chunk_simple_gla(qf, kf, vf, g_gamma=-slope, scale=1.0,
+            chunk_simple_gla(qf, kf, vf, g_gamma=gamma, scale=1.0,
                              cu_seqlens=cu)[0].backward(gof)
 
         t_packed, _ = measure(packed)
@@ -150,7 +152,8 @@ def block_rows(chunk_simple_gla: Callable[..., tuple] | None) -> None:
     if chunk_simple_gla:
         qf, kf, vf, gof = (t.detach().transpose(1, 2).contiguous().requires_grad_(t is not go)
                            for t in (q, k, v, go))
-        t_fla, m_fla = measure(lambda: chunk_simple_gla(qf, kf, vf, g_gamma=-slope,
+        gamma = -slope
+        t_fla, m_fla = measure(lambda: chunk_simple_gla(qf, kf, vf, g_gamma=gamma,
                                                         scale=1.0)[0].backward(gof))
     for block in (64, 128, 256):
         t_ours, m_ours = measure(lambda: lightning_attention(q, k, v, slope, impl="triton",
@@ -364,6 +367,7 @@ def main() -> None:
                     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
                                * 0.3 for _ in range(3))
                     slope = torch.linspace(0.01, 0.3, h, device="cuda")
+                    gamma = -slope  # fla's log decay, made once: not a kernel per step
                     go = torch.randn_like(q)
                     qf, kf, vf, gof = (t.transpose(1, 2).contiguous() for t in (q, k, v, go))
                     for mode in ("fwd", "fwd+bwd"):
@@ -382,7 +386,7 @@ def main() -> None:
                                 o.backward(go)
 
                         def fla() -> None:
-                            o = chunk_simple_gla(qf, kf, vf, g_gamma=-slope, scale=1.0)[0]
+                            o = chunk_simple_gla(qf, kf, vf, g_gamma=gamma, scale=1.0)[0]
                             if train:
                                 o.backward(gof)
 

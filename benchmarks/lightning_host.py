@@ -19,6 +19,9 @@ instead of an outer-product launch and a scan; on a GPU "auto" times both per sh
 Per call: median of ``--reps`` wall-clock times of ``o = attn(q, k, v)`` under no_grad
 (fwd) and of ``o = attn(q, k, v); autograd.grad(o, (q, k, v), dO)`` (fwd+bwd) after
 warm-ups; B=1, H=8, S=256, D=64, bf16, fixed slope (MiniMax's).
+Launches are printed as "Triton + torch": the Triton kernels launched, then the other ops
+that would each launch a kernel on a GPU (fills, copies, casts: ``torch_kernels``, from the
+profiler).
 Not included: Triton's own launcher on a GPU (its argument binding and the driver call, per
 launch, the same for both sides: the launch counts are printed so it can be added). fla-core
 0.6.0 is loaded as in lightning_memory.py (``PYTHONPATH=<unpacked wheel>``); without it the
@@ -56,14 +59,47 @@ def _skip_kernel_bodies() -> None:
     interpreter.InterpretedFunction.run = counted
 
 
-def host_time(fn: Callable[[], object], reps: int) -> tuple[float, list[str]]:
-    """(median seconds per call after warm-ups, kernel names launched by one call)."""
+# aten ops that only allocate or make views: no kernel on a GPU (``to`` without
+# ``_to_copy`` below it returns its input)
+NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view",
+             "as_strided", "detach", "alias", "transpose", "t", "permute", "expand", "reshape",
+             "_reshape_alias", "_unsafe_view", "unsqueeze", "squeeze", "select", "slice",
+             "narrow", "split", "chunk", "unflatten", "flatten", "resolve_conj",
+             "resolve_neg", "lift_fresh", "result_type", "to", "contiguous", "size", "stride"}
+
+
+def torch_kernels(fn: Callable[[], object]) -> list[str]:
+    """The aten ops one call of ``fn`` runs that would each launch a kernel on a GPU: the
+    outermost ops the profiler records that do more than allocate, view or return their
+    input (``zeros`` once, not also its ``fill_``): fills, copies, casts, arithmetic outside
+    Triton."""
+    from torch.profiler import profile
+
+    def counted(e: Any) -> bool:
+        return e.name.startswith("aten::") and e.name[6:] not in NO_KERNEL
+
+    def outermost(e: Any) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if counted(parent):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    with profile() as prof:
+        fn()
+    return [e.name[6:] for e in prof.events() if counted(e) and outermost(e)]
+
+
+def host_time(fn: Callable[[], object], reps: int) -> tuple[float, list[str], list[str]]:
+    """(median seconds per call after warm-ups, Triton kernels launched by one call, other
+    kernels it would launch on a GPU: :func:`torch_kernels`)."""
     for _ in range(4):
         fn()
     sec = median_time(fn, reps)
     LAUNCHES.clear()
     fn()
-    return sec, list(LAUNCHES)
+    return sec, list(LAUNCHES), torch_kernels(fn)
 
 
 def main() -> None:
@@ -110,24 +146,26 @@ def main() -> None:
     else:
         xf = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
         dof = do.transpose(1, 2).contiguous()
+        gamma = -slope  # fla's log decay, made once (not a kernel of each call)
 
         def theirs(train: bool) -> Callable[[], object]:
             def run() -> object:
                 with torch.set_grad_enabled(train):
-                    o = fla(*xf, g_gamma=-slope, scale=1.0)[0]
+                    o = fla(*xf, g_gamma=gamma, scale=1.0)[0]
                     return torch.autograd.grad(o, xf, dof) if train else o
             return run
         rows.append(("fla chunk_simple_gla", theirs(False), theirs(True)))
     print(f"B={b} H={h} S={s} D={d} bf16, fixed slope; host time with kernel bodies skipped, "
           f"median of {args.reps}; forward under no_grad (as lightning_gpu.py's fwd rows)\n")
     print("| implementation | fwd us | fwd launches | fwd+bwd us | fwd+bwd launches | "
-          "kernels (fwd+bwd) |")
-    print("|---|---|---|---|---|---|")
+          "Triton kernels (fwd+bwd) | torch kernels (fwd+bwd) |")
+    print("|---|---|---|---|---|---|---|")
     for name, fwd, both in rows:
-        t_fwd, n_fwd = host_time(fwd, args.reps)
-        t_both, launched = host_time(both, args.reps)
-        print(f"| {name} | {t_fwd * 1e6:.0f} | {len(n_fwd)} | {t_both * 1e6:.0f} | "
-              f"{len(launched)} | {', '.join(launched)} |", flush=True)
+        t_fwd, n_fwd, o_fwd = host_time(fwd, args.reps)
+        t_both, launched, others = host_time(both, args.reps)
+        print(f"| {name} | {t_fwd * 1e6:.0f} | {len(n_fwd)} + {len(o_fwd)} | "
+              f"{t_both * 1e6:.0f} | {len(launched)} + {len(others)} | {', '.join(launched)} "
+              f"| {', '.join(others) or '-'} |", flush=True)
 
 if __name__ == "__main__":
     main()

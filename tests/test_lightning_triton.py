@@ -210,17 +210,23 @@ assert o.isfinite().all() and o_r.abs().max() < 65504
 assert float((o.double() - o_r).abs().max() / o_r.abs().max()) < 2e-3
 (dq,) = torch.autograd.grad(o.float().sum(), q)
 assert dq.isfinite().all()
-# What the Triton forward keeps for the backward: q, k, v, slope and the initial state only
-# (its backward recomputes the chunk states), as op.saved_bytes reports for impl "triton".
+# What the Triton forward keeps for the backward: q, k, v, slope and the initial state if
+# there is one (its backward recomputes the chunk states; without an initial state it starts
+# from zero, nothing stored or zero-filled), as op.saved_bytes reports for impl "triton".
 from graphopt.cost.memory import measured_saved_bytes
 from graphopt.kernels.lightning.op import saved_bytes
 q = torch.randn(2, 4, 100, 16, requires_grad=True)
 k, v = (torch.randn(2, 2, 100, 16, requires_grad=True) for _ in range(2))
 slope = torch.rand(4, requires_grad=True)
-got = measured_saved_bytes(lambda: lightning_attention(q, k, v, slope, block_size=16,
-                                                       impl="triton"))
-kept, _ = saved_bytes(q.shape, k.shape, v.shape, torch.float32, 16, 8, impl="triton")
-assert got == kept == (4 + 2 + 2) * 2 * 100 * 16 * 4 + 4 * 4 + 2 * 4 * 16 * 16 * 4, (got, kept)
+inputs = (4 + 2 + 2) * 2 * 100 * 16 * 4 + 4 * 4
+for h0 in (None, torch.randn(2, 4, 16, 16)):
+    got = measured_saved_bytes(lambda: lightning_attention(q, k, v, slope, block_size=16,
+                                                           impl="triton", initial_state=h0),
+                               [h0] if h0 is not None else [])
+    kept, _ = saved_bytes(q.shape, k.shape, v.shape, torch.float32, 16, 8, impl="triton",
+                          has_initial_state=h0 is not None)
+    state = 2 * 4 * 16 * 16 * 4 if h0 is not None else 0
+    assert got == kept == inputs + state, (got, kept, h0 is None)
 print("ok")
 """
 
@@ -481,3 +487,62 @@ def test_sequential_state_pass_equals_the_parallel_one_bit_for_bit():
     fixed slope, fp16 low precision), match the float64 reference, and "auto" picks the
     faster by the autotuner's timer."""
     run_interpreted(STATE_PASS_SCRIPT)
+
+
+NO_FILL_SCRIPT = r"""
+import torch
+from torch.profiler import profile
+from graphopt.kernels.lightning import lightning_attention, lightning_attention_reference
+
+def fills(fn):
+    with profile() as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name in ("aten::fill_", "aten::zero_")]
+
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 4, 40, 16, generator=gen, requires_grad=True) for _ in range(3))
+slope = torch.rand(4, generator=gen)  # a fixed slope (MiniMax's buffer), no initial state
+do = torch.randn(1, 4, 40, 16, generator=gen)
+run = lambda: lightning_attention(q, k, v, slope, block_size=16, impl="triton")
+with torch.no_grad():
+    assert fills(run) == [], fills(run)
+o = run()
+assert fills(lambda: torch.autograd.grad(run(), (q, k, v), do)) == []
+got = torch.autograd.grad(o, (q, k, v), do)
+# the custom op (taken under a dispatch mode; its schema returns dslope, zeros here) agrees
+o2, _, ckpt = torch.ops.graphopt.lightning_attention_fwd(q, k, v, slope, 1.0, None, 16, 8,
+                                                         "triton")
+assert ckpt.shape == (1, 4, 0, 16) and torch.equal(o, o2)
+for g, w in zip(got, torch.autograd.grad(o2, (q, k, v), do)):
+    assert torch.equal(g, w)
+ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+o_r, _ = lightning_attention_reference(*ref, slope.double(), 1.0)
+for g, w in zip(got, torch.autograd.grad(o_r, ref, do.double())):
+    torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+# a trained slope still gets its gradient; an initial state is still checkpointed and used
+slope.requires_grad_()
+h0 = torch.randn(1, 4, 16, 16, generator=gen, requires_grad=True)
+o = lightning_attention(q, k, v, slope, block_size=16, impl="triton", initial_state=h0)
+got = torch.autograd.grad(o, (q, k, v, slope, h0), do)
+ref = [x.detach().double().requires_grad_() for x in (q, k, v, slope, h0)]
+o_r, _ = lightning_attention_reference(*ref[:4], 1.0, ref[4])
+for g, w in zip(got, torch.autograd.grad(o_r, ref, do.double())):
+    torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+# compiled (the fake says 0 checkpoint rows without an initial state, 1 with): same numbers
+for init in (None, h0):
+    f = lambda *a: lightning_attention(*a, block_size=16, impl="triton", initial_state=init)
+    c = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    ins = (q, k, v, slope)
+    for g, w in zip(torch.autograd.grad(c(*ins), ins, do), torch.autograd.grad(f(*ins), ins, do)):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+print("ok")
+"""
+
+
+def test_eager_triton_step_launches_no_zero_fill():
+    """A Triton forward + backward in plain eager mode with a fixed slope and no initial
+    state runs no fill kernel (each is a launch on a GPU: the forward zero-filled a first
+    state, the backward a dslope placeholder and a dslope of zeros that was discarded), and
+    its gradients equal the custom op's bit for bit and the float64 reference's; a trained
+    slope and an initial state still get theirs."""
+    run_interpreted(NO_FILL_SCRIPT)

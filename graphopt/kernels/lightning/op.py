@@ -56,21 +56,26 @@ per-(batch, head) kernel they replaced kept the whole [D, Dv] state and needed 4
 shared memory at D = Dv = 128 on an H200). Beyond 256 "auto" takes the chunked kernel."""
 
 
-def stored_checkpoints(seq: int, block_size: int, checkpoint_every: int, impl: str) -> int:
+def stored_checkpoints(seq: int, block_size: int, checkpoint_every: int, impl: str,
+                       has_initial_state: bool) -> int:
     """States the forward keeps for the backward: ceil(floor(S / C) / r) + 1 on the chunked
-    path (its backward walks the chunks from them), 1 (the initial state) on Triton (its
-    backward recomputes every chunk's state from the initial one in two parallel passes)."""
-    return 1 if impl == "triton" else num_checkpoints(seq, block_size, checkpoint_every)
+    path (its backward walks the chunks from them), on Triton the initial state if there is
+    one, else none (its backward recomputes every chunk's state from the initial one, or
+    from zero, in two parallel passes)."""
+    if impl == "triton":
+        return int(has_initial_state)
+    return num_checkpoints(seq, block_size, checkpoint_every)
 
 
 def saved_bytes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
                 dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
-                checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, impl: str = "chunked"
-                ) -> tuple[int, int]:
+                checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, impl: str = "chunked",
+                has_initial_state: bool = False) -> tuple[int, int]:
     """Bytes autograd keeps for the backward of one ``lightning_attention`` call ("bhsd"
     shapes q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]; inputs in ``dtype``; impl
     "chunked" or "triton", as resolved): (what the op saves: q, k, v, the float32 slope and
-    :func:`stored_checkpoints` states [B, Hq, D, Dv] in the accumulation dtype; what saving
+    :func:`stored_checkpoints` states [B, Hq, D, Dv] in the accumulation dtype, where
+    ``has_initial_state`` says whether the call passes an ``initial_state``; what saving
     every chunk's state would take instead: q, k, v, slope and ceil(S / C) states).
     Selective rematerialization (EPLoN's idea, see chunked.py)."""
     b, hq, s, d = q_shape
@@ -78,7 +83,8 @@ def saved_bytes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tup
     item = torch.empty(0, dtype=dtype).element_size()
     state = b * hq * d * dv * torch.empty(0, dtype=acc_dtype(dtype)).element_size()
     inputs = (_numel(q_shape) + _numel(k_shape) + _numel(v_shape)) * item + hq * 4
-    return (inputs + stored_checkpoints(s, block_size, checkpoint_every, impl) * state,
+    kept = stored_checkpoints(s, block_size, checkpoint_every, impl, has_initial_state)
+    return (inputs + kept * state,
             inputs + -(-s // block_size) * state)
 
 
@@ -165,7 +171,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     b, hq, s, d = q.shape
     dv = v.shape[-1]
     acc = acc_dtype(q.dtype)
-    n = stored_checkpoints(s, block_size, checkpoint_every, impl)
+    n = stored_checkpoints(s, block_size, checkpoint_every, impl, initial_state is not None)
     # The n checkpoint states are flattened into one [n * D] dim: with a symbolic sequence
     # length, n may be 1 for some lengths, and tracing (torch.export) would guard on n != 1
     # when it computes the output's contiguity; n * D >= D > 1 is known without a guard.
@@ -182,13 +188,28 @@ def _backward_impl(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tens
     the inputs' shapes and dtypes. ``need_q`` / ``need_kv`` False (q, resp. k, v and the
     initial state, need no gradient): that part is not computed and returned as zeros
     (the chunked path skips the reverse state scan and the dK/dV products, Triton its dQ
-    or dK/dV launches), unless ``need_slope_grad``, which reads both."""
+    or dK/dV launches), unless ``need_slope_grad``, which reads both; dslope is zeros
+    without ``need_slope_grad``."""
+    return _gradients(grad_o, grad_state, q, k, v, slope, scale, checkpoints, block_size,
+                      checkpoint_every, need_slope_grad, impl, need_q, need_kv,
+                      slope_zeros=True)  # type: ignore[return-value]
+
+
+def _gradients(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+               slope: Tensor, scale: float, checkpoints: Tensor, block_size: int,
+               checkpoint_every: int, need_slope_grad: bool, impl: str, need_q: bool = True,
+               need_kv: bool = True, *, slope_zeros: bool = False
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """:func:`_backward_impl`; dslope is None without ``need_slope_grad`` unless
+    ``slope_zeros`` (the custom op's schema returns a tensor; the eager backward,
+    :class:`_EagerLightning`, discards it, and a zero fill is a kernel launch on a GPU)."""
     b, hq, _, d = q.shape
     if b * hq == 0:  # an empty batch or no heads: nothing flows back
         zeros = q.new_zeros(b, hq, d, v.shape[-1], dtype=acc_dtype(q.dtype))
+        dslope = slope.new_zeros(slope.shape) if need_slope_grad else None
         return _input_grads((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
-                             None, zeros), q, k, v, slope)
-    count = stored_checkpoints(q.shape[2], block_size, checkpoint_every, impl)
+                             dslope, zeros), q, k, v, slope, slope_zeros)
+    count = checkpoints.shape[2] // d  # stored_checkpoints(...), flattened by the forward
     checkpoints = checkpoints.view(b, hq, count, d, v.shape[-1])
     kk, vv = _kernel_kv(k, v, hq, impl)
     if impl == "triton":
@@ -198,7 +219,7 @@ def _backward_impl(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tens
         grads = chunked_backward(grad_o, grad_state, q, kk, vv, slope, scale, checkpoints,
                                  block_size, checkpoint_every, need_slope_grad, need_q,
                                  need_kv)
-    return _input_grads(grads, q, k, v, slope)
+    return _input_grads(grads, q, k, v, slope, slope_zeros)
 
 
 lightning_attention_bwd = torch.library.custom_op("graphopt::lightning_attention_bwd",
@@ -211,18 +232,18 @@ def _kernel_kv(k: Tensor, v: Tensor, hq: int, impl: str) -> tuple[Tensor, Tensor
 
 
 def _input_grads(grads: tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor], q: Tensor,
-                 k: Tensor, v: Tensor, slope: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 k: Tensor, v: Tensor, slope: Tensor, slope_zeros: bool = True
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Kernel gradients (dk, dv per query head from the chunked kernel, per K/V head from
     Triton) -> the inputs' shapes and dtypes, contiguous: each GQA group summed where the
-    kernel did not, dslope zeros when it was not asked for."""
+    kernel did not; dslope, when it was not asked for, zeros if ``slope_zeros`` else None."""
     dq, dk, dv, dslope, dstate = grads
     hk = k.shape[1]
-    if dslope is None:
+    if dslope is None and slope_zeros:
         dslope = slope.new_zeros(slope.shape)
     out = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
-           dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
-    return tuple(g.contiguous() for g in out)  # type: ignore[return-value]
+           None if dslope is None else dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
+    return tuple(None if g is None else g.contiguous() for g in out)  # type: ignore
 
 
 @lightning_attention_bwd.register_fake
@@ -297,7 +318,7 @@ class _EagerLightning(torch.autograd.Function):
         # them twice is refused by non-reentrant checkpointing
         plain = not torch.is_grad_enabled() and plain_eager(grad_o, grad_state)
         return _backward(ctx, grad_o, grad_state, grad_ckpt,
-                         backward_op=_backward_impl if plain else None)
+                         backward_op=_gradients if plain else None)
 
 
 def plain_eager(*tensors: Tensor | None) -> bool:
@@ -396,7 +417,7 @@ def lightning_attention_varlen_bwd(grad_o: Tensor, grad_state: Tensor | None, q:
     backward = triton_varlen_backward if impl == "triton" else _chunked_varlen_backward
     grads = backward(grad_o, grad_state, q, *_kernel_kv(k, v, hq, impl), slope, scale,
                      initial_state, block_size, cu_seqlens, need_slope_grad)
-    return _input_grads(grads, q, k, v, slope)
+    return _input_grads(grads, q, k, v, slope)  # type: ignore[return-value]
 
 
 @lightning_attention_varlen_bwd.register_fake

@@ -1066,10 +1066,11 @@ def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v
     want_q, want_kv = need_q or need_slope_grad, need_kv or need_slope_grad
     # dslope parts per (program, D tile): room for the narrowest D tile (16), zeros where a
     # wider tuned tile leaves slots unused (zeroed again by the autotuner), so BK is tuned
-    # too. Without a slope gradient the kernels skip those terms (one placeholder).
+    # too. Without a slope gradient the kernels skip those terms (one placeholder, not
+    # zero-filled: a fill is a kernel launch on a GPU).
     nk = cdiv(d, 16)
-    parts = torch.zeros(2, g.slots * t["R"] if need_slope_grad else 1, h, nk,
-                        dtype=torch.float32, device=q.device)
+    parts = (torch.zeros(2, g.slots * t["R"], h, nk, dtype=torch.float32, device=q.device)
+             if need_slope_grad else slope_f.new_empty(2, 1, h, nk))  # never read: no fill
 
     def dqdk(grad_k: bool, states: Tensor, out: Tensor, part: Tensor) -> None:
         """dK (per K/V head) or dQ into ``out`` (the kernel's DQ and DK: one is written)."""
@@ -1114,13 +1115,13 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     (GQA: query head h reads K/V head h // (H / Hk), nothing expanded) and that the only
     checkpoint is the initial state (the backward recomputes every chunk's state from it in
     two parallel passes): (o [B, H, S, Dv] in q's dtype (fp32 for fp64), final state
-    [B, H, D, Dv] fp32, checkpoints [B, H, 1, D, Dv] fp32). The block length is rounded up
-    to a power of two >= 16."""
+    [B, H, D, Dv] fp32, checkpoints [B, H, 1, D, Dv] fp32, or [B, H, 0, D, Dv] without an
+    initial state). The block length is rounded up to a power of two >= 16."""
     b, h, _, d = q.shape
     dv = v.shape[-1]
     o, _, final, _ = _forward(q, k, v, slope, scale, initial_state, block_size, None)
-    if initial_state is None:
-        first = final.new_zeros(b, h, 1, d, dv)
+    if initial_state is None:  # no checkpoint: the backward starts from zero (HAS_INIT off),
+        first = final.new_empty(b, h, 0, d, dv)  # no zero-filled state (a fill kernel)
     else:
         first = initial_state.to(torch.float32, copy=True).reshape(b, h, 1, d, dv)
     return o, final, first
@@ -1133,11 +1134,13 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Same contract as ``chunked.chunked_backward`` with k, v of Hk heads (dk, dv are
     [B, Hk, S, D | Dv] in q's dtype, each GQA group summed in the kernels) and checkpoints
-    [B, H, 1, D, Dv], the initial state: the chunk states are recomputed from it by the
+    [B, H, 1, D, Dv], the initial state, or [B, H, 0, D, Dv] for none (a zero initial
+    state, not materialized): the chunk states are recomputed from it by the
     forward's two parallel passes, so the forward saves q, k, v, slope and one state only
     (selective rematerialization)."""
-    return _backward(grad_o, grad_state, q, k, v, slope, scale, checkpoints[:, :, 0],
-                     block_size, None, need_slope_grad, need_q, need_kv)
+    initial = checkpoints[:, :, 0] if checkpoints.shape[2] else None
+    return _backward(grad_o, grad_state, q, k, v, slope, scale, initial, block_size, None,
+                     need_slope_grad, need_q, need_kv)
 
 
 def triton_varlen_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
