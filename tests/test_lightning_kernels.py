@@ -533,3 +533,63 @@ def test_eager_path_refuses_double_backward_and_hands_vmap_and_tracing_to_the_op
     for got, want in zip(torch.autograd.grad(ckpt.square().sum(), (q, k, v, slope)),
                          torch.autograd.grad(o.square().sum(), (q, k, v, slope))):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_torch_func_transforms_match_the_reference(varlen):
+    """torch.func.grad, vjp, jacrev and per-sample gradients (vmap of grad) through
+    lightning_attention equal the float64 reference's (they raised: the autograd.Function
+    torch.library generates for a custom op has no setup_context, pytorch#168393), dense
+    (GQA, initial state, final state, trained slope) and packed; a gradient of a gradient is
+    refused by name, not silently wrong."""
+    from torch.func import grad, jacrev, vjp, vmap
+
+    q, k, v, slope, h0 = (x.detach() for x in _inputs(2, 4, 2, 21, 4, 3, torch.float64,
+                                                          init=True))
+    spans = [(0, 8), (8, 21)]
+    if varlen:  # two packed sequences in one row
+        q, k, v = (x[:1] for x in (q, k, v))
+        h0 = h0[:1].expand(2, -1, -1, -1).contiguous()
+    kw = dict(block_size=8, cu_seqlens=torch.tensor([0, 8, 21])) if varlen else \
+        dict(block_size=8, checkpoint_every=1)
+
+    def loss(fn, q, k, v, slope, h0):
+        o, state = fn(q, k, v, slope, h0)
+        return o.square().sum() + (state * state.flip(-1)).sum()
+
+    def ours(q, k, v, slope, h0):
+        return lightning_attention(q, k, v, slope, initial_state=h0, output_final_state=True,
+                                   **kw)
+
+    def ref(q, k, v, slope, h0):
+        if not varlen:
+            return lightning_attention_reference(q, k, v, slope, 1.0, h0)
+        outs = [lightning_attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slope,
+                                              1.0, h0[i:i + 1]) for i, (a, b) in enumerate(spans)]
+        return torch.cat([o for o, _ in outs], 2), torch.cat([s for _, s in outs])
+
+    ins = (q, k, v, slope, h0)
+    got = grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2, 3, 4))(*ins)
+    want = grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2, 3, 4))(*ins)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+    cot = torch.randn(q.shape[:3] + (3,), dtype=torch.float64)
+    (o, _), pull = vjp(ours, *ins)
+    (o_r, _), pull_r = vjp(ref, *ins)
+    torch.testing.assert_close(o, o_r, rtol=1e-10, atol=1e-12)
+    for g, w in zip(pull((cot, torch.zeros_like(h0))), pull_r((cot, torch.zeros_like(h0)))):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+    small = (q[..., :5, :], k[..., :5, :], v[..., :5, :])
+    if not varlen:
+        jac = jacrev(lambda x: lightning_attention(x, *small[1:], slope, **kw))(small[0])
+        jac_r = jacrev(lambda x: lightning_attention_reference(x, *small[1:], slope, 1.0)[0])(
+            small[0])
+        torch.testing.assert_close(jac, jac_r, rtol=1e-9, atol=1e-10)
+        # per-sample gradients: one gradient per batch row
+        rows = vmap(grad(lambda q1, k1, v1: loss(ours, q1[None], k1[None], v1[None], slope,
+                                                 h0[:1])))(q, k, v)
+        rows_r = vmap(grad(lambda q1, k1, v1: loss(ref, q1[None], k1[None], v1[None], slope,
+                                                   h0[:1])))(q, k, v)
+        torch.testing.assert_close(rows, rows_r, rtol=1e-9, atol=1e-10)
+    with pytest.raises(RuntimeError, match="lightning_attention.*first-order backward only"):
+        grad(lambda x: grad(lambda y: loss(ours, y, k, v, slope, h0))(x).sum())(q)

@@ -528,6 +528,12 @@ ref = [x.detach().double().requires_grad_() for x in (q, k, v, slope, h0)]
 o_r, _ = lightning_attention_reference(*ref[:4], 1.0, ref[4])
 for g, w in zip(got, torch.autograd.grad(o_r, ref, do.double())):
     torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+# torch.func.grad takes graphopt.kernels.transformable's Function: the same kernels
+fg = torch.func.grad(lambda *a: (lightning_attention(*a, block_size=16, impl="triton",
+                                                     initial_state=h0) * do).sum(),
+                     argnums=(0, 1, 2, 3))(q.detach(), k.detach(), v.detach(), slope.detach())
+for g, w in zip(fg, got):
+    assert torch.equal(g, w)
 # compiled (the fake says 0 checkpoint rows without an initial state, 1 with): same numbers
 for init in (None, h0):
     f = lambda *a: lightning_attention(*a, block_size=16, impl="triton", initial_state=init)

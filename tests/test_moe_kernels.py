@@ -470,3 +470,34 @@ def test_saved_outputs_are_not_differentiable_and_get_no_zero_gradients():
         outs[0].sum().backward()
     assert fills.shapes == [], fills.shapes  # before: one zero tensor per saved output
     assert hidden.grad is not None and gate_up.grad is not None
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_torch_func_grad_and_jacrev_equal_autograd(capacity_factor):
+    """torch.func.grad and jacrev through moe_experts (they raised: torch.library's
+    generated autograd.Function has no setup_context, pytorch#168393) equal
+    torch.autograd.grad's gradients, which the tests above check against transformers'
+    MixtralExperts; with capacity drops too. A gradient of a gradient is refused by name."""
+    from torch.func import grad, jacrev
+
+    hidden, index, weights, gate_up, down = (x.detach() for x in _op_args(t=9, e=3, h=4, f=3))
+    ins = (hidden, weights, gate_up, down)
+
+    def loss(h, w, gu, d):
+        out = moe_experts(h, index, w, gu, d, capacity_factor=capacity_factor)
+        return (out * out.flip(0)).sum()
+
+    got = grad(loss, argnums=(0, 1, 2, 3))(*ins)
+    leaves = [x.clone().requires_grad_() for x in ins]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    jac = jacrev(lambda h: moe_experts(h, index, weights, gate_up, down,
+                                       capacity_factor=capacity_factor))(hidden)
+    rows = torch.eye(hidden.numel(), dtype=torch.float64).view(-1, *hidden.shape)
+    out = moe_experts(leaves[0], index, weights, gate_up, down, capacity_factor=capacity_factor)
+    want_jac = torch.stack([torch.autograd.grad(out, leaves[0], r, retain_graph=True)[0]
+                            for r in rows]).view(*hidden.shape, *hidden.shape)
+    torch.testing.assert_close(jac, want_jac, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="moe_experts.*first-order backward only"):
+        grad(lambda h: grad(loss)(h, *ins[1:]).sum())(hidden)

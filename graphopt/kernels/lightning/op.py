@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from graphopt.kernels import refuse_forward_ad
+from graphopt.kernels import functorch_active, refuse_forward_ad, transformable
 from graphopt.kernels.lightning.chunked import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHECKPOINT_EVERY,
@@ -291,6 +291,8 @@ def _backward(ctx: Any, grad_o: Tensor | None,
 
 
 lightning_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FUNCTORCH = transformable("graphopt::lightning_attention", lightning_attention_fwd,
+                           _setup_context, _backward)
 
 
 class _EagerLightning(torch.autograd.Function):
@@ -453,6 +455,9 @@ def _varlen_backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None)
 
 lightning_attention_varlen_fwd.register_autograd(_varlen_backward,
                                                  setup_context=_varlen_setup_context)
+_VARLEN_FUNCTORCH = transformable("graphopt::lightning_attention_varlen",
+                                  lightning_attention_varlen_fwd, _varlen_setup_context,
+                                  _varlen_backward)
 
 
 def _check(name: str, x: Tensor, rank: int) -> None:
@@ -555,8 +560,10 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
         RuntimeError: impl="triton" without triton, or on CPU without TRITON_INTERPRET=1.
         NotImplementedError: forward-mode AD tangents on the inputs.
 
-    Not supported: double backward (the backward op has no autograd formula of its own),
-    forward-mode AD.
+    torch.func.grad / vjp / jacrev and vmap of them (per-sample gradients) work in eager
+    mode (graphopt.kernels.transformable; not inside torch.compile, where Dynamo meets
+    pytorch#168393). Not supported: double backward (the backward op has no autograd formula
+    of its own; refused by name), forward-mode AD (refused).
     On Triton with bf16 inputs the products take bf16 operands (chunk states and masked
     scores rounded to bf16, fp32 accumulation, as flash-linear-attention); fp16 and fp32
     inputs take fp32 products (fp16's range would overflow large states).
@@ -578,7 +585,9 @@ def lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, *,
     chosen = resolve_impl(impl, q.device, max(q.shape[-1], v.shape[-1]), q.dtype)
     args = (q, k, v, slope, scale_f, initial_state, _effective_block(chosen, block), every,
             chosen)
-    if plain_eager(q, k, v, slope, initial_state):
+    if functorch_active():  # torch.func.grad / vjp / jacrev / vmap
+        o, state, _ = _FUNCTORCH.apply(*args)
+    elif plain_eager(q, k, v, slope, initial_state):
         o, state, _ = _EagerLightning.apply(*args)
     else:
         o, state, _ = torch.ops.graphopt.lightning_attention_fwd(*args)
@@ -673,6 +682,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
                              f"{q.device}; move all inputs to one device")
     chosen = resolve_impl(impl, q.device, max(d, dv), q.dtype)
     cu = cu_seqlens.to(q.device)
-    return torch.ops.graphopt.lightning_attention_varlen_fwd(
-        q, k, v, slope, scale, initial_state, cu, _effective_block(chosen, block_size),
-        chosen)
+    fwd = _VARLEN_FUNCTORCH.apply if functorch_active() else \
+        torch.ops.graphopt.lightning_attention_varlen_fwd
+    return fwd(q, k, v, slope, scale, initial_state, cu, _effective_block(chosen, block_size),
+               chosen)

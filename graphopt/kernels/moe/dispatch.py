@@ -199,8 +199,11 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
         raise ValueError(f"top_k_index has values outside [0, {e}): min {int(flat.min())}, "
                          f"max {int(flat.max())}")
-    from graphopt.kernels.moe.op import moe_experts_op
+    from graphopt.kernels import functorch_active
+    from graphopt.kernels.moe.op import MOE_FUNCTORCH, moe_experts_op
 
+    # torch.func.grad / vjp / jacrev / vmap take an autograd.Function (pytorch#168393)
+    op = MOE_FUNCTORCH.apply if functorch_active() else moe_experts_op
     # int64 indices for the op (int32 / int16 / uint8 routers work too)
-    return moe_experts_op(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up, down,
-                          capacity_factor or -1.0, 1, "", "flat", 1, 1, drop_policy)[0]
+    return op(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up, down,
+              capacity_factor or -1.0, 1, "", "flat", 1, 1, drop_policy)[0]
