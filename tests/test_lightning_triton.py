@@ -552,3 +552,34 @@ def test_eager_triton_step_launches_no_zero_fill():
     its gradients equal the custom op's bit for bit and the float64 reference's; a trained
     slope and an initial state still get theirs."""
     run_interpreted(NO_FILL_SCRIPT)
+
+
+TABLE_SCRIPT = r"""
+import itertools, random
+import torch
+import graphopt.kernels.lightning.triton_kernels as tk
+
+random.seed(0)
+cases = [[1], [5], [1] * 70, [64] * 3, [17, 1, 300, 2], [1000]]
+for _ in range(120):
+    n = random.choice([1, 2, 3, 63, 64, 65, 130])
+    cases.append([random.choice([1, 2, 15, 16, 17, 64, 100, random.randint(1, 300)])
+                  for _ in range(n)])
+for lens in cases:
+    cu = torch.tensor([0, *itertools.accumulate(lens)],
+                      dtype=random.choice([torch.int32, torch.int64]))
+    total, c = int(cu[-1]), random.choice([16, 32, 64, 128])
+    g = tk._chunks(1, total, c, cu, torch.zeros(1))
+    table, offsets = tk.chunk_table_reference(cu, total, c)
+    assert torch.equal(g.table, table) and torch.equal(g.offsets, offsets), (lens, c)
+print("ok")
+"""
+
+
+def test_chunk_table_kernel_equals_the_torch_construction():
+    """Packed sequences' chunk slots come from one Triton launch (``_chunk_table``; it was
+    13 torch ops in each forward and backward): its (sequence, chunk) table and first-slot
+    offsets equal the torch reference for one to 130 sequences (several blocks of the
+    sequence walk), one-token sequences, lengths on and off the chunk grid, several slot
+    programs, int32 and int64 cu_seqlens."""
+    run_interpreted(TABLE_SCRIPT)

@@ -91,6 +91,43 @@ if triton_available():
         return i, bos + c * CS, length
 
     @triton.jit
+    def _chunk_table(CU, TABLE, OFFS, n_seqs, slots, C: tl.constexpr, BP: tl.constexpr,
+                     BN: tl.constexpr):
+        """The packed sequences' chunk slots in one launch (program per BP slots): OFFS[i] =
+        first slot of sequence i (exclusive prefix sum of its ceil(L_i / C) chunks, N + 1
+        entries, written by program 0) and TABLE[p] = (sequence, chunk within it); slots past
+        the last chunk belong to the last sequence, beyond its length (idle). Each program
+        walks the N sequences in blocks of BN with a running prefix sum: the sequence j with
+        OFFS[j] <= p < OFFS[j + 1] owns slot p. Clamped to a valid sequence and chunk >= 0
+        whatever cu_seqlens holds (an invalid one is reported by the caller's assert)."""
+        pid = tl.program_id(0)
+        p = pid * BP + tl.arange(0, BP)
+        owner = tl.zeros([BP], dtype=tl.int32)
+        first = tl.zeros([BP], dtype=tl.int32)
+        carry = tl.sum(tl.zeros([BN], dtype=tl.int32), axis=0)
+        for j0 in range(0, n_seqs, BN):
+            j = j0 + tl.arange(0, BN)
+            mj = j < n_seqs
+            a = tl.load(CU + j, mask=mj, other=0)
+            b = tl.load(CU + j + 1, mask=mj, other=0)
+            count = tl.where(mj, (b - a + (C - 1)) // C, 0)
+            end = tl.cumsum(count, axis=0) + carry
+            tl.store(OFFS + j + 1, end, mask=mj & (j * 0 + pid == 0))
+            start = end - count
+            last = j == n_seqs - 1
+            own = mj[None, :] & (start[None, :] <= p[:, None]) & \
+                ((p[:, None] < end[None, :]) | last[None, :])
+            owner += tl.sum(tl.where(own, j[None, :], 0), axis=1)
+            first += tl.sum(tl.where(own, start[None, :], 0), axis=1)
+            carry += tl.sum(count, axis=0)
+        zero = tl.arange(0, 1)
+        tl.store(OFFS + zero, zero, mask=zero + pid == 0)
+        mp = p < slots
+        owner = tl.minimum(tl.maximum(owner, 0), n_seqs - 1)
+        tl.store(TABLE + 2 * p, owner, mask=mp)
+        tl.store(TABLE + 2 * p + 1, tl.maximum(p - first, 0), mask=mp)
+
+    @triton.jit
     def _at(i, h, pos, sb, sh, ss):
         """Element offset (int64) of row ``pos`` of head ``h`` of batch ``i`` in a [B, H, S, X]
         tensor of strides (sb, sh, ss, 1): any layout whose last dim is contiguous ("bhsd",
@@ -846,14 +883,29 @@ def _chunks(batch: int, seq: int, c: int, cu_seqlens: Tensor | None, placeholder
         return _Chunks(batch, n, batch * n, placeholder, placeholder, placeholder, False)
     cu = cu_seqlens.to(device=placeholder.device, dtype=torch.int32).contiguous()
     n_seqs = cu.shape[0] - 1
-    counts = (cu[1:] - cu[:-1] + (c - 1)) // c
-    offsets = torch.cat([cu.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
     # sum_i ceil(L_i / C) <= floor(T / C) + N: a static bound, so no count leaves the device.
     slots = seq // c + n_seqs
-    p = torch.arange(slots, dtype=torch.int32, device=cu.device)
-    owner = torch.searchsorted(offsets[1:], p, right=True).clamp_(max=n_seqs - 1)
-    table = torch.stack([owner.to(torch.int32), p - offsets[owner]], dim=1).contiguous()
+    table = torch.empty(slots, 2, dtype=torch.int32, device=cu.device)
+    offsets = torch.empty(n_seqs + 1, dtype=torch.int32, device=cu.device)
+    _chunk_table[(cdiv(slots, TABLE_BLOCK),)](cu, table, offsets, n_seqs, slots, C=c,
+                                              BP=TABLE_BLOCK, BN=TABLE_BLOCK)
     return _Chunks(n_seqs, 0, slots, cu, table, offsets, True)
+
+
+TABLE_BLOCK = 64
+"""Slots per program, and sequences per step of its walk, of :func:`_chunk_table`."""
+
+
+def chunk_table_reference(cu_seqlens: Tensor, seq: int, c: int) -> tuple[Tensor, Tensor]:
+    """What :func:`_chunk_table` computes, in torch ops (the tests' reference): (table
+    [floor(T / C) + N, 2] int32 of (sequence, chunk), offsets [N + 1] int32)."""
+    cu = cu_seqlens.to(torch.int32)
+    n_seqs = cu.shape[0] - 1
+    counts = (cu[1:] - cu[:-1] + (c - 1)) // c
+    offsets = torch.cat([cu.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
+    p = torch.arange(seq // c + n_seqs, dtype=torch.int32, device=cu.device)
+    owner = torch.searchsorted(offsets[1:], p, right=True).clamp_(max=n_seqs - 1)
+    return torch.stack([owner.to(torch.int32), p - offsets[owner]], dim=1), offsets
 
 
 def _states(k: Tensor, v: Tensor, slope: Tensor, initial: Tensor | None, t: dict[str, int],
