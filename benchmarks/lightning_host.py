@@ -3,7 +3,7 @@ next to flash-linear-attention's ``chunk_simple_gla``, with every kernel body sk
 GPU step costs the CPU before any kernel runs (Python wrappers, custom-op and autograd
 dispatch, allocations, grid and argument set-up), and how many kernels each launches.
 
-    python benchmarks/lightning_host.py [--reps 200]
+    python benchmarks/lightning_host.py [--reps 200] [--packed]
 
 Why it matters (issue 16: faster than SDPA flash from S=4k at B=1, H=8): such a step's GPU
 time is ~0.1-0.3 ms, so a step whose CPU side takes longer than its kernels is bound by the
@@ -18,7 +18,8 @@ autotuned with the sequential state passes (``STATE_PASS``: one launch per state
 instead of an outer-product launch and a scan; on a GPU "auto" times both per shape).
 Per call: median of ``--reps`` wall-clock times of ``o = attn(q, k, v)`` under no_grad
 (fwd) and of ``o = attn(q, k, v); autograd.grad(o, (q, k, v), dO)`` (fwd+bwd) after
-warm-ups; B=1, H=8, S=256, D=64, bf16, fixed slope (MiniMax's).
+warm-ups; B=1, H=8, S=256, D=64, bf16, fixed slope (MiniMax's); ``--packed``: the same 256
+tokens as two packed sequences of 100 and 156 (cu_seqlens), graphopt and fla.
 Launches are printed as "Triton + torch": the Triton kernels launched, then the other ops
 that would each launch a kernel on a GPU (fills, copies, casts: ``torch_kernels``, from the
 profiler).
@@ -65,7 +66,8 @@ NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_str
              "as_strided", "detach", "alias", "transpose", "t", "permute", "expand", "reshape",
              "_reshape_alias", "_unsafe_view", "unsqueeze", "squeeze", "select", "slice",
              "narrow", "split", "chunk", "unflatten", "flatten", "resolve_conj",
-             "resolve_neg", "lift_fresh", "result_type", "to", "contiguous", "size", "stride"}
+             "resolve_neg", "lift_fresh", "result_type", "to", "contiguous", "size", "stride",
+             "unbind"}
 
 
 def torch_kernels(fn: Callable[[], object]) -> list[str]:
@@ -105,6 +107,8 @@ def host_time(fn: Callable[[], object], reps: int) -> tuple[float, list[str], li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--packed", action="store_true",
+                        help="packed sequences (cu_seqlens [0, 100, 256]) instead")
     args = parser.parse_args()
     from lightning_memory import load_fla
 
@@ -121,7 +125,12 @@ def main() -> None:
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     slope = torch.full((h,), 0.1)
 
-    def ours(train: bool, tuned: bool, state_pass: str = "parallel") -> Callable[[], object]:
+    cu = torch.tensor([0, 100, s], dtype=torch.int32)  # --packed: two sequences
+
+    def ours(train: bool, tuned: bool, state_pass: str = "parallel",
+             packed: bool = False) -> Callable[[], object]:
+        kw = {"cu_seqlens": cu} if packed else {}
+
         def run() -> object:
             # tuned: the GPU's launch path, triton.autotune wrappers (warm: the chosen configs
             # are cached after the first call; the host timer below picks one)
@@ -130,7 +139,7 @@ def main() -> None:
             tk.STATE_PASS = state_pass
             try:
                 with torch.set_grad_enabled(train):
-                    o = lightning_attention(*x, slope, impl="triton")
+                    o = lightning_attention(*x, slope, impl="triton", **kw)
                     return torch.autograd.grad(o, x, do) if train else o
             finally:
                 tk.TUNE, tk.BENCHMARKER, tk.STATE_PASS = False, None, "auto"
@@ -141,6 +150,9 @@ def main() -> None:
              ours(True, True)),
             ("graphopt, autotuned, sequential state passes (STATE_PASS)",
              ours(False, True, "sequential"), ours(True, True, "sequential"))]
+    if args.packed:
+        rows = [("graphopt, autotuned, packed (cu_seqlens)", ours(False, True, packed=True),
+                 ours(True, True, packed=True))]
     if fla is None:
         print("flash-linear-attention not installed: graphopt rows only", file=sys.stderr)
     else:
@@ -148,13 +160,17 @@ def main() -> None:
         dof = do.transpose(1, 2).contiguous()
         gamma = -slope  # fla's log decay, made once (not a kernel of each call)
 
+        # fla takes cu_seqlens as int64 (its own prepare_* helpers' dtype)
+        fla_kw = {"cu_seqlens": cu.long()} if args.packed else {}
+
         def theirs(train: bool) -> Callable[[], object]:
             def run() -> object:
                 with torch.set_grad_enabled(train):
-                    o = fla(*xf, g_gamma=gamma, scale=1.0)[0]
+                    o = fla(*xf, g_gamma=gamma, scale=1.0, **fla_kw)[0]
                     return torch.autograd.grad(o, xf, dof) if train else o
             return run
-        rows.append(("fla chunk_simple_gla", theirs(False), theirs(True)))
+        rows.append(("fla chunk_simple_gla" + (", packed" if args.packed else ""),
+                     theirs(False), theirs(True)))
     print(f"B={b} H={h} S={s} D={d} bf16, fixed slope; host time with kernel bodies skipped, "
           f"median of {args.reps}; forward under no_grad (as lightning_gpu.py's fwd rows)\n")
     print("| implementation | fwd us | fwd launches | fwd+bwd us | fwd+bwd launches | "

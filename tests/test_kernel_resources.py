@@ -51,10 +51,12 @@ for d in (64, 128):
 spec = tk.launch_specs(128, 128, 64, "bf16", varlen=True)[2]
 consts, warps, stages = sorted(tk.launch_configs(spec), key=lambda c: -c[1])[0]
 compile_for_gpu(spec.kernel, spec.types, consts, warps, stages)
-res = compile_for_gpu(tk._chunk_table, {"CU": "*i32", "TABLE": "*i32", "OFFS": "*i32",
-                                        "n_seqs": "i32", "slots": "i32"},
-                      {"C": 64, "BP": tk.TABLE_BLOCK, "BN": tk.TABLE_BLOCK}, num_warps=4)
-assert res.fits(), ("chunk table", res)
+for cu_type in ("*i32", "*i64"):
+    res = compile_for_gpu(tk._chunk_table, {"CU": cu_type, "TABLE": "*i32", "OFFS": "*i32",
+                                            "CU32": "*i32", "OK": "*i32", "n_seqs": "i32",
+                                            "slots": "i32", "total": "i32"},
+                          {"C": 64, "BP": tk.TABLE_BLOCK, "BN": tk.TABLE_BLOCK}, num_warps=4)
+    assert res.fits(), ("chunk table", cu_type, res)
 from graphopt.kernels.moe import swiglu as moe_swiglu
 for kernel, types, consts in moe_combine.launch_specs() + moe_swiglu.launch_specs():
     res = compile_for_gpu(kernel, types, consts, num_warps=4)

@@ -467,7 +467,7 @@ tk.STATE_PASS, tk.INTERPRETED = "auto", False
 clock = {"parallel": 2.0, "sequential": 1.0}
 tiles = {"C": 16, "R": 1}
 for varlen, want in ((False, ["p", "s", "s"]), (True, ["p"])):
-    g = tk._Chunks(1, 4, 4, None, None, None, varlen)
+    g = tk._Chunks(1, 4, 4, None, None, None, varlen, None)
     calls.clear()
     tk._state_pass(("forward", g, 2, 16, 16, tiles, torch.float32), parallel, sequential)
     assert calls == want, (varlen, calls)
@@ -572,6 +572,15 @@ for lens in cases:
     g = tk._chunks(1, total, c, cu, torch.zeros(1))
     table, offsets = tk.chunk_table_reference(cu, total, c)
     assert torch.equal(g.table, table) and torch.equal(g.offsets, offsets), (lens, c)
+    assert torch.equal(g.cu, cu.to(torch.int32))
+# it checks cu_seqlens too (on a GPU an asynchronous assert; the public function's own device
+# assert is skipped for the Triton path)
+for bad in ([0, 5, 5, 9], [1, 5, 9], [0, 5, 8], [0, 6, 5, 9], [0, 4, 9, 9] + [9] * 70):
+    try:
+        tk._chunks(1, 9, 16, torch.tensor(bad), torch.zeros(1))
+        raise AssertionError(bad)
+    except RuntimeError as e:
+        assert "cu_seqlens must increase strictly from 0 to S = 9" in str(e), e
 print("ok")
 """
 
@@ -581,5 +590,100 @@ def test_chunk_table_kernel_equals_the_torch_construction():
     13 torch ops in each forward and backward): its (sequence, chunk) table and first-slot
     offsets equal the torch reference for one to 130 sequences (several blocks of the
     sequence walk), one-token sequences, lengths on and off the chunk grid, several slot
-    programs, int32 and int64 cu_seqlens."""
+    programs, int32 and int64 cu_seqlens; it asserts cu_seqlens increases strictly from 0 to
+    S (duplicates, a wrong start or end, a decrease, in a later block of the walk)."""
     run_interpreted(TABLE_SCRIPT)
+
+
+VARLEN_EAGER_SCRIPT = r"""
+import torch
+from torch.profiler import profile
+import graphopt.kernels.lightning.op as op
+import graphopt.kernels.lightning.triton_kernels as tk
+from graphopt.kernels.lightning import lightning_attention, lightning_attention_reference
+
+tables = []
+real_table = tk._chunk_table
+
+
+class Spy:
+    def __getitem__(self, grid):
+        tables.append(grid)
+        return real_table[grid]
+
+
+tk._chunk_table = Spy()
+gen = torch.Generator().manual_seed(0)
+q = torch.randn(1, 4, 70, 16, generator=gen, requires_grad=True)
+k, v = (torch.randn(1, 2, 70, 16, generator=gen, requires_grad=True) for _ in range(2))
+slope = torch.rand(4, generator=gen)
+h0 = torch.randn(3, 4, 16, 16, generator=gen, requires_grad=True)
+do = torch.randn(1, 4, 70, 16, generator=gen)
+cu = torch.tensor([0, 17, 18, 70])
+ins = (q, k, v, h0)
+run = lambda: lightning_attention(q, k, v, slope, block_size=16, impl="triton",
+                                  cu_seqlens=cu, initial_state=h0, output_final_state=True)
+eager_calls = []
+real_apply = op._EagerVarlen.apply
+op._EagerVarlen.apply = lambda *a: eager_calls.append(1) or real_apply(*a)
+o, state = run()
+got = torch.autograd.grad((o * do).sum() + state.square().sum(), ins)
+assert eager_calls == [1] and len(tables) == 1, (eager_calls, tables)  # backward reuses it
+with profile() as prof:
+    o2, state2 = run()
+    torch.autograd.grad((o2 * do).sum() + state2.square().sum(), ins)
+
+
+def ours(e):  # an op run inside the eager Function's forward or backward
+    while e is not None:
+        if e.name in ("_EagerVarlen", "_EagerVarlenBackward"):
+            return True
+        e = e.cpu_parent
+    return False
+
+
+ran = {e.name for e in prof.events() if ours(e)}
+assert "aten::empty" in ran and not ran & {
+    "aten::fill_", "aten::zero_", "aten::cumsum", "aten::searchsorted", "aten::_to_copy"}, ran
+# the custom op (taken under a dispatch mode): bit-equal, and it reuses the table too
+tables.clear()
+o3, state3, chunks = torch.ops.graphopt.lightning_attention_varlen_fwd(
+    q, k, v, slope, 1.0, h0, cu, 16, "triton")
+assert chunks.dtype == torch.int32 and chunks.numel() == tk.packed_chunk_size(70, 3, 16)
+want = torch.autograd.grad((o3 * do).sum() + state3.square().sum(), ins)
+assert len(tables) == 1 and torch.equal(o, o3) and torch.equal(state, state3)
+for g, w in zip(got, want):
+    assert torch.equal(g, w)
+# float64 reference, sequence by sequence
+ref = [x.detach().double().requires_grad_() for x in ins]
+outs, states = [], []
+for i, (a, b) in enumerate([(0, 17), (17, 18), (18, 70)]):
+    o_r, s_r = lightning_attention_reference(ref[0][:, :, a:b], ref[1][:, :, a:b],
+                                             ref[2][:, :, a:b], slope.double(), 1.0,
+                                             ref[3][i:i + 1])
+    outs.append(o_r)
+    states.append(s_r)
+o_r, s_r = torch.cat(outs, 2), torch.cat(states)
+for g, w in zip(got, torch.autograd.grad((o_r * do.double()).sum() + s_r.square().sum(), ref)):
+    torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=2e-4)
+# compiled with dynamic shapes: the fake's chunk buffer size matches the real one
+f = lambda *a: lightning_attention(*a[:3], slope, block_size=16, impl="triton", cu_seqlens=cu,
+                                   initial_state=a[3])
+c = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+for g, w in zip(torch.autograd.grad((c(*ins) * do).sum(), ins),
+                torch.autograd.grad((f(*ins) * do).sum(), ins)):
+    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+torch.library.opcheck(torch.ops.graphopt.lightning_attention_varlen_fwd.default,
+                      (q, k, v, slope, 1.0, h0, cu, 16, "triton"))
+print("ok")
+"""
+
+
+def test_packed_sequences_take_the_eager_path_and_build_the_chunk_table_once():
+    """Packed sequences in plain eager mode skip the custom op's dispatch (as dense calls do)
+    and the backward reuses the forward's chunk table (it rebuilt it: 13 torch ops, then one
+    launch): one _chunk_table launch per forward+backward, no fill, cumsum, searchsorted or
+    cast kernel; gradients bit-equal to the custom op's (which reuses the table too) and
+    equal to the float64 reference per sequence; torch.compile (aot_eager, dynamic) and
+    opcheck agree with the fake's chunk buffer."""
+    run_interpreted(VARLEN_EAGER_SCRIPT)

@@ -117,3 +117,58 @@ class _SavedContext:
     def __init__(self, state: dict[str, Any], saved: tuple) -> None:
         self.__dict__.update(state)
         self.saved_tensors = saved
+
+
+def plain_eager(*tensors: Any) -> bool:
+    """Whether a call with ``tensors`` may skip a custom op's dispatch (:func:`eager_function`):
+    nothing traces or intercepts it (Dynamo, torch.jit.trace, make_fx / AOTAutograd,
+    FakeTensor or any other dispatch or function mode, a functorch transform such as
+    torch.func.grad or vmap) and every tensor is a plain torch.Tensor (or Parameter) with real
+    data (a storage on a real device); None entries are skipped. Anything else takes the
+    custom op, whose fake implementation and registration are what those need. Returns a
+    bool; raises nothing."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or \
+            is_in_torch_dispatch_mode() or \
+            torch._C._is_torch_function_mode_enabled() or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    # storage: what a functorch wrapper or a (legacy) vmap BatchedTensor lacks
+    return all(t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and
+                             torch._C._has_storage(t) and t.device.type != "meta")
+               for t in tensors)
+
+
+def eager_function(name: str, forward_impl: Any, setup_context: Any, backward: Any,
+                   backward_impl: Any) -> Any:
+    """An ``autograd.Function`` with a custom op's autograd formula around its implementation,
+    for calls :func:`plain_eager` allows: the custom op's Python dispatch costs ~50 us of host
+    time per forward+backward (benchmarks/lightning_host.py), and a launch-bound step on a
+    GPU is all host time.
+
+    ``forward_impl(*inputs)``: the op's implementation; ``setup_context(ctx, inputs, output)``
+    and ``backward(ctx, *grads, backward_op=None)``: what is registered for the op, where
+    ``backward_op`` replaces the backward custom op it calls; ``backward_impl``: that op's
+    implementation, taken in a plain backward; ``name`` (an identifier) names the class.
+    Under create_graph (double backward) and for gradients that are not plain tensors
+    (is_grads_batched, jacobian(vectorize=True): vmap) the backward custom op is called
+    instead: it refuses double backward by name (an implementation of torch ops would be
+    differentiated with its saved states as constants, Triton's not at all: both silently
+    wrong) and has the vmap fallback. Returns the class."""
+
+    def forward(ctx: Any, *inputs: Any) -> Any:
+        out = forward_impl(*inputs)
+        setup_context(ctx, inputs, out)
+        return out
+
+    def backward_(ctx: Any, *grads: Any) -> Any:
+        # the gradients only: the saved tensors were checked in the forward, and unpacking
+        # them twice is refused by non-reentrant checkpointing
+        plain = not torch.is_grad_enabled() and plain_eager(*grads)
+        return backward(ctx, *grads, backward_op=backward_impl if plain else None)
+
+    # built with type() so that autograd's node is "<name>Backward" (profiles, errors)
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward_),
+                 "__doc__": f"{name}: see graphopt.kernels.eager_function."})

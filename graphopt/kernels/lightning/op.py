@@ -17,9 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from graphopt.kernels import functorch_active, refuse_forward_ad, transformable
+from graphopt.kernels import (
+    eager_function,
+    functorch_active,
+    plain_eager,
+    refuse_forward_ad,
+    transformable,
+)
 from graphopt.kernels.lightning.chunked import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHECKPOINT_EVERY,
@@ -30,6 +35,8 @@ from graphopt.kernels.lightning.chunked import (
 )
 from graphopt.kernels.lightning.reference import expand_kv
 from graphopt.kernels.lightning.triton_kernels import (
+    chunk_rows,
+    packed_chunk_size,
     triton_available,
     triton_backward,
     triton_forward,
@@ -295,50 +302,12 @@ _FUNCTORCH = transformable("graphopt::lightning_attention", lightning_attention_
                            _setup_context, _backward)
 
 
-class _EagerLightning(torch.autograd.Function):
-    """The forward op's autograd (same setup and backward) around its implementation, without
-    the custom-op dispatch: what :func:`lightning_attention` runs in plain eager mode
-    (:func:`plain_eager`). The custom op's Python dispatch costs ~50 us of host time per
-    forward+backward (benchmarks/lightning_host.py), and a launch-bound step on a GPU
-    (B=1, H=8, S=4k) is all host time."""
-
-    @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
-        out = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None,
-                 grad_ckpt: Tensor | None) -> tuple:  # type: ignore[override]
-        """The implementation's backward in a plain backward; the custom op's otherwise:
-        under create_graph (double backward: the custom op refuses it by name, where the
-        chunked path's torch ops would differentiate with the saved states as constants and
-        Triton's would give no second-order term, both silently wrong) and under vmap
-        (is_grads_batched, jacobian(vectorize=True): the custom op has the fallback)."""
-        # the gradients only: the saved tensors were checked in the forward, and unpacking
-        # them twice is refused by non-reentrant checkpointing
-        plain = not torch.is_grad_enabled() and plain_eager(grad_o, grad_state)
-        return _backward(ctx, grad_o, grad_state, grad_ckpt,
-                         backward_op=_gradients if plain else None)
-
-
-def plain_eager(*tensors: Tensor | None) -> bool:
-    """Whether a call with ``tensors`` may skip the custom op: nothing traces or intercepts it
-    (Dynamo, torch.jit.trace, make_fx / AOTAutograd, FakeTensor or any other dispatch or
-    function mode, a functorch transform such as torch.func.grad or vmap) and every tensor
-    is a plain torch.Tensor (or Parameter) with real data (a storage on a real device).
-    Anything else takes the custom op, whose fake implementation and registration are what
-    those need. Returns a bool; raises nothing."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or \
-            is_in_torch_dispatch_mode() or \
-            torch._C._is_torch_function_mode_enabled() or \
-            torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
-    # storage: what a functorch wrapper or a (legacy) vmap BatchedTensor lacks
-    return all(t is None or (type(t) in (Tensor, torch.nn.Parameter) and
-                             torch._C._has_storage(t) and t.device.type != "meta")
-               for t in tensors)
+_EagerLightning = eager_function("_EagerLightning", _forward_impl, _setup_context,
+                                 _backward, _gradients)
+"""What :func:`lightning_attention` runs in plain eager mode (graphopt.kernels.eager_function:
+the op's own setup and backward around its implementation, without the custom op's Python
+dispatch, ~50 us of host time per forward+backward, benchmarks/lightning_host.py; a
+launch-bound step on a GPU, B=1, H=8, S=4k, is all host time)."""
 
 
 def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
@@ -381,51 +350,85 @@ def _chunked_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tenso
     return dq, dk, dv, dslope, torch.cat([g[4] for g in grads], dim=0)
 
 
-@torch.library.custom_op("graphopt::lightning_attention_varlen_fwd", mutates_args=())
-def lightning_attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
-                                   scale: float, initial_state: Tensor | None,
-                                   cu_seqlens: Tensor, block_size: int, impl: str
-                                   ) -> tuple[Tensor, Tensor]:
+def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
+                         initial_state: Tensor | None, cu_seqlens: Tensor, block_size: int,
+                         impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """Packed sequences (see :func:`lightning_attention`'s ``cu_seqlens``): q [1, Hq, T, D],
     k [1, Hk, T, D], v [1, Hk, T, Dv], slope [Hq], initial_state [N, Hq, D, Dv] or None,
     cu_seqlens [N + 1] int on q's device (validated by the caller). Returns (o [1, Hq, T, Dv]
-    in q's dtype, final states [N, Hq, D, Dv] float32 (float64 for float64 inputs))."""
+    in q's dtype, final states [N, Hq, D, Dv] float32 (float64 for float64 inputs), the
+    chunk slots for the backward: int32 [triton_kernels.packed_chunk_size(T, N, chunk
+    rows)] on Triton (built once in the forward, one launch), [0] on the chunked path).
+    ``graphopt::lightning_attention_varlen_fwd``'s implementation."""
     hq = q.shape[1]
-    forward = triton_varlen_forward if impl == "triton" else _chunked_varlen_forward
-    o, final = forward(q, *_kernel_kv(k, v, hq, impl), slope, scale, initial_state,
-                       block_size, cu_seqlens)
-    return o.to(q.dtype).contiguous(), final.to(acc_dtype(q.dtype)).contiguous()
+    if impl == "triton":
+        o, final, chunks = triton_varlen_forward(q, k, v, slope, scale, initial_state,
+                                                 block_size, cu_seqlens)
+    else:
+        o, final = _chunked_varlen_forward(q, *_kernel_kv(k, v, hq, impl), slope, scale,
+                                           initial_state, block_size, cu_seqlens)
+        chunks = cu_seqlens.new_empty(0, dtype=torch.int32)
+    return o.to(q.dtype).contiguous(), final.to(acc_dtype(q.dtype)).contiguous(), chunks
+
+
+lightning_attention_varlen_fwd = torch.library.custom_op(
+    "graphopt::lightning_attention_varlen_fwd", mutates_args=())(_varlen_forward_impl)
 
 
 @lightning_attention_varlen_fwd.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
       initial_state: Tensor | None, cu_seqlens: Tensor, block_size: int, impl: str
-      ) -> tuple[Tensor, Tensor]:
+      ) -> tuple[Tensor, Tensor, Tensor]:
     _, hq, total, d = q.shape
+    n = cu_seqlens.shape[0] - 1
+    chunks = packed_chunk_size(total, n, chunk_rows(d, v.shape[-1], block_size)) \
+        if impl == "triton" else 0
     return (q.new_empty(1, hq, total, v.shape[-1]),
-            q.new_empty(cu_seqlens.shape[0] - 1, hq, d, v.shape[-1],
-                        dtype=acc_dtype(q.dtype)))
+            q.new_empty(n, hq, d, v.shape[-1], dtype=acc_dtype(q.dtype)),
+            q.new_empty(chunks, dtype=torch.int32))
 
 
-@torch.library.custom_op("graphopt::lightning_attention_varlen_bwd", mutates_args=())
-def lightning_attention_varlen_bwd(grad_o: Tensor, grad_state: Tensor | None, q: Tensor,
-                                   k: Tensor, v: Tensor, slope: Tensor, scale: float,
-                                   initial_state: Tensor | None, cu_seqlens: Tensor,
-                                   block_size: int, need_slope_grad: bool, impl: str
-                                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _varlen_backward_impl(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
+                          v: Tensor, slope: Tensor, scale: float,
+                          initial_state: Tensor | None, cu_seqlens: Tensor, block_size: int,
+                          need_slope_grad: bool, impl: str, chunks: Tensor
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``lightning_attention_varlen_fwd``: (dq, dk, dv, dslope, d initial_state)
-    in the inputs' shapes and dtypes (dslope zeros unless ``need_slope_grad``)."""
+    in the inputs' shapes and dtypes (dslope zeros unless ``need_slope_grad``); ``chunks``:
+    the forward's third output. ``graphopt::lightning_attention_varlen_bwd``'s
+    implementation."""
+    return _varlen_gradients(grad_o, grad_state, q, k, v, slope, scale, initial_state,
+                             cu_seqlens, block_size, need_slope_grad, impl, chunks,
+                             slope_zeros=True)  # type: ignore[return-value]
+
+
+def _varlen_gradients(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
+                      v: Tensor, slope: Tensor, scale: float, initial_state: Tensor | None,
+                      cu_seqlens: Tensor, block_size: int, need_slope_grad: bool, impl: str,
+                      chunks: Tensor, *, slope_zeros: bool = False
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """:func:`_varlen_backward_impl`; dslope None without ``need_slope_grad`` unless
+    ``slope_zeros`` (as :func:`_gradients`)."""
     hq = q.shape[1]
-    backward = triton_varlen_backward if impl == "triton" else _chunked_varlen_backward
-    grads = backward(grad_o, grad_state, q, *_kernel_kv(k, v, hq, impl), slope, scale,
-                     initial_state, block_size, cu_seqlens, need_slope_grad)
-    return _input_grads(grads, q, k, v, slope)  # type: ignore[return-value]
+    if impl == "triton":
+        grads = triton_varlen_backward(grad_o, grad_state, q, k, v, slope, scale,
+                                       initial_state, block_size, cu_seqlens, need_slope_grad,
+                                       chunks if chunks.numel() else None)
+    else:
+        grads = _chunked_varlen_backward(grad_o, grad_state, q, *_kernel_kv(k, v, hq, impl),
+                                         slope, scale, initial_state, block_size, cu_seqlens,
+                                         need_slope_grad)
+    return _input_grads(grads, q, k, v, slope, slope_zeros)
+
+
+lightning_attention_varlen_bwd = torch.library.custom_op(
+    "graphopt::lightning_attention_varlen_bwd", mutates_args=())(_varlen_backward_impl)
 
 
 @lightning_attention_varlen_bwd.register_fake
 def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
       slope: Tensor, scale: float, initial_state: Tensor | None, cu_seqlens: Tensor,
-      block_size: int, need_slope_grad: bool, impl: str
+      block_size: int, need_slope_grad: bool, impl: str, chunks: Tensor
       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             slope.new_empty(slope.shape),
@@ -435,20 +438,24 @@ def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor
 
 def _varlen_setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, slope, scale, initial_state, cu_seqlens, block_size, impl = inputs
-    ctx.save_for_backward(q, k, v, slope, initial_state, cu_seqlens)
+    ctx.save_for_backward(q, k, v, slope, initial_state, cu_seqlens, output[2])
+    ctx.mark_non_differentiable(output[2])
     ctx.scale, ctx.block_size, ctx.impl = scale, block_size, impl
     ctx.has_initial_state = initial_state is not None
     ctx.set_materialize_grads(False)  # an unused final state: None, not zeros
 
 
-def _varlen_backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None) -> tuple:
-    q, k, v, slope, initial_state, cu_seqlens = ctx.saved_tensors
+def _varlen_backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None,
+                     _grad_chunks: Tensor | None = None,
+                     backward_op: Callable[..., tuple] | None = None) -> tuple:
+    """The varlen forward op's backward; ``backward_op`` as in :func:`_backward`."""
+    q, k, v, slope, initial_state, cu_seqlens, chunks = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     need = ctx.needs_input_grad
-    dq, dk, dv, dslope, dstate = lightning_attention_varlen_bwd(
+    dq, dk, dv, dslope, dstate = (backward_op or lightning_attention_varlen_bwd)(
         grad_o, grad_state, q, k, v, slope, ctx.scale, initial_state, cu_seqlens,
-        ctx.block_size, bool(need[3]), ctx.impl)
+        ctx.block_size, bool(need[3]), ctx.impl, chunks)
     return (dq, dk, dv, dslope if need[3] else None, None,
             dstate if ctx.has_initial_state else None, None, None, None)
 
@@ -458,6 +465,8 @@ lightning_attention_varlen_fwd.register_autograd(_varlen_backward,
 _VARLEN_FUNCTORCH = transformable("graphopt::lightning_attention_varlen",
                                   lightning_attention_varlen_fwd, _varlen_setup_context,
                                   _varlen_backward)
+_EagerVarlen = eager_function("_EagerVarlen", _varlen_forward_impl,
+                              _varlen_setup_context, _varlen_backward, _varlen_gradients)
 
 
 def _check(name: str, x: Tensor, rank: int) -> None:
@@ -627,12 +636,15 @@ def _scalars(scale: Any, block_size: Any, checkpoint_every: Any) -> tuple[float,
     return float(scale), block, every
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, total: int, device: torch.device) -> None:
+def _check_cu_seqlens(cu_seqlens: Tensor, total: int, device: torch.device,
+                      kernel_checks: bool = False) -> None:
     """cu_seqlens must be a 1-D integer tensor on q's ``device`` increasing strictly from 0
     to S. On the CPU this is checked here (ValueError); on an accelerator, and in a graph
     being traced (torch.compile, make_fx, FakeTensorMode: the values are not known), by an
     asynchronous assert (RuntimeError; no host synchronization on the hot path, no
-    data-dependent guard that breaks fullgraph)."""
+    data-dependent guard that breaks fullgraph). ``kernel_checks``: the Triton chunk-table
+    launch asserts the same (triton_kernels._chunk_table), so an accelerator's eager call
+    skips the assert here (its ~6 small kernels)."""
     from torch._subclasses.fake_tensor import is_fake
 
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
@@ -651,6 +663,8 @@ def _check_cu_seqlens(cu_seqlens: Tensor, total: int, device: torch.device) -> N
         if bounds[0] != 0 or bounds[-1] != total or \
                 any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"{message}, got {bounds}")
+    elif kernel_checks and not torch.compiler.is_compiling() and not is_fake(cu_seqlens):
+        return
     elif cu_seqlens.device.type != "meta":  # meta: shapes only, nothing to check
         ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & \
             (cu_seqlens[1:] > cu_seqlens[:-1]).all()
@@ -669,9 +683,10 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
         raise ValueError(f"cu_seqlens packs sequences along S of one batch row: q must be "
                          f"[1, Hq, S, D], got {tuple(q.shape)}")
     validate(q, k, v, slope, None)
-    _check_cu_seqlens(cu_seqlens, q.shape[2], q.device)
-    n = cu_seqlens.shape[0] - 1
     hq, d, dv = q.shape[1], q.shape[3], v.shape[3]
+    chosen = resolve_impl(impl, q.device, max(d, dv), q.dtype)
+    _check_cu_seqlens(cu_seqlens, q.shape[2], q.device, kernel_checks=chosen == "triton")
+    n = cu_seqlens.shape[0] - 1
     if initial_state is not None:
         _check("initial_state", initial_state, 4)
         if tuple(initial_state.shape) != (n, hq, d, dv):
@@ -680,9 +695,12 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on "
                              f"{q.device}; move all inputs to one device")
-    chosen = resolve_impl(impl, q.device, max(d, dv), q.dtype)
-    cu = cu_seqlens.to(q.device)
-    fwd = _VARLEN_FUNCTORCH.apply if functorch_active() else \
-        torch.ops.graphopt.lightning_attention_varlen_fwd
-    return fwd(q, k, v, slope, scale, initial_state, cu, _effective_block(chosen, block_size),
-               chosen)
+    args = (q, k, v, slope, scale, initial_state, cu_seqlens,
+            _effective_block(chosen, block_size), chosen)
+    if functorch_active():  # torch.func.grad / vjp / jacrev / vmap
+        o, state, _ = _VARLEN_FUNCTORCH.apply(*args)
+    elif plain_eager(q, k, v, slope, initial_state, cu_seqlens):
+        o, state, _ = _EagerVarlen.apply(*args)
+    else:
+        o, state, _ = torch.ops.graphopt.lightning_attention_varlen_fwd(*args)
+    return o, state

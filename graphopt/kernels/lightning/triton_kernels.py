@@ -91,28 +91,34 @@ if triton_available():
         return i, bos + c * CS, length
 
     @triton.jit
-    def _chunk_table(CU, TABLE, OFFS, n_seqs, slots, C: tl.constexpr, BP: tl.constexpr,
-                     BN: tl.constexpr):
+    def _chunk_table(CU, TABLE, OFFS, CU32, OK, n_seqs, slots, total, C: tl.constexpr,
+                     BP: tl.constexpr, BN: tl.constexpr):
         """The packed sequences' chunk slots in one launch (program per BP slots): OFFS[i] =
         first slot of sequence i (exclusive prefix sum of its ceil(L_i / C) chunks, N + 1
-        entries, written by program 0) and TABLE[p] = (sequence, chunk within it); slots past
-        the last chunk belong to the last sequence, beyond its length (idle). Each program
-        walks the N sequences in blocks of BN with a running prefix sum: the sequence j with
-        OFFS[j] <= p < OFFS[j + 1] owns slot p. Clamped to a valid sequence and chunk >= 0
-        whatever cu_seqlens holds (an invalid one is reported by the caller's assert)."""
+        entries) and TABLE[p] = (sequence, chunk within it); slots past the last chunk belong
+        to the last sequence, beyond its length (idle). Each program walks the N sequences in
+        blocks of BN with a running prefix sum: the sequence j with OFFS[j] <= p < OFFS[j + 1]
+        owns slot p. Program 0 also writes OFFS, CU32 (cu_seqlens, any int dtype, as int32)
+        and OK[0] = 1 if cu_seqlens increases strictly from 0 to ``total``, else 0 (for the
+        caller's asynchronous assert). Owner and chunk are clamped valid whatever cu_seqlens
+        holds."""
         pid = tl.program_id(0)
         p = pid * BP + tl.arange(0, BP)
         owner = tl.zeros([BP], dtype=tl.int32)
         first = tl.zeros([BP], dtype=tl.int32)
         carry = tl.sum(tl.zeros([BN], dtype=tl.int32), axis=0)
+        bad = carry
         for j0 in range(0, n_seqs, BN):
             j = j0 + tl.arange(0, BN)
             mj = j < n_seqs
-            a = tl.load(CU + j, mask=mj, other=0)
-            b = tl.load(CU + j + 1, mask=mj, other=0)
+            a_raw = tl.load(CU + j, mask=mj, other=0)
+            b_raw = tl.load(CU + j + 1, mask=mj, other=0)
+            bad += tl.sum(tl.where(mj & (b_raw <= a_raw), 1, 0), axis=0)
+            a, b = a_raw.to(tl.int32), b_raw.to(tl.int32)  # T < 2^31: checked below
             count = tl.where(mj, (b - a + (C - 1)) // C, 0)
             end = tl.cumsum(count, axis=0) + carry
             tl.store(OFFS + j + 1, end, mask=mj & (j * 0 + pid == 0))
+            tl.store(CU32 + j + 1, b, mask=mj & (j * 0 + pid == 0))
             start = end - count
             last = j == n_seqs - 1
             own = mj[None, :] & (start[None, :] <= p[:, None]) & \
@@ -121,7 +127,10 @@ if triton_available():
             first += tl.sum(tl.where(own, start[None, :], 0), axis=1)
             carry += tl.sum(count, axis=0)
         zero = tl.arange(0, 1)
+        ok = (bad == 0) & (tl.load(CU + zero) == 0) & (tl.load(CU + zero + n_seqs) == total)
+        tl.store(OK + zero, ok.to(tl.int32), mask=zero + pid == 0)
         tl.store(OFFS + zero, zero, mask=zero + pid == 0)
+        tl.store(CU32 + zero, tl.load(CU + zero).to(tl.int32), mask=zero + pid == 0)
         mp = p < slots
         owner = tl.minimum(tl.maximum(owner, 0), n_seqs - 1)
         tl.store(TABLE + 2 * p, owner, mask=mp)
@@ -645,6 +654,13 @@ SCAN_OPTIONS = {"num_warps": 4, "num_stages": 1}
 """The scans' launch options (one [Bk, Bv] state tile per program; not tuned: in place)."""
 
 
+def chunk_rows(d: int, dv: int, block_size: int) -> int:
+    """Rows per chunk slot of the Triton kernels at head dims (d, dv) and ``block_size``
+    (a power of two >= 16; the tiles of :func:`_tiles`)."""
+    t = _tiles(d, dv, block_size)
+    return t["C"] * t["R"]
+
+
 def _options(c: int) -> dict[str, int]:
     return {"num_warps": 4 if c <= 64 else 8, "num_stages": 1}
 
@@ -874,22 +890,47 @@ class _Chunks(NamedTuple):
     table: Tensor  # [P, 2] int32 (sequence, chunk) (packed) or a placeholder
     offsets: Tensor  # [N + 1] int32 first slot of each sequence (packed) or a placeholder
     varlen: bool
+    packed: Tensor  # int32 [2 P + 2 (N + 1) + 1]: table, offsets, cu, check; or a placeholder
 
 
-def _chunks(batch: int, seq: int, c: int, cu_seqlens: Tensor | None, placeholder: Tensor
-            ) -> _Chunks:
+def packed_chunk_size(seq: int, n_seqs: int, c: int) -> int:
+    """Elements of :func:`_chunks`' one int32 buffer for ``n_seqs`` packed sequences of ``seq``
+    tokens in all, chunks of ``c`` rows: the table [P, 2] with P = floor(T / C) + N slots,
+    the first-slot offsets [N + 1], cu_seqlens as int32 [N + 1] and cu_seqlens' check [1]."""
+    return 2 * (seq // c + n_seqs) + 2 * (n_seqs + 1) + 1
+
+
+def _chunks(batch: int, seq: int, c: int, cu_seqlens: Tensor | None, placeholder: Tensor,
+            packed: Tensor | None = None) -> _Chunks:
+    """The chunk slots; for packed sequences the forward builds them (one launch) and the
+    backward takes the forward's ``packed`` buffer (:attr:`_Chunks.packed`) back."""
     if cu_seqlens is None:
         n = cdiv(seq, c)
-        return _Chunks(batch, n, batch * n, placeholder, placeholder, placeholder, False)
-    cu = cu_seqlens.to(device=placeholder.device, dtype=torch.int32).contiguous()
-    n_seqs = cu.shape[0] - 1
+        return _Chunks(batch, n, batch * n, placeholder, placeholder, placeholder, False,
+                       placeholder)
+    n_seqs = cu_seqlens.shape[0] - 1
     # sum_i ceil(L_i / C) <= floor(T / C) + N: a static bound, so no count leaves the device.
     slots = seq // c + n_seqs
-    table = torch.empty(slots, 2, dtype=torch.int32, device=cu.device)
-    offsets = torch.empty(n_seqs + 1, dtype=torch.int32, device=cu.device)
-    _chunk_table[(cdiv(slots, TABLE_BLOCK),)](cu, table, offsets, n_seqs, slots, C=c,
-                                              BP=TABLE_BLOCK, BN=TABLE_BLOCK)
-    return _Chunks(n_seqs, 0, slots, cu, table, offsets, True)
+    size = packed_chunk_size(seq, n_seqs, c)
+    if packed is None:
+        packed = torch.empty(size, dtype=torch.int32, device=placeholder.device)
+        build = True
+    elif packed.numel() != size or packed.dtype != torch.int32:
+        raise ValueError(f"the forward's chunk buffer has {packed.numel()} {packed.dtype} "
+                         f"elements, {size} int32 expected for {n_seqs} sequences of {seq} "
+                         f"tokens in chunks of {c}: pass the forward's own")
+    else:
+        build = False
+    table = packed[:2 * slots].view(slots, 2)
+    offsets, cu = packed[2 * slots:-1].view(2, n_seqs + 1).unbind(0)
+    if build:
+        ok = packed[-1:]
+        _chunk_table[(cdiv(slots, TABLE_BLOCK),)](
+            cu_seqlens.contiguous(), table, offsets, cu, ok, n_seqs, slots, seq, C=c,
+            BP=TABLE_BLOCK, BN=TABLE_BLOCK)
+        # asynchronous on a GPU (no host synchronization); the caller skips its own check
+        torch._assert_async(ok, f"cu_seqlens must increase strictly from 0 to S = {seq}")
+    return _Chunks(n_seqs, 0, slots, cu, table, offsets, True, packed)
 
 
 TABLE_BLOCK = 64
@@ -1060,16 +1101,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
 def _backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
               slope: Tensor, scale: float, initial: Tensor | None, block_size: int,
               cu_seqlens: Tensor | None, need_slope_grad: bool, need_q: bool = True,
-              need_kv: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+              need_kv: bool = True, chunks: Tensor | None = None
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Gradients from the initial states [N, H, D, Dv] (the chunk states are recomputed by
     the forward's two parallel passes: selective rematerialization). ``need_q`` /
     ``need_kv`` False: the dQ, resp. dK and dV, launches are skipped (zeros returned)
-    unless ``need_slope_grad`` (its parts come from the dQ and dK launches)."""
+    unless ``need_slope_grad`` (its parts come from the dQ and dK launches). ``chunks``:
+    packed sequences' chunk buffer from the forward (None: built again)."""
     b, h, seq, d = q.shape
     dv = v.shape[-1]
     t = _tiles(d, dv, block_size)
     slope_f = slope.float().contiguous()
-    g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f)
+    g = _chunks(b, seq, t["C"] * t["R"], cu_seqlens, slope_f, chunks)
     q_, k_, v_, go = (_kernel_input(x, t["C"] * t["R"]) for x in (q, k, v, grad_o))
     group = h // k.shape[1]
     # Two passes, each one launch for both of its parts (_chunk_outer_pair, _scan_pair):
@@ -1197,25 +1240,28 @@ def triton_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Ten
 
 def triton_varlen_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                           initial_state: Tensor | None, block_size: int, cu_seqlens: Tensor
-                          ) -> tuple[Tensor, Tensor]:
+                          ) -> tuple[Tensor, Tensor, Tensor]:
     """Packed sequences in one launch per kernel. q: [1, H, T, D], k, v: [1, Hk, T, D | Dv]
-    (GQA not expanded), cu_seqlens [N + 1] on q's device (validated by the caller), initial_state
-    [N, H, D, Dv] or None. Returns (o [1, H, T, Dv] in q's dtype, final states
-    [N, H, D, Dv] fp32)."""
-    o, _, final, _ = _forward(q, k, v, slope, scale, initial_state, block_size, cu_seqlens)
-    return o, final
+    (GQA not expanded), cu_seqlens [N + 1] int on q's device (validated by the caller),
+    initial_state [N, H, D, Dv] or None. Returns (o [1, H, T, Dv] in q's dtype, final
+    states [N, H, D, Dv] fp32, the chunk slots for the backward: int32
+    [:func:`packed_chunk_size`])."""
+    o, _, final, g = _forward(q, k, v, slope, scale, initial_state, block_size, cu_seqlens)
+    return o, final, g.packed
 
 
 def triton_varlen_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
                            v: Tensor, slope: Tensor, scale: float,
                            initial_state: Tensor | None, block_size: int,
-                           cu_seqlens: Tensor, need_slope_grad: bool
+                           cu_seqlens: Tensor, need_slope_grad: bool,
+                           chunks: Tensor | None = None
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Gradients of :func:`triton_varlen_forward` (dq [1, H, T, D] in q's dtype; dk, dv
     [1, Hk, T, D | Dv] in q's dtype, each GQA group summed in the kernels; dslope [H] or
-    None; d initial_state [N, H, D, Dv])."""
+    None; d initial_state [N, H, D, Dv]). ``chunks``: the forward's chunk slots (None:
+    built again, one launch)."""
     return _backward(grad_o, grad_state, q, k, v, slope, scale, initial_state, block_size,
-                     cu_seqlens, need_slope_grad)
+                     cu_seqlens, need_slope_grad, chunks=chunks)
 
 
 class LaunchSpec(NamedTuple):
