@@ -56,6 +56,8 @@ def _skip_kernel_bodies() -> None:
     def counted(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         if not warmup:
             LAUNCHES.append(self.fn.__name__)
+        if self.fn.__name__ == "_chunk_table":
+            args[4].numpy()[:] = 1  # its cu_seqlens check passes (no aten op: not counted)
 
     interpreter.InterpretedFunction.run = counted
 

@@ -593,3 +593,22 @@ def test_torch_func_transforms_match_the_reference(varlen):
         torch.testing.assert_close(rows, rows_r, rtol=1e-9, atol=1e-10)
     with pytest.raises(RuntimeError, match="lightning_attention.*first-order backward only"):
         grad(lambda x: grad(lambda y: loss(ours, y, k, v, slope, h0))(x).sum())(q)
+    with pytest.raises(NotImplementedError, match="lightning_attention.*forward-mode"):
+        torch.func.hessian(lambda x: loss(ours, x, k, v, slope, h0))(q)
+    if varlen:
+        return
+    # vmap inside a reverse transform, and a vmapped forward then .backward() (under vmap
+    # functorch hands the backward a wrapper context: a review found its attributes lost)
+    g_in = grad(lambda x: vmap(lambda r: loss(ours, r[None], k[:1], v[:1], slope, h0[:1]))(
+        x).sum())(q)
+    g_ref = grad(lambda x: vmap(lambda r: loss(ref, r[None], k[:1], v[:1], slope, h0[:1]))(
+        x).sum())(q)
+    torch.testing.assert_close(g_in, g_ref, rtol=1e-9, atol=1e-10)
+    grads = []
+    for fn in (ours, ref):
+        leaves = [x.clone().requires_grad_() for x in (q, slope)]
+        vmap(lambda r, fn=fn, s=leaves[1]: fn(r[None], k[:1], v[:1], s, h0[:1])[0])(
+            leaves[0]).square().sum().backward()
+        grads.append([x.grad for x in leaves])
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)

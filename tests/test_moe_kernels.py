@@ -478,7 +478,7 @@ def test_torch_func_grad_and_jacrev_equal_autograd(capacity_factor):
     generated autograd.Function has no setup_context, pytorch#168393) equal
     torch.autograd.grad's gradients, which the tests above check against transformers'
     MixtralExperts; with capacity drops too. A gradient of a gradient is refused by name."""
-    from torch.func import grad, jacrev
+    from torch.func import grad, jacrev, vmap
 
     hidden, index, weights, gate_up, down = (x.detach() for x in _op_args(t=9, e=3, h=4, f=3))
     ins = (hidden, weights, gate_up, down)
@@ -501,3 +501,25 @@ def test_torch_func_grad_and_jacrev_equal_autograd(capacity_factor):
     torch.testing.assert_close(jac, want_jac, rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="moe_experts.*first-order backward only"):
         grad(lambda h: grad(loss)(h, *ins[1:]).sum())(hidden)
+    # per-token gradients with batched routing (the index range check read a batched tensor
+    # on the host, found by a review), against one autograd call per token
+    rows = vmap(grad(lambda h, i, w: moe_experts(h[None], i[None], w[None], gate_up, down,
+                                                 capacity_factor=capacity_factor).sum()))(
+        hidden, index, weights)
+    for r in range(hidden.shape[0]):
+        leaf = hidden[r:r + 1].clone().requires_grad_()
+        out = moe_experts(leaf, index[r:r + 1], weights[r:r + 1], gate_up, down,
+                          capacity_factor=capacity_factor)
+        torch.testing.assert_close(rows[r], torch.autograd.grad(out.sum(), leaf)[0][0],
+                                   rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="outside"):
+        vmap(lambda h, i: moe_experts(h[None], i[None], weights[:1], gate_up, down))(
+            hidden, index + 10)
+    # a vmapped forward, then .backward() (its backward context: found by the same review)
+    gu = gate_up.clone().requires_grad_()
+    vmap(lambda h: moe_experts(h[None], index[:1], weights[:1], gu, down))(
+        hidden).square().sum().backward()
+    leaf = gate_up.clone().requires_grad_()
+    sum(moe_experts(hidden[r:r + 1], index[:1], weights[:1], leaf, down).square().sum()
+        for r in range(hidden.shape[0])).backward()
+    torch.testing.assert_close(gu.grad, leaf.grad, rtol=1e-12, atol=1e-12)

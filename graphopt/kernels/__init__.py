@@ -48,6 +48,18 @@ def functorch_active() -> bool:
         torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without torch.func's wrappers (vmap's BatchedTensor: every batch entry at once;
+    grad's GradTrackingTensor), for a read-only check of its values; ``t`` itself when it is
+    not wrapped (and while Dynamo traces: it cannot trace these queries, and a traced graph
+    holds no functorch wrappers)."""
+    if torch.compiler.is_compiling():
+        return t
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 def transformable(name: str, op: Any, setup_context: Any, backward: Any) -> Any:
     """An ``autograd.Function`` running custom op ``op`` (``name``, for errors) with the
     autograd formula registered for it (``setup_context(ctx, inputs, output)``,
@@ -71,9 +83,9 @@ def transformable(name: str, op: Any, setup_context: Any, backward: Any) -> Any:
         generate_vmap_rule = True
 
         @staticmethod
-        def forward(state: dict[str, Any], n_saved: int, *tensors: Any) -> Any:
-            ctx = _SavedContext(state, tensors[:n_saved])
-            return tuple(backward(ctx, *tensors[n_saved:]))
+        def forward(ctx: Any, needs: tuple[bool, ...], n_saved: int, *tensors: Any) -> Any:
+            return tuple(backward(_SavedContext(ctx, needs, tensors[:n_saved]),
+                                  *tensors[n_saved:]))
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -101,22 +113,36 @@ def transformable(name: str, op: Any, setup_context: Any, backward: Any) -> Any:
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
             saved = ctx.saved_tensors
-            state = {k: v for k, v in vars(ctx).items() if not k.startswith("_")}
-            state["needs_input_grad"] = ctx.needs_input_grad
-            return _Backward.apply(state, len(saved), *saved, *grads)
+            # ctx itself travels as a constant: what setup_context stored on it is read
+            # through it (under vmap functorch hands the backward a wrapper that forwards
+            # attribute reads to the real context)
+            return _Backward.apply(ctx, tuple(ctx.needs_input_grad), len(saved), *saved,
+                                   *grads)
+
+        @staticmethod
+        def jvp(ctx: Any, *tangents: Any) -> Any:
+            raise NotImplementedError(
+                f"{name} has no forward-mode AD formula (jvp, jacfwd, hessian): use reverse "
+                "mode (backward, torch.func.grad / vjp / jacrev), or differentiate the "
+                "model's own PyTorch code for this computation")
 
     _Function.__name__ = _Function.__qualname__ = f"{name}_transformable"
     return _Function
 
 
 class _SavedContext:
-    """What a registered backward reads from its ctx (saved_tensors, needs_input_grad and the
-    attributes setup_context stored), rebuilt from plain values inside
-    :func:`transformable`'s backward Function."""
+    """The ctx a registered backward sees inside :func:`transformable`'s backward Function:
+    ``saved_tensors`` and ``needs_input_grad`` given (the tensors as that Function's forward
+    received them, below the grad transform), every other attribute read from the original
+    context (what setup_context stored)."""
 
-    def __init__(self, state: dict[str, Any], saved: tuple) -> None:
-        self.__dict__.update(state)
+    def __init__(self, ctx: Any, needs: tuple[bool, ...], saved: tuple) -> None:
+        self._ctx = ctx
+        self.needs_input_grad = needs
         self.saved_tensors = saved
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
 
 
 def plain_eager(*tensors: Any) -> bool:

@@ -190,7 +190,11 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
         raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
-    flat = top_k_index.reshape(-1)
+    from graphopt.kernels import functorch_active, functorch_unwrapped
+
+    # under vmap (batched routing) every batch entry's indices at once: a batched tensor
+    # has no .item() and _assert_async no batching rule
+    flat = functorch_unwrapped(top_k_index).reshape(-1)
     if flat.is_cuda or torch.compiler.is_compiling():
         # checked on the device (no host synchronization on the hot path) or, in a graph
         # torch.compile traces, by an assert in the graph (no data-dependent guard)
@@ -199,7 +203,6 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     elif flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= e):
         raise ValueError(f"top_k_index has values outside [0, {e}): min {int(flat.min())}, "
                          f"max {int(flat.max())}")
-    from graphopt.kernels import functorch_active
     from graphopt.kernels.moe.op import MOE_FUNCTORCH, moe_experts_op
 
     # torch.func.grad / vjp / jacrev / vmap take an autograd.Function (pytorch#168393)

@@ -83,12 +83,13 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
     shapes = [tuple(x for x in shape if x is not None) for shape in hints]
     if any(len(s) != len(h) for s, h in zip(shapes, hints)):
         return ""
-    # The op's "auto" resolves by device: Triton on a GPU/NPU keeps only the initial state.
+    # The op's "auto" resolves by device: Triton on a GPU/NPU keeps only the initial state,
+    # and the passes' calls have none.
     impl = resolve_impl("auto", vals[0].device, max(shapes[0][-1], shapes[2][-1]),
                         vals[0].dtype)
     kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype, impl=impl)
     symbolic = any(isinstance(x, torch.SymInt) for val in vals for x in val.shape)
-    what = ("the initial state; Triton recomputes the chunk states" if impl == "triton" else
+    what = ("no state: Triton recomputes every chunk state from zero" if impl == "triton" else
             f"a state every {DEFAULT_CHECKPOINT_EVERY} of the kernel's "
             f"{DEFAULT_BLOCK_SIZE}-row chunks")
     versus = (f"{every / 2**20:.2f} MiB with every chunk's state" if every > kept else
