@@ -612,3 +612,18 @@ def test_torch_func_transforms_match_the_reference(varlen):
         grads.append([x.grad for x in leaves])
     for g, w in zip(*grads):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+
+
+def test_packed_sequences_refuse_int32_overflow_and_a_batched_packing():
+    """Two refusals a review asked for: T >= 2^31 packed tokens (the chunk table is int32: a
+    valid cu_seqlens passed its check and wrapped around), and cu_seqlens batched by vmap (an
+    unclear storage error before)."""
+    big = torch.empty(1, 1, 2**31, 1, device="meta")
+    with pytest.raises(ValueError, match="at most 2\\^31 - 1 tokens"):
+        lightning_attention(big, big, big, torch.zeros(1, device="meta"),
+                            cu_seqlens=torch.tensor([0, 2**31], device="meta"))
+    q = torch.randn(1, 2, 12, 4)
+    cus = torch.tensor([[0, 5, 12], [0, 7, 12]])
+    slope = torch.rand(2)
+    with pytest.raises(ValueError, match="cu_seqlens is batched by vmap"):
+        torch.func.vmap(lambda cu: lightning_attention(q, q, q, slope, cu_seqlens=cu))(cus)

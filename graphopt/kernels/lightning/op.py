@@ -683,6 +683,13 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
         raise ValueError(f"cu_seqlens packs sequences along S of one batch row: q must be "
                          f"[1, Hq, S, D], got {tuple(q.shape)}")
     validate(q, k, v, slope, None)
+    if q.shape[2] > 2**31 - 1:  # the chunk table and kernels index tokens in int32
+        raise ValueError(f"packed sequences take at most 2^31 - 1 tokens in all, got "
+                         f"T = {q.shape[2]}: split the batch")
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(cu_seqlens):
+        raise ValueError("cu_seqlens is batched by vmap, but every call takes one packing: "
+                         "vmap over q, k, v (and the initial state) with one cu_seqlens, or "
+                         "loop over the packings")
     hq, d, dv = q.shape[1], q.shape[3], v.shape[3]
     chosen = resolve_impl(impl, q.device, max(d, dv), q.dtype)
     _check_cu_seqlens(cu_seqlens, q.shape[2], q.device, kernel_checks=chosen == "triton")
