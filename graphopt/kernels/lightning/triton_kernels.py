@@ -770,6 +770,7 @@ def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> lis
 
 
 _AUTOTUNED: dict[tuple[int, tuple[str, ...], tuple[str, ...]], Any] = {}
+_KERNEL_INFO: dict[int, tuple[bool, tuple[int, ...]]] = {}
 _CHOSEN: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 BENCHMARKER: Callable[..., list[float]] | None = None
@@ -789,8 +790,13 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     chosen one runs (without it, the parts a 32-wide tile wrote while it was benchmarked
     were summed into a 64-wide winner's dslope: 4.8 relative off on the tuning call, a
     review). The scans update in place and keep ``t``."""
-    if "DOT" in kernel.arg_names:
-        consts = {**consts, "DOT": dot_precision()}
+    info = _KERNEL_INFO.get(id(kernel))
+    if info is None:  # per kernel: whether it takes DOT, where its tensor arguments are
+        info = _KERNEL_INFO[id(kernel)] = (
+            "DOT" in kernel.arg_names,
+            tuple(i for i, a in enumerate(args) if isinstance(a, Tensor)))
+    if info[0]:
+        consts["DOT"] = dot_precision()
     if not TUNE or not tuned:
         tiles, options = untuned(t, tuned)
         meta = {**tiles, **consts}
@@ -802,13 +808,12 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     # key), launched without the autotuner's per-call bookkeeping (~10 us a launch on the
     # host, measured by benchmarks/lightning_host.py); what it runs is what the autotuner
     # runs on a cached key: the chosen config's kwargs, no reset (that follows tuning only).
-    # (items in call-site order: one launch site always passes them in one order)
-    chosen_key = (key, *fixed.items(), *consts.items(),
-                  *[a.dtype for a in args if isinstance(a, Tensor)])
-    best = _CHOSEN.get(chosen_key)
-    if best is not None:
-        meta = {**fixed, **consts, **best}
-        kernel[grid(meta)](*args, **meta)
+    # (items in call-site order: one launch site always passes them in one order; a
+    # kernel's tensor arguments are at fixed positions: its pointer parameters)
+    chosen_key = (key, *fixed.items(), *consts.items(), *[args[i].dtype for i in info[1]])
+    chosen = _CHOSEN.get(chosen_key)  # every constexpr and launch option, merged once
+    if chosen is not None:
+        kernel[grid(chosen)](*args, **chosen)
         return
     if key not in _AUTOTUNED:
         _AUTOTUNED[key] = triton.autotune(
@@ -823,7 +828,7 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
         precompile(kernel, args, tuned, {**fixed, **consts})
     tuner = _AUTOTUNED[key]
     tuner[lambda meta: grid({**fixed, **consts, **meta})](*args, **fixed, **consts)
-    _CHOSEN[chosen_key] = tuner.best_config.all_kwargs()
+    _CHOSEN[chosen_key] = {**fixed, **consts, **tuner.best_config.all_kwargs()}
 
 
 _threads = os.environ.get("GRAPHOPT_TRITON_COMPILE_THREADS", "").strip()
