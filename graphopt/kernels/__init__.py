@@ -161,9 +161,14 @@ def plain_eager(*tensors: Any) -> bool:
             torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     # storage: what a functorch wrapper or a (legacy) vmap BatchedTensor lacks
-    return all(t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and
-                             torch._C._has_storage(t) and t.device.type != "meta")
-               for t in tensors)
+    for t in tensors:  # a loop, not all() over a generator: this runs on every call
+        if t is not None and (type(t) not in _PLAIN or not _has_storage(t) or t.is_meta):
+            return False
+    return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_has_storage = torch._C._has_storage
 
 
 def eager_function(name: str, forward_impl: Any, setup_context: Any, backward: Any,

@@ -38,6 +38,7 @@ Portable Triton only (tl.dot, tl.exp, masks, program ids), as triton-ascend need
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import os
@@ -50,7 +51,10 @@ import torch
 Tensor = torch.Tensor
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether triton is installed (looked up once: a module search is ~1 us of host time
+    per call, and resolve_impl asks on every call)."""
     return importlib.util.find_spec("triton") is not None
 
 
