@@ -819,6 +819,11 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     if chosen is not None:
         kernel[grid(chosen)](*args, **chosen)
         return
+    positions = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
+    if positions != info[1]:  # checked once per new key: the hot path relies on it
+        raise RuntimeError(f"{getattr(kernel, '__name__', kernel)}: tensor arguments at "
+                           f"{positions}, first launched with them at {info[1]}; every call "
+                           "site must pass tensors for the kernel's pointer parameters")
     if key not in _AUTOTUNED:
         _AUTOTUNED[key] = triton.autotune(
             _configs(tuned), key=["D", "DV", "C", "R", *sorted(consts)],
