@@ -186,7 +186,8 @@ def eager_function(name: str, forward_impl: Any, setup_context: Any, backward: A
     (is_grads_batched, jacobian(vectorize=True): vmap) the backward custom op is called
     instead: it refuses double backward by name (an implementation of torch ops would be
     differentiated with its saved states as constants, Triton's not at all: both silently
-    wrong) and has the vmap fallback. Returns the class."""
+    wrong) and has the vmap fallback. Returns the class; raises nothing of its own (the
+    Function raises what the implementation and the backward raise)."""
 
     def forward(ctx: Any, *inputs: Any) -> Any:
         out = forward_impl(*inputs)

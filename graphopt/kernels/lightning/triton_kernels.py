@@ -796,9 +796,7 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     review). The scans update in place and keep ``t``."""
     info = _KERNEL_INFO.get(id(kernel))
     if info is None:  # per kernel: whether it takes DOT, where its tensor arguments are
-        info = _KERNEL_INFO[id(kernel)] = (
-            "DOT" in kernel.arg_names,
-            tuple(i for i, a in enumerate(args) if isinstance(a, Tensor)))
+        info = _KERNEL_INFO[id(kernel)] = ("DOT" in kernel.arg_names, _tensor_positions(args))
     if info[0]:
         consts["DOT"] = dot_precision()
     if not TUNE or not tuned:
@@ -819,7 +817,7 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     if chosen is not None:
         kernel[grid(chosen)](*args, **chosen)
         return
-    positions = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
+    positions = _tensor_positions(args)
     if positions != info[1]:  # checked once per new key: the hot path relies on it
         raise RuntimeError(f"{getattr(kernel, '__name__', kernel)}: tensor arguments at "
                            f"{positions}, first launched with them at {info[1]}; every call "
@@ -838,6 +836,11 @@ def _launch(kernel: Any, grid: Callable[[dict[str, Any]], tuple[int, ...]], args
     tuner = _AUTOTUNED[key]
     tuner[lambda meta: grid({**fixed, **consts, **meta})](*args, **fixed, **consts)
     _CHOSEN[chosen_key] = {**fixed, **consts, **tuner.best_config.all_kwargs()}
+
+
+def _tensor_positions(args: tuple) -> tuple[int, ...]:
+    """Where a launch's tensor arguments (its pointer parameters) are in ``args``."""
+    return tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
 
 
 _threads = os.environ.get("GRAPHOPT_TRITON_COMPILE_THREADS", "").strip()
@@ -931,15 +934,13 @@ def _chunks(batch: int, seq: int, c: int, cu_seqlens: Tensor | None, placeholder
     # sum_i ceil(L_i / C) <= floor(T / C) + N: a static bound, so no count leaves the device.
     slots = seq // c + n_seqs
     size = packed_chunk_size(seq, n_seqs, c)
+    build = packed is None
     if packed is None:
         packed = torch.empty(size, dtype=torch.int32, device=placeholder.device)
-        build = True
     elif packed.numel() != size or packed.dtype != torch.int32:
         raise ValueError(f"the forward's chunk buffer has {packed.numel()} {packed.dtype} "
                          f"elements, {size} int32 expected for {n_seqs} sequences of {seq} "
                          f"tokens in chunks of {c}: pass the forward's own")
-    else:
-        build = False
     table = packed[:2 * slots].view(slots, 2)
     offsets, cu = packed[2 * slots:-1].view(2, n_seqs + 1).unbind(0)
     if build:
