@@ -63,6 +63,11 @@ class DeviceProfile:
     threads: int | None = None
     """Calibrated CPU profiles: the torch thread count the rates were measured with (they
     scale with it); :func:`graphopt.cost.estimate` warns when the current count differs."""
+    gemm_table: str = ""
+    """A measured GEMM-shape table of :mod:`graphopt.cost.gemm_table` (``"sm90-bf16"`` for
+    H100/H200) or "": the planner prices each bf16/fp16 GEMM of a layer at its per-rank
+    shape, ``matmul_efficiency`` x the table's rate for that shape relative to its best one
+    (``matmul_efficiency`` is then the efficiency of the largest GEMMs)."""
     matmul_curve: tuple[tuple[float, float], ...] = ()
     """Calibrated profiles only: (GEMM size n, achieved float32 FLOP/s) points, n the cube
     root of m*n*k of one GEMM; :func:`graphopt.cost.graph_cost.matmul_rate` interpolates them
@@ -77,6 +82,13 @@ class DeviceProfile:
                     _number(x) and x > 0 for x in p) for p in curve):
             raise ConfigError(f"device {self.name!r}: matmul_curve must be a list of [GEMM "
                               f"size n > 0, FLOP/s > 0] pairs, got {curve!r}")
+        from graphopt.cost.gemm_table import GEMM_TABLES
+
+        if not isinstance(self.gemm_table, str) or (
+                self.gemm_table and self.gemm_table not in GEMM_TABLES):
+            raise ConfigError(f"device {self.name!r}: gemm_table must be one of "
+                              f"{', '.join(map(repr, GEMM_TABLES))} or \"\", got "
+                              f"{self.gemm_table!r}")
         if not isinstance(self.peak_flops, Mapping):
             raise ConfigError(f"device {self.name!r}: peak_flops must map dtype names to "
                               f"positive FLOP/s, got {self.peak_flops!r}")
@@ -252,12 +264,12 @@ DEVICES: dict[str, DeviceProfile] = {
         "H100-SXM5-80GB", {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12,
                            "float16": 989.5e12, "float8": 1979e12}, 80 * GB, 3350 * GB, 4e-6,
         0.7, 0.85, "NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense)",
-        host_bandwidth=50e9),
+        host_bandwidth=50e9, gemm_table="sm90-bf16"),
     "h200": DeviceProfile(
         "H200-SXM-141GB", {"float32": 67e12, "tf32": 494.5e12, "bfloat16": 989.5e12,
                            "float16": 989.5e12, "float8": 1979e12}, 141 * GB, 4800 * GB, 4e-6,
         0.7, 0.85, "NVIDIA H200 Tensor Core GPU datasheet, SXM column (dense)",
-        host_bandwidth=50e9),
+        host_bandwidth=50e9, gemm_table="sm90-bf16"),
     "b200": DeviceProfile(
         "B200", {"float32": 80e12, "tf32": 1100e12, "bfloat16": 2250e12, "float16": 2250e12,
                  "float8": 4500e12}, 180 * GB, 7700 * GB, 4e-6, 0.65, 0.85,

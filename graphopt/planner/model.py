@@ -62,6 +62,15 @@ class LayerCost:
     """... ``split_s`` ..."""
     selective_replicated_s: float = 0.0
     """... and ``replicated_s``."""
+    gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
+    """The 2-D GEMMs (``mm``/``addmm``) inside ``gemm_s`` whose shape is known per rank:
+    (token dimension, dimension TP splits, dimension kept whole, seconds of its FLOPs at
+    peak), one entry per distinct shape (seconds summed; compute-bound GEMMs only, as in
+    ``gemm_s``, whose per-kernel overheads are not slowed by the table). The token
+    dimension (the sequence here) scales with microbatch / cp, the split one with 1 / tp;
+    the planner prices them with the device's GEMM-shape table
+    (:mod:`graphopt.cost.gemm_table`) when it has one. GEMMs without a token dimension
+    (routed experts' per-expert GEMMs, batched GEMMs) stay at ``matmul_efficiency``."""
 
 
 @dataclass(frozen=True)
@@ -378,17 +387,32 @@ def _mix(measured: dict[str | None, tuple[LayerCost, LayerCost, LayerCost | None
         cost = next(iter(measured.values()))[index]
         assert cost is not None
         return cost
-    total = [0.0] * len(dataclasses.fields(LayerCost))
+    parts = []
     for kind in types:
         cost = measured[kind][index]
         assert cost is not None
-        total = [t + x / len(types) for t, x in zip(total, dataclasses.astuple(cost))]
-    return LayerCost(*total)
+        parts.append((cost, 1 / len(types)))
+    return _combine(parts)
 
 
 def _sub(a: LayerCost, b: LayerCost) -> LayerCost:
-    return LayerCost(*(max(0.0, x - y) for x, y in zip(dataclasses.astuple(a),
-                                                       dataclasses.astuple(b))))
+    """``a - b`` field by field (GEMM shapes by shape), clamped at 0."""
+    return _combine([(a, 1.0), (b, -1.0)])
+
+
+def _combine(parts: list[tuple[LayerCost, float]]) -> LayerCost:
+    """Sum of ``weight * cost`` over ``parts``, every number and every GEMM shape's seconds
+    clamped at 0 (a shape whose seconds cancel is dropped)."""
+    values: dict[str, float] = {}
+    shapes: dict[tuple[int, int, int], float] = {}
+    for cost, weight in parts:
+        for f in dataclasses.fields(LayerCost):
+            if f.name != "gemm_shapes":
+                values[f.name] = values.get(f.name, 0.0) + weight * getattr(cost, f.name)
+        for *key, seconds in cost.gemm_shapes:
+            shapes[tuple(key)] = shapes.get(tuple(key), 0.0) + weight * seconds  # type: ignore
+    return LayerCost(**{k: max(0.0, v) for k, v in values.items()}, gemm_shapes=tuple(
+        (*k, v) for k, v in sorted(shapes.items()) if v > 1e-15))
 
 
 def _lightning_kernel_layers(model: Any) -> int:
@@ -457,4 +481,35 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
             selective = (float(saved_for_backward(sac)),
                          *tp_split_times(sac, rec_cost, hidden))
     return LayerCost(gemm, split, repl, float(cost.flops), float(saved_for_backward(gm)),
-                     float(total - experts), float(experts), float(cost.peak_s), *selective)
+                     float(total - experts), float(experts), float(cost.peak_s), *selective,
+                     gemm_shapes=gemm_shapes(gm, cost, seq, hidden))
+
+
+def gemm_shapes(gm: torch.fx.GraphModule, cost: Any, tokens: int, hidden: int
+                ) -> tuple[tuple[int, int, int, float], ...]:
+    """:attr:`LayerCost.gemm_shapes` of a priced trace of ``tokens`` tokens: every
+    ``mm``/``addmm`` with a dimension equal to ``tokens`` (forward: the rows; the weight
+    gradient: the contraction). Of the other two the one TP splits is the one not equal to
+    ``hidden`` (a column-parallel output, a row-parallel input, the vocabulary), the first
+    when both or neither are (the table is read symmetrically in them)."""
+    aten = torch.ops.aten
+    nodes = {n.name: n for n in gm.graph.nodes}
+    shapes: dict[tuple[int, int, int], float] = {}
+    for c in cost.nodes:
+        node = nodes.get(c.name)
+        if c.bound != "compute" or node is None or node.target not in (
+                aten.mm.default, aten.addmm.default):
+            continue
+        a, b = node.args[-2:] if node.target is aten.addmm.default else node.args[:2]
+        va, vb = (getattr(x, "meta", {}).get("val") for x in (a, b))
+        if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
+            continue
+        m, k, n = (int(va.shape[0]), int(va.shape[1]), int(vb.shape[1]))
+        for i, d in enumerate((m, k, n)):
+            if d == tokens:
+                x, y = [e for j, e in enumerate((m, k, n)) if j != i]
+                split, kept = (y, x) if x == hidden and y != hidden else (x, y)
+                key = (d, split, kept)
+                shapes[key] = shapes.get(key, 0.0) + float(c.peak_s)
+                break
+    return tuple((*k, v) for k, v in sorted(shapes.items()))

@@ -6,10 +6,12 @@ Per device, m = B / (dp * mb) microbatches of mb sequences; stage i has L_i laye
 the plan's ``stage_layers``); the slowest stage sets the pipeline's slot and the fullest its
 memory (even stages: the first, second and last are priced; uneven: all):
 
-    layer    t = [(gemm/eff + split)/tp + repl/(tp if SP else 1)] * mb/cp   (x 4/3 if
+    layer    t = [(gemm*g/eff + split)/tp + repl/(tp if SP else 1)] * mb/cp   (x 4/3 if
              recomputed: one more forward; + the traced recomputation of the recomputed ops
              under selective checkpointing); MoE layers likewise (experts' grouped GEMMs);
-             the LM head + loss on the last stage
+             the LM head + loss on the last stage; g >= 1 prices the layer's GEMMs at
+             their per-rank shapes on a profile with a GEMM-shape table (_gemm_factor),
+             else 1
     TP       4 all-reduces (or all-gather + reduce-scatter with SP) of mb*s/cp*h per layer,
              6 with recomputation (Megatron-LM SC'21 sec. 3) or with selective
              checkpointing under SP (the forward's all-gathers are recomputed)
@@ -81,6 +83,7 @@ from __future__ import annotations
 import math
 
 from graphopt.cost.collectives import collective_time
+from graphopt.cost.gemm_table import relative_rate
 from graphopt.cost.memory import model_state_bytes
 from graphopt.cost.profiles import ClusterProfile
 from graphopt.planner.model import LayerCost, PlanModel
@@ -284,14 +287,44 @@ def _split_time(gemm_s: float, split_s: float, replicated_s: float, plan: Parall
     return per_seq * mb / plan.cp
 
 
-def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> float:
-    return _split_time(cost.gemm_s, cost.split_s, cost.replicated_s, plan, eff, mb)
+def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int,
+                table: str = "") -> float:
+    return _split_time(cost.gemm_s * _gemm_factor(cost, plan, table), cost.split_s,
+                       cost.replicated_s, plan, eff, mb)
 
 
-def _selective_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int) -> float:
-    """Recomputation selective checkpointing adds to one layer (split like the layer)."""
-    return _split_time(cost.selective_gemm_s, cost.selective_split_s,
-                       cost.selective_replicated_s, plan, eff, mb)
+def _selective_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int,
+                    table: str = "") -> float:
+    """Recomputation selective checkpointing adds to one layer (split like the layer; its
+    GEMMs at the layer's mean shape efficiency)."""
+    return _split_time(cost.selective_gemm_s * _gemm_factor(cost, plan, table),
+                       cost.selective_split_s, cost.selective_replicated_s, plan, eff, mb)
+
+
+def _gemm_factor(cost: LayerCost, plan: ParallelPlan, table: str) -> float:
+    """How much slower than ``matmul_efficiency`` the layer's GEMMs run at this plan's
+    per-rank shapes: ``sum(t_i / r_i) / sum(t_i)`` over :attr:`LayerCost.gemm_shapes` (the
+    token dimension x microbatch / cp, the TP dimension / tp; ``r_i`` the table's rate
+    relative to its best shape, :func:`graphopt.cost.gemm_table.relative_rate`), the rest
+    of ``gemm_s`` at 1. 1.0 without a table. Cached on the cost per (table, tp, cp,
+    microbatch): the search evaluates ~10^5 plans."""
+    if not table or not cost.gemm_shapes or cost.gemm_s <= 0:
+        return 1.0
+    cache = cost.__dict__.get("_gemm_factors")
+    if cache is None:
+        cache = {}
+        object.__setattr__(cost, "_gemm_factors", cache)  # frozen dataclass: a side cache
+    key = (table, plan.tp, plan.cp, plan.microbatch)
+    factor = cache.get(key)
+    if factor is None:
+        covered = slowed = 0.0
+        for tokens, split, kept, seconds in cost.gemm_shapes:
+            rel = relative_rate(table, tokens * plan.microbatch / plan.cp,
+                                max(split / plan.tp, 1.0), kept)
+            covered += seconds
+            slowed += seconds / rel
+        factor = cache[key] = (slowed + max(cost.gemm_s - covered, 0.0)) / cost.gemm_s
+    return factor
 
 
 def stage_sizes(plan: ParallelPlan, layers: int) -> tuple[float, ...]:
@@ -330,13 +363,14 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     # and a middle stage one layer lighter but earlier can be the fullest (a review found
     # (2, 14, 15, 1) priced at its third stage, 51.8 GiB, while its second needs 71).
     picks = list(range(pp)) if len(set(sizes)) > 1 else sorted({0, min(1, pp - 1), pp - 1})
-    t_dense = _layer_time(model.dense, plan, eff, mb)
-    t_moe = _layer_time(model.moe, plan, eff, mb) if model.moe else 0.0
-    t_head = _layer_time(model.head, plan, eff, mb)
+    table = dev.gemm_table if model.dtype_bytes == 2 else ""  # the table is bf16's
+    t_dense = _layer_time(model.dense, plan, eff, mb, table)
+    t_moe = _layer_time(model.moe, plan, eff, mb, table) if model.moe else 0.0
+    t_head = _layer_time(model.head, plan, eff, mb, table)
     sel_dense = sel_moe = 0.0
     if plan.selective_recompute:
-        sel_dense = _selective_time(model.dense, plan, eff, mb)
-        sel_moe = _selective_time(model.moe, plan, eff, mb) if model.moe else 0.0
+        sel_dense = _selective_time(model.dense, plan, eff, mb, table)
+        sel_moe = _selective_time(model.moe, plan, eff, mb, table) if model.moe else 0.0
 
     def stage_compute(i: int) -> tuple[float, float, float, float]:
         """(compute s, dense layers, MoE layers, fully recomputed layers) of stage i."""
