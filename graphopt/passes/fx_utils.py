@@ -242,7 +242,11 @@ def written_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 def writes_of(node: fx.Node) -> list[fx.Node]:
     """The nodes ``node`` writes to in place (its schema's mutable arguments and
-    :func:`unannotated_writes`); empty for a functional op."""
+    :func:`unannotated_writes`; for a ``tag_activation_checkpoint`` call, the operands its
+    body writes: :func:`region_writes`); empty for a functional op."""
+    if node.op == "call_function" and \
+            node.target is torch.ops.higher_order.tag_activation_checkpoint:
+        return region_writes(node)
     if node.op != "call_function" or not is_mutating(node):
         return []
     out = list(unannotated_writes(node))
@@ -254,6 +258,27 @@ def writes_of(node: fx.Node) -> list[fx.Node]:
         out += [v for v in (value if isinstance(value, (list, tuple)) else [value])
                 if isinstance(v, fx.Node)]
     return out
+
+
+def region_writes(call: fx.Node) -> list[fx.Node]:
+    """The operands of a ``tag_activation_checkpoint(body, *operands)`` call whose body
+    placeholder the body writes in place, directly or through an alias (nested regions
+    included: :func:`mutated_nodes` of the body). Dynamo keeps a checkpointed block's
+    in-place ops in its body (a buffer's ``add_``, a mask's ``__setitem__``), so a pass
+    looking at the parent graph alone would take the operand for unwritten (a review:
+    ``remove_noops``, ``cse`` and the attention pass rewrote reads around such writes,
+    silently wrong). A body graphopt cannot read counts as writing every tensor operand."""
+    operands = [a for a in call.args[1:] if isinstance(a, fx.Node)]
+    body_node = call.args[0] if call.args else None
+    owner = call.graph.owning_module
+    body = getattr(owner, str(body_node.target), None) if isinstance(
+        body_node, fx.Node) and body_node.op == "get_attr" and owner is not None else None
+    if not isinstance(body, fx.GraphModule):
+        return operands
+    written = mutated_nodes(body.graph)
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    return [op for ph, op in zip(placeholders, call.args[1:])
+            if ph in written and isinstance(op, fx.Node)]
 
 
 def mutated_nodes(graph: fx.Graph, classes: dict[fx.Node, fx.Node] | None = None

@@ -67,6 +67,7 @@ from graphopt.passes.fx_utils import (
     site_name,
     size_hint,
     tensor_meta,
+    writes_of,
 )
 from graphopt.passes.moe_options import MoEOptions
 
@@ -264,6 +265,8 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     bad = [n.name for n in region.nodes if is_random(n)]
     bad += [n.name for n in region.nodes if is_mutating(n) and any(
         a not in region.nodes for a in n.all_input_nodes[:1])]
+    bad += [n.name for n in region.nodes if not is_mutating(n) and any(  # checkpoint bodies
+        a not in region.nodes for a in writes_of(n))]
     if bad:
         raise Skip(f"experts module {region.path} has random or input-mutating ops: {bad[:3]}")
     if "silu" not in ops:

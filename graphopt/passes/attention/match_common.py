@@ -54,10 +54,11 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _writes(node: fx.Node, value: fx.Node) -> bool:
-    """True when ``node`` (an op) writes ``value`` in place (a ``Tensor(a!)`` argument)."""
+    """True when ``node`` (an op) writes ``value`` in place (a ``Tensor(a!)`` argument, or
+    an operand a checkpoint region's body writes: :func:`writes_of`)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
-        return False
+        return value in writes_of(node)
     schema = target._schema
     for i, a in enumerate(schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:

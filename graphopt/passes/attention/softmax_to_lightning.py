@@ -67,6 +67,7 @@ from graphopt.passes.fx_utils import (
     module_path,
     site_name,
     tensor_meta,
+    writes_of,
 )
 
 NORM_EPS = 1e-6
@@ -122,7 +123,7 @@ def kv_cache_reason(k: fx.Node, v: fx.Node) -> str:
                 continue
             seen.add(n)
             if n.op == "placeholder" and (concatenated or any(
-                    is_mutating(u) and u.args and u.args[0] is n for u in n.users)):
+                    n in writes_of(u) for u in n.users)):
                 return (f"the {what} come from a KV cache of earlier steps (a graph input "
                         + ("concatenated with this step's" if concatenated else
                            "written in place") + "): Lightning Attention would need its "
@@ -134,7 +135,8 @@ def kv_cache_reason(k: fx.Node, v: fx.Node) -> str:
                             if isinstance(tensor_meta(i), torch.Tensor))
         for n in seen:
             for user in n.users:
-                if n.op != "placeholder" and (user.op == "output" or is_mutating(user)):
+                if n.op != "placeholder" and (user.op == "output" or is_mutating(user)
+                                              or n in writes_of(user)):
                     return (f"the {what} are also returned or written in place (a KV cache "
                             "for later decode steps, which would read softmax keys/values "
                             "of a Lightning model): run with use_cache=False")
