@@ -167,15 +167,9 @@ def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
                           "options={'parallel': plan, ...}) or model = graphopt.parallelize("
                           "model, plan) before torch.compile")
     config = GraphoptConfig.from_options(options, mode=mode)
-    import torch
 
-    from graphopt.pipeline import compile_graph
+    from graphopt.pipeline import compile_graph, outside_callers_saved_tensor_hooks
 
-    # A first call under the caller's non-reentrant torch.utils.checkpoint compiles inside
-    # its saved-tensor hooks: tensors saved by graphopt's compile-time work (probes,
-    # re-traces) were counted as the region's, and the backward's recomputation (no
-    # compile) raised "A different number of tensors was saved during the original forward
-    # and recomputation". Identity hooks keep that work out of the caller's.
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    with outside_callers_saved_tensor_hooks():
         return compile_graph(gm, example_inputs, config)
 

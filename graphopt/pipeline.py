@@ -13,11 +13,12 @@ After each pass the runner lints and recompiles the graph, checks that every nod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -114,6 +115,35 @@ class PassRunner:
             if snapshots is not None:
                 snapshots.append((graph_pass.name, graph_pass.exact, copy_graph_module(gm)))
         return gm
+
+
+@contextlib.contextmanager
+def outside_callers_saved_tensor_hooks() -> Iterator[None]:
+    """Run graphopt's compile-time work (and verify) apart from a caller's saved-tensor
+    hooks. A first call under the caller's non-reentrant ``torch.utils.checkpoint``
+    compiles inside its hooks: tensors saved by probes and re-traces were counted as the
+    region's, and the backward's recomputation (no compile) raised "A different number of
+    tensors was saved during the original forward and recomputation"; identity hooks keep
+    that work out of the caller's. Only then: a graph of ``torch.func.grad``/``vjp``/
+    ``jacrev`` disables saved-tensor hooks while it runs and raises under any hooks (as
+    with aot_eager inside a checkpoint). The graph's disable and enable calls bracket it;
+    a failure between them left hooks disabled for the whole process (every later compile
+    and eager checkpoint raised "torch.func... don't yet support saved tensor hooks", a
+    review), so the disabled state is restored on the way out."""
+    autograd = torch._C._autograd
+    disabled = autograd._saved_tensors_hooks_get_disabled_error_message()
+    try:
+        if autograd._top_saved_tensors_default_hooks(True) is None:
+            yield
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                yield
+    finally:
+        if autograd._saved_tensors_hooks_get_disabled_error_message() != disabled:
+            if disabled is None:
+                autograd._saved_tensors_hooks_enable()
+            else:
+                autograd._saved_tensors_hooks_disable(disabled)
 
 
 def _is_training(example_inputs: Sequence[Any]) -> bool:
@@ -467,7 +497,7 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
             t0 = time.perf_counter()
             try:  # isolated from a caller's checkpoint (saved-tensor hooks, SAC's mode):
                 with torch.enable_grad() if report.training else torch.no_grad(), \
-                        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                        outside_callers_saved_tensor_hooks(), \
                         torch.utils._python_dispatch._disable_current_modes():
                     verify_compile(original, compiled, inputs, snapshots, config, report,
                                    recompile=lambda disabled: _recompile(

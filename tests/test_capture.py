@@ -560,3 +560,35 @@ def test_the_guard_still_sees_a_lost_path_next_to_a_detached_written_buffer():
         torch.compile(spelled(name == "lost"), backend=grab(name), fullgraph=True)(*args)
     assert "lost for ['l_x_']" in check_gradient_paths(graphs["ref"][0],
                                                         normalize(*graphs["lost"]))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+def test_torch_func_transforms_inside_a_compiled_function_compile_and_leave_hooks_working(
+        transform):
+    """``torch.func.grad``/``vjp``/``jacrev`` inside the compiled function: the graph disables
+    saved-tensor hooks while it runs, and graphopt compiled it under identity hooks of its
+    own, so it raised where aot_eager works, and left hooks disabled for the process (every
+    later compile and eager checkpoint raised; a review). It falls back with the reason,
+    equals eager, and checkpointing works afterwards."""
+    from torch.utils.checkpoint import checkpoint
+
+    def inner(w, x):
+        return (x * w).sin().sum()
+
+    def f(x, w):
+        if transform == "grad":
+            g = torch.func.grad(inner)(w, x)
+        elif transform == "vjp":
+            _, pull = torch.func.vjp(lambda w: (x * w).sin(), w)
+            (g,) = pull(torch.ones_like(x))
+        else:
+            g = torch.func.jacrev(inner)(w, x)
+        return g * w
+
+    x = torch.randn(3, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    got = torch.compile(f, backend="graphopt", options={"lowering": "eager"})(x, w)
+    torch.testing.assert_close(got, f(x, w), rtol=1e-12, atol=1e-12)
+    assert "functorch" in (graphopt.last_report().fallback or "")
+    assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None
+    checkpoint(torch.sin, w, use_reentrant=False).sum().backward()

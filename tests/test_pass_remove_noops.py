@@ -77,6 +77,22 @@ def test_adding_zero_is_kept_for_floats_signed_zero():
     assert as_function(gm, fn)(x, i)[0][0] == float("inf")
 
 
+def test_complex_arithmetic_with_one_or_zero_is_kept():
+    """PyTorch multiplies a complex tensor by 1 + 0j: inf * 0 is nan and a -0.0 part turns
+    +0.0, so z * 1 and z / 1 are no identities (1/imag was -inf where eager gives +inf, a
+    review); nothing is removed and the outputs are bit-equal to eager."""
+    def fn(z):
+        return 1.0 / (z * 1).imag, (z / 1).angle(), z * 1
+
+    z = torch.tensor([complex(1.0, -0.0), complex(float("inf"), 1.0)], dtype=torch.complex128)
+    gm = trace_for_pass(fn, z)
+    gm, record = run_pass("remove_noops", gm)
+    assert not [s for s in record.sites if s.action == "rewritten"], record.sites
+    for got, want in zip(as_function(gm, fn)(z), fn(z)):
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert as_function(gm, fn)(z)[0][0] == float("inf")
+
+
 def test_refuses_when_an_alias_is_written_or_returned():
     """Found by a hostile review; each was removed and gave wrong outputs/gradients or
     handed the caller its own input: a write through a view of the candidate or of its

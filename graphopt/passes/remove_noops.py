@@ -59,9 +59,11 @@ _ARITH_IDENTITY = {aten.mul.Tensor: 1, aten.div.Tensor: 1, aten.add.Tensor: 0,
 
 def _signed_zero_changes(target: Any, x: torch.Tensor) -> bool:
     """IEEE: -0.0 + 0 is +0.0 (so 1/(x + 0) differs from 1/x at x = -0.0); x * 1, x / 1 and
-    x - 0 keep the sign. Adding zero is an identity only for integers."""
-    return target in (aten.add.Tensor, aten.add.Scalar) and (
-        x.dtype.is_floating_point or x.dtype.is_complex)
+    x - 0 keep the sign. Adding zero is an identity only for integers. For complex x every
+    op is: PyTorch multiplies and divides by 1 + 0j (inf * 0 is nan, a -0.0 part turns
+    +0.0; a review measured 1/imag = -inf where eager gives +inf) and adds 0 + 0j."""
+    return x.dtype.is_complex or target in (aten.add.Tensor, aten.add.Scalar) and \
+        x.dtype.is_floating_point
 
 
 def _same_meta(a: torch.Tensor, b: torch.Tensor) -> bool:
