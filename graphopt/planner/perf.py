@@ -111,13 +111,30 @@ name, stride): keyed by what they depend on, so two profiles with one name and d
 links (a review priced a 100x slower NVLink at the cached speed) never share entries."""
 
 
+_CLUSTER_KEYS: dict[tuple[object, ...], int] = {}
+"""(levels, device name) -> a small int standing for them in :data:`_CACHE`'s keys."""
+
+
+def _cluster_key(cluster: ClusterProfile) -> int:
+    """The cluster's entry in :data:`_CLUSTER_KEYS`, kept on the profile object after the
+    first call (hashing the levels' nested dataclasses on every collective was a fifth of
+    the search's time)."""
+    key = cluster.__dict__.get("_collective_key")
+    if key is None:
+        key = _CLUSTER_KEYS.setdefault((cluster.levels, cluster.device.name),
+                                       len(_CLUSTER_KEYS))
+        object.__setattr__(cluster, "_collective_key", key)  # frozen: a side attribute
+    return key
+
+
 def _coll(kind: str, nbytes: float, group: int, cluster: ClusterProfile, stride: int) -> float:
     if group <= 1:
         return 0.0
-    key = (kind, nbytes, group, cluster.levels, cluster.device.name, stride)
-    if key not in _CACHE:
-        _CACHE[key] = collective_time(kind, nbytes, group, cluster, stride=stride)
-    return _CACHE[key]
+    key = (kind, nbytes, group, _cluster_key(cluster), stride)
+    t = _CACHE.get(key)
+    if t is None:
+        t = _CACHE[key] = collective_time(kind, nbytes, group, cluster, stride=stride)
+    return t
 
 
 def _pair_stride(span: int, cluster: ClusterProfile) -> int:
@@ -327,6 +344,33 @@ def _gemm_factor(cost: LayerCost, plan: ParallelPlan, table: str) -> float:
     return factor
 
 
+_STAGES: dict[tuple[object, ...], tuple[tuple[float, ...], list[int]]] = {}
+
+
+def _stages(plan: ParallelPlan, layers: int) -> tuple[tuple[float, ...], list[int]]:
+    """(:func:`stage_sizes`, the stages that can be the slowest or the fullest), cached by
+    (stage_layers, pp, layers). Even stages: the first (most microbatches in flight,
+    embedding), the second (next most), the last (LM head). Uneven stages (stage_layers):
+    memory goes with layers x (pp - i), and a middle stage one layer lighter but earlier can
+    be the fullest (a review found (2, 14, 15, 1) priced at its third stage, 51.8 GiB, while
+    its second needs 71). A stage's compute depends on its size and on being the last; its
+    memory on its size, on being an end and on its index only through the microbatches in
+    flight (more on an earlier stage): so the first stage of each size, the second and the
+    ends give the same slowest and fullest stage (ties: the same first one) as all of
+    them (checked on 33,000 plans against pricing every stage)."""
+    key = (plan.stage_layers, plan.pp, layers)
+    hit = _STAGES.get(key)
+    if hit is None:
+        sizes = stage_sizes(plan, layers)
+        first_of_size: dict[float, int] = {}
+        for i, n in enumerate(sizes):
+            first_of_size.setdefault(n, i)
+        pp = plan.pp
+        hit = _STAGES[key] = (sizes, sorted({0, min(1, pp - 1), pp - 1,
+                                             *first_of_size.values()}))
+    return hit
+
+
 def stage_sizes(plan: ParallelPlan, layers: int) -> tuple[float, ...]:
     """Decoder layers of each pipeline stage (all of a rank's virtual-stage chunks): the
     plan's ``stage_layers``, else layers / pp each."""
@@ -334,36 +378,23 @@ def stage_sizes(plan: ParallelPlan, layers: int) -> tuple[float, ...]:
         (layers / plan.pp,) * plan.pp
 
 
-def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, global_batch: int,
-             dp_overlap: bool = True) -> Prediction:
-    """Predict one iteration of ``plan`` (see the module docstring). The plan is assumed
-    valid (:meth:`ParallelPlan.validate`)."""
-    pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, math.inf)
-    assert pred is not None
-    return pred
-
-
-def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile,
-                    global_batch: int, dp_overlap: bool, bound_s: float) -> Prediction | None:
-    """:func:`evaluate`, or None as soon as the plan's compute and bubble alone (a lower
-    bound of its step time: communication, exposed or not, only adds) exceed ``bound_s``
-    seconds: the search skips plans that cannot enter its top list."""
-    cluster = cluster.scaled(plan.devices) if plan.devices > cluster.max_devices else cluster
-    dev = cluster.device
-    eff = dev.matmul_efficiency
-    mb, pp, tp, cp = plan.microbatch, plan.pp, plan.tp, plan.cp
-    m = global_batch // (plan.dp * mb)
-    seq, h, nb = model.seq, model.hidden, model.dtype_bytes
-    act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
+def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
+                   ) -> tuple[float, float, float, float, int, float, float]:
+    """(compute s per microbatch, dense layers, MoE layers, fully recomputed layers, index)
+    of the plan's slowest stage, and one dense and one MoE layer's time. Cached on the model
+    per what they depend on (the search prices ~10^5 plans that share far fewer of them)."""
+    key = (eff, table, plan.tp, plan.sp, plan.cp, plan.microbatch, plan.selective_recompute,
+           plan.recompute_layers, plan.stage_layers, plan.pp)
+    cache = model.__dict__.get("_slowest_stage")
+    if cache is None:
+        cache = {}
+        object.__setattr__(model, "_slowest_stage", cache)  # frozen: a side cache
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    mb, pp = plan.microbatch, plan.pp
     dense_share = model.dense_layers / max(model.layers, 1)
-    sizes = stage_sizes(plan, model.layers)
-    # the stages that can be the slowest or the fullest. Even stages: the first (most
-    # microbatches in flight, embedding), the second (next most), the last (LM head).
-    # Uneven stages (stage_layers): every stage, since memory goes with layers x (pp - i)
-    # and a middle stage one layer lighter but earlier can be the fullest (a review found
-    # (2, 14, 15, 1) priced at its third stage, 51.8 GiB, while its second needs 71).
-    picks = list(range(pp)) if len(set(sizes)) > 1 else sorted({0, min(1, pp - 1), pp - 1})
-    table = dev.gemm_table if model.dtype_bytes == 2 else ""  # the table is bf16's
+    sizes, picks = _stages(plan, model.layers)
     t_dense = _layer_time(model.dense, plan, eff, mb, table)
     t_moe = _layer_time(model.moe, plan, eff, mb, table) if model.moe else 0.0
     t_head = _layer_time(model.head, plan, eff, mb, table)
@@ -388,7 +419,36 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
 
     stages = {i: stage_compute(i) for i in picks}
     slowest = max(picks, key=lambda i: stages[i][0])
-    compute, dense_n, moe_n, recomputed = stages[slowest]
+    hit = cache[key] = (*stages[slowest], slowest, t_dense, t_moe)
+    return hit
+
+
+def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, global_batch: int,
+             dp_overlap: bool = True) -> Prediction:
+    """Predict one iteration of ``plan`` (see the module docstring). The plan is assumed
+    valid (:meth:`ParallelPlan.validate`)."""
+    pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, math.inf)
+    assert pred is not None
+    return pred
+
+
+def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile,
+                    global_batch: int, dp_overlap: bool, bound_s: float) -> Prediction | None:
+    """:func:`evaluate`, or None as soon as the plan's compute and bubble alone (a lower
+    bound of its step time: communication, exposed or not, only adds) exceed ``bound_s``
+    seconds: the search skips plans that cannot enter its top list."""
+    cluster = cluster.scaled(plan.devices) if plan.devices > cluster.max_devices else cluster
+    dev = cluster.device
+    eff = dev.matmul_efficiency
+    mb, pp, tp, cp = plan.microbatch, plan.pp, plan.tp, plan.cp
+    m = global_batch // (plan.dp * mb)
+    seq, h, nb = model.seq, model.hidden, model.dtype_bytes
+    act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
+    dense_share = model.dense_layers / max(model.layers, 1)
+    sizes, picks = _stages(plan, model.layers)
+    table = dev.gemm_table if model.dtype_bytes == 2 else ""  # the table is bf16's
+    compute, dense_n, moe_n, recomputed, slowest, t_dense, t_moe = _slowest_stage(
+        plan, model, eff, table)
     v = plan.virtual_stages
     zero_bubble = plan.pp_schedule == "zero_bubble"
     ramp = (pp - 1) / v * (ZERO_BUBBLE_SHARE if zero_bubble else 1.0)

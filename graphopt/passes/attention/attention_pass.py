@@ -131,6 +131,8 @@ def _report_unmatched(linear: dict[str, str], found: set[str], ctx: PassContext)
     for path, name in sorted(linear.items()):
         if not any(p == path or p.startswith(path + ".") for p in found | rewritten):
             ctx.record("skipped", path or "(graph)", f"{name}: no block loop graphopt "
-                       "rewrites was found in this layer's graph (its pattern did not match "
-                       "here, e.g. a one-block loop with a symbolic batch under "
-                       "dynamic=True); the layer runs as written")
+                       "rewrites was found in this layer's graph (graphopt's kernel computes "
+                       "MiniMax's form: a fixed per-head decay, no delta rule or "
+                       "data-dependent gate; other linear-attention math, a one-token "
+                       "decode step on a cached state, or a loop form the matcher does not "
+                       "recognize is not rewritten); the layer runs as written")
