@@ -980,3 +980,27 @@ def test_ulysses_prices_k_and_v_at_the_kv_heads_size_unless_repeated():
     assert cp_time(mha, 4) / cp_time(m, 4) == pytest.approx((q + q) / (q + kv), rel=1e-9)
     # 8 KV heads over cp=16: repeated to the query heads, priced as MHA
     assert cp_time(m, 16) == pytest.approx(cp_time(mha, 16), rel=1e-12)
+
+
+def test_pricing_the_first_stage_of_each_size_equals_pricing_every_stage(monkeypatch):
+    """The performance model prices the first stage of each size, the second and the ends
+    (perf._stages); pricing every stage gives the same prediction, for layouts whose first
+    stage of a size is an end, whose fullest stage is a middle one (a review's (2, 14, 15, 1))
+    and with recomputation, selective checkpointing and interleaving."""
+    from graphopt.planner import perf
+
+    model = plan_model("llama3-8b", 2048, H100, overrides={**SMALL, "num_hidden_layers": 32})
+    plans = [ParallelPlan(dp_shard=2, pp=4, stage_layers=(2, 14, 15, 1)),
+             ParallelPlan(dp_shard=2, pp=6, stage_layers=(6, 7, 6, 6, 6, 1),
+                          recompute_layers=3),
+             ParallelPlan(dp_shard=2, pp=4, stage_layers=(9, 7, 9, 7), selective_recompute=True),
+             ParallelPlan(dp_shard=2, tp=2, sp=True, pp=4, virtual_stages=2,
+                          pp_schedule="interleaved")]
+    reduced = [perf.evaluate(p, model, H100, 64) for p in plans]
+
+    def every_stage(plan, layers):
+        return perf.stage_sizes(plan, layers), list(range(plan.pp))
+
+    monkeypatch.setattr(perf, "_stages", every_stage)
+    object.__setattr__(model, "_slowest_stage", {})  # the cache holds the reduced picks
+    assert [perf.evaluate(p, model, H100, 64) for p in plans] == reduced
