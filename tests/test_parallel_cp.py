@@ -341,3 +341,61 @@ def test_compiled_ring_attention_layer_is_one_graph():
         assert grad_err < 1e-9, grad_err
         assert breaks == 0, breaks
         assert fallbacks == [None], fallbacks  # both layers share one graph
+
+
+def _same_tokens_worker(rank, world):
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+    from graphopt.parallel.context import shard_sequence
+
+    plan = ParallelPlan(cp=2, **A2A)
+    mesh = build_mesh(plan)
+    model = parallelize(build_model("llama"), plan, mesh)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    local, _ = shard_sequence(ids, mesh)
+    zeros, _ = shard_sequence(torch.zeros(2, 8, dtype=torch.long), mesh)
+    return config_errors(
+        lambda: model(input_ids=ids),  # the whole batch on every CP rank, as DP feeds it
+        lambda: model(inputs_embeds=model.get_input_embeddings()(ids)),
+        lambda: model(input_ids=local),
+        lambda: model(input_ids=local.clone()),  # a chunk that lost shard_sequence's mark
+        lambda: model(input_ids=zeros))  # equal chunks from shard_sequence: a real batch
+
+
+def test_every_cp_rank_given_the_same_tokens_is_refused():
+    """A CP model fed the whole batch on every rank (a loop written for data parallelism)
+    ran without an error: logits 0.4 and gradients 0.58 off one process (a review). Chunks
+    from shard_sequence, also equal ones, and copies of them run."""
+    for messages in run_distributed(_same_tokens_worker, 2):
+        assert "every CP rank was given the same tokens" in messages[0]
+        assert "every CP rank was given the same tokens" in messages[1]
+        assert messages[2:] == ["ran", "ran", "ran"]
+
+
+def test_auto_picks_cp_only_when_allowed_and_never_one_cp_refuses():
+    """parallel='auto' picked ring CP for a Llama job on 2 ranks, and a loop written for
+    data parallelism then trained silently wrong; it picked ring CP for a sliding-window
+    Mistral and a Llama with attention dropout, which CP then refused (a review). CP plans
+    now need cluster['cp'] = True, and those CP refuses are passed over with the reason."""
+    import transformers
+
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import auto_plan
+
+    cluster = {"seq": 4096, "global_batch": 64}
+    plan, notes = auto_plan(build_model("llama", dtype=torch.float64), 2, cluster)
+    assert plan.cp == 1 and "cp > 1 changes what each rank is fed" in notes[1], notes
+    plan, _ = auto_plan(build_model("llama", dtype=torch.float64), 2, {**cluster, "cp": True})
+    assert plan.cp == 2
+    tiny = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **tiny, sliding_window=4096))
+    plan, notes = auto_plan(mistral, 2, {**cluster, "cp": True})
+    assert plan.cp == 1 and "sliding-window attention under CP" in notes[1], notes
+    dropout = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **tiny, attention_dropout=0.1))
+    plan, notes = auto_plan(dropout, 2, {**cluster, "cp": True})
+    assert not (plan.cp > 1 and plan.cp_kind == "ring"), plan.describe()
+    with pytest.raises(ConfigError, match=r"\['cp'\] must be True"):
+        auto_plan(dropout, 2, {**cluster, "cp": "yes"})

@@ -224,10 +224,15 @@ def _tiny(config_name, model_name, **extra):
      r"does not execute sliding-window attention"),
     (lambda: _tiny("GraniteConfig", "GraniteForCausalLM", embedding_multiplier=12.0,
                    logits_scaling=8.0), r"stages' logits differ from the model's by"),
-], ids=["eager-attention", "sliding-window", "granite-multipliers"])
+    (lambda: __import__("graphopt.models").models.build_model(
+        "mixtral", output_router_logits=True, router_aux_loss_coef=0.02),
+     r"this MoE model adds a load-balancing loss"),
+], ids=["eager-attention", "sliding-window", "granite-multipliers", "moe-aux-loss"])
 def test_models_the_stages_would_compute_differently_are_refused(make, message):
-    """Found by a hostile review: each trained silently wrong under pp=2 (the stages call
-    the layers with attention_mask=None and skip what the model's own forward adds)."""
+    """Found by hostile reviews: each trained silently wrong under pp=2 (the stages call
+    the layers with attention_mask=None and skip what the model's own forward adds; the
+    pipeline's loss is the next-token loss alone, without an MoE model's load-balancing
+    loss: router gradients 2.7-50% off one process)."""
     from graphopt.parallel import parallelize
 
     with pytest.raises(ConfigError, match=message):

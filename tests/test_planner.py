@@ -516,6 +516,9 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
     assert "vocab_size (50257)" in not_executable(ParallelPlan(tp=4), config=config)
     for plan in (ParallelPlan(selective_recompute=True), ParallelPlan(recompute_layers=2)):
         assert not_executable(plan) == ""  # graphopt.parallelize applies recomputation
+    aux = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.001)
+    assert "load-balancing loss" in not_executable(ParallelPlan(pp=2), config=aux)
+    assert not_executable(ParallelPlan(dp_shard=2), config=aux) == ""
     # lightning layers (MiniMax) run CP with all-to-all: "auto" picked the ring (a review)
     minimax = SimpleNamespace(layer_types=["linear_attention", "full_attention"])
     assert "not the ring" in not_executable(ParallelPlan(cp=2), config=minimax)

@@ -11,7 +11,14 @@ predicted step time and throughput, and which better plans were passed over and 
 
 The cluster dict: ``profile`` (a profile name, default: "local" when calibrated, else
 h100-sxm), ``seq`` (tokens per sequence) and ``global_batch`` (sequences per step), both
-required: they decide the plan (activation memory, microbatches).
+required: they decide the plan (activation memory, microbatches); ``cp`` (default False):
+True lets the plan use context parallelism. A CP plan changes what the training loop feeds
+(each rank its chunk of every sequence, ``shard_sequence``, and ``cp_loss``): a loop
+written for data parallelism trained silently wrong on a CP plan "auto" had picked (a
+review: gradients 0.58 off), so CP plans are passed over unless the caller says it feeds
+chunks. Plans CP would refuse for this model (:func:`graphopt.parallel.context.check_cp`:
+sliding windows, chunked attention, ...; the ring with attention dropout) are passed
+over too.
 
 Errors (ConfigError): torch.distributed not initialized, a missing or unknown cluster key,
 no executable plan among the top 200 (names the best and why it is not executable).
@@ -30,15 +37,21 @@ from torch import nn
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
 
-CLUSTER_KEYS = ("profile", "seq", "global_batch")
+CLUSTER_KEYS = ("profile", "seq", "global_batch", "cp")
 
 
 def not_executable(plan: ParallelPlan, global_batch: int | None = None,
-                   config: Any = None) -> str:
+                   config: Any = None, model: nn.Module | None = None) -> str:
     """Why graphopt.parallelize cannot run ``plan`` ("" when it can), for a job of
     ``global_batch`` sequences per step and a model of transformers ``config`` when given
     (TP splits its KV heads and vocabulary: graphopt.parallel.tp_layout refuses a tp that
-    does not divide them, where the planner checks only the query heads)."""
+    does not divide them, where the planner checks only the query heads), and with
+    ``model`` what CP refuses for it (:func:`graphopt.parallel.context.check_cp`, the ring
+    with attention dropout)."""
+    if plan.cp > 1 and model is not None:
+        why = _cp_refusal(model, plan)
+        if why:
+            return why
     for name in ("num_key_value_heads", "vocab_size"):
         value = getattr(config, name, None)
         if plan.tp > 1 and isinstance(value, int) and value % plan.tp:
@@ -47,6 +60,9 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
             global_batch // (plan.dp * plan.microbatch) < plan.pp:
         return (f"{global_batch // (plan.dp * plan.microbatch)} microbatch(es) per step for "
                 f"{plan.pp} pipeline stages: the pipeline runs at least one per stage")
+    if plan.pp > 1 and getattr(config, "output_router_logits", False) and \
+            float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0):
+        return "the pipeline's loss leaves out the MoE load-balancing loss (aux loss on)"
     if plan.cp > 1 and plan.cp_kind == "ring" and \
             "linear_attention" in (getattr(config, "layer_types", None) or ()):
         # graphopt.parallel.context refuses it (lightning state passing needs contiguous
@@ -63,6 +79,28 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
     return ""
 
 
+def _cp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
+    """CP's refusal of ``model`` under ``plan`` ("" if none), cached on the model per
+    (cp kind, cp, tp): the check runs the model once."""
+    from graphopt.parallel.context import check_cp
+
+    cache = model.__dict__.setdefault("_graphopt_cp_refusals", {})
+    key = (plan.cp_kind, plan.cp, plan.tp)
+    if key not in cache:
+        config = getattr(model, "config", None)
+        dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        if plan.cp_kind == "ring" and dropout > 0:
+            cache[key] = (f"ring attention runs without attention dropout (the model's "
+                          f"attention_dropout is {dropout})")
+        else:
+            try:
+                check_cp(model, plan)
+                cache[key] = ""
+            except ConfigError as exc:
+                cache[key] = str(exc)
+    return cache[key]
+
+
 def auto_plan(model: nn.Module, world: int, cluster: Any = None
               ) -> tuple[ParallelPlan, list[str]]:
     """(the best executable plan for ``world`` ranks, notes); module docstring."""
@@ -76,7 +114,8 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     if unknown or missing:
         raise ConfigError(f"parallel='auto' needs options['cluster'] = {{'seq': tokens per "
                           f"sequence, 'global_batch': sequences per step, 'profile': name "
-                          f"(optional)}}; unknown {unknown}, missing {missing}")
+                          f"(optional), 'cp': True to allow context parallelism (optional)}}; "
+                          f"unknown {unknown}, missing {missing}")
     config = getattr(model, "config", None)
     if config is None:
         raise ConfigError("parallel='auto' plans transformers models (it reads model.config)")
@@ -96,16 +135,29 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
                              dtype=dtype)
     planned = dataclasses.replace(planned, name=type(model).__name__)  # not the temp path
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
+    allow_cp = spec.get("cp", False)
+    if not isinstance(allow_cp, bool):
+        raise ConfigError(f"options['cluster']['cp'] must be True (the training loop feeds "
+                          f"each rank shard_sequence's chunk and uses cp_loss) or False, got "
+                          f"{allow_cp!r}")
+
+    def why_not(plan: ParallelPlan) -> str:
+        if plan.cp > 1 and not allow_cp:
+            return ("cp > 1 changes what each rank is fed: its chunk of every sequence "
+                    "(graphopt.parallel.shard_sequence) and the loss from cp_loss; set "
+                    "options['cluster']['cp'] = True if the training loop does that")
+        return not_executable(plan, int(spec["global_batch"]), config, model)
+
     passed = []
     for plan in result.top:
-        why = not_executable(plan, int(spec["global_batch"]), config)
+        why = why_not(plan)
         if not why:
             break
         passed.append(f"{plan.describe()} ({why})")
     else:
         raise ConfigError(f"none of the planner's top {len(result.top)} plans for {world} "
                           f"ranks is executable; the best, {result.best.describe()}: "
-                          f"{not_executable(result.best, int(spec['global_batch']), config)}")
+                          f"{why_not(result.best)}")
     pred = plan.prediction
     assert pred is not None
     notes = [f"auto: {plan.describe()} for {world} ranks of {profile_name!r} (seq "
@@ -114,5 +166,5 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
              f"{pred.mfu * 100:.3g}%; best of {result.evaluated} plans evaluated"]
     if passed:
         notes.append(f"auto: passed over {len(passed)} faster plan(s) graphopt does not "
-                     f"execute: {'; '.join(passed[:3])}")
+                     f"execute here: {'; '.join(passed[:3])}")
     return plan, notes

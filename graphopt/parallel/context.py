@@ -30,8 +30,11 @@ of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
 boundaries); :func:`cp_loss` is the next-token loss whose gradients, averaged by data
 parallelism over dp x cp ranks, are the whole batch's mean-loss gradients.
 
-Refused (ConfigError): a KV cache passed in (``past_key_values``, ``generate()``: it would
-hold only this rank's chunk), a padding or precomputed (dict, 4-D) attention mask,
+Refused (ConfigError): every CP rank given the same tokens (the whole batch instead of
+its chunk, as a loop written for data parallelism feeds it: logits 0.4 and gradients 0.58
+off without an error, a review; chunks from :func:`shard_sequence` are exempt, since a
+sequence's chunks may be equal), a KV cache passed in (``past_key_values``, ``generate()``:
+it would hold only this rank's chunk), a padding or precomputed (dict, 4-D) attention mask,
 ``position_ids`` other than the chunk's own (packed sequences), ``labels=`` (transformers'
 loss would shift inside the chunk; :func:`cp_loss` is CP's), heads not divisible by cp
 (Ulysses), sliding-window or chunked attention or position-dependent query scaling in any
@@ -374,13 +377,18 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
         device = ids.device if isinstance(ids, torch.Tensor) else None
         own = chunk_positions(length, rank, plan.cp, ring, device)
         # every CP rank refuses together (the cause may sit in one rank's chunk only, and a
-        # rank that went on alone waited in the next collective: a review); the last two
-        # entries (sum of lengths and of their squares) tell whether the chunks are equal
+        # rank that went on alone waited in the next collective: a review); then the sum of
+        # lengths and of their squares tell whether the chunks are equal, and the same of a
+        # fingerprint of the tokens (untagged inputs) whether every rank got the same ones
+        tagged = not isinstance(ids, torch.Tensor) or getattr(ids, SHARDED, False)
         flags = torch.tensor([float(bool(problem)) for problem in _refusals(given, own)]
-                             + [float(length), float(length) ** 2], dtype=torch.float64,
-                             device=device)
+                             + [float(length), float(length) ** 2, float(not tagged)],
+                             dtype=torch.float64, device=device)
+        mark = _fingerprint(ids).reshape(1) if isinstance(ids, torch.Tensor) and not tagged \
+            else torch.zeros(1, dtype=torch.float64, device=device)
+        flags = torch.cat([flags, mark, mark * mark])
         dist.all_reduce(flags, group=group)
-        *refused, total, squares = flags.tolist()
+        *refused, total, squares, untagged, marks, mark_squares = flags.tolist()
         for (_, message), flag in zip(_REFUSALS, refused):
             if flag:
                 raise ConfigError(message)
@@ -390,6 +398,14 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
                               "and the positions CP passes need equal chunks; cut the "
                               "sequence with graphopt.parallel.context.shard_sequence (pad it "
                               "to a multiple of the CP size)")
+        if untagged == plan.cp and length and \
+                abs(mark_squares * plan.cp - marks * marks) <= 1e-9 * marks * marks:
+            raise ConfigError(
+                "every CP rank was given the same tokens: under CP each rank runs its own "
+                "chunk of every sequence; feed ids, labels = graphopt.parallel."
+                "shard_sequence(batch, mesh) and train on graphopt.parallel.cp_loss("
+                "model(ids).logits, labels, mesh) (a loop written for data parallelism "
+                "trains silently wrong on a CP plan)")
         if given.get("position_ids") is None and isinstance(ids, torch.Tensor):
             kwargs["position_ids"] = own.unsqueeze(0)
         return args, kwargs
@@ -456,6 +472,23 @@ def chunk_positions(local: int, rank: int, size: int, ring: bool,
                                device=device)])
 
 
+SHARDED = "_graphopt_cp_chunk"
+"""Attribute :func:`shard_sequence` sets on the chunks it returns: CP's forward pre-hook
+skips its same-tokens check for them (a sequence whose chunks are equal, all padding say,
+is a legitimate batch)."""
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """A float64 number that differs between token id [B, L] (or embedding [B, L, H])
+    tensors of different values, on the tensor's device (no host sync): their mean weighted
+    by 1 + position / L."""
+    with torch.no_grad():
+        length = x.shape[1]
+        w = 1 + torch.arange(length, device=x.device, dtype=torch.float64) / max(length, 1)
+        w = w.view(1, length, *([1] * (x.dim() - 2)))
+        return (x.detach().to(torch.float64) * w).mean() if x.numel() else w.sum() * 0
+
+
 def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(this CP rank's tokens of ``ids`` [B, S], their next-token labels, -100 past the last
     position): a contiguous chunk (Ulysses) or chunks r and 2P-1-r of 2P (ring), as the
@@ -474,7 +507,9 @@ def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Te
                           "or pack sequences to a multiple")
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     index = chunk_positions(seq // size, rank, size, ring, ids.device)
-    return ids[:, index], labels[:, index]
+    chunk = ids[:, index]
+    setattr(chunk, SHARDED, True)
+    return chunk, labels[:, index]
 
 
 def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tensor:
