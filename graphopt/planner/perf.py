@@ -428,15 +428,19 @@ def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, glob
     """Predict one iteration of ``plan`` (see the module docstring). The plan is assumed
     valid (:meth:`ParallelPlan.validate`)."""
     pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, math.inf)
-    assert pred is not None
+    assert isinstance(pred, Prediction)
     return pred
 
 
 def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile,
-                    global_batch: int, dp_overlap: bool, bound_s: float) -> Prediction | None:
-    """:func:`evaluate`, or None as soon as the plan's compute and bubble alone (a lower
-    bound of its step time: communication, exposed or not, only adds) exceed ``bound_s``
-    seconds: the search skips plans that cannot enter its top list."""
+                    global_batch: int, dp_overlap: bool, bound_s: float,
+                    capacity: float = math.inf) -> Prediction | float | None:
+    """:func:`evaluate`; or None as soon as a lower bound of the plan's step time (its
+    compute and bubble, then its pipeline slots without DP's exposed time) exceeds
+    ``bound_s`` seconds: the search skips plans that cannot enter its top list; or, for a
+    plan whose memory exceeds ``capacity`` bytes, that memory (a float: the search drops
+    the plan and keeps the smallest such footprint for its error; most of a large search's
+    plans are over it, and communication is not priced for them)."""
     cluster = cluster.scaled(plan.devices) if plan.devices > cluster.max_devices else cluster
     dev = cluster.device
     eff = dev.matmul_efficiency
@@ -457,58 +461,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     if (m + ramp) * compute > bound_s * (1 + 1e-9):  # ties are not pruned: the
         return None  # bound is computed from tokens/s, its last digit can fall below
     rec_share = recomputed / max(sizes[slowest], 1)
-    # communication per microbatch and stage
-    tp_stride = plan.stride("tp")
-    # 4 per layer; recomputation repeats the forward's 2 (full: Megatron-LM SC'21 sec. 3;
-    # selective: torchtitan's policy keeps reduce-scatter outputs, not all-gather ones)
-    n_tp = 4 + 2 * rec_share + (2 * (1 - rec_share) if plan.selective_recompute and plan.sp
-                                else 0.0)
-    tp_comm = (dense_n + moe_n) * n_tp * _coll("all_reduce", act, tp, cluster, tp_stride)
-    cp_comm = 0.0
-    if cp > 1:
-        kv = 2 * mb * seq // cp * model.kv_heads * (h // model.heads) * nb / tp
-        if plan.cp_kind == "ring":
-            rerun = rec_share + (1 - rec_share) * plan.selective_recompute
-            # every rank sends at each of the cp - 1 steps; a step ends with its slowest
-            # send, which crosses the widest level the ring spans (a ring over nodes: the
-            # NIC, not NVLink; a review found 64 ranks on 8 nodes priced at NVLink speed)
-            hop = _pair_stride(cp * plan.stride("cp"), cluster)
-            ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, hop)
-            per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
-        else:
-            # q, k, v and the output in the forward, their gradients in the backward; full
-            # recomputation runs the forward's 4 again (functional collectives). K and V
-            # are the KV heads' share of q's size, or q's when the executor repeats them
-            # (the KV heads per TP rank not divisible by cp: graphopt.parallel.context)
-            kv_heads = model.kv_heads if (model.kv_heads // tp) % cp == 0 else model.heads
-            stride = plan.stride("cp")
-            per_layer = (2 + rec_share) * 2 * (
-                _coll("all_to_all", act / tp, cp, cluster, stride) +
-                _coll("all_to_all", act / tp * kv_heads / model.heads, cp, cluster, stride))
-        cp_comm = (dense_n + moe_n) * per_layer
     moe_tokens = mb * seq // cp  # tokens at a MoE block: its TP group's
-    ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
-                               model.moe_ffn, nb, plan.ep, cluster,
-                               ep_ranks_per_node(plan, cluster.devices_per(0))) \
-        if model.moe and plan.ep > 1 else 0.0
-    if model.moe and plan.ep > 1:  # the EP op's TP collectives (docstring)
-        tp_comm += moe_n * sum(
-            _coll(kind, size, tp, cluster, tp_stride) for kind, size in
-            ep_tp_collectives(plan, moe_tokens, h, model.top_k, nb))
-    p2p = 2 * v * _coll("p2p", act / tp, 2, cluster, plan.stride("pp")) if pp > 1 else 0.0
-    slot = compute + tp_comm + cp_comm + ep_comm + p2p
-    total = m * slot + ramp * slot
-    bubble = ramp * slot
-    # data parallel gradient / parameter traffic
-    dense_params = (model.dense.params * model.dense_layers +
-                    (model.moe.params * model.moe_layers if model.moe else 0.0)) / (tp * pp)
-    # the embedding on the first stage, the LM head on the last: halves of head.params, or
-    # with tied embeddings a full copy on each (one all-reduce of its gradient between them)
-    tied = pp > 1 and model.tied_embeddings
-    dense_params += model.head.params / tp / (2 if pp > 1 and not tied else 1)
-    expert_params = (model.moe.expert_params * model.moe_layers / (pp * plan.ep *
-                                                                    plan.expert_tp)
-                     if model.moe else 0.0)
     # the dense parameters' gradient group is dp_shard x cp (CP ranks hold the same
     # parameters; graphopt.parallel shards and reduces over mesh["dp_shard_cp"], as
     # Megatron-LM's data-parallel group with CP); the experts' is edp_shard, the fold's
@@ -530,16 +483,6 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         expert_stride = plan.group_stride(("dp_shard", "cp", "tp"), edp_shard)
     else:
         edp_shard, zero_experts, expert_stride = shard_group, zero_dense, dense_stride
-    dp_time = _dp_sync(nb * dense_params, plan, m, shard_group, zero_dense, dense_stride,
-                       cluster)
-    dp_time += _dp_sync(nb * expert_params, plan, m, edp_shard, zero_experts, expert_stride,
-                        cluster)
-    if tied:  # the two copies' gradients summed: first and last stage, whose span is
-        # pp x stride (the pair priced at the level of that span, as the ring's hop above)
-        dp_time += _coll("all_reduce", nb * model.head.params / tp, 2, cluster,
-                         _pair_stride(pp * plan.stride("pp"), cluster))
-    exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
-    total += exposed_dp
     # memory: the fullest stage
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
 
@@ -608,6 +551,71 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
 
     fullest = max((stage_memory(i) for i in picks), key=lambda x: x[0])
     memory, states_total, activations, gathered = fullest
+    if memory > capacity:  # the search drops it: its memory is all it needs
+        return float(memory)
+    # communication per microbatch and stage
+    tp_stride = plan.stride("tp")
+    # 4 per layer; recomputation repeats the forward's 2 (full: Megatron-LM SC'21 sec. 3;
+    # selective: torchtitan's policy keeps reduce-scatter outputs, not all-gather ones)
+    n_tp = 4 + 2 * rec_share + (2 * (1 - rec_share) if plan.selective_recompute and plan.sp
+                                else 0.0)
+    tp_comm = (dense_n + moe_n) * n_tp * _coll("all_reduce", act, tp, cluster, tp_stride)
+    cp_comm = 0.0
+    if cp > 1:
+        kv = 2 * mb * seq // cp * model.kv_heads * (h // model.heads) * nb / tp
+        if plan.cp_kind == "ring":
+            rerun = rec_share + (1 - rec_share) * plan.selective_recompute
+            # every rank sends at each of the cp - 1 steps; a step ends with its slowest
+            # send, which crosses the widest level the ring spans (a ring over nodes: the
+            # NIC, not NVLink; a review found 64 ranks on 8 nodes priced at NVLink speed)
+            hop = _pair_stride(cp * plan.stride("cp"), cluster)
+            ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, hop)
+            per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
+        else:
+            # q, k, v and the output in the forward, their gradients in the backward; full
+            # recomputation runs the forward's 4 again (functional collectives). K and V
+            # are the KV heads' share of q's size, or q's when the executor repeats them
+            # (the KV heads per TP rank not divisible by cp: graphopt.parallel.context)
+            kv_heads = model.kv_heads if (model.kv_heads // tp) % cp == 0 else model.heads
+            stride = plan.stride("cp")
+            per_layer = (2 + rec_share) * 2 * (
+                _coll("all_to_all", act / tp, cp, cluster, stride) +
+                _coll("all_to_all", act / tp * kv_heads / model.heads, cp, cluster, stride))
+        cp_comm = (dense_n + moe_n) * per_layer
+    ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
+                               model.moe_ffn, nb, plan.ep, cluster,
+                               ep_ranks_per_node(plan, cluster.devices_per(0))) \
+        if model.moe and plan.ep > 1 else 0.0
+    if model.moe and plan.ep > 1:  # the EP op's TP collectives (docstring)
+        tp_comm += moe_n * sum(
+            _coll(kind, size, tp, cluster, tp_stride) for kind, size in
+            ep_tp_collectives(plan, moe_tokens, h, model.top_k, nb))
+    p2p = 2 * v * _coll("p2p", act / tp, 2, cluster, plan.stride("pp")) if pp > 1 else 0.0
+    slot = compute + tp_comm + cp_comm + ep_comm + p2p
+    if (m + ramp) * slot > bound_s * (1 + 1e-9):  # the step without DP's exposed time,
+        return None                               # a lower bound as well
+    total = m * slot + ramp * slot
+    bubble = ramp * slot
+    # data parallel gradient / parameter traffic
+    dense_params = (model.dense.params * model.dense_layers +
+                    (model.moe.params * model.moe_layers if model.moe else 0.0)) / (tp * pp)
+    # the embedding on the first stage, the LM head on the last: halves of head.params, or
+    # with tied embeddings a full copy on each (one all-reduce of its gradient between them)
+    tied = pp > 1 and model.tied_embeddings
+    dense_params += model.head.params / tp / (2 if pp > 1 and not tied else 1)
+    expert_params = (model.moe.expert_params * model.moe_layers / (pp * plan.ep *
+                                                                    plan.expert_tp)
+                     if model.moe else 0.0)
+    dp_time = _dp_sync(nb * dense_params, plan, m, shard_group, zero_dense, dense_stride,
+                       cluster)
+    dp_time += _dp_sync(nb * expert_params, plan, m, edp_shard, zero_experts, expert_stride,
+                        cluster)
+    if tied:  # the two copies' gradients summed: first and last stage, whose span is
+        # pp x stride (the pair priced at the level of that span, as the ring's hop above)
+        dp_time += _coll("all_reduce", nb * model.head.params / tp, 2, cluster,
+                         _pair_stride(pp * plan.stride("pp"), cluster))
+    exposed_dp = max(0.0, dp_time - 2 / 3 * compute * m) if dp_overlap else dp_time
+    total += exposed_dp
     at_peak = model.peak_s_per_sequence() * global_batch
     return Prediction(
         step_s=total, compute_s=compute * m, bubble_s=bubble,

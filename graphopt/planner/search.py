@@ -233,8 +233,9 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
                               f"valid for this job: {'; '.join(problems)}")
         extra.append(plan)
     seen = set(extra)
-    rest = (p for p in candidates(model, devices, global_batch, node, recompute)
-            if p not in seen)
+    rest = candidates(model, devices, global_batch, node, recompute)
+    if seen:
+        rest = (p for p in rest if p not in seen)
     tokens = global_batch * model.seq
     for i, plan in enumerate(itertools.chain(extra, rest)):
         evaluated += 1
@@ -243,12 +244,13 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         # once the top list is full, a plan whose compute + bubble alone is slower than its
         # last entry cannot enter it (published plans are always evaluated)
         bound = tokens / heap[0][0] if len(heap) == top_k and i >= len(extra) else math.inf
-        pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, bound)
+        pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, bound,
+                               capacity)
         if pred is None:
             continue
-        if pred.memory_bytes > capacity:
+        if isinstance(pred, float):  # its memory, over the capacity
             pruned += 1
-            smallest = min(smallest, pred.memory_bytes)
+            smallest = min(smallest, pred)
             continue
         # equal throughput: less memory first (the plan with headroom), then search order
         entry = (pred.tokens_per_s, -pred.memory_bytes, -i, replace(plan, prediction=pred))
