@@ -267,6 +267,16 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path: Path) -> None:
         graphopt.export_onnx(model, ids, None, tmp_path / "c.onnx", moe_form="sparse")
     with pytest.raises(ConfigError, match="B >= 2 and S >= 2"):
         graphopt.export_onnx(model, ids[:1], None, tmp_path / "d.onnx")
+    # a translation that refuses these arguments (histc without a range): graphopt's error
+    # naming the op, not torch.onnx's multi-page ConversionError (a review)
+    with pytest.raises(ExportError, match="ONNX export of torch.ops.aten.histc.default "
+                                          "failed: aten_histc with min == max"):
+        graphopt.export_onnx(Histogram(), (torch.rand(8),), None, tmp_path / "h.onnx")
+
+
+class Histogram(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.histc(x, bins=4) + 1
 
 
 def test_python_control_flow_that_blocks_an_export_says_how_to_export(tmp_path: Path

@@ -468,6 +468,14 @@ def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) 
                                  opset_version=OPSET, optimize=True, verbose=False)
     except Exception as exc:
         found = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)'", str(exc))
+        failed = re.search(r"Error when translating node %\S+ : .*?target=([\w.:]+)", str(exc))
+        if found is None and failed is not None:  # a translation refused these arguments
+            reason = re.search(r"<class '[^']+'>: (.+)", str(exc))  # the innermost cause
+            why = reason.group(1).rstrip(".") if reason else type(exc).__name__
+            raise ExportError(
+                f"ONNX export of {failed.group(1)} failed: {why}; replace the module that "
+                "calls it, or register a translation in graphopt/export/translations.py"
+            ) from None
         if found is None:
             raise
         name = found.group(1)

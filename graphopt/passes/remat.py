@@ -402,12 +402,14 @@ def _partitioner_bytes(gm: fx.GraphModule, cse_done: bool = False,
                for t in torch.utils._pytree.tree_leaves(n.meta.get("val"))
                if isinstance(t, torch.Tensor)}
     saved = [v for v in saved if v.op != "placeholder" or v.name in names]
-    sizes: dict[Any, float] = {}  # one entry per storage: views of a saved value, or of a
-    for v in saved:  # primal (a weight's transpose), add nothing
-        for t in torch.utils._pytree.tree_leaves(v.meta.get("val")):
-            if isinstance(t, torch.Tensor) and _storage(t) not in primals:
-                sizes[_storage(t)] = max(sizes.get(_storage(t), 0.0),
-                                         _concrete(t.numel()) * t.element_size())
+    sizes: dict[Any, float] = {}  # one entry per storage, all of it: autograd keeps a
+    for v in saved:  # saved view's whole storage alive (q, k, v split from one projection:
+        for t in torch.utils._pytree.tree_leaves(v.meta.get("val")):  # a review found the
+            if isinstance(t, torch.Tensor) and _storage(t) not in primals:  # largest view
+                sizes[_storage(t)] = max(  # counted, 2.9x low); views of a primal (a
+                    sizes.get(_storage(t), 0.0),  # weight's transpose) add nothing
+                    _concrete(t.untyped_storage().nbytes()),
+                    _concrete(t.numel()) * t.element_size())
     return int(sum(sizes.values()))
 
 

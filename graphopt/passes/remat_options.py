@@ -96,8 +96,9 @@ class RematOptions:
                     except ValueError:
                         break
                     if not math.isfinite(number) or number < 0 or \
-                            (scale is None and not 0 < number <= 100):
-                        break
+                            (scale is None and not 0 < number <= 100) or \
+                            (scale is not None and not math.isfinite(number * scale)):
+                        break  # 1e308GiB overflowed int() (a review)
                     return int(number / 100 * keep_all_bytes) if scale is None \
                         else int(number * scale)
         raise ConfigError(f"remat.budget must be bytes, 'NNGiB'/'NNMiB'/'NNKiB', 'NN%' with NN "
