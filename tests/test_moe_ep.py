@@ -360,6 +360,7 @@ def _model_worker(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
         results[name, schedule] = (loss, grads, sites + [f"verify {v}" for v in verified])
     out: dict = results if rank == 0 else {}
     out["recompile_limit_raises"] = torch._dynamo.config.fail_on_recompile_limit_hit
+    out["automatic_dynamic"] = torch._dynamo.config.automatic_dynamic_shapes
     return out
 
 
@@ -382,6 +383,8 @@ def test_real_moe_models_expert_parallel_equal_single_process(world):
     results = _spawned(world)[0][1]
     # a rank past Dynamo's recompile limit would run its experts eagerly (a hang elsewhere)
     assert all(r[1]["recompile_limit_raises"] for r in _spawned(world))
+    # and a rank whose token count changes recompiles statically (below)
+    assert not any(r[1]["automatic_dynamic"] for r in _spawned(world))
     for name, schedule in runs:
         loss, grads, sites = results[name, schedule]
         want_loss, want_grads = _model_reference(name)
@@ -649,3 +652,35 @@ def test_frozen_experts_under_expert_parallelism(zero_stage):
     skips their weight-gradient GEMMs) and every other gradient equals one process."""
     for err in run_distributed(_frozen_experts_worker, 2, zero_stage):
         assert err < 1e-12, err
+
+
+def _one_rank_changes_worker(rank, world):
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    import copy
+
+    model = build_model("mixtral", dtype=torch.float64)
+    reference = copy.deepcopy(model)  # transformers' own experts loop: every expert here
+    model.set_experts_implementation("grouped_mm")
+    compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
+                             backend="graphopt", options={"moe": {"ep": world},
+                                                          "lowering": "eager"})
+    errors = []
+    for step in range(3):
+        n = 6 + step * rank  # only rank 1's token count changes
+        ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            want = reference(input_ids=ids, use_cache=False).logits
+        errors.append(float((compiled(ids).detach() - want).abs().max()))
+    return errors
+
+
+def test_one_rank_changing_its_token_count_under_default_dynamic_recompiles_statically():
+    """torch.compile's default dynamic=None: a rank whose token count changed recompiled with
+    a symbolic count, which expert parallelism refuses, on that rank alone, while the other
+    rank waited in the all-to-all (a hang; a review). The EP rewrite turns Dynamo's
+    automatic dynamic shapes off, so that rank recompiles with static shapes and every step
+    equals eager."""
+    for errors in run_distributed(_one_rank_changes_worker, 2):
+        assert len(errors) == 3 and max(errors) < 1e-12, errors

@@ -16,7 +16,8 @@ Contract:
     accepts: a normalized pre-autograd ATen graph (a symbolic token count with ep = 1
         only: the probes run at its example value; with ep > 1 it is a ConfigError, since
         skipping one rank's site would leave the others waiting in its collectives; for the
-        same reason an EP rewrite sets Dynamo's ``fail_on_recompile_limit_hit``).
+        same reason an EP rewrite sets Dynamo's ``fail_on_recompile_limit_hit`` and turns
+        ``automatic_dynamic_shapes`` off).
     guarantees: exact. A region is replaced only when (1) it has the interface above, (2) it
         uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU experts) and
         nothing bounds it (no clamp/minimum/maximum: transformers' clamped SwiGLU), and
@@ -459,6 +460,8 @@ def ep_schedule(tokens: int, top_k: int, hidden: int, ffn: int, dtype: torch.dty
         schedule_times(shape, opts.ep, cluster, rpn, backward=True)["chunked"][1])
     pred = ", ".join(f"{s} {v * 1e3:.3g} ms" for s, v in times.items())
     how = "chosen by the cost model" if opts.all_to_all == "auto" else "set by moe.all_to_all"
+    if schedule == "hierarchical" and (rpn in (1, opts.ep)):  # one level: the kernel runs
+        how += f"; runs as flat: {rpn} rank(s) per node"  # the flat exchange (a review)
     return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
                                    f"({how}; chunks {chunks}); predicted fwd+bwd on "
                                    f"{profile}: {pred}")
@@ -492,22 +495,34 @@ weights) whose gradients are the owner rank's by design; verify does not compare
 
 def _fail_on_recompile_limit() -> str:
     """Make Dynamo raise, not fall back to eager, when a frame hits its recompile limit
-    (``torch._dynamo.config.fail_on_recompile_limit_hit``); a note for the report.
+    (``torch._dynamo.config.fail_on_recompile_limit_hit``), and recompile a changed shape
+    statically (``automatic_dynamic_shapes`` off); a note for the report.
 
     With expert parallelism every rank must run the compiled EP graph: a rank that hit the
     limit (8 token counts with dynamic=False) ran its modules eagerly, which hold every
     expert, computed its MoE layers alone and went on while the other ranks waited in the
     EP collectives forever (gloo's default timeout is 30 min; a review). An error stops the
     job instead; the fix is in the message (raise ``recompile_limit`` or pad the batches to
-    fewer lengths). A process-wide Dynamo setting, set once and reported."""
+    fewer lengths). Under ``dynamic=None`` (torch.compile's default) a rank whose token
+    count changed recompiled with a symbolic count, which the pass refuses (ConfigError)
+    on that rank alone while the others waited in the collectives (a later review): with
+    automatic dynamic shapes off it recompiles with static shapes, as ``dynamic=False``
+    does, exactly. Process-wide Dynamo settings, set once and reported."""
     import torch._dynamo.config as dynamo_config
 
-    if dynamo_config.fail_on_recompile_limit_hit:
-        return ""
-    dynamo_config.fail_on_recompile_limit_hit = True
-    return ("; torch._dynamo.config.fail_on_recompile_limit_hit set to True (a rank past "
-            "Dynamo's recompile limit would run its experts eagerly, outside the EP "
-            "collectives, and the other ranks would hang)")
+    notes = []
+    if not dynamo_config.fail_on_recompile_limit_hit:
+        dynamo_config.fail_on_recompile_limit_hit = True
+        notes.append("torch._dynamo.config.fail_on_recompile_limit_hit set to True (a rank "
+                     "past Dynamo's recompile limit would run its experts eagerly, outside "
+                     "the EP collectives, and the other ranks would hang)")
+    if dynamo_config.automatic_dynamic_shapes:
+        dynamo_config.automatic_dynamic_shapes = False
+        notes.append("torch._dynamo.config.automatic_dynamic_shapes set to False (a rank "
+                     "whose token count changed would recompile with a symbolic count, "
+                     "which expert parallelism refuses, while the other ranks wait; it "
+                     "recompiles with static shapes instead, as with dynamic=False)")
+    return "".join(f"; {n}" for n in notes)
 
 
 def _symbolic(topk: fx.Node) -> bool:
