@@ -513,10 +513,15 @@ def plan(
                       f"{pred.mfu:.1%}", f"{pred.memory_bytes / 2**30:.1f}",
                       f"{pred.bubble_s:.2g}", comm)
     console.print(table)
+    from graphopt.models import model_config
     from graphopt.parallel.auto import not_executable
 
+    # the model's config: TP must divide its KV heads and vocabulary, lightning layers run
+    # CP with all-to-all, PP drops an MoE aux loss (a review found --json defaulting to a
+    # plan parallelize refuses when these were not checked)
+    config = model_config(source, overrides, seq)
     ranked = list(result.top)
-    reasons = [not_executable(p, global_batch) for p in ranked]
+    reasons = [not_executable(p, global_batch, config) for p in ranked]
     for i, why in enumerate(reasons, 1):  # the planner also ranks plans for other executors
         if why:
             console.print(f"[yellow]plan {i} is not executed by graphopt.parallelize:[/] "
@@ -528,7 +533,7 @@ def plan(
         except GraphoptError:
             deeper = None
         runnable = [p for p in (deeper.top if deeper else [])
-                    if not not_executable(p, global_batch)]
+                    if not not_executable(p, global_batch, config)]
         if runnable:
             ranked.append(runnable[0])
             reasons.append("")
@@ -628,12 +633,18 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
 
 
 def _parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``--override key=value`` options as config kwargs (int, or float with a '.')."""
+    """``--override key=value`` options as config kwargs (an int, else a float: "1e6"
+    and "0.5" are floats; rope_theta=1e6 was refused before, a review)."""
     out: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
         try:
-            out[key] = float(value) if "." in value else int(value)
+            try:
+                out[key] = int(value)
+            except ValueError:
+                out[key] = float(value)
+                if not math.isfinite(out[key]):
+                    raise ValueError(value) from None
         except ValueError:
             raise typer.BadParameter(f"--override takes key=number (int or float), got "
                                      f"{item!r}") from None

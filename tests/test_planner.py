@@ -750,6 +750,17 @@ def test_cli_plan_json_holds_the_best_executed_plan_and_bad_flag_mixes_are_refus
     assert "--json" in mixed.output
     bad_plot = CliRunner().invoke(app, [*args, "--plot", "/proc/p.png"])
     assert bad_plot.exit_code == 2 and "not a writable file path" in bad_plot.output
+    # the model's config is checked too: a vocabulary tp does not divide (the file had
+    # marked such plans executable, a review)
+    odd = CliRunner().invoke(app, [
+        "plan", "--model", "llama3-70b", "--devices", "64", "--seq", "4096", "--global-batch",
+        "128", "--override", "vocab_size=128257", "--top", "3", "--json", str(out)],
+        terminal_width=200)
+    assert odd.exit_code == 0, odd.output
+    data = json.loads(out.read_text())
+    assert any("does not divide the model's vocab_size (128257)" in r
+               for r in data["not_executed"]), data["not_executed"]
+    assert ParallelPlan.load(out).tp in (1, 7)  # 128257 = 7 x 73 x 251
 
 
 def test_mixed_layer_kinds_are_priced_each_with_graphopts_lightning_kernel():
@@ -863,7 +874,7 @@ def test_a_ring_across_nodes_is_paced_by_the_nic():
     in_node = evaluate(ParallelPlan(dp_shard=8, cp=8, zero_stage=3, sp=False), m, H100, gb)
     across = evaluate(ParallelPlan(cp=64, zero_stage=3, sp=False), m, H100, gb)
     assert in_node.comm_s["cp"] == 0.0  # hidden under half a layer's compute
-    kv = 2 * seq // 64 * m.kv_heads * (m.hidden // m.heads) * 2
+    kv = seq // 64 * m.heads * 2 * m.head_dim * 2  # K and V of every query head, bf16
     step = collective_time("p2p", kv, 2, H100, stride=32)  # a send between nodes
     assert step > 5 * collective_time("p2p", kv, 2, H100, stride=1)
     # 3 passes of 63 steps per layer and microbatch, less at most half the compute hidden
@@ -1007,3 +1018,72 @@ def test_pricing_the_first_stage_of_each_size_equals_pricing_every_stage(monkeyp
     monkeypatch.setattr(perf, "_stages", every_stage)
     object.__setattr__(model, "_slowest_stage", {})  # the cache holds the reduced picks
     assert [perf.evaluate(p, model, H100, 64) for p in plans] == reduced
+
+
+@pytest.mark.parametrize("name, widths", [("llama3-8b", (128, 128)), ("deepseek-v3", (192, 128))])
+def test_cp_moves_every_query_heads_k_and_v_at_the_configs_head_widths(monkeypatch, name,
+                                                                        widths):
+    """The ring's K/V blocks and Ulysses' all-to-alls are priced at what the executor
+    sends: K/V repeated to every query head (graphopt.parallel.context._ring) and heads of
+    the config's widths (MLA: 192 / 128). A review found the ring priced at the KV heads'
+    count (4x low for Llama 3 8B) and at hidden / heads (DeepSeek-V3's 56: 2.86x low)."""
+    from graphopt.planner import perf
+
+    model = plan_model(name, 4096, H100, overrides={"num_hidden_layers": 2} if name ==
+                       "deepseek-v3" else None)
+    assert (model.head_dim, model.v_head_dim) == widths
+    sent = []
+    real = perf._coll
+
+    def record(kind, nbytes, group, cluster, stride):
+        sent.append((kind, nbytes))
+        return real(kind, nbytes, group, cluster, stride)
+
+    monkeypatch.setattr(perf, "_coll", record)
+    qk, vd = widths
+    tokens = 4096 // 4 * 2 / 2  # seq / cp x bf16 bytes / tp
+    perf.evaluate(ParallelPlan(tp=2, cp=4, dp_shard=2, zero_stage=3), model, H100, 8)
+    assert ("p2p", tokens * model.heads * (qk + vd)) in sent
+    sent.clear()
+    plan = ParallelPlan(tp=2, cp=4, dp_shard=2, zero_stage=3, cp_kind="all_to_all")
+    perf.evaluate(plan, model, H100, 8)
+    kv = model.kv_heads if (model.kv_heads // 2) % 4 == 0 else model.heads
+    a2a = sorted(n for k, n in sent if k == "all_to_all")
+    assert a2a == sorted(tokens * h * w for h, w in ((model.heads, qk), (model.heads, vd),
+                                                       (kv, qk), (kv, vd)))
+
+
+@pytest.mark.parametrize("model, overrides, message", [
+    ("mixtral-8x22b", {"num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) must be in"),
+    ("deepseek-v3", {"n_group": 3}, r"n_group \(3\) must divide the routed experts"),
+    ("deepseek-v3", {"topk_group": 9}, r"topk_group \(9\) must be in \[1, n_group=8\]"),
+    ("deepseek-v3", {"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive"),
+    ("deepseek-v3", {"kv_lora_rank": 0}, "kv_lora_rank must be a positive"),
+    ("mixtral-8x22b", {"sliding_window": -4}, "sliding_window must be a positive integer"),
+])
+def test_moe_mla_and_window_sizes_no_model_has_are_clear_errors(model, overrides, message):
+    """A review: these ended in tracebacks from deep in the trace (top-k over more experts
+    than exist, a group shape error, a zero expert width) or were planned as nonsense (a
+    negative window, a zero KV rank)."""
+    with pytest.raises(ConfigError, match=message):
+        plan_model(model, 2048, H100, overrides={"num_hidden_layers": 2, **overrides})
+
+
+def test_planner_inputs_by_name_and_published_plans_without_tp_listed_once():
+    with pytest.raises(ConfigError, match="seq must be an int >= 2"):
+        plan_model("llama3-8b", 0, H100)
+    model = plan_model("llama3-8b", 2048, "h100-sxm", overrides=SMALL)  # a profile name
+    # a published tp=1 plan (sp=True by default) is the search's sp=False one: once
+    result = search(model, H100, 8, 64, top_k=3,
+                    published=[("fsdp", ParallelPlan(dp_shard=8, zero_stage=3))])
+    described = [p.describe() for p in result.top]
+    assert len(described) == len(set(described)), described
+    from graphopt.cli import _parse_overrides
+    from graphopt.cost.profiles import load_profile
+
+    assert _parse_overrides(["rope_theta=1e6", "n=4"]) == {"rope_theta": 1e6, "n": 4}
+    spec = {"name": "x", "device": "h100-sxm", "levels": [
+        {"name": "node", "size": 8, "link": {"bandwith": 1e9, "latency": 1e-6}}]}
+    with pytest.raises(ConfigError, match="missing field.*bandwidth and has unknown "
+                                          "field.*bandwith"):
+        load_profile(spec)

@@ -410,9 +410,10 @@ def _require(data: Mapping[str, Any], keys: list[str], what: str,
     if not isinstance(data, Mapping):
         raise ConfigError(f"{what} must be a mapping, got {type(data).__name__}")
     missing = [k for k in keys if k not in data]
-    if missing:
-        raise ConfigError(f"{what} is missing field(s) {', '.join(missing)}")
     unknown = sorted(set(data) - set(keys) - set(optional))
+    if missing:  # a typo is both: name the unknown field too ("bandwith", a review)
+        raise ConfigError(f"{what} is missing field(s) {', '.join(missing)}" + (
+            f" and has unknown field(s) {', '.join(map(str, unknown))}" if unknown else ""))
     if unknown:
         raise ConfigError(f"{what} has unknown field(s) {', '.join(map(str, unknown))}; "
                           f"valid: {', '.join([*keys, *optional])}")

@@ -97,6 +97,13 @@ class PlanModel:
     """The LM head shares the embedding matrix (``tie_word_embeddings``): under PP the first
     and the last stage each hold a full copy and all-reduce its gradient (Megatron-LM's
     embedding group); counted once in ``head.params``."""
+    head_dim: int = 0
+    """Width of a query/key head (0: hidden / heads): ``head_dim`` where the config gives it
+    (Qwen3: 128 with hidden / heads 64-80), MLA's nope + rope width (DeepSeek-V3: 192)."""
+    v_head_dim: int = 0
+    """Width of a value head (0: ``head_dim``): MLA's ``v_head_dim`` (DeepSeek-V3: 128).
+    Context parallelism moves heads of these widths (a review found CP priced at
+    hidden / heads: DeepSeek-V3's ring traffic 2.86x low)."""
     activations: str = "traced"
     """What dense layers' ``activation_bytes`` count: "traced" (what the transformers
     model's eager autograd keeps) or "fused" (what Megatron-Core's fused kernels keep:
@@ -254,6 +261,12 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     """
     if attention not in ("flash", "megatron2021"):
         raise ConfigError(f"attention must be 'flash' or 'megatron2021', got {attention!r}")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 2:
+        raise ConfigError(f"seq must be an int >= 2 (tokens per sequence), got {seq!r}")
+    if isinstance(cluster, (str, Path)):  # a profile name or file, as the CLI takes
+        from graphopt.cost.profiles import load_profile
+
+        cluster = load_profile(cluster)
     source = resolve_model(spec)
     if activations not in ("traced", "fused"):
         raise ConfigError(f"activations must be 'traced' or 'fused', got {activations!r}")
@@ -338,9 +351,20 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         moe_ffn=int(getattr(cfg, "moe_intermediate_size", getattr(cfg, "intermediate_size", 0))
                     or 0),
         dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations,
-        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
+        tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        head_dim=_qk_head_dim(cfg, hidden, heads),
+        v_head_dim=int(getattr(cfg, "v_head_dim", 0) or _qk_head_dim(cfg, hidden, heads)))
     _CACHE[key] = result
     return result
+
+
+def _qk_head_dim(cfg: Any, hidden: int, heads: int) -> int:
+    """A query/key head's width: MLA's nope + rope dims, else ``head_dim``, else
+    hidden / heads."""
+    nope, rope = (getattr(cfg, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    if nope and rope:
+        return int(nope) + int(rope)
+    return int(getattr(cfg, "head_dim", 0) or hidden // max(heads, 1))
 
 
 def moe_layer_flags(cfg: Any, layers: int) -> list[bool]:
@@ -377,6 +401,32 @@ def _check_sizes(cfg: Any) -> None:
         raise ConfigError(f"num_attention_heads ({heads}) must be divisible by "
                           f"num_key_value_heads ({kv}): each KV head serves a whole group of "
                           "query heads (GQA); fix the config or the override")
+    # MoE and MLA sizes (a review: these ended in tracebacks from deep in the trace, or
+    # were accepted and priced as nonsense)
+    for name in ("moe_intermediate_size", "kv_lora_rank", "q_lora_rank",
+                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        value = getattr(cfg, name, None)
+        if value is not None and not (isinstance(value, int) and value > 0):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}; fix the "
+                              "config or the override")
+    experts = next((getattr(cfg, n) for n in ("num_local_experts", "num_experts",
+                                              "n_routed_experts")
+                    if isinstance(getattr(cfg, n, None), int)), None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if experts is not None and isinstance(top_k, int) and not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok ({top_k}) must be in [1, {experts}] (the "
+                          "routed experts); fix the config or the override")
+    groups, chosen = getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None)
+    if experts is not None and isinstance(groups, int) and groups > 0:
+        if experts % groups:
+            raise ConfigError(f"n_group ({groups}) must divide the routed experts "
+                              f"({experts}): group-limited routing splits them evenly")
+        if isinstance(chosen, int) and not 1 <= chosen <= groups:
+            raise ConfigError(f"topk_group ({chosen}) must be in [1, n_group={groups}]")
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and not (isinstance(window, int) and window > 0):
+        raise ConfigError(f"sliding_window must be a positive integer or null, got "
+                          f"{window!r}; fix the config or the override")
 
 
 def _mix(measured: dict[str | None, tuple[LayerCost, LayerCost, LayerCost | None]],

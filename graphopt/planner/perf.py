@@ -15,12 +15,16 @@ memory (even stages: the first, second and last are priced; uneven: all):
     TP       4 all-reduces (or all-gather + reduce-scatter with SP) of mb*s/cp*h per layer,
              6 with recomputation (Megatron-LM SC'21 sec. 3) or with selective
              checkpointing under SP (the forward's all-gathers are recomputed)
-    CP       ring: KV blocks of the local chunk passed cp-1 times forward, 2(cp-1) backward,
+    CP       ring: KV blocks of the local chunk (K and V of every query head: the executor
+             repeats GQA's KV heads first; heads of the config's widths, MLA's 192 / 128)
+             passed cp-1 times forward, 2(cp-1) backward,
              and the forward's once more in a recomputed or selectively checkpointed layer
              (ring attention's exchange is not a saved op), overlapped with the layer's
              attention except what exceeds half its time;
-             all-to-all (Ulysses): 8 all-to-alls of mb*s/cp*h/tp per layer, exposed, 12 in
-             a fully recomputed layer (the forward's run again)
+             all-to-all (Ulysses): 8 all-to-alls per layer (q, k, v, output and their
+             gradients, of mb*s/cp tokens x heads/tp x the head widths; K/V at the KV heads'
+             count unless the executor repeats them), exposed, 12 in a fully recomputed
+             layer (the forward's run again)
     EP       dispatch + combine per MoE layer, forward and backward: the faster of the flat
              and hierarchical all-to-all of graphopt.cost.moe (tokens mb*s/(cp*tp) per rank;
              with tensor-parallel experts, expert_tp = tp, mb*s/cp: every TP rank dispatches
@@ -50,10 +54,15 @@ memory (even stages: the first, second and last are priced; uneven: all):
              gathered parameters in the model's dtype (fp32: 4 bytes); overlapped with the
              backward of every microbatch (2/3 of the compute) unless ``dp_overlap=False``
              (Megatron-LM 2021 measured without overlap: the published-table validation
-             uses that). That is FSDP's per-microbatch reduce-scatter; a job that
-             accumulates gradients without syncing (DDP no_sync, Megatron's distributed
-             optimizer) overlaps only the last microbatch's backward, so its exposed DP time
-             is under-predicted when m > 1
+             uses that). The gradients are reduced once per step, spread over the
+             microbatches' backwards. Two jobs differ from that: one that syncs only after
+             the last microbatch (DDP no_sync, Megatron's distributed optimizer, torch's
+             pipeline schedules) overlaps only that backward, so its exposed DP time is
+             under-predicted when m > 1; and graphopt's pp = 1 loop (one backward per
+             microbatch, no no_sync: FSDP reduce-scatters, DDP all-reduces on each) moves
+             m times the gradient traffic, under-predicted when m > 1 and that traffic is
+             exposed (a review; not priced, since the published validation's jobs sync
+             once)
     memory   parameters/gradients/Adam states of the stage's layers (+ the embedding on the
              first, the LM head on the last; graphopt.cost.memory.model_state_bytes in the
              model's dtype: bf16 2 + 2 + 12 bytes per parameter, fp32 4 + 4 + 8; ZeRO over
@@ -562,7 +571,13 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     tp_comm = (dense_n + moe_n) * n_tp * _coll("all_reduce", act, tp, cluster, tp_stride)
     cp_comm = 0.0
     if cp > 1:
-        kv = 2 * mb * seq // cp * model.kv_heads * (h // model.heads) * nb / tp
+        qk = model.head_dim or h // model.heads  # head widths (MLA: 192 / 128)
+        vd = model.v_head_dim or qk
+        tokens_cp = mb * seq // cp * nb / tp  # bytes per head and width unit on a rank
+        # the ring's K and V blocks: the executor repeats K/V to every query head first
+        # (graphopt.parallel.context._ring; a review found them priced at the KV heads'
+        # size: 4-8x low for GQA)
+        kv = tokens_cp * model.heads * (qk + vd)
         if plan.cp_kind == "ring":
             rerun = rec_share + (1 - rec_share) * plan.selective_recompute
             # every rank sends at each of the cp - 1 steps; a step ends with its slowest
@@ -578,9 +593,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             # (the KV heads per TP rank not divisible by cp: graphopt.parallel.context)
             kv_heads = model.kv_heads if (model.kv_heads // tp) % cp == 0 else model.heads
             stride = plan.stride("cp")
-            per_layer = (2 + rec_share) * 2 * (
-                _coll("all_to_all", act / tp, cp, cluster, stride) +
-                _coll("all_to_all", act / tp * kv_heads / model.heads, cp, cluster, stride))
+            per_layer = (2 + rec_share) * sum(
+                _coll("all_to_all", tokens_cp * heads * width, cp, cluster, stride)
+                for heads, width in ((model.heads, qk), (model.heads, vd),  # q, output
+                                     (kv_heads, qk), (kv_heads, vd)))       # k, v
         cp_comm = (dense_n + moe_n) * per_layer
     ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
                                model.moe_ffn, nb, plan.ep, cluster,

@@ -224,7 +224,11 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
     evaluated = pruned = 0
     smallest = float("inf")
     extra = []
-    for name, plan in published or []:
+    # SP means nothing without TP: a published tp=1 plan with sp=True (the plan type's
+    # default) is the search's sp=False one, listed twice before (a review)
+    published = [(name, replace(plan, sp=False) if plan.tp == 1 and plan.sp else plan)
+                 for name, plan in published or []]
+    for name, plan in published:
         problems = plan.problems(devices=devices, layers=model.layers, heads=model.heads,
                                  experts=model.experts, global_batch=global_batch,
                                  seq=model.seq, kv_heads=model.kv_heads)
@@ -329,7 +333,10 @@ def why_slower(plan: ParallelPlan, best: ParallelPlan, capacity: float) -> str:
     """One line: out of memory, or the cost term that makes ``plan`` slower than ``best``."""
     p, b = plan.prediction, best.prediction
     assert p is not None and b is not None
-    if dataclasses.replace(plan, prediction=None) == dataclasses.replace(best, prediction=None):
+    def bare(q: ParallelPlan) -> ParallelPlan:  # SP means nothing without TP
+        return dataclasses.replace(q, prediction=None, sp=q.sp and q.tp > 1)
+
+    if bare(plan) == bare(best):
         return "this is the best plan"
     if p.memory_bytes > capacity:
         return (f"OOM: needs {p.memory_bytes / 2**30:.1f} GiB per device, "
