@@ -96,6 +96,11 @@ def test_nothing_fits_says_so():
     model = plan_model("llama3-70b", 4096, H100)
     with pytest.raises(ConfigError, match="no plan for llama3-70b fits 1 x"):
         search(model, H100, 1, 8)
+    # 16 devices fit it, 17 do not (a prime count: dp x pp layouts only); the error said
+    # "add devices" alone (a review)
+    assert search(model, H100, 16, 128).best
+    with pytest.raises(ConfigError, match="or plan 16 devices: every plan uses all 17"):
+        search(model, H100, 17, 128)
 
 
 def test_cli_plan_prints_plans_and_writes_json(tmp_path):

@@ -265,10 +265,14 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
     if not heap and evaluated == 0:
         raise ConfigError(no_layout_reason(model, devices, global_batch, node))
     if not heap:
+        fewer = devices - devices % node if devices > node else 1 << (devices.bit_length() - 1)
+        hint = (f", or plan {fewer} devices: every plan uses all {devices}, and a count with "
+                f"few divisors leaves few layouts (17 devices fit none of Llama 3 70B's where "
+                f"16 do, a review)") if fewer != devices else ""
         raise ConfigError(f"no plan for {model.name} fits {devices} x {cluster.device.name} "
                           f"({_gib(capacity)} GiB usable): the smallest needs "
                           f"{_gib(smallest)} GiB per device; add devices or shorten "
-                          "the sequence")
+                          f"the sequence{hint}")
     ranked = [p for *_, p in sorted(heap, key=lambda x: x[:3], reverse=True)]
     hand, invalid = [], []
     listed: list[tuple[str, ParallelPlan, list[str]]] = [
