@@ -338,8 +338,9 @@ def calibrate(
     table.add_row("per-op overhead", f"{dev.kernel_overhead_s * 1e6:.1f} us")
     table.add_row("attention / GEMM rate", f"{dev.attention_efficiency:.2f}")
     link = profile.levels[0].link
-    table.add_row("local link (gloo)", f"{link.bandwidth / 1e9:.2f} GB/s, "
-                  f"{link.latency * 1e6:.0f} us")
+    table.add_row("local link (gloo)" if collectives else
+                  "local link (not measured: memory bandwidth / 2, 50 us assumed)",
+                  f"{link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us")
     console.print(table)
     from graphopt.cost.profiles import local_profile_path
 
