@@ -447,8 +447,15 @@ def _joint_records_through_cache(model: fx.GraphModule, config: GraphoptConfig,
     fresh compile."""
     if report.lowering != "inductor":  # the only lowering with a compile cache
         return
+    # the training and the no_grad graph (and static recompiles) share their code: their
+    # inputs' shapes, dtypes and grad flags tell them apart (a review saw a warm training
+    # graph report the inference graph's records)
+    inputs = [(tuple(str(d) for d in v.shape), str(v.dtype), v.requires_grad)
+              if isinstance(v := n.meta.get("example_value", n.meta.get("val")), torch.Tensor)
+              else repr(type(v)) for n in model.graph.find_nodes(op="placeholder")]
     key = joint_records_key(model.code, repr(config.pass_options), report.lowering,
-                            sorted(config.disable), sorted(config.enable))
+                            sorted(config.disable), sorted(config.enable), inputs,
+                            report.training)
     if {"joint", "forward", "inference"} & set(report.graphs):
         save_joint_records(key, [p for p in report.passes if p.stage == "joint"])
         return

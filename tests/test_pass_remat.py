@@ -363,6 +363,41 @@ def test_inductor_cache_key_depends_on_the_remat_options():
     assert key(remat=guided) != key(remat=guided)
 
 
+def test_inductor_cache_key_depends_on_a_plugin_passs_source(tmp_path, monkeypatch):
+    """A user's joint pass (register_pass) is part of the cache key through its module's
+    source: a review got a compile made by an earlier version of such a pass reused
+    silently after the pass was fixed."""
+    import importlib
+
+    import graphopt.passes as passes
+    from graphopt.lowering.inductor import _JointPassPartitioner
+
+    source = (
+        "from dataclasses import dataclass\n"
+        "from graphopt.passes.base import GraphPass, PassResult\n"
+        "@dataclass(frozen=True)\n"
+        "class UserJoint(GraphPass):\n"
+        "    name = 'user_joint_key_test'\n"
+        "    stage = 'joint'\n"
+        "    exact = True\n"
+        "    def run(self, gm, ctx):\n"
+        "        return PassResult(gm, False)  # VERSION\n")
+    module = tmp_path / "user_joint_key_test.py"
+    module.write_text(source.replace("VERSION", "v1"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(passes._LOADED, "user_joint_key_test",
+                        importlib.import_module("user_joint_key_test").UserJoint)
+
+    def key():
+        config = GraphoptConfig.from_options({"enable": ["user_joint_key_test"]})
+        return _JointPassPartitioner(None, config).uuid()
+
+    first = key()
+    assert key() == first
+    module.write_text(source.replace("VERSION", "v2"))
+    assert key() != first
+
+
 def test_inductor_cache_hit_reports_the_joint_pass_decisions(tmp_path, monkeypatch):
     """On a cache hit the joint passes do not run; their records, stored when the entry was
     made, are restored into the report."""

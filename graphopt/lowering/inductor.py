@@ -30,18 +30,52 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
+def _plugin_passes_key(config: GraphoptConfig) -> str:
+    """Hash of the sources of the passes this compile runs that are not graphopt's own
+    (``register_pass`` plugins: their module files, else their class source), and of every
+    pass's options: a review got a stale entry made by an earlier version of a user's joint
+    pass reused silently (its sin -> cos bug survived the fix). A pass without readable
+    source gets a fresh key (never reused)."""
+    import inspect
+    import uuid
+
+    from graphopt.passes import default_pipeline_names, get_pass
+
+    defaults = default_pipeline_names()
+    names = [n for n in defaults if n not in config.disable] + [
+        n for n in config.enable if n not in defaults]
+    digest = hashlib.sha256(repr(sorted(config.pass_options.items(), key=str)).encode())
+    for name in names:
+        cls = get_pass(name)
+        module = inspect.getmodule(cls)
+        if module is not None and module.__name__.split(".")[0] == "graphopt":
+            continue  # in _source_hash
+        file = getattr(module, "__file__", None)
+        try:
+            digest.update(Path(file).read_bytes() if file else
+                          inspect.getsource(cls).encode())
+        except (OSError, TypeError):
+            digest.update(uuid.uuid4().bytes)
+    return digest.hexdigest()[:16]
+
+
 def _joint_options_key(config: GraphoptConfig) -> str:
-    """What the joint passes' output depends on besides the graph: the remat options, the
-    calibrated profile that prices its decision, and (profile-guided mode) sizes observed at
-    compile time, which are never reused from a cache."""
+    """What the joint passes' output depends on besides the graph: plugin passes' sources
+    and every pass's options (:func:`_plugin_passes_key`), the remat options, the profile
+    that prices its decision (the calibrated one, or a profile file: their contents), and
+    (profile-guided mode) sizes observed at compile time, which are never reused from a
+    cache."""
+    plugins = _plugin_passes_key(config)
     if config.remat is None:
-        return "no-remat"
-    key = repr(config.remat)
+        return f"no-remat-{plugins}"
+    key = f"{config.remat!r}-{plugins}"
     from graphopt.cost.profiles import default_profile_name, local_profile_path
 
     path = local_profile_path()
     if (config.remat.profile or default_profile_name()) == "local" and path.exists():
         key += hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    elif config.remat.profile and Path(str(config.remat.profile)).is_file():
+        key += hashlib.sha256(Path(str(config.remat.profile)).read_bytes()).hexdigest()[:16]
     if config.remat.profile_guided:
         import uuid
 
