@@ -120,8 +120,15 @@ def _rank_root(root: Path) -> Path:
 
 
 def graph_code(gm: fx.GraphModule) -> str:
-    """Readable Python for ``gm`` with dtype/shape annotations on every value."""
-    return gm.print_readable(print_output=False, include_stride=False, include_device=True)
+    """Readable Python for ``gm`` with dtype/shape annotations on every value. The class
+    is named after the compiled callable, which is not an identifier for a lambda
+    (``class <lambda>(...)``: a review found most dump files of a lambda unparsable); such
+    a name becomes ``GraphModule``."""
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=True)
+    name = type(gm).__name__
+    if not name.isidentifier():
+        code = code.replace(f"class {name}(", "class GraphModule(", 1)
+    return code
 
 
 class Dumper:
