@@ -96,12 +96,21 @@ def rate(table: str, m: float, n: float, k: float) -> float:
 
 
 def peak_rate(table: str) -> float:
-    """The table's highest TFLOP/s (the shape :func:`relative_rate` calls 1.0)."""
+    """The table's highest TFLOP/s (the shape :func:`relative_rate` calls 1.0).
+
+    Raises:
+        KeyError: an unknown table name.
+    """
     return max(v for grid in GEMM_TABLES[table].values() for row in grid for v in row)
 
 
 def relative_rate(table: str, m: float, n: float, k: float) -> float:
     """:func:`rate` over :func:`peak_rate`: the GEMM's efficiency relative to the best shape
     measured (in (0, 1]). A profile's ``matmul_efficiency`` is the efficiency of that best
-    shape; a GEMM of this shape reaches ``matmul_efficiency * relative_rate``."""
+    shape; a GEMM of this shape reaches ``matmul_efficiency * relative_rate``. ``m``,
+    ``n``, ``k``: the GEMM's dimensions (elements, any order; see the module docstring).
+
+    Raises:
+        KeyError: an unknown table name.
+    """
     return min(rate(table, m, n, k) / peak_rate(table), 1.0)

@@ -90,6 +90,7 @@ memory (even stages: the first, second and last are priced; uneven: all):
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from graphopt.cost.collectives import collective_time
 from graphopt.cost.gemm_table import relative_rate
@@ -124,16 +125,26 @@ _CLUSTER_KEYS: dict[tuple[object, ...], int] = {}
 """(levels, device name) -> a small int standing for them in :data:`_CACHE`'s keys."""
 
 
+def _side_cache(obj: object, name: str) -> dict[Any, Any]:
+    """A dict kept on ``obj`` (a frozen dataclass: set with ``object.__setattr__``, not a
+    field, so equality, hashing and ``dataclasses.replace`` ignore it; a replaced object
+    starts empty)."""
+    cache = obj.__dict__.get(name)
+    if cache is None:
+        cache = {}
+        object.__setattr__(obj, name, cache)
+    return cache
+
+
 def _cluster_key(cluster: ClusterProfile) -> int:
     """The cluster's entry in :data:`_CLUSTER_KEYS`, kept on the profile object after the
     first call (hashing the levels' nested dataclasses on every collective was a fifth of
     the search's time)."""
-    key = cluster.__dict__.get("_collective_key")
-    if key is None:
-        key = _CLUSTER_KEYS.setdefault((cluster.levels, cluster.device.name),
-                                       len(_CLUSTER_KEYS))
-        object.__setattr__(cluster, "_collective_key", key)  # frozen: a side attribute
-    return key
+    cache = _side_cache(cluster, "_collective_key")
+    if "key" not in cache:
+        cache["key"] = _CLUSTER_KEYS.setdefault((cluster.levels, cluster.device.name),
+                                                len(_CLUSTER_KEYS))
+    return cache["key"]
 
 
 def _coll(kind: str, nbytes: float, group: int, cluster: ClusterProfile, stride: int) -> float:
@@ -332,25 +343,17 @@ def _gemm_factor(cost: LayerCost, plan: ParallelPlan, table: str) -> float:
     per-rank shapes: ``sum(t_i / r_i) / sum(t_i)`` over :attr:`LayerCost.gemm_shapes` (the
     token dimension x microbatch / cp, the TP dimension / tp; ``r_i`` the table's rate
     relative to its best shape, :func:`graphopt.cost.gemm_table.relative_rate`), the rest
-    of ``gemm_s`` at 1. 1.0 without a table. Cached on the cost per (table, tp, cp,
-    microbatch): the search evaluates ~10^5 plans."""
+    of ``gemm_s`` at 1. 1.0 without a table. Not cached itself: its callers run inside
+    :func:`_slowest_stage`, cached per (tp, cp, microbatch, ...)."""
     if not table or not cost.gemm_shapes or cost.gemm_s <= 0:
         return 1.0
-    cache = cost.__dict__.get("_gemm_factors")
-    if cache is None:
-        cache = {}
-        object.__setattr__(cost, "_gemm_factors", cache)  # frozen dataclass: a side cache
-    key = (table, plan.tp, plan.cp, plan.microbatch)
-    factor = cache.get(key)
-    if factor is None:
-        covered = slowed = 0.0
-        for tokens, split, kept, seconds in cost.gemm_shapes:
-            rel = relative_rate(table, tokens * plan.microbatch / plan.cp,
-                                max(split / plan.tp, 1.0), kept)
-            covered += seconds
-            slowed += seconds / rel
-        factor = cache[key] = (slowed + max(cost.gemm_s - covered, 0.0)) / cost.gemm_s
-    return factor
+    covered = slowed = 0.0
+    for tokens, split, kept, seconds in cost.gemm_shapes:
+        rel = relative_rate(table, tokens * plan.microbatch / plan.cp,
+                            max(split / plan.tp, 1.0), kept)
+        covered += seconds
+        slowed += seconds / rel
+    return (slowed + max(cost.gemm_s - covered, 0.0)) / cost.gemm_s
 
 
 _STAGES: dict[tuple[object, ...], tuple[tuple[float, ...], list[int]]] = {}
@@ -394,10 +397,7 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
     per what they depend on (the search prices ~10^5 plans that share far fewer of them)."""
     key = (eff, table, plan.tp, plan.sp, plan.cp, plan.microbatch, plan.selective_recompute,
            plan.recompute_layers, plan.stage_layers, plan.pp)
-    cache = model.__dict__.get("_slowest_stage")
-    if cache is None:
-        cache = {}
-        object.__setattr__(model, "_slowest_stage", cache)  # frozen: a side cache
+    cache = _side_cache(model, "_slowest_stage")
     hit = cache.get(key)
     if hit is not None:
         return hit
