@@ -33,6 +33,7 @@ from graphopt.parallel import (
     OptimizerState,
     PipelinedModel,
     clip_grad_norm_,
+    microbatches,
     optimizer_for,
 )
 from graphopt.parallel.context import cp_loss, shard_sequence
@@ -80,9 +81,9 @@ def main() -> None:
             local, labels = shard_sequence(local, mesh)
         if isinstance(model, PipelinedModel):  # the loss only on the last stage's ranks
             loss = model.step(local, labels=labels)
-        else:  # microbatches of plan.microbatch, gradients accumulated (as planned)
-            loss = torch.zeros(())
-            for i, mb in enumerate(local.split(plan.microbatch)):
+        else:  # microbatches of plan.microbatch, gradients accumulated (as planned;
+            loss = torch.zeros(())  # replicas all-reduce once, in the last one's backward)
+            for i, mb in enumerate(microbatches(model, local)):
                 if labels is None:
                     part = model(input_ids=mb, labels=mb, use_cache=False).loss
                 else:  # CP's loss: the mean over every labelled position of all chunks

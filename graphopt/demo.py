@@ -184,7 +184,7 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict[str, Any], batch: 
 
     import torch.distributed as dist
 
-    from graphopt.parallel import build_mesh, parallelize
+    from graphopt.parallel import build_mesh, microbatches, parallelize
     from graphopt.planner.plan import ParallelPlan
 
     # torch 2.13 deprecates slicing flattened mesh dims from the root (graphopt's meshes
@@ -205,11 +205,11 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict[str, Any], batch: 
     start = time.perf_counter()
     if plan.pp > 1:
         loss = model.step(local)
-    else:  # the plan's microbatches, gradients accumulated (as its prediction assumes)
-        chunks = local.split(plan.microbatch)
+    else:  # the plan's microbatches, gradients accumulated and reduced as it prices them
         loss = torch.zeros((), dtype=torch.float64)
-        for mb in chunks:
-            part = next_token(model(input_ids=mb, use_cache=False).logits, mb) / len(chunks)
+        for mb in microbatches(model, local):
+            part = next_token(model(input_ids=mb, use_cache=False).logits, mb) * len(mb) \
+                / len(local)
             part.backward()
             loss += part.detach()
     elapsed = time.perf_counter() - start

@@ -78,9 +78,9 @@ def test_tp_shards_are_priced_at_their_own_shape():
     assert _gemm_factor(model.dense, ParallelPlan(tp=8, microbatch=4), T) < f8  # more rows
     assert _gemm_factor(model.dense, ParallelPlan(tp=8), "") == 1.0
 
-    def step(cluster, tp):
+    def step(cluster, tp):  # the compute (exposed DP traffic would dilute the ratios)
         return evaluate(ParallelPlan(dp_shard=64 // tp, zero_stage=3, tp=tp, sp=tp > 1),
-                        model, cluster, 64).step_s
+                        model, cluster, 64).compute_s
 
     plain = dataclasses.replace(H100, device=dataclasses.replace(H100.device, gemm_table=""))
     # the table only ever slows a plan down, TP=8 more than TP=1 (matmul_efficiency is the

@@ -4,6 +4,9 @@
     mesh = graphopt.parallel.build_mesh(plan)          # under torchrun
     model = graphopt.parallelize(model, plan, mesh)     # TP/SP, EP, CP, PP, FSDP/HSDP, DDP
     opt = graphopt.parallel.build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=...)
+    # pp = 1: accumulate microbatches, data-parallel reductions as the planner prices them:
+    for mb in graphopt.parallel.microbatches(model, local):   # plan.microbatch sequences
+        (loss_fn(model, mb) * len(mb) / len(local)).backward()
     # pp > 1: model is a PipelinedModel; train with model.step(input_ids)
     # cp > 1: feed shard_sequence(ids, mesh)'s chunk and train on cp_loss
     # gradient clipping by the whole model's norm (torch's sees one rank's under PP/EP):
@@ -16,6 +19,7 @@
 See docs/parallel.md.
 """
 
+from graphopt.parallel.accumulate import microbatches
 from graphopt.parallel.apply import (
     ParallelReport,
     build_optimizer,
@@ -33,4 +37,4 @@ from graphopt.planner.plan import ParallelPlan
 __all__ = ["ModelState", "OptimizerState", "ParallelPlan", "ParallelReport", "PipelinedModel",
            "TPLayout", "build_mesh",
            "build_optimizer", "clip_grad_norm_", "cp_loss", "derive_tp_layout", "grad_norm",
-           "optimizer_for", "parallelize", "shard_sequence"]
+           "microbatches", "optimizer_for", "parallelize", "shard_sequence"]

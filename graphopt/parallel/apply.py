@@ -446,8 +446,9 @@ def _microbatch_check(microbatch: int) -> Callable[..., None]:
         warnings.warn(f"graphopt: this training forward got {x.shape[0]} sequences, the "
                       f"plan's microbatch is {microbatch}: the plan's memory prediction "
                       "assumes the local batch is run as microbatches of that size with "
-                      "gradients accumulated (split it: for mb in local.split(plan.microbatch)"
-                      ": (loss(mb) / count).backward(); docs/parallel.md)", stacklevel=2)
+                      "gradients accumulated (split it: for mb in graphopt.parallel."
+                      "microbatches(model, local): (loss(mb) * len(mb) / len(local))"
+                      ".backward(); docs/parallel.md)", stacklevel=2)
     return hook
 
 

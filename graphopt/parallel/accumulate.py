@@ -1,0 +1,115 @@
+"""Gradient accumulation at pp = 1, with the data-parallel reductions the planner prices.
+
+    for mb in graphopt.parallel.microbatches(model, local):   # plan.microbatch sequences each
+        (model(input_ids=mb, labels=mb).loss * len(mb) / len(local)).backward()
+    opt.step(); opt.zero_grad()
+
+A plain loop over ``local.split(plan.microbatch)`` is correct too, but every backward then
+reduces the gradients over the data-parallel ranks: m all-reduces per step for replicas
+where one suffices. :func:`microbatches` switches each engine's reduction per microbatch as
+:func:`graphopt.planner.perf.evaluate` prices it (``dp_syncs``), the way Megatron-LM and
+torchtitan accumulate:
+
+- replicas (dp without dp_shard FSDP: DDP for ZeRO-0/1, FSDP2 ``replicate`` with TP): one
+  all-reduce per step, in the last microbatch's backward (DDP ``no_sync`` semantics through
+  ``set_requires_gradient_sync``); replicas hold full gradients anyway, so accumulating them
+  locally costs no memory.
+- FSDP (ZeRO-2/3): a reduce-scatter in every microbatch's backward, so gradients stay sharded
+  as the plan's memory prediction assumes (FSDP2 without gradient sync would hold the
+  unsharded gradients, and under ZeRO-3 the gathered parameters, until the last microbatch:
+  torch's FSDP2 docs; torchtitan makes the same choice). HSDP all-reduces the accumulated
+  shards across dp_replicate once, in the last microbatch (``set_requires_all_reduce``).
+- experts whose gradients graphopt.parallel.expert reduces by a hook (no FSDP over the
+  experts): every microbatch (the hook reduces each backward's gradient, which stays exact
+  for any gradient already accumulated).
+
+Pipeline parallelism (pp > 1) does this itself: ``PipelinedModel.step`` takes the whole
+local batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphopt.errors import ConfigError
+
+
+def _dp_engines(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """(modules whose whole reduction can wait for the last microbatch: composable DDP and
+    FSDP2 replicate; FSDP2 fully_shard modules, whose all-reduce across replicas can)."""
+    from torch.distributed._composable.replicate import DDP
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+    from torch.distributed.fsdp import FSDPModule
+
+    replicas, sharded = [], []
+    for module in model.modules():
+        if isinstance(module, (DDP, ReplicateModule)):
+            replicas.append(module)
+        elif isinstance(module, FSDPModule):
+            sharded.append(module)
+    return replicas, sharded
+
+
+def _set_sync(replicas: list[Any], sharded: list[Any], sync: bool) -> None:
+    from torch.distributed._composable.replicate import DDP
+
+    for module in replicas:
+        if isinstance(module, DDP):
+            module.set_requires_gradient_sync(sync)
+        else:
+            module.set_requires_gradient_sync(sync, recurse=False)
+    for module in sharded:
+        module.set_requires_all_reduce(sync, recurse=False)
+
+
+def microbatches(model: nn.Module, *tensors: torch.Tensor,
+                 size: int | None = None) -> Iterator[Any]:
+    """Split this data-parallel rank's batch into microbatches and set, before each one's
+    forward, whether its backward reduces gradients over the data-parallel ranks (module
+    docstring): every reduction a replica needs runs in the last microbatch's backward,
+    FSDP's reduce-scatters in each. Whatever happens in the loop (an exception, a
+    ``break``), every engine reduces again afterwards, as without this helper.
+
+    Args:
+        model: the result of :func:`graphopt.parallelize` (pp = 1), or any module (then
+            nothing is switched, the batch is only split).
+        tensors: [B, ...] tensors split together along dim 0 (input_ids, labels, ...).
+        size: sequences per microbatch; default the plan's ``microbatch``.
+    Yields:
+        the microbatches in order: one tensor [size, ...] (the last may be smaller, as
+        ``torch.split``), or a tuple when several tensors were given.
+    Raises:
+        ConfigError: no tensor, tensors of different batch sizes, size < 1 (or no size and
+            no plan), or a PipelinedModel (its ``step`` microbatches itself).
+    """
+    report = getattr(model, "graphopt_parallel", None)
+    plan = getattr(report, "parallel_plan", None)
+    if getattr(model, "parts", None) is not None:
+        raise ConfigError("microbatches() is for pp = 1: a PipelinedModel splits the batch "
+                          "itself; call model.step(input_ids) with the whole local batch")
+    if size is None:
+        if plan is None:
+            raise ConfigError("microbatches() needs size= for a model graphopt.parallelize "
+                              "did not shard (it reads the plan's microbatch otherwise)")
+        size = plan.microbatch
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"microbatch size must be an int >= 1, got {size!r}")
+    if not tensors or any(not isinstance(t, torch.Tensor) or t.dim() == 0 for t in tensors):
+        raise ConfigError("microbatches() takes one or more [B, ...] tensors to split "
+                          "along dim 0")
+    batch = tensors[0].shape[0]
+    if any(t.shape[0] != batch for t in tensors):
+        raise ConfigError("microbatches(): the tensors' batch sizes differ: "
+                          f"{[t.shape[0] for t in tensors]}")
+    parts = list(zip(*(t.split(size) for t in tensors)))
+    replicas, sharded = _dp_engines(model)
+    try:
+        for i, part in enumerate(parts):
+            _set_sync(replicas, sharded, i == len(parts) - 1)
+            yield part[0] if len(tensors) == 1 else part
+    finally:
+        _set_sync(replicas, sharded, True)

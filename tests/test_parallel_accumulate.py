@@ -1,0 +1,178 @@
+"""Gradient accumulation over microbatches (graphopt.parallel.microbatches) on real gloo
+process groups, float64: the accumulated gradients equal one process's, and the data-parallel
+collectives each engine issues, counted with torch.profiler, are the ones
+graphopt.planner.perf prices (per microbatch or once per step; tests/test_planner.py
+-k per_microbatch checks the model side). Under PP, torch's schedules hold FSDP's unsharded
+gradients until the last backward, as the planner's memory now counts."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from graphopt.distributed import run_distributed
+from graphopt.errors import ConfigError
+from graphopt.planner.plan import ParallelPlan
+
+M = 4  # microbatches of 2 sequences per DP rank
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _loss(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _collectives(fn) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return dict(collections.Counter(e.name.removeprefix("c10d::") for e in prof.events()
+                                    if e.name.startswith("c10d::")))
+
+
+def _unsharded_grads(part) -> int:
+    """Elements of FSDP's unsharded gradients held in ``part`` now."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = 0
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    grad = getattr(fp, "unsharded_accumulated_grad", None)
+                    if grad is None and getattr(fp, "_unsharded_param", None) is not None:
+                        grad = fp._unsharded_param.grad
+                    held += grad.numel() if grad is not None else 0
+    return held
+
+
+def _run(name: str, kw: dict) -> dict:
+    """One plan on this rank: the helper's and the plain loop's collectives, the helper's
+    largest gradient error against one process, FSDP units, pp stage."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, microbatches, parallelize
+
+    plan = ParallelPlan(microbatch=2, **kw)
+    torch.manual_seed(0)
+    ref = build_model(name, dtype=torch.float64)
+    mesh = build_mesh(plan)
+    model = parallelize(copy.deepcopy(ref), plan, mesh)
+    ids = torch.randint(0, 256, (2 * M * plan.dp, 16), generator=torch.Generator().manual_seed(1))
+    local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+    out: dict = {"units": sum(isinstance(m, FSDPModule) for m in model.modules())}
+    if plan.pp > 1:
+        part = model.parts[0]
+        out["stage"], out["stage_numel"] = part.index, sum(p.numel() for p in part.parameters())
+        held: list[int] = []
+        for layer in part.layers.values():  # before each forward: what the backwards left
+            layer.register_forward_pre_hook(lambda *_: held.append(_unsharded_grads(part)))
+        with pytest.raises(ConfigError, match="PipelinedModel"):
+            next(microbatches(model, local))
+        out["helper"] = _collectives(lambda: model.step(local))
+        out["held"] = held
+        return out
+
+    def helper() -> None:
+        for mb in microbatches(model, local):
+            (_loss(model, mb) * len(mb) / len(local)).backward()
+
+    def plain() -> None:
+        for mb in local.split(plan.microbatch):
+            (_loss(model, mb) * len(mb) / len(local)).backward()
+
+    _loss(model, local[:plan.microbatch]).backward()  # first-step work (DDP's bucket
+    model.zero_grad()                                   # rebuild, EP's schedule pick) done
+    out["helper"] = _collectives(helper)
+    _loss(ref, ids).backward()
+    from tests.test_parallel import _held
+
+    report = model.graphopt_parallel
+    out["grad_err"] = max(float((_full(p.grad) - _held(n, r.grad, report)).abs().max())
+                          for (n, p), r in zip(model.named_parameters(), ref.parameters()))
+    model.zero_grad()
+    out["plain"] = _collectives(plain)
+    # a loop left early reduces again afterwards
+    for _ in microbatches(model, local):
+        break
+    model.zero_grad()
+    out["restored"] = _collectives(lambda: _loss(model, local[:plan.microbatch]).backward())
+    out["expert_params"] = 2 * len(report.experts)  # gate_up_proj, down_proj
+    return out
+
+
+def _worker(rank: int, world: int, runs: list) -> list:
+    return [_run(name, kw) for name, kw in runs]
+
+
+RUNS_2 = [("llama", dict(dp_replicate=2)), ("llama", dict(dp_shard=2, zero_stage=2)),
+          ("llama", dict(dp_shard=2, zero_stage=3))]
+RUNS_4 = [("llama", dict(dp_replicate=2, dp_shard=2, zero_stage=3)),
+          ("llama", dict(dp_replicate=2, tp=2)),
+          ("mixtral", dict(dp_shard=4, ep=2, zero_stage=0)),
+          ("llama", dict(pp=2, dp_shard=2, zero_stage=3))]
+
+
+def test_replicas_reduce_once_fsdp_every_microbatch():
+    ddp, zero2, zero3 = run_distributed(_worker, 2, RUNS_2)[0]
+    for run in (ddp, zero2, zero3):
+        assert run["grad_err"] < 1e-15
+    # DDP: its buckets all-reduced in the last microbatch only; a loop left early restored
+    buckets = ddp["helper"]["allreduce_"]
+    assert ddp["plain"]["allreduce_"] == M * buckets
+    assert ddp["restored"]["allreduce_"] == buckets
+    # FSDP: every microbatch reduce-scatters each unit; ZeRO-2 gathers once per forward,
+    # ZeRO-3 in forward and backward (what perf._dp_sync prices)
+    for run, gathers in ((zero2, 1), (zero3, 2)):
+        for counts in (run["helper"], run["plain"]):
+            assert counts["_reduce_scatter_base_"] == M * run["units"]
+            assert counts["_allgather_base_"] == gathers * M * run["units"]
+
+
+def test_hsdp_all_reduces_once_and_pipeline_holds_unsharded_gradients():
+    hsdp, tp, moe, pp = run_distributed(_worker, 4, RUNS_4)[0]
+    for run in (hsdp, tp, moe):
+        assert run["grad_err"] < 1e-15
+    # HSDP: reduce-scatter every microbatch, the all-reduce across replicas once
+    assert hsdp["helper"]["_reduce_scatter_base_"] == M * hsdp["units"]
+    assert hsdp["helper"]["allreduce_"] == hsdp["units"]
+    assert hsdp["plain"]["allreduce_"] == M * hsdp["units"]
+    # FSDP2 replicate under TP: fewer all-reduces with the helper (TP's own stay)
+    assert 0 < tp["plain"]["allreduce_"] - tp["helper"]["allreduce_"]
+    # experts reduced by their hook in every microbatch: the dense DDP's saving only
+    hooks = moe["expert_params"]
+    assert moe["helper"]["allreduce_"] - moe["restored"]["allreduce_"] == (M - 1) * hooks
+    assert moe["plain"]["allreduce_"] - moe["helper"]["allreduce_"] == \
+        (M - 1) * (moe["restored"]["allreduce_"] - hooks)
+    # PP: one reduce-scatter per unit per step; ZeRO-3 gathers in each backward and in the
+    # warm-up forwards (m + min(m, pp - stage)); the stage's whole gradient held unsharded
+    # from the first backward to the last
+    warmup = min(M, 2 - pp["stage"])
+    assert pp["helper"]["_reduce_scatter_base_"] == pp["units"]
+    assert pp["helper"]["_allgather_base_"] == (M + warmup) * pp["units"]
+    assert pp["held"][:warmup] == [0] * warmup
+    assert pp["held"][-1] == pp["stage_numel"]
+
+
+def test_microbatches_refuses_bad_input():
+    from graphopt.parallel import microbatches
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="size="):
+        next(microbatches(model, torch.zeros(4, 2)))
+    with pytest.raises(ConfigError, match="batch sizes differ"):
+        next(microbatches(model, torch.zeros(4, 2), torch.zeros(3, 2), size=2))
+    with pytest.raises(ConfigError, match=">= 1"):
+        next(microbatches(model, torch.zeros(4, 2), size=0))
+    parts = list(microbatches(model, torch.arange(5), torch.arange(5) * 2, size=2))
+    assert [p[0].tolist() for p in parts] == [[0, 1], [2, 3], [4]]
+    assert [p[1].tolist() for p in parts] == [[0, 2], [4, 6], [8]]
