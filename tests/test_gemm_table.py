@@ -92,7 +92,7 @@ def test_tp_shards_are_priced_at_their_own_shape():
 def test_fp32_models_are_not_priced_by_the_bf16_table():
     model = plan_model("llama3-8b", 2048, H100, torch.float32, overrides=SMALL)
     plain = dataclasses.replace(H100, device=dataclasses.replace(H100.device, gemm_table=""))
-    plan = ParallelPlan(tp=4)
+    plan = ParallelPlan(tp=2)
     assert evaluate(plan, model, H100, 8).step_s == evaluate(plan, model, plain, 8).step_s
 
 

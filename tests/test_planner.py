@@ -397,8 +397,8 @@ def test_selective_recompute_and_uneven_stages_in_the_search():
     assert stage_layouts(126, 16)[0] == (7,) + (8,) * 14 + (7,)
     assert stage_layouts(32, 4) == [(), (7, 9, 9, 7)]
     even, light = (evaluate(ParallelPlan(dp_shard=2, pp=4, stage_layers=st), model, H100, 64)
-                   for st in ((), (7, 8, 8, 7)))
-    assert light.step_s < even.step_s  # 30 layers: 8/8/7/7 vs the head on the 7-layer end
+                   for st in ((7, 7, 8, 8), (7, 8, 8, 7)))
+    assert light.step_s < even.step_s  # 30 layers: the head on an 8- vs a 7-layer end
     problems = " ".join(ParallelPlan(pp=4, stage_layers=(8, 8, 8)).problems(layers=30))
     assert "stage_layers has 3 entries; pp is 4" in problems
     assert "add up to 24 layers, the model has 30" in problems
@@ -1147,3 +1147,15 @@ def test_pipeline_with_fsdp_holds_unsharded_gradients_until_the_last_backward():
     assert states(3, 2) - states(1, 2) == pytest.approx(states(1, 2) * (2 / 8) / 5.5,
                                                         rel=1e-9)
     assert states(3, 1) < states(2, 1) < states(1, 1)  # without PP ZeRO keeps its savings
+
+
+def test_evaluate_refuses_a_plan_the_job_does_not_admit():
+    """evaluate() priced invalid plans without an error (its docstring said it assumed a
+    valid one): a batch the microbatches do not divide, EP on a dense model."""
+    model = plan_model("llama3-8b", 4096, H100)
+    with pytest.raises(ConfigError, match="global batch \\(6\\) must divide"):
+        evaluate(ParallelPlan(dp_shard=4, zero_stage=3), model, H100, 6)
+    with pytest.raises(ConfigError, match="no experts"):
+        evaluate(ParallelPlan(dp_shard=4, ep=2, zero_stage=3), model, H100, 8)
+    with pytest.raises(ConfigError, match="KV heads \\(8\\) must be divisible by tp \\(16\\)"):
+        evaluate(ParallelPlan(tp=16), model, H100, 8)

@@ -471,8 +471,17 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
 
 def evaluate(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfile, global_batch: int,
              dp_overlap: bool = True) -> Prediction:
-    """Predict one iteration of ``plan`` (see the module docstring). The plan is assumed
-    valid (:meth:`ParallelPlan.validate`)."""
+    """Predict one iteration of ``plan`` (see the module docstring) for ``model`` on
+    ``cluster`` at ``global_batch`` sequences.
+
+    Raises:
+        ConfigError: the plan is invalid for this job (:meth:`ParallelPlan.validate` with
+            the model's layers, heads, KV heads, experts and sequence and the global batch;
+            it was priced without an error before, e.g. a global batch the microbatches do
+            not divide, or ep > 1 on a dense model).
+    """
+    plan.validate(layers=model.layers, heads=model.heads, kv_heads=model.kv_heads,
+                  experts=model.experts, global_batch=global_batch, seq=model.seq)
     pred = evaluate_within(plan, model, cluster, global_batch, dp_overlap, math.inf)
     assert isinstance(pred, Prediction)
     return pred

@@ -305,8 +305,10 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
              and model.kv_heads % t == 0)
     capacity = USABLE_MEMORY * cluster.device.memory_bytes
     pps = [p for p in _divisors(devices // tp) if p <= model.layers]
-    pp = next((p for p in pps if evaluate(_megatron(devices, tp, p, model.layers), model,
-                                          cluster, global_batch).memory_bytes <= capacity),
+    # (memory probes, unvalidated: a plan the job does not admit is reported as such below)
+    pp = next((p for p in pps if isinstance(evaluate_within(
+        _megatron(devices, tp, p, model.layers), model, cluster, global_batch, True,
+        math.inf, capacity), Prediction)),
               pps[-1])  # none fits: the deepest, reported OOM
     ep = max((e for e in _divisors(devices) if model.experts and model.experts % e == 0
               and e <= node), default=1)
