@@ -891,3 +891,39 @@ def test_the_budget_base_counts_a_saved_views_whole_storage():
     budget(x).backward()
     assert _saved_activation_bytes(budget, params, x) <= 256 * 1024
     assert _remat_summary().action == "rewritten"
+
+
+def test_warm_cache_reports_the_joint_records_of_the_same_kind_of_graph(tmp_path,
+                                                                        monkeypatch):
+    """A training graph and the no_grad graph of the same code share Inductor's cache entry
+    code; their stored joint-pass records are keyed apart by the inputs' grad flags and the
+    training flag (a review saw a warm training graph report the no_grad graph's records)."""
+    from torch import fx
+
+    from graphopt import report as rep
+    from graphopt.pipeline import _joint_records_through_cache
+    from graphopt.report import CompileReport, PassRecord
+
+    monkeypatch.setattr(rep, "_joint_records_dir", lambda: tmp_path)
+    config = GraphoptConfig.from_options({"lowering": "inductor"})
+
+    def graph(training: bool) -> fx.GraphModule:
+        gm = fx.symbolic_trace(lambda x: x.sin())
+        for node in gm.graph.find_nodes(op="placeholder"):
+            node.meta["val"] = torch.empty(4, requires_grad=training)
+        return gm
+
+    def compile_report(training: bool, fresh: bool, delta: int) -> CompileReport:
+        r = CompileReport(graph_id=0, lowering="inductor", training=training)
+        if fresh:
+            r.graphs = {"joint" if training else "inference": 1}
+            r.passes = [PassRecord("remat", "joint", "joint", True, op_delta={"x": delta})]
+        _joint_records_through_cache(graph(training), config, r)
+        return r
+
+    compile_report(True, fresh=True, delta=1)   # cold: the training graph's records
+    compile_report(False, fresh=True, delta=2)  # then the no_grad graph's
+    warm_train, warm_infer = (compile_report(t, fresh=False, delta=0) for t in (True, False))
+    assert [p.op_delta for p in warm_train.passes] == [{"x": 1}]
+    assert [p.op_delta for p in warm_infer.passes] == [{"x": 2}]
+    assert any("stored when that entry was made" in n for n in warm_train.notes)
