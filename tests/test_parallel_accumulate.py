@@ -39,8 +39,8 @@ def _collectives(fn) -> dict[str, int]:
                                     if e.name.startswith("c10d::")))
 
 
-def _unsharded_grads(part) -> int:
-    """Elements of FSDP's unsharded gradients held in ``part`` now."""
+def _unsharded_grads(part, nbytes: bool = False) -> int:
+    """Elements (or bytes) of FSDP's unsharded gradients held in ``part`` now."""
     from torch.distributed.fsdp import FSDPModule
 
     held = 0
@@ -51,11 +51,12 @@ def _unsharded_grads(part) -> int:
                     grad = getattr(fp, "unsharded_accumulated_grad", None)
                     if grad is None and getattr(fp, "_unsharded_param", None) is not None:
                         grad = fp._unsharded_param.grad
-                    held += grad.numel() if grad is not None else 0
+                    if grad is not None:
+                        held += grad.numel() * (grad.element_size() if nbytes else 1)
     return held
 
 
-def _run(name: str, kw: dict) -> dict:
+def _run(name: str, kw: dict, mixed_precision: str | None = None) -> dict:
     """One plan on this rank: the helper's and the plain loop's collectives, the helper's
     largest gradient error against one process, FSDP units, pp stage."""
     from torch.distributed.fsdp import FSDPModule
@@ -65,9 +66,9 @@ def _run(name: str, kw: dict) -> dict:
 
     plan = ParallelPlan(microbatch=2, **kw)
     torch.manual_seed(0)
-    ref = build_model(name, dtype=torch.float64)
+    ref = build_model(name, dtype=torch.float32 if mixed_precision else torch.float64)
     mesh = build_mesh(plan)
-    model = parallelize(copy.deepcopy(ref), plan, mesh)
+    model = parallelize(copy.deepcopy(ref), plan, mesh, mixed_precision=mixed_precision)
     ids = torch.randint(0, 256, (2 * M * plan.dp, 16), generator=torch.Generator().manual_seed(1))
     local = ids.chunk(plan.dp)[mesh["dp"].get_local_rank()]
     out: dict = {"units": sum(isinstance(m, FSDPModule) for m in model.modules())}
@@ -76,7 +77,8 @@ def _run(name: str, kw: dict) -> dict:
         out["stage"], out["stage_numel"] = part.index, sum(p.numel() for p in part.parameters())
         held: list[int] = []
         for layer in part.layers.values():  # before each forward: what the backwards left
-            layer.register_forward_pre_hook(lambda *_: held.append(_unsharded_grads(part)))
+            layer.register_forward_pre_hook(
+                lambda *_: held.append(_unsharded_grads(part, nbytes=bool(mixed_precision))))
         with pytest.raises(ConfigError, match="PipelinedModel"):
             next(microbatches(model, local))
         out["helper"] = _collectives(lambda: model.step(local))
@@ -142,7 +144,7 @@ def _run(name: str, kw: dict) -> dict:
 
 
 def _worker(rank: int, world: int, runs: list) -> list:
-    return [_run(name, kw) for name, kw in runs]
+    return [_run(*run) for run in runs]
 
 
 RUNS_2 = [("llama", dict(dp_replicate=2)), ("llama", dict(dp_shard=2, zero_stage=2)),
@@ -150,7 +152,8 @@ RUNS_2 = [("llama", dict(dp_replicate=2)), ("llama", dict(dp_shard=2, zero_stage
 RUNS_4 = [("llama", dict(dp_replicate=2, dp_shard=2, zero_stage=3)),
           ("llama", dict(dp_replicate=2, tp=2)),
           ("mixtral", dict(dp_shard=4, ep=2, zero_stage=0)),
-          ("llama", dict(pp=2, dp_shard=2, zero_stage=3))]
+          ("llama", dict(pp=2, dp_shard=2, zero_stage=3)),
+          ("llama", dict(pp=2, dp_shard=2, zero_stage=2), "bf16")]
 
 
 def test_replicas_reduce_once_fsdp_every_microbatch():
@@ -171,7 +174,7 @@ def test_replicas_reduce_once_fsdp_every_microbatch():
 
 
 def test_hsdp_all_reduces_once_and_pipeline_holds_unsharded_gradients():
-    hsdp, tp, moe, pp = run_distributed(_worker, 4, RUNS_4)[0]
+    hsdp, tp, moe, pp, pp_bf16 = run_distributed(_worker, 4, RUNS_4)[0]
     for run in (hsdp, tp, moe):
         assert max(run["grad_err"], run["after_early_err"], run["after_held_err"]) < 1e-15
         assert run["early_warned"]
@@ -194,6 +197,9 @@ def test_hsdp_all_reduces_once_and_pipeline_holds_unsharded_gradients():
     assert pp["helper"]["_allgather_base_"] == (M + warmup) * pp["units"]
     assert pp["held"][:warmup] == [0] * warmup
     assert pp["held"][-1] == pp["stage_numel"]
+    # bf16 mixed precision: held in FSDP2's float32 reduce dtype, 4 bytes per parameter
+    # (what graphopt.planner.perf._states_total counts)
+    assert pp_bf16["held"][-1] == 4 * pp_bf16["stage_numel"]
 
 
 def test_microbatches_refuses_bad_input():

@@ -68,7 +68,8 @@ memory (even stages: the first, second and last are priced; uneven: all):
              first, the LM head on the last; graphopt.cost.memory.model_state_bytes in the
              model's dtype: bf16 2 + 2 + 12 bytes per parameter, fp32 4 + 4 + 8; ZeRO over
              dp_shard x cp, the experts' over edp_shard; under pp > 1 with ZeRO-2/3 the
-             stage's gradients unsharded and ZeRO-3's parameters gathered as well: torch's
+             stage's gradients unsharded (float32 under mixed precision: FSDP2 accumulates
+             them in its reduce dtype) and ZeRO-3's parameters gathered as well: torch's
              schedules run FSDP without gradient sync until the last backward, measured in
              tests/test_parallel_accumulate.py) + saved activations of
              min(m, pp - i) in-flight microbatches on stage i (x (1 + (pp-1)/(pp v))
@@ -192,13 +193,16 @@ def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool) -
     """Bytes of ``params`` parameters' states on a device (model_state_bytes' total, ZeRO
     stage ``zero`` over ``dp`` ranks); with ``pipelined`` (pp > 1) and ZeRO-2/3 also what
     torch's pipeline schedules hold until the step's last backward, where FSDP runs without
-    gradient sync: the unsharded gradients and, under ZeRO-3, the parameters gathered by
-    each backward (measured: tests/test_parallel_accumulate.py). Cached: a search asks for
-    the same few hundred thousand times."""
+    gradient sync: the unsharded gradients, accumulated in float32 under mixed precision
+    (FSDP2's MixedPrecisionPolicy reduce_dtype, as graphopt.parallel applies it: 4 bytes
+    per parameter where the model's dtype has 2; a review measured 4.0), in place of the
+    sharded ones, and under ZeRO-3 the parameters gathered by each backward (measured:
+    tests/test_parallel_accumulate.py). Cached: a search asks for the same few hundred
+    thousand times."""
     total = model_state_bytes(params, param_bytes=nb, grad_bytes=nb, zero_stage=zero,
                               dp=dp).total
     if pipelined and zero >= 2:
-        total += params * nb * ((zero == 3) + 1 - 1 / dp)
+        total += params * (max(nb, 4) - nb / dp + nb * (zero == 3))
     return total
 
 
