@@ -33,7 +33,10 @@ overflows.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -141,12 +144,31 @@ def _setup(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                   _segments(n_full, tail, block_size, checkpoint_every), {})
 
 
+def _without_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` (its first argument a tensor) with autocast off on that tensor's device:
+    the math is promised in the accumulation dtype, and a caller's bf16 autocast region
+    (graphopt.parallel's mixed precision) made eager calls round every matmul to bf16 (a
+    review: outputs and states 6.0e-3 / 3.5e-3 off instead of 2e-7, and the backward,
+    outside autocast, no longer the forward's gradient), while compiled calls were exact."""
+    @functools.wraps(fn)
+    def run(first: Tensor, *args: Any, **kwargs: Any) -> Any:
+        device = first.device.type
+        if device in ("cpu", "cuda", "xpu", "npu", "mps") and \
+                torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return fn(first, *args, **kwargs)
+        return fn(first, *args, **kwargs)
+    return run
+
+
+@_without_autocast
 def chunked_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                     initial_state: Tensor | None, block_size: int,
                     checkpoint_every: int) -> tuple[Tensor, Tensor, Tensor]:
     """Equation (2)-(3) over all blocks. q/k/v [B, H, S, D|Dv] with equal H (GQA expanded
     by the caller), any dtype; returns (o [B, H, S, Dv] accumulation dtype, final state
-    [B, H, D, Dv], checkpoints [B, H, ceil(N / r), D, Dv]: states at segment starts)."""
+    [B, H, D, Dv], checkpoints [B, H, ceil(N / r), D, Dv]: states at segment starts). Runs
+    with autocast off (:func:`_without_autocast`)."""
     bsz, heads, seq, _ = q.shape
     dv = v.shape[-1]
     setup = _setup(q, k, v, slope, scale, initial_state, block_size, checkpoint_every)
@@ -167,6 +189,7 @@ def chunked_forward(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float
     return out, state, torch.stack(checkpoints, dim=2)
 
 
+@_without_autocast
 def chunked_backward(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor,
                      v: Tensor, slope: Tensor, scale: float, checkpoints: Tensor,
                      block_size: int, checkpoint_every: int, need_slope_grad: bool,

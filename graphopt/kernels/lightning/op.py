@@ -686,7 +686,8 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, cu_seqlens: Tensor,
     if q.shape[2] > 2**31 - 1:  # the chunk table and kernels index tokens in int32
         raise ValueError(f"packed sequences take at most 2^31 - 1 tokens in all, got "
                          f"T = {q.shape[2]}: split the batch")
-    if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(cu_seqlens):
+    if isinstance(cu_seqlens, torch.Tensor) and not torch.compiler.is_compiling() and \
+            torch._C._functorch.is_batchedtensor(cu_seqlens):  # (a list: _check_cu_seqlens)
         raise ValueError("cu_seqlens is batched by vmap, but every call takes one packing: "
                          "vmap over q, k, v (and the initial state) with one cu_seqlens, or "
                          "loop over the packings")
