@@ -487,3 +487,59 @@ def test_a_model_level_top_k_is_reported_as_feeding_no_experts_module():
     assert [s.action for s in sites].count("rewritten") == 1, sites
     (aux,) = [s for s in sites if s.action == "skipped"]
     assert "outside any module" in aux.reason and "load-balancing loss" in aux.reason
+
+
+class _VariantExperts(_PlusOneExperts):
+    """SwiGLU experts with transformers' interface whose routing weights go through
+    ``variant`` before the weighted sum."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, x, idx, w):  # type: ignore[no-untyped-def]
+        k = idx.shape[-1]
+        rows = x.repeat_interleave(k, dim=0)
+        flat = idx.reshape(-1)
+        gu = torch.bmm(self.gate_up_proj[flat], rows.unsqueeze(-1)).squeeze(-1)
+        g, u = gu.chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        ww = w.reshape(-1, 1)
+        if self.variant == "relu":  # invisible on positive weights
+            ww = torch.relu(ww)
+        elif self.variant == "half_gradient":  # the same forward, half the router gradient
+            ww = ww.detach() + (ww - ww.detach()) * 0.5
+        elif self.variant == "detach":
+            ww = ww.detach()
+        return (y * ww).view(x.shape[0], k, -1).sum(1)
+
+
+class _RawRouterBlock(torch.nn.Module):
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 4, bias=False)
+        self.experts = _VariantExperts(variant)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        w, i = torch.topk(self.gate(x), 2, dim=-1)  # raw logits: weights may be negative
+        return self.experts(x, i, w)
+
+
+@pytest.mark.parametrize("variant,reason", [
+    ("plain", None), ("relu", "probe mismatch"),
+    ("half_gradient", "not their gradient"), ("detach", "not their gradient")])
+def test_probes_see_signed_weights_and_the_backward(variant, reason):
+    """A review got relu(weights) experts (raw-logit routing) rewritten, since the probes
+    drew positive weights only (output 0.9 off), and a gradient-scaling trick with the same
+    forward (2x the router gradient). Probes draw signed weights and compare one VJP."""
+    torch.manual_seed(0)
+    block = _RawRouterBlock(variant).double()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    _, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    if reason is None:
+        assert record.modified and _sites(record, "rewritten")
+    else:
+        assert not record.modified
+        (site,) = _sites(record, "skipped")
+        assert reason in site.reason, site.reason

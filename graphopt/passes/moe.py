@@ -249,7 +249,10 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
         if kind == "large":  # real hidden states are normed and scaled: 30x a unit probe
             hidden = hidden * 30
         hidden = hidden.to(device, h.dtype)
-        weights = torch.rand(t, k, generator=gen).to(device, w.dtype)
+        # signed: the op is linear in the routing weights, and transforms invisible on
+        # positive ones (relu, abs of the weights; a review got both rewritten, output 0.9
+        # and 1.8 off) must show
+        weights = (torch.rand(t, k, generator=gen) * 2 - 1).to(device, w.dtype)
         probes.append((hidden, index.to(device, idx.dtype), weights, *weights_set))
     return probes
 
@@ -302,6 +305,44 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
                 atol=tolerance * max(scale, 1e-6)):
             raise Skip(f"experts module {region.path} does not compute SwiGLU experts "
                        "(probe mismatch)")
+    # the backward too, on one probe at float32 precision or better: a region with the same
+    # forward and another backward (w.detach() + (w - w.detach()) * 0.5, a gradient-scaling
+    # trick) was rewritten to the op's true gradient (a review: 2x the router gradient)
+    first = next((c for c in checks if c[2] <= 1e-4), None)  # none: no tokens to probe
+    if first is not None and not _same_vjp(*first):
+        raise Skip(f"experts module {region.path} computes SwiGLU experts forward but not "
+                   "their gradient (a gradient transform in the region, e.g. detach or "
+                   "gradient scaling; probe mismatch in the backward)")
+
+
+def _same_vjp(region_fn: fx.GraphModule, probe: tuple[torch.Tensor, ...],
+              tolerance: float) -> bool:
+    """Whether the region's and graphopt's op's vector-Jacobian products agree on ``probe``
+    (tokens, index, weights, gate_up, down) for a random cotangent, with respect to the
+    tokens, routing weights and both expert weights."""
+    from graphopt.kernels.moe.op import moe_experts_op
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.enable_grad():
+        results = []
+        for fn in (region_fn, lambda *a: moe_experts_op(*a, -1.0, 1, "", "flat", 1, 1)[0]):
+            inputs = [t.detach().clone().requires_grad_(t.is_floating_point())
+                      for t in probe]
+            out = fn(*inputs)
+            if not out.requires_grad:
+                return False
+            cot = torch.randn(out.shape, generator=gen).to(out)
+            diff = [t for t in inputs if t.requires_grad]
+            grads = torch.autograd.grad(out, diff, cot, allow_unused=True)
+            results.append([torch.zeros_like(t) if g is None else g
+                            for t, g in zip(diff, grads)])
+            gen.manual_seed(1)  # the same cotangent for both
+    for want, got in zip(*results):
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        if not torch.allclose(got.double(), want.double(), rtol=tolerance,
+                              atol=tolerance * max(scale, 1e-6)):
+            return False
+    return True
 
 
 @register_pass
