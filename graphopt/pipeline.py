@@ -188,6 +188,12 @@ def _model_stage(gm: fx.GraphModule, captured: Capture, runner: PassRunner,
             return passed, snapshots
         fallback = (f"model passes ({', '.join(runner.ran)}) changed the graph's outputs: "
                     f"{problem}; their rewrites are dropped (please report this bug)")
+        for record in report.passes:  # the sites' records say so too (a review read
+            if record.stage == "pre_autograd":  # "rewritten" for dropped rewrites)
+                for site in record.sites:
+                    if site.action == "rewritten":
+                        site.action = "skipped"
+                        site.reason = f"rewrite dropped: {problem}; was: {site.reason}"
     report.fallback = fallback
     warnings.warn(f"graphopt: model passes skipped for this graph: {fallback}. It runs as "
                   "backend='aot_eager' would (joint passes still run); see "

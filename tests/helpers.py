@@ -270,3 +270,24 @@ def run_interpreted(script: str, timeout: int = 600) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")
 
+
+
+@register_pass
+@dataclass(frozen=True)
+class DetachOutputPass(GraphPass):
+    """Records a rewrite that detaches the first output: the pipeline's gradient-path
+    check must drop it (tests/test_capture.py)."""
+
+    name = "test_detach_output"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        first = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            detached = gm.graph.call_function(aten.detach.default, (first,))
+        detached.meta = dict(first.meta)
+        out.args = ((detached, *out.args[0][1:]),)
+        ctx.record("rewritten", site_name(first), "detached (test-only, wrong)")
+        return PassResult(gm, True)

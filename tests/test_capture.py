@@ -592,3 +592,23 @@ def test_torch_func_transforms_inside_a_compiled_function_compile_and_leave_hook
     assert "functorch" in (graphopt.last_report().fallback or "")
     assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None
     checkpoint(torch.sin, w, use_reentrant=False).sum().backward()
+
+
+def test_dropped_rewrites_are_not_reported_as_rewritten():
+    """When the pipeline drops the model passes' rewrites (here a test pass that loses a
+    gradient path), their site records say so: a review read "rewritten" for rewrites
+    that had been dropped."""
+    import tests.helpers  # noqa: F401  (registers test_detach_output)
+
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    model = nn.Linear(4, 4).double()
+    compiled = torch.compile(model, backend="graphopt",
+                             options={**EAGER, "enable": ["test_detach_output"]})
+    with pytest.warns(FallbackWarning, match="requires_grad=False, expected True"):
+        out = compiled(_x(2, 4))
+    assert out.requires_grad
+    (report,) = [r for r in graphopt.reports() if r.status == "compiled"]
+    (record,) = [p for p in report.passes if p.name == "test_detach_output"]
+    assert [s.action for s in record.sites] == ["skipped"]
+    assert record.sites[0].reason.startswith("rewrite dropped: output 0 has requires_grad")
