@@ -236,3 +236,51 @@ def test_tensor_parallel_experts_state_copies_in_memory_and_async_save_says_why_
         assert experts and err == 0, err
         assert "async_save" in refused and "torch.distributed.checkpoint.save" in refused, \
             refused
+
+
+def _scheduler_and_warm_up_worker(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import ModelState, OptimizerState, build_mesh, build_optimizer
+
+    out = {}
+    for kw, resume in ((dict(dp_shard=2, zero_stage=1), False),
+                       (dict(dp_shard=2, zero_stage=3), True)):
+        plan = ParallelPlan(**kw)
+        mesh = build_mesh(plan)
+        model = graphopt.parallelize(build_model("llama", torch.float64), plan, mesh)
+        opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2)
+        state = {"model": ModelState(model), "optimizer": OptimizerState(model, opt)}
+        if resume:  # a warm-up backward before loading: gradients present, zeroed
+            plan_backward(model, plan, mesh)
+            opt.zero_grad(set_to_none=False)
+            dcp.load(state, checkpoint_id=f"{root}/zero1")
+            out["lr"] = opt.param_groups[0]["lr"]
+            out["steps"] = sorted({float(s["step"]) for s in opt.state.values()})
+            out["states"] = len(opt.state)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            for _ in range(2):
+                plan_backward(model, plan, mesh)
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+            out["saved_lr"] = opt.param_groups[0]["lr"]
+            dcp.save(state, checkpoint_id=f"{root}/zero1")
+    out["params"] = len(list(model.parameters()))
+    return out
+
+
+def test_zero1_saves_the_schedulers_learning_rate_and_a_warm_up_backward_keeps_the_load(
+        tmp_path):
+    """Two silently wrong resumes found by a review: ZeroRedundancyOptimizer copies its
+    hyperparameters into its local optimizer only when it steps, so a ZeRO-1 checkpoint held
+    the learning rate of the step before the scheduler's (0.005 for 0.00333; parameters
+    4e-3 off after the resume); and a fresh optimizer whose parameters had gradients (a
+    warm-up backward before loading) loaded no states at all (Adam's step 2 for 4)."""
+    for result in run_distributed(_scheduler_and_warm_up_worker, 2, str(tmp_path)):
+        assert result["saved_lr"] == pytest.approx(1e-2 / 3)
+        assert result["lr"] == pytest.approx(1e-2 / 3)
+        assert result["steps"] == [2.0] and result["states"] == result["params"]

@@ -37,7 +37,7 @@ def _worker(rank, world, runs):
     from graphopt.parallel import build_mesh, clip_grad_norm_, grad_norm
 
     out = []
-    for name, overrides, kw in runs:
+    for i, (name, overrides, kw) in enumerate(runs):
         plan = ParallelPlan(**kw)
         mesh = build_mesh(plan)
         ref = build_model(name, torch.float64, **overrides)
@@ -47,7 +47,8 @@ def _worker(rank, world, runs):
         inf = grad_norm(model, float("inf"))
         want_inf = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()],
                                                  float("inf"))
-        two = clip_grad_norm_(model, max_norm=0.5)
+        # torch's foreach argument, both ways (a review: it was a TypeError)
+        two = clip_grad_norm_(model, max_norm=0.5, foreach=i % 2 == 0)
         want_two = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
         grad_err = max(float((got - want).abs().max()) for _, got, want in held_grads(model, ref))
         out.append((name, kw, float(two), float(want_two), float(inf), float(want_inf),

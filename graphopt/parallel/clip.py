@@ -174,7 +174,8 @@ def _tied_copy(model: nn.Module) -> Any:
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
     """Scale this rank's gradients of a parallelized ``model`` in place so that the whole
     model's gradient norm is at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s
     coefficient ``min(1, max_norm / (norm + 1e-6))``, the same on every rank). Collective.
@@ -184,6 +185,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         max_norm: the largest allowed norm (same units as the gradients).
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
         error_if_nonfinite: raise if the norm is nan or inf (as torch's).
+        foreach: as torch's (None: its default): scale the gradients with the foreach
+            kernels (``torch._foreach_mul_``) or one by one; the result is the same.
     Returns:
         The norm before clipping (float64 scalar, equal on every rank).
     Raises:
@@ -195,10 +198,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"{float(total)}: non-finite, so they cannot be clipped")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            g = param.grad
+            local = g.to_local() if hasattr(g, "to_local") else g
+            groups.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
-        for param in model.parameters():
-            if param.grad is not None:
-                g = param.grad
-                local = g.to_local() if hasattr(g, "to_local") else g
-                local.mul_(coef.to(local.dtype))
+        for (device, dtype), grads in groups.items():
+            scale = coef.to(device, dtype)
+            if foreach or (foreach is None and device.type != "cpu"):
+                torch._foreach_mul_(grads, scale)
+            else:
+                for local in grads:
+                    local.mul_(scale)
     return total
