@@ -430,14 +430,19 @@ class _PlusOneExperts(torch.nn.Module):
         self.gate_up_proj = torch.nn.Parameter(torch.randn(e, 2 * f, h) / h ** 0.5)
         self.down_proj = torch.nn.Parameter(torch.randn(e, h, f) / f ** 0.5)
 
-    def forward(self, x, idx, w):  # type: ignore[no-untyped-def]
+    def expert_rows(self, x, idx, up_shift: float):  # type: ignore[no-untyped-def]
+        """Each (token, k) row's expert output, silu(g) * (up + up_shift) (unweighted)."""
         k = idx.shape[-1]
         rows = x.repeat_interleave(k, dim=0)
         flat = idx.reshape(-1)
         gu = torch.bmm(self.gate_up_proj[flat], rows.unsqueeze(-1)).squeeze(-1)
         g, u = gu.chunk(2, dim=-1)
-        y = torch.bmm(self.down_proj[flat], (F.silu(g) * (u + 1.0)).unsqueeze(-1)).squeeze(-1)
-        return (y * w.reshape(-1, 1)).view(x.shape[0], k, -1).sum(1)
+        act = F.silu(g) * (u + up_shift) if up_shift else F.silu(g) * u
+        return torch.bmm(self.down_proj[flat], act.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, x, idx, w):  # type: ignore[no-untyped-def]
+        y = self.expert_rows(x, idx, 1.0)
+        return (y * w.reshape(-1, 1)).view(x.shape[0], idx.shape[-1], -1).sum(1)
 
 
 class _PlusOneBlock(torch.nn.Module):
@@ -499,11 +504,7 @@ class _VariantExperts(_PlusOneExperts):
 
     def forward(self, x, idx, w):  # type: ignore[no-untyped-def]
         k = idx.shape[-1]
-        rows = x.repeat_interleave(k, dim=0)
-        flat = idx.reshape(-1)
-        gu = torch.bmm(self.gate_up_proj[flat], rows.unsqueeze(-1)).squeeze(-1)
-        g, u = gu.chunk(2, dim=-1)
-        y = torch.bmm(self.down_proj[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        y = self.expert_rows(x, idx, 0.0)
         ww = w.reshape(-1, 1)
         if self.variant == "relu":  # invisible on positive weights
             ww = torch.relu(ww)
