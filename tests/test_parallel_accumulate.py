@@ -143,8 +143,25 @@ def _run(name: str, kw: dict, mixed_precision: str | None = None) -> dict:
     return out
 
 
+def _uneven(rank: int) -> str:
+    """7 sequences over 4 FSDP ranks in microbatches of 1: 2, 2, 2 and 1 microbatches (a
+    review: a hang in FSDP's collectives). Every rank gets the ConfigError."""
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, microbatches, parallelize
+
+    plan = ParallelPlan(dp_shard=4, zero_stage=3, microbatch=1)
+    model = parallelize(build_model("llama", dtype=torch.float64), plan, build_mesh(plan))
+    local = torch.zeros(2 if rank < 3 else 1, 8, dtype=torch.long)
+    try:
+        microbatches(model, local)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
 def _worker(rank: int, world: int, runs: list) -> list:
-    return [_run(*run) for run in runs]
+    out = [_run(*run) for run in runs]
+    return out + [_uneven(rank)] if world == 4 else out
 
 
 RUNS_2 = [("llama", dict(dp_replicate=2)), ("llama", dict(dp_shard=2, zero_stage=2)),
@@ -174,21 +191,26 @@ def test_replicas_reduce_once_fsdp_every_microbatch():
 
 
 def test_hsdp_all_reduces_once_and_pipeline_holds_unsharded_gradients():
-    hsdp, tp, moe, pp, pp_bf16 = run_distributed(_worker, 4, RUNS_4)[0]
+    ranks = run_distributed(_worker, 4, RUNS_4)
+    hsdp, tp, moe, pp, pp_bf16, _ = ranks[0]
+    # uneven batches over FSDP ranks: refused on every rank, not a hang
+    assert all("run 1 to 2 microbatches" in r[-1] for r in ranks), [r[-1] for r in ranks]
     for run in (hsdp, tp, moe):
         assert max(run["grad_err"], run["after_early_err"], run["after_held_err"]) < 1e-15
         assert run["early_warned"]
     # HSDP: reduce-scatter every microbatch, the all-reduce across replicas once
     assert hsdp["helper"]["_reduce_scatter_base_"] == M * hsdp["units"]
-    assert hsdp["helper"]["allreduce_"] == hsdp["units"]
+    check = 1  # microbatches()' all-reduce of the ranks' microbatch counts (FSDP, EP)
+    assert hsdp["helper"]["allreduce_"] == hsdp["units"] + check
     assert hsdp["plain"]["allreduce_"] == M * hsdp["units"]
     # FSDP2 replicate under TP: fewer all-reduces with the helper (TP's own stay)
     assert 0 < tp["plain"]["allreduce_"] - tp["helper"]["allreduce_"]
     # experts reduced by their hook in every microbatch: the dense DDP's saving only
     hooks = moe["expert_params"]
-    assert moe["helper"]["allreduce_"] - moe["restored"]["allreduce_"] == (M - 1) * hooks
+    assert moe["helper"]["allreduce_"] - moe["restored"]["allreduce_"] == \
+        (M - 1) * hooks + check
     assert moe["plain"]["allreduce_"] - moe["helper"]["allreduce_"] == \
-        (M - 1) * (moe["restored"]["allreduce_"] - hooks)
+        (M - 1) * (moe["restored"]["allreduce_"] - hooks) - check
     # PP: one reduce-scatter per unit per step; ZeRO-3 gathers in each backward and in the
     # warm-up forwards (m + min(m, pp - stage)); the stage's whole gradient held unsharded
     # from the first backward to the last

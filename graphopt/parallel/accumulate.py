@@ -121,7 +121,11 @@ def microbatches(model: nn.Module, *tensors: torch.Tensor,
         ``torch.split``), or a tuple when several tensors were given.
     Raises:
         ConfigError: no tensor, tensors of different batch sizes, size < 1 (or no size and
-            no plan), or a PipelinedModel (its ``step`` microbatches itself).
+            no plan), a PipelinedModel (its ``step`` microbatches itself), or, with FSDP or
+            expert parallelism, ranks that would run different numbers of microbatches
+            (raised on every rank: their per-microbatch collectives would wait forever).
+    Warns:
+        when this rank's batch is smaller than the plan's microbatch.
     """
     from graphopt.parallel.context import SHARDED
 
@@ -130,6 +134,7 @@ def microbatches(model: nn.Module, *tensors: torch.Tensor,
     if getattr(model, "parts", None) is not None:
         raise ConfigError("microbatches() is for pp = 1: a PipelinedModel splits the batch "
                           "itself; call model.step(input_ids) with the whole local batch")
+    from_plan = size is None
     if size is None:
         if plan is None:
             raise ConfigError("microbatches() needs size= for a model graphopt.parallelize "
@@ -144,6 +149,11 @@ def microbatches(model: nn.Module, *tensors: torch.Tensor,
     if any(t.shape[0] != batch for t in tensors):
         raise ConfigError("microbatches(): the tensors' batch sizes differ: "
                           f"{[t.shape[0] for t in tensors]}")
+    if from_plan and 0 < batch < size:
+        warnings.warn(f"graphopt.parallel.microbatches: this rank's batch has {batch} "
+                      f"sequences, fewer than the plan's microbatch of {size}: it runs as one "
+                      "microbatch of those (the plan's prediction assumed full microbatches)",
+                      stacklevel=2)
     return _run(model, tensors, size, SHARDED)
 
 
@@ -158,10 +168,36 @@ def _run(model: nn.Module, tensors: tuple[torch.Tensor, ...], size: int,
             for part in parts:
                 setattr(part, sharded_tag, True)
     replicas, sharded = _dp_engines(model)
+    report = getattr(model, "graphopt_parallel", None)
+    if sharded or getattr(report, "experts", None):
+        _same_count_everywhere(len(splits[0]), len(tensors[0]), size)
     generator = _generate(list(zip(*splits)), len(tensors), replicas, sharded)
     if replicas or sharded:
         _OPEN[id(model)] = weakref.ref(generator)
     return generator
+
+
+def _same_count_everywhere(count: int, batch: int, size: int) -> None:
+    """Raise ConfigError on every rank unless every rank runs ``count`` microbatches: FSDP's
+    gathers and reduce-scatters and expert parallelism's all-to-alls run per microbatch, so
+    a rank with fewer left the others waiting forever (a review: 7 sequences over 4 FSDP
+    ranks, microbatch 1). One all-reduce; the pipeline's step checks the same."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    counts = torch.tensor([count, -count], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        counts = counts.cuda()
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    most, fewest = int(counts[0]), -int(counts[1])
+    if most != fewest:
+        raise ConfigError(
+            f"graphopt.parallel.microbatches: the ranks would run {fewest} to {most} "
+            f"microbatches (this rank: {batch} sequences in microbatches of {size}); FSDP's "
+            "and expert parallelism's collectives run per microbatch, so the ranks would "
+            "wait for each other forever: give every data-parallel rank the same number of "
+            "sequences (drop_last=True, or pad the last batch)")
 
 
 def _generate(parts: list[tuple[torch.Tensor, ...]], count: int, replicas: list[Any],
