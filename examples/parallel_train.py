@@ -21,6 +21,7 @@ CPU; on GPUs torchrun + NCCL run the same code.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -44,13 +45,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", help="plan JSON (ParallelPlan.save or graphopt plan --json); "
                         "default dp_shard=2, tp=2, ZeRO-3 when 4 ranks run, else pure FSDP")
-    parser.add_argument("--index", type=int, default=0, help="which plan of a `graphopt plan "
-                        "--json` file (0: the best)")
+    parser.add_argument("--index", type=int, default=None, help="which plan of a `graphopt "
+                        "plan --json` file (default: the best one graphopt runs)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--save", help="write a checkpoint here after the last step")
     parser.add_argument("--resume", help="load a checkpoint (written under any plan) first")
     args = parser.parse_args()
+    if args.resume and not os.path.isfile(os.path.join(args.resume, ".metadata")):
+        parser.error(f"--resume {args.resume}: no checkpoint there (a directory written by "
+                     "--save, holding .metadata)")
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.plan:
