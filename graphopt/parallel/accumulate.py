@@ -7,7 +7,7 @@
 A plain loop over ``local.split(plan.microbatch)`` is correct too, but every backward then
 reduces the gradients over the data-parallel ranks: m all-reduces per step for replicas
 where one suffices. :func:`microbatches` switches each engine's reduction per microbatch as
-:func:`graphopt.planner.perf.evaluate` prices it (``dp_syncs``), the way Megatron-LM and
+:func:`graphopt.planner.perf.evaluate` prices it (``perf._dp_sync``), the way Megatron-LM and
 torchtitan accumulate:
 
 - replicas (dp without dp_shard FSDP: DDP for ZeRO-0/1, FSDP2 ``replicate`` with TP): one
