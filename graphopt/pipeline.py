@@ -71,6 +71,20 @@ class PassRunner:
         self.report = report
         self.dumper = dumper
         self.example_inputs = list(example_inputs)
+        # the inputs' values for passes that evaluate constants (decays, masks) or probe
+        # with the real weights; fake ones (Dynamo's DDPOptimizer compiles every split graph
+        # after the first with FakeTensors) are unknown: a real probe met them and the moe
+        # and attention passes crashed under DDP (a review)
+        self.value_inputs = [None if isinstance(x, torch.Tensor) and is_fake(x) else x
+                             for x in self.example_inputs]
+        if any(x is None and y is not None
+               for x, y in zip(self.value_inputs, self.example_inputs)):
+            report.notes.append(
+                "this graph's example inputs are fake tensors (Dynamo's DDPOptimizer "
+                "compiles the split graphs after the first so): passes that need input "
+                "values (lightning decays, a mask) leave such sites with the reason, the moe "
+                "pass probes with drawn weights; torch._dynamo.config.optimize_ddp = False "
+                "compiles the model as one graph")
         self.ran: list[str] = []
         self.joint_extras: dict[str, Any] = {}
         """What joint passes get in ``ctx.extras`` (e.g. sizes observed by remat's
@@ -85,7 +99,7 @@ class PassRunner:
             before = op_counts(gm)
             record.nodes_before = len(gm.graph.nodes)
             ctx = PassContext(self.config, graph_kind, training, record,
-                              extras={"example_inputs": self.example_inputs}
+                              extras={"example_inputs": self.value_inputs}
                               if stage == "pre_autograd" else dict(self.joint_extras))
             start = time.perf_counter()
             try:
