@@ -280,8 +280,6 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     if limits:  # HY-V4 / GLM5-Next / DeepSeek-V4 clamp gate and up at swiglu_limit
         raise Skip(f"experts module {region.path} limits its activations ({', '.join(limits)}: "
                    "a clamped SwiGLU); graphopt's kernel is plain SwiGLU")
-    from graphopt.kernels.moe.op import moe_experts_op
-
     fn = _extract(region)
     dtype = _meta(region.hidden).dtype
     tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 3e-2)
@@ -296,13 +294,9 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
                     1e-4) for probe in probes]
     for region_fn, probe, tolerance in checks:
         want = region_fn(*probe)
-        got = moe_experts_op(*probe, -1.0, 1, "", "flat", 1, 1)[0]
-        # atol relative to the probe's largest output: absolute, a 1% change of outputs
-        # of size 0.01 passed at 1e-4
-        scale = float(want.detach().abs().max()) if want.numel() else 0.0
-        if want.shape != got.shape or want.dtype != got.dtype or not torch.allclose(
-                got.double(), want.double(), rtol=tolerance,
-                atol=tolerance * max(scale, 1e-6)):
+        got = _dropless_op(*probe)
+        if want.shape != got.shape or want.dtype != got.dtype or \
+                not _close(want, got, tolerance):
             raise Skip(f"experts module {region.path} does not compute SwiGLU experts "
                        "(probe mismatch)")
     # the backward too, on one probe at float32 precision or better: a region with the same
@@ -315,17 +309,31 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
                    "gradient scaling; probe mismatch in the backward)")
 
 
+def _dropless_op(*probe: torch.Tensor) -> torch.Tensor:
+    """graphopt's op on one device, dropless, on ``probe`` (tokens, index, weights,
+    gate_up, down): the output the rewritten region would compute."""
+    from graphopt.kernels.moe.op import moe_experts_op
+
+    return moe_experts_op(*probe, -1.0, 1, "", "flat", 1, 1)[0]
+
+
+def _close(want: torch.Tensor, got: torch.Tensor, tolerance: float) -> bool:
+    """allclose with atol relative to ``want``'s largest entry: an absolute atol let a 1%
+    change of outputs of size 0.01 pass at 1e-4 (a review)."""
+    scale = float(want.detach().abs().max()) if want.numel() else 0.0
+    return torch.allclose(got.double(), want.double(), rtol=tolerance,
+                          atol=tolerance * max(scale, 1e-6))
+
+
 def _same_vjp(region_fn: fx.GraphModule, probe: tuple[torch.Tensor, ...],
               tolerance: float) -> bool:
     """Whether the region's and graphopt's op's vector-Jacobian products agree on ``probe``
     (tokens, index, weights, gate_up, down) for a random cotangent, with respect to the
     tokens, routing weights and both expert weights."""
-    from graphopt.kernels.moe.op import moe_experts_op
-
     gen = torch.Generator().manual_seed(1)
     with torch.enable_grad():
         results = []
-        for fn in (region_fn, lambda *a: moe_experts_op(*a, -1.0, 1, "", "flat", 1, 1)[0]):
+        for fn in (region_fn, _dropless_op):
             inputs = [t.detach().clone().requires_grad_(t.is_floating_point())
                       for t in probe]
             out = fn(*inputs)
@@ -337,12 +345,7 @@ def _same_vjp(region_fn: fx.GraphModule, probe: tuple[torch.Tensor, ...],
             results.append([torch.zeros_like(t) if g is None else g
                             for t, g in zip(diff, grads)])
             gen.manual_seed(1)  # the same cotangent for both
-    for want, got in zip(*results):
-        scale = float(want.abs().max()) if want.numel() else 0.0
-        if not torch.allclose(got.double(), want.double(), rtol=tolerance,
-                              atol=tolerance * max(scale, 1e-6)):
-            return False
-    return True
+    return all(_close(want, got, tolerance) for want, got in zip(*results))
 
 
 @register_pass
