@@ -113,8 +113,9 @@ def microbatches(model: nn.Module, *tensors: torch.Tensor,
     Args:
         model: the result of :func:`graphopt.parallelize` (pp = 1), or any module (then
             nothing is switched, the batch is only split).
-        tensors: [B, ...] tensors split together along dim 0 (input_ids, labels, ...); CP's
-            chunks from :func:`graphopt.parallel.context.shard_sequence` stay marked as such.
+        tensors: [B, ...] tensors of any dtype (int64 input_ids, labels, float
+            embeddings, ...), split together along dim 0 into views; CP's chunks from
+            :func:`graphopt.parallel.context.shard_sequence` stay marked as such.
         size: sequences per microbatch; default the plan's ``microbatch``.
     Yields:
         the microbatches in order: one tensor [size, ...] (the last may be smaller, as
@@ -125,7 +126,12 @@ def microbatches(model: nn.Module, *tensors: torch.Tensor,
             expert parallelism, ranks that would run different numbers of microbatches
             (raised on every rank: their per-microbatch collectives would wait forever).
     Warns:
-        when this rank's batch is smaller than the plan's microbatch.
+        when this rank's batch is smaller than the plan's microbatch, and when a loop is
+        left early.
+    Source: Megatron-LM's ``forward_backward_no_pipelining`` (every microbatch but the last
+    under the DDP's ``no_sync``), torchtitan's FSDP accumulation (reduce-scatter every
+    microbatch), torch's FSDP2 ``set_requires_gradient_sync`` / ``set_requires_all_reduce``
+    and ``reset_iter_state`` (early exit).
     """
     from graphopt.parallel.context import SHARDED
 
