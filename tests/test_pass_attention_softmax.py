@@ -479,6 +479,7 @@ class _WindowSDPA(torch.nn.Module):
         super().__init__()
         self.kind = window
         self.register_buffer("window", torch.tensor(48))
+        self.register_buffer("quarter", torch.tensor(12))
         self.register_buffer("table", torch.ones(256, 256).tril().triu(-47).bool())
 
     def forward(self, q, k, v):
@@ -489,6 +490,10 @@ class _WindowSDPA(torch.nn.Module):
             mask = (diff >= 0) & (diff < self.window)
         elif self.kind == "float":
             mask = (diff >= 0) & (diff < 47.5)
+        elif self.kind == "sum":  # a window of 81 written with two constants
+            mask = (diff >= 0) & ((diff - 40) < 41)
+        elif self.kind == "scaled":  # a window of 48 as a buffer times an integer
+            mask = (diff >= 0) & (diff < self.quarter * 4)
         else:
             mask = self.table[:s, :s]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -496,11 +501,14 @@ class _WindowSDPA(torch.nn.Module):
 
 @pytest.mark.parametrize("window, reason", [
     ("buffer", "at input sizes 49"), ("float", "at input sizes 49"),
-    ("table", "a tensor table")])
+    ("table", "a tensor table"), ("sum", "not the causal (lower-triangular) mask (at input "
+                                   "sizes 8"), ("scaled", "mask (at input sizes 5")])
 def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, reason):
     """Found by a review of the ONNX export: the mask proof probed past integer scalar
     constants only, so a 48-token window in a buffer or written 47.5 was 'proven causal'
-    from 16-token examples (error 0.11 at 100 tokens)."""
+    from 16-token examples (error 0.11 at 100 tokens). A later review: a window of 81
+    written ``(i - j) - 40 < 41`` was probed past 41 and 42 only and 'proven causal'
+    (0.16 off at 200 tokens); the probes now also go past the sum of the constants."""
     model = _WindowSDPA(window)
     args = [torch.randn(1, 2, 16, 8) for _ in range(3)]
     gm = trace_for_pass(model, *args, dynamic=True)

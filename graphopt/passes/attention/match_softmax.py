@@ -242,9 +242,10 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     padding mask). It must evaluate to True / 0 on and below the diagonal and False / -inf (or
     < -1e30) above (a boolean mask with ``blocked=True``, as ``masked_fill`` takes it: False
     on and below, True above). A size-dependent mask is evaluated at the example sizes, at
-    every size of SIZE_PROBES, and just past each constant of its construction (scalars and
+    every size of SIZE_PROBES, just past each constant of its construction (scalars and
     the values of buffers of at most MAX_TABLE_CONSTANTS values, floor and ceil; a larger
-    table read with the sizes is refused) (a
+    table read with the sizes is refused) and just past :func:`_threshold_bound`, where the
+    constants add up (a
     sliding window of w is causal up to size w and not beyond: its w is such a constant; the
     mask of a graph is a fixed dataflow of comparisons, whose outcome changes only where a
     size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused, and so
@@ -265,7 +266,8 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             sizes.append(n)
             continue
         value = env.get(n)
-        if n.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor):
+        if n.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor) and \
+                not _only_sizes_read(n, mask):
             # a buffer's values are constants of the construction too (a window held in a
             # 0-d buffer); a large table sliced by the sizes is not probed (below)
             if value.numel() <= MAX_TABLE_CONSTANTS:
@@ -299,8 +301,15 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
         return (f"the attention mask reads input sizes and the constant "
                 f"{max(constants)} (a sliding window?); masks past {MAX_PROBED_CONSTANT} are "
                 "not probed, so it is not proven causal for every size")
+    threshold = _threshold_bound(mask, env) if sizes else 0
+    if threshold > MAX_PROBED_CONSTANT:
+        return (f"the attention mask reads input sizes and compares values that may cross "
+                f"at sizes up to {threshold} (the sum of its constants); masks past "
+                f"{MAX_PROBED_CONSTANT} are not probed, so it is not proven causal for every "
+                "size")
     probe_sizes = sorted(set(SIZE_PROBES) | {c + d for c in constants for d in (1, 2)
-                                              if 2 < c + d <= MAX_PROBED_CONSTANT + 2})
+                                              if 2 < c + d <= MAX_PROBED_CONSTANT + 2}
+                         | {threshold + 1, threshold + 2})
     probes: list[dict[fx.Node, Any]] = [env]
     for size in probe_sizes if sizes else ():
         probes.append({**{k: v for k, v in env.items() if k not in sizes},
@@ -311,6 +320,55 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             return problem + (" (at input sizes " + str(probe_env[sizes[0]]) + ")"
                               if sizes and probe_env is not env else "")
     return ""
+
+
+_COMPARISONS = frozenset(("lt", "le", "gt", "ge", "eq", "ne"))
+
+
+def _threshold_bound(mask: fx.Node, env: dict[fx.Node, Any]) -> int:
+    """An upper bound on the size at which a comparison of the mask's construction can change
+    its outcome: for ``a < b``, the sum of bounds on the constant parts of ``a`` and ``b``.
+
+    A constant is only one place a comparison may flip: ``(i - j) - 40 < 41`` is a window of
+    81 tokens, built from 40 and 41, causal up to size 81 (a review: probed past 41 and 42
+    only, "proven causal", then 0.16 off at 200 tokens). Bounds (``_magnitude``): a scalar
+    or a buffer its largest absolute value, a size or a graph input 0 (the variable part), a
+    product the product of its factors' bounds (at least 1 each), any other op the sum of
+    its arguments' bounds. Over a mask of affine integer comparisons (what
+    :func:`_unprobeable` leaves), every crossing lies at or below this bound.
+    """
+    bound: dict[fx.Node, float] = {}
+
+    def magnitude(a: Any) -> float:
+        if isinstance(a, fx.Node):
+            return bound.get(a, 0.0)
+        if isinstance(a, int | float) and not isinstance(a, bool) and math.isfinite(a) \
+                and abs(a) < 2**31:
+            return float(abs(a))
+        return 0.0
+
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    worst = 0.0
+    for n in sorted(ancestors(mask), key=order.__getitem__):
+        value = env.get(n)
+        if _is_size(n, env):
+            bound[n] = 0.0
+        elif n.op in ("placeholder", "get_attr"):
+            bound[n] = (float(value.detach().double().abs().nan_to_num(0, 0, 0).max())
+                        if isinstance(value, torch.Tensor) and value.numel() and
+                        not _only_sizes_read(n, mask) else 0.0)
+            if bound[n] >= 2**31:
+                bound[n] = 0.0
+        elif n.op == "call_function":
+            args = [*n.args, *n.kwargs.values()]
+            name = getattr(n.target, "_opname", "")
+            if name == "mul":
+                bound[n] = math.prod(max(magnitude(a), 1.0) for a in args)
+            else:
+                bound[n] = sum(magnitude(a) for a in args)
+            if name in _COMPARISONS:
+                worst = max(worst, bound[n])
+    return int(math.ceil(min(worst, 2.0**31)))
 
 
 MAX_TABLE_CONSTANTS = 64
