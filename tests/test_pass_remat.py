@@ -927,3 +927,41 @@ def test_warm_cache_reports_the_joint_records_of_the_same_kind_of_graph(tmp_path
     assert [p.op_delta for p in warm_train.passes] == [{"x": 1}]
     assert [p.op_delta for p in warm_infer.passes] == [{"x": 2}]
     assert any("stored when that entry was made" in n for n in warm_train.notes)
+
+
+class _TwoDraws(torch.nn.Module):
+    """Two independent noises of the same shape, as a multi-sample (IWAE-style) loss draws."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+        self.draw = draw
+
+    def forward(self, x):
+        h = x * self.w
+        return h + self.draw(h), h + self.draw(h)
+
+
+@pytest.mark.parametrize("draw", ["randn_like", "randint_like", "uniform_", "exponential_"])
+@pytest.mark.parametrize("remat", [False, True])
+def test_identical_random_draws_stay_independent_in_training_graphs(draw, remat):
+    """A review: two ``randn_like(h)`` (randint_like, uniform_, exponential_) of one tensor
+    were merged into one draw when grad was on, by the CSE PyTorch's min-cut partitioner
+    runs first (its list of random ops lacks them; ``backend="aot_eager"`` merges them in
+    torch 2.13 too): the same noise twice. graphopt's lowering and the remat pass now run
+    that CSE with every random op of the graph left alone."""
+    draws = {"randn_like": torch.randn_like,
+             "randint_like": lambda h: torch.randint_like(h.detach(), 10),
+             "uniform_": lambda h: torch.empty_like(h).uniform_(),
+             "exponential_": lambda h: torch.empty_like(h).exponential_()}
+    model = _TwoDraws(draws[draw])
+    options = {"lowering": "eager", **({"remat": {"budget": 0}} if remat else {})}
+    graphopt.clear_reports()
+    a, b = torch.compile(model, backend="graphopt", options=options)(
+        torch.randn(4, 8, dtype=torch.float64))
+    assert a.requires_grad
+    assert (a - b).abs().max() > 0.1, "the two draws were merged into one"
+    (a.sum() + b.sum()).backward()
+    assert model.w.grad is not None
+    if remat:
+        assert any(r.pass_records("remat") for r in graphopt.reports())

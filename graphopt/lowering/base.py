@@ -200,11 +200,12 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
     ``CheckpointPolicy.MUST_SAVE`` where nothing tagged it: min-cut otherwise recomputes such
     a value in the backward from the input after its in-place update (e.g. ``shift`` in
     ``sin(x + self.shift); self.shift.add_(1)``), which gives wrong gradients with
-    ``backend="aot_eager"`` and Inductor in torch 2.13, or a version-counter error."""
+    ``backend="aot_eager"`` and Inductor in torch 2.13, or a version-counter error. Its CSE
+    leaves every random op unmerged (:func:`graphopt.passes.fx_utils.random_ops_kept`)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from graphopt.passes.fx_utils import readers_of_mutated_inputs
+    from graphopt.passes.fx_utils import random_ops_kept, readers_of_mutated_inputs
     from graphopt.passes.remat import split_joint
 
     readers = readers_of_mutated_inputs(joint.graph)
@@ -213,7 +214,8 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
         for node in forward:
             if node in readers and node.meta.get("recompute") is None:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    with random_ops_kept(joint.graph):  # its CSE merged identical random draws
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -158,6 +160,31 @@ def is_random(node: fx.Node) -> bool:
             value = values.get(pname, args[pname].default_value)
             return not (type(value) in (int, float) and value == 0)
     return True
+
+
+@contextlib.contextmanager
+def random_ops_kept(graph: fx.Graph) -> Iterator[None]:
+    """Within: PyTorch's partitioner CSE (``torch._functorch.compile_utils.fx_graph_cse``,
+    run by ``min_cut_rematerialization_partition``) leaves every op of ``graph`` that
+    :func:`is_random` calls random unmerged. Its own list (``compile_utils.rand_ops``) names
+    a few ops only; two ``randn_like(h)`` (also ``randint_like``, ``uniform``,
+    ``exponential``) of the same tensor in a training graph became one draw, the same noise
+    twice and the RNG stream shifted, with ``backend="aot_eager"`` as well in torch 2.13 (a
+    review). The list is extended by the graph's random ops' overload packets for the
+    duration."""
+    from torch._functorch import compile_utils
+
+    known = list(compile_utils.rand_ops)
+    extra = {n.target.overloadpacket for n in graph.nodes
+             if n.op == "call_function" and is_random(n)} - set(known)
+    if not extra:
+        yield
+        return
+    compile_utils.rand_ops = [*known, *extra]
+    try:
+        yield
+    finally:
+        compile_utils.rand_ops = known
 
 
 def alias_classes(graph: fx.Graph) -> dict[fx.Node, fx.Node]:

@@ -91,6 +91,7 @@ from graphopt.passes.fx_utils import (
     is_foreign_op,
     is_mutating,
     is_random,
+    random_ops_kept,
     readers_of_mutated_inputs,
     returns_alias,
     site_name,
@@ -381,7 +382,8 @@ def _partitioner_cse(gm: fx.GraphModule) -> fx.GraphModule:
 
     if not functorch_config.cse:
         return gm
-    merged = fx.GraphModule(gm, fx_graph_cse(gm.graph))
+    with random_ops_kept(gm.graph):
+        merged = fx.GraphModule(gm, fx_graph_cse(gm.graph))
     merged.meta.update(gm.meta)
     return merged
 
