@@ -742,8 +742,26 @@ def _report_label(report: CompileReport) -> str:
     return "onnx" if report.options.get("export") == "onnx" else str(report.graph_id)
 
 
+_NO_MEMORY = ("can't allocate memory", "not enough memory", "out of memory",
+              "Storage size calculation overflowed")
+"""torch's messages for a tensor this machine cannot hold (or whose size overflows int64)."""
+
+
 def main() -> None:
-    app()
+    """The ``graphopt`` command. Sizes no machine can hold (``--batch``/``--seq`` of 1e11)
+    reached torch's allocator and ended in its RuntimeError's traceback (a review); they end
+    with one line naming the cause and the fix."""
+    try:
+        app(standalone_mode=True)
+    except RuntimeError as exc:
+        if not any(m in str(exc) for m in _NO_MEMORY):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = (f"out of memory: {first}. The sizes asked for (--batch, --seq, "
+                   "--override) need more memory than this machine has, or overflow a "
+                   "tensor's size: use smaller ones")
+        console.print(f"[red]{escape(message)}[/]")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -245,10 +245,13 @@ def run_parallel_demo(world: int, batch: int = 8, seq: int = 32) -> ParallelDemo
     gradient (each rank's share), and the measured step time next to the prediction.
 
     Raises:
-        ConfigError: the planner finds no plan for this world and batch.
+        ConfigError: the planner finds no plan for this world and batch; this machine's
+            available memory cannot start ``world`` ranks
+            (:func:`graphopt.distributed.check_room`).
     """
-    from graphopt.distributed import run_distributed
+    from graphopt.distributed import check_room, run_distributed
 
+    check_room(world)  # before planning for that world
     plan, why = demo_plan(world, batch, seq)
     import dataclasses
 

@@ -121,6 +121,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
     it (concurrent test workers), the group starts again on a new port (twice at most)."""
     import tempfile
 
+    check_room(world)
     for attempt in range(3):
         with tempfile.TemporaryDirectory() as tmp:
             out = f"{tmp}/result"
@@ -133,6 +134,35 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]
                 raise
             return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     raise AssertionError("unreachable")
+
+
+RANK_BYTES = 400 * 2**20
+"""What one spawned rank holds at least: a Python process with torch, transformers and
+graphopt imported and a small model (about 0.3-0.4 GiB resident, measured with the demo's
+MiniMax)."""
+
+
+def check_room(world: int) -> None:
+    """Refuse (ConfigError) a world of local ranks that this machine's available memory
+    (``MemAvailable``) cannot start: ``graphopt demo --parallel 100000`` spawned ranks until
+    the machine ran out of memory (a review)."""
+    from graphopt.errors import ConfigError
+
+    if world < 1:
+        raise ConfigError(f"a world of {world} ranks: it needs at least 1")
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return  # not Linux: nothing to check against
+    if world * RANK_BYTES > available:
+        raise ConfigError(
+            f"{world} local ranks need about {world * RANK_BYTES / 2**30:.0f} GiB "
+            f"({RANK_BYTES // 2**20} MiB each) and this machine has "
+            f"{available / 2**30:.1f} GiB available: use at most "
+            f"{max(1, available // RANK_BYTES)} ranks here, or run the job under torchrun "
+            "on more machines")
 
 
 def _fake_worker(_: int, fn: Callable[..., Any], world: int, rank: int, out: str,

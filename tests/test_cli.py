@@ -1,5 +1,7 @@
 """The graphopt CLI: help, passes, explain on a real dump, demo on a real model."""
 
+import sys
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -185,6 +187,9 @@ def test_parallel_demo_refuses_what_it_does_not_take_and_plans_for_any_world():
     assert result.exit_code != 0 and "does not take --model" in result.output
     plan, why = demo_plan(2, 4, 32)
     assert plan.devices == 2 and "2+ axes" in why[0], (plan.describe(), why)
+    # a review: --parallel 100000 planned, then spawned ranks until memory ran out
+    result = runner.invoke(app, ["demo", "--parallel", "100000"])
+    assert result.exit_code != 0 and "local ranks need about" in result.output, result.output
 
 
 def test_demo_fails_when_the_compiled_model_loses_gradients(monkeypatch):
@@ -217,3 +222,19 @@ def test_demo_shows_graphopts_error_not_dynamos_traceback(monkeypatch):
     assert result.exit_code == 2, result.output
     assert "PassFailedError: pass 'cse'" in result.output and "disable" in result.output
     assert "Traceback" not in result.output
+
+
+def test_sizes_no_machine_holds_end_in_one_line_not_a_traceback(monkeypatch, capsys):
+    """A review: ``graphopt estimate --batch 1e11 --seq 1e11`` (and demo/export with such
+    sizes) ended in torch's RuntimeError traceback; ``graphopt`` now names the cause and
+    the fix, exit code 2."""
+    from graphopt.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["graphopt", "estimate", "--model", "llama", "--batch",
+                                      "100000000000", "--seq", "100000000000"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    out = capsys.readouterr().out
+    assert "out of memory" in out and "use smaller ones" in out, out
+    assert "Traceback" not in out

@@ -1,6 +1,7 @@
 """Option validation: every bad option is a clear error raised before any compile work."""
 
 import re
+import sys
 
 import pytest
 import torch
@@ -79,6 +80,22 @@ def test_npu_installed_but_not_importable_says_why(tmp_path, monkeypatch):
     with pytest.raises(LoweringUnavailableError, match=r"torch_npu is installed but does not "
                        r"import \(ImportError: libhccl.so.*set_env.sh"):
         GraphoptConfig.from_options({"lowering": "npu"})
+
+
+@pytest.mark.skipif(npu_available(), reason="torch_npu is installed here")
+def test_npu_without_torchair_says_what_to_install(tmp_path, monkeypatch):
+    """A torch_npu that imports without the torchair it should ship passed validation and
+    failed at the first call with a bare ModuleNotFoundError (a review)."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)  # the stand-in imports:
+    try:  # it must not stay imported for later tests
+        with pytest.raises(LoweringUnavailableError, match=r"its graph compiler torchair "
+                           r"does not \(ModuleNotFoundError.*bundles torchair"):
+            GraphoptConfig.from_options({"lowering": "npu"})
+    finally:
+        sys.modules.pop("torch_npu", None)
 
 
 def test_unknown_mode():

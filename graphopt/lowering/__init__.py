@@ -46,7 +46,8 @@ def get_lowering(name: str, example_inputs: Sequence[Any]) -> Lowering:
 
 
 def require_npu() -> None:
-    """Raise unless torch_npu (which ships torchair) can be imported."""
+    """Raise :class:`LoweringUnavailableError` unless torch_npu and the torchair it ships
+    can be imported (names what is missing and the fix)."""
     from graphopt.config import npu_available
 
     if not npu_available():
@@ -64,3 +65,13 @@ def require_npu() -> None:
             f"lowering='npu': torch_npu is installed but does not import ({type(exc).__name__}: "
             f"{exc}); source the Ascend CANN toolkit's set_env.sh (and check that torch_npu "
             "matches your torch), or use lowering='inductor' or 'eager' here") from exc
+    try:  # the graph compiler: torchair, bundled with torch_npu since 2.1; an older or
+        # partial install imported torch_npu and failed on torchair at the first call, as a
+        # bare ModuleNotFoundError inside Dynamo's error (a review)
+        importlib.import_module("torchair")
+    except Exception as exc:  # noqa: BLE001 - named in the error
+        raise LoweringUnavailableError(
+            f"lowering='npu': torch_npu imports but its graph compiler torchair does not "
+            f"({type(exc).__name__}: {exc}); install a torch_npu that bundles torchair "
+            "(2.1 or later, matching your torch), or use lowering='inductor' or 'eager' "
+            "here") from exc
