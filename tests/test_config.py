@@ -137,7 +137,7 @@ def test_options_given_as_a_list_name_the_expected_form():
 
 
 @pytest.mark.parametrize("budget, hint", [
-    (1, "write 1.0 or '100%'"), (50, "write '50%' (= 0.5)"), (500, "a float in (0, 1]")])
+    (1, "write 1.0 or '100%'"), (50, "write '50%' (= 0.5)"), (500, "a float in [0, 1]")])
 def test_remat_budget_hints_suggest_values_that_are_accepted(budget, hint):
     with pytest.raises(ConfigError, match=re.escape(hint)):
         GraphoptConfig.from_options({"remat": {"budget": budget}})

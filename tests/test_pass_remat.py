@@ -128,7 +128,7 @@ def test_infeasible_budget_reports_the_minimum():
 
 @pytest.mark.parametrize("value, message", [
     ("60", "remat.budget must be bytes"),
-    (1.5, "fraction must be in (0, 1]"),
+    (1.5, "fraction must be in [0, 1]"),
     ("120%", "remat.budget must be bytes"),
     (-5, "must be >= 0 bytes"),
     ("inf GiB", "remat.budget must be bytes"),  # was a raw OverflowError
@@ -146,6 +146,8 @@ def test_budget_forms_resolve_to_bytes():
     assert RematOptions(budget="2MiB").resolve(10**9) == 2 * 2**20
     assert RematOptions(budget="25%").resolve(1000) == 250
     assert RematOptions(budget=0.5).resolve(1000) == 500
+    # 0 bytes in every form ("0%" was refused while 0 was taken: a review)
+    assert {RematOptions(budget=b).resolve(1000) for b in (0, 0.0, "0%", "0GiB")} == {0}
     np = pytest.importorskip("numpy")
     assert RematOptions(budget=np.int64(4096)).resolve(1000) == 4096  # bytes (a review)
     assert RematOptions(budget=np.float64(0.25)).resolve(1000) == 250

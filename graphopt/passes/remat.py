@@ -850,7 +850,8 @@ class RematPass(GraphPass):
                    f"{decision.saved_bytes} bytes"
                    + (f" (with {len(decision.held_inputs)} graph inputs that are not "
                       "parameters, held to recompute from: "
-                      f"{sum(_bytes(p) for p in decision.held_inputs)} bytes)"
+                      f"{sum(_bytes(p) for p in decision.held_inputs)} bytes; the backward "
+                      "reads them again, so do not write them in place before it)"
                       if decision.held_inputs else "")
                    + f", {len(decision.recomputed)} values "
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "

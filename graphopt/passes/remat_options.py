@@ -17,7 +17,7 @@ class RematOptions:
     """``options={"remat": {...}}``: choose keep or recompute per saved activation.
 
     budget: memory for saved activations: bytes (int), "NNGiB"/"NNMiB"/"NNKiB", "NN%" or a
-    float in (0, 1]: a fraction of what compiling without remat saves (PyTorch's min-cut
+    float in [0, 1]: a fraction of what compiling without remat saves (PyTorch's min-cut
     partition of the graph, which recomputes cheap ops itself; as torch's
     ``activation_memory_budget``), or of keep-all (every value the backward reads saved)
     where the lowering does not say how it partitions. A budget at or above what the
@@ -51,7 +51,7 @@ class RematOptions:
                               "recompute only, so offload would do nothing): drop one of them")
         if self.budget is None:
             raise ConfigError("remat needs a budget, e.g. options={'remat': {'budget': '50%'}} "
-                              "(bytes, 'NNGiB', 'NN%' or a fraction in (0, 1]); without one "
+                              "(bytes, 'NNGiB', 'NN%' or a fraction in [0, 1]); without one "
                               "every activation is kept and remat would do nothing")
         self.resolve(1)  # validates the budget's form
         for flag in ("offload", "profile_guided"):
@@ -78,13 +78,13 @@ class RematOptions:
             if 0 < b < 1024:
                 hint = ("for no reduction write 1.0 or '100%'" if b == 1 else
                         f"for a percentage write '{b}%' (= {b / 100})" if b <= 100 else
-                        "for a fraction write a float in (0, 1] or 'NN%'")
+                        "for a fraction write a float in [0, 1] or 'NN%'")
                 raise ConfigError(f"remat.budget={b} is read as {b} bytes; {hint}; for bytes "
                                   "use >= 1024 or 'NNKiB'")
             return b
         if isinstance(b, float):
-            if not 0 < b <= 1:
-                raise ConfigError(f"remat.budget as a fraction must be in (0, 1], got {b}")
+            if not 0 <= b <= 1:  # 0.0 as 0 bytes and "0%" (a review: "0%" was refused)
+                raise ConfigError(f"remat.budget as a fraction must be in [0, 1], got {b}")
             return int(b * keep_all_bytes)
         if isinstance(b, str):
             text = b.strip()
@@ -96,13 +96,13 @@ class RematOptions:
                     except ValueError:
                         break
                     if not math.isfinite(number) or number < 0 or \
-                            (scale is None and not 0 < number <= 100) or \
+                            (scale is None and not 0 <= number <= 100) or \
                             (scale is not None and not math.isfinite(number * scale)):
                         break  # 1e308GiB overflowed int() (a review)
                     return int(number / 100 * keep_all_bytes) if scale is None \
                         else int(number * scale)
         raise ConfigError(f"remat.budget must be bytes, 'NNGiB'/'NNMiB'/'NNKiB', 'NN%' with NN "
-                          f"in (0, 100], or a fraction in (0, 1]; got {b!r}")
+                          f"in [0, 100], or a fraction in [0, 1]; got {b!r}")
 
     @classmethod
     def parse(cls, value: Any) -> RematOptions:
