@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("onnxscript")
 ort = pytest.importorskip("onnxruntime")
@@ -519,3 +520,45 @@ def test_a_mask_of_the_other_polarity_is_compared_everywhere(tmp_path: Path) -> 
     assert _kept_positions(["attention_mask"], [mask.float()]) is not None  # HF float 1/0
     assert _kept_positions(["key_padding_mask"], [mask]) is None
     assert _kept_positions(["attention_mask"], [torch.zeros(2, 3)]) is None  # nothing kept
+
+
+class _DictInput(nn.Module):
+    def forward(self, d):
+        return d["a"] * 2 + d["b"]
+
+
+class _NumberOut(nn.Module):
+    def forward(self, x):
+        return x.shape[0]
+
+
+def test_hostile_inputs_are_named_errors_or_checked(tmp_path: Path) -> None:
+    """A review of the export with hostile inputs: each ended in a third-party error (an
+    onnxruntime gather out of bounds, torch.onnx's ConversionError, onnx_ir's PassError,
+    a TypeError) or, with a dict input and check=True, in onnxruntime's missing-input
+    error after the file was written. Now: a ConfigError/ExportError naming the fix, and
+    the dict input is checked (flattened as torch.export flattens it)."""
+    llama = build_model("llama")
+    ids = sample_batch(llama, 2, 8)
+    out = tmp_path / "m.onnx"
+    refused = [
+        (lambda: graphopt.export_onnx(llama, ids + 1000, None, out), ConfigError,
+         r"range over \[1\d+, .*vocabulary is \[0, 255\]"),
+        (lambda: graphopt.export_onnx(llama, ids[:, :0], None, out, dynamic=False),
+         ConfigError, "is empty"),
+        (lambda: graphopt.export_onnx(llama, ids, None, None), ConfigError,
+         "path must be the .onnx file"),
+        (lambda: graphopt.export_onnx(nn.Linear(4, 4, device="meta"),
+                                      (torch.randn(2, 4, device="meta"),), None, out),
+         ConfigError, "on the meta device"),
+        (lambda: graphopt.export_onnx(nn.Identity(), (torch.randn(2, 3, dtype=torch.complex64),),
+                                      None, out), ConfigError, "no complex tensors"),
+        (lambda: graphopt.export_onnx(_NumberOut(), (torch.randn(2),), None, out),
+         ExportError, "output 0 of the model is int 2, not a tensor"),
+    ]
+    for export, error, message in refused:
+        with pytest.raises(error, match=message):
+            export()
+    result = graphopt.export_onnx(_DictInput(), ({"a": torch.randn(2), "b": torch.randn(2)},),
+                                  None, out, check=True)
+    assert result.ok and len(result.checks) == 2, result.checks
