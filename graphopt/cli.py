@@ -649,7 +649,24 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
         except ValueError:
             raise typer.BadParameter(f"--override takes key=number (int or float), got "
                                      f"{item!r}") from None
+        if _is_count(key) and out[key] < 1:  # hidden_size=0 ended in a ZeroDivisionError,
+            # num_hidden_layers=0 estimated an empty model (a review)
+            raise typer.BadParameter(f"--override {item}: {key} is a size or count, it must "
+                                     "be at least 1")
     return out
+
+
+_COUNTS = frozenset((
+    "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "n_embd",
+    "n_layer", "n_head", "num_local_experts", "num_experts", "n_routed_experts",
+    "num_experts_per_tok"))
+"""transformers config keys that size or count something and cannot be 0 (keys such as
+DeepSeek's n_shared_experts or num_nextn_predict_layers can)."""
+
+
+def _is_count(key: str) -> bool:
+    return key in _COUNTS
 
 
 def _print_hand_configurations(result: SearchResult) -> None:

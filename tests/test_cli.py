@@ -238,3 +238,11 @@ def test_sizes_no_machine_holds_end_in_one_line_not_a_traceback(monkeypatch, cap
     out = capsys.readouterr().out
     assert "out of memory" in out and "use smaller ones" in out, out
     assert "Traceback" not in out
+
+
+def test_an_override_of_a_size_to_zero_is_refused():
+    """A review: --override hidden_size=0 ended in a ZeroDivisionError, num_hidden_layers=0
+    estimated an empty model without a word."""
+    for item in ("hidden_size=0", "num_hidden_layers=0", "vocab_size=-3"):
+        result = runner.invoke(app, ["estimate", "--model", "llama", "--override", item])
+        assert result.exit_code == 2 and "must be at least 1" in result.output, result.output
