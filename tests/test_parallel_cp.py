@@ -146,7 +146,19 @@ def _bad_input_worker(rank, world):
     local, labels = shard_sequence(ids, mesh)
     packed = torch.cat([torch.arange(3), torch.arange(5)])[None]  # two sequences, one row
     causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    # a review: a mesh from build_mesh(plan) used before (or instead of) the one parallelize
+    # ran on was cut as Ulysses under a ring plan (gradients 109% off); now build_mesh
+    # records the layout, and a chunk of the other layout or an unknown mesh is refused
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphopt.parallel.context import chunk_positions
+
+    ring_chunk, _ = shard_sequence(torch.arange(8)[None], build_mesh(ParallelPlan(cp=2)))
+    assert torch.equal(ring_chunk[0], chunk_positions(4, rank, 2, True)), ring_chunk
+    plain = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     return config_errors(
+        lambda: model(input_ids=ring_chunk),
+        lambda: shard_sequence(ids, plain),
         lambda: shard_sequence(torch.zeros(2, 7, dtype=torch.long), mesh),
         lambda: model(input_ids=local, attention_mask=mask),
         lambda: model(input_ids=local, past_key_values=DynamicCache(config=model.config)),
@@ -169,6 +181,9 @@ def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error(
     (logits 0.5 off); labels= gave a loss shifted twice, averaged per chunk; a dict of
     masks crashed and a 4-D causal mask was called padding (a later review)."""
     for messages in run_distributed(_bad_input_worker, 2):
+        assert "this chunk was cut for CP 'ring' and the model runs CP 'all_to_all'" in \
+            messages.pop(0)
+        assert "shard_sequence does not know this mesh's CP layout" in messages.pop(0)
         assert "sequence length 7 is not divisible by 2 (cp=2)" in messages[0]
         assert "this batch has a padding mask" in messages[1]
         assert "a KV cache (past_key_values, generate()) would hold only" in messages[2]

@@ -405,3 +405,19 @@ def test_zero_bubble_pipelines_run_compiled_layers():
             _zero_bubble_compiled_worker, 2):
         assert grad_err < 1e-9 and compiled >= 1 and not any(fallbacks), (grad_err, fallbacks)
         assert gemms["zero_bubble"] == gemms["interleaved"] > 0, gemms
+
+
+def _modes_worker(rank, world, train):
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+
+    model = build_model("llama", dtype=torch.float64).train(train)
+    pipe = parallelize(model, ParallelPlan(pp=2))
+    return sorted(n for n, m in pipe.named_modules() if m.training != train)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_pipeline_stages_take_the_model_mode(train):
+    """A review: an eval model's pipeline containers (the PipelinedModel, its parts and the
+    stages' layer dicts) said training=True; the layers themselves were right."""
+    assert run_distributed(_modes_worker, 2, train) == [[], []]

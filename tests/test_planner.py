@@ -1159,3 +1159,12 @@ def test_evaluate_refuses_a_plan_the_job_does_not_admit():
         evaluate(ParallelPlan(dp_shard=4, ep=2, zero_stage=3), model, H100, 8)
     with pytest.raises(ConfigError, match="KV heads \\(8\\) must be divisible by tp \\(16\\)"):
         evaluate(ParallelPlan(tp=16), model, H100, 8)
+
+
+def test_a_plan_takes_lists_for_its_tuple_fields():
+    """A review: ParallelPlan(pp=2, stage_layers=[2, 1]) was refused as 'must be a list of
+    ints', and a list mesh_order as not ordering the axes; they are the tuples they mean."""
+    plan = ParallelPlan(pp=2, stage_layers=[2, 1], mesh_order=list(ParallelPlan().mesh_order))
+    assert plan.stage_layers == (2, 1) and plan.mesh_order == ParallelPlan().mesh_order
+    assert plan.problems(devices=2, layers=3) == [] and hash(plan) == hash(
+        ParallelPlan(pp=2, stage_layers=(2, 1)))

@@ -171,8 +171,8 @@ def _run(model: nn.Module, tensors: tuple[torch.Tensor, ...], size: int,
     splits = [t.split(size) for t in tensors]
     for t, parts in zip(tensors, splits):
         if getattr(t, sharded_tag, False):  # CP's chunk: its same-tokens check is skipped
-            for part in parts:
-                setattr(part, sharded_tag, True)
+            for part in parts:  # (the tag names the layout it was cut for)
+                setattr(part, sharded_tag, getattr(t, sharded_tag))
     replicas, sharded = _dp_engines(model)
     report = getattr(model, "graphopt_parallel", None)
     if sharded or getattr(report, "experts", None):

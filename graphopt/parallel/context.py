@@ -381,6 +381,10 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
         # lengths and of their squares tell whether the chunks are equal, and the same of a
         # fingerprint of the tokens (untagged inputs) whether every rank got the same ones
         tagged = not isinstance(ids, torch.Tensor) or getattr(ids, SHARDED, False)
+        if isinstance(tagged, str) and tagged != plan.cp_kind:  # the same on every CP rank
+            raise ConfigError(f"this chunk was cut for CP {tagged!r} and the model runs CP "
+                              f"{plan.cp_kind!r}: cut it with shard_sequence on the mesh "
+                              "graphopt.parallelize ran on (or build_mesh of the same plan)")
         flags = torch.tensor([float(bool(problem)) for problem in _refusals(given, own)]
                              + [float(length), float(length) ** 2, float(not tagged)],
                              dtype=torch.float64, device=device)
@@ -473,9 +477,10 @@ def chunk_positions(local: int, rank: int, size: int, ring: bool,
 
 
 SHARDED = "_graphopt_cp_chunk"
-"""Attribute :func:`shard_sequence` sets on the chunks it returns: CP's forward pre-hook
-skips its same-tokens check for them (a sequence whose chunks are equal, all padding say,
-is a legitimate batch)."""
+"""Attribute :func:`shard_sequence` sets on the chunks it returns, the CP layout they were
+cut for ("ring" or "all_to_all"): CP's forward pre-hook skips its same-tokens check for them
+(a sequence whose chunks are equal, all padding say, is a legitimate batch) and refuses a
+chunk of the other layout."""
 
 
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
@@ -494,11 +499,23 @@ def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Te
     position): a contiguous chunk (Ulysses) or chunks r and 2P-1-r of 2P (ring), as the
     plan that :func:`apply_cp` ran says.
 
+    The layout is the plan's, recorded on ``mesh`` by :func:`graphopt.parallel.build_mesh`
+    and by :func:`apply_cp`; the chunk is tagged with it, and the model's forward refuses a
+    chunk cut for the other layout.
+
     Raises:
-        ConfigError: S not divisible by the CP size (x 2 for the ring).
+        ConfigError: S not divisible by the CP size (x 2 for the ring); a mesh neither
+            built by ``build_mesh(plan)`` nor run by ``graphopt.parallelize`` (the layout
+            is unknown).
     """
+    kind = getattr(mesh, "_graphopt_cp_kind", None)
+    if kind is None:
+        raise ConfigError("shard_sequence does not know this mesh's CP layout (zigzag chunks "
+                          "for the ring, contiguous for all-to-all): pass the mesh from "
+                          "graphopt.parallel.build_mesh(plan), or the one "
+                          "graphopt.parallelize(model, plan, mesh) ran on")
     size, rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
-    ring = getattr(mesh, "_graphopt_cp_kind", "all_to_all") == "ring"
+    ring = kind == "ring"
     seq = ids.shape[1]
     parts = 2 * size if ring else size
     if seq % parts:
@@ -508,7 +525,7 @@ def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Te
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     index = chunk_positions(seq // size, rank, size, ring, ids.device)
     chunk = ids[:, index]
-    setattr(chunk, SHARDED, True)
+    setattr(chunk, SHARDED, kind)
     return chunk, labels[:, index]
 
 

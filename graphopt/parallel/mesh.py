@@ -73,6 +73,10 @@ def build_mesh(plan: ParallelPlan, device_type: str | None = None) -> Any:
     for flat, axes in FLAT_AXES.items():
         ordered = tuple(a for a in names if a in axes)  # flatten keeps mesh order
         mesh[ordered]._flatten(flat)
+    # shard_sequence cuts the layout the plan's CP runs; a mesh built here and handed to it
+    # before (or instead of) the one parallelize ran on got Ulysses' contiguous chunks
+    # under a ring plan: gradients 109% off, silently (a review)
+    mesh._graphopt_cp_kind = plan.cp_kind  # type: ignore[attr-defined]
     return mesh
 
 

@@ -114,6 +114,9 @@ class DecoderStage(nn.Module):
         self.rotary_emb = getattr(inner, "rotary_emb", None)
         self.norm = inner.norm if self.last else None
         self.lm_head = model.get_output_embeddings() if self.last else None
+        # the new containers take the model's mode (nn.Module starts in train mode: an eval
+        # model's stages said training=True, a review); the layers keep their own
+        self.training = self.layers.training = model.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] (first stage) or hidden states [B, S(/tp under SP), H] ->
@@ -158,6 +161,7 @@ class PipelinedModel(nn.Module):
                  prefix: str) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self.training = self.parts.training = all(p.training for p in parts)
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
         self.prefix = prefix
         """The full model's path of the decoder layer list (``model.layers``)."""
@@ -337,6 +341,12 @@ class PipelinedModel(nn.Module):
                               "and its labels, shifted across the chunk boundaries: "
                               "ids, labels = graphopt.parallel.context.shard_sequence(batch, "
                               "mesh); model.step(ids, labels=labels)")
+        cut = getattr(input_ids, "_graphopt_cp_chunk", None)  # context.SHARDED
+        if self.cp > 1 and isinstance(cut, str) and cut != ("ring" if self.cp_ring
+                                                             else "all_to_all"):
+            raise ConfigError(f"this chunk was cut for CP {cut!r} and the stages run the "
+                              "other layout: cut it with shard_sequence on the mesh "
+                              "graphopt.parallelize ran on (or build_mesh of the same plan)")
         if self.cp_ring and input_ids.shape[1] % 2:
             raise ConfigError(f"ring CP holds two chunks per rank (zigzag); this rank's "
                               f"{input_ids.shape[1]} tokens do not split in two: cut the "

@@ -86,6 +86,13 @@ class ParallelPlan:
     mesh_order: tuple[str, ...] = AXES
     prediction: Prediction | None = field(default=None, compare=False)
 
+    def __post_init__(self) -> None:
+        # lists are taken as the tuples they mean (a review: stage_layers=[2, 1] was refused
+        # as "must be a list of ints"); the plan stays hashable
+        for name in ("stage_layers", "mesh_order"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
     @property
     def devices(self) -> int:
         """Devices the plan uses: dp_replicate * dp_shard * cp * tp * pp."""
