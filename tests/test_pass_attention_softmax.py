@@ -500,9 +500,9 @@ class _WindowSDPA(torch.nn.Module):
 
 
 @pytest.mark.parametrize("window, reason", [
-    ("buffer", "at input sizes 49"), ("float", "at input sizes 49"),
+    ("buffer", "at input sizes length 49"), ("float", "at input sizes length 49"),
     ("table", "a tensor table"), ("sum", "not the causal (lower-triangular) mask (at input "
-                                   "sizes 8"), ("scaled", "mask (at input sizes 5")])
+                                   "sizes length 8"), ("scaled", "sizes length 5")])
 def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, reason):
     """Found by a review of the ONNX export: the mask proof probed past integer scalar
     constants only, so a 48-token window in a buffer or written 47.5 was 'proven causal'
@@ -516,3 +516,78 @@ def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, re
                          example_inputs=bind_inputs(gm, model, *args))
     assert [s.action for s in record.sites] == ["kept"], record.sites
     assert reason in record.sites[0].reason, record.sites[0].reason
+
+
+class _HostileMask(torch.nn.Module):
+    """Size-dependent masks that are causal at the example length (16) and at the lengths a
+    naive probe tries, and not at others (found by a review of the mask proof)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("slots", torch.zeros(32))  # read for its length only
+
+    def forward(self, q, k, v, window):
+        i = torch.arange(q.shape[2])
+        d = i[:, None] - i[None, :]
+        kind = self.kind
+        if kind == "int_argument":  # a window of 48 passed as an int
+            mask = (d >= 0) & (d < window)
+        elif kind == "other_length":  # a window set by another tensor's length
+            mask = (d >= 0) & (d < self.slots.shape[0])
+        elif kind == "uint8":  # positions wrap at 256
+            p = i.to(torch.uint8)
+            mask = p[:, None] >= p[None, :]
+        elif kind == "bfloat16":  # positions exact up to 256
+            p = torch.arange(q.shape[2], dtype=torch.bfloat16)
+            mask = p[:, None] >= p[None, :]
+        elif kind == "buffer_factor":  # a window of 200 as 0.5 * d < 100
+            mask = (d >= 0) & (d * self.scale < 100)
+        elif kind == "alpha":
+            mask = (d >= 0) & (torch.add(torch.zeros_like(d), d, alpha=2) < 100)
+        elif kind == "atan":
+            mask = (d >= 0) & (d.float().atan() < 1.57)
+        elif kind == "band":  # not causal for lengths 51..60 only
+            mask = (d >= 0) | ((2 * i >= 100).any() & ~(2 * i >= 120).any())
+        else:  # "overflow": int64 positions near 2**63 wrap past 200
+            p = i + (2**63 - 200)
+            mask = p[:, None] >= p[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("int_argument", "not the causal"), ("other_length", "not the causal"),
+    ("uint8", "in torch.uint8"), ("bfloat16", "in torch.bfloat16"),
+    ("buffer_factor", "non-integer factor"), ("alpha", "alpha=2"), ("atan", "atan"),
+    ("band", "aten.any"), ("overflow", "2**31 or more")])
+def test_masks_causal_only_at_the_probed_lengths_are_kept(kind, reason):
+    """A review of the mask proof found 13 masks it took for causal, each wrong at some
+    length (up to 2.4 off): sizes other than the sequence length (an int window argument,
+    another tensor's length) were set equal to it at every probe, and a deny-list of ops let
+    narrow dtypes, non-integer factors, alpha, atan, reductions and int64 overflow through.
+    Other sizes are now probed on their own, and size-dependent values are limited to an
+    allow-list of piecewise-linear ops in exact dtypes."""
+    model = _HostileMask(kind)
+    args = [torch.randn(1, 2, 16, 8) for _ in range(3)] + [48]
+    gm = trace_for_pass(model, *args, dynamic=True)
+    _, record = run_pass("attention", gm, Config(attention="exact"),
+                         example_inputs=bind_inputs(gm, model, *args))
+    assert [s.action for s in record.sites] == ["kept"], record.sites
+    assert reason in record.sites[0].reason, record.sites[0].reason
+
+
+def test_the_minus_infinity_triangle_idiom_is_proven_causal():
+    """``triu(ones(S, S) * -inf, 1)`` was refused as 'a product with a non-integer scalar';
+    a factor of +-inf does not slow an index down."""
+
+    def attend(q, k, v):
+        s = q.shape[2]
+        mask = torch.triu(torch.ones(s, s) * float("-inf"), 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    args = [torch.randn(1, 2, 16, 8) for _ in range(3)]
+    gm = trace_for_pass(attend, *args, dynamic=True)
+    _, record = run_pass("attention", gm, Config(attention="exact"),
+                         example_inputs=bind_inputs(gm, attend, *args))
+    assert [s.action for s in record.sites] == ["rewritten"], record.sites

@@ -249,9 +249,12 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     sliding window of w is causal up to size w and not beyond: its w is such a constant; the
     mask of a graph is a fixed dataflow of comparisons, whose outcome changes only where a
     size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused, and so
-    is a size-dependent mask built with periodic or sublinear arithmetic (remainder,
-    division, integer bitwise ops, roots, ...: :func:`_unprobeable`), where that argument
-    fails. A dynamic-shape
+    is a size-dependent value built with an op outside :data:`_PROBEABLE`, in a dtype that is
+    not exact for positions, with a non-integer factor or a constant of 2**31 or more
+    (:func:`_not_probeable`), where that argument fails. Sizes other than the sequence
+    length (an int argument, another input's length: a window or a valid length) are probed
+    at their example value and at 1, 2 and just below and above each probed length
+    (:func:`_size_groups`). A dynamic-shape
     compile's SymInt sizes are taken at the example inputs (``hinted``).
     """
     # A dynamic-shape compile passes its sizes as SymInts: take them at the example inputs
@@ -259,7 +262,6 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     env = hinted(env)
     sizes: list[fx.Node] = []
     constants: set[int] = set()
-    unprobeable: list[fx.Node] = []
     tables: list[fx.Node] = []
     for n in ancestors(mask):
         if _is_size(n, env):
@@ -286,13 +288,12 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
         if n.op == "call_function":
             constants |= _crossings([a for a in (*n.args, *n.kwargs.values())
                                      if isinstance(a, int | float) and not isinstance(a, bool)])
-            if _unprobeable(n):
-                unprobeable.append(n)
-    if sizes and unprobeable:
-        return (f"the attention mask reads input sizes and is built with "
-                f"{unprobeable[0].target} "
-                "(periodic or sublinear in the index: probing sizes cannot prove it causal "
-                "for every size)")
+    dependent = _size_dependent(mask, env)
+    for n in sorted(dependent, key=_graph_order(mask).__getitem__):
+        why = _not_probeable(n, env, dependent)
+        if why:
+            return (f"the attention mask reads input sizes and {why}: probing sizes cannot "
+                    "prove it causal for every size")
     if sizes and tables:
         return (f"the attention mask reads input sizes and a tensor table ({tables[0].name}, "
                 f"{env[tables[0]].numel()} values): probing sizes cannot prove every slice of "
@@ -310,15 +311,29 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     probe_sizes = sorted(set(SIZE_PROBES) | {c + d for c in constants for d in (1, 2)
                                               if 2 < c + d <= MAX_PROBED_CONSTANT + 2}
                          | {threshold + 1, threshold + 2})
+    seq, others = _size_groups(mask, sizes, env)
+    try:
+        example = [int(evaluate(n, dict(env))) for n in others[:1]]
+    except Exception as exc:  # noqa: BLE001 - not provable
+        return f"the attention mask reads a size that could not be evaluated ({exc!r})"
     probes: list[dict[fx.Node, Any]] = [env]
     for size in probe_sizes if sizes else ():
-        probes.append({**{k: v for k, v in env.items() if k not in sizes},
-                       **{n: size for n in sizes}})
+        base = {k: v for k, v in env.items() if k not in sizes}
+        # another size (an int argument, another input's length) may be a window or a
+        # valid length: it was set to the sequence length at every probe, where `d < w`
+        # blocks nothing (a review: a window passed as an int, 2.35 off); it is probed at
+        # its example value and around the sequence length instead
+        for other in sorted({*example, 1, 2, max(1, size - 1), size + 1}) if others \
+                else (None,):
+            probes.append({**base, **{n: size for n in seq}, **{n: other for n in others}})
     for probe_env in probes:
         problem = _causal_at(mask, dict(probe_env), blocked)
+        if problem and sizes and probe_env is not env:
+            where = ", ".join([*([f"length {probe_env[seq[0]]}"] if seq else []),
+                               *[f"{n.name}={probe_env[n]}" for n in others]])
+            return f"{problem} (at input sizes {where})"
         if problem:
-            return problem + (" (at input sizes " + str(probe_env[sizes[0]]) + ")"
-                              if sizes and probe_env is not env else "")
+            return problem
     return ""
 
 
@@ -332,10 +347,11 @@ def _threshold_bound(mask: fx.Node, env: dict[fx.Node, Any]) -> int:
     A constant is only one place a comparison may flip: ``(i - j) - 40 < 41`` is a window of
     81 tokens, built from 40 and 41, causal up to size 81 (a review: probed past 41 and 42
     only, "proven causal", then 0.16 off at 200 tokens). Bounds (``_magnitude``): a scalar
-    or a buffer its largest absolute value, a size or a graph input 0 (the variable part), a
-    product the product of its factors' bounds (at least 1 each), any other op the sum of
-    its arguments' bounds. Over a mask of affine integer comparisons (what
-    :func:`_unprobeable` leaves), every crossing lies at or below this bound.
+    or a buffer or a value computed from constants only its largest absolute value, a size
+    or a graph input 0 (the variable part), a product the product of its factors' bounds (at
+    least 1 each), any other op the sum of its arguments' bounds. Over a mask of affine
+    integer comparisons (what :func:`_not_probeable` leaves), every crossing lies at or
+    below this bound.
     """
     bound: dict[fx.Node, float] = {}
 
@@ -347,7 +363,8 @@ def _threshold_bound(mask: fx.Node, env: dict[fx.Node, Any]) -> int:
             return float(abs(a))
         return 0.0
 
-    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    order = _graph_order(mask)
+    dependent = _size_dependent(mask, env)
     worst = 0.0
     for n in sorted(ancestors(mask), key=order.__getitem__):
         value = env.get(n)
@@ -357,6 +374,15 @@ def _threshold_bound(mask: fx.Node, env: dict[fx.Node, Any]) -> int:
             bound[n] = (float(value.detach().double().abs().nan_to_num(0, 0, 0).max())
                         if isinstance(value, torch.Tensor) and value.numel() and
                         not _only_sizes_read(n, mask) else 0.0)
+            if bound[n] >= 2**31:
+                bound[n] = 0.0
+        elif n.op == "call_function" and n not in dependent:  # a constant: its value
+            try:
+                value = evaluate(n, dict(env))
+                t = torch.as_tensor(value).detach().double().abs().nan_to_num(0, 0, 0)
+                bound[n] = float(t.max()) if t.numel() else 0.0
+            except Exception:  # noqa: BLE001 - then the sum of its arguments' bounds
+                bound[n] = sum(magnitude(a) for a in (*n.args, *n.kwargs.values()))
             if bound[n] >= 2**31:
                 bound[n] = 0.0
         elif n.op == "call_function":
@@ -386,30 +412,102 @@ def _crossings(values: list[Any]) -> set[int]:
     return out
 
 
-_UNPROBEABLE = frozenset((
-    "remainder", "fmod", "floor_divide", "div", "true_divide", "bitwise_xor",
-    "bitwise_left_shift", "bitwise_right_shift", "__lshift__", "__rshift__", "__xor__", "sin",
-    "cos", "tan", "tanh", "sigmoid", "pow", "round", "floor", "ceil", "trunc", "frac", "sqrt",
-    "rsqrt", "log", "log2", "log10", "log1p", "exp", "exp2", "expm1", "reciprocal", "xlogy"))
-"""ATen op names (``_opname``, exact) under which a size-dependent mask is not probed."""
+_PROBEABLE = frozenset((
+    # views and copies
+    "unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "expand", "slice", "select",
+    "permute", "transpose", "t", "clone", "contiguous", "alias", "detach", "index",
+    "lift_fresh_copy", "to", "_to_copy", "type_as",
+    # constructors (sizes, fill values)
+    "arange", "new_ones", "new_zeros", "new_full", "ones", "zeros", "full", "ones_like",
+    "zeros_like", "full_like", "scalar_tensor",
+    # piecewise linear in the index with integer slopes
+    "add", "sub", "rsub", "neg", "abs", "mul", "maximum", "minimum", "clamp", "clamp_min",
+    "clamp_max", "where", "masked_fill", "tril", "triu",
+    # comparisons and logic
+    "lt", "le", "gt", "ge", "eq", "ne", "__and__", "__or__", "__xor__", "__invert__",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "logical_and", "logical_or",
+    "logical_xor", "logical_not",
+    # transformers' packed-sequence detection (position_ids.diff, cumsum): a heuristic
+    "cumsum", "diff"))
+"""ATen op names (``_opname``) a size-dependent mask may be built with: ops that are
+piecewise linear in an index with integer slopes, so that the mask's comparisons flip only
+where a size crosses a bound of its constants (:func:`_threshold_bound`). An allow-list (a
+review found masks a deny-list let through: ``atan``, a buffer multiplier of 0.5, ``alpha``,
+a reduction with ``any`` that is wrong for a band of sizes only)."""
+
+_EXACT_DTYPES = (torch.bool, torch.int32, torch.int64, torch.float32, torch.float64)
+"""Dtypes a size-dependent value may have: positions in bf16 are exact up to 256 only, in
+fp16 up to 2048, in int8/uint8 they wrap at 128/256 (a review: masks built so were causal at
+every probe and wrong from there)."""
 
 
-def _unprobeable(node: fx.Node) -> bool:
-    """An op under which the probing argument fails: not piecewise linear in an index with
-    slopes of at least 1 (remainder, floor division, shifts, integer bitwise and/or, roots,
-    logs, a product with a non-integer scalar: d * 0.5 == 1000 holds first at d = 2000, past
-    every probe). A mask built with one may be causal at the probed sizes and not between
-    or beyond them. Logical and/or of boolean masks are fine."""
+def _graph_order(mask: fx.Node) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(mask.graph.nodes)}
+
+
+def _size_dependent(mask: fx.Node, env: dict[fx.Node, Any]) -> set[fx.Node]:
+    """The nodes of the mask's construction computed from an input size (sizes included)."""
+    order = _graph_order(mask)
+    out: set[fx.Node] = set()
+    for n in sorted(ancestors(mask), key=order.__getitem__):
+        if _is_size(n, env) or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Node]) -> str:
+    """Why the probing argument fails for ``node`` of a size-dependent mask ("" when it
+    holds): an op outside :data:`_PROBEABLE`, a dtype outside :data:`_EXACT_DTYPES`, an
+    ``alpha`` other than 1, a product with a factor that is not an integer (a scalar or a
+    constant tensor: ``d * 0.5 < 1000`` first holds at d = 2000, past every probe), or a
+    constant of 2**31 or more in integer arithmetic (int64 overflow hidden from the probes)."""
+    if node.op != "call_function" or _is_size(node, env):
+        return ""
     name = getattr(node.target, "_opname", "")
-    if name in _UNPROBEABLE or name.startswith("special_"):
-        return True
+    if name not in _PROBEABLE:
+        return f"is built with {node.target} (not piecewise linear in the index)"
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dtype not in _EXACT_DTYPES:
+        return (f"computes {node.name} in {val.dtype} (positions are exact in int32/int64 "
+                "and float32/float64 only)")
+    if node.kwargs.get("alpha", 1) != 1:
+        return f"scales with alpha={node.kwargs['alpha']} ({node.target})"
+    scalars = [a for a in (*node.args, *node.kwargs.values())
+               if isinstance(a, int | float) and not isinstance(a, bool)]
+    if name in ("add", "sub", "rsub", "mul", "maximum", "minimum", "clamp", "clamp_min",
+                "clamp_max", "lt", "le", "gt", "ge", "eq", "ne") and \
+            any(math.isfinite(a) and abs(a) >= 2**31 for a in scalars):
+        return f"uses a constant of 2**31 or more in {node.target} (integer overflow)"
     if name == "mul":
-        scalars = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-        return any(not float(a).is_integer() or abs(a) < 1 for a in scalars)
-    if name.startswith(("bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__")):
-        val = node.meta.get("val")
-        return not (isinstance(val, torch.Tensor) and val.dtype == torch.bool)
-    return False
+        factors = [*[a for a in scalars if not math.isinf(a)],
+                   *[a for a in node.args if isinstance(a, fx.Node) and a not in dependent]]
+        for factor in factors:
+            try:
+                value = evaluate(factor, dict(env)) if isinstance(factor, fx.Node) else factor
+            except Exception:  # noqa: BLE001 - not provable
+                return f"multiplies by {factor} (not evaluable)"
+            t = torch.as_tensor(value, dtype=torch.float64)
+            if not bool(((t == t.round()) & ((t == 0) | (t.abs() >= 1))).all()):
+                return f"multiplies by a non-integer factor ({node.target})"
+    return ""
+
+
+def _size_groups(mask: fx.Node, sizes: list[fx.Node], env: dict[fx.Node, Any]
+                 ) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(sizes that are the attention's sequence length, the other sizes): the sequence
+    length is the symbol of the mask's last dim in a dynamic-shape graph (a size whose
+    symbol differs, or every size when the mask's dims are not symbolic, is another)."""
+    val = tensor_meta(mask)
+    last = val.shape[-1] if val is not None and val.dim() else None
+    symbol = str(last.node.expr) if isinstance(last, torch.SymInt) else None
+    if symbol is None:  # no symbolic dims to tell them apart: every size is the length
+        return list(sizes), []
+    seq, others = [], []
+    for n in sizes:
+        v = n.meta.get("val", n.meta.get("example_value"))
+        same = symbol is not None and isinstance(v, torch.SymInt) and str(v.node.expr) == symbol
+        (seq if same else others).append(n)
+    return seq, others
 
 
 def _is_size(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
