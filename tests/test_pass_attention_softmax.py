@@ -502,7 +502,7 @@ class _WindowSDPA(torch.nn.Module):
 @pytest.mark.parametrize("window, reason", [
     ("buffer", "at input sizes length 49"), ("float", "at input sizes length 49"),
     ("table", "a tensor table"), ("sum", "not the causal (lower-triangular) mask (at input "
-                                   "sizes length 8"), ("scaled", "sizes length 5")])
+                                   "sizes length 8"), ("scaled", "sizes length 49")])
 def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, reason):
     """Found by a review of the ONNX export: the mask proof probed past integer scalar
     constants only, so a 48-token window in a buffer or written 47.5 was 'proven causal'
@@ -527,6 +527,7 @@ class _HostileMask(torch.nn.Module):
         self.kind = kind
         self.register_buffer("scale", torch.tensor(0.5))
         self.register_buffer("slots", torch.zeros(32))  # read for its length only
+        self.register_buffer("at50", torch.arange(64) == 50)  # a table of 64 values
 
     def forward(self, q, k, v, window):
         i = torch.arange(q.shape[2])
@@ -550,6 +551,20 @@ class _HostileMask(torch.nn.Module):
             mask = (d >= 0) & (d.float().atan() < 1.57)
         elif kind == "band":  # not causal for lengths 51..60 only
             mask = (d >= 0) | ((2 * i >= 100).any() & ~(2 * i >= 120).any())
+        elif kind == "full_like_half":  # a window of 200 with a size-shaped 0.5
+            mask = (d >= 0) & (d * torch.full_like(d, 0.5, dtype=torch.float32) < 100)
+        elif kind == "equal_length":  # not causal at length 50 only
+            mask = (d >= 0) | (i[-1] + 1 == 50)
+        elif kind == "band_linear":  # not causal for lengths 52..59 only
+            mask = (d >= 0) | ((2 * i[-1] > 100) & (3 * i[-1] < 177))
+        elif kind == "cumsum_growth":  # quadratic growth: not causal from 200
+            c1 = torch.ones(q.shape[2]).cumsum(0)
+            mask = (d >= 0) | (c1.cumsum(0)[-1] > 100 * c1[-1])
+        elif kind == "cube":  # int32 overflow of i**3 from 1292
+            p = i.to(torch.int32) * i.to(torch.int32) * i.to(torch.int32)
+            mask = p[:, None] >= p[None, :]
+        elif kind == "table":  # a 64-value table read at the length: not causal at 51
+            mask = (d >= 0) | self.at50[i[-1:]]
         else:  # "overflow": int64 positions near 2**63 wrap past 200
             p = i + (2**63 - 200)
             mask = p[:, None] >= p[None, :]
@@ -557,10 +572,16 @@ class _HostileMask(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind, reason", [
-    ("int_argument", "not the causal"), ("other_length", "not the causal"),
+    ("int_argument", "a size other than the sequence length"),
+    ("other_length", "at input sizes length 33)"),  # a buffer's length is a constant
     ("uint8", "in torch.uint8"), ("bfloat16", "in torch.bfloat16"),
     ("buffer_factor", "non-integer factor"), ("alpha", "alpha=2"), ("atan", "atan"),
-    ("band", "aten.any"), ("overflow", "2**31 or more")])
+    ("band", "aten.any"), ("overflow", "2**31 or more"),
+    # a second review
+    ("full_like_half", "multiplies two size-dependent values"),
+    ("equal_length", "at input sizes length 50)"), ("band_linear", "at input sizes length 52)"),
+    ("cumsum_growth", "not boolean (cumsum"), ("cube", "multiplies two size-dependent"),
+    ("table", "at size-dependent positions (a table)")])
 def test_masks_causal_only_at_the_probed_lengths_are_kept(kind, reason):
     """A review of the mask proof found 13 masks it took for causal, each wrong at some
     length (up to 2.4 off): sizes other than the sequence length (an int window argument,
@@ -591,3 +612,19 @@ def test_the_minus_infinity_triangle_idiom_is_proven_causal():
     _, record = run_pass("attention", gm, Config(attention="exact"),
                          example_inputs=bind_inputs(gm, attend, *args))
     assert [s.action for s in record.sites] == ["rewritten"], record.sites
+
+
+def test_a_boolean_added_to_the_scores_is_not_taken_for_a_mask():
+    """``softmax(scores + tril_bool)`` adds 1 below the diagonal and masks nothing; the proof
+    read the bool as a mask and attention="lightning" converted it as causal (a review)."""
+    def attend(q, k, v):
+        s = q.shape[2]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        return torch.softmax(scores + torch.ones(s, s, dtype=torch.bool).tril(), dim=-1) @ v
+
+    args = [torch.randn(1, 2, 16, 8) for _ in range(3)]
+    gm = trace_for_pass(attend, *args, dynamic=True)
+    _, record = run_pass("attention", gm, Config(attention="lightning"),
+                         example_inputs=bind_inputs(gm, attend, *args))
+    assert record.sites and all(s.action != "rewritten" for s in record.sites), record.sites
+    assert any("a boolean tensor is added to the scores" in s.reason for s in record.sites)

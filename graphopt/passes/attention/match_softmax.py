@@ -284,10 +284,19 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
             return ("the attention mask depends on a graph input's values (a padding mask), "
                     "so it cannot be proven causal for every call")
         if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
-            return "the attention mask is built by non-ATen code"
+            return (f"the attention mask is built by non-ATen code ({n.name}: "
+                    f"{getattr(n.target, '__name__', n.target)}, e.g. arithmetic on sizes "
+                    "or int arguments, which the proof does not follow)")
         if n.op == "call_function":
             constants |= _crossings([a for a in (*n.args, *n.kwargs.values())
                                      if isinstance(a, int | float) and not isinstance(a, bool)])
+    seq, others = _size_groups(mask, sizes, env)
+    used = _value_uses(mask, others)
+    if used:
+        return (f"the attention mask computes with {used.name}, a size other than the "
+                "sequence length (an int argument, another input's length: a window or a "
+                "valid length?); the proof covers every sequence length, not every value of "
+                "that size")
     dependent = _size_dependent(mask, env)
     for n in sorted(dependent, key=_graph_order(mask).__getitem__):
         why = _not_probeable(n, env, dependent)
@@ -308,30 +317,25 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
                 f"at sizes up to {threshold} (the sum of its constants); masks past "
                 f"{MAX_PROBED_CONSTANT} are not probed, so it is not proven causal for every "
                 "size")
-    probe_sizes = sorted(set(SIZE_PROBES) | {c + d for c in constants for d in (1, 2)
-                                              if 2 < c + d <= MAX_PROBED_CONSTANT + 2}
+    # every length up to the bound (bands between two comparisons' crossings: 52..59 for
+    # 2 * n > 100 and 3 * n < 177, a review), then around each constant (== flips at c
+    # itself) and just past the bound
+    probe_sizes = sorted(set(SIZE_PROBES) | set(range(1, min(threshold, DENSE_PROBES) + 3))
+                         | {c + d for c in constants for d in (-1, 0, 1, 2)
+                            if 2 < c + d <= MAX_PROBED_CONSTANT + 2}
                          | {threshold + 1, threshold + 2})
-    seq, others = _size_groups(mask, sizes, env)
-    try:
-        example = [int(evaluate(n, dict(env))) for n in others[:1]]
+    try:  # other sizes only shape the mask (the batch of an expand): their example values
+        fixed = {n: int(evaluate(n, dict(env))) for n in others}
     except Exception as exc:  # noqa: BLE001 - not provable
         return f"the attention mask reads a size that could not be evaluated ({exc!r})"
     probes: list[dict[fx.Node, Any]] = [env]
     for size in probe_sizes if sizes else ():
-        base = {k: v for k, v in env.items() if k not in sizes}
-        # another size (an int argument, another input's length) may be a window or a
-        # valid length: it was set to the sequence length at every probe, where `d < w`
-        # blocks nothing (a review: a window passed as an int, 2.35 off); it is probed at
-        # its example value and around the sequence length instead
-        for other in sorted({*example, 1, 2, max(1, size - 1), size + 1}) if others \
-                else (None,):
-            probes.append({**base, **{n: size for n in seq}, **{n: other for n in others}})
+        probes.append({**{k: v for k, v in env.items() if k not in sizes}, **fixed,
+                       **{n: size for n in seq}})
     for probe_env in probes:
         problem = _causal_at(mask, dict(probe_env), blocked)
         if problem and sizes and probe_env is not env:
-            where = ", ".join([*([f"length {probe_env[seq[0]]}"] if seq else []),
-                               *[f"{n.name}={probe_env[n]}" for n in others]])
-            return f"{problem} (at input sizes {where})"
+            return f"{problem} (at input sizes length {probe_env[seq[0]]})"
         if problem:
             return problem
     return ""
@@ -397,6 +401,10 @@ def _threshold_bound(mask: fx.Node, env: dict[fx.Node, Any]) -> int:
     return int(math.ceil(min(worst, 2.0**31)))
 
 
+DENSE_PROBES = 256
+"""A size-dependent mask is evaluated at every length up to its threshold bound or this,
+whichever is smaller (then sparsely: around each constant and past the bound)."""
+
 MAX_TABLE_CONSTANTS = 64
 """A buffer of at most this many values feeding a size-dependent mask: its values are probed
 past like the scalar constants; a larger one refuses the proof."""
@@ -441,6 +449,34 @@ fp16 up to 2048, in int8/uint8 they wrap at 128/256 (a review: masks built so we
 every probe and wrong from there)."""
 
 
+_ARITHMETIC = frozenset(("add", "sub", "rsub", "neg", "abs", "mul", "maximum", "minimum",
+                         "clamp", "clamp_min", "clamp_max", "cumsum", "diff", "arange"))
+
+
+def _computes_positions(node: fx.Node, name: str) -> torch.Tensor | None:
+    """The fake value whose dtype must be exact for ``node``: its result for arithmetic and
+    for a cast of a non-boolean, the first input's for a comparison; None for ops that only
+    select or fill (``full(min, dtype=bf16).triu(1)``, transformers' float mask in the
+    model's dtype, holds fill values, not positions)."""
+    val = node.meta.get("val")
+    if name in _ARITHMETIC:
+        return val if isinstance(val, torch.Tensor) else None
+    if name in ("to", "_to_copy", "type_as"):
+        src = tensor_meta(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        return val if isinstance(val, torch.Tensor) and not (
+            isinstance(src, torch.Tensor) and src.dtype == torch.bool) else None
+    if name in _COMPARISONS:
+        ins = [tensor_meta(a) for a in node.all_input_nodes]
+        return next((t for t in ins if isinstance(t, torch.Tensor)
+                     and t.dtype not in _EXACT_DTYPES), None)
+    return None
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = tensor_meta(node)
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
 def _graph_order(mask: fx.Node) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(mask.graph.nodes)}
 
@@ -466,10 +502,18 @@ def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Nod
     name = getattr(node.target, "_opname", "")
     if name not in _PROBEABLE:
         return f"is built with {node.target} (not piecewise linear in the index)"
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.dtype not in _EXACT_DTYPES:
-        return (f"computes {node.name} in {val.dtype} (positions are exact in int32/int64 "
+    exact = _computes_positions(node, name)
+    if exact is not None and exact.dtype not in _EXACT_DTYPES:
+        return (f"computes {node.name} in {exact.dtype} (positions are exact in int32/int64 "
                 "and float32/float64 only)")
+    inputs = [a for a in node.all_input_nodes if a in dependent]
+    if name == "mul" and len(inputs) > 1 and torch.bool not in map(_dtype, inputs):
+        return (f"multiplies two size-dependent values ({node.target}: polynomial in the "
+                "index)")
+    if name == "cumsum" and not (inputs and _dtype(inputs[0]) == torch.bool):
+        return "sums a size-dependent value that is not boolean (cumsum: it grows faster)"
+    if name == "index" and isinstance(node.args[0], fx.Node) and node.args[0] not in dependent:
+        return f"reads {node.args[0].name} at size-dependent positions (a table)"
     if node.kwargs.get("alpha", 1) != 1:
         return f"scales with alpha={node.kwargs['alpha']} ({node.target})"
     scalars = [a for a in (*node.args, *node.kwargs.values())
@@ -480,7 +524,9 @@ def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Nod
         return f"uses a constant of 2**31 or more in {node.target} (integer overflow)"
     if name == "mul":
         factors = [*[a for a in scalars if not math.isinf(a)],
-                   *[a for a in node.args if isinstance(a, fx.Node) and a not in dependent]]
+                   *[a for a in node.args if isinstance(a, fx.Node) and a not in dependent],
+                   *[a for a in inputs if (_dtype(a) or torch.bool).is_floating_point]]
+        # (a size-dependent float factor too: full_like(d, 0.5), a review)
         for factor in factors:
             try:
                 value = evaluate(factor, dict(env)) if isinstance(factor, fx.Node) else factor
@@ -490,6 +536,36 @@ def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Nod
             if not bool(((t == t.round()) & ((t == 0) | (t.abs() >= 1))).all()):
                 return f"multiplies by a non-integer factor ({node.target})"
     return ""
+
+
+_SHAPE_ONLY = frozenset(("expand", "view", "reshape", "_unsafe_view", "new_ones", "new_zeros",
+                         "new_empty", "ones", "zeros", "empty", "full", "new_full"))
+"""Ops whose size arguments (in their shape list) shape the result without entering its
+values."""
+
+
+def _value_uses(mask: fx.Node, others: list[fx.Node]) -> fx.Node | None:
+    """The first of ``others`` (sizes other than the sequence length) whose value enters the
+    mask's values, rather than only shaping it (a batch size in an ``expand``); None when
+    none does. Probing cannot cover every value of such a size: a window passed as an int
+    and a `(d < w) | (w >= max_len)` switch of two ints were proven causal at the probes
+    and wrong at every length past the window (a review)."""
+    if not others:
+        return None
+    carried: dict[fx.Node, fx.Node | None] = {}
+    order = _graph_order(mask)
+    for n in sorted(ancestors(mask), key=order.__getitem__):
+        if n in others:
+            carried[n] = n
+            continue
+        name = getattr(n.target, "_opname", "")
+        value_args = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, fx.Node)]
+        if name in _SHAPE_ONLY:  # the shape list's sizes shape; a fill value is a value
+            value_args = [a for a in value_args if a is not (n.args[0] if name in (
+                "ones", "zeros", "empty") else None)]
+        carried[n] = next((carried[a] for a in value_args if carried.get(a) is not None),
+                          None)
+    return carried.get(mask)
 
 
 def _size_groups(mask: fx.Node, sizes: list[fx.Node], env: dict[fx.Node, Any]
@@ -667,6 +743,10 @@ def _scores(x: fx.Node, env: dict[fx.Node, Any]
                 a, b = b, a
             if not isinstance(b, fx.Node):
                 raise NoMatch("a constant is added to the scores")
+            if _dtype(b) == torch.bool:  # scores + bool adds 1 where True: no mask (the
+                # proof read the bool as one and the rewrite made it causal; a review)
+                raise NoMatch("a boolean tensor is added to the scores (it adds 1 where "
+                              "True, it masks nothing)")
             set_mask(b, blocked=False)
             x = a  # type: ignore[assignment]
         elif is_call(x, aten.masked_fill.Scalar):
