@@ -501,8 +501,9 @@ class _WindowSDPA(torch.nn.Module):
 
 @pytest.mark.parametrize("window, reason", [
     ("buffer", "at input sizes length 49"), ("float", "at input sizes length 49"),
-    ("table", "a tensor table"), ("sum", "not the causal (lower-triangular) mask (at input "
-                                   "sizes length 8"), ("scaled", "sizes length 49")])
+    ("table", "at size-dependent positions (a table)"),
+    ("sum", "not the causal (lower-triangular) mask (at input sizes length 8"),
+    ("scaled", "sizes length 49")])
 def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, reason):
     """Found by a review of the ONNX export: the mask proof probed past integer scalar
     constants only, so a 48-token window in a buffer or written 47.5 was 'proven causal'
@@ -565,6 +566,22 @@ class _HostileMask(torch.nn.Module):
             mask = p[:, None] >= p[None, :]
         elif kind == "table":  # a 64-value table read at the length: not causal at 51
             mask = (d >= 0) | self.at50[i[-1:]]
+        elif kind == "band_eq":  # not causal at length 291 only
+            mask = (d >= 0) | ((i[-1] + 50 - 150) == 190)
+        elif kind == "index_clamp":  # 281 hidden in an index list: not causal from 288
+            mask = (d >= 0) | (i[(i - 281).clamp(min=0)][-1] > 5)
+        elif kind == "table_slice":  # a window of 300 from shape lists and a slice offset
+            table = torch.ones(600, 750, dtype=torch.bool).tril(-150)[:, 150:]
+            s = q.shape[2]
+            mask = torch.ones(600, 600, dtype=torch.bool).tril()[:s, :s] & ~table[:s, :s]
+        elif kind == "ones_of_window":  # the int window enters through a shape list
+            mask = (d >= 0) & (d < torch.ones(window, dtype=torch.bool).cumsum(0)[-1])
+        elif kind == "bf16_fill":  # the length rounded in bf16 by full's fill value
+            rounded = torch.full((1,), q.shape[2], dtype=torch.bfloat16).long()
+            mask = (d >= 0) | (rounded[0] != i[-1] + 1)
+        elif kind == "overflow_fill":  # int64 wrap from a fill value near 2**63
+            p = i + torch.full_like(i, 2**63 - 300)
+            mask = p[:, None] >= p[None, :]
         else:  # "overflow": int64 positions near 2**63 wrap past 200
             p = i + (2**63 - 200)
             mask = p[:, None] >= p[None, :]
@@ -581,7 +598,14 @@ class _HostileMask(torch.nn.Module):
     ("full_like_half", "multiplies two size-dependent values"),
     ("equal_length", "at input sizes length 50)"), ("band_linear", "at input sizes length 52)"),
     ("cumsum_growth", "not boolean (cumsum"), ("cube", "multiplies two size-dependent"),
-    ("table", "at size-dependent positions (a table)")])
+    ("table", "at size-dependent positions (a table)"),
+    # a third review
+    ("band_eq", "lengths past 256 are not all probed"),
+    ("index_clamp", "lengths past 256 are not all probed"),
+    ("table_slice", "at size-dependent positions (a table)"),
+    ("ones_of_window", "not the causal (lower-triangular) mask (at input sizes length"),
+    ("bf16_fill", "computes full in torch.bfloat16"),
+    ("overflow_fill", "2**31 or more in aten.full_like")])
 def test_masks_causal_only_at_the_probed_lengths_are_kept(kind, reason):
     """A review of the mask proof found 13 masks it took for causal, each wrong at some
     length (up to 2.4 off): sizes other than the sequence length (an int window argument,

@@ -288,7 +288,7 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
                     f"{getattr(n.target, '__name__', n.target)}, e.g. arithmetic on sizes "
                     "or int arguments, which the proof does not follow)")
         if n.op == "call_function":
-            constants |= _crossings([a for a in (*n.args, *n.kwargs.values())
+            constants |= _crossings([a for a in _flat_args(n)
                                      if isinstance(a, int | float) and not isinstance(a, bool)])
     seq, others = _size_groups(mask, sizes, env)
     used = _value_uses(mask, others)
@@ -312,10 +312,11 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
                 f"{max(constants)} (a sliding window?); masks past {MAX_PROBED_CONSTANT} are "
                 "not probed, so it is not proven causal for every size")
     threshold = _threshold_bound(mask, env) if sizes else 0
-    if threshold > MAX_PROBED_CONSTANT:
+    if threshold > DENSE_PROBES:  # probing between sparse points missed a band of lengths
+        # (282..290) and a single length (291) past the dense range (a review)
         return (f"the attention mask reads input sizes and compares values that may cross "
-                f"at sizes up to {threshold} (the sum of its constants); masks past "
-                f"{MAX_PROBED_CONSTANT} are not probed, so it is not proven causal for every "
+                f"at sizes up to {threshold} (the sum of its constants); lengths past "
+                f"{DENSE_PROBES} are not all probed, so it is not proven causal for every "
                 "size")
     # every length up to the bound (bands between two comparisons' crossings: 52..59 for
     # 2 * n > 100 and 3 * n < 177, a review), then around each constant (== flips at c
@@ -330,12 +331,18 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
         return f"the attention mask reads a size that could not be evaluated ({exc!r})"
     probes: list[dict[fx.Node, Any]] = [env]
     for size in probe_sizes if sizes else ():
-        probes.append({**{k: v for k, v in env.items() if k not in sizes}, **fixed,
-                       **{n: size for n in seq}})
+        base = {**{k: v for k, v in env.items() if k not in sizes}, **fixed,
+                **{n: size for n in seq}}
+        probes.append(base)
+        for other in others:  # one at a time (a batch arange read as index positions)
+            for value in {1, 2, max(1, size - 1), size + 1} - {fixed[other]}:
+                probes.append({**base, other: value})
     for probe_env in probes:
         problem = _causal_at(mask, dict(probe_env), blocked)
         if problem and sizes and probe_env is not env:
-            return f"{problem} (at input sizes length {probe_env[seq[0]]})"
+            moved = [f"{n.name}={probe_env[n]}" for n in others if probe_env[n] != fixed[n]]
+            return f"{problem} (at input sizes length {probe_env[seq[0]]}" + \
+                "".join(f", {m}" for m in moved) + ")"
         if problem:
             return problem
     return ""
@@ -360,6 +367,8 @@ def _threshold_bound(mask: fx.Node, env: dict[fx.Node, Any]) -> int:
     bound: dict[fx.Node, float] = {}
 
     def magnitude(a: Any) -> float:
+        if isinstance(a, (list, tuple)):  # index lists, shape lists (a review: index hid
+            return sum(magnitude(x) for x in a)  # the 281 of (i - 281).clamp(min=0))
         if isinstance(a, fx.Node):
             return bound.get(a, 0.0)
         if isinstance(a, int | float) and not isinstance(a, bool) and math.isfinite(a) \
@@ -402,8 +411,8 @@ def _threshold_bound(mask: fx.Node, env: dict[fx.Node, Any]) -> int:
 
 
 DENSE_PROBES = 256
-"""A size-dependent mask is evaluated at every length up to its threshold bound or this,
-whichever is smaller (then sparsely: around each constant and past the bound)."""
+"""A size-dependent mask is evaluated at every length up to its threshold bound (then
+around each constant and past the bound); a bound past this is refused."""
 
 MAX_TABLE_CONSTANTS = 64
 """A buffer of at most this many values feeding a size-dependent mask: its values are probed
@@ -449,6 +458,18 @@ fp16 up to 2048, in int8/uint8 they wrap at 128/256 (a review: masks built so we
 every probe and wrong from there)."""
 
 
+_VIEWS = frozenset(("unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "expand",
+                    "slice", "select", "permute", "transpose", "t", "index"))
+
+_CONSTRUCTORS = frozenset(("full", "new_full", "full_like", "scalar_tensor", "ones", "zeros",
+                           "new_ones", "new_zeros", "ones_like", "zeros_like"))
+
+
+def _flat_args(node: fx.Node) -> list[Any]:
+    """Every argument of ``node``, lists and tuples (shapes, index lists) flattened."""
+    return list(torch.utils._pytree.tree_leaves((node.args, dict(node.kwargs))))
+
+
 _ARITHMETIC = frozenset(("add", "sub", "rsub", "neg", "abs", "mul", "maximum", "minimum",
                          "clamp", "clamp_min", "clamp_max", "cumsum", "diff", "arange"))
 
@@ -461,6 +482,8 @@ def _computes_positions(node: fx.Node, name: str) -> torch.Tensor | None:
     val = node.meta.get("val")
     if name in _ARITHMETIC:
         return val if isinstance(val, torch.Tensor) else None
+    if name in _CONSTRUCTORS and any(isinstance(a, fx.Node) for a in node.args[1:]):
+        return val if isinstance(val, torch.Tensor) else None  # full((1,), s, dtype=bf16)
     if name in ("to", "_to_copy", "type_as"):
         src = tensor_meta(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         return val if isinstance(val, torch.Tensor) and not (
@@ -512,16 +535,20 @@ def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Nod
                 "index)")
     if name == "cumsum" and not (inputs and _dtype(inputs[0]) == torch.bool):
         return "sums a size-dependent value that is not boolean (cumsum: it grows faster)"
-    if name == "index" and isinstance(node.args[0], fx.Node) and node.args[0] not in dependent:
-        return f"reads {node.args[0].name} at size-dependent positions (a table)"
     if node.kwargs.get("alpha", 1) != 1:
         return f"scales with alpha={node.kwargs['alpha']} ({node.target})"
-    scalars = [a for a in (*node.args, *node.kwargs.values())
+    scalars = [a for a in _flat_args(node)
                if isinstance(a, int | float) and not isinstance(a, bool)]
-    if name in ("add", "sub", "rsub", "mul", "maximum", "minimum", "clamp", "clamp_min",
-                "clamp_max", "lt", "le", "gt", "ge", "eq", "ne") and \
-            any(math.isfinite(a) and abs(a) >= 2**31 for a in scalars):
-        return f"uses a constant of 2**31 or more in {node.target} (integer overflow)"
+    fill = name in ("where", "masked_fill") or (
+        name in _CONSTRUCTORS and (_dtype(node) or torch.int64).is_floating_point)
+    if name not in _VIEWS and any(math.isfinite(a) and abs(a) >= 2**31 and not (
+            fill and a <= _NEG_INF) for a in scalars):  # (a mask's blocking fill, finfo.min,
+        # is fine; a view's ints are dims and clamped bounds, a slice's end 2**63 - 1)
+        return (f"uses a constant of 2**31 or more in {node.target} (positions past it "
+                "overflow or lose exactness)")
+    if name in ("slice", "select", "index") and isinstance(node.args[0], fx.Node) and \
+            node.args[0] not in dependent:
+        return f"reads {node.args[0].name} at size-dependent positions (a table)"
     if name == "mul":
         factors = [*[a for a in scalars if not math.isinf(a)],
                    *[a for a in node.args if isinstance(a, fx.Node) and a not in dependent],
@@ -538,16 +565,16 @@ def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Nod
     return ""
 
 
-_SHAPE_ONLY = frozenset(("expand", "view", "reshape", "_unsafe_view", "new_ones", "new_zeros",
-                         "new_empty", "ones", "zeros", "empty", "full", "new_full"))
-"""Ops whose size arguments (in their shape list) shape the result without entering its
-values."""
+_SHAPE_ONLY = frozenset(("expand", "view", "reshape", "_unsafe_view", "slice", "select",
+                         "unsqueeze", "squeeze", "permute", "transpose"))
+"""Views: their values are their tensor's (their size arguments shape or position)."""
 
 
 def _value_uses(mask: fx.Node, others: list[fx.Node]) -> fx.Node | None:
     """The first of ``others`` (sizes other than the sequence length) whose value enters the
-    mask's values, rather than only shaping it (a batch size in an ``expand``); None when
-    none does. Probing cannot cover every value of such a size: a window passed as an int
+    mask's values, rather than only shaping it (a batch size in an ``expand``) or indexing
+    (transformers' batch arange: those are probed one at a time); None when none does.
+    Probing cannot cover every value of such a size: a window passed as an int
     and a `(d < w) | (w >= max_len)` switch of two ints were proven causal at the probes
     and wrong at every length past the window (a review)."""
     if not others:
@@ -559,10 +586,11 @@ def _value_uses(mask: fx.Node, others: list[fx.Node]) -> fx.Node | None:
             carried[n] = n
             continue
         name = getattr(n.target, "_opname", "")
-        value_args = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, fx.Node)]
-        if name in _SHAPE_ONLY:  # the shape list's sizes shape; a fill value is a value
-            value_args = [a for a in value_args if a is not (n.args[0] if name in (
-                "ones", "zeros", "empty") else None)]
+        top = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, fx.Node)]
+        # a view's or an index's values are its tensor's: sizes in shape lists (a batch
+        # expand, ones([w])) and index positions (transformers' batch arange) do not carry
+        # here; those sizes are probed one at a time instead
+        value_args = top[:1] if name in _SHAPE_ONLY or name == "index" else top
         carried[n] = next((carried[a] for a in value_args if carried.get(a) is not None),
                           None)
     return carried.get(mask)
