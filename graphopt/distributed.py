@@ -144,8 +144,13 @@ MiniMax)."""
 
 def check_room(world: int) -> None:
     """Refuse (ConfigError) a world of local ranks that this machine's available memory
-    (``MemAvailable``) cannot start: ``graphopt demo --parallel 100000`` spawned ranks until
-    the machine ran out of memory (a review)."""
+    (``MemAvailable``, bytes) cannot start at :data:`RANK_BYTES` each: ``graphopt demo
+    --parallel 100000`` spawned ranks until the machine ran out of memory (a review). No
+    check where /proc/meminfo is missing (not Linux).
+
+    Raises:
+        ConfigError: ``world`` < 1, or more ranks than fit (names how many do).
+    """
     from graphopt.errors import ConfigError
 
     if world < 1:

@@ -381,10 +381,7 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
         # lengths and of their squares tell whether the chunks are equal, and the same of a
         # fingerprint of the tokens (untagged inputs) whether every rank got the same ones
         tagged = not isinstance(ids, torch.Tensor) or getattr(ids, SHARDED, False)
-        if isinstance(tagged, str) and tagged != plan.cp_kind:  # the same on every CP rank
-            raise ConfigError(f"this chunk was cut for CP {tagged!r} and the model runs CP "
-                              f"{plan.cp_kind!r}: cut it with shard_sequence on the mesh "
-                              "graphopt.parallelize ran on (or build_mesh of the same plan)")
+        check_layout(ids, plan.cp_kind)  # the same on every CP rank
         flags = torch.tensor([float(bool(problem)) for problem in _refusals(given, own)]
                              + [float(length), float(length) ** 2, float(not tagged)],
                              dtype=torch.float64, device=device)
@@ -492,6 +489,17 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
         w = 1 + torch.arange(length, device=x.device, dtype=torch.float64) / max(length, 1)
         w = w.view(1, length, *([1] * (x.dim() - 2)))
         return (x.detach().to(torch.float64) * w).mean() if x.numel() else w.sum() * 0
+
+
+def check_layout(chunk: Any, cp_kind: str) -> None:
+    """Refuse (ConfigError) a chunk :func:`shard_sequence` cut for the other CP layout than
+    ``cp_kind`` ("ring": zigzag chunks, "all_to_all": contiguous) the model runs; untagged
+    inputs pass (the caller's other checks cover them)."""
+    cut = getattr(chunk, SHARDED, None)
+    if isinstance(cut, str) and cut != cp_kind:
+        raise ConfigError(f"this chunk was cut for CP {cut!r} and the model runs CP "
+                          f"{cp_kind!r}: cut it with shard_sequence on the mesh "
+                          "graphopt.parallelize ran on (or build_mesh of the same plan)")
 
 
 def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -341,12 +341,10 @@ class PipelinedModel(nn.Module):
                               "and its labels, shifted across the chunk boundaries: "
                               "ids, labels = graphopt.parallel.context.shard_sequence(batch, "
                               "mesh); model.step(ids, labels=labels)")
-        cut = getattr(input_ids, "_graphopt_cp_chunk", None)  # context.SHARDED
-        if self.cp > 1 and isinstance(cut, str) and cut != ("ring" if self.cp_ring
-                                                             else "all_to_all"):
-            raise ConfigError(f"this chunk was cut for CP {cut!r} and the stages run the "
-                              "other layout: cut it with shard_sequence on the mesh "
-                              "graphopt.parallelize ran on (or build_mesh of the same plan)")
+        if self.cp > 1:
+            from graphopt.parallel.context import check_layout
+
+            check_layout(input_ids, "ring" if self.cp_ring else "all_to_all")
         if self.cp_ring and input_ids.shape[1] % 2:
             raise ConfigError(f"ring CP holds two chunks per rank (zigzag); this rank's "
                               f"{input_ids.shape[1]} tokens do not split in two: cut the "

@@ -251,16 +251,20 @@ def not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool = 
     size crosses one of its constants). Constants over MAX_PROBED_CONSTANT are refused, and so
     is a size-dependent value built with an op outside :data:`_PROBEABLE`, in a dtype that is
     not exact for positions, with a non-integer factor or a constant of 2**31 or more
-    (:func:`_not_probeable`), where that argument fails. Sizes other than the sequence
-    length (an int argument, another input's length: a window or a valid length) are probed
-    at their example value and at 1, 2 and just below and above each probed length
-    (:func:`_size_groups`). A dynamic-shape
+    (:func:`_not_probeable`), where that argument fails; so is a bound past DENSE_PROBES
+    (every length up to the bound is probed, and each constant at c-1..c+2). A size other
+    than the sequence length (:func:`_size_groups`: an int argument, another input's length)
+    whose value enters the mask is refused (:func:`_value_uses`); one that only shapes or
+    indexes it (transformers' batch ``expand`` and ``arange``) is probed one at a time at 1,
+    2 and around the lengths. One proof per mask and pass run (cached in the mask's meta,
+    keyed by its inputs). A dynamic-shape
     compile's SymInt sizes are taken at the example inputs (``hinted``).
     """
     # one proof per mask and pass run: the layers' sites share transformers' mask (a 4-layer
     # Llama proved it 8 times, 5.9 s of the attention pass)
-    key = (blocked, outer is None, tuple((n, id(env.get(n))) for n in ancestors(mask)
-                                          if n.op in ("placeholder", "get_attr")))
+    key = (blocked, outer is None, tuple(sorted(  # names and ids only: meta may be copied
+        (n.name, id(env.get(n))) for n in ancestors(mask) if n.op in ("placeholder",
+                                                                       "get_attr"))))
     cached = mask.meta.get("graphopt_causal_proof")
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -477,6 +481,8 @@ every probe and wrong from there)."""
 
 _VIEWS = frozenset(("unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "expand",
                     "slice", "select", "permute", "transpose", "t", "index"))
+"""Ops whose values are their first argument's, moved or repeated: their other arguments
+(dims, shapes, bounds, index positions) shape or position it."""
 
 _CONSTRUCTORS = frozenset(("full", "new_full", "full_like", "scalar_tensor", "ones", "zeros",
                            "new_ones", "new_zeros", "ones_like", "zeros_like"))
@@ -535,8 +541,11 @@ def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Nod
     """Why the probing argument fails for ``node`` of a size-dependent mask ("" when it
     holds): an op outside :data:`_PROBEABLE`, a dtype outside :data:`_EXACT_DTYPES`, an
     ``alpha`` other than 1, a product with a factor that is not an integer (a scalar or a
-    constant tensor: ``d * 0.5 < 1000`` first holds at d = 2000, past every probe), or a
-    constant of 2**31 or more in integer arithmetic (int64 overflow hidden from the probes)."""
+    constant tensor: ``d * 0.5 < 1000`` first holds at d = 2000, past every probe) or of two
+    size-dependent values (polynomial), ``cumsum`` of a non-boolean, a constant of 2**31 or
+    more outside a view (overflow or lost exactness hidden from the probes; a float mask's
+    blocking fill is allowed), or a tensor not computed from sizes read at size-dependent
+    positions (a table)."""
     if node.op != "call_function" or _is_size(node, env):
         return ""
     name = getattr(node.target, "_opname", "")
@@ -582,11 +591,6 @@ def _not_probeable(node: fx.Node, env: dict[fx.Node, Any], dependent: set[fx.Nod
     return ""
 
 
-_SHAPE_ONLY = frozenset(("expand", "view", "reshape", "_unsafe_view", "slice", "select",
-                         "unsqueeze", "squeeze", "permute", "transpose"))
-"""Views: their values are their tensor's (their size arguments shape or position)."""
-
-
 def _value_uses(mask: fx.Node, others: list[fx.Node]) -> fx.Node | None:
     """The first of ``others`` (sizes other than the sequence length) whose value enters the
     mask's values, rather than only shaping it (a batch size in an ``expand``) or indexing
@@ -607,7 +611,7 @@ def _value_uses(mask: fx.Node, others: list[fx.Node]) -> fx.Node | None:
         # a view's or an index's values are its tensor's: sizes in shape lists (a batch
         # expand, ones([w])) and index positions (transformers' batch arange) do not carry
         # here; those sizes are probed one at a time instead
-        value_args = top[:1] if name in _SHAPE_ONLY or name == "index" else top
+        value_args = top[:1] if name in _VIEWS else top
         carried[n] = next((carried[a] for a in value_args if carried.get(a) is not None),
                           None)
     return carried.get(mask)
