@@ -185,6 +185,15 @@ def _minimax_loop(attn, q, k, v, variant):
         query_decay = query_decay.transpose(-1, -2)
     if variant == "kv_shared_over_batch":
         k, v = k[:1], v[:1]
+    if variant == "k_one_head":  # K broadcast over V's heads inside the products
+        k = k[:, :1]
+    if variant == "v_one_head":
+        v = v[:, :1]
+    if variant == "v_float64":  # eager promotes the attention to float64
+        v = v.double()
+        query_decay, key_decay = query_decay.double(), key_decay.double()
+        diagonal_decay = diagonal_decay.double()
+        state = torch.zeros(b, h, d, d, dtype=torch.float64)
     for i in range(n):
         start, end = i * blk, min(i * blk + blk, s)
         size = end - start
@@ -209,8 +218,13 @@ def _minimax_loop(attn, q, k, v, variant):
         state = torch.add(state * decay, kv, alpha=2.0 if variant == "alpha_state" else 1)
         if variant == "write_k_after_first_block" and i == 0:
             k[:, :, :blk].mul_(2.0)  # rows the state has already read
+        if variant == "state_row_zeroed":  # the next block reads the written state
+            state[:, :, 0].zero_()
     if variant == "write_q_after_loop":
         q.mul_(2.0)
+    if variant == "state_read_before_cat":
+        scale = state.abs().amax()
+        return torch.cat(outputs, dim=-2) / scale, state
     return torch.cat(outputs, dim=-2), state
 
 
@@ -248,6 +262,11 @@ def test_dynamic_loop_right_only_at_the_traced_length_is_refused(variant, reason
     ("query_on_features", 2, "does not broadcast as [H, L, 1]"),
     ("kv_shared_over_batch", 2, "different batch sizes"),
     ("shared_slope", 2, "slope is not one value per query head"),
+    ("state_row_zeroed", 2, "writes the loop's values (or a view of them) in place"),
+    ("k_one_head", 2, "K has 1 heads and V 4, Q 4"),
+    ("v_one_head", 2, "K has 4 heads and V 1, Q 4"),
+    ("v_float64", 2, "Q, K, V and the result have dtypes torch.float32, torch.float32, "
+                     "torch.float64, torch.float64"),
 ])
 def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
     """Found by a review, each rewritten before (errors 15-96, or a crash in the backward
@@ -255,8 +274,12 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
     them where the loop ends; under no_grad, as eager autograd refuses these writes); decay
     tables with the right values broadcast along the wrong axes (the heads' decays over
     the batch when B = H, a query decay along the features when L = D: values alone do not
-    show it); K/V shared over the batch; one slope for every head. Each is left as
-    written, with the reason, and equals eager."""
+    show it); K/V shared over the batch; one slope for every head. A later review: a row
+    of the state zeroed in place after each update (a write the loop's next block reads;
+    the compile crashed), K or V with one head broadcast over the other's four (the
+    backward crashed, the Triton kernel read V out of bounds), a float64 V and decays with
+    float32 Q and K (eager computes in float64, the kernel in float32: 1.3e-5 off where
+    eager is exact). Each is left as written, with the reason, and equals eager."""
     attn = _layer(40, 16)[0]
 
     def fn(q, k, v):
@@ -274,6 +297,29 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
         got, want = as_function(gm, fn)(*args), fn(*args)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_loop_whose_state_is_read_before_its_cat_is_rewritten():
+    """The op goes before the first read of the loop's final state when that comes before
+    the ``cat`` (a review: ``state.abs().amax()`` there crashed the compile: the state was
+    read before the op that now computes it); output and state equal eager in float64
+    (decay tables recomputed in float64)."""
+    attn = _layer(40, 16)[0].double()
+    with torch.no_grad():
+        for name, table in zip(("query_decay", "key_decay", "diagonal_decay"),
+                               attn.decay_factors(attn.slope_rate)):
+            getattr(attn, name).copy_(table)
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q * 1, k * 1, v * 1, "state_read_before_cat")
+
+    args = [torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3)]
+    gm = trace_for_pass(fn, *args)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, *args))
+    assert [s.action for s in record.sites] == ["rewritten"], record.sites
+    args = [a.requires_grad_() for a in args]
+    assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-10, atol=1e-10)
 
 
 def test_no_match_for_other_concatenations():

@@ -153,7 +153,9 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
                   initial_state: Tensor | None, block_size: int, checkpoint_every: int,
                   impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """``graphopt::lightning_attention_fwd``'s implementation (also run directly by
-    :class:`_EagerLightning`)."""
+    :class:`_EagerLightning`). Checks its arguments (:func:`validate`): a graph may call
+    the op directly, and the Triton kernels would read K/V heads out of bounds."""
+    validate(q, k, v, slope, initial_state)
     hq = q.shape[1]
     if impl == "triton":  # GQA in the kernels: K/V head h // (Hq / Hk), nothing expanded
         o, state, ckpt = triton_forward(q, k, v, slope, scale, initial_state, block_size)
@@ -359,7 +361,9 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: 
     in q's dtype, final states [N, Hq, D, Dv] float32 (float64 for float64 inputs), the
     chunk slots for the backward: int32 [triton_kernels.packed_chunk_size(T, N, chunk
     rows)] on Triton (built once in the forward, one launch), [0] on the chunked path).
-    ``graphopt::lightning_attention_varlen_fwd``'s implementation."""
+    ``graphopt::lightning_attention_varlen_fwd``'s implementation; checks the shapes of
+    q, k, v and slope (:func:`validate`) for graphs that call the op directly."""
+    validate(q, k, v, slope, None)
     hq = q.shape[1]
     if impl == "triton":
         o, final, chunks = triton_varlen_forward(q, k, v, slope, scale, initial_state,

@@ -114,11 +114,13 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         except NoMatch as exc:
             ctx.record("skipped", site, str(exc))
             continue
-        moved = writes.reason((loop.q, loop.k, loop.v), cat)
+        at = _insertion_point(gm, cat, loop)
+        moved = writes.reason((loop.q, loop.k, loop.v), at) or \
+            writes.reason(_loop_values(loop, cat), at, what="the loop's values")
         if moved:
             ctx.record("skipped", site, f"linear-attention block loop: {moved}")
             continue
-        _replace_loop(gm, cat, loop)
+        _replace_loop(gm, cat, loop, at)
         val = tensor_meta(loop.q)
         assert val is not None
         checked = loop.symbolic.checked if loop.symbolic is not None else None
@@ -172,14 +174,47 @@ def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.No
     return modified
 
 
-def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> None:
-    """Replace the loop's concatenated output by one Lightning call, and its last state
-    (when used) by the call's final state, cast back to the loop's state dtype."""
+def _insertion_point(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> fx.Node:
+    """Where the op goes: before the loop's ``cat`` or before the first user of its final
+    state, whichever comes first (a state read before the ``cat``, ``state.abs().amax()``
+    in a review, otherwise read the op's state before the op)."""
+    users = list(loop.final_state.users) if loop.final_state is not None else []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return min([cat, *users], key=order.__getitem__)
+
+
+def _loop_values(loop: BlockLoop, cat: fx.Node) -> tuple[fx.Node, ...]:
+    """Every value the loop computes from Q, K, V (its blocks' slices, products, states and
+    outputs): the nodes both downstream of Q, K or V and upstream of the ``cat`` or the
+    final state."""
+    ends = [cat] + ([loop.final_state] if loop.final_state is not None else [])
+    upstream: set[fx.Node] = set()
+    stack = list(ends)
+    while stack:
+        node = stack.pop()
+        if node not in upstream:
+            upstream.add(node)
+            stack.extend(node.all_input_nodes)
+    found: set[fx.Node] = set()
+    stack = [loop.q, loop.k, loop.v]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in upstream and user not in found:
+                found.add(user)
+                stack.append(user)
+    return tuple(found - {cat})
+
+
+def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop, at: fx.Node) -> None:
+    """Replace the loop's concatenated output by one Lightning call inserted before ``at``
+    (:func:`_insertion_point`), and its last state (when used) by the call's final state,
+    cast back to the loop's state dtype."""
     graph = gm.graph
     q_val = tensor_meta(loop.q)
     assert q_val is not None
     heads = int(q_val.shape[1])
-    with graph.inserting_before(cat):
+    with graph.inserting_before(at):
         slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
     slope.meta["val"] = fake_call(aten.view.default, loop.slope, [heads])
     q, k, v = loop.q, loop.k, loop.v
@@ -189,9 +224,9 @@ def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop) -> None:
         # the blocks cover rows [0, sum of their lengths) (= S where the guards hold, but
         # not provably): the op runs on exactly those rows, counted as the cat counts them,
         # so its output has the loop's shape expression (the capture guard compares them)
-        total = _covered_rows(gm, cat, loop)
-        q, k, v = (_rows_before(gm, cat, x, total) for x in (q, k, v))
-    out, final = insert_lightning_fwd(gm, cat, q, k, v, slope, 1.0, outputs=2)
+        total = _covered_rows(gm, at, loop)
+        q, k, v = (_rows_before(gm, at, x, total) for x in (q, k, v))
+    out, final = insert_lightning_fwd(gm, at, q, k, v, slope, 1.0, outputs=2)
     cat.replace_all_uses_with(out)
     state = loop.final_state
     if state is not None and state.users:

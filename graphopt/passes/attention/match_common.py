@@ -83,9 +83,10 @@ class WritesBetween:
         self.writers = [(self.order[n], n, targets) for n in graph.nodes
                         if (targets := writes_of(n))]
 
-    def reason(self, operands: tuple[fx.Node, ...], at: fx.Node) -> str | None:
+    def reason(self, operands: tuple[fx.Node, ...], at: fx.Node,
+               what: str = "Q, K or V") -> str | None:
         """None, or why the operands cannot be read at ``at``: which op writes which of
-        them between their first read and ``at``."""
+        them between their first read and ``at`` (``what`` names them in the reason)."""
         roots = {self.classes.get(n, n) for n in operands}
         end = self.order.get(at)
         reads = [self.order[u] for n in operands for u in n.users if u in self.order]
@@ -95,9 +96,10 @@ class WritesBetween:
         for position, writer, targets in self.writers:
             if start <= position <= end and any(self.classes.get(t, t) in roots
                                                 for t in targets):
-                return (f"{writer.name} writes Q, K or V (or a view of them) in place after "
-                        "the attention first reads them: the kernel, which reads them once "
-                        "where the attention ends, would see the written values")
+                return (f"{writer.name} writes {what} (or a view of them) in place after "
+                        "the attention first reads them: the kernel, which reads Q, K, V "
+                        "once where the attention ends, would not compute what the written "
+                        "values give")
         return None
 
 

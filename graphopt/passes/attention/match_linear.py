@@ -220,7 +220,9 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
         raise NoMatch("not a concatenation over the sequence dimension")
     blocks = [_match_block_output(o) for o in outputs]
     try:
-        return _check_loop(blocks)
+        loop = _check_loop(blocks)
+        operand_problem(loop.q, loop.k, loop.v, cat)
+        return loop
     except LoopRefused:
         raise
     except NoMatch as exc:
@@ -287,6 +289,27 @@ def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
     size = max(c[3] for c in checks)
     return BlockLoop(first.q, first.k, first.v, slope, blocks, final_state, checks, symbolic,
                      size)
+
+
+def operand_problem(q: fx.Node, k: fx.Node, v: fx.Node, result: fx.Node) -> None:
+    """Raise NoMatch unless Q, K, V [B, H, S, D] fit the kernel: K and V with the same
+    heads, Q's heads a multiple of them (GQA), and one dtype for Q, K, V and the result the
+    op replaces. graphopt::lightning_attention_fwd computes in Q's accumulation dtype and returns
+    Q's dtype; eager promotes mixed dtypes (float32 Q, K with float64 V or decays computes
+    in float64: a review measured 1.3e-5 where eager is exact, and K with 1 head against V
+    with 4 read V out of bounds in the Triton kernel)."""
+    qv, kv, vv, rv = (tensor_meta(x) for x in (q, k, v, result))
+    if qv is None or kv is None or vv is None or rv is None:
+        raise NoMatch("q, k, v or the result has no tensor value")
+    hq, hk, hv = (hint(x.shape[1]) for x in (qv, kv, vv))
+    if hk != hv or hq % hk:
+        raise NoMatch(f"K has {hk} heads and V {hv}, Q {hq}: the kernel needs K and V with "
+                      "the same heads and Q's heads a multiple of them (GQA)")
+    dtypes = {qv.dtype, kv.dtype, vv.dtype, rv.dtype}
+    if len(dtypes) != 1:
+        raise NoMatch(f"Q, K, V and the result have dtypes {qv.dtype}, {kv.dtype}, "
+                      f"{vv.dtype}, {rv.dtype}: eager promotes them (decays in another "
+                      "dtype included), the kernel computes in Q's")
 
 
 def _distances(kind: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,9 +488,7 @@ def match_decayed_parallel_form(node: fx.Node) -> DecayedParallelForm:
         qv, kv, vv = vals[:3]
         if not (qv.shape[0] == kv.shape[0] == vv.shape[0]):  # type: ignore[union-attr]
             raise NoMatch("q, k, v batch sizes differ (a broadcast batch is not rewritten)")
-        if kv.shape[1] != vv.shape[1] or qv.shape[1] % kv.shape[1]:  # type: ignore[union-attr]
-            raise NoMatch("k and v head counts differ, or q's heads are not a multiple of "
-                          "k's (GQA)")
+        operand_problem(q, k, v, node)
         seq_q, seq_k = vals[0].shape[2], vals[1].shape[2]  # type: ignore[union-attr]
         if seq_q != seq_k:
             raise NoMatch("query length differs from key length (decode); causal alignment "
