@@ -527,7 +527,7 @@ class _RawRouterBlock(torch.nn.Module):
 
 
 @pytest.mark.parametrize("variant,reason", [
-    ("plain", None), ("relu", "probe mismatch"),
+    ("plain", None), ("relu", "computes activations with relu"),
     ("half_gradient", "not their gradient"), ("detach", "not their gradient")])
 def test_probes_see_signed_weights_and_the_backward(variant, reason):
     """A review got relu(weights) experts (raw-logit routing) rewritten, since the probes
@@ -544,3 +544,193 @@ def test_probes_see_signed_weights_and_the_backward(variant, reason):
         assert not record.modified
         (site,) = _sites(record, "skipped")
         assert reason in site.reason, site.reason
+
+
+class _SpelledExperts(torch.nn.Module):
+    """transformers' experts interface ([E, 2F, H] gate_up, [E, H, F] down, a zero-initialised
+    down_proj: only the pass's drawn-weight probes see anything) computing SwiGLU with a
+    ``spelling`` of a bound, a token-count factor, or nothing."""
+
+    def __init__(self, spelling: str, dtype: torch.dtype = torch.float64, h: int = 64,
+                 zero_down: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, h, dtype=dtype) * 0.02)
+        down = torch.zeros(4, h, 32, dtype=dtype) if zero_down else \
+            torch.randn(4, h, 32, dtype=dtype) / 6
+        self.down_proj = torch.nn.Parameter(down)
+        self.spelling = spelling
+
+    def forward(self, x, idx, w):  # type: ignore[no-untyped-def]
+        t, k = idx.shape
+        rows = x.to(self.gate_up_proj.dtype).repeat_interleave(k, dim=0)
+        flat = idx.reshape(-1)
+        g, u = torch.bmm(self.gate_up_proj[flat], rows.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+        if self.spelling == "where":  # g.clamp(max=10), u.clamp(-10, 10)
+            g = torch.where(g > 10, 10.0, g)
+            u = torch.where(u.abs() > 10, u.sign() * 10, u)
+        elif self.spelling == "relu":  # g.clamp(max=10)
+            g = g - F.relu(g - 10)
+        elif self.spelling == "rational":  # a soft bound near 1e4 from allowed ops only
+            g = g / (1 + g * g / 1e8)
+        y = torch.bmm(self.down_proj[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
+        if self.spelling == "token_count":  # SwiGLU at 8 tokens only
+            y = y * (t / 8)
+        return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1).to(x.dtype)
+
+
+class _SpelledBlock(torch.nn.Module):
+    def __init__(self, spelling: str, dtype: torch.dtype = torch.float64,
+                 expert_dtype: torch.dtype | None = None,
+                 index_dtype: torch.dtype = torch.int64, zero_down: bool = True) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(64, 4, bias=False, dtype=dtype)
+        self.experts = _SpelledExperts(spelling, expert_dtype or dtype, zero_down=zero_down)
+        self.index_dtype = index_dtype
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        w, i = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        return self.experts(x, i.to(self.index_dtype), w)
+
+
+@pytest.mark.parametrize("spelling, dtype, reason", [
+    ("where", torch.float64, "computes activations with abs, sign, where"),
+    ("relu", torch.float64, "computes activations with relu (relu)"),
+    ("rational", torch.float32, "probe mismatch"),
+])
+def test_bounded_swiglu_in_any_spelling_is_refused(spelling, dtype, reason):
+    """A review wrote transformers' clamped SwiGLU as ``torch.where(g > 10, 10, g)`` and
+    ``g - relu(g - 10)`` with a zero-initialised down_proj: rewritten as plain SwiGLU, 2.26
+    off once the weights grew. Regions computing activations with ops outside SwiGLU
+    experts' (FLOAT_OPS) are refused; a bound spelled with those ops (a soft bound near 1e4)
+    shows on the drawn-weight probes at 1000x scale."""
+    torch.manual_seed(0)
+    block = _SpelledBlock(spelling, dtype)
+    x = torch.randn(8, 64, dtype=dtype)
+    gm = trace_for_pass(block, x)
+    _, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    assert not record.modified
+    (site,) = _sites(record, "skipped")
+    assert reason in site.reason, site.reason
+
+
+def test_dynamic_token_count_is_probed_at_other_counts():
+    """With a symbolic token count the probes also run at other counts (each symbol + 3, and
+    2): a region that is SwiGLU at the example count only (``y * T / 8``) was rewritten and
+    0.997 off at 16 tokens (a review). Plain SwiGLU with a symbolic count is rewritten."""
+    for spelling, rewritten in (("token_count", False), ("plain", True)):
+        torch.manual_seed(0)
+        block = _SpelledBlock(spelling, zero_down=False)
+        x = torch.randn(8, 64, dtype=torch.float64)
+        gm = trace_for_pass(block, x, dynamic=True)
+        gm, record = run_pass("moe", gm, MOE_OPTIONS,
+                              example_inputs=bind_inputs(gm, block, x))
+        assert record.modified is rewritten, record.sites
+        if not rewritten:
+            assert "probe mismatch" in _sites(record, "skipped")[0].reason
+        for t in (8, 16, 3):
+            x = torch.randn(t, 64, dtype=torch.float64, requires_grad=True)
+            assert_matches_eager(block, as_function(gm, block), [x], rtol=1e-9, atol=1e-9)
+
+
+def test_int32_indices_are_cast_and_mixed_dtypes_are_refused():
+    """A review crashed the compile (the probe raised) with int32 routing indices and with
+    bf16 tokens into float32 experts. int32 indices are cast to int64 for the op (exact);
+    tokens and expert weights in different dtypes are left as written, with the reason."""
+    torch.manual_seed(0)
+    block = _SpelledBlock("plain", index_dtype=torch.int32, zero_down=False)
+    x = torch.randn(8, 64, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    gm, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    assert record.modified and _sites(record, "rewritten")
+    x.requires_grad_()
+    assert_matches_eager(block, as_function(gm, block), [x], rtol=1e-9, atol=1e-9)
+
+    block = _SpelledBlock("plain", torch.bfloat16, expert_dtype=torch.float32, zero_down=False)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    gm = trace_for_pass(block, x)
+    _, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    assert not record.modified
+    assert "graphopt's op computes in one dtype" in _sites(record, "skipped")[0].reason
+
+
+class _Indexer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(64, 64, bias=False, dtype=torch.float64)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        _, pos = torch.topk(self.score(x), 4, dim=-1)  # positions to attend, not experts
+        return x + torch.gather(x, -1, pos).sum(-1, keepdim=True)
+
+
+class _IndexerThenMoE(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.indexer = _Indexer()
+        self.moe = _SpelledBlock("plain", zero_down=False)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.moe(self.indexer(x))
+
+
+def test_a_top_k_reaching_experts_through_floating_values_is_not_the_router():
+    """DeepSeek-V3.2's attention indexer top-k was taken as the next MoE layer's router
+    (its indices reach the experts through attention and the residual stream; a review):
+    the experts were rewritten under the indexer's site and the real router reported as
+    "already runs graphopt ops". Routing indices reach the experts through integer ops."""
+    torch.manual_seed(0)
+    model = _IndexerThenMoE()
+    x = torch.randn(8, 64, dtype=torch.float64)
+    gm = trace_for_pass(model, x)
+    gm, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, model, x))
+    by_site = {s.site.split(":")[0]: s for s in record.sites}
+    assert by_site["moe"].action == "rewritten", record.sites
+    assert by_site["indexer"].action == "skipped"
+    assert "no experts module consumes" in by_site["indexer"].reason
+    x.requires_grad_()
+    assert_matches_eager(model, as_function(gm, model), [x], rtol=1e-9, atol=1e-9)
+
+
+class _SentinelBlock(torch.nn.Module):
+    """transformers' experts under its own expert parallelism: routes to experts not on
+    this rank become index E with weight 0 (the experts clamp them)."""
+
+    def __init__(self) -> None:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+        super().__init__()
+        config = MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4,
+                               num_experts_per_tok=2)
+        config._experts_implementation = "batched_mm"
+        torch.manual_seed(0)
+        self.gate = torch.nn.Linear(16, 4, bias=False).double()
+        self.experts = MixtralExperts(config).double()
+        self.experts._is_expert_parallel = True
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        w, i = torch.topk(self.gate(x).softmax(-1), 2)
+        drop = i >= 2
+        return self.experts(x, torch.where(drop, 4, i), torch.where(drop, 0.0, w))
+
+
+def test_index_clamp_and_unused_chunk_count_are_reported_as_such():
+    """transformers' expert-parallel sentinel handling (``_is_expert_parallel``: indices
+    >= E clamped) is skipped as such, not as "clamped SwiGLU" (a review); an explicit
+    moe.chunks that the chosen schedule does not use is said to be unused."""
+    from graphopt.passes.moe import ep_schedule
+    from graphopt.passes.moe_options import MoEOptions
+
+    block = _SentinelBlock()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    _, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    (site,) = _sites(record, "skipped")
+    assert "clamps its routing indices" in site.reason, site.reason
+
+    opts = MoEOptions(ep=2, chunks=64, profile="h100-sxm")  # all_to_all "auto"
+    unused = "moe.chunks=64 applies to the chunked schedule only"
+    schedule, _, note = ep_schedule(64, 2, 1024, 2048, torch.bfloat16, opts, 2)
+    assert schedule == "peer" and unused in note, note  # few tokens: no chunks
+    schedule, _, note = ep_schedule(4096, 2, 1024, 2048, torch.bfloat16, opts, 2)
+    assert schedule == "chunked" and unused not in note, note

@@ -51,6 +51,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -111,22 +112,32 @@ def find_region(topk: fx.Node) -> Region:
     idx = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == 1), None)
     if idx is None:
         raise Skip("top-k indices are unused")
-    frontier, seen, path = list(idx.users), set(), ""
+    # (node, whether the path to it passed a floating-point value): routing indices reach
+    # the experts through integer ops; a path through floating values (attention, the
+    # residual stream) is not routing (a review: DeepSeek-V3.2's attention indexer top-k
+    # was taken as the router of the next MoE layer)
+    frontier: list[tuple[fx.Node, bool]] = [(u, False) for u in idx.users]
+    seen: set[tuple[fx.Node, bool]] = set()
+    path = ""
     while frontier and not path:  # the first module that consumes the indices
-        node = frontier.pop(0)
-        if node in seen:
+        node, through_float = frontier.pop(0)
+        if (node, through_float) in seen:
             continue
-        seen.add(node)
+        seen.add((node, through_float))
         if "experts" in module_path(node).rsplit(".", 1)[-1]:
-            path = module_path(node)
-        elif node.target is aten.one_hot.default or node.op == "output":
+            if not through_float:
+                path = module_path(node)
+            continue
+        if node.target is aten.one_hot.default or node.op == "output":
             if not module_path(topk):  # a model-level top-k, no router module
                 raise Skip("a top-k outside any module feeds one_hot or the graph output, "
                            "not an experts module: transformers' load-balancing loss "
                            "(output_router_logits: nothing to rewrite), or an experts loop "
                            f"that breaks the graph ({GROUPED_MM_FIX})")
-            raise Skip(EAGER_LOOP_FIX)
-        frontier += list(node.users)
+            if not through_float:
+                raise Skip(EAGER_LOOP_FIX)
+            continue
+        frontier += [(u, through_float or _floating(node)) for u in node.users]
     if not path:
         raise Skip("no experts module consumes the router's indices in this graph")
     graph = topk.graph
@@ -198,16 +209,19 @@ def router_kind(topk: fx.Node) -> str:
     return kind
 
 
-def _extract(region: Region, lift: torch.dtype | None = None) -> fx.GraphModule:
+def _extract(region: Region, lift: torch.dtype | None = None,
+             at: dict[Any, int] | None = None) -> fx.GraphModule:
     """The region as a callable graph (tokens, index, weights, gate_up, down) -> out; with
     ``lift``, every ``lift`` dtype argument (casts, factory dtypes) becomes float32: the
-    same ops at float32 precision."""
+    same ops at float32 precision. Sizes computed outside the region are constants: their
+    example values, or with ``at`` (symbol -> value) their expressions there."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for name in ("hidden", "index", "weights", "gate_up", "down"):
         env[getattr(region, name)] = graph.placeholder(name)
     for node in region.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n] if n in env else _hint(n.meta["val"]))
+        env[node] = graph.node_copy(
+            node, lambda n: env[n] if n in env else _size_at(n.meta["val"], at))
         if lift is not None:
             def up(a: Any) -> Any:
                 return torch.float32 if a is lift else a
@@ -218,14 +232,59 @@ def _extract(region: Region, lift: torch.dtype | None = None) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor, ...]]:
+def _size_at(size: Any, at: dict[Any, int] | None) -> Any:
+    """``size`` (an int or SymInt; anything else is returned as is) as an int: its example
+    value, or with ``at`` (symbol -> value) its expression evaluated there."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    if at is None:
+        return _hint(size)
+    value = sympy.sympify(sympy.sympify(size.node.expr).xreplace(at))
+    if not value.is_number:
+        raise Skip("a size of the experts region has no example value (data-dependent)")
+    return int(value)
+
+
+def _other_sizes(region: Region) -> list[dict[Any, int]]:
+    """Symbol values other than the example's at which a dynamic-shape region is also
+    probed: every symbol its inputs' shapes and the sizes it reads from outside follow, at
+    its example value + 3, then at 2 (dynamic sizes are >= 2). A region right at the example
+    token count only (``y * T / 8``, a review: 0.997 off at twice the count) fails there.
+    Empty for static shapes."""
+    vals = [_meta(n) for n in (region.hidden, region.index, region.weights, region.gate_up,
+                               region.down)]
+    sizes: list[Any] = [d for v in vals for d in v.shape
+                        if isinstance(d, torch.SymInt)]
+    inside = set(region.nodes)
+    sizes += [a.meta["val"] for n in region.nodes for a in n.all_input_nodes
+              if a not in inside and _is_size(a)]
+    symbols: dict[Any, int] = {}
+    for size in sizes:
+        env = size.node.shape_env
+        for symbol in sympy.sympify(size.node.expr).free_symbols:
+            hint = env.backed_var_to_val.get(symbol)
+            if hint is None:
+                raise Skip("a size of the experts region has no example value "
+                           "(data-dependent)")
+            symbols[symbol] = int(hint)
+    if not symbols:
+        return []
+    return [{s: v + 3 for s, v in symbols.items()},
+            {s: 2 if v != 2 else 5 for s, v in symbols.items()}]
+
+
+def _probes(region: Region, real: dict[fx.Node, Any], at: dict[Any, int] | None = None,
+            kinds_at: tuple[str, ...] | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Probe inputs (tokens, index, weights, gate_up, down) at the example sizes, or with
+    ``at`` at those symbol values (then only the ``kinds_at`` kinds of routing)."""
     gen = torch.Generator().manual_seed(0)
     h, idx, w = _meta(region.hidden), _meta(region.index), _meta(region.weights)
     device = h.device
-    t, k = (_hint(n) for n in idx.shape)  # a symbolic token count: probed at its example
+    t, k = (_size_at(n, at) for n in idx.shape)
     e = _meta(region.gate_up).shape[0]
-    drawn = [(torch.randn(_meta(node).shape, generator=gen) * _hint(_meta(node).shape[-1])
-              ** -0.5).to(device, _meta(node).dtype) for node in (region.gate_up, region.down)]
+    drawn = [(torch.randn([_size_at(d, at) for d in _meta(node).shape], generator=gen)
+              * _size_at(_meta(node).shape[-1], at) ** -0.5).to(device, _meta(node).dtype)
+             for node in (region.gate_up, region.down)]
     # The compile-time weights, and drawn ones too: real weights can be degenerate (a
     # zero-initialised down_proj, weights not loaded yet) and make every probe 0 on both
     # sides; a review got silu(g) * (up + 1) experts rewritten that way (error 1.18 after
@@ -237,17 +296,24 @@ def _probes(region: Region, real: dict[fx.Node, Any]) -> list[tuple[torch.Tensor
     if t == 0:  # a graph specialized to no tokens: nothing flows through it, nothing to probe
         return probes
     kinds = [(params, kind) for kind in ("random", "expert0", "last_unused", "large")]
-    if params is not drawn:
-        kinds.append((drawn, "random"))
+    if params is not drawn:  # the drawn weights at unit scale, and larger: a bound on the
+        # activation past what the real weights reach (degenerate weights reach nothing)
+        kinds += [(drawn, "random"), (drawn, "large")]
+    if h.dtype != torch.float16:  # fp16 overflows at activations of 1e3 cubed
+        kinds.append((drawn, "huge"))
+    if kinds_at is not None:
+        kinds = [(ws, kind) for ws, kind in kinds if kind in kinds_at]
     for weights_set, kind in kinds:
         pool = e - 1 if kind == "last_unused" and e > k else e
         index = torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(t)])
         if kind == "expert0":
             index = torch.where(index == 0, index[:, :1], index)
             index[:, 0] = 0
-        hidden = torch.randn(t, _hint(h.shape[1]), generator=gen)
+        hidden = torch.randn(t, _size_at(h.shape[1], at), generator=gen)
         if kind == "large":  # real hidden states are normed and scaled: 30x a unit probe
             hidden = hidden * 30
+        if kind == "huge":  # activations of ~1e3 (a bound that far out still shows)
+            hidden = hidden * 1000
         hidden = hidden.to(device, h.dtype)
         # signed: the op is linear in the routing weights, and transforms invisible on
         # positive ones (relu, abs of the weights; a review got both rewritten, output 0.9
@@ -261,6 +327,31 @@ _SATURATING = frozenset({"clamp", "clamp_min", "clamp_max", "clip", "minimum", "
                          "hardtanh", "fmin", "fmax"})
 """Ops that bound a value: an experts region with one is not plain SwiGLU, and probes at one
 input scale cannot show the bound (transformers' swiglu_limit clamps beyond it)."""
+
+FLOAT_OPS = frozenset({
+    # the expert products
+    "mm", "bmm", "matmul", "_grouped_mm", "grouped_mm", "grouped_mm_fallback", "einsum",
+    # SwiGLU and the routing-weighted sum
+    "silu", "mul", "add", "sub", "neg", "div", "sum",
+    # data movement
+    "view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze",
+    "squeeze", "flatten", "contiguous", "clone", "alias", "chunk", "split",
+    "split_with_sizes", "unbind", "slice", "select", "narrow", "cat", "stack", "index",
+    "index_select", "gather", "take_along_dim", "repeat_interleave", "repeat", "getitem",
+    "to", "_to_copy", "type_as",
+    # no forward effect; a gradient trick with it is caught by the backward probe
+    "detach",
+    # the combine and its buffers
+    "index_add", "index_add_", "index_put", "index_put_", "scatter", "scatter_add",
+    "scatter_add_", "zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty",
+    "histc", "bincount"})
+"""Ops an experts region may compute floating-point values with: those of every experts
+spelling transformers ships (grouped_mm and batched_mm; collected from 15 MoE model classes)
+and their plain equivalents. Anything else (``where``, ``relu``, ``tanh``, a comparison of
+activations, ...) can bound the activation in a way probes at a few scales need not reach:
+a review wrote clamped SwiGLU as ``torch.where(g > 10, 10, g)`` and ``g - relu(g - 10)``,
+rewritten as plain SwiGLU (2.26 off once the weights grew). Integer-valued ops (routing
+positions, counts) are not restricted: the probes' random routing exercises them."""
 
 
 def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
@@ -276,15 +367,37 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     if "silu" not in ops:
         acts = sorted(ops & {"gelu", "relu", "sigmoid", "tanh"}) or ["unknown"]
         raise Skip(f"experts activation {acts} is not SiLU (only SwiGLU experts are rewritten)")
-    limits = sorted(ops & _SATURATING)
+    floats = {_opname(n): n for n in region.nodes if _floating(n)}
+    limits = sorted(set(floats) & _SATURATING)
     if limits:  # HY-V4 / GLM5-Next / DeepSeek-V4 clamp gate and up at swiglu_limit
         raise Skip(f"experts module {region.path} limits its activations ({', '.join(limits)}: "
                    "a clamped SwiGLU); graphopt's kernel is plain SwiGLU")
+    index_limits = sorted(_opname(n) for n in region.nodes
+                          if _opname(n) in _SATURATING and not _floating(n))
+    if index_limits:
+        raise Skip(f"experts module {region.path} clamps its routing indices "
+                   f"({', '.join(index_limits)}: transformers' expert-parallel sentinels, "
+                   "indices >= E at run time); graphopt's op takes indices in [0, E): use "
+                   "graphopt's expert parallelism (moe.ep, graphopt.parallelize) instead")
+    others = sorted(set(floats) - FLOAT_OPS)
+    if others:
+        raise Skip(f"experts module {region.path} computes activations with "
+                   f"{', '.join(others)} ({floats[others[0]].name}), which is not in "
+                   "SwiGLU experts (an op that can bound or gate the activation where probes "
+                   "do not reach); graphopt's kernel is plain SwiGLU")
+    dtypes = {_meta(n).dtype for n in (region.hidden, region.gate_up, region.down)}
+    if len(dtypes) != 1:
+        raise Skip(f"experts module {region.path} takes tokens in {_meta(region.hidden).dtype} "
+                   f"and expert weights in {_meta(region.gate_up).dtype}/"
+                   f"{_meta(region.down).dtype}: graphopt's op computes in one dtype")
     fn = _extract(region)
     dtype = _meta(region.hidden).dtype
     tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 3e-2)
     probes = _probes(region, real)
     checks = [(fn, probe, tol) for probe in probes]
+    for at in _other_sizes(region):  # a dynamic-shape region: other token counts too
+        checks += [(_extract(region, at=at), probe, tol) for probe in
+                   _probes(region, real, at, ("random", "expert0"))]
     if tol > 1e-4:
         # bf16/fp16 rounding hides a small change of the function (silu(x) * 1.01 passed
         # at 3e-2, a review): the same probes and ops in float32 too (grouped_mm has no
@@ -293,8 +406,16 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
         checks += [(lifted, tuple(t.float() if t.is_floating_point() else t for t in probe),
                     1e-4) for probe in probes]
     for region_fn, probe, tolerance in checks:
-        want = region_fn(*probe)
-        got = _dropless_op(*probe)
+        try:
+            want = region_fn(*probe)
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            raise Skip(f"experts module {region.path}: its probe at {probe[0].shape[0]} "
+                       f"tokens failed ({type(exc).__name__}: {str(exc)[:200]})") from None
+        try:
+            got = _dropless_op(*probe)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise Skip(f"experts module {region.path}: graphopt's op cannot run this "
+                       f"region's inputs ({type(exc).__name__}: {str(exc)[:200]})") from None
         if want.shape != got.shape or want.dtype != got.dtype or \
                 not _close(want, got, tolerance):
             raise Skip(f"experts module {region.path} does not compute SwiGLU experts "
@@ -309,12 +430,27 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
                    "gradient scaling; probe mismatch in the backward)")
 
 
-def _dropless_op(*probe: torch.Tensor) -> torch.Tensor:
-    """graphopt's op on one device, dropless, on ``probe`` (tokens, index, weights,
-    gate_up, down): the output the rewritten region would compute."""
+def _dropless_op(hidden: torch.Tensor, index: torch.Tensor, *rest: torch.Tensor
+                 ) -> torch.Tensor:
+    """graphopt's op on one device, dropless, on a probe (tokens, index, weights, gate_up,
+    down; the index cast to int64 as the rewrite casts it): the output the rewritten region
+    would compute."""
     from graphopt.kernels.moe.op import moe_experts_op
 
-    return moe_experts_op(*probe, -1.0, 1, "", "flat", 1, 1)[0]
+    return moe_experts_op(hidden, index.long(), *rest, -1.0, 1, "", "flat", 1, 1)[0]
+
+
+def _opname(node: fx.Node) -> str:
+    """The op's name: ``mul`` for aten.mul.Tensor, ``getitem`` for operator.getitem."""
+    target = node.target
+    return str(getattr(target, "_opname", None) or getattr(target, "__name__", target))
+
+
+def _floating(node: fx.Node) -> bool:
+    """Whether ``node`` computes a floating-point tensor (one of its results, for ops
+    returning several)."""
+    vals = pytree.tree_leaves(node.meta.get("val"))
+    return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
 
 
 def _close(want: torch.Tensor, got: torch.Tensor, tolerance: float) -> bool:
@@ -447,7 +583,12 @@ class MoEPass(GraphPass):
                 per = e // ep
                 gate_up, down = (_slice(gm.graph, w, rank * per, (rank + 1) * per)
                                  for w in (gate_up, down))
-            args = (region.hidden, region.index, region.weights, gate_up, down, cf,
+            index = region.index
+            if _meta(index).dtype != torch.int64:  # the op sorts int64 indices
+                index = gm.graph.call_function(aten._to_copy.default, (index,),
+                                               {"dtype": torch.int64})
+                set_fake_val(index)
+            args = (region.hidden, index, region.weights, gate_up, down, cf,
                     ep, group, schedule, chunks, rpn, opts.drop_policy)
             call = gm.graph.call_function(moe_experts_op, args)
             out = gm.graph.call_function(operator.getitem, (call, 0))
@@ -504,6 +645,8 @@ def ep_schedule(tokens: int, top_k: int, hidden: int, ffn: int, dtype: torch.dty
         schedule_times(shape, opts.ep, cluster, rpn, backward=True)["chunked"][1])
     pred = ", ".join(f"{s} {v * 1e3:.3g} ms" for s, v in times.items())
     how = "chosen by the cost model" if opts.all_to_all == "auto" else "set by moe.all_to_all"
+    if opts.chunks != "auto" and schedule != "chunked":  # a review: silently unused
+        how += f"; moe.chunks={opts.chunks} applies to the chunked schedule only"
     if schedule == "hierarchical" and (rpn in (1, opts.ep)):  # one level: the kernel runs
         how += f"; runs as flat: {rpn} rank(s) per node"  # the flat exchange (a review)
     return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
