@@ -651,3 +651,15 @@ def test_cu_seqlens_as_a_list_gets_the_clear_error():
     q = torch.randn(1, 2, 20, 16)
     with pytest.raises(TypeError, match="cu_seqlens must be a 1-D integer tensor"):
         lightning_attention(q, q, q, torch.rand(2), cu_seqlens=[0, 5, 20], impl="chunked")
+
+
+def test_the_forward_op_checks_kv_heads_itself():
+    """A graph may call graphopt::lightning_attention_fwd directly (the attention pass
+    does): K with 1 head and V with 4 was run (the Triton kernel read V out of bounds, a
+    review); the op checks the shapes itself."""
+    import graphopt.kernels.lightning  # noqa: F401  (registers the ops)
+
+    q, v = torch.randn(1, 4, 20, 8), torch.randn(1, 4, 20, 8)
+    k, slope = torch.randn(1, 1, 20, 8), torch.rand(4)
+    with pytest.raises(ValueError, match=r"v must be \[B, Hk, S, Dv\] = \[1, 1, 20, Dv\]"):
+        torch.ops.graphopt.lightning_attention_fwd(q, k, v, slope, 1.0, None, 16, 8, "chunked")

@@ -18,17 +18,20 @@ Contract:
         skipping one rank's site would leave the others waiting in its collectives; for the
         same reason an EP rewrite sets Dynamo's ``fail_on_recompile_limit_hit`` and turns
         ``automatic_dynamic_shapes`` off).
-    guarantees: exact. A region is replaced only when (1) it has the interface above, (2) it
-        uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU experts) and
-        nothing bounds it (no clamp/minimum/maximum: transformers' clamped SwiGLU), and
+    guarantees: exact. A region is replaced only when (1) it has the interface above, its
+        indices reached through integer ops only, tokens and expert weights in one dtype,
+        (2) it uses no random or mutating-input op, (3) its activation is SiLU (SwiGLU
+        experts), nothing bounds it (no clamp/minimum/maximum: transformers' clamped
+        SwiGLU) and every floating-point value is computed by an op of ``FLOAT_OPS``, and
         (4) on four probes with the region's shapes and dtypes (random routing; every token's
         first choice on expert 0; the last expert unused; hidden rows 30x larger) the
         region, run on the real expert
         weights of the compile's example inputs (and on drawn weights), equals
         ``moe_experts`` within the dtype's tolerance relative to the largest output (bf16 and
         fp16 regions also in float32, their casts lifted, at float32's: 3e-2 let a 1%
-        change of the activation pass). Capacity (``moe.capacity_factor``) changes the
-        function and is reported as such.
+        change of the activation pass); drawn weights also at 30x and 1000x; a symbolic
+        token count also at other values (:func:`_other_sizes`). Capacity
+        (``moe.capacity_factor``) changes the function and is reported as such.
     reads meta: ``val``, ``nn_module_stack``, ``ctx.extras["example_inputs"]``.
     writes meta: new nodes get ``val``, the region output's ``nn_module_stack`` and
         ``graphopt_replaced`` (the region output's name).

@@ -155,7 +155,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: float,
     """``graphopt::lightning_attention_fwd``'s implementation (also run directly by
     :class:`_EagerLightning`). Checks its arguments (:func:`validate`): a graph may call
     the op directly, and the Triton kernels would read K/V heads out of bounds."""
-    validate(q, k, v, slope, initial_state)
+    validate(q, k, v, slope, initial_state, dtypes=False)
     hq = q.shape[1]
     if impl == "triton":  # GQA in the kernels: K/V head h // (Hq / Hk), nothing expanded
         o, state, ckpt = triton_forward(q, k, v, slope, scale, initial_state, block_size)
@@ -363,7 +363,7 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: 
     rows)] on Triton (built once in the forward, one launch), [0] on the chunked path).
     ``graphopt::lightning_attention_varlen_fwd``'s implementation; checks the shapes of
     q, k, v and slope (:func:`validate`) for graphs that call the op directly."""
-    validate(q, k, v, slope, None)
+    validate(q, k, v, slope, None, dtypes=False)
     hq = q.shape[1]
     if impl == "triton":
         o, final, chunks = triton_varlen_forward(q, k, v, slope, scale, initial_state,
@@ -483,8 +483,11 @@ def _check(name: str, x: Tensor, rank: int) -> None:
 
 
 def validate(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
-             initial_state: Tensor | None) -> None:
-    """Shape/dtype checks with messages naming the argument (layout "bhsd")."""
+             initial_state: Tensor | None, dtypes: bool = True) -> None:
+    """Shape/dtype checks with messages naming the argument (layout "bhsd"); ``dtypes``
+    False: shapes and devices only (the ops themselves take mixed dtypes, which the
+    approximate softmax conversion under autocast passes, and compute in q's accumulation
+    dtype)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check(name, x, 4)
     _check("slope", slope, 1)
@@ -495,7 +498,7 @@ def validate(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
             raise ValueError(f"{name} is on {other.device} but q is on {q.device}; move all "
                              "inputs to one device")
     for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
+        if dtypes and x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; cast q, k, v to "
                             "one dtype")
     b, hq, s, d = q.shape
