@@ -209,3 +209,26 @@ def test_aliasing_the_schemas_do_not_annotate_is_seen():
     assert not any(s.reason.startswith("aten.mul") for s in record.sites
                    if s.action == "rewritten"), record.sites
     torch.testing.assert_close(as_function(gm, fn)(x.clone(), w), fn(x.clone(), w))
+
+
+@pytest.mark.parametrize("narrow", [torch.float32, torch.bfloat16])
+def test_narrowing_casts_are_not_merged(narrow):
+    """Two casts of a float64 activation to float32 (bf16), merged, had the backward sum
+    both uses' gradients in float32 (bf16) before casting back, where eager sums them in
+    float64. Duplicate casts to a less precise dtype are kept, with the reason; the
+    gradient equals eager at float64 precision."""
+    w1, w2 = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+
+    def fn(x):
+        a = x.to(narrow) @ w1.to(narrow)
+        b = x.to(narrow) @ w2.to(narrow)
+        return (a.to(torch.float64) * 3 + b.to(torch.float64)).sum(-1)
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(fn, x)
+    gm, record = run_pass("cse", gm)
+    skipped = [s for s in record.sites if s.action == "skipped"]
+    assert skipped and all("casts float64 to" in s.reason for s in skipped), record.sites
+    assert record.count("rewritten") == 0, record.sites
+    assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-13, atol=1e-13)
+

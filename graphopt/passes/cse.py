@@ -8,13 +8,19 @@ Contract:
     accepts: a normalized pre-autograd ATen graph (in-place ops and grad-mode switches allowed).
     guarantees: exact; two nodes are merged only when they call the same pure ATen op with
         the same arguments (floats compared with their sign: x * 0.0 is not x * -0.0), in
-        the same grad-mode/autocast region, with no in-place write to any tensor between
+        the same grad-mode/autocast region, not narrowing the floating-point precision of
+        an input (a cast to a less precise dtype: the merged use would sum its users'
+        gradients in that dtype), with no in-place write to any tensor between
         them, neither output is written in place later, directly or through any alias
         (:func:`graphopt.passes.fx_utils.mutated_nodes`), neither of them (nor a view) is a
         graph output (the caller owns an output and may write it in place, e.g.
         ``out.data.mul_()`` or a residual ``+=`` after a graph break, while the merged twin
         is still saved for the backward: a silently wrong gradient, a review), and the op
-        draws no random numbers.
+        draws no random numbers. Exact up to the order of the backward's sums: the merged
+        node's users' gradients are summed at the node, not at its inputs, in the node's
+        dtype (Cohere2-MoE in float64, whose layer norm computes ``x - mean`` twice in
+        float32: its weight gradients are 1.2e-7 off, relative, float32's rounding, where
+        ``aot_eager`` keeps eager's order and is exact; ``disable: ["cse"]`` keeps it).
     reads meta: nothing but the graph. writes meta: nothing (the later node is erased; the
         kept node gains ``meta['graphopt_cse_merged']``, the names it replaced).
     records: "rewritten" per merged node with the op; "skipped" for a duplicate kept
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from graphopt.passes import register_pass
@@ -78,6 +85,25 @@ def _is_pure_aten(node: fx.Node) -> bool:
             and not node.target._schema.name.startswith("aten::_assert"))
 
 
+def _narrowing(node: fx.Node) -> str:
+    """"casts float64 to float32" when ``node`` computes a floating-point result of less
+    precision than a floating-point input, else "": merged, the two
+    uses' gradients would be summed in the narrower dtype (one more rounding in it than
+    eager, which sums them in the input's dtype; a bf16 cast of a float32 activation: a
+    bf16 rounding of the summed gradient)."""
+    outs = [v for v in pytree.tree_leaves(node.meta.get("val"))
+            if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    ins = [v for a in node.all_input_nodes
+           if isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point()]
+    # (whether the input requires grad is not in the pre-autograd graph's meta)
+    for o in outs:
+        for i in ins:
+            if torch.finfo(o.dtype).eps > torch.finfo(i.dtype).eps:
+                return (f"casts {str(i.dtype).removeprefix('torch.')} to "
+                        f"{str(o.dtype).removeprefix('torch.')}")
+    return ""
+
+
 @register_pass
 @dataclass(frozen=True)
 class CSEPass(GraphPass):
@@ -108,6 +134,14 @@ class CSEPass(GraphPass):
             first = seen.get(key)
             if first is None:
                 seen[key] = node
+                continue
+            narrowed = _narrowing(node)
+            if narrowed:
+                ctx.record("skipped", site_name(node),
+                           f"{op_name(node)}: same as {first.name}, but it {narrowed}: "
+                           "merged, the two uses' gradients would be summed in the narrower "
+                           "dtype before the backward casts back (eager sums them in the "
+                           "wider one)")
                 continue
             if classes[node] in escaping and classes[first] in escaping:
                 ctx.record("skipped", site_name(node),
