@@ -989,3 +989,54 @@ def test_experts_fsdp_split_that_fsdp2_cannot_do_is_refused_up_front():
     with pytest.raises(ConfigError, match=r"edp_shard=3 .* dim 1, which 3 does not divide "
                                           r"\(gate_up_proj \[2, 256, 64\], down_proj"):
         check_experts(path, experts, 2, 1, edp_shard=3)
+
+
+def test_auto_plans_and_prices_a_tied_head_as_parallelize_runs_it():
+    """parallelize keeps a tied embedding/head pair whole under TP (no SP then); the planner
+    prices Megatron's vocabulary-parallel split. parallel="auto" picked dp_shard=512 x tp=2
+    with SP for a tied 70B Llama on 1,024 ranks, which parallelize refused (a review):
+    auto's model prices the pair whole on every TP rank (more memory) and its candidates
+    have no SP; not_executable names the refusal."""
+    from dataclasses import replace
+
+    from graphopt.cost.profiles import CLUSTERS
+    from graphopt.models import model_config, resolve_model
+    from graphopt.parallel.auto import not_executable
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.perf import evaluate
+    from graphopt.planner.search import candidates, search
+
+    h100 = CLUSTERS["h100-sxm"]
+    tied = replace(plan_model("llama3-8b", 4096, h100), tied_embeddings=True)
+    kept = replace(tied, tied_head_tp=False)
+    plan = ParallelPlan(dp_shard=8, tp=8, sp=False, zero_stage=3)
+    split_bytes = evaluate(plan, tied, h100, 64).memory_bytes
+    assert evaluate(plan, kept, h100, 64).memory_bytes > split_bytes
+    with_tp = [p for p in candidates(kept, 64, 64, 8) if p.tp > 1]
+    assert with_tp and not any(p.sp for p in with_tp)
+    assert any(p.sp for p in candidates(tied, 64, 64, 8))
+    assert not any(p.sp for p in search(kept, h100, 64, 64, top_k=20).top)
+    config = model_config(resolve_model("llama3-8b"))
+    config.tie_word_embeddings = True
+    why = not_executable(ParallelPlan(dp_shard=32, tp=2, sp=True, zero_stage=3), 64, config)
+    assert "a tied embedding/head pair stays replicated under TP (use sp=False)" in why
+
+
+def test_tp_layout_is_derived_in_eval_mode():
+    """A model in train mode with attention dropout (model.train() before parallelize, the
+    usual order) had its attention kept replicated: the probe's reference and shards drew
+    other dropout masks, "a split changes its output" (a review). The layout is derived in
+    eval mode, and the model's modes are restored."""
+    from graphopt.models import build_model, sample_batch
+    from graphopt.parallel.tp_layout import derive_tp_layout
+
+    model = build_model("llama", dtype=torch.float64, attention_dropout=0.5)
+    ids = sample_batch(model, 1, 8)
+    layouts = {}
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        layouts[mode] = derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False),
+                                         2)
+        assert all(m.training == (mode == "train") for m in model.modules())
+    assert layouts["train"].colwise == layouts["eval"].colwise
+    assert not layouts["train"].kept, layouts["train"].kept

@@ -257,7 +257,8 @@ def _bad_batch_worker(rank, world):
         lambda: pipe.step(ids[:4] if rank == 0 else ids[:6]),
         lambda: pipe.step(ids[:4] if rank == 0 else ids),
         # ids past the vocabulary: only stage 0's embedding failed, the other stage waited
-        lambda: pipe.step(ids[:4] + (256 if rank == 0 else 0)))
+        lambda: pipe.step(ids[:4] + (256 if rank == 0 else 0)),
+        lambda: pipe.generate(ids[:1], max_new_tokens=2))  # an AttributeError before
     for seq in range(8, 28, 2):  # ten sequence lengths: the last 8 schedules are kept
         pipe.step(torch.zeros(4, seq, dtype=torch.long))
     return messages, sorted(pipe._schedules)
@@ -278,6 +279,7 @@ def test_bad_batches_for_a_pipeline_are_clear_errors():
             in messages[8]
         assert ("token ids range over [256, 256]; the model's vocabulary has 256"
                 if rank == 0 else "another rank refused its batch") in messages[9]
+        assert "generate() is not supported on a PipelinedModel (pp > 1)" in messages[10]
         assert cached == [(2, seq) for seq in range(12, 28, 2)]  # least recently used out
 
 

@@ -68,6 +68,10 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
         # graphopt.parallel.context refuses it (lightning state passing needs contiguous
         # chunks); "auto" picked it for MiniMax, which parallelize then refused (a review)
         return "lightning (linear-attention) layers run CP with all-to-all, not the ring"
+    if plan.tp > 1 and plan.sp and getattr(config, "tie_word_embeddings", False):
+        # graphopt.parallel.apply._apply_tp refuses it (a review: auto picked it)
+        return ("SP gathers the sequence back at the LM head split over the vocabulary; a "
+                "tied embedding/head pair stays replicated under TP (use sp=False)")
     if plan.expert_tp not in (1, plan.tp):
         return "tensor-parallel experts are executed over the TP group only (expert_tp = tp)"
     if plan.pp_schedule == "zero_bubble" and plan.zero_stage == 3 and \
@@ -133,7 +137,9 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
         config.to_json_file(str(Path(tmp) / "config.json"))
         planned = plan_model(str(Path(tmp) / "config.json"), int(spec["seq"]), profile,
                              dtype=dtype)
-    planned = dataclasses.replace(planned, name=type(model).__name__)  # not the temp path
+    # not the temp path; a tied embedding/head pair stays replicated under TP here
+    # (tp_layout._vocab_parallel), so it is priced whole on every TP rank
+    planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False)
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
     allow_cp = spec.get("cp", False)
     if not isinstance(allow_cp, bool):
@@ -154,10 +160,15 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
         if not why:
             break
         passed.append(f"{plan.describe()} ({why})")
-    else:
-        raise ConfigError(f"none of the planner's top {len(result.top)} plans for {world} "
-                          f"ranks is executable; the best, {result.best.describe()}: "
-                          f"{why_not(result.best)}")
+    else:  # every plan of the top list is one graphopt does not run here (a review: all
+        # 200 were CP or SP plans for a tied 70B Llama): search the executable ones alone
+        try:
+            plan = search(planned, profile, world, int(spec["global_batch"]), top_k=1,
+                          admit=lambda p: not why_not(p)).best
+        except ConfigError as exc:
+            raise ConfigError(f"no plan graphopt executes for {world} ranks fits: {exc}; "
+                              f"the planner's best, {result.best.describe()}, is not "
+                              f"executable: {why_not(result.best)}") from None
     pred = plan.prediction
     assert pred is not None
     notes = [f"auto: {plan.describe()} for {world} ranks of {profile_name!r} (seq "

@@ -205,6 +205,15 @@ class PipelinedModel(nn.Module):
                           "shard_sequence(batch, mesh); model.step(ids, labels=labels)); its "
                           "stages run inside the pipeline schedule, not through model(...)")
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: raises ConfigError (an AttributeError before; a review)."""
+        raise ConfigError("generate() is not supported on a PipelinedModel (pp > 1): each "
+                          "rank holds only its stages' layers, and decoding runs one token "
+                          "at a time through all of them. Save a distributed checkpoint "
+                          "(torch.distributed.checkpoint with graphopt.parallel.checkpoint."
+                          "ModelState) and load it into the model parallelized without PP "
+                          "(or unparallelized) to generate")
+
     def _schedule(self, microbatches: int, shape: tuple[int, ...] = ()) -> Any:
         from torch.distributed.pipelining import (
             PipelineStage,

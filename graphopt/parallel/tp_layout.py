@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from graphopt.errors import ConfigError
+from graphopt.models import eval_mode
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def derive_tp_layout(model: nn.Module, sample: Callable[[], Any], tp: int) -> TP
 def _derive(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
     recorder = _Recorder(model)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model):  # one deterministic forward (no dropout)
             sample()
     finally:
         recorder.remove()
@@ -306,6 +307,10 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
     kwargs = {k: None if "cache" in type(v).__name__.lower() else to64(v)  # replays: no KV
               for k, v in kwargs.items()}                                  # cache updates
     reference = copy.deepcopy(mixer) if dry else copy.deepcopy(mixer).double()
+    # in eval mode: with attention dropout on (a model in train mode, the usual order in a
+    # training script) the reference and each shard drew other masks, and the attention
+    # was kept replicated as "a split changes its output" (a review)
+    reference.eval()
     try:
         with torch.no_grad():
             want = _first_tensor(reference(*args, **kwargs))

@@ -97,6 +97,12 @@ class PlanModel:
     """The LM head shares the embedding matrix (``tie_word_embeddings``): under PP the first
     and the last stage each hold a full copy and all-reduce its gradient (Megatron-LM's
     embedding group); counted once in ``head.params``."""
+    tied_head_tp: bool = True
+    """Whether a tied embedding/head pair is split over TP (Megatron-LM's vocabulary-parallel
+    embedding, what the planner's validations price). False: it stays whole on every TP rank
+    (graphopt.parallelize keeps a tied pair replicated), with its full logits, its full
+    compute and no SP (``parallel="auto"`` sets it: a review found auto's tied plans priced
+    as split and SP plans chosen that parallelize refuses)."""
     head_dim: int = 0
     """Width of a query/key head (0: hidden / heads): ``head_dim`` where the config gives it
     (Qwen3: 128 with hidden / heads 64-80), MLA's nope + rope width (DeepSeek-V3: 192)."""

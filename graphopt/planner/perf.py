@@ -359,6 +359,11 @@ def etp_activation_bytes(plan: ParallelPlan, tokens: int, hidden: int, top_k: in
     return (1 - 1 / plan.tp) * tokens * ((2 * top_k + 1) * hidden * nbytes + 2 * top_k * 8)
 
 
+def _head_split(model: PlanModel) -> bool:
+    """Whether the embedding/LM head is split over TP (see PlanModel.tied_head_tp)."""
+    return model.tied_head_tp or not model.tied_embeddings
+
+
 def _split_time(gemm_s: float, split_s: float, replicated_s: float, plan: ParallelPlan,
                 eff: float, mb: int) -> float:
     per_seq = (gemm_s / eff + split_s) / plan.tp + replicated_s / (plan.tp if plan.sp else 1)
@@ -447,7 +452,9 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
     sizes, picks = _stages(plan, model.layers)
     t_dense = _layer_time(model.dense, plan, eff, mb, table)
     t_moe = _layer_time(model.moe, plan, eff, mb, table) if model.moe else 0.0
-    t_head = _layer_time(model.head, plan, eff, mb, table)
+    head = model.head
+    t_head = _layer_time(head, plan, eff, mb, table) if _head_split(model) else \
+        (head.gemm_s / eff + head.split_s + head.replicated_s) * mb / plan.cp
     sel_dense = sel_moe = 0.0
     if plan.selective_recompute:
         sel_dense = _selective_time(model.dense, plan, eff, mb, table)
@@ -544,6 +551,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         edp_shard, zero_experts, expert_stride = shard_group, zero_dense, dense_stride
     # memory: the fullest stage
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
+    head_tp = tp if _head_split(model) else 1
 
     def layer_bytes(cost: LayerCost) -> float:
         return cost.selective_activation_bytes if plan.selective_recompute and \
@@ -587,9 +595,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             rebuild = full * mb / cp * tp_share
         acts += rebuild
         if i == pp - 1:
-            acts += model.head.activation_bytes * mb / cp / tp
+            acts += model.head.activation_bytes * mb / cp / head_tp
         ends = (i == 0) + (i == pp - 1)  # embedding on the first, LM head on the last
-        extra = model.head.params / tp * (min(ends, 1) if model.tied_embeddings else ends / 2)
+        extra = model.head.params / head_tp * (min(ends, 1) if model.tied_embeddings
+                                               else ends / 2)
         n = sizes[i]
         layer_params = (model.dense.params * n * dense_share +
                         (model.moe.params * n * (1 - dense_share) if model.moe else 0.0)) / tp
@@ -666,7 +675,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     # the embedding on the first stage, the LM head on the last: halves of head.params, or
     # with tied embeddings a full copy on each (one all-reduce of its gradient between them)
     tied = pp > 1 and model.tied_embeddings
-    dense_params += model.head.params / tp / (2 if pp > 1 and not tied else 1)
+    dense_params += model.head.params / head_tp / (2 if pp > 1 and not tied else 1)
     expert_params = (model.moe.expert_params * model.moe_layers / (pp * plan.ep *
                                                                     plan.expert_tp)
                      if model.moe else 0.0)
@@ -677,7 +686,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     each, once = each + e_each, once + e_once
     if tied:  # the two copies' gradients summed: first and last stage, whose span is
         # pp x stride (the pair priced at the level of that span, as the ring's hop above)
-        once += _coll("all_reduce", nb * model.head.params / tp, 2, cluster,
+        once += _coll("all_reduce", nb * model.head.params / head_tp, 2, cluster,
                       _pair_stride(pp * plan.stride("pp"), cluster))
     # overlapped with the backwards (2/3 of the compute) of all m microbatches, also the
     # once-per-step reduction (which DDP's no_sync and Megatron-LM run in the last one's):

@@ -179,10 +179,14 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                 for rec, sel in [(0, False)] + [(0, True)] * selective + \
                         [(r, False) for r in sorted({most // 2, most} - {0}) if recompute]:
                     # SP splits each rank's s/cp tokens over tp: only when tp divides them
-                    # (a review got tp=4 + SP for 4095 tokens, which the executor refuses)
+                    # (a review got tp=4 + SP for 4095 tokens, which the executor refuses),
+                    # and gathers them back at an LM head split over the vocabulary (not
+                    # a tied pair kept whole: PlanModel.tied_head_tp)
                     yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard,
                                        zero_stage=zero, tp=tp,
-                                       sp=tp > 1 and model.seq % (tp * cp) == 0, cp=cp,
+                                       sp=tp > 1 and model.seq % (tp * cp) == 0 and (
+                                           model.tied_head_tp or not model.tied_embeddings),
+                                       cp=cp,
                                        cp_kind=kind,
                                        pp=pp,
                                        virtual_stages=v,
@@ -195,10 +199,12 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
 def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch: int,
            top_k: int = 5, progress: Callable[[int], None] | None = None,
            dp_overlap: bool = True, published: list[tuple[str, ParallelPlan]] | None = None,
-           recompute: bool = True) -> SearchResult:
+           recompute: bool = True,
+           admit: Callable[[ParallelPlan], bool] | None = None) -> SearchResult:
     """Best plans for ``devices`` devices of ``cluster`` (see the module docstring); with
     ``recompute=False`` no activation recomputation is searched (plans graphopt.parallelize
-    runs as predicted).
+    runs as predicted); with ``admit``, only the candidates it accepts are evaluated
+    (``parallel="auto"``: the plans graphopt executes for this model).
 
     ``published``: (name, plan) of configurations a job is known to run with (a paper's or a
     team's); each valid one is evaluated with the candidates, so the result is never slower
@@ -242,6 +248,8 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         rest = (p for p in rest if p not in seen)
     tokens = global_batch * model.seq
     for i, plan in enumerate(itertools.chain(extra, rest)):
+        if admit is not None and not admit(plan):
+            continue
         evaluated += 1
         if progress is not None and evaluated % 2000 == 0:
             progress(evaluated)
