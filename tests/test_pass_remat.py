@@ -967,3 +967,31 @@ def test_identical_random_draws_stay_independent_in_training_graphs(draw, remat)
     assert model.w.grad is not None
     if remat:
         assert any(r.pass_records("remat") for r in graphopt.reports())
+
+
+@pytest.mark.parametrize("write", ["data", "in_place"])
+def test_recomputation_reads_a_forward_time_copy_of_a_held_input(write):
+    """remat recomputed ``outer(buf, buf)`` in the backward from ``buf`` itself; a caller
+    writing ``buf`` between forward and backward (``buf.data.add_``: no version bump) got
+    gradients -347 vs 567 (a review), and a plain ``buf.add_(1)``, which eager runs,
+    raised autograd's in-place error. The backward recomputes from a saved copy."""
+    def f(x, buf):
+        return (x @ torch.outer(buf, buf).exp().cos()).sin()
+
+    grads = []
+    for backend in ("eager", "graphopt"):
+        torch._dynamo.reset()
+        graphopt.clear_reports()
+        fn = f if backend == "eager" else torch.compile(
+            f, backend="graphopt", options={"lowering": "eager", "remat": {"budget": "0%"}})
+        torch.manual_seed(0)
+        x = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+        buf = torch.randn(64, dtype=torch.float64) * 0.1
+        y = fn(x, buf)
+        (buf.data if write == "data" else buf).add_(1)
+        y.sum().backward()
+        grads.append(x.grad)
+    reasons = [s.reason for r in graphopt.reports() for p in r.pass_records("remat")
+               for s in p.sites if s.site == "saved activations"]
+    assert reasons and "with copies of 1 graph inputs" in reasons[0], reasons
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)

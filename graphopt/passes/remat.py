@@ -88,6 +88,7 @@ from graphopt.passes import register_pass
 from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
     communicates,
+    fake_call,
     is_foreign_op,
     is_mutating,
     is_random,
@@ -265,6 +266,29 @@ def non_parameter_inputs(gm: fx.GraphModule, backward: set[fx.Node]
         if p.meta.get(NOT_A_PARAMETER) and _bytes(p) and p not in backward:
             (read if any(u in tangent_side for u in p.users) else priced).append(p)
     return priced, read
+
+
+def _snapshot_held_inputs(gm: fx.GraphModule, decision: RematPlan) -> None:
+    """The recomputed values read a forward-time copy of each held input (``clone``, saved:
+    its bytes are what the plan priced for holding the input), not the input: the caller
+    may write the input between forward and backward (a buffer updated by ``.data``, an
+    in-place ``add_``), which eager, saving the values computed from it, does not see. A
+    review: remat recomputed ``outer(buf, buf)`` from a ``buf`` written through ``.data``
+    after the forward (gradients -347 vs 567), and raised autograd's in-place error for a
+    plain ``buf.add_(1)`` that eager runs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if not decision.held_inputs:
+        return
+    graph = gm.graph
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    for p in reversed(decision.held_inputs):
+        with graph.inserting_after(last):
+            copy = graph.call_function(aten.clone.default, (p,))
+        copy.meta["val"] = fake_call(aten.clone.default, p)
+        copy.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        for user in [u for u in p.users if u in decision.recomputed]:
+            user.replace_input_with(p, copy)
 
 
 def held_inputs(priced: list[fx.Node], recomputed: set[fx.Node]) -> list[fx.Node]:
@@ -835,6 +859,7 @@ class RematPass(GraphPass):
             ctx.record("rewritten", "offload", f"{len(decision.offloaded)} values offloaded "
                        f"to host, {sum(_bytes(v) for v in decision.offloaded)} bytes" + note)
         _record_user_regions(ctx, user)
+        _snapshot_held_inputs(gm, decision)
         for v in forward:
             if v in decision.offloaded:
                 continue
@@ -848,10 +873,9 @@ class RematPass(GraphPass):
         ctx.record("skipped" if over else "rewritten", "saved activations",
                    f"{of}: saved "
                    f"{decision.saved_bytes} bytes"
-                   + (f" (with {len(decision.held_inputs)} graph inputs that are not "
-                      "parameters, held to recompute from: "
-                      f"{sum(_bytes(p) for p in decision.held_inputs)} bytes; the backward "
-                      "reads them again, so do not write them in place before it)"
+                   + (f" (with copies of {len(decision.held_inputs)} graph inputs that "
+                      "are not parameters, held to recompute from: "
+                      f"{sum(_bytes(p) for p in decision.held_inputs)} bytes)"
                       if decision.held_inputs else "")
                    + f", {len(decision.recomputed)} values "
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
