@@ -88,6 +88,27 @@ class ScaleLastGradientPass(GraphPass):
 
 @register_pass
 @dataclass(frozen=True)
+class ScaleSinPass(GraphPass):
+    """Claims exactness but scales every sin by 1.01: a 1% error that bf16's tolerance
+    would hide (tests/test_verify.py)."""
+
+    name = "test_scale_sin"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        modified = False
+        for node in [n for n in gm.graph.nodes if n.target is aten.sin.default]:
+            with gm.graph.inserting_after(node):
+                scaled = gm.graph.call_function(aten.mul.Tensor, (node, 1.01))
+            scaled.meta.update(node.meta)
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda u, s=scaled: u is not s)
+            modified = True
+        return PassResult(gm, modified)
+
+
+@register_pass
+@dataclass(frozen=True)
 class CountMatmulsPass(GraphPass):
     """Joint-stage analysis: records every mm/addmm it sees as "matched"."""
 

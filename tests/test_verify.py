@@ -463,3 +463,24 @@ def test_a_mismatch_in_a_graph_with_collectives_is_not_localized_on_one_rank():
         verify_compile(gm, lambda x: (gm(x)[0] * 2,), [torch.randn(8, dtype=torch.float64)],
                        [("normalize", True, gm), ("moe", True, snapshot)], GraphoptConfig(),
                        report, recompile=never)
+
+
+@pytest.mark.parametrize("side", [False, True])
+def test_each_tensor_is_compared_at_the_precision_it_is_computed_in(side):
+    """verify took one tolerance for every output and gradient, the least precise dtype
+    anywhere in the graph: a float64 output 1% off passed at bf16's tolerance because an
+    unrelated output was computed in bf16 (a review). Each tensor's tolerance follows the
+    dtypes its own computation goes through."""
+    def f(x):
+        y = x.sin() * 3
+        if side:
+            return y, (x.to(torch.bfloat16) > 0).sum()
+        return y
+
+    compiled = torch.compile(f, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_scale_sin"]})
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(VerificationError, match=r"pass 'test_scale_sin' claims to be exact "
+                       r"but changed the numerics: output 0"):
+        compiled(x)
+
