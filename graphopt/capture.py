@@ -203,8 +203,14 @@ def grad_inputs(gm: fx.GraphModule) -> int | None:
         return carried.get(n, 0) | written.get(classes.get(n, n), 0)
 
     for node in gm.graph.nodes:
+        tracked = _node_requires_grad(node)
+        if tracked is None and node.target in _INPLACE_OPERATORS:
+            # Dynamo's ``z[i] = v`` node has no value (setitem returns None): it writes
+            # what autograd tracks when a value it reads is tracked (before, its bits were
+            # dropped and ``z[:, 1] = x.exp() * w`` fell back as "gained for [w]", a review)
+            tracked = any(_node_requires_grad(a) for a in node.all_input_nodes)
         if node.op not in ("call_function", "call_method", "call_module") or \
-                not _node_requires_grad(node):  # a write under no_grad carries nothing
+                not tracked:  # a write under no_grad carries nothing
             continue
         bits = 0
         for arg in node.all_input_nodes:

@@ -511,6 +511,25 @@ def test_an_in_place_add_of_a_gradient_carrying_value_is_captured():
         torch.testing.assert_close(g, w, rtol=0, atol=1e-14)
 
 
+@pytest.mark.parametrize("start", ["clone", "zeros"])
+def test_a_setitem_of_a_gradient_carrying_value_is_captured(start):
+    """``z[:, 1] = x[:, 1].exp() * w``: Dynamo's setitem node has no value (it returns
+    None), so the guard dropped what it writes and fell back ("gained for [w]", a review)
+    whether ``z`` was a clone of ``x`` or fresh zeros."""
+    def fn(x, w):
+        z = x.clone() if start == "clone" else torch.zeros_like(x)
+        z[:, 1] = x[:, 1].exp() * w
+        return z.cos().sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    graphopt.clear_reports()
+    got = torch.autograd.grad(_graphopt(fn)(x, w), (x, w))
+    assert graphopt.last_report().fallback is None
+    for g, want in zip(got, torch.autograd.grad(fn(x, w), (x, w))):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-14)
+
+
 def test_a_meta_function_failing_in_the_re_trace_falls_back_quietly(capfd, caplog):
     """``linalg_solve_triangular``'s meta function fails on symbolic sizes (Qwen3-Next's
     dynamic graphs): the graph falls back with the reason in the report, and FakeTensorMode's
