@@ -572,6 +572,8 @@ class _SpelledExperts(torch.nn.Module):
             g = g - F.relu(g - 10)
         elif self.spelling == "rational":  # a soft bound near 1e4 from allowed ops only
             g = g / (1 + g * g / 1e8)
+        elif self.spelling == "step":  # g.clamp(max=1e7) from allowed ops and a comparison
+            g = g - (g - 1e7) * (g > 1e7).to(g.dtype)
         y = torch.bmm(self.down_proj[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
         if self.spelling == "token_count":  # SwiGLU at 8 tokens only
             y = y * (t / 8)
@@ -593,7 +595,8 @@ class _SpelledBlock(torch.nn.Module):
 
 
 @pytest.mark.parametrize("spelling, dtype, reason", [
-    ("where", torch.float64, "computes activations with abs, sign, where"),
+    ("where", torch.float64, "turns activations into booleans or integers (gt"),
+    ("step", torch.float64, "turns activations into booleans or integers (gt"),
     ("relu", torch.float64, "computes activations with relu (relu)"),
     ("rational", torch.float32, "probe mismatch"),
 ])
@@ -601,8 +604,9 @@ def test_bounded_swiglu_in_any_spelling_is_refused(spelling, dtype, reason):
     """A review wrote transformers' clamped SwiGLU as ``torch.where(g > 10, 10, g)`` and
     ``g - relu(g - 10)`` with a zero-initialised down_proj: rewritten as plain SwiGLU, 2.26
     off once the weights grew. Regions computing activations with ops outside SwiGLU
-    experts' (FLOAT_OPS) are refused; a bound spelled with those ops (a soft bound near 1e4)
-    shows on the drawn-weight probes at 1000x scale."""
+    experts' (FLOAT_OPS), or comparing activations (a step at 1e7 built from allowed ops),
+    are refused; a bound spelled with allowed ops alone (a soft bound near 1e4) shows on
+    the drawn-weight probes at 1000x scale."""
     torch.manual_seed(0)
     block = _SpelledBlock(spelling, dtype)
     x = torch.randn(8, 64, dtype=dtype)

@@ -382,6 +382,12 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
                    f"({', '.join(index_limits)}: transformers' expert-parallel sentinels, "
                    "indices >= E at run time); graphopt's op takes indices in [0, E): use "
                    "graphopt's expert parallelism (moe.ep, graphopt.parallelize) instead")
+    tested = _activation_tests(region)
+    if tested:  # a comparison of activations, or activations cast to integers: a step
+        # built from allowed ops, g - (g - 10) * (g > 10), is a clamp probes need not reach
+        raise Skip(f"experts module {region.path} turns activations into booleans or "
+                   f"integers ({tested[0].name}: {_opname(tested[0])}), a data-dependent "
+                   "step SwiGLU experts do not have; graphopt's kernel is plain SwiGLU")
     others = sorted(set(floats) - FLOAT_OPS)
     if others:
         raise Skip(f"experts module {region.path} computes activations with "
@@ -441,6 +447,24 @@ def _dropless_op(hidden: torch.Tensor, index: torch.Tensor, *rest: torch.Tensor
     from graphopt.kernels.moe.op import moe_experts_op
 
     return moe_experts_op(hidden, index.long(), *rest, -1.0, 1, "", "flat", 1, 1)[0]
+
+
+def _activation_tests(region: Region) -> list[fx.Node]:
+    """Nodes of the region computing a non-floating value (boolean, integer) from a
+    floating value derived from the tokens, the routing weights or the expert weights
+    (activations): in SwiGLU experts only the indices decide integer values."""
+    inside = set(region.nodes)
+    tainted = {region.hidden, region.weights, region.gate_up, region.down}
+    found = []
+    for node in region.nodes:
+        if node not in inside or not any(a in tainted for a in node.all_input_nodes):
+            continue
+        if _floating(node):
+            tainted.add(node)
+        elif not _is_size(node) and _opname(node) not in ("sym_size", "sym_numel",
+                                                          "sym_stride", "getitem"):
+            found.append(node)
+    return found
 
 
 def _opname(node: fx.Node) -> str:
