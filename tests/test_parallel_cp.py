@@ -57,6 +57,12 @@ def _run(name, plan, steps=3):
     full_labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     full_labels[:2][ids[:2] % 3 == 0] = -100
     labels = full_labels.chunk(plan.dp)[mesh["dp"].get_local_rank()][:, positions]
+    # the same from transformers-style labels (unshifted, -100 where ignored)
+    given = ids.clone()
+    given[:2, 1:][ids[:2, :-1] % 3 == 0] = -100
+    given_labels = shard_sequence(batch, mesh, labels=given.chunk(plan.dp)[
+        mesh["dp"].get_local_rank()])[1]
+    assert torch.equal(given_labels, labels), (given_labels, labels)
     with torch.no_grad():
         logits = _full(model(input_ids=local, use_cache=False).logits)
         embedded = logits
@@ -160,6 +166,7 @@ def _bad_input_worker(rank, world):
         lambda: model(input_ids=ring_chunk),
         lambda: shard_sequence(ids, plain),
         lambda: shard_sequence(torch.zeros(2, 7, dtype=torch.long), mesh),
+        lambda: shard_sequence(ids, mesh, labels=ids[:, 1:]),
         lambda: model(input_ids=local, attention_mask=mask),
         lambda: model(input_ids=local, past_key_values=DynamicCache(config=model.config)),
         lambda: model.generate(local, max_new_tokens=2),
@@ -184,17 +191,18 @@ def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error(
         assert "this chunk was cut for CP 'ring' and the model runs CP 'all_to_all'" in \
             messages.pop(0)
         assert "shard_sequence does not know this mesh's CP layout" in messages.pop(0)
-        assert "sequence length 7 is not divisible by 2 (cp=2)" in messages[0]
-        assert "this batch has a padding mask" in messages[1]
+        assert "sequence length 7 is not divisible by 2 (cp=2)" in messages.pop(0)
+        assert "labels (2, 7) must have input_ids' shape (2, 8)" in messages.pop(0)
+        assert "this batch has a padding mask" in messages[0]
+        assert "a KV cache (past_key_values, generate()) would hold only" in messages[1]
         assert "a KV cache (past_key_values, generate()) would hold only" in messages[2]
-        assert "a KV cache (past_key_values, generate()) would hold only" in messages[3]
-        assert "packed sequences (positions restarting at 0)" in messages[4]
-        assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[5]
-        assert "a precomputed attention mask (a dict of masks or a 4-D mask)" in messages[6]
-        assert "a precomputed attention mask" in messages[7]
-        assert messages[8] == "ran"
-        assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[9]
-        assert "the CP ranks hold chunks of different lengths" in messages[10]
+        assert "packed sequences (positions restarting at 0)" in messages[3]
+        assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[4]
+        assert "a precomputed attention mask (a dict of masks or a 4-D mask)" in messages[5]
+        assert "a precomputed attention mask" in messages[6]
+        assert messages[7] == "ran"
+        assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[8]
+        assert "the CP ranks hold chunks of different lengths" in messages[9]
 
 
 @pytest.mark.parametrize("kind", ["_ulysses", "_ring"])

@@ -502,10 +502,14 @@ def check_layout(chunk: Any, cp_kind: str) -> None:
                           "graphopt.parallelize ran on (or build_mesh of the same plan)")
 
 
-def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_sequence(ids: torch.Tensor, mesh: Any, labels: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(this CP rank's tokens of ``ids`` [B, S], their next-token labels, -100 past the last
     position): a contiguous chunk (Ulysses) or chunks r and 2P-1-r of 2P (ring), as the
-    plan that :func:`apply_cp` ran says.
+    plan that :func:`apply_cp` ran says. ``labels`` [B, S] (transformers' convention: the
+    model's ``labels=``, unshifted, -100 where ignored, e.g. a fine-tuning prompt): the
+    next-token labels are taken from it instead of ``ids``, so a masked prompt needs no
+    chunk indices by hand.
 
     The layout is the plan's, recorded on ``mesh`` by :func:`graphopt.parallel.build_mesh`
     and by :func:`apply_cp`; the chunk is tagged with it, and the model's forward refuses a
@@ -530,11 +534,15 @@ def shard_sequence(ids: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Te
         raise ConfigError(f"sequence length {seq} is not divisible by {parts} (cp={size}"
                           + (", two chunks per rank for the ring" if ring else "") + "): pad "
                           "or pack sequences to a multiple")
-    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    if labels is not None and tuple(labels.shape) != tuple(ids.shape):
+        raise ConfigError(f"labels {tuple(labels.shape)} must have input_ids' shape "
+                          f"{tuple(ids.shape)} (transformers' convention: not shifted)")
+    source = ids if labels is None else labels
+    shifted = torch.cat([source[:, 1:], torch.full_like(source[:, :1], -100)], dim=1)
     index = chunk_positions(seq // size, rank, size, ring, ids.device)
     chunk = ids[:, index]
     setattr(chunk, SHARDED, kind)
-    return chunk, labels[:, index]
+    return chunk, shifted[:, index]
 
 
 def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tensor:
