@@ -574,9 +574,21 @@ class _SpelledExperts(torch.nn.Module):
             g = g / (1 + g * g / 1e8)
         elif self.spelling == "step":  # g.clamp(max=1e7) from allowed ops and a comparison
             g = g - (g - 1e7) * (g > 1e7).to(g.dtype)
+        elif self.spelling == "grad_growth":  # forward g; a gradient growing with g**7
+            c = 5e-9 * g * g * g * g * g * g * g
+            g = g + (c - c.detach())
+        elif self.spelling == "histc":  # a step at 1e4 from a count of activations
+            g = g / (1 + torch.histc(g.detach(), bins=1, min=-1e4, max=1e4)[0] * 0 +
+                     (g.numel() - torch.histc(g.detach(), bins=1, min=-1e4, max=1e4)[0]))
         y = torch.bmm(self.down_proj[flat], (F.silu(g) * u).unsqueeze(-1)).squeeze(-1)
         if self.spelling == "token_count":  # SwiGLU at 8 tokens only
             y = y * (t / 8)
+        elif self.spelling == "token_steps":  # SwiGLU below 16 tokens
+            y = y * (1 + t // 16)
+        elif self.spelling == "positions":  # a 16-token buffer: later positions dropped
+            y = y * (torch.arange(t * k, device=y.device) < 16 * k).to(y.dtype)[:, None]
+        elif self.spelling == "position_steps":
+            y = y * (1 + torch.arange(t * k, device=y.device) // (16 * k)).to(y.dtype)[:, None]
         return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1).to(x.dtype)
 
 
@@ -595,8 +607,10 @@ class _SpelledBlock(torch.nn.Module):
 
 
 @pytest.mark.parametrize("spelling, dtype, reason", [
-    ("where", torch.float64, "turns activations into booleans or integers (gt"),
-    ("step", torch.float64, "turns activations into booleans or integers (gt"),
+    ("where", torch.float64, "compares values (gt"),
+    ("step", torch.float64, "compares values (gt"),
+    ("histc", torch.float64, "turns activations into booleans or integers (histc"),
+    ("grad_growth", torch.float32, "computes SwiGLU experts forward but not their gradient"),
     ("relu", torch.float64, "computes activations with relu (relu)"),
     ("rational", torch.float32, "probe mismatch"),
 ])
@@ -604,9 +618,11 @@ def test_bounded_swiglu_in_any_spelling_is_refused(spelling, dtype, reason):
     """A review wrote transformers' clamped SwiGLU as ``torch.where(g > 10, 10, g)`` and
     ``g - relu(g - 10)`` with a zero-initialised down_proj: rewritten as plain SwiGLU, 2.26
     off once the weights grew. Regions computing activations with ops outside SwiGLU
-    experts' (FLOAT_OPS), or comparing activations (a step at 1e7 built from allowed ops),
-    are refused; a bound spelled with allowed ops alone (a soft bound near 1e4) shows on
-    the drawn-weight probes at 1000x scale."""
+    experts' (FLOAT_OPS), comparing values (a step at 1e7 built from allowed ops) or
+    counting activations (histc) are refused; a bound spelled with allowed ops alone (a soft
+    bound near 1e4) shows on the drawn-weight probes at 1000x scale, and a gradient trick
+    growing with the activations (1.0 off at 30x, unseen at unit scale) on the backward
+    probe run at every scale."""
     torch.manual_seed(0)
     block = _SpelledBlock(spelling, dtype)
     x = torch.randn(8, 64, dtype=dtype)
@@ -617,23 +633,31 @@ def test_bounded_swiglu_in_any_spelling_is_refused(spelling, dtype, reason):
     assert reason in site.reason, site.reason
 
 
-def test_dynamic_token_count_is_probed_at_other_counts():
+@pytest.mark.parametrize("spelling, reason", [
+    ("token_count", "probe mismatch"),
+    ("token_steps", "computes with token positions or sizes as values"),
+    ("positions", "compares values (lt"),
+    ("position_steps", "computes with token positions or sizes as values"),
+    ("plain", None)])
+def test_dynamic_token_count_is_probed_at_other_counts(spelling, reason):
     """With a symbolic token count the probes also run at other counts (each symbol + 3, and
     2): a region that is SwiGLU at the example count only (``y * T / 8``) was rewritten and
-    0.997 off at 16 tokens (a review). Plain SwiGLU with a symbolic count is rewritten."""
-    for spelling, rewritten in (("token_count", False), ("plain", True)):
-        torch.manual_seed(0)
-        block = _SpelledBlock(spelling, zero_down=False)
-        x = torch.randn(8, 64, dtype=torch.float64)
-        gm = trace_for_pass(block, x, dynamic=True)
-        gm, record = run_pass("moe", gm, MOE_OPTIONS,
-                              example_inputs=bind_inputs(gm, block, x))
-        assert record.modified is rewritten, record.sites
-        if not rewritten:
-            assert "probe mismatch" in _sites(record, "skipped")[0].reason
-        for t in (8, 16, 3):
-            x = torch.randn(t, 64, dtype=torch.float64, requires_grad=True)
-            assert_matches_eager(block, as_function(gm, block), [x], rtol=1e-9, atol=1e-9)
+    0.997 off at 16 tokens (a review). Steps past the probed counts (``y * (1 + T // 16)``,
+    a 16-token buffer ``arange(T) < 16``: 9.4 and 4.7 off at 32 tokens, a later review) are
+    refused: sizes and positions may only shape and index. Plain SwiGLU is rewritten."""
+    rewritten = reason is None
+    torch.manual_seed(0)
+    block = _SpelledBlock(spelling, zero_down=False)
+    x = torch.randn(8, 64, dtype=torch.float64)
+    gm = trace_for_pass(block, x, dynamic=True)
+    gm, record = run_pass("moe", gm, MOE_OPTIONS,
+                          example_inputs=bind_inputs(gm, block, x))
+    assert record.modified is rewritten, record.sites
+    if not rewritten:
+        assert reason in _sites(record, "skipped")[0].reason, record.sites
+    for t in (8, 16, 3, 32):
+        x = torch.randn(t, 64, dtype=torch.float64, requires_grad=True)
+        assert_matches_eager(block, as_function(gm, block), [x], rtol=1e-9, atol=1e-9)
 
 
 def test_int32_indices_are_cast_and_mixed_dtypes_are_refused():
@@ -738,3 +762,33 @@ def test_index_clamp_and_unused_chunk_count_are_reported_as_such():
     assert schedule == "peer" and unused in note, note  # few tokens: no chunks
     schedule, _, note = ep_schedule(4096, 2, 1024, 2048, torch.bfloat16, opts, 2)
     assert schedule == "chunked" and unused not in note, note
+
+
+class _ZeroExpertsBlock(torch.nn.Module):
+    """LongCat-Flash-style zero-computation experts: the router scores 4 experts and 2
+    identity choices; indices past the experts are folded away before the experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(64, 6, bias=False, dtype=torch.float64)
+        self.experts = _SpelledExperts("plain", zero_down=False)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        w, i = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        real = (i < 4).to(w.dtype)  # identity choices: weight 0 for the experts
+        return self.experts(x, i % 4, w * real) + x * (1 - real).sum(-1, keepdim=True)
+
+
+def test_a_router_scoring_more_choices_than_experts_is_refused():
+    """Zero-computation experts in one-graph form were rewritten: the probes drew indices
+    in [0, E) only, and at run time indices past the experts reached the op (out of bounds,
+    a review). A router whose scores are wider than the experts module is refused."""
+    torch.manual_seed(0)
+    block = _ZeroExpertsBlock()
+    x = torch.randn(8, 64, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    gm, record = run_pass("moe", gm, MOE_OPTIONS, example_inputs=bind_inputs(gm, block, x))
+    assert not record.modified
+    assert "the router scores 6 choices and experts module experts holds 4 experts" in \
+        _sites(record, "skipped")[0].reason
+

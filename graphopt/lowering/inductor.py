@@ -18,7 +18,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from graphopt.config import GraphoptConfig
-from graphopt.lowering.base import AOTHooks, Lowering, mutated_input_marker
+from graphopt.lowering.base import AOTHooks, Lowering, input_marker, mutated_input_marker
 
 
 def _source_hash() -> str:
@@ -93,22 +93,34 @@ class _JointPassPartitioner(CustomPartitionerFn):
     """
 
     def __init__(self, hooks: AOTHooks, config: GraphoptConfig,
-                 mark_mutated: Callable[[fx.GraphModule], None] | None = None) -> None:
+                 mark_mutated: Callable[[fx.GraphModule], None] | None = None,
+                 mark_inputs: Callable[[fx.GraphModule], None] | None = None) -> None:
         self.hooks = hooks
         self.mark_mutated = mark_mutated
+        # which inputs are not parameters, as the eager lowering marks them: the remat pass
+        # prices and copies those it recomputes from (unmarked here before, a review: remat
+        # under Inductor recomputed from a buffer the caller changed, gradients 38 off)
+        self.mark_inputs = mark_inputs
         self.key = (f"graphopt-{_source_hash()}-{sorted(config.disable)}-"
                     f"{sorted(config.enable)}-{_joint_options_key(config)}")
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         from graphopt.lowering.base import PARTITION_ARGS, min_cut_partition
+        from graphopt.passes.remat import offloads_kept_on_device
 
         if self.mark_mutated is not None:
             self.mark_mutated(gm)
+        if self.mark_inputs is not None:
+            self.mark_inputs(gm)
         gm.meta[PARTITION_ARGS] = (joint_inputs, kwargs)
         gm = self.hooks.run_joint(gm, "joint")
         self.hooks.graph_ready("joint", gm)
-        return min_cut_partition(gm, joint_inputs, **kwargs)
+        forward, backward = min_cut_partition(gm, joint_inputs, **kwargs)
+        note = offloads_kept_on_device(gm, forward)
+        if note:
+            self.hooks.note(note)
+        return forward, backward
 
     def uuid(self) -> str:
         return self.key
@@ -140,7 +152,7 @@ class InductorLowering(Lowering):
         if config.dump_dir is not None:  # a dump holds every graph: a cache hit would skip
             patches["force_disable_caches"] = True  # the joint/forward/backward ones
         patches.update(config.inductor_config)
-        patches["custom_partitioner_fn"] = _JointPassPartitioner(hooks, config,
-                                                                 mutated_input_marker(gm))
+        patches["custom_partitioner_fn"] = _JointPassPartitioner(
+            hooks, config, mutated_input_marker(gm), input_marker(example_inputs))
         return compile_fx(  # type: ignore[return-value]
             gm, list(example_inputs), inner_compile=inner, config_patches=patches)

@@ -268,7 +268,7 @@ def non_parameter_inputs(gm: fx.GraphModule, backward: set[fx.Node]
     return priced, read
 
 
-def _snapshot_held_inputs(gm: fx.GraphModule, decision: RematPlan) -> None:
+def _snapshot_held_inputs(gm: fx.GraphModule, decision: RematPlan) -> list[fx.Node]:
     """The recomputed values read a forward-time copy of each held input (``clone``, saved:
     its bytes are what the plan priced for holding the input), not the input: the caller
     may write the input between forward and backward (a buffer updated by ``.data``, an
@@ -278,17 +278,23 @@ def _snapshot_held_inputs(gm: fx.GraphModule, decision: RematPlan) -> None:
     plain ``buf.add_(1)`` that eager runs."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if not decision.held_inputs:
-        return
+    # (held_inputs: the non-parameter inputs a recomputed value reads, those a backward
+    # op reads anyway, ``* buf``, included: their recomputed readers read the copy all the
+    # same, a re-review: recomputed from the changed input, 85 off; parameters are not
+    # copied: the model's weights change between forward and backward for no one)
+    readers = decision.held_inputs
+    if not readers:
+        return []
     graph = gm.graph
     last = list(graph.find_nodes(op="placeholder"))[-1]
-    for p in reversed(decision.held_inputs):
+    for p in reversed(readers):
         with graph.inserting_after(last):
             copy = graph.call_function(aten.clone.default, (p,))
         copy.meta["val"] = fake_call(aten.clone.default, p)
         copy.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         for user in [u for u in p.users if u in decision.recomputed]:
             user.replace_input_with(p, copy)
+    return readers
 
 
 def held_inputs(priced: list[fx.Node], recomputed: set[fx.Node]) -> list[fx.Node]:
@@ -673,7 +679,10 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
     result = None
     name = solver
     infeasible = False  # proven by the ILP (greedy alone proves nothing)
-    priced, _ = non_parameter_inputs(gm, backward)
+    # inputs a recomputed value may read: its copy is held (:func:`_snapshot_held_inputs`),
+    # also of those the backward reads anyway (the copy is the plan's, the input is not)
+    priced, read = non_parameter_inputs(gm, backward)
+    priced = priced + read
     if solver == "ilp":
         result = solve_ilp(forward, needed, times, budget, time_limit, offload_cost, priced)
         if result is None:
@@ -859,7 +868,7 @@ class RematPass(GraphPass):
             ctx.record("rewritten", "offload", f"{len(decision.offloaded)} values offloaded "
                        f"to host, {sum(_bytes(v) for v in decision.offloaded)} bytes" + note)
         _record_user_regions(ctx, user)
-        _snapshot_held_inputs(gm, decision)
+        copied = _snapshot_held_inputs(gm, decision)
         for v in forward:
             if v in decision.offloaded:
                 continue
@@ -873,10 +882,9 @@ class RematPass(GraphPass):
         ctx.record("skipped" if over else "rewritten", "saved activations",
                    f"{of}: saved "
                    f"{decision.saved_bytes} bytes"
-                   + (f" (with copies of {len(decision.held_inputs)} graph inputs that "
-                      "are not parameters, held to recompute from: "
-                      f"{sum(_bytes(p) for p in decision.held_inputs)} bytes)"
-                      if decision.held_inputs else "")
+                   + (f" (with copies of {len(copied)} graph inputs that are not "
+                      f"parameters, held to recompute from: {sum(_bytes(p) for p in copied)} "
+                      "bytes)" if copied else "")
                    + f", {len(decision.recomputed)} values "
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
                    f"{decision.solver}: {decision.status}, "
