@@ -160,6 +160,26 @@ def test_custom_op_passes_opcheck():
                                       "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def test_the_backward_op_passes_opcheck_with_transposed_inputs():
+    """graphopt::moe_experts_backward's fake implementation gave its gradients the inputs'
+    strides where the kernel returns them contiguous: with transposed inputs Inductor read
+    them wrongly (gradients 1.3 off without its size asserts, a review). opcheck compares
+    the fake's strides with the kernel's."""
+    import graphopt.kernels.moe.op  # noqa: F401
+
+    hidden, index, weights, gate_up, down = (
+        x.detach() for x in _op_args())
+    hidden, weights = hidden.t().contiguous().t(), weights.t().contiguous().t()
+    gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    outs = torch.ops.graphopt.moe_experts(hidden, index, weights, gate_up, down,
+                                          -1.0, 1, "", "flat", 1, 1)
+    grad = torch.randn(hidden.shape, dtype=hidden.dtype)
+    torch.library.opcheck(torch.ops.graphopt.moe_experts_backward.default,
+                          (grad, hidden, index, weights, gate_up, down, *outs[1:], -1.0, 1,
+                           "", "flat", 1, 1, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_every_differentiable_input_gets_its_gradient():
     """No silently detached input: gradcheck (finite differences, float64) over hidden,
     routing weights and both expert weights at once; the integer index has none."""

@@ -1020,6 +1020,14 @@ def test_auto_plans_and_prices_a_tied_head_as_parallelize_runs_it():
     config.tie_word_embeddings = True
     why = not_executable(ParallelPlan(dp_shard=32, tp=2, sp=True, zero_stage=3), 64, config)
     assert "a tied embedding/head pair stays replicated under TP (use sp=False)" in why
+    # tied by hand, the config saying untied (a re-review): the weights decide
+    from graphopt.models import build_model
+
+    model = build_model("llama", tie_word_embeddings=False)
+    plan = ParallelPlan(tp=2, sp=True)
+    assert not not_executable(plan, 8, model.config, model)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    assert "stays replicated under TP" in not_executable(plan, 8, model.config, model)
 
 
 def test_tp_layout_is_derived_in_eval_mode():

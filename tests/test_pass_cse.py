@@ -232,3 +232,19 @@ def test_narrowing_casts_are_not_merged(narrow):
     assert record.count("rewritten") == 0, record.sites
     assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-13, atol=1e-13)
 
+
+def test_casts_to_a_smaller_range_are_not_merged():
+    """bf16 -> fp16 is more precise but of smaller range: two casts merged, the backward
+    summed both uses' gradients (4e4 each) in fp16: inf where eager gives 8e4 (a
+    re-review)."""
+    def fn(x):
+        return (x.to(torch.float16) * 4e4).float().sum() + (x.to(torch.float16) * 4e4).float().sum()
+
+    x = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
+    gm = trace_for_pass(fn, x)
+    gm, record = run_pass("cse", gm)
+    assert any("casts bfloat16 to float16" in s.reason for s in record.sites), record.sites
+    (got,) = torch.autograd.grad(as_function(gm, fn)(x), x)
+    (want,) = torch.autograd.grad(fn(x), x)
+    assert torch.isfinite(got).all() and torch.equal(got, want), (got, want)
+

@@ -465,14 +465,17 @@ def test_a_mismatch_in_a_graph_with_collectives_is_not_localized_on_one_rank():
                        report, recompile=never)
 
 
-@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("side", [False, True, "mask"])
 def test_each_tensor_is_compared_at_the_precision_it_is_computed_in(side):
     """verify took one tolerance for every output and gradient, the least precise dtype
     anywhere in the graph: a float64 output 1% off passed at bf16's tolerance because an
     unrelated output was computed in bf16 (a review). Each tensor's tolerance follows the
-    dtypes its own computation goes through."""
+    dtypes its own computation goes through, up to boolean and integer values (exact given
+    their inputs)."""
     def f(x):
         y = x.sin() * 3
+        if side == "mask":  # a bf16 comparison decides an exact 0/1 mask (a re-review)
+            return y * (x.to(torch.bfloat16) > -100)
         if side:
             return y, (x.to(torch.bfloat16) > 0).sum()
         return y

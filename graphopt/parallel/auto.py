@@ -40,6 +40,20 @@ from graphopt.planner.plan import ParallelPlan
 CLUSTER_KEYS = ("profile", "seq", "global_batch", "cp")
 
 
+def tied_embeddings(config: Any, model: nn.Module | None = None) -> bool:
+    """Whether the LM head shares the token embedding's weight: the config says so, or the
+    model's two weights are one tensor (tied by hand with the config saying untied, a
+    re-review: graphopt.parallel keeps them replicated, which is what counts)."""
+    if getattr(config, "tie_word_embeddings", False):
+        return True
+    if model is None:
+        return False
+    inputs = getattr(model, "get_input_embeddings", lambda: None)()
+    outputs = getattr(model, "get_output_embeddings", lambda: None)()
+    return inputs is not None and outputs is not None and \
+        getattr(inputs, "weight", None) is getattr(outputs, "weight", 0)
+
+
 def not_executable(plan: ParallelPlan, global_batch: int | None = None,
                    config: Any = None, model: nn.Module | None = None) -> str:
     """Why graphopt.parallelize cannot run ``plan`` ("" when it can), for a job of
@@ -68,7 +82,7 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
         # graphopt.parallel.context refuses it (lightning state passing needs contiguous
         # chunks); "auto" picked it for MiniMax, which parallelize then refused (a review)
         return "lightning (linear-attention) layers run CP with all-to-all, not the ring"
-    if plan.tp > 1 and plan.sp and getattr(config, "tie_word_embeddings", False):
+    if plan.tp > 1 and plan.sp and tied_embeddings(config, model):
         # graphopt.parallel.apply._apply_tp refuses it (a review: auto picked it)
         return ("SP gathers the sequence back at the LM head split over the vocabulary; a "
                 "tied embedding/head pair stays replicated under TP (use sp=False)")
@@ -139,7 +153,8 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
                              dtype=dtype)
     # not the temp path; a tied embedding/head pair stays replicated under TP here
     # (tp_layout._vocab_parallel), so it is priced whole on every TP rank
-    planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False)
+    planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False,
+                                  tied_embeddings=tied_embeddings(config, model))
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
     allow_cp = spec.get("cp", False)
     if not isinstance(allow_cp, bool):

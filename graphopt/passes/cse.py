@@ -87,7 +87,7 @@ def _is_pure_aten(node: fx.Node) -> bool:
 
 def _narrowing(node: fx.Node) -> str:
     """"casts float64 to float32" when ``node`` computes a floating-point result of less
-    precision than a floating-point input, else "": merged, the two
+    precision or range than a floating-point input, else "": merged, the two
     uses' gradients would be summed in the narrower dtype (one more rounding in it than
     eager, which sums them in the input's dtype; a bf16 cast of a float32 activation: a
     bf16 rounding of the summed gradient)."""
@@ -97,8 +97,10 @@ def _narrowing(node: fx.Node) -> str:
            if isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point()]
     # (whether the input requires grad is not in the pre-autograd graph's meta)
     for o in outs:
-        for i in ins:
-            if torch.finfo(o.dtype).eps > torch.finfo(i.dtype).eps:
+        for i in ins:  # less precise, or a smaller range (bf16 -> fp16: two uses' gradients
+            # of 4e4 each summed to inf in fp16, a re-review)
+            fo, fi = torch.finfo(o.dtype), torch.finfo(i.dtype)
+            if fo.eps > fi.eps or fo.max < fi.max:
                 return (f"casts {str(i.dtype).removeprefix('torch.')} to "
                         f"{str(o.dtype).removeprefix('torch.')}")
     return ""

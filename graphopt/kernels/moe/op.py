@@ -282,8 +282,12 @@ def moe_experts_backward(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor,
     ones = torch.ones(top_k_weights.shape, dtype=torch.float32, device=hidden.device)
     grad_hidden = combine(grad_x, ones, order, hidden.dtype,
                           torch.promote_types(hidden.dtype, torch.float32), kept=kept)
-    return (grad_hidden, grad_weights.view(top_k_weights.shape).to(top_k_weights.dtype),
-            grad_gate_up, grad_down)
+    # contiguous, as the fake implementation says (it said the inputs' strides: with a
+    # transposed input Inductor read the gradients with the wrong strides, 1.3 off without
+    # its size asserts, a review)
+    return (grad_hidden.contiguous(),
+            grad_weights.reshape(top_k_weights.shape).to(top_k_weights.dtype).contiguous(),
+            grad_gate_up.contiguous(), grad_down.contiguous())
 
 
 @moe_experts_backward.register_fake
@@ -292,11 +296,11 @@ def _(grad_out: Tensor, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tens
       piece_rows: Tensor, counts_all: Tensor, order: Tensor, capacity_factor: float, ep: int,
       group: str, schedule: str, chunks: int, ranks_per_node: int, weight_grads: bool = True
       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # contiguous whatever the inputs' strides, as the implementation returns them
+    grads = (hidden.new_empty(hidden.shape), top_k_weights.new_empty(top_k_weights.shape))
     if not weight_grads:
-        return (torch.empty_like(hidden), torch.empty_like(top_k_weights),
-                gate_up.new_empty(0), down.new_empty(0))
-    return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up),
-            torch.empty_like(down))
+        return (*grads, gate_up.new_empty(0), down.new_empty(0))
+    return (*grads, gate_up.new_empty(gate_up.shape), down.new_empty(down.shape))
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
