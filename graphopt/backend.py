@@ -40,7 +40,18 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     """
     import torch
 
+    if isinstance(options, GraphoptConfig):
+        raise ConfigError("graphopt.compile takes the options dict (as torch.compile's "
+                          "options=), not a GraphoptConfig: pass e.g. {'attention': 'exact'}")
+    if options is not None and not isinstance(options, Mapping):
+        GraphoptConfig.from_options(options)  # the ConfigError naming the problem
     options = dict(options or {})
+    if kwargs.get("mode") is not None:  # torch.compile refuses mode= with options=
+        GraphoptConfig.from_options({"mode": kwargs["mode"]})  # an unknown mode, here
+        if options.get("mode", kwargs["mode"]) != kwargs["mode"]:
+            raise ConfigError(f"mode is given twice ({kwargs['mode']!r} and option "
+                              f"{options['mode']!r}); give one")
+        options["mode"] = kwargs.pop("mode")
     plan = options.pop(PARALLEL_OPTION, None)
     cluster = options.pop("cluster", None)
     if cluster is not None and plan != "auto":
@@ -69,7 +80,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         raise ConfigError("option 'mixed_precision' applies to a parallel plan (options["
                           "'parallel']); without one, run the compiled model under "
                           "torch.autocast(device, dtype=torch.bfloat16)")
-    GraphoptConfig.from_options(options, mode=kwargs.get("mode"))
+    GraphoptConfig.from_options(options)
     if plan is not None:
         from graphopt.parallel import parallelize
         from graphopt.parallel.apply import _checkpointed, decoder_layers

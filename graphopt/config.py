@@ -111,7 +111,9 @@ class GraphoptConfig:
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``torch._inductor.config`` patches for the inductor lowering."""
     mode: str | None = None
-    """torch.compile's ``mode`` (e.g. "max-autotune"); applied by the inductor lowering."""
+    """torch.compile's ``mode`` (e.g. "max-autotune"); applied by the inductor lowering.
+    torch.compile refuses ``mode=`` together with ``options=``, so with options it is the
+    option ``"mode"`` (``graphopt.compile(model, mode=...)`` moves it there)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_MODES:
@@ -178,8 +180,14 @@ class GraphoptConfig:
             raise ConfigError(f"graphopt options must be a dict such as {{'attention': "
                               f"'exact'}}; got {type(options).__name__} {options!r}")
         options = dict(options or {})
-        valid = {f.name for f in fields(cls)} - {"mode", "pass_options"} | set(option_keys())
+        valid = {f.name for f in fields(cls)} - {"pass_options"} | set(option_keys())
         _reject_unknown(options, valid, "graphopt")
+        if "mode" in options:  # torch.compile refuses mode= with options=: it goes here
+            if mode is not None and options["mode"] != mode:
+                raise ConfigError(f"mode is given twice ({mode!r} and option "
+                                  f"{options['mode']!r}); give one")
+            mode = options["mode"] if options["mode"] is None else \
+                _expect(options["mode"], str, "mode")
         kwargs: dict[str, Any] = {"mode": mode}
         for name in ("lowering", "attention"):
             if name in options:
@@ -280,11 +288,28 @@ def _inductor_patches(value: Any) -> dict[str, Any]:
     patches = dict(_expect(value, Mapping, "inductor_config"))
     import torch._inductor.config as inductor_config
 
-    known = set(inductor_config.get_config_copy())
-    for key in patches:
-        if key not in known:
+    defaults = inductor_config.get_config_copy()
+    for key, value in patches.items():
+        if key not in defaults:
             raise ConfigError(f"inductor_config key {key!r} is not a torch._inductor.config "
-                              f"option{did_you_mean(str(key), known)}")
+                              f"option{did_you_mean(str(key), set(defaults))}")
+        if key == "custom_partitioner_fn":  # silently replaced before (a review)
+            raise ConfigError("inductor_config 'custom_partitioner_fn' is graphopt's: its "
+                              "joint passes and partition run there; drop it (lowering "
+                              "'inductor' partitions with torch's min-cut after the passes)")
+        default = defaults[key]
+        # the type of the option's default: "False" (a string) for a bool turned the option
+        # on, an int for a string list was ignored (a review)
+        for kind, accepted in ((bool, (bool,)), (int, (int,)), (float, (int, float)),
+                               (str, (str,))):
+            if isinstance(default, kind):
+                ok = isinstance(value, accepted) and (kind is bool or
+                                                      not isinstance(value, bool))
+                if not ok and not (kind is str and value is None):
+                    raise ConfigError(f"inductor_config {key!r} takes a {kind.__name__} "
+                                      f"(its default is {default!r}), got "
+                                      f"{type(value).__name__} {value!r}")
+                break
     return patches
 
 

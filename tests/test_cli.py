@@ -78,6 +78,19 @@ def test_explain_labels_graphs_by_folder(tmp_path):
         assert f"graph {folder}: note: from {folder}" in result.output
 
 
+def test_demo_gradients_are_compared_relative_to_each_parameter():
+    """The demo's check divided by max(1, |g|): gradients below 1 (8 of its 21, the MoE
+    routers among them) could be 5x off and pass (a review)."""
+    from graphopt.demo import gradient_error
+
+    want = {"router": torch.full((4,), 1e-4), "big": torch.full((4,), 10.0),
+            "unused": torch.zeros(4)}
+    assert gradient_error(dict(want), want) == 0.0
+    assert gradient_error({**want, "router": want["router"] * 5}, want) == pytest.approx(4.0)
+    assert gradient_error({**want, "unused": torch.full((4,), 1e-3)}, want) == \
+        pytest.approx(1e-3)
+
+
 def test_demo_rejects_bad_arguments_before_building_anything():
     result = runner.invoke(app, ["demo", "--model", "nonexistent"])
     assert result.exit_code == 2 and "unknown model 'nonexistent'" in result.output

@@ -117,6 +117,15 @@ def test_config_is_frozen_and_typed():
     ({"verify": {"rtol": True}}, r"verify.rtol must be a finite non-negative number"),
     ({"dump_dir": ""}, r"option 'dump_dir' must be a non-empty path"),
     ({"inductor_config": {"no_such_knob": 1}}, r"inductor_config key 'no_such_knob' is not"),
+    # values of the default's type (a review: "False" turned size_asserts on; a partitioner
+    # of the user's was replaced silently)
+    ({"inductor_config": {"size_asserts": "False"}},
+     r"inductor_config 'size_asserts' takes a bool \(its default is True\), got str"),
+    ({"inductor_config": {"max_autotune_gemm_backends": 5}},
+     r"inductor_config 'max_autotune_gemm_backends' takes a str"),
+    ({"inductor_config": {"custom_partitioner_fn": print}},
+     r"inductor_config 'custom_partitioner_fn' is graphopt's"),
+    ({"mode": 5}, r"option 'mode' must be of type str"),
 ])
 def test_bad_nested_values(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -129,6 +138,24 @@ def test_graphopt_compile_validates_immediately():
     model = graphopt.compile(torch.nn.Linear(2, 2), options={"lowering": "eager"})
     model(torch.randn(3, 2))
     assert graphopt.last_report().status == "compiled"
+
+
+def test_graphopt_compile_takes_a_mode_and_names_bad_options():
+    """graphopt.compile(model, mode=...) always failed (torch.compile refuses mode= with
+    options=, and it passed both); non-dict options failed with a bare ValueError (a
+    review). The mode goes into the options; bad options are ConfigErrors."""
+    model = graphopt.compile(torch.nn.Linear(2, 2), mode="max-autotune-no-cudagraphs",
+                             options={"lowering": "eager"})
+    model(torch.randn(3, 2))
+    assert graphopt.last_report().status == "compiled"
+    for bad, message in (("exact", "graphopt options must be a dict"),
+                         (5, "graphopt options must be a dict"),
+                         (GraphoptConfig(), "takes the options dict"),
+                         ({"mode": "default"}, "mode is given twice")):
+        with pytest.raises(ConfigError, match=message):
+            graphopt.compile(torch.nn.Linear(2, 2), options=bad, mode="max-autotune")
+    with pytest.raises(ConfigError, match="unknown torch.compile mode 'fastest'"):
+        graphopt.compile(torch.nn.Linear(2, 2), mode="fastest")
 
 
 def test_options_given_as_a_list_name_the_expected_form():
