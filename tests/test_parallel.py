@@ -1048,3 +1048,29 @@ def test_tp_layout_is_derived_in_eval_mode():
         assert all(m.training == (mode == "train") for m in model.modules())
     assert layouts["train"].colwise == layouts["eval"].colwise
     assert not layouts["train"].kept, layouts["train"].kept
+
+
+def test_step_time_counts_optimizer_steps_not_microbatches():
+    """With gradient accumulation a step has several forwards: timing forwards reported a
+    microbatch's time (52 ms for a 225 ms step, a review). Steps are optimizer steps (one
+    per forward at most: a wrapping optimizer steps its inner one too); without any, the
+    forwards are timed and the report says so."""
+    import time
+
+    from graphopt.parallel.apply import ParallelReport
+
+    report = ParallelReport(plan="dp")
+    for _ in range(4):
+        for _ in range(4):  # four microbatches
+            report.record_step_start()
+            time.sleep(0.002)
+        report.record_optimizer_step()
+        report.record_optimizer_step()  # an inner optimizer: not a second step
+    assert len(report.optimizer_steps) == 4
+    assert report.measured_step_s >= 0.008
+    assert report.step_time().endswith("(median of 3 steps)")
+    forwards = ParallelReport(plan="dp")
+    for _ in range(4):
+        forwards.record_step_start()
+    assert forwards.step_time().endswith(
+        "(median of 2 forward calls: no optimizer step over this model seen)")
