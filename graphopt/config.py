@@ -345,7 +345,10 @@ def require_writable_file(path: Path, fix: str, what: str = "",
 
 def _writable_dir(value: Any, from_env: bool = False) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        raise ConfigError(f"option 'dump_dir' must be a non-empty path, got {value!r}")
+        raise ConfigError((f"environment variable {DUMP_DIR_ENV}" if from_env else
+                           "option 'dump_dir'") + f" must be a non-empty path, got {value!r}"
+                          + (f"; unset {DUMP_DIR_ENV} or set it to a directory"
+                             if from_env else ""))
     path = Path(value).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -55,9 +55,11 @@ class CompileReport:
     """Everything graphopt did to one Dynamo graph.
 
     ``timing`` keys (seconds): normalize, passes, aot_autograd (AOTAutograd's own work, our
-    hooks excluded), lowering (graph compilers), dump, verify, total (backend call, forward
-    side) and graphopt_overhead = normalize + passes + dump + bookkeeping, i.e. the backend
-    time that is neither AOTAutograd, nor the lowering compiler, nor verification.
+    hooks excluded), lowering (graph compilers), lowering_backward (the backward's compiler:
+    AOTAutograd compiles it lazily, at the first backward, after total is taken), dump,
+    verify, total (backend call, forward side) and graphopt_overhead = normalize + passes +
+    dump + bookkeeping, i.e. the backend time that is neither AOTAutograd, nor the lowering
+    compiler, nor verification.
     """
 
     graph_id: int

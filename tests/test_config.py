@@ -53,6 +53,9 @@ def test_unwritable_dump_dir(tmp_path, monkeypatch):
         GraphoptConfig.from_options({})
     with pytest.raises(ConfigError, match="option 'dump_dir' must be a non-empty path"):
         GraphoptConfig.from_options({"dump_dir": 5})
+    monkeypatch.setenv("GRAPHOPT_DUMP_DIR", " ")  # named as the variable (a review)
+    with pytest.raises(ConfigError, match="environment variable GRAPHOPT_DUMP_DIR must be"):
+        GraphoptConfig.from_options({})
 
 
 def test_dump_dir_from_environment(tmp_path, monkeypatch):

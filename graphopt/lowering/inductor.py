@@ -18,7 +18,13 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from graphopt.config import GraphoptConfig
-from graphopt.lowering.base import AOTHooks, Lowering, input_marker, mutated_input_marker
+from graphopt.lowering.base import (
+    AOTHooks,
+    Lowering,
+    input_marker,
+    lowering_key,
+    mutated_input_marker,
+)
 
 
 def _source_hash() -> str:
@@ -143,7 +149,7 @@ class InductorLowering(Lowering):
             else:
                 kind = "forward"
             hooks.graph_ready(kind, g)
-            with hooks.timed("lowering"):
+            with hooks.timed(lowering_key(kind)):
                 return compile_fx_inner(g, inputs, **kwargs)
 
         patches: dict[str, Any] = {}
