@@ -48,7 +48,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     options = dict(options or {})
     if kwargs.get("mode") is not None:  # torch.compile refuses mode= with options=
         GraphoptConfig.from_options({"mode": kwargs["mode"]})  # an unknown mode, here
-        if options.get("mode", kwargs["mode"]) != kwargs["mode"]:
+        if options.get("mode") not in (None, kwargs["mode"]):
             raise ConfigError(f"mode is given twice ({kwargs['mode']!r} and option "
                               f"{options['mode']!r}); give one")
         options["mode"] = kwargs.pop("mode")

@@ -231,6 +231,12 @@ _INPLACE_OPERATORS = frozenset((operator.setitem, operator.iadd, operator.isub, 
                                 operator.ilshift, operator.irshift, operator.imatmul))
 
 
+def written_by(node: fx.Node) -> list[fx.Node]:
+    """What ``node`` writes in place, in a normalized ATen graph or in Dynamo's graph (see
+    :func:`_writes`)."""
+    return _writes(node)
+
+
 def _writes(node: fx.Node) -> list[fx.Node]:
     """What ``node`` writes in place: ATen schemas (normalized graphs); in Dynamo's graphs
     ``x.add_(...)``-style methods and functions (trailing underscore), ``x[i] = v``,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import numbers
 import os
 import tempfile
 from collections.abc import Mapping
@@ -182,7 +183,7 @@ class GraphoptConfig:
         options = dict(options or {})
         valid = {f.name for f in fields(cls)} - {"pass_options"} | set(option_keys())
         _reject_unknown(options, valid, "graphopt")
-        if "mode" in options:  # torch.compile refuses mode= with options=: it goes here
+        if options.get("mode") is not None:  # torch.compile refuses mode= with options=
             if mode is not None and options["mode"] != mode:
                 raise ConfigError(f"mode is given twice ({mode!r} and option "
                                   f"{options['mode']!r}); give one")
@@ -216,6 +217,10 @@ class GraphoptConfig:
             if key in config.pass_options and pass_name in config.disable:
                 raise ConfigError(f"option {key!r} is given but {pass_name!r} is in 'disable'; "
                                   "drop one of them")
+        if config.mode not in (None, "default") and config.lowering in ("eager", "npu"):
+            raise ConfigError(f"mode {config.mode!r} configures Inductor, but lowering is "
+                              f"{config.lowering!r}, which does not use it: drop mode or use "
+                              "lowering 'inductor' (or 'auto')")
         if config.inductor_config and config.lowering in ("eager", "npu"):
             raise ConfigError(f"option 'inductor_config' patches Inductor, but lowering is "
                               f"{config.lowering!r}, which does not use it: drop "
@@ -298,17 +303,19 @@ def _inductor_patches(value: Any) -> dict[str, Any]:
                               "joint passes and partition run there; drop it (lowering "
                               "'inductor' partitions with torch's min-cut after the passes)")
         default = defaults[key]
-        # the type of the option's default: "False" (a string) for a bool turned the option
-        # on, an int for a string list was ignored (a review)
-        for kind, accepted in ((bool, (bool,)), (int, (int,)), (float, (int, float)),
-                               (str, (str,))):
-            if isinstance(default, kind):
+        # the kind of the option's default: "False" (a string) for a bool turned the option
+        # on, an int for a string list was ignored (a review); None (unset) is left to
+        # Inductor, as are numpy numbers
+        kinds = ((bool, (bool,), "a bool"), (int, (numbers.Integral,), "an int"),
+                 (float, (numbers.Real,), "a number"), (str, (str,), "a str"))
+        for kind, accepted, what in kinds:
+            if value is not None and isinstance(default, kind):
                 ok = isinstance(value, accepted) and (kind is bool or
                                                       not isinstance(value, bool))
-                if not ok and not (kind is str and value is None):
-                    raise ConfigError(f"inductor_config {key!r} takes a {kind.__name__} "
-                                      f"(its default is {default!r}), got "
-                                      f"{type(value).__name__} {value!r}")
+                if not ok:
+                    raise ConfigError(f"inductor_config {key!r} takes {what} (its default "
+                                      f"is {default!r}), got {type(value).__name__} "
+                                      f"{value!r}")
                 break
     return patches
 

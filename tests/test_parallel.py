@@ -1074,3 +1074,25 @@ def test_step_time_counts_optimizer_steps_not_microbatches():
         forwards.record_step_start()
     assert forwards.step_time().endswith(
         "(median of 2 forward calls: no optimizer step over this model seen)")
+
+
+def _stale_optimizer_worker(rank, world):
+    from graphopt.models import build_model, sample_batch
+    from graphopt.parallel import parallelize
+
+    model = build_model("llama")
+    early = torch.optim.SGD(model.parameters(), lr=0.1)  # before parallelize
+    model = parallelize(model, ParallelPlan(dp_shard=2, zero_stage=3))
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    _lm_loss(model, sample_batch(model, 2, 8)).backward()
+    from tests.helpers import config_errors
+
+    return config_errors(early.step, late.step)
+
+
+def test_an_optimizer_built_before_parallelize_is_refused_at_its_step():
+    """FSDP replaces the parameters: an optimizer built before parallelize stepped the old
+    tensors and nothing trained, without a warning (a re-review)."""
+    for early, late in run_distributed(_stale_optimizer_worker, 2):
+        assert "holds parameters that graphopt.parallelize replaced" in early
+        assert late == "ran"

@@ -487,3 +487,19 @@ def test_each_tensor_is_compared_at_the_precision_it_is_computed_in(side):
                        r"but changed the numerics: output 0"):
         compiled(x)
 
+
+def test_an_input_written_in_place_is_compared_at_its_writers_precision():
+    """An input's value after the call took the tolerance of every in-place op reading it:
+    a float64 buffer 1% off passed at bf16's tolerance because an unrelated bf16 write read
+    it (a re-review). Only the ops writing into the input decide."""
+    def f(x, buf, acc):
+        buf.copy_(buf.sin())
+        acc.add_(buf.detach().to(torch.bfloat16))
+        return x * 2
+
+    compiled = torch.compile(f, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_scale_sin"]})
+    x, buf = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64) + 1
+    with pytest.raises(VerificationError, match=r"pass 'test_scale_sin' claims to be exact"):
+        compiled(x, buf, torch.zeros(8, dtype=torch.bfloat16))
+

@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,6 +255,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "use zero_stage 2 or 3")
     mesh = mesh if mesh is not None else build_mesh(plan)
     report = ParallelReport(plan.describe(), parallel_plan=plan, mesh=mesh)
+    before = weakref.WeakValueDictionary({id(p): p for p in model.parameters()})
     if plan.tp > 1:
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
         report.tp_layout = layout
@@ -327,6 +329,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if compute_dtype is not None:
         report.notes.append(_apply_autocast(model, compute_dtype))
     _time_optimizer_steps(model, report)
+    _refuse_stale_optimizers(model, before)
     if plan.pp == 1:  # PipelinedModel.step records its own starts (and checks S under SP)
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
         model.register_forward_pre_hook(_microbatch_check(plan.microbatch), with_kwargs=True)
@@ -465,11 +468,35 @@ def _batch_input(args: tuple, kwargs: dict) -> Any:
     return x
 
 
+def _refuse_stale_optimizers(model: Any, before: Any) -> None:
+    """An optimizer built before :func:`parallelize` holds the parameters FSDP/TP replaced
+    by sharded ones: its steps update tensors the model no longer uses, and nothing trained
+    (a re-review: parameters unchanged, no warning). A global optimizer step pre-hook
+    raises ConfigError at the first step of such an optimizer (weak references only)."""
+    now = {id(p) for p in model.parameters()}
+    replaced = weakref.WeakValueDictionary(
+        {k: p for k, p in before.items() if k not in now})
+    if not len(replaced):
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def hook(optimizer: Any, *_: Any) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if replaced.get(id(p)) is p:
+                    raise ConfigError(
+                        "this optimizer holds parameters that graphopt.parallelize replaced "
+                        "with sharded ones (FSDP/TP): its steps would update tensors the "
+                        "model no longer uses. Build the optimizer after parallelize, from "
+                        "the model's parameters (graphopt.parallel.build_optimizer, or "
+                        "optimizer_for)")
+
+    register_optimizer_step_pre_hook(hook)
+
+
 def _time_optimizer_steps(model: nn.Module, report: ParallelReport) -> None:
     """Record the end of every optimizer step over ``model``'s parameters in ``report``
     (a global optimizer step post-hook holding weak references only)."""
-    import weakref
-
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     ours = {id(p) for p in model.parameters()}  # (tensors compare by value: no WeakSet)

@@ -634,8 +634,12 @@ class MoEPass(GraphPass):
         modified = False
         topks = list(gm.graph.find_nodes(op="call_function", target=aten.topk.default))
         if self.options is not None and not topks:  # asked for, nothing to do: say so
+            argmax = gm.graph.find_nodes(op="call_function", target=aten.argmax.default)
             ctx.record("skipped", "graph", "no MoE router (top-k over expert scores) in this "
-                       "graph: the moe options change nothing here")
+                       "graph: the moe options change nothing here" + (
+                           "; argmax routing (top-1, e.g. Switch / NLLB-MoE) and its "
+                           "experts are not rewritten (graphopt's op takes top-k routing "
+                           "into SwiGLU experts)" if argmax else ""))
         for topk in topks:
             if topk.graph is not gm.graph or not topk.users:
                 continue
