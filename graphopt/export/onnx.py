@@ -521,8 +521,12 @@ def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) 
         if found is None and failed is not None:  # a translation refused these arguments
             reason = re.search(r"<class '[^']+'>: (.+)", str(exc))  # the innermost cause
             why = reason.group(1).rstrip(".") if reason else type(exc).__name__
+            target = failed.group(1)
+            where = ("torch.onnx's translation of this ATen op refused these arguments: "
+                     "write the call with them explicit (e.g. amax with dim), "
+                     if target.startswith("torch.ops.aten.") else "")
             raise ExportError(
-                f"ONNX export of {failed.group(1)} failed: {why}; replace the module that "
+                f"ONNX export of {target} failed: {why}; {where}replace the module that "
                 "calls it, or register a translation in graphopt/export/translations.py"
             ) from None
         if found is None:
