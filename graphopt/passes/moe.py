@@ -263,7 +263,8 @@ def _size_at(size: Any, at: dict[Any, int] | None) -> Any:
         return size
     if at is None:
         return _hint(size)
-    value = sympy.sympify(sympy.sympify(size.node.expr).xreplace(at))
+    value = sympy.sympify(size.node.expr).xreplace(
+        {symbol: sympy.Integer(v) for symbol, v in at.items()})
     if not value.is_number:
         raise Skip("a size of the experts region has no example value (data-dependent)")
     return int(value)
@@ -370,7 +371,7 @@ FLOAT_OPS = frozenset({
     "scatter_add_", "zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty",
     "histc", "bincount"})
 """Ops an experts region may compute floating-point values with: those of every experts
-spelling transformers ships (grouped_mm and batched_mm; collected from 15 MoE model classes)
+spelling transformers ships (grouped_mm and batched_mm; collected from 16 MoE model classes)
 and their plain equivalents. Anything else (``where``, ``relu``, ``tanh``, a comparison of
 activations, ...) can bound the activation in a way probes at a few scales need not reach:
 a review wrote clamped SwiGLU as ``torch.where(g > 10, 10, g)`` and ``g - relu(g - 10)``,
@@ -380,7 +381,7 @@ positions, counts) are not restricted: the probes' random routing exercises them
 
 def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     """Raise Skip unless the region computes SwiGLU experts (see guarantees (2)-(4))."""
-    ops = {getattr(n.target, "_opname", str(n.target)) for n in region.nodes}
+    ops = {_opname(n) for n in region.nodes}
     bad = [n.name for n in region.nodes if is_random(n)]
     bad += [n.name for n in region.nodes if is_mutating(n) and any(
         a not in region.nodes for a in n.all_input_nodes[:1])]
@@ -391,42 +392,9 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
     if "silu" not in ops:
         acts = sorted(ops & {"gelu", "relu", "sigmoid", "tanh"}) or ["unknown"]
         raise Skip(f"experts activation {acts} is not SiLU (only SwiGLU experts are rewritten)")
-    floats = {_opname(n): n for n in region.nodes if _floating(n)}
-    limits = sorted(set(floats) & _SATURATING)
-    if limits:  # HY-V4 / GLM5-Next / DeepSeek-V4 clamp gate and up at swiglu_limit
-        raise Skip(f"experts module {region.path} limits its activations ({', '.join(limits)}: "
-                   "a clamped SwiGLU); graphopt's kernel is plain SwiGLU")
-    index_limits = sorted(_opname(n) for n in region.nodes
-                          if _opname(n) in _SATURATING and not _floating(n))
-    if index_limits:
-        raise Skip(f"experts module {region.path} clamps its routing indices "
-                   f"({', '.join(index_limits)}: transformers' expert-parallel sentinels, "
-                   "indices >= E at run time); graphopt's op takes indices in [0, E): use "
-                   "graphopt's expert parallelism (moe.ep, graphopt.parallelize) instead")
-    compared = [n for n in region.nodes if _opname(n) in _COMPARISONS]
-    if compared:
-        raise Skip(f"experts module {region.path} compares values ({compared[0].name}: "
-                   f"{_opname(compared[0])}): SwiGLU experts select by the routing indices "
-                   "alone (a masked range of indices, zero-computation experts, or a step in "
-                   "the activations or token positions is not what graphopt's op computes)")
-    positional = _position_uses(region)
-    if positional:
-        raise Skip(f"experts module {region.path} computes with token positions or sizes as "
-                   f"values ({positional[0].name}: {_opname(positional[0])}), not only as "
-                   "indices or shapes: its function may change with the token count where "
-                   "no probe runs")
-    tested = _activation_tests(region)
-    if tested:  # a comparison of activations, or activations cast to integers: a step
-        # built from allowed ops, g - (g - 10) * (g > 10), is a clamp probes need not reach
-        raise Skip(f"experts module {region.path} turns activations into booleans or "
-                   f"integers ({tested[0].name}: {_opname(tested[0])}), a data-dependent "
-                   "step SwiGLU experts do not have; graphopt's kernel is plain SwiGLU")
-    others = sorted(set(floats) - FLOAT_OPS)
-    if others:
-        raise Skip(f"experts module {region.path} computes activations with "
-                   f"{', '.join(others)} ({floats[others[0]].name}), which is not in "
-                   "SwiGLU experts (an op that can bound or gate the activation where probes "
-                   "do not reach); graphopt's kernel is plain SwiGLU")
+    problem = _op_problem(region)
+    if problem:
+        raise Skip(f"experts module {region.path} {problem}")
     dtypes = {_meta(n).dtype for n in (region.hidden, region.gate_up, region.down)}
     if len(dtypes) != 1:
         raise Skip(f"experts module {region.path} takes tokens in {_meta(region.hidden).dtype} "
@@ -475,6 +443,50 @@ def check_region(region: Region, real: dict[fx.Node, Any]) -> None:
                    "gradient scaling; probe mismatch in the backward)")
 
 
+def _op_problem(region: Region) -> str:
+    """Why the region's ops are not SwiGLU experts' ("" when they are): a bound on the
+    activations (clamp, minimum, ...), a clamp of the indices, a comparison, token positions
+    or sizes used as values, activations turned into booleans or integers, an op outside
+    :data:`FLOAT_OPS`. Probes at a few scales and token counts cannot show these."""
+    floats = {_opname(n): n for n in region.nodes if _floating(n)}
+    limits = sorted(set(floats) & _SATURATING)
+    if limits:  # HY-V4 / GLM5-Next / DeepSeek-V4 clamp gate and up at swiglu_limit
+        return (f"limits its activations ({', '.join(limits)}: "
+                "a clamped SwiGLU); graphopt's kernel is plain SwiGLU")
+    index_limits = sorted(_opname(n) for n in region.nodes
+                       if _opname(n) in _SATURATING and not _floating(n))
+    if index_limits:
+        return (f"clamps its routing indices "
+                f"({', '.join(index_limits)}: transformers' expert-parallel sentinels, "
+                "indices >= E at run time); graphopt's op takes indices in [0, E): use "
+                "graphopt's expert parallelism (moe.ep, graphopt.parallelize) instead")
+    compared = [n for n in region.nodes if _opname(n) in _COMPARISONS]
+    if compared:
+        return (f"compares values ({compared[0].name}: "
+                f"{_opname(compared[0])}): SwiGLU experts select by the routing indices "
+                "alone (a masked range of indices, zero-computation experts, or a step in "
+                "the activations or token positions is not what graphopt's op computes)")
+    positional = _position_uses(region)
+    if positional:
+        return (f"computes with token positions or sizes as "
+                f"values ({positional[0].name}: {_opname(positional[0])}), not only as "
+                "indices or shapes: its function may change with the token count where "
+                "no probe runs")
+    tested = _activation_tests(region)
+    if tested:  # a comparison of activations, or activations cast to integers: a step
+        # built from allowed ops, g - (g - 10) * (g > 10), is a clamp probes need not reach
+        return (f"turns activations into booleans or "
+                f"integers ({tested[0].name}: {_opname(tested[0])}), a data-dependent "
+                "step SwiGLU experts do not have; graphopt's kernel is plain SwiGLU")
+    others = sorted(set(floats) - FLOAT_OPS)
+    if others:
+        return (f"computes activations with "
+                f"{', '.join(others)} ({floats[others[0]].name}), which is not in "
+                "SwiGLU experts (an op that can bound or gate the activation where probes "
+                "do not reach); graphopt's kernel is plain SwiGLU")
+    return ""
+
+
 def _dropless_op(hidden: torch.Tensor, index: torch.Tensor, *rest: torch.Tensor
                  ) -> torch.Tensor:
     """graphopt's op on one device, dropless, on a probe (tokens, index, weights, gate_up,
@@ -489,11 +501,10 @@ def _activation_tests(region: Region) -> list[fx.Node]:
     """Nodes of the region computing a non-floating value (boolean, integer) from a
     floating value derived from the tokens, the routing weights or the expert weights
     (activations): in SwiGLU experts only the indices decide integer values."""
-    inside = set(region.nodes)
     tainted = {region.hidden, region.weights, region.gate_up, region.down}
     found = []
     for node in region.nodes:
-        if node not in inside or not any(a in tainted for a in node.all_input_nodes):
+        if not any(a in tainted for a in node.all_input_nodes):
             continue
         if _floating(node) and _opname(node) not in ("histc", "bincount"):
             tainted.add(node)
@@ -511,7 +522,7 @@ _COMPARISONS = frozenset({
     "__or__", "__xor__", "__invert__", "lt_", "gt_", "le_", "ge_", "eq_", "ne_", "signbit",
     "heaviside", "isclose", "isfinite", "isinf", "isnan", "nan_to_num", "argmax", "argmin",
     "amax", "amin", "max", "min", "remainder", "fmod"})
-"""Ops no transformers experts spelling uses (none of the 15 classes' grouped_mm and
+"""Ops no transformers experts spelling uses (none of the 16 classes' grouped_mm and
 batched_mm regions) that select or step on values: a comparison of indices masks a range
 (zero-computation experts: indices >= E kept out by ``idx < E``; the op then read out of
 bounds, a review), of token positions or activations a step where probes need not land."""

@@ -298,8 +298,9 @@ def _snapshot_held_inputs(gm: fx.GraphModule, decision: RematPlan) -> list[fx.No
 
 
 def held_inputs(priced: list[fx.Node], recomputed: set[fx.Node]) -> list[fx.Node]:
-    """The ``priced`` inputs (:func:`non_parameter_inputs`) the backward holds because it
-    recomputes a value that reads them."""
+    """The ``priced`` inputs (:func:`non_parameter_inputs`' both lists, in the plan) whose
+    forward-time copies the backward holds because it recomputes a value that reads them
+    (:func:`_snapshot_held_inputs`)."""
     return [p for p in priced if any(u in recomputed for u in p.users)]
 
 
