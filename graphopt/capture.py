@@ -319,24 +319,63 @@ def _unbacked_renumbered(expr: str, names: dict[str, str]) -> str:
 def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
     """"" unless ``candidate`` holds tensor constants that ``reference`` does not (a value
     the trace turned into a constant, such as a vmapped tensor). Real one-element constants
-    are the model's own (``torch.tensor(1e-6)`` in forward); a fake one of any size is a
-    traced value frozen into the graph (``x.norm().data``, a ``get_attr`` tensor of
-    Dynamo's graph: optimizer state), which crashed at run time or lost its updates."""
+    are the model's own (``torch.tensor(1e-6)`` in forward), and so are real constants equal
+    to a ``torch.tensor(<literal>)`` call of ``reference`` (``torch.tensor([0, 2, 2])`` as an
+    index; :func:`_is_literal`); a fake one of any size is a traced value frozen into the
+    graph (``x.norm().data``, a ``get_attr`` tensor of Dynamo's graph: optimizer state),
+    which crashed at run time or lost its updates."""
     known = {id(t) for t in _tensor_attrs(reference)}
+    literals = _literal_tensors(reference)
 
     def new(value: Any) -> bool:
         return isinstance(value, torch.Tensor) and id(value) not in known and (
             value.numel() > 1 or isinstance(value, FakeTensor))
 
-    for name, value in candidate.named_buffers():
-        if new(value):
+    readers = {str(n.target): n for n in candidate.graph.find_nodes(op="get_attr")}
+    values: dict[str, Any] = dict(candidate.named_buffers())
+    values.update((name, getattr(candidate, name, None)) for name in readers)
+    for name, value in values.items():
+        if new(value) and not (name in readers and _is_literal(readers[name], value, literals)):
             return f"new tensor constant {name!r} of shape {tuple(value.shape)}"
-    for node in candidate.graph.find_nodes(op="get_attr"):
-        attr = getattr(candidate, str(node.target), None)
-        if new(attr):
-            assert isinstance(attr, torch.Tensor)
-            return f"new tensor constant {node.target!r} of shape {tuple(attr.shape)}"
     return ""
+
+
+_LITERAL_FACTORIES = (torch.tensor, torch.as_tensor)
+
+
+def _literal_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The tensors ``gm``'s ``torch.tensor(<literal>)`` calls build (Dynamo keeps
+    ``torch.tensor([0, 2, 2])`` in forward as such a call on Python constants)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _LITERAL_FACTORIES:
+            continue
+        if any(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args, node.kwargs))):
+            continue
+        try:
+            value = node.target(*node.args, **node.kwargs)
+        except Exception:  # noqa: BLE001 (a call Dynamo kept but we cannot replay: no match)
+            continue
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+def _is_literal(node: fx.Node, value: torch.Tensor, literals: list[torch.Tensor]) -> bool:
+    """Whether the re-trace's constant ``value`` (read by ``node``) is one of the model's
+    own literals: a real tensor, read only through ``lift_fresh_copy`` (how ``torch.tensor``
+    traces; a frozen traced value is read directly), equal in dtype, shape and every value to
+    a literal of Dynamo's graph not matched before (the match is removed from
+    ``literals``)."""
+    if isinstance(value, FakeTensor) or not node.users or any(
+            u.target is not torch.ops.aten.lift_fresh_copy.default for u in node.users):
+        return False
+    for i, lit in enumerate(literals):
+        if lit.dtype == value.dtype and lit.shape == value.shape and \
+                lit.device == value.device and torch.equal(lit, value):
+            del literals[i]
+            return True
+    return False
 
 
 def _tensor_attrs(gm: fx.GraphModule) -> list[torch.Tensor]:

@@ -403,6 +403,27 @@ def test_data_of_a_one_element_tensor_in_forward_falls_back_and_runs():
     assert "new tensor constant" in (graphopt.last_report().fallback or "")
 
 
+def test_literal_tensors_in_forward_keep_the_model_passes():
+    """``torch.tensor([0, 2, 2])`` (an index) and ``torch.tensor([..], dtype=...)`` in
+    forward become real constants of the re-trace; they equal Dynamo's literal calls, so
+    the graph is not a fallback (it was: "new tensor constant"), and stays exact."""
+    class Gather(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            idx = torch.tensor([0, 2, 2])
+            w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+            return (self.linear(x)[:, idx] * w + torch.as_tensor([[0.5], [1.5]])).sum(0)
+
+    torch.manual_seed(0)
+    model = Gather().double()
+    graphopt.clear_reports()
+    (report,) = _compile_and_compare(model, [_x(2, 4)])
+    assert report.fallback is None and report.passes
+
+
 def test_batch_norm_inside_a_checkpoint_and_compiled_autograd_on_the_eager_lowering():
     """Train-mode BatchNorm in a checkpoint region: the eager lowering's backward refused
     the running statistics' version counters (input mutations now stay in the graph, as
