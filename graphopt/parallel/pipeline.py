@@ -214,7 +214,9 @@ class PipelinedModel(nn.Module):
                           "ModelState) and load it into the model parallelized without PP "
                           "(or unparallelized) to generate")
 
-    def _schedule(self, microbatches: int, shape: tuple[int, ...] = ()) -> Any:
+    def _schedule(self, key: tuple[Any, ...]) -> Any:
+        """The schedule for ``key`` = (microbatch count, training, *batch shape past B):
+        the cached one (most recently used last), or a new one."""
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -222,7 +224,7 @@ class PipelinedModel(nn.Module):
             ScheduleInterleavedZeroBubble,
         )
 
-        key = (microbatches, *shape)  # stages size their buffers from the first batch
+        microbatches = key[0]  # stages size their buffers from the first batch
         if key in self._schedules:  # most recently used last
             self._schedules[key] = self._schedules.pop(key)
         else:
@@ -297,9 +299,18 @@ class PipelinedModel(nn.Module):
             problem = None
         except ConfigError as exc:
             count, problem = 0, exc
-        self._same_count_everywhere(count, problem,
-                                    input_ids.shape[-1] if self.cp > 1 else None)
-        schedule = self._schedule(count, tuple(input_ids.shape[1:]))
+        training = torch.is_grad_enabled()  # no_grad: forward only (an evaluation loss)
+        # train and eval keep their own schedules: torch re-initialises a schedule's stages
+        # when it switches between them
+        key = (count, training, *input_ids.shape[1:])
+        cached = self._schedules.get(key)
+        fresh = cached is None or _will_initialize(cached, training)
+        fresh = self._same_count_everywhere(count, problem,
+                                            input_ids.shape[-1] if self.cp > 1 else None,
+                                            fresh)
+        if fresh:  # on every rank together: the stages' first run is collective (FSDP)
+            self._schedules.pop(key, None)
+        schedule = self._schedule(key)
         target = labels if labels is not None else input_ids
         self._microbatches = count
         labelled = ((target if self.cp > 1 else target[:, 1:]) != -100).sum().to(torch.float64)
@@ -309,8 +320,17 @@ class PipelinedModel(nn.Module):
         report = getattr(self, "graphopt_parallel", None)
         if report is not None:
             report.record_step_start()
-        training = torch.is_grad_enabled()  # no_grad: forward only (an evaluation loss)
         run = schedule.step if training else schedule.eval
+        # a new schedule first runs torch's metadata inference (a real forward and
+        # backward), whose cleanup sets .grad = None on every FSDP2 / replicate module's
+        # parameters: the gradient of earlier step() calls is kept aside (a review: it was
+        # dropped when the second call of an accumulation had another length, and an
+        # evaluation step between backward and optimizer.step wiped every gradient)
+        kept = {n: p.grad for n, p in self.named_parameters() if p.grad is not None} \
+            if fresh else {}
+        for name, param in self.named_parameters():
+            if name in kept:
+                param.grad = None
         tied, earlier = self._tied_grad() if training else None, None
         if tied is not None and tied[0].grad is not None:  # gradient of earlier steps: kept
             earlier, tied[0].grad = tied[0].grad, None  # out of this step's pair sum
@@ -329,6 +349,9 @@ class PipelinedModel(nn.Module):
                 torch.distributed.all_reduce(local, group=group)
             if earlier is not None:
                 weight.grad = earlier if grad is None else earlier + grad
+        for name, param in self.named_parameters():  # (by name: FSDP2 swaps parameters)
+            if name in kept:
+                param.grad = kept[name] if param.grad is None else kept[name] + param.grad
         return torch.stack(losses).sum() if losses else None
 
     def _microbatch_count(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
@@ -382,19 +405,27 @@ class PipelinedModel(nn.Module):
         return count
 
     def _same_count_everywhere(self, count: int, problem: ConfigError | None,
-                               length: int | None = None) -> None:
+                               length: int | None = None, fresh: bool = False) -> bool:
         """Raise on every rank when any rank refused its batch or the ranks' microbatch
         counts differ (FSDP's collectives and the pipeline's sends run per microbatch: a
         review found DP ranks with 2 and 3 microbatches deadlocked in FSDP's reduce-scatter
         and all-gather, or gloo aborted on mismatched sizes), or, under CP (``length``:
         this rank's chunk length), the chunks differ in length (Ulysses' all-to-all and the
-        ring need equal chunks). One all-reduce over all ranks."""
+        ring need equal chunks). One all-reduce over all ranks.
+
+        Returns:
+            whether any rank's schedule is ``fresh`` (new, or initialising its stages):
+            then every rank builds a new one, so that their first runs, which run FSDP's
+            collectives, happen together (DP ranks with other lengths in one step, whose
+            schedule caches then differed, aborted gloo on mismatched sizes a step later,
+            a review).
+        """
         if not torch.distributed.is_initialized():
             if problem is not None:
                 raise problem
-            return
+            return fresh
         size = -1 if length is None else length
-        flags = torch.tensor([count, -count, problem is not None, size, -size],
+        flags = torch.tensor([count, -count, problem is not None, size, -size, fresh],
                              dtype=torch.float64)
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if problem is not None:
@@ -413,6 +444,7 @@ class PipelinedModel(nn.Module):
                               "every DP rank's batch must hold the same number of "
                               "sequences (FSDP and the pipeline run per microbatch); pad "
                               "or drop the last uneven batch")
+        return bool(flags[5])
 
     def _tied_grad(self) -> tuple[nn.Parameter, Any] | None:
         """(the tied embedding weight as this module holds it now, its group) or None."""
@@ -420,6 +452,19 @@ class PipelinedModel(nn.Module):
             return None
         name, group = self.tied
         return dict(self.named_parameters())[name], group
+
+
+def _will_initialize(schedule: Any, training: bool) -> bool:
+    """Whether ``schedule``'s next run (``training``: step, else eval) initialises its
+    stages (torch's ``_initialize_pp_stages``: the first run, or a switch between train
+    and eval). True when torch's flags are not found (another torch version): a rebuild
+    costs one more forward, a missed one loses gradients."""
+    for prefix in ("_stage", "_stages"):
+        fwd = getattr(schedule, f"{prefix}_forward_initialized", None)
+        bwd = getattr(schedule, f"{prefix}_backward_initialized", None)
+        if isinstance(fwd, bool) and isinstance(bwd, bool):
+            return not fwd or bwd != training
+    return True
 
 
 def _original(name: str, prefix: str) -> str:
