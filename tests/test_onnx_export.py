@@ -47,14 +47,17 @@ def _run(path: Path, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 class Lightning(torch.nn.Module):
     def forward(self, q, k, v, slope, state):  # type: ignore[no-untyped-def]
         o, final, checkpoints = torch.ops.graphopt.lightning_attention_fwd(
-            q, k, v, slope, 0.5, state, 8, 2, "chunked")
+            q, k, v, slope, 96 ** -0.5, state, 8, 2, "chunked")
         return o, final, checkpoints
 
 
 def test_lightning_translation_is_the_op_at_every_length(tmp_path: Path) -> None:
     """GQA (4 query heads on 2), an initial state, D != Dv, float64: output, final state and
     the backward's checkpoints equal the op for lengths off the chunk grid, a multiple of
-    it, and S = 1 (the recurrent branch), at other batch sizes than the traced one."""
+    it, and S = 1 (the recurrent branch), at other batch sizes than the traced one. The
+    scale 96 ** -0.5 is not a float32 number (its float32 constant was 7e-8 off in float64);
+    slopes from 0 to 3e38 (slope * position overflowed, and a difference of two log-decays
+    was -inf - -inf = NaN; a review)."""
     gen = torch.Generator().manual_seed(0)
 
     def inputs(b: int, s: int) -> list[torch.Tensor]:
@@ -75,8 +78,11 @@ def test_lightning_translation_is_the_op_at_every_length(tmp_path: Path) -> None
     program.save(str(path))
     onnx.checker.check_model(str(path), full_check=True)
     assert {"Loop", "If"} <= _op_types(path)
-    for batch, length in ((2, 21), (3, 1), (1, 64), (2, 5)):
+    for batch, length, slope in ((2, 21, None), (3, 1, None), (1, 64, None), (2, 5, None),
+                                 (2, 21, [0.0, 1e-8, 20.0, 3e38])):
         x = inputs(batch, length)
+        if slope is not None:
+            x[3] = torch.tensor(slope, dtype=torch.float64)
         for got, want in zip(_run(path, x), Lightning()(*x)):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -563,3 +569,64 @@ def test_hostile_inputs_are_named_errors_or_checked(tmp_path: Path) -> None:
     result = graphopt.export_onnx(_DictInput(), ({"a": torch.randn(2), "b": torch.randn(2)},),
                                   None, out, check=True)
     assert result.ok and len(result.checks) == 2, result.checks
+
+
+class _ThreeInputs(nn.Module):
+    def forward(self, q, k, v):  # type: ignore[no-untyped-def]
+        return (q * 2 + k * 3) @ v.transpose(-1, -2)
+
+
+class _IdsAndMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+
+    def forward(self, ids, keep):  # type: ignore[no-untyped-def]
+        return self.emb(ids.long()) * keep.unsqueeze(-1)
+
+
+class _Broadcast(nn.Module):
+    def forward(self, x, y):  # type: ignore[no-untyped-def]
+        return y * x  # x [3], y [rows, 3]
+
+
+def test_third_review_findings_are_exact_or_refused(tmp_path: Path) -> None:
+    """One tensor given as several example inputs (torch.export deduplicated it: the file
+    read one input for all three, 106 off on distinct inputs, and the check on the example
+    passed); int32/bool inputs with a dynamic axis and an example that requires grad
+    (crashed the check); dynamic_shapes keyed by name in another order (the wrong input
+    was made dynamic); a MiniMax whose slope_rate was edited without its decay tables
+    (the dynamic export computed the decay from slope_rate: 8.7e-3 off)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 20, 8, generator=g)
+    for args in ((q, q, q), (q[:1].expand(2, -1, -1), q, q.clone())):
+        result = graphopt.export_onnx(_ThreeInputs(), args, None, tmp_path / "a.onnx",
+                                      dynamic=False, check=True)
+        assert result.ok, result.checks
+        fresh = [torch.randn(2, 20, 8, generator=g) for _ in range(3)]
+        torch.testing.assert_close(_run(result.path, fresh)[0], _ThreeInputs()(*fresh),
+                                   rtol=1e-5, atol=1e-5)
+    s = Dim("s")
+    for ids, keep in ((torch.randint(0, 50, (2, 10), dtype=torch.int32), torch.ones(2, 10)),
+                      (torch.randint(0, 50, (2, 10)), torch.ones(2, 10, dtype=torch.bool)),
+                      (torch.randint(0, 50, (2, 10)), torch.ones(2, 10, requires_grad=True))):
+        result = graphopt.export_onnx(_IdsAndMask(), (ids, keep), None, tmp_path / "b.onnx",
+                                      dynamic_shapes=({1: s}, {1: s}), check=True)
+        assert result.ok and len(result.checks) == 4, result.checks
+    result = graphopt.export_onnx(_Broadcast(), (torch.randn(3), torch.randn(5, 3)), None,
+                                  tmp_path / "c.onnx", check=True,
+                                  dynamic_shapes={"y": {0: Dim("rows")}, "x": None})
+    assert result.dynamic == {"x": {}, "y": {0: "rows"}}
+    assert result.ok and len(result.checks) == 4, result.checks
+    with pytest.raises(ConfigError, match=r"dynamic_shapes names \['z'\]"):
+        graphopt.export_onnx(_Broadcast(), (torch.randn(3), torch.randn(5, 3)), None,
+                             tmp_path / "c.onnx", dynamic_shapes={"z": None, "y": None})
+    model = build_model("minimax")
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "slope_rate"):
+                module.slope_rate.mul_(2.0)
+    with pytest.raises(ExportError, match="query_decay buffer is not the decay of its "
+                       "slope_rate .*decay_factors"):
+        graphopt.export_onnx(model, sample_batch(model, 2, 8), {"attention": "exact"},
+                             tmp_path / "d.onnx")

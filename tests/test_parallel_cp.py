@@ -302,6 +302,31 @@ def test_cp_accepts_configs_whose_position_dependent_features_are_off(build):
     check_cp(build(transformers), ParallelPlan(cp=2, cp_kind="all_to_all"))
 
 
+def test_cp_refuses_lightning_decay_tables_that_are_not_the_slopes():
+    """CP runs MiniMax's lightning layers from slope_rate (state passing between ranks),
+    where transformers' forward reads the decay tables built from it at init: slopes
+    edited without rebuilding the tables are refused (a review found the same in the
+    ONNX export); rebuilt, they pass."""
+    from graphopt.models import build_model
+    from graphopt.parallel.context import check_cp
+
+    model = build_model("minimax")
+    plan = ParallelPlan(cp=2, cp_kind="all_to_all")
+    layers = [m for m in model.modules() if hasattr(m, "decay_factors")]
+    with torch.no_grad():
+        for layer in layers:
+            layer.slope_rate.mul_(2.0)
+    with pytest.raises(ConfigError, match="query_decay buffer is not the decay of its "
+                       "slope_rate"):
+        check_cp(model, plan)
+    with torch.no_grad():
+        for layer in layers:
+            for table, value in zip((layer.query_decay, layer.key_decay, layer.diagonal_decay),
+                                    layer.decay_factors(layer.slope_rate)):
+                table.copy_(value)
+    check_cp(model, plan)
+
+
 def test_the_ring_refuses_a_sliding_window_passed_to_attention():
     """The attention function refuses a window the model passes at run time, whatever
     its config says."""

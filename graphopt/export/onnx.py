@@ -49,7 +49,11 @@ from torch import fx, nn
 from graphopt.config import GraphoptConfig, require_writable_file
 from graphopt.dump import Dumper
 from graphopt.errors import ConfigError, GraphoptError
-from graphopt.kernels.lightning.minimax import lightning_layers, minimax_lightning_layer
+from graphopt.kernels.lightning.minimax import (
+    decay_tables_problem,
+    lightning_layers,
+    minimax_lightning_layer,
+)
 from graphopt.models import eval_mode
 from graphopt.report import CompileReport
 
@@ -289,6 +293,7 @@ def _prepare(model: nn.Module, example_inputs: Any, dynamic: bool, dynamic_shape
         return CausalLMLogits(model), (ids,), shapes, ["input_ids"]
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
+    args = _separate_aliased(args)
     _refuse_what_onnx_cannot_hold(model, args)
     if not dynamic and dynamic_shapes is not None:
         raise ConfigError("dynamic=False and dynamic_shapes contradict each other: drop one")
@@ -297,7 +302,35 @@ def _prepare(model: nn.Module, example_inputs: Any, dynamic: bool, dynamic_shape
     except (TypeError, ValueError):
         params = []
     names = [params[i] if i < len(params) else f"input_{i}" for i in range(len(args))]
+    if isinstance(dynamic_shapes, Mapping):  # keyed by argument name, in any order: the
+        # positional order (_axes read the values in the dict's order, a review)
+        unknown = sorted(set(dynamic_shapes) - set(names))
+        if unknown:
+            raise ConfigError(f"dynamic_shapes names {unknown}, which are not among the "
+                              f"inputs {names}: key it by the forward's argument names")
     return model, args, dynamic_shapes, names
+
+
+def _separate_aliased(args: tuple) -> tuple:
+    """``args`` with every tensor that shares memory with an earlier one cloned, and none
+    requiring grad. torch.export deduplicates one tensor passed as several inputs (``(q, q,
+    q)``), so the file read one input for all three and ignored the others: 106 off on
+    distinct inputs while the check on the example passed; a view of another input (``q[:1]
+    .expand(...)`` next to ``q``) crashed the conversion (a review). Each input of the file
+    is its own tensor, so the example's are made so."""
+    seen: set[int] = set()
+
+    def separate(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.detach()
+        key = x.untyped_storage().data_ptr() if x.device.type != "meta" else id(x)
+        if key in seen and x.numel():
+            return x.clone()
+        seen.add(key)
+        return x
+
+    return torch.utils._pytree.tree_map(separate, args)
 
 
 def _refuse_what_onnx_cannot_hold(model: nn.Module, args: tuple) -> None:
@@ -346,7 +379,8 @@ def max_positions(model: nn.Module) -> int | None:
 def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]]:
     if shapes is None:
         return {name: {} for name in names}
-    specs = list(shapes.values()) if isinstance(shapes, dict) else list(shapes)
+    specs = [shapes.get(name) for name in names] if isinstance(shapes, Mapping) \
+        else list(shapes)
     out = {}
     for name, spec in zip(names, specs):
         spec = spec or {}
@@ -564,6 +598,13 @@ def _module_rewrites(model: nn.Module, config: GraphoptConfig, dynamic_seq: bool
     """Swap MiniMax lightning layers' forward for the export (module docstring)."""
     swapped: list[tuple[nn.Module, Any]] = []
     if dynamic_seq and config.attention != "keep" and "attention" not in config.disable:
+        for path, module in lightning_layers(model):
+            problem = decay_tables_problem(module)
+            if problem:  # the rewrite computes the decay from slope_rate alone
+                raise ExportError(f"{path}: a dynamic export replaces this lightning layer's "
+                                  f"block loop by graphopt's op, computed from slope_rate, "
+                                  f"but {problem}; or export with dynamic=False (--static: "
+                                  "the loop is traced at the example's length)")
         for _, module in lightning_layers(model):
             swapped.append((module, module.__dict__.get("forward")))
             module.forward = types.MethodType(minimax_lightning_forward, module)
@@ -637,7 +678,7 @@ def check_onnx(result: OnnxExport, rtol: float | None = None, atol: float | None
                                   f"ONNX inputs for {len(tensors)} tensors given",
                                   float("inf"), 0.0))
             continue
-        got = session.run(None, dict(zip(names, [x.numpy() for x in tensors])))
+        got = session.run(None, dict(zip(names, [x.detach().numpy() for x in tensors])))
         kept = _kept_positions(names, tensors)
         for ref_name, module, binding in references:
             if module is None:
@@ -733,9 +774,12 @@ def _grown(args: tuple, result: OnnxExport) -> tuple[str, tuple] | None:
         elif "mask" in input_name.lower():  # unknown polarity: the example's edge repeated
             index = [torch.arange(n).clamp(max=old - 1) for n, old in zip(shape, x.shape)]
             out.append(x[torch.meshgrid(*index, indexing="ij")])
-        elif x.dtype == torch.int64:
-            high = int(x.max()) + 1
-            out.append(torch.randint(0, max(high, 1), shape, generator=gen))
+        elif x.dtype == torch.bool:
+            out.append(torch.randint(0, 2, shape, generator=gen).bool())
+        elif not x.dtype.is_floating_point:  # int32, uint8, ... (randn has no int kernel)
+            low, high = int(x.min()), int(x.max()) + 1
+            out.append(torch.randint(min(low, 0), max(high, 1), shape, generator=gen,
+                                     dtype=x.dtype))
         else:
             out.append(torch.randn(shape, generator=gen, dtype=x.dtype))
     label = ", ".join(f"{name}{step:+d}" for name, step in grew.items())

@@ -74,7 +74,9 @@ def lightning_attention_fwd(q: Any, k: Any, v: Any, slope: Any, scale: float,
     if not isinstance(hq, int):
         raise ValueError("graphopt ONNX export: lightning attention needs a static head count")
     acc = _acc_type(q.dtype)
-    qf = op.Mul(op.Cast(q, to=acc), op.Cast(op.Constant(value_float=float(scale)), to=acc))
+    # the scale as a constant of the accumulation dtype (a float32 constant rounded
+    # 96 ** -0.5 in float64 exports: 7e-8 off, a review)
+    qf = op.Mul(op.Cast(q, to=acc), op.Constant(value=ir.tensor(float(scale), dtype=acc)))
     kf = op.Cast(_expand_heads(k, hq), to=acc)
     vf = op.Cast(_expand_heads(v, hq), to=acc)
     lam = op.Cast(slope, to=acc)
@@ -137,8 +139,14 @@ def _lightning_forms(q: TAcc, k: TAcc, v: TAcc, slope: TAcc, state0: TAcc, chunk
             b = op.Mul(neg_slope, op.Unsqueeze(pos, zero))  # [H, C] log-decay from the start
             b_last = op.Gather(b, last, axis=1)  # [H, 1]
             q_decay = op.Unsqueeze(op.Exp(b), op.Constant(value_ints=[-1]))  # [H, C, 1]
-            k_decay = op.Unsqueeze(op.Exp(op.Sub(b_last, b)), op.Constant(value_ints=[-1]))
-            gap = op.Sub(op.Unsqueeze(b, op.Constant(value_ints=[2])), op.Unsqueeze(b, one))
+            # log-decays between positions as -slope * (distance): a difference of two
+            # log-decays was -inf - -inf = NaN once slope * position overflowed (3e38, a
+            # review)
+            to_last = op.Sub(op.Gather(pos, last, axis=0), pos)  # [C]
+            k_decay = op.Unsqueeze(op.Exp(op.Mul(neg_slope, op.Unsqueeze(to_last, zero))),
+                                   op.Constant(value_ints=[-1]))
+            distance = op.Sub(op.Unsqueeze(pos, one), op.Unsqueeze(pos, zero))  # [C, C]
+            gap = op.Mul(op.Unsqueeze(neg_slope, one), op.Unsqueeze(distance, zero))
             floor = op.CastLike(op.Constant(value_float=-1e30), slope)
             decay = op.Exp(op.Where(causal, gap, floor))  # [H, C, C], 0 above the diagonal
             scores = op.Mul(op.MatMul(qc, op.Transpose(kc, perm=[0, 1, 3, 2])), decay)

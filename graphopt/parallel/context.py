@@ -57,7 +57,11 @@ import torch.distributed as dist
 from torch import nn
 
 from graphopt.errors import ConfigError
-from graphopt.kernels.lightning.minimax import LIGHTNING_PARTS, minimax_lightning_layer
+from graphopt.kernels.lightning.minimax import (
+    LIGHTNING_PARTS,
+    decay_tables_problem,
+    minimax_lightning_layer,
+)
 from graphopt.planner.plan import ParallelPlan
 
 ATTENTION = "graphopt_cp"
@@ -105,6 +109,10 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
             raise ConfigError(f"{path}: a linear-attention (or state-space) layer without "
                               f"MiniMax's parts ({', '.join(LIGHTNING_PARTS)}); graphopt "
                               "passes the state of that form only: use cp=1")
+        if getattr(module, "layer_type", None) == "linear_attention" and \
+                (problem := decay_tables_problem(module)):
+            raise ConfigError(f"{path}: CP runs lightning layers from slope_rate, but "
+                              f"{problem}")
     problem = _mixing_outside_attention(model)
     if problem:
         raise ConfigError(f"context parallelism cannot run this model: {problem}; use cp=1")

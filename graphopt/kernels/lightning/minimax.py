@@ -26,6 +26,35 @@ def lightning_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and all(hasattr(m, a) for a in LIGHTNING_PARTS)]
 
 
+def decay_tables_problem(layer: Any) -> str | None:
+    """None when ``layer``'s decay tables (transformers' ``query_decay``, ``key_decay``,
+    ``diagonal_decay`` buffers, which its forward reads, built from ``slope_rate`` in
+    ``__init__``) are exp(-slope x distance) of its ``slope_rate`` as their dtype holds it
+    (:func:`graphopt.passes.attention.match_linear.decay_deviation`, the attention pass's
+    rule), else what differs. The module-level rewrite computes the decay from
+    ``slope_rate`` alone, so a model whose slopes were edited without rebuilding the tables
+    would silently compute another function (a review: 8.7e-3 logit error in an ONNX
+    export). A layer without the tables (another form) has nothing to compare: None."""
+    from graphopt.passes.attention.match_linear import NoMatch, decay_deviation
+
+    tables = [(kind, getattr(layer, f"{kind}_decay", None))
+              for kind in ("query", "key", "diagonal")]
+    length = getattr(layer, "block_size", None)
+    if not isinstance(length, int) or any(t is None for _, t in tables):
+        return None
+    slope = layer.slope_rate.detach().reshape(-1)
+    for kind, table in tables:
+        assert table is not None
+        try:
+            problem = decay_deviation(table.detach(), slope, kind, length)
+        except NoMatch as exc:
+            problem = str(exc)
+        if problem:
+            return (f"its {kind}_decay buffer is not the decay of its slope_rate "
+                    f"({problem}); rebuild the tables with layer.decay_factors(slope_rate)")
+    return None
+
+
 def _padding_zeroed(layer: Any, states: Tensor, attention_mask: Tensor) -> Tensor:
     """``states`` [B, S, N] with padding positions zeroed by the installed transformers' own
     ``apply_mask_to_padding_states`` of the layer's modeling module: its condition changed
