@@ -412,6 +412,9 @@ def test_narrow_integer_indices_odd_gate_up_and_compiled_public_api():
     compiled = torch.compile(moe_experts, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(hidden, index, weights, experts.gate_up_proj,
                                         experts.down_proj), want)
+    with pytest.raises(ValueError, match="top_k_index must be int64, got torch.int32"):
+        torch.ops.graphopt.moe_experts(hidden, index.int(), weights, experts.gate_up_proj,
+                                       experts.down_proj, -1.0, 1, "", "flat", 1, 1)
 
 
 def test_empty_experts_weight_gradients_are_zeroed_where_grouped_mm_is_unreliable(monkeypatch):

@@ -145,6 +145,15 @@ def _pad_rows(x: Tensor, n: int) -> Tensor:
     return out
 
 
+def _check_index_dtype(top_k_index: Tensor) -> None:
+    """ValueError unless ``top_k_index`` is int64 (the op's contract; a direct call with
+    int32 indices failed inside the sort with scatter's dtype error, a review)."""
+    if top_k_index.dtype != torch.int64:
+        raise ValueError(f"graphopt moe: top_k_index must be int64, got {top_k_index.dtype}: "
+                         "call graphopt.kernels.moe.moe_experts (it casts) or pass "
+                         "top_k_index.long()")
+
+
 @torch.library.custom_op("graphopt::moe_experts", mutates_args=())
 def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
                    down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str,
@@ -157,6 +166,7 @@ def moe_experts_op(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, g
     rows past the kept count are unspecified (on one device) or zero (expert parallel).
     Only ``out`` is differentiable: the other outputs are the backward's state (marked
     non-differentiable, so they are constants to autograd, as the integer ones are)."""
+    _check_index_dtype(top_k_index)
     num_experts = gate_up.shape[0] * ep
     pg = resolve_group(group, ep)
     bad = None
@@ -220,6 +230,7 @@ def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tenso
       down: Tensor, capacity_factor: float, ep: int, group: str, schedule: str, chunks: int,
       ranks_per_node: int, drop_policy: str = "position"
       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_index_dtype(top_k_index)
     n = top_k_index.numel()
     owned: Any = 0  # ep = 1: the backward gathers its rows from hidden again
     gu_rows: Any = n
