@@ -590,6 +590,11 @@ class _Broadcast(nn.Module):
         return y * x  # x [3], y [rows, 3]
 
 
+class _Scaled(nn.Module):
+    def forward(self, x, n: int):  # type: ignore[no-untyped-def]
+        return x * n
+
+
 def test_third_review_findings_are_exact_or_refused(tmp_path: Path) -> None:
     """One tensor given as several example inputs (torch.export deduplicated it: the file
     read one input for all three, 106 off on distinct inputs, and the check on the example
@@ -618,6 +623,10 @@ def test_third_review_findings_are_exact_or_refused(tmp_path: Path) -> None:
                                   dynamic_shapes={"y": {0: Dim("rows")}, "x": None})
     assert result.dynamic == {"x": {}, "y": {0: "rows"}}
     assert result.ok and len(result.checks) == 4, result.checks
+    result = graphopt.export_onnx(_Scaled(), (torch.randn(2, 3), 3), None,
+                                  tmp_path / "e.onnx", dynamic=False, check=True)
+    assert result.ok and "input `n`: the Python value 3, baked into the file as a " \
+        "constant" in result.to_markdown()
     with pytest.raises(ConfigError, match=r"dynamic_shapes names \['z'\]"):
         graphopt.export_onnx(_Broadcast(), (torch.randn(3), torch.randn(5, 3)), None,
                              tmp_path / "c.onnx", dynamic_shapes={"z": None, "y": None})

@@ -112,7 +112,15 @@ class OnnxExport:
     def to_markdown(self) -> str:
         """The pass report plus what the export did."""
         lines = [self.report.to_markdown(), "", f"## ONNX export: {self.path}", ""]
-        for name, axes in self.dynamic.items():
+        values = list(self.example_inputs) + [None] * len(self.dynamic)
+        for (name, axes), value in zip(self.dynamic.items(), values):
+            if value is not None and not any(isinstance(x, torch.Tensor) for x in
+                                             torch.utils._pytree.tree_leaves(value)):
+                # torch.export specializes non-tensor inputs: not an input of the file (a
+                # review read "dynamic axes none" as an input that exists)
+                lines.append(f"- input `{name}`: the Python value {value!r}, baked into the "
+                             "file as a constant (not an ONNX input)")
+                continue
             lines.append(f"- input `{name}`: dynamic axes {axes or 'none'}")
         for op_name, form in self.translations.items():
             lines.append(f"- `{op_name}` exported as {form}")
