@@ -331,9 +331,16 @@ def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
         return isinstance(value, torch.Tensor) and id(value) not in known and (
             value.numel() > 1 or isinstance(value, FakeTensor))
 
-    readers = {str(n.target): n for n in candidate.graph.find_nodes(op="get_attr")}
+    readers = {}  # qualified name -> the get_attr node reading it, checkpoint bodies too
+    for prefix, module in candidate.named_modules():
+        if isinstance(module, fx.GraphModule):
+            for n in module.graph.find_nodes(op="get_attr"):
+                readers[f"{prefix}.{n.target}" if prefix else str(n.target)] = n
     values: dict[str, Any] = dict(candidate.named_buffers())
-    values.update((name, getattr(candidate, name, None)) for name in readers)
+    for name in readers:
+        owner, _, attr = name.rpartition(".")
+        values[name] = getattr(candidate.get_submodule(owner) if owner else candidate, attr,
+                               None)
     for name, value in values.items():
         if new(value) and not (name in readers and _is_literal(readers[name], value, literals)):
             return f"new tensor constant {name!r} of shape {tuple(value.shape)}"
@@ -347,7 +354,8 @@ def _literal_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
     """The tensors ``gm``'s ``torch.tensor(<literal>)`` calls build (Dynamo keeps
     ``torch.tensor([0, 2, 2])`` in forward as such a call on Python constants)."""
     out = []
-    for node in gm.graph.nodes:
+    nodes = [n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes]
+    for node in nodes:  # checkpoint bodies (submodules) too
         if node.op != "call_function" or node.target not in _LITERAL_FACTORIES:
             continue
         if any(isinstance(a, fx.Node) for a in pytree.tree_leaves((node.args, node.kwargs))):

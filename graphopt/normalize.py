@@ -77,6 +77,7 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
         traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
                          _allow_non_fake_inputs=True)(*fakes)
     _rename_placeholders(traced, gm)
+    _drop_unused_dtype_ops(traced)
     _fill_missing_meta(traced)
     _clean_module_paths(traced)
     _run_meta(traced, fake_mode, fakes)
@@ -372,6 +373,20 @@ def _rename_placeholders(traced: fx.GraphModule, original: fx.GraphModule) -> No
         for key in ("nn_module_stack", "stack_trace", "grapharg", "tensor_dict"):
             if key in o.meta and key not in n.meta:
                 n.meta[key] = o.meta[key]
+
+
+def _drop_unused_dtype_ops(gm: fx.GraphModule) -> None:
+    """Erase unused calls of ATen ops that only compute a dtype (``aten.promote_types``:
+    ``torch.tensor([x.shape[0], 1])`` with a symbolic size traces through ``torch._refs
+    .tensor``, which records three of them). They carry no ``meta['val']``, and the pass
+    runner's metadata check then failed the compile where aot_eager ran (a review)."""
+    for node in list(gm.graph.nodes):
+        target = node.target
+        if node.op == "call_function" and not node.users and \
+                isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable \
+                and target._schema.returns and all(  # (ScalarType's type reads "int")
+                    r.real_type.kind() == "ScalarTypeType" for r in target._schema.returns):
+            gm.graph.erase_node(node)
 
 
 def _fill_missing_meta(gm: fx.GraphModule) -> None:

@@ -417,11 +417,42 @@ def test_literal_tensors_in_forward_keep_the_model_passes():
             w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
             return (self.linear(x)[:, idx] * w + torch.as_tensor([[0.5], [1.5]])).sum(0)
 
+    class Checkpointed(Gather):  # the literals inside a checkpoint region's body
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            import torch.utils.checkpoint as checkpoint
+
+            return checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+    for cls in (Gather, Checkpointed):
+        torch.manual_seed(0)
+        model = cls().double()
+        graphopt.clear_reports()
+        (report,) = _compile_and_compare(model, [_x(2, 4)])
+        assert report.fallback is None and report.passes, report.fallback
+
+
+def test_a_tensor_of_a_symbolic_size_compiles_after_the_dynamic_recompile():
+    """``torch.tensor([x.shape[0], 1, 2, 3])``: the recompile with a symbolic size traced
+    three unused ``aten.promote_types`` calls without ``meta['val']``, and the pass runner
+    failed the compile where aot_eager ran (a review)."""
+    class SizeScaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            scale = torch.tensor([x.shape[0], 1, 2, 3])
+            return (self.linear(x) * scale).pow(2).sum()
+
     torch.manual_seed(0)
-    model = Gather().double()
+    model = SizeScaled().double()
+    torch._dynamo.reset()
     graphopt.clear_reports()
-    (report,) = _compile_and_compare(model, [_x(2, 4)])
-    assert report.fallback is None and report.passes
+    compiled = _graphopt(model)
+    for n in (3, 4, 5):
+        assert_matches_eager(model, compiled, [_x(n, 4)], list(model.parameters()), rtol=0,
+                             atol=1e-12)
+    assert any(r.dynamic and r.passes for r in graphopt.reports())
 
 
 def test_batch_norm_inside_a_checkpoint_and_compiled_autograd_on_the_eager_lowering():
