@@ -590,6 +590,23 @@ class _Broadcast(nn.Module):
         return y * x  # x [3], y [rows, 3]
 
 
+class _NestedInputs(nn.Module):
+    def forward(self, x, inputs):  # type: ignore[no-untyped-def]
+        return x * inputs["a"] + inputs["b"]
+
+
+class _LabelledLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 50)
+
+    def forward(self, ids, labels):  # type: ignore[no-untyped-def]
+        logits = self.head(self.emb(ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                           ignore_index=-100)
+
+
 class _Scaled(nn.Module):
     def forward(self, x, n: int):  # type: ignore[no-untyped-def]
         return x * n
@@ -627,6 +644,25 @@ def test_third_review_findings_are_exact_or_refused(tmp_path: Path) -> None:
                                   tmp_path / "e.onnx", dynamic=False, check=True)
     assert result.ok and "input `n`: the Python value 3, baked into the file as a " \
         "constant" in result.to_markdown()
+    # a re-review: a dict input sharing a dynamic axis was not grown with the others (the
+    # check crashed in onnxruntime), -100 labels were drawn as other negative values (the
+    # check crashed in the loss's gather), a sparse input failed in torch's storage access
+    n = Dim("n")
+    x = torch.randn(4, 3)
+    result = graphopt.export_onnx(
+        _NestedInputs(), (x, {"a": torch.randn(4, 3), "b": x[:, :]}), None,
+        tmp_path / "f.onnx", check=True,
+        dynamic_shapes={"inputs": {"a": {0: n}, "b": {0: n}}, "x": {0: n}})
+    assert result.ok and len(result.checks) == 4, result.checks
+    ids = torch.randint(0, 50, (2, 6))
+    labels = ids.clone()
+    labels[:, :2] = -100
+    result = graphopt.export_onnx(_LabelledLoss(), (ids, labels), None, tmp_path / "g.onnx",
+                                  check=True, dynamic_shapes=({1: s}, {1: s}))
+    assert result.ok and len(result.checks) == 4, result.checks
+    with pytest.raises(ConfigError, match="sparse_coo tensor: an ONNX file takes dense"):
+        graphopt.export_onnx(nn.Identity(), (torch.eye(3).to_sparse(),), None,
+                             tmp_path / "h.onnx")
     with pytest.raises(ConfigError, match=r"dynamic_shapes names \['z'\]"):
         graphopt.export_onnx(_Broadcast(), (torch.randn(3), torch.randn(5, 3)), None,
                              tmp_path / "c.onnx", dynamic_shapes={"z": None, "y": None})

@@ -325,6 +325,16 @@ def test_cp_refuses_lightning_decay_tables_that_are_not_the_slopes():
                                     layer.decay_factors(layer.slope_rate)):
                 table.copy_(value)
     check_cp(model, plan)
+    # a float32 model loaded from a bf16 / fp16 checkpoint (the tables are persistent
+    # buffers) holds rounded tables: not refused (it was, by float32's tolerance; a
+    # re-review), and neither is a model on the meta device (it crashed on the device)
+    for dtype in (torch.bfloat16, torch.float16):
+        rounded = build_model("minimax")
+        rounded.load_state_dict(build_model("minimax").to(dtype).state_dict())
+        check_cp(rounded, plan)
+    from graphopt.models import build_architecture, resolve_model
+
+    check_cp(build_architecture(resolve_model("minimax"), dtype=torch.bfloat16), plan)
 
 
 def test_the_ring_refuses_a_sliding_window_passed_to_attention():

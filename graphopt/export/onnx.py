@@ -100,6 +100,8 @@ class OnnxExport:
     """The PyTorch graph after graphopt's passes (what the ONNX file computes)."""
     eager: nn.Module | None = dataclasses.field(default=None, repr=False)
     """The module as given (a causal LM wrapped as input_ids -> logits)."""
+    shapes: Any = dataclasses.field(default=None, repr=False)
+    """torch.export's ``dynamic_shapes`` as exported (the check grows nested inputs by it)."""
 
     @property
     def ok(self) -> bool:
@@ -203,7 +205,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
     require_writable_file(path, "give a writable path to the .onnx file")
     report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
     result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
-                        example_inputs=args, eager=module)
+                        example_inputs=args, eager=module, shapes=shapes)
     with eval_mode(model):  # every submodule back in its own mode afterwards
         with torch.no_grad(), _module_rewrites(model, config, shapes is not None) as swapped:
             result.module_rewrites = swapped
@@ -301,6 +303,10 @@ def _prepare(model: nn.Module, example_inputs: Any, dynamic: bool, dynamic_shape
         return CausalLMLogits(model), (ids,), shapes, ["input_ids"]
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
+    for i, x in enumerate(torch.utils._pytree.tree_leaves(args)):
+        if isinstance(x, torch.Tensor) and x.layout != torch.strided:
+            raise ConfigError(f"input {i} is a {x.layout} tensor: an ONNX file takes dense "
+                              "inputs; pass x.to_dense()")
     args = _separate_aliased(args)
     _refuse_what_onnx_cannot_hold(model, args)
     if not dynamic and dynamic_shapes is not None:
@@ -393,8 +399,13 @@ def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]]:
     for name, spec in zip(names, specs):
         spec = spec or {}
         out[name] = {axis: dim.__name__ if hasattr(dim, "__name__") else "auto"
-                     for axis, dim in spec.items()} if isinstance(spec, dict) else {}
+                     for axis, dim in spec.items()} if _is_axes(spec) else {}
     return out
+
+
+def _is_axes(spec: Any) -> bool:
+    """Whether ``spec`` is one tensor's {axis: Dim} (not a nested input's dict of them)."""
+    return isinstance(spec, dict) and all(isinstance(k, int) for k in spec)
 
 
 def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptConfig,
@@ -748,6 +759,15 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
         yield
 
 
+def _specs(shapes: Any, names: list[str], count: int) -> list[Any]:
+    """torch.export's ``dynamic_shapes`` as one spec per positional input (None: static)."""
+    if shapes is None:
+        return [None] * count
+    if isinstance(shapes, Mapping):
+        return [shapes.get(name) for name in names] + [None] * (count - len(names))
+    return list(shapes) + [None] * (count - len(shapes))
+
+
 def _grown(args: tuple, result: OnnxExport) -> tuple[str, tuple] | None:
     """(label, the example grown by one along batch axes (axis 0) and by three along the
     other dynamic axes (three fewer when that would pass the model's max positions)); None
@@ -757,17 +777,33 @@ def _grown(args: tuple, result: OnnxExport) -> tuple[str, tuple] | None:
     an ``attention_mask`` is all ones (keep everything), another input named like a mask
     (unknown polarity) repeats the example's last row / column."""
     axes = list(result.dynamic.values())
-    if not any(name != "auto" for spec in axes for name in spec.values()):
+    specs = _specs(result.shapes, list(result.dynamic), len(args))
+    if not any(name != "auto" for spec in axes for name in spec.values()) and \
+            not any(spec and not _is_axes(spec) for spec in specs):
         return None
     longest = max_positions(result.eager.model) if isinstance(result.eager, CausalLMLogits) \
         else None
-    out = []
     grew: dict[str, int] = {}
     gen = torch.Generator().manual_seed(1)
-    for x, dyn, input_name in zip(args, axes, result.dynamic):
-        if not isinstance(x, torch.Tensor) or not dyn:
-            out.append(x)
-            continue
+
+    def nested(x: Any, spec: Any, input_name: str) -> Any:
+        # a dict / list input grows leaf by leaf along its own spec (it was passed at the
+        # example size next to grown top-level inputs: onnxruntime's broadcast failed, a
+        # review)
+        if isinstance(x, torch.Tensor):
+            dyn = {axis: getattr(dim, "__name__", "auto") for axis, dim in spec.items()} \
+                if _is_axes(spec) else {}
+            return grow(x, dyn, input_name) if dyn else x
+        if isinstance(x, dict):
+            return {k: nested(v, spec.get(k) if isinstance(spec, dict) else None, str(k))
+                    for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            parts = [nested(v, spec[i] if isinstance(spec, (list, tuple)) and i < len(spec)
+                            else None, input_name) for i, v in enumerate(x)]
+            return type(x)(parts)
+        return x
+
+    def grow(x: torch.Tensor, dyn: dict[int, str], input_name: str) -> torch.Tensor:
         shape = list(x.shape)
         for axis, name in dyn.items():
             if name == "auto":
@@ -778,17 +814,24 @@ def _grown(args: tuple, result: OnnxExport) -> tuple[str, tuple] | None:
             shape[axis] += step
             grew[name] = step
         if input_name.lower() == "attention_mask":  # 1 keeps every position
-            out.append(torch.ones(shape, dtype=x.dtype))
-        elif "mask" in input_name.lower():  # unknown polarity: the example's edge repeated
+            return torch.ones(shape, dtype=x.dtype)
+        if "mask" in input_name.lower():  # unknown polarity: the example's edge repeated
             index = [torch.arange(n).clamp(max=old - 1) for n, old in zip(shape, x.shape)]
-            out.append(x[torch.meshgrid(*index, indexing="ij")])
-        elif x.dtype == torch.bool:
-            out.append(torch.randint(0, 2, shape, generator=gen).bool())
-        elif not x.dtype.is_floating_point:  # int32, uint8, ... (randn has no int kernel)
-            low, high = int(x.min()), int(x.max()) + 1
-            out.append(torch.randint(min(low, 0), max(high, 1), shape, generator=gen,
-                                     dtype=x.dtype))
+            return x[torch.meshgrid(*index, indexing="ij")]
+        if x.dtype == torch.bool:
+            return torch.randint(0, 2, shape, generator=gen).bool()
+        if not x.dtype.is_floating_point:  # ids / labels (int32, int64, ...): drawn in [0,
+            # the example's max], so no ignore-index sentinel (-100) becomes another
+            # negative value (a re-review: -57 failed in the loss's gather)
+            high = int(x.max()) + 1 if x.numel() else 1
+            return torch.randint(0, max(high, 1), shape, generator=gen, dtype=x.dtype)
+        return torch.randn(shape, generator=gen, dtype=x.dtype)
+
+    out = []
+    for x, dyn, input_name, spec in zip(args, axes, result.dynamic, specs):
+        if isinstance(x, torch.Tensor):
+            out.append(grow(x, dyn, input_name) if dyn else x)
         else:
-            out.append(torch.randn(shape, generator=gen, dtype=x.dtype))
+            out.append(nested(x, spec, input_name))
     label = ", ".join(f"{name}{step:+d}" for name, step in grew.items())
     return label, tuple(out)

@@ -34,7 +34,10 @@ def decay_tables_problem(layer: Any) -> str | None:
     rule), else what differs. The module-level rewrite computes the decay from
     ``slope_rate`` alone, so a model whose slopes were edited without rebuilding the tables
     would silently compute another function (a review: 8.7e-3 logit error in an ONNX
-    export). A layer without the tables (another form) has nothing to compare: None."""
+    export). Tables rounded to bf16/fp16 and widened again (a float32 model loaded from a
+    bf16 checkpoint) are compared at that dtype's tolerance: the rewrite then differs from
+    transformers' loop by the tables' rounding (logits 9e-5 off in the review's case). A
+    layer without the tables (another form) or on the meta device: None."""
     from graphopt.passes.attention.match_linear import NoMatch, decay_deviation
 
     tables = [(kind, getattr(layer, f"{kind}_decay", None))
@@ -42,16 +45,33 @@ def decay_tables_problem(layer: Any) -> str | None:
     length = getattr(layer, "block_size", None)
     if not isinstance(length, int) or any(t is None for _, t in tables):
         return None
-    slope = layer.slope_rate.detach().reshape(-1)
+    if any(t is not None and t.is_meta for _, t in tables) or layer.slope_rate.is_meta:
+        return None  # no values yet (a meta-device model): checked when it has them
+    slope = layer.slope_rate.detach().reshape(-1).cpu()
     for kind, table in tables:
         assert table is not None
+        table = table.detach().cpu()
         try:
-            problem = decay_deviation(table.detach(), slope, kind, length)
+            problem = decay_deviation(table, slope, kind, length, _stored(table))
         except NoMatch as exc:
             problem = str(exc)
         if problem:
             return (f"its {kind}_decay buffer is not the decay of its slope_rate "
                     f"({problem}); rebuild the tables with layer.decay_factors(slope_rate)")
+    return None
+
+
+def _stored(table: Tensor) -> torch.dtype | None:
+    """bfloat16 or float16 when it holds every entry of a wider ``table`` exactly (it was
+    rounded to that dtype: ``slope_rate`` and the tables are persistent buffers, so a
+    float32 model loaded from a bf16 checkpoint holds bf16-rounded tables, a review), else
+    None. bf16 first: its values also fit fp16's wider mantissa (inside fp16's range), and
+    a table bf16 holds has no more precision than bf16's."""
+    if not table.is_floating_point() or table.element_size() <= 2:
+        return None
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(table.to(dtype).to(table.dtype), table):
+            return dtype
     return None
 
 

@@ -350,8 +350,8 @@ def _tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
-def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: int
-                    ) -> str | None:
+def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: int,
+                    stored: torch.dtype | None = None) -> str | None:
     """None when the evaluated decay ``got`` is exp(-slope d) as its dtype can hold it, else
     "largest relative deviation ...; <dtype> tables may deviate by ...".
 
@@ -369,6 +369,9 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
     Args:
         got: the table (any dtype) with ``numel`` of ``expected_decay(kind, slope, length)``.
         slope: [H] slopes (any float dtype; compared in float64).
+        stored: a dtype the table was rounded to before it became ``got.dtype`` (a float32
+            model loaded from a bf16 checkpoint holds bf16-rounded tables): the coarser of
+            it and ``got.dtype`` sets the tolerance.
     Raises:
         NoMatch: ``got`` does not have the table's number of entries.
     """
@@ -381,6 +384,8 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
     if bool((s < 0).any()):
         return "a negative slope (weights that grow with distance, not a decay)"
     coarse = _tolerance_dtype(got.dtype)
+    if stored is not None and torch.finfo(stored).eps > torch.finfo(coarse).eps:
+        coarse = stored
     eps, tiny = torch.finfo(coarse).eps, torch.finfo(coarse).smallest_normal
     ulps = DECAY_ULPS.get(coarse, 1)
     error = (got.double().reshape(want.shape) - want).abs()
@@ -389,8 +394,10 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
     if bool((error[want == 0] > tiny).any()):
         return "nonzero entries where the decay must be 0 (above the diagonal: not causal)"
     rel = float((error / want.clamp(min=tiny)).max())
-    return (f"largest relative deviation {rel:.1e}; {str(got.dtype).split('.')[-1]} tables "
-            f"may deviate by {ulps} x {eps:.1e} x (1 + slope x distance)")
+    held = str(got.dtype).split('.')[-1] + (
+        f" (rounded to {str(coarse).split('.')[-1]})" if coarse is stored else "")
+    return (f"largest relative deviation {rel:.1e}; {held} tables may deviate by {ulps} x "
+            f"{eps:.1e} x (1 + slope x distance)")
 
 
 _LAYOUT = {"query": "[H, L, 1]", "key": "[H, L, 1]", "diagonal": "[H, L, L]",
