@@ -455,6 +455,63 @@ def test_a_tensor_of_a_symbolic_size_compiles_after_the_dynamic_recompile():
     assert any(r.dynamic and r.passes for r in graphopt.reports())
 
 
+class _Mutating(nn.Module):
+    """Writes in place in forward: a parameter under no_grad (a constrained weight), buffer
+    slices, a ring buffer and a step counter, the input (returned as a view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+        self.v = nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+        self.register_buffer("buf", torch.randn(16, dtype=torch.float64))
+        self.register_buffer("ring", torch.zeros(4, 16, dtype=torch.float64))
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, state):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            self.w.clamp_(-1.0, 1.0)
+        b_old = self.buf * 1.0
+        h = torch.sin(x @ self.w) * b_old
+        self.buf[:8].mul_(0.5)
+        self.buf.add_(h.detach().mean(0))
+        h2 = torch.cos(h @ self.v) + self.buf
+        self.ring.index_copy_(0, (self.ptr % 4).reshape(1), h2.detach().mean(0, keepdim=True))
+        self.ptr += 1
+        state.mul_(0.9).add_(h2.detach().sum(0))
+        return torch.tanh(h2 * b_old) + self.ring.sum(0), state[:4]
+
+
+@pytest.mark.parametrize("options", [{}, {"remat": {"budget": 0}}])
+def test_in_place_writes_to_parameters_buffers_and_inputs_train_like_eager(options):
+    """A review's training loop (SGD, 3 steps): graphopt matched eager exactly (weights,
+    buffers, the input state, every gradient) where torch 2.13's aot_eager was 11 off in
+    the clamped weight's gradient; pinned so a refactor cannot lose it."""
+    def train(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _Mutating()
+        step_fn = _graphopt(model, **options) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        state = torch.zeros(16, dtype=torch.float64)
+        seen = []
+        for step in range(3):
+            x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True,
+                            generator=torch.Generator().manual_seed(step))
+            y, view = step_fn(x, state)
+            loss = (y ** 2).sum() + view.sum()
+            opt.zero_grad()
+            loss.backward()
+            seen += [loss.detach(), x.grad, model.w.grad.clone(), model.v.grad.clone()]
+            opt.step()
+        return seen + [model.w.detach(), model.v.detach(), state, *model.buffers()]
+
+    graphopt.clear_reports()
+    got = train(True)
+    assert all(r.fallback is None for r in graphopt.reports())
+    for g, w in zip(got, train(False)):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+
 def test_batch_norm_inside_a_checkpoint_and_compiled_autograd_on_the_eager_lowering():
     """Train-mode BatchNorm in a checkpoint region: the eager lowering's backward refused
     the running statistics' version counters (input mutations now stay in the graph, as
