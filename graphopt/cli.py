@@ -521,8 +521,24 @@ def plan(
     # CP with all-to-all, PP drops an MoE aux loss (a review found --json defaulting to a
     # plan parallelize refuses when these were not checked)
     config = model_config(source, overrides, seq)
+    # and the model itself on the meta device, where a PP or CP plan needs it: the stages'
+    # structure and CP's refusals (a review: GPT-2 class PP plans and sliding-window CP
+    # plans were ranked as executed)
+    meta = None
+    if any(p.pp > 1 or p.cp > 1 for p in result.top):
+        from graphopt.models import build_architecture, expert_count
+
+        try:
+            meta = build_architecture(source, torch.bfloat16 if expert_count(config) else
+                                      getattr(torch, dtype), overrides, seq=seq)
+        except GraphoptError:
+            meta = None  # the config-level checks still run
+
+    def not_executed(plan: ParallelPlan) -> str:
+        return not_executable(plan, global_batch, config, meta)
+
     ranked = list(result.top)
-    reasons = [not_executable(p, global_batch, config) for p in ranked]
+    reasons = [not_executed(p) for p in ranked]
     for i, why in enumerate(reasons, 1):  # the planner also ranks plans for other executors
         if why:
             console.print(f"[yellow]plan {i} is not executed by graphopt.parallelize:[/] "
@@ -533,8 +549,7 @@ def plan(
                             published=known, recompute=recompute)
         except GraphoptError:
             deeper = None
-        runnable = [p for p in (deeper.top if deeper else [])
-                    if not not_executable(p, global_batch, config)]
+        runnable = [p for p in (deeper.top if deeper else []) if not not_executed(p)]
         if runnable:
             ranked.append(runnable[0])
             reasons.append("")

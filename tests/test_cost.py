@@ -67,7 +67,7 @@ def test_the_documented_cluster_file_loads(tmp_path):
     ({"name": "x", "device": {"name": "d", "peak_flops": {"float32": 1e12},
                               "memory_bytes": -1, "memory_bandwidth": 1e9},
       "levels": [{"name": "node", "size": 8, "link": {"bandwidth": 1e9, "latency": 0}}]},
-     "memory_bytes must be a positive number"),
+     "memory_bytes must be a positive finite number"),
     ({"name": "x", "device": "h100-sxm",
       "levels": [{"name": "node", "size": 8, "link": {"bandwidth": 1e9}}]},
      "levels[0].link is missing field(s) latency"),
@@ -575,7 +575,10 @@ def test_a_fake_trace_on_a_cpu_profile_prices_what_the_real_cpu_run_computes(tmp
     ("matmul_curve", "abc", "matmul_curve must be a list"),
     ("peak_flops", {"float32": True}, "peak_flops must map"),
     ("peak_flops", [1e11], "peak_flops must map"),
-    ("host_bandwidth", -5, "host_bandwidth must be a positive number"),
+    ("host_bandwidth", -5, "host_bandwidth must be a positive finite number"),
+    # inf gave NaN step times and an inf tokens/s table (a review)
+    ("kernel_overhead_s", float("inf"), "kernel_overhead_s must be a finite number >= 0"),
+    ("memory_bandwidth", float("inf"), "memory_bandwidth must be a positive finite number"),
     ("name", 3, "device name must be a string"),
     # a dtype typo made float32 ops run at the bf16 rate, 10x too fast (a review)
     ("peak_flops", {"fp32": 67e12, "bfloat16": 989.5e12}, "peak_flops needs 'float32'"),

@@ -509,6 +509,13 @@ def test_fused_activation_count_is_korthikanti_for_gpt_and_refuses_bad_input():
         plan_model("llama3-8b", 2048, H100, activations="compiled")
 
 
+def test_search_refuses_device_counts_it_cannot_enumerate():
+    """A review: --devices 1e23 hung in the divisor enumeration (O(sqrt n))."""
+    model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 4})
+    with pytest.raises(ConfigError, match=r"devices=\d+: the planner searches up to"):
+        search(model, H100, 10 ** 23, 8)
+
+
 def test_auto_parallel_passes_over_plans_it_cannot_execute():
     from graphopt.parallel.auto import not_executable
 
@@ -534,6 +541,24 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
     etp = dict(dp_shard=4, ep=2, zero_stage=3)
     assert not_executable(ParallelPlan(tp=2, expert_tp=2, **etp)) == ""
     assert "expert_tp = tp" in not_executable(ParallelPlan(tp=4, expert_tp=2, **etp))
+    # a review: the planner's best MoE plans split 1 local expert over edp_shard = 3
+    # (parallelize refuses), GPT-2 class PP plans and sliding-window CP plans were ranked
+    # as executed
+    mixtral = SimpleNamespace(num_local_experts=8, intermediate_size=16384, hidden_size=6144)
+    edp3 = ParallelPlan(dp_shard=6, tp=2, cp=2, pp=4, ep=8, zero_stage=2)
+    assert "edp_shard=3" in not_executable(edp3, config=mixtral)
+    assert not_executable(ParallelPlan(dp_shard=4, tp=2, ep=8, zero_stage=2),
+                          config=mixtral) == ""
+    from graphopt.models import build_architecture, resolve_model
+
+    gpt2 = build_architecture(resolve_model("gpt2"), overrides={"n_layer": 2})
+    assert "another structure" in not_executable(ParallelPlan(pp=2), config=gpt2.config,
+                                                 model=gpt2)
+    mistral = build_architecture(resolve_model("mixtral"), torch.bfloat16, overrides={
+        "sliding_window": 64, "num_hidden_layers": 2})
+    for plan, message in ((ParallelPlan(cp=2), "sliding-window attention under CP"),
+                          (ParallelPlan(pp=2), "pp > 1 does not execute sliding-window")):
+        assert message in not_executable(plan, config=mistral.config, model=mistral)
 
 
 def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():

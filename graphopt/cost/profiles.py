@@ -228,17 +228,17 @@ def _number(value: Any) -> bool:
 def _positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"{type(obj).__name__}: {name} must be a positive number, got "
-                              f"{value!r}")
+        if not _number(value) or not value > 0:  # finite: inf gave NaN step times (a review)
+            raise ConfigError(f"{type(obj).__name__}: {name} must be a positive finite "
+                              f"number, got {value!r}")
 
 
 def _non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"{type(obj).__name__}: {name} must be a number >= 0, got "
-                              f"{value!r}")
+        if not _number(value) or value < 0:
+            raise ConfigError(f"{type(obj).__name__}: {name} must be a finite number >= 0, "
+                              f"got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------

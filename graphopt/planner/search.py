@@ -51,6 +51,11 @@ class SearchResult:
     """Memory of one device of the cluster searched (the plot's capacity line)."""
 
 
+MAX_DEVICES = 2 ** 40
+"""The largest device count :func:`search` plans for (it enumerates divisors up to the
+square root: 2**40 takes ~2 s)."""
+
+
 def _divisors(n: int) -> list[int]:
     """The divisors of n >= 1, ascending (O(sqrt n): 10**8 devices took 33 s by trial)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -213,7 +218,8 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
 
     Raises:
         ConfigError: no plan fits in memory (the message gives the smallest footprint);
-            devices, global_batch or top_k < 1; a model without layers.
+            devices, global_batch or top_k < 1; devices > :data:`MAX_DEVICES`; a model
+            without layers.
     """
     start = time.perf_counter()
     for name, value in (("devices", devices), ("global_batch", global_batch),
@@ -222,6 +228,9 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
             raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
     if model.layers < 1:
         raise ConfigError(f"{model.name} has {model.layers} decoder layers: nothing to plan")
+    if devices > MAX_DEVICES:  # the divisor enumeration is O(sqrt n): 1e23 hung (a review)
+        raise ConfigError(f"devices={devices}: the planner searches up to {MAX_DEVICES:,} "
+                          "devices (2**40)")
     if devices > cluster.max_devices:
         cluster = cluster.scaled(devices)
     node = cluster.devices_per(0)
