@@ -535,7 +535,25 @@ def plan(
             meta = None  # the config-level checks still run
 
     def not_executed(plan: ParallelPlan) -> str:
-        return not_executable(plan, global_batch, config, meta)
+        why = not_executable(plan, global_batch, config, meta)
+        pred = plan.prediction
+        if why or pred is None or dtype != "bfloat16" or plan.zero_stage != 1 or \
+                plan.dp_shard == 1:
+            return why
+        # the planner prices Megatron's distributed optimizer (bf16 parameters and
+        # gradients whole, float32 master weights sharded with Adam's states: 2 + 2 +
+        # 12 / dp bytes per parameter); graphopt's ZeRO-1 (DDP + ZeroRedundancyOptimizer
+        # under bf16 autocast) holds float32 parameters and gradients whole: 4 + 4 + 8 / dp
+        # (a review measured 12.0 bytes per parameter at dp = 2 where 10.0 was priced)
+        from graphopt.planner.perf import USABLE_MEMORY
+
+        held = pred.memory_bytes + pm.params * (4 - 4 / plan.dp_shard)
+        usable = USABLE_MEMORY * profile.device.memory_bytes
+        if held > usable:
+            return (f"graphopt's ZeRO-1 holds float32 parameters and gradients whole under "
+                    f"bf16 autocast: {held / 2**30:.1f} GiB per device, {usable / 2**30:.1f} "
+                    "usable (the planner priced Megatron's distributed optimizer)")
+        return ""
 
     ranked = list(result.top)
     reasons = [not_executed(p) for p in ranked]

@@ -259,3 +259,19 @@ def test_an_override_of_a_size_to_zero_is_refused():
     for item in ("hidden_size=0", "num_hidden_layers=0", "vocab_size=-3"):
         result = runner.invoke(app, ["estimate", "--model", "llama", "--override", item])
         assert result.exit_code == 2 and "must be at least 1" in result.output, result.output
+
+
+def test_plan_flags_what_graphopt_s_executor_would_not_run():
+    """A review: on 7 H100s llama3-8b's bf16 ZeRO-1 plans were priced as Megatron's
+    distributed optimizer (2 + 2 + 12/dp bytes per parameter) where graphopt's ZeRO-1 holds
+    float32 parameters and gradients whole (4 + 4 + 8/dp): 78 GiB on a 68.5 GiB budget;
+    GPT-2 class PP plans (graphopt's stages cut Llama-structured models only) were listed
+    as executed."""
+    result = runner.invoke(app, ["plan", "--model", "llama3-8b", "--devices", "7",
+                                 "--global-batch", "7"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "graphopt's ZeRO-1 holds float32 parameters and gradients whole" in result.output
+    result = runner.invoke(app, ["plan", "--model", "gpt2", "--devices", "4", "--global-batch",
+                                 "8", "--seq", "16", "--top", "100"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "cuts transformers causal LMs" in result.output

@@ -1193,3 +1193,24 @@ def test_a_plan_takes_lists_for_its_tuple_fields():
     assert plan.stage_layers == (2, 1) and plan.mesh_order == ParallelPlan().mesh_order
     assert plan.problems(devices=2, layers=3) == [] and hash(plan) == hash(
         ParallelPlan(pp=2, stage_layers=(2, 1)))
+
+
+def test_pipeline_sends_are_priced_at_the_level_the_pipeline_spans():
+    """tp=4, pp=4 on 8-device nodes: stages on devices 0, 4, 8, 12, so the 4 -> 8 hop
+    crosses nodes; a pair at stride("pp") = 4 spans one node, and the sends were priced
+    intra-node whatever the network (a review). The stages run in lockstep: the slowest
+    hop sets the time, so a slower network slows tp=4, pp=4 as much as tp=8, pp=2."""
+    import dataclasses
+
+    slow_link = dataclasses.replace(H100.levels[1].link, latency=1.0)
+    slow = dataclasses.replace(H100, levels=(H100.levels[0],
+                                             dataclasses.replace(H100.levels[1],
+                                                                 link=slow_link)))
+    model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 8})
+    for plan in (ParallelPlan(tp=4, pp=4), ParallelPlan(tp=8, pp=2)):
+        fast_pp = evaluate(plan, model, H100, 16).comm_s["pp"]
+        slow_pp = evaluate(plan, model, slow, 16).comm_s["pp"]
+        assert slow_pp > 1.0 > fast_pp, (plan.describe(), fast_pp, slow_pp)
+    inside = ParallelPlan(tp=2, pp=4)  # devices 0, 2, 4, 6: one node
+    assert evaluate(inside, model, slow, 8).comm_s["pp"] == \
+        evaluate(inside, model, H100, 8).comm_s["pp"]

@@ -663,7 +663,12 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         tp_comm += moe_n * sum(
             _coll(kind, size, tp, cluster, tp_stride) for kind, size in
             ep_tp_collectives(plan, moe_tokens, h, model.top_k, nb))
-    p2p = 2 * v * _coll("p2p", act / tp, 2, cluster, plan.stride("pp")) if pp > 1 else 0.0
+    # the stages' sends run in lockstep, so the slowest hop sets the time: at the level of
+    # the devices the whole pipeline spans (a pair at stride("pp") spans 2 x stride, one
+    # node for tp=4, pp=4 on 8-device nodes, where the 4 -> 8 hop crosses nodes: priced
+    # intra-node whatever the network's latency, a review)
+    p2p = 2 * v * _coll("p2p", act / tp, 2, cluster,
+                        _pair_stride(pp * plan.stride("pp"), cluster)) if pp > 1 else 0.0
     slot = compute + tp_comm + cp_comm + ep_comm + p2p
     if (m + ramp) * slot > bound_s * (1 + 1e-9):  # the step without DP's exposed time,
         return None                               # a lower bound as well
