@@ -514,6 +514,10 @@ def test_search_refuses_device_counts_it_cannot_enumerate():
     model = plan_model("llama3-8b", 4096, H100, overrides={**SMALL, "num_hidden_layers": 4})
     with pytest.raises(ConfigError, match=r"devices=\d+: the planner searches up to"):
         search(model, H100, 10 ** 23, 8)
+    # a review: when admit refused every layout the batch was blamed ("not divisible by
+    # any data-parallel degree", for a batch of 1 that dp = 1 divides)
+    with pytest.raises(ConfigError, match=r"none of the \d+ layouts .* is admitted"):
+        search(model, H100, 4, 1, admit=lambda plan: False)
 
 
 def test_auto_parallel_passes_over_plans_it_cannot_execute():

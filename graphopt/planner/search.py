@@ -256,8 +256,10 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
     if seen:
         rest = (p for p in rest if p not in seen)
     tokens = global_batch * model.seq
+    refused = 0
     for i, plan in enumerate(itertools.chain(extra, rest)):
         if admit is not None and not admit(plan):
+            refused += 1
             continue
         evaluated += 1
         if progress is not None and evaluated % 2000 == 0:
@@ -279,6 +281,11 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
             heapq.heappush(heap, entry)
         elif entry[:3] > heap[0][:3]:
             heapq.heapreplace(heap, entry)
+    if not heap and evaluated == 0 and refused:  # the batch allowed layouts: blaming it
+        # was wrong (a review: "not divisible by any data-parallel degree" for a batch of 1,
+        # which dp = 1 divides, when admit refused every layout)
+        raise ConfigError(f"none of the {refused} layouts for {model.name} on {devices} "
+                          "devices is admitted (the executor runs none of them for this job)")
     if not heap and evaluated == 0:
         raise ConfigError(no_layout_reason(model, devices, global_batch, node))
     if not heap:
