@@ -549,18 +549,19 @@ def plan(
 
         held = pred.memory_bytes + pm.params * (4 - 4 / plan.dp_shard)
         usable = USABLE_MEMORY * profile.device.memory_bytes
-        if held > usable:
-            return (f"graphopt's ZeRO-1 holds float32 parameters and gradients whole under "
-                    f"bf16 autocast: {held / 2**30:.1f} GiB per device, {usable / 2**30:.1f} "
-                    "usable (the planner priced Megatron's distributed optimizer)")
+        if held > usable:  # (a bf16 model trained in its own dtype holds less: 4 + 4/dp)
+            return (f"it would not fit under mixed_precision='bf16' (float32 weights): "
+                    f"graphopt's ZeRO-1 holds float32 parameters and gradients whole, "
+                    f"{held / 2**30:.1f} GiB per device, {usable / 2**30:.1f} usable (the "
+                    "planner priced Megatron's distributed optimizer)")
         return ""
 
     ranked = list(result.top)
     reasons = [not_executed(p) for p in ranked]
     for i, why in enumerate(reasons, 1):  # the planner also ranks plans for other executors
         if why:
-            console.print(f"[yellow]plan {i} is not executed by graphopt.parallelize:[/] "
-                          f"{escape(why)} (parallel='auto' passes over it)")
+            console.print(f"[yellow]plan {i} is not run by graphopt.parallelize as "
+                          f"priced:[/] {escape(why)} (parallel='auto' passes over it)")
     if all(reasons):  # the best plan graphopt runs, for the --json file's default
         try:
             deeper = search(pm, profile, devices, global_batch, top_k=200,
@@ -623,6 +624,8 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
 
     from graphopt.cost.profiles import load_profile
     from graphopt.errors import GraphoptError
+    from graphopt.models import build_architecture, expert_count, model_config, resolve_model
+    from graphopt.parallel.auto import not_executable
     from graphopt.planner.model import plan_model
     from graphopt.planner.search import search
 
@@ -637,18 +640,30 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
                                  f"{tokens:,} tokens per iteration (--seq x --global-batch); "
                                  "raise --global-batch or drop those buckets")
     table = Table(title=f"{escape(model)} on {devices} devices, {tokens:,} tokens per "
-                        "iteration, best plan per sequence bucket")
+                        "iteration, best plan graphopt executes per sequence bucket")
     for col in ("seq", "global batch", "best plan", "step s", "MFU", "memory GiB", "change"):
         table.add_column(col)
     previous = None
     try:
         profile = load_profile(cluster)
+        source = resolve_model(model)
         for length in lengths:
             batch = max(1, tokens // length)
             pm = plan_model(model, length, profile, getattr(torch, dtype),
                             activations=activations, overrides=overrides)
+            # the plans graphopt.parallelize runs for this model (a re-review: every bucket's
+            # best was a PP plan for GPT-3, whose structure the stages cannot cut)
+            config = model_config(source, overrides, length)
+            meta = build_architecture(source, torch.bfloat16 if expert_count(config) else
+                                      getattr(torch, dtype), overrides, seq=length)
+
+            def runs(plan: Any, batch: int = batch, config: Any = config,
+                     meta: Any = meta) -> bool:
+                return not not_executable(plan, batch, config, meta)
+
             try:
-                best = search(pm, profile, devices, batch, top_k=1, recompute=recompute).best
+                best = search(pm, profile, devices, batch, top_k=1, recompute=recompute,
+                              admit=runs).best
             except GraphoptError as exc:
                 table.add_row(str(length), str(batch), f"[red]{escape(str(exc))}[/]",
                               "", "", "", "")

@@ -270,8 +270,14 @@ def test_plan_flags_what_graphopt_s_executor_would_not_run():
     result = runner.invoke(app, ["plan", "--model", "llama3-8b", "--devices", "7",
                                  "--global-batch", "7"], terminal_width=400)
     assert result.exit_code == 0, result.output
-    assert "graphopt's ZeRO-1 holds float32 parameters and gradients whole" in result.output
+    assert "graphopt's ZeRO-1 holds float32 parameters and gradients whole" in \
+        " ".join(result.output.split())  # (rich wraps long lines)
     result = runner.invoke(app, ["plan", "--model", "gpt2", "--devices", "4", "--global-batch",
                                  "8", "--seq", "16", "--top", "100"], terminal_width=400)
     assert result.exit_code == 0, result.output
     assert "cuts transformers causal LMs" in result.output
+    # --seq-buckets: the best plan graphopt executes per bucket (they were PP plans)
+    result = runner.invoke(app, ["plan", "--model", "gpt2", "--devices", "4", "--global-batch",
+                                 "8", "--seq", "64", "--seq-buckets", "16,64"],
+                           terminal_width=400)
+    assert result.exit_code == 0 and "pp=" not in result.output, result.output

@@ -332,7 +332,7 @@ def test_cli_plan_buckets_and_plot(tmp_path):
                                        "256", "--global-batch", "16", "--seq-buckets",
                                        "128,1k"])
     assert buckets.exit_code == 0, buckets.output
-    assert "best plan per sequence bucket" in buckets.output
+    assert "best plan graphopt executes per sequence bucket" in buckets.output
     assert "1024" in buckets.output and ("same" in buckets.output or
                                          "re-plan" in buckets.output)
     # a bucket longer than the iteration's tokens ran with more tokens than the title said
@@ -507,6 +507,27 @@ def test_fused_activation_count_is_korthikanti_for_gpt_and_refuses_bad_input():
         korthikanti_activation_bytes(8, 1, 64, 4, recompute="some")
     with pytest.raises(ConfigError, match="activations must be 'traced' or 'fused'"):
         plan_model("llama3-8b", 2048, H100, activations="compiled")
+
+
+def test_the_pipeline_check_runs_the_model_once_for_many_plans(monkeypatch):
+    """not_executable checks PP plans against the model (check_pipeline's probe runs it);
+    a re-review counted 107 forwards in one parallel="auto" call: the model-level check is
+    cached on the model, the stage bounds are checked per plan."""
+    import graphopt.parallel.pipeline as pipeline
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import not_executable
+
+    calls = []
+    probe = pipeline._check_stages_compute_the_model
+    monkeypatch.setattr(pipeline, "_check_stages_compute_the_model",
+                        lambda *a: calls.append(1) or probe(*a))
+    model = build_model("llama", num_hidden_layers=4)
+    plans = [ParallelPlan(pp=2), ParallelPlan(pp=4), ParallelPlan(pp=2, tp=2),
+             ParallelPlan(pp=2, stage_layers=(1, 3))]
+    assert [not_executable(p, config=model.config, model=model) for p in plans] == [""] * 4
+    assert "add up to 5 layers" in not_executable(ParallelPlan(pp=2, stage_layers=(2, 3)),
+                                                  config=model.config, model=model)
+    assert len(calls) == 1
 
 
 def test_search_refuses_device_counts_it_cannot_enumerate():

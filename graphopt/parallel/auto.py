@@ -66,14 +66,6 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
         why = _cp_refusal(model, plan)
         if why:
             return why
-    if plan.pp > 1 and model is not None:
-        from graphopt.parallel.pipeline import check_pipeline
-
-        try:  # the stages' structure, sliding windows, eager attention (a review: GPT-2
-            # class PP plans were ranked as executed; the probe skips meta weights)
-            check_pipeline(model, plan)
-        except ConfigError as exc:
-            return str(exc)
     why = _experts_fsdp_problem(plan, config)
     if why:
         return why
@@ -105,6 +97,35 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
     if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or
                                                         plan.pp > 1 or plan.cp > 1):
         return "ZeRO-1 is executed with data parallelism alone"
+    if plan.pp > 1 and model is not None:  # last: the model-level check may run it once
+        return _pp_refusal(model, plan)
+    return ""
+
+
+def _pp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
+    """:func:`graphopt.parallel.pipeline.check_pipeline`'s refusal of ``model`` under
+    ``plan`` ("" if none): the stages' structure, sliding windows, eager attention (a
+    review: GPT-2 class PP plans were ranked as executed). The model-level part (which runs
+    the model once, unless its weights are on the meta device) is cached on the model; a
+    re-review counted 107 forwards in one ``parallel="auto"`` call before. The plan's stage
+    bounds are checked per plan."""
+    from graphopt.parallel.apply import decoder_layers
+    from graphopt.parallel.pipeline import _plan_bounds, check_pipeline
+
+    cache = model.__dict__.setdefault("_graphopt_cp_refusals", {})
+    if "pipeline" not in cache:
+        try:
+            check_pipeline(model, ParallelPlan(pp=1))
+            cache["pipeline"] = ""
+            cache["layers"] = len(decoder_layers(model))  # (a module walk: once)
+        except ConfigError as exc:
+            cache["pipeline"] = str(exc)
+    if cache["pipeline"]:
+        return str(cache["pipeline"])
+    try:
+        _plan_bounds(plan, int(cache["layers"]))
+    except ConfigError as exc:
+        return str(exc)
     return ""
 
 
