@@ -524,15 +524,8 @@ def plan(
     # and the model itself on the meta device, where a PP or CP plan needs it: the stages'
     # structure and CP's refusals (a review: GPT-2 class PP plans and sliding-window CP
     # plans were ranked as executed)
-    meta = None
-    if any(p.pp > 1 or p.cp > 1 for p in result.top):
-        from graphopt.models import build_architecture, expert_count
-
-        try:
-            meta = build_architecture(source, torch.bfloat16 if expert_count(config) else
-                                      getattr(torch, dtype), overrides, seq=seq)
-        except GraphoptError:
-            meta = None  # the config-level checks still run
+    meta = _meta_model(source, config, dtype, overrides, seq) \
+        if any(p.pp > 1 or p.cp > 1 for p in result.top) else None
 
     def not_executed(plan: ParallelPlan) -> str:
         why = not_executable(plan, global_batch, config, meta)
@@ -615,6 +608,23 @@ def _parse_length(text: str) -> int:
     return length
 
 
+def _meta_model(source: Any, config: Any, dtype: str, overrides: dict[str, Any],
+                seq: int) -> Any:
+    """The model on the meta device, for the executability checks that need it (PP's stage
+    structure, CP's refusals), or None when transformers cannot build it (the config-level
+    checks still run). MoE models in bf16 (the dtype their trace takes)."""
+    import torch
+
+    from graphopt.errors import GraphoptError
+    from graphopt.models import build_architecture, expert_count
+
+    try:
+        return build_architecture(source, torch.bfloat16 if expert_count(config) else
+                                  getattr(torch, dtype), overrides, seq=seq)
+    except GraphoptError:
+        return None
+
+
 def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch: int,
                   dtype: str, overrides: dict[str, Any], buckets: str,
                   activations: str = "traced", recompute: bool = True) -> None:
@@ -624,7 +634,7 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
 
     from graphopt.cost.profiles import load_profile
     from graphopt.errors import GraphoptError
-    from graphopt.models import build_architecture, expert_count, model_config, resolve_model
+    from graphopt.models import model_config, resolve_model
     from graphopt.parallel.auto import not_executable
     from graphopt.planner.model import plan_model
     from graphopt.planner.search import search
@@ -654,8 +664,7 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
             # the plans graphopt.parallelize runs for this model (a re-review: every bucket's
             # best was a PP plan for GPT-3, whose structure the stages cannot cut)
             config = model_config(source, overrides, length)
-            meta = build_architecture(source, torch.bfloat16 if expert_count(config) else
-                                      getattr(torch, dtype), overrides, seq=length)
+            meta = _meta_model(source, config, dtype, overrides, length)
 
             def runs(plan: Any, batch: int = batch, config: Any = config,
                      meta: Any = meta) -> bool:

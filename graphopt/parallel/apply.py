@@ -239,7 +239,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "pp_schedule='interleaved'")
     moe_opts = _moe_options(moe, plan)
     if plan.ep > 1:  # refuse before anything changes
-        from graphopt.parallel.expert import check_experts, find_experts
+        from graphopt.parallel.expert import check_experts, experts_fsdp_degree, find_experts
         from graphopt.parallel.mesh import check_expert_tp
 
         found = find_experts(model)
@@ -249,7 +249,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "use ep=1")
         check_expert_tp(plan)
         # FSDP shards the experts over edp_shard where it shards the dense parameters
-        edp = plan.edp_shard if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 else 1
+        edp = experts_fsdp_degree(plan)
         for path, module in found.items():
             check_experts(path, module, plan.ep, plan.expert_tp, edp)
         if plan.zero_stage == 1 and plan.dp_shard > 1:

@@ -112,7 +112,7 @@ def _pp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
     from graphopt.parallel.apply import decoder_layers
     from graphopt.parallel.pipeline import _plan_bounds, check_pipeline
 
-    cache = model.__dict__.setdefault("_graphopt_cp_refusals", {})
+    cache = model.__dict__.setdefault("_graphopt_plan_refusals", {})
     if "pipeline" not in cache:
         try:
             check_pipeline(model, ParallelPlan(pp=1))
@@ -135,21 +135,17 @@ def _experts_fsdp_problem(plan: ParallelPlan, config: Any) -> str:
     and H) for a model of transformers ``config``, or "" (a review: 48 of the planner's
     top 50 plans for Mixtral-8x22B on 96 devices were refused there)."""
     from graphopt.models import expert_count
-    from graphopt.parallel.expert import fsdp_dim
+    from graphopt.parallel.expert import check_expert_split, experts_fsdp_degree
 
     experts = expert_count(config) if config is not None else 0
-    edp = plan.edp_shard if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 else 1
-    if plan.ep <= 1 or not experts or edp <= 1 or experts % plan.ep:
-        return ""
     ffn = int(getattr(config, "moe_intermediate_size", 0) or
               getattr(config, "intermediate_size", 0) or 0)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
-    if not ffn or not hidden or ffn % plan.expert_tp:
+    if plan.ep <= 1 or not experts or not ffn or not hidden:
         return ""
-    local = experts // plan.ep
     try:
-        fsdp_dim({"gate_up_proj": (local, 2 * ffn // plan.expert_tp, hidden),
-                  "down_proj": (local, hidden, ffn // plan.expert_tp)}, edp)
+        check_expert_split("the experts", experts, ffn, hidden, plan.ep, plan.expert_tp,
+                           experts_fsdp_degree(plan))
     except ConfigError as exc:
         return str(exc)
     return ""
@@ -160,7 +156,7 @@ def _cp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
     (cp kind, cp, tp): the check runs the model once."""
     from graphopt.parallel.context import check_cp
 
-    cache = model.__dict__.setdefault("_graphopt_cp_refusals", {})
+    cache = model.__dict__.setdefault("_graphopt_plan_refusals", {})
     key = (plan.cp_kind, plan.cp, plan.tp)
     if key not in cache:
         config = getattr(model, "config", None)

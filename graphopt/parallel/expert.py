@@ -93,24 +93,39 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def experts_fsdp_degree(plan: ParallelPlan) -> int:
+    """The ranks FSDP shards the experts over: ``plan.edp_shard`` where ZeRO-2/3 shards the
+    dense parameters (zero_stage >= 2 and dp_shard x cp > 1), else 1."""
+    return plan.edp_shard if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 else 1
+
+
+def check_expert_split(path: str, experts: int, ffn: int, hidden: int, ep: int,
+                       expert_tp: int = 1, edp_shard: int = 1) -> None:
+    """Raise ConfigError unless ``experts`` SwiGLU experts of FFN dim ``ffn`` and hidden
+    size ``hidden`` split as the plan asks: E divisible by ep, F by expert_tp, and (with
+    ``edp_shard`` > 1) a rank's [E/ep, 2F/expert_tp, H] and [E/ep, H, F/expert_tp] by
+    :func:`fsdp_dim`. From a module (:func:`check_experts`) or a config (the planner's
+    ``not_executable``)."""
+    if experts % ep:
+        raise ConfigError(f"{path}: {experts} experts are not divisible by ep={ep}: choose "
+                          f"an ep that divides {experts}")
+    if ffn % expert_tp:
+        raise ConfigError(f"{path}: the experts' FFN dim ({ffn}) is not divisible by "
+                          f"expert_tp={expert_tp}: use expert_tp=1, or a tp (= expert_tp) "
+                          f"that divides {ffn}")
+    if edp_shard > 1:
+        local = experts // ep
+        fsdp_dim({"gate_up_proj": (local, 2 * ffn // expert_tp, hidden),
+                  "down_proj": (local, hidden, ffn // expert_tp)}, edp_shard)
+
+
 def check_experts(path: str, module: Any, ep: int, expert_tp: int = 1,
                   edp_shard: int = 1) -> None:
     """Raise ConfigError unless ``module`` is SwiGLU experts in transformers' layout with
     E divisible by ep, the FFN dim F divisible by expert_tp, and (``edp_shard`` > 1: FSDP
     over the experts' data-parallel ranks) a rank's part splittable by :func:`fsdp_dim`."""
-    e = module.gate_up_proj.shape[0]
-    if e % ep:
-        raise ConfigError(f"{path}: {e} experts are not divisible by ep={ep}: choose an ep "
-                          f"that divides {e}")
-    f = module.down_proj.shape[-1]
-    if f % expert_tp:
-        raise ConfigError(f"{path}: the experts' FFN dim ({f}) is not divisible by "
-                          f"expert_tp={expert_tp}: use expert_tp=1, or a tp (= expert_tp) "
-                          f"that divides {f}")
-    if edp_shard > 1:
-        e_local, h = e // ep, module.down_proj.shape[1]
-        fsdp_dim({"gate_up_proj": (e_local, 2 * f // expert_tp, h),
-                  "down_proj": (e_local, h, f // expert_tp)}, edp_shard)
+    check_expert_split(path, module.gate_up_proj.shape[0], module.down_proj.shape[-1],
+                       module.down_proj.shape[1], ep, expert_tp, edp_shard)
     layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False,
               "has_bias": False, "has_post_expert_norm": False}
     odd = {k: getattr(module, k) for k, v in layout.items() if getattr(module, k, v) != v}

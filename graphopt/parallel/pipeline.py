@@ -326,11 +326,10 @@ class PipelinedModel(nn.Module):
         # parameters: the gradient of earlier step() calls is kept aside (a review: it was
         # dropped when the second call of an accumulation had another length, and an
         # evaluation step between backward and optimizer.step wiped every gradient)
-        kept = {n: p.grad for n, p in self.named_parameters() if p.grad is not None} \
-            if fresh else {}
-        for name, param in self.named_parameters():
-            if name in kept:
-                param.grad = None
+        kept: dict[str, Any] = {}
+        for name, param in self.named_parameters() if fresh else ():
+            if param.grad is not None:
+                kept[name], param.grad = param.grad, None
         tied, earlier = self._tied_grad() if training else None, None
         if tied is not None and tied[0].grad is not None:  # gradient of earlier steps: kept
             earlier, tied[0].grad = tied[0].grad, None  # out of this step's pair sum
