@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -66,15 +67,23 @@ def _rank_folders(top: Path) -> list[Path]:
     return [p for p in top.glob("rank[0-9]*") if p.name[4:].isascii() and p.name[4:].isdigit()]
 
 
+_GRAPH_FOLDER = re.compile(r"graph_\d{3,}(\.pid\d+)?")
+
+
 def _graph_folders(root: Path) -> list[Path]:
-    return [*root.glob("graph_[0-9]*"), root / "export"]
+    """The folders :class:`Dumper` names: ``graph_NNN``, ``graph_NNN.pid<P>``, ``export``
+    (exactly: a user's ``graph_2024_experiments/`` is not one)."""
+    return [*(p for p in root.glob("graph_[0-9]*") if _GRAPH_FOLDER.fullmatch(p.name)),
+            root / "export"]
 
 
 def _remove_if_dead(folder: Path) -> None:
-    """Remove a graph folder graphopt wrote (report.json, 00_dynamo.py or .owner in it)
-    unless a live process other than this one owns it."""
-    if any((folder / name).exists() for name in ("report.json", "00_dynamo.py", ".owner")) \
-            and not _owned_by_another_live_process(folder):
+    """Remove a graph folder graphopt wrote unless a live process other than this one owns
+    it. Only the ``.owner`` marker, which :class:`Dumper` writes first, makes a folder
+    graphopt's: a review's dump directory held the user's ``export/`` and
+    ``graph_2024_experiments/`` with a ``report.json`` each, and the first compile deleted
+    both."""
+    if (folder / ".owner").is_file() and not _owned_by_another_live_process(folder):
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -58,13 +58,23 @@ def test_a_new_run_replaces_the_graphs_of_an_earlier_run(tmp_path):
     stale = tmp_path / "graph_9999"  # an id this process will not reach
     stale.mkdir()
     (stale / "report.json").write_text("{}")
+    (stale / ".owner").write_text(str(_dead_pid()))
     (tmp_path / "notes.txt").write_text("mine")
+    # folders the user wrote, with the file names graphopt's have but no .owner (a review:
+    # the first compile deleted both)
+    mine = [tmp_path / "export", tmp_path / "graph_2024_experiments"]
+    for folder in mine:
+        folder.mkdir()
+        (folder / "report.json").write_text("{}")
+        (folder / "model.onnx").write_text("weights")
     import graphopt.dump as dump
 
     dump._claimed.discard(tmp_path.resolve())
     _compile_and_train(tmp_path)
     assert not stale.exists() and (tmp_path / "notes.txt").exists()
-    assert len(list(tmp_path.glob("graph_*/report.json"))) == 1
+    assert all((folder / "model.onnx").read_text() == "weights" for folder in mine)
+    assert len(list(tmp_path.glob("graph_*/report.json"))) == 2  # the user's and this run's
+    assert len(list(tmp_path.glob("graph_*/.owner"))) == 1
 
 
 def test_dumps_never_delete_or_share_a_live_process_folder_and_split_ranks(tmp_path,
