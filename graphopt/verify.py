@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphopt.config import GraphoptConfig
 from graphopt.errors import VerificationError
@@ -33,6 +34,7 @@ from graphopt.passes.fx_utils import (
     communicates,
     is_mutating,
     is_random,
+    is_random_call,
     unannotated_writes,
 )
 from graphopt.passes.regions import checkpoint_bodies
@@ -392,6 +394,26 @@ def _measured(report: CompileReport, reference: Outcome, actual: Outcome,
                       stacklevel=2)
 
 
+class _RandomCalls(TorchDispatchMode):
+    """Records the ATen calls that draw random numbers (:func:`is_random_call`) while the
+    eager reference runs. The graph verify checks statically is Dynamo's when the capture
+    guard sent it to AOTAutograd as captured (a custom ``autograd.Function``, ...): its
+    ``F.dropout`` is a Python function :func:`is_random` does not know, so verify compared
+    Inductor's dropout with eager's and failed the user's step with a false
+    VerificationError (a review: max abs error 55 on a graph aot_eager ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if is_random_call(func, args, kwargs) and str(func) not in self.seen:
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
 def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
                    inputs: Sequence[Any], snapshots: list[tuple[str, bool, torch.fx.GraphModule]],
                    config: GraphoptConfig, report: CompileReport,
@@ -434,8 +456,18 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
     def compare(expected: Outcome, actual: Outcome, config: GraphoptConfig) -> str | None:
         return compare_outcomes(expected, actual, config, dtype, per_tensor)
 
+    watch = _RandomCalls()
+
+    def watched(*args: Any) -> Any:
+        with watch:  # the forward only: run_with_grads draws its own seeded cotangents
+            return original(*args)
+
     try:
-        reference = run_with_grads(original, inputs, grads)
+        try:
+            reference = run_with_grads(watched, inputs, grads)
+        except Exception:  # noqa: BLE001 - the run without the watch says why
+            watch.seen.clear()
+            reference = run_with_grads(original, inputs, grads)
     except Exception as exc:  # noqa: BLE001 - the reason goes into the report
         # e.g. invoke_subgraph (nested_compile_region): its autograd rule runs under fake
         # mode only, so Dynamo's graph does not run eagerly with gradients (a review: verify
@@ -443,6 +475,12 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
         report.verify = {"status": "skipped",
                          "detail": "the captured graph does not run eagerly, so there is no "
                                    f"eager reference ({type(exc).__name__}: {exc})"}
+        return
+    if watch.seen:
+        report.verify = {"status": "skipped",
+                         "detail": f"graph draws random numbers ({', '.join(watch.seen[:3])}, "
+                                   "seen in its eager run); eager and compiled runs cannot be "
+                                   "compared value by value"}
         return
     actual = run_with_grads(compiled, inputs, grads)
     _measured(report, reference, actual, config, dtype)

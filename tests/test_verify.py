@@ -63,6 +63,40 @@ def test_graph_with_active_dropout_is_skipped_with_reason():
     assert verify["status"] == "skipped" and "random" in verify["detail"]
 
 
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_dropout_in_a_graph_the_capture_guard_sent_on_as_captured_skips_verification():
+    """A custom autograd.Function sends the graph to AOTAutograd as captured, so the graph
+    verify inspects is Dynamo's, whose F.dropout is no ATen op: verify compared Inductor's
+    random draws with eager's and raised a false VerificationError (a review). The eager
+    reference run now names the ATen ops that draw random numbers."""
+    def step(x):
+        return torch.nn.functional.dropout(_Square.apply(x), 0.5, True).sum(-1)
+
+    compiled = torch.compile(step, backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    compiled(torch.randn(8, 8, requires_grad=True)).sum().backward()
+    report = graphopt.last_report()
+    assert report.fallback and "autograd" in report.fallback
+    assert report.verify["status"] == "skipped" and "bernoulli" in report.verify["detail"]
+    # without dropout the same fallback graph is still compared
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: _Square.apply(x).sum(-1), backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    compiled(torch.randn(8, 8, requires_grad=True)).sum().backward()
+    assert graphopt.last_report().verify["status"] == "passed"
+
+
 class NoisyMLP(MLP):
     def forward(self, x):
         return self.down(noisy(torch.sin(self.up(x)))) + x

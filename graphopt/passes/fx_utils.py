@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -146,18 +146,24 @@ def is_random(node: fx.Node) -> bool:
     ``dropout_p``, ``aten.dropout``'s ``p``/``train``) count as random only when that
     dropout is active.
     """
-    target = node.target
+    return is_random_call(node.target, node.args, node.kwargs)
+
+
+def is_random_call(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """:func:`is_random` for a call of ``target`` with ``args``/``kwargs`` (fx nodes or the
+    values of a dispatched call: graphopt.verify watches the eager run with it)."""
     if not isinstance(target, torch._ops.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    args = {a.name: a for a in target._schema.arguments}
-    values = dict(zip(args, node.args)) | dict(node.kwargs)
-    if "train" in args and values.get("train", args["train"].default_value) is False:
-        return False
+    schema = {a.name: a for a in target._schema.arguments}
+    values = dict(zip(schema, args)) | dict(kwargs)
+    for flag in ("train", "training"):  # rrelu_with_noise(training=False) draws nothing
+        if flag in schema and values.get(flag, schema[flag].default_value) is False:
+            return False
     for pname in ("dropout_p", "p"):
-        if pname in args and "dropout" in (target._schema.name + pname):
-            value = values.get(pname, args[pname].default_value)
+        if pname in schema and "dropout" in (target._schema.name + pname):
+            value = values.get(pname, schema[pname].default_value)
             return not (type(value) in (int, float) and value == 0)
     return True
 
