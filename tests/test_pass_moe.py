@@ -504,7 +504,8 @@ class _VariantExperts(_PlusOneExperts):
 
     def forward(self, x, idx, w):  # type: ignore[no-untyped-def]
         k = idx.shape[-1]
-        y = self.expert_rows(x, idx, 0.0)
+        with torch.set_grad_enabled(self.variant != "frozen_experts"):
+            y = self.expert_rows(x, idx, 0.0)
         ww = w.reshape(-1, 1)
         if self.variant == "relu":  # invisible on positive weights
             ww = torch.relu(ww)
@@ -528,7 +529,8 @@ class _RawRouterBlock(torch.nn.Module):
 
 @pytest.mark.parametrize("variant,reason", [
     ("plain", None), ("relu", "computes activations with relu"),
-    ("half_gradient", "not their gradient"), ("detach", "not their gradient")])
+    ("half_gradient", "not their gradient"), ("detach", "not their gradient"),
+    ("frozen_experts", "grad mode")])
 def test_probes_see_signed_weights_and_the_backward(variant, reason):
     """A review got relu(weights) experts (raw-logit routing) rewritten, since the probes
     drew positive weights only (output 0.9 off), and a gradient-scaling trick with the same

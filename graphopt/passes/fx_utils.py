@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -361,6 +361,50 @@ def grad_mode_regions(graph: fx.Graph) -> dict[fx.Node, int]:
             region += 1
         out[node] = region
     return out
+
+
+def between(sources: Sequence[fx.Node], ends: Sequence[fx.Node]) -> set[fx.Node]:
+    """The nodes downstream of one of ``sources`` and upstream of one of ``ends`` (``ends``
+    included when reached; ``sources`` not): what a rewrite of the ``sources`` -> ``ends``
+    pattern replaces."""
+    upstream: set[fx.Node] = set()
+    stack = list(ends)
+    while stack:
+        node = stack.pop()
+        if node not in upstream:
+            upstream.add(node)
+            stack.extend(node.all_input_nodes)
+    found: set[fx.Node] = set()
+    stack = list(sources)
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in upstream and user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def grad_mode_reason(nodes: Iterable[fx.Node], at: fx.Node) -> str:
+    """"" unless the floating-point values among ``nodes`` (a pattern a pass replaces by one
+    op inserted before ``at``) and ``at`` run in more than one grad-mode region
+    (:func:`grad_mode_regions`). A ``torch.no_grad()`` block inside the pattern (a block
+    loop's state update, truncated backprop through the state) stops gradients the one op
+    would carry: a review's loop came out with dK 0.76 and dQ 1.22 off, silently, its
+    outputs exact. Integer and boolean values (routing masks) carry no gradient, so their
+    grad mode does not matter."""
+    regions = grad_mode_regions(at.graph)
+    seen = {regions[at]}
+    for node in nodes:
+        val = node.meta.get("val")
+        if node in regions and isinstance(val, torch.Tensor) and \
+                (val.is_floating_point() or val.is_complex()):
+            seen.add(regions[node])
+    if len(seen) <= 1:
+        return ""
+    return ("part of it runs under another grad mode (a torch.no_grad() / enable_grad() "
+            "block inside the pattern): one op in its place would carry gradients that "
+            "block stops; left as written")
 
 
 def module_path(node: fx.Node) -> str:

@@ -66,6 +66,7 @@ from graphopt.passes.base import GraphPass, PassContext, PassResult
 from graphopt.passes.fx_utils import (
     autocast_reason,
     eliminate_dead_code,
+    grad_mode_reason,
     is_mutating,
     is_random,
     module_path,
@@ -670,6 +671,9 @@ class MoEPass(GraphPass):
                 region = find_region(topk)
                 if autocast_reason(region.nodes):
                     raise Skip(autocast_reason(region.nodes))
+                if grad_mode_reason(region.nodes, region.output):  # frozen experts computed
+                    # under no_grad: the op would carry their gradients
+                    raise Skip(grad_mode_reason(region.nodes, region.output))
                 detail = self._describe(region, topk)
                 if self.options is None:
                     ctx.record("kept", site, f"{detail}; set options={{'moe': {{}}}} to rewrite")

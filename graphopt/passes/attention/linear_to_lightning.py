@@ -73,7 +73,9 @@ from graphopt.passes.attention.match_symbolic import hint, sym_expr
 from graphopt.passes.base import PassContext
 from graphopt.passes.fx_utils import (
     autocast_reason,
+    between,
     fake_call,
+    grad_mode_reason,
     module_path,
     site_name,
     tensor_meta,
@@ -120,6 +122,7 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         # what the cat reads and not what the op computed
         moved = writes.reason((loop.q, loop.k, loop.v), at) or \
             writes.reason(_loop_values(loop, cat), cat, what="the loop's values")
+        moved = moved or grad_mode_reason(_loop_values(loop, cat) + (cat,), at)
         if moved:
             ctx.record("skipped", site, f"linear-attention block loop: {moved}")
             continue
@@ -165,7 +168,8 @@ def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.No
         except NoMatch as exc:
             ctx.record("skipped", site, str(exc))
             continue
-        moved = writes.reason((form.q, form.k, form.v), node)
+        moved = writes.reason((form.q, form.k, form.v), node) or \
+            grad_mode_reason(between((form.q, form.k, form.v), (node,)), node)
         if moved:
             ctx.record("skipped", site, f"decayed linear attention, parallel form: {moved}")
             continue
@@ -191,21 +195,7 @@ def _loop_values(loop: BlockLoop, cat: fx.Node) -> tuple[fx.Node, ...]:
     outputs: the nodes both downstream of Q, K or V and upstream of the ``cat`` or the
     final state) and its initial zero state."""
     ends = [cat] + ([loop.final_state] if loop.final_state is not None else [])
-    upstream: set[fx.Node] = set()
-    stack = list(ends)
-    while stack:
-        node = stack.pop()
-        if node not in upstream:
-            upstream.add(node)
-            stack.extend(node.all_input_nodes)
-    found: set[fx.Node] = set()
-    stack = [loop.q, loop.k, loop.v]
-    while stack:
-        node = stack.pop()
-        for user in node.users:
-            if user in upstream and user not in found:
-                found.add(user)
-                stack.append(user)
+    found = between((loop.q, loop.k, loop.v), ends)
     # the first block's zero state: written through a view made before the loop
     # (``state[:, :, 0].copy_(init)``, a review: 5.1 off), the loop did not start at zero
     return tuple(found - {cat}) + (loop.blocks[0].state_in,)

@@ -62,7 +62,9 @@ from graphopt.passes.attention.options import LightningOptions
 from graphopt.passes.base import PassContext
 from graphopt.passes.fx_utils import (
     autocast_reason,
+    between,
     fake_call,
+    grad_mode_reason,
     is_mutating,
     module_path,
     site_name,
@@ -246,7 +248,9 @@ class SoftmaxToLightning:
         if opts.every > 1 and layer is not None and (layer + 1) % opts.every == 0:
             return f"kept: layer {layer} keeps softmax attention (lightning.every={opts.every})"
         moved = (writes or WritesBetween(gm.graph)).reason((found.q, found.k, found.v),
-                                                           found.output)
+                                                           found.output) or \
+            grad_mode_reason(between((found.q, found.k, found.v), (found.output,)),
+                             found.output)
         if moved:
             return f"kept: {moved}"
         cached = kv_cache_reason(found.k, found.v)
