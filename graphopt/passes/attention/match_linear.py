@@ -260,6 +260,12 @@ def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
     if len(batches) != 1:  # K/V shared over the batch: the kernel's backward needs one B
         raise NoMatch(f"Q, K and V have different batch sizes ({sorted(batches)}): K/V "
                       "broadcast over the batch")
+    lengths = [x.shape[2] for x in map(tensor_meta, (first.q, first.k, first.v))
+               if x is not None]
+    if len({n if isinstance(n, int) else sym_expr(n) for n in lengths}) != 1:
+        # the op takes one S: K/V longer than Q (rows past Q's unread) failed at run time
+        raise NoMatch(f"Q, K and V have different sequence lengths ({lengths}): the loop "
+                      "reads part of K/V")
     seq_len = hint(seq.shape[2])
     checks: list[tuple[fx.Node, str, int, int]] = []
     slope = None
