@@ -847,6 +847,23 @@ def test_exact_mode_replaces_a_constant_causal_mask_by_is_causal():
     assert_matches_eager(fn, as_function(gm, fn), args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_finfo_min_causal_mask_is_causal_in_every_dtype(dtype):
+    """transformers fills masked positions with finfo(dtype).min: float16's is -65504, above
+    the -1e30 a fill had to reach, so float16 masks were "not the causal mask" (a review)."""
+    def fn(q, k, v):
+        s = q.shape[2]
+        mask = torch.full((s, s), torch.finfo(q.dtype).min, dtype=q.dtype).triu(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    args = [torch.randn(1, 2, 12, 8, dtype=dtype, requires_grad=True) for _ in range(3)]
+    gm = trace_for_pass(fn, *args)
+    gm, record = run_pass("attention", gm, Config(attention="exact"))
+    assert [s.action for s in record.sites] == ["rewritten"], record.sites
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # SDPA's causal kernel sums in another order
+    assert_matches_eager(fn, as_function(gm, fn), args, rtol=tol, atol=tol)
+
+
 def _mask_sites(fn, lengths):
     """Compile ``fn`` with graphopt (dynamic=True: sizes reach the backend as SymInts),
     compare with eager at each length, return the attention sites of every report."""

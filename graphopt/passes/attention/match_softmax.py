@@ -55,6 +55,15 @@ _PRODUCTS = (aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbm
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default,
           aten.contiguous.default, aten.to.dtype_layout}
 _NEG_INF = -1e30  # a fill value at or below this blocks a position (finfo.min, -inf)
+
+
+def _blocking(dtype: torch.dtype | None) -> float:
+    """The largest fill value that blocks a position in a ``dtype`` mask: ``_NEG_INF``, or
+    the dtype's own ``finfo.min`` (transformers' masks: float16's -65504 was not proven
+    causal, a review's false refusal)."""
+    if dtype is not None and dtype.is_floating_point:
+        return max(_NEG_INF, torch.finfo(dtype).min)
+    return _NEG_INF
 _SITE_DEPTH = 12  # ops between the softmax and each product; >= every walk of the matcher
 
 
@@ -668,7 +677,7 @@ def _causal_at(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool) -> str:
         m = ~m if blocked else m
         allowed, masked = m, ~m
     else:
-        allowed, masked = (m == 0), (m < _NEG_INF)
+        allowed, masked = (m == 0), (m <= _blocking(m.dtype))
     if not (bool((allowed == lower).all()) and bool((masked == ~lower).all())):
         return "the attention mask is not the causal (lower-triangular) mask"
     return ""
@@ -799,13 +808,13 @@ def _scores(x: fx.Node, env: dict[fx.Node, Any]
             set_mask(b, blocked=False)
             x = a  # type: ignore[assignment]
         elif is_call(x, aten.masked_fill.Scalar):
-            if _constant_scalar(x.args[2], env, "the fill value") > _NEG_INF:
+            if _constant_scalar(x.args[2], env, "the fill value") > _blocking(_dtype(x)):
                 raise NoMatch("masked_fill with a finite value is not a mask")
             set_mask(x.args[1], blocked=True)  # type: ignore[arg-type]
             x = x.args[0]  # type: ignore[assignment]
         elif is_call(x, aten.where.self, aten.where.ScalarOther):
             cond, a, other = x.args
-            if _constant_scalar(other, env, "the masked value") > _NEG_INF:
+            if _constant_scalar(other, env, "the masked value") > _blocking(_dtype(x)):
                 raise NoMatch("where() with a finite value is not a mask")
             set_mask(cond, blocked=False)  # type: ignore[arg-type]
             x = a  # type: ignore[assignment]
