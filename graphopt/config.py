@@ -137,6 +137,9 @@ class GraphoptConfig:
         defaults = default_pipeline_names()
         owned = {name for key, name in option_keys().items() if key == name}
         for name in self.enable:
+            if name in self.disable:
+                raise ConfigError(f"pass {name!r} is named in both 'enable' and 'disable'; "
+                                  "keep it in one of them")
             if name in defaults and name not in owned:
                 raise ConfigError(
                     f"pass {name!r} already runs by default; 'enable' only adds passes outside "

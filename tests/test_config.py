@@ -27,6 +27,9 @@ def _compile_and_call(options):
     ({"disable": ["cs"]}, r"option 'disable' names unknown pass 'cs' \(did you mean 'cse'\?\)"),
     ({"disable": "cse,remove_noops"}, r"unknown pass 'cse,remove_noops'"),
     ({"enable": ["cse"]}, r"pass 'cse' already runs by default"),
+    ({"enable": ["cse"], "disable": ["cse"]}, r"named in both 'enable' and 'disable'"),
+    ({"enable": ["remat"], "disable": ["remat"], "remat": {"budget": 0}},
+     r"named in both 'enable' and 'disable'"),
     ({"inductor_config": ["x"]}, r"option 'inductor_config' must be of type Mapping"),
     # an option that would do nothing is an error
     ({"enable": ["remat"]}, r"enable: \['remat'\] means options=\{'remat': \{\}\}, which is "
