@@ -268,6 +268,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "its output in place, which autograd forbids on the sequence "
                               "shard SP hands back (a view from DTensor's to_local); use "
                               "sp=False")
+        if report.sp and layout.sp_problems:
+            raise ConfigError(f"SP cannot run this model: {layout.sp_problems[0]}"
+                              + (f" ({len(layout.sp_problems) - 1} more reason(s) in "
+                                 "derive_tp_layout(...).sp_problems)"
+                                 if len(layout.sp_problems) > 1 else "")
+                              + "; use sp=False")
         stray = sequence_sharded_params(model, layout) if report.sp else []
         if stray:
             raise ConfigError(f"SP splits the residual stream inside the decoder layers over "

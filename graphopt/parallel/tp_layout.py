@@ -36,6 +36,7 @@ Pseudo-code::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,12 @@ class TPLayout:
     """Replicated readers whose output the caller writes in place (Falcon's ``mlp_output +=
     attention_output``): SP would hand the caller a view from DTensor's ``to_local``, which
     autograd forbids writing, so they refuse SP."""
+    sp_problems: list[str] = field(default_factory=list)
+    """Why SP would change what this model computes (:func:`_sp_problems`); SP refuses to
+    run with the first one. TP without SP is not affected."""
+    after_writer: list[str] = field(default_factory=list)
+    """Parameters of split mixers that run after the writer (a LayerScale gain): they see
+    the reduced output, whole without SP, one sequence shard per rank with it."""
     replicated: dict[str, tuple[CallSite, int]] = field(default_factory=dict)
     """Decoder-layer modules that read the normalized residual stream and stay replicated
     (an MoE block, a mixer that cannot split) -> (call site, outputs: 0 for one tensor, n
@@ -100,9 +107,13 @@ class _Recorder:
         self.inputs: dict[str, tuple[list[int], dict[str, int]]] = {}
         self.order: list[str] = []
         """Module paths in the order their forwards finished."""
+        self.started: list[str] = []
+        """Module paths in the order their forwards started (one entry per call)."""
         self.calls: dict[str, tuple[tuple, dict]] = {}
         """First call's real arguments (the probe replays a mixer with them)."""
         self.outputs: dict[str, list[int]] = {}
+        self.returned: dict[str, tuple[list[Any], Any]] = {}
+        """Module path -> its first call's output, flattened (leaves, tree spec)."""
         self.arity: dict[str, int] = {}
         """Module path -> items of its output tuple (0: not a tuple)."""
         self.versions: dict[str, list[tuple[torch.Tensor, int]]] = {}
@@ -117,6 +128,7 @@ class _Recorder:
 
     def _pre(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.started.append(path)
             self.alive += [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
             if path not in self.inputs:  # first call decides (the same module reused: same)
                 self.calls[path] = (args, dict(kwargs))
@@ -134,12 +146,18 @@ class _Recorder:
             self.versions.setdefault(path, [(t, t._version) for t in leaves
                                             if isinstance(t, torch.Tensor)])
             self.arity.setdefault(path, len(output) if isinstance(output, tuple) else 0)
+            self.returned.setdefault(path, torch.utils._pytree.tree_flatten(output))
             self.order.append(path)
         return hook
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+    def uses(self, path: str, tensor_ids: set[int]) -> int:
+        """How many of ``path``'s first call's arguments are one of ``tensor_ids``."""
+        args, kwargs = self.inputs.get(path, ([], {}))
+        return sum(a in tensor_ids for a in (*args, *kwargs.values()))
 
     def call_site(self, path: str, tensor_ids: set[int]) -> CallSite | None:
         """Where ``path``'s first call received one of ``tensor_ids`` (position or keyword)."""
@@ -200,10 +218,12 @@ def _derive(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
         _vocab_parallel(layout, modules, recorder)
         _replicated_readers(layout, modules, recorder, norm_out)
         _layers_and_norms(layout, modules, recorder)
+        layout.sp_problems = _sp_problems(layout, modules, recorder, norm_out, tp)
     finally:
         recorder.alive.clear()
         recorder.calls.clear()
         recorder.versions.clear()
+        recorder.returned.clear()
     return layout
 
 
@@ -214,7 +234,6 @@ def _parent(path: str) -> str:
 def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: list[str],
                      recorder: _Recorder, norm_out: set[int], tp: int) -> None:
     vocab_readers = {p for p in readers if p == _lm_head(modules, recorder)}
-    probed: dict[type, str] = {}
     for mixer in sorted({_parent(p) for p in readers if p not in vocab_readers}):
         mine = [p for p in readers if _parent(p) == mixer]
         writers = [p for p, m in modules.items() if isinstance(m, nn.Linear)
@@ -235,12 +254,11 @@ def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: l
                                   "TP's row-parallel outputs (views made by DTensor's "
                                   "to_local); kept replicated")
             continue
-        kind = type(modules[mixer])
-        if kind not in probed:  # one probe per mixer class: same code, same answer
-            probed[kind] = probe_mixer(modules[mixer], mixer, mine, writers[0],
-                                       recorder.calls[mixer], tp)
-        if probed[kind]:
-            layout.kept[mixer] = probed[kind]
+        # every instance: one class's instances may differ (a review: only layer 1's
+        # attention rolled its heads, and the probe of layer 0 split both)
+        why = probe_mixer(modules[mixer], mixer, mine, writers[0], recorder.calls[mixer], tp)
+        if why:
+            layout.kept[mixer] = why
             continue
         why = _inner_params(layout, modules, mixer, mine, writers[0], recorder)
         if why:
@@ -272,7 +290,10 @@ def _inner_params(layout: TPLayout, modules: dict[str, nn.Module], mixer: str,
                     "scalar gain would get a partial gradient): TP cannot tell how it "
                     "splits; kept replicated")
         owner = f"{mixer}.{name.rsplit('.', 1)[0]}"
-        if owner in readers or owner == writer or first.get(owner, end + 1) > end:
+        if owner in readers or owner == writer:
+            continue
+        if first.get(owner, end + 1) > end:
+            layout.after_writer.append(f"{mixer}.{name}")
             continue
         call = recorder.calls.get(owner)
         if not _is_norm(modules[owner]) or not call or \
@@ -312,13 +333,8 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
     # was kept replicated as "a split changes its output" (a review)
     reference.eval()
     try:
-        with torch.no_grad():
-            want = _first_tensor(reference(*args, **kwargs))
-            got = torch.zeros_like(want)
-            for rank in range(tp):
-                shard = copy.deepcopy(reference)
-                _slice_shard(shard, path, readers, writer, rank, tp)
-                got += _first_tensor(shard(*args, **kwargs))
+        wants, got, others, shard = _split_outputs(reference, path, readers, writer, args,
+                                                   kwargs, tp)
     except Exception as exc:  # the sharded code cannot even run: not head-parallel
         return (f"a {tp}-way column/row split of it fails to run "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
@@ -328,13 +344,73 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
         return ("it writes a column-parallel output in place (e.g. OLMo's clip_qkv clamp_), "
                 "which autograd forbids on TP's sharded outputs (views made by DTensor's "
                 f"to_local: {str(exc).splitlines()[0][:80]}); kept replicated")
-    if want.is_meta:  # no data (a dry run of a large model): the split must still run
-        return "" if got.shape == want.shape else f"a {tp}-way split changes its output shape"
+    if wants[0].is_meta:  # no data (a dry run of a large model): the split must still run
+        return "" if got.shape == wants[0].shape else \
+            f"a {tp}-way split changes its output shape"
+    why = _split_changes(wants, got, others, tp, "")
+    if why:
+        return why
+    # and in training mode, where its code may take another path (a review: a head-mixing
+    # step under `if self.training` was split, gradients 0.33 off); a mixer that draws
+    # random numbers there (dropout: another draw per run) is checked in eval mode only
+    reference.train()
+    try:
+        first = _split_outputs(reference, path, readers, writer, args, kwargs, 1, seed=1)[0]
+        wants, got, others, _ = _split_outputs(reference, path, readers, writer, args,
+                                               kwargs, tp)
+    except Exception as exc:
+        return (f"in training mode a {tp}-way column/row split of it fails to run "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
+    if not torch.equal(first[0], wants[0]):
+        return ""
+    return _split_changes(wants, got, others, tp, " in training mode")
+
+
+def _split_outputs(reference: nn.Module, path: str, readers: list[str], writer: str,
+                   args: tuple, kwargs: dict, tp: int, seed: int = 0
+                   ) -> tuple[list[torch.Tensor], torch.Tensor,
+                              list[tuple[int, torch.Tensor]], nn.Module]:
+    """(``reference``'s output tensors, the sum of the ``tp`` shards' first outputs, the
+    shards' other outputs by position, the last shard), every run from RNG seed ``seed``."""
+    import copy
+
+    def run(module: nn.Module) -> list[torch.Tensor]:
+        device = next((t.device for t in (*args, *kwargs.values())
+                       if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
+                                   else []), torch.no_grad():
+            torch.manual_seed(seed)
+            return _tensors(module(*args, **kwargs))
+
+    wants = run(reference)
+    got = torch.zeros_like(wants[0])
+    others: list[tuple[int, torch.Tensor]] = []
+    shard = reference
+    for rank in range(tp if tp > 1 else 0):
+        shard = copy.deepcopy(reference)
+        _slice_shard(shard, path, readers, writer, rank, tp)
+        outs = run(shard)
+        got += outs[0]
+        others += list(enumerate(outs[1:], 1))
+    return wants, got, others, shard
+
+
+def _split_changes(wants: list[torch.Tensor], got: torch.Tensor,
+                   others: list[tuple[int, torch.Tensor]], tp: int, when: str) -> str:
+    want = wants[0]
     scale = float(want.abs().max()) or 1.0
-    error = float((got - want).abs().max()) / scale
-    if error > 1e-6:
-        return (f"a {tp}-way column/row split of it changes its output (relative error "
+    error = float((got - want).abs().max()) / scale if got.shape == want.shape else math.inf
+    if not error <= 1e-6:
+        return (f"a {tp}-way column/row split of it changes its output{when} (relative error "
                 f"{error:.2g}): it mixes what the split separates; kept replicated")
+    for k, out in others:
+        # TP reduces the writer's output only: another output of the same shape (an
+        # activation penalty, a review: every gradient 0.047 off) must come out whole on
+        # every rank; per-head ones (attention weights: another shape) hold this rank's heads
+        if k < len(wants) and out.shape == wants[k].shape and out.dtype == wants[k].dtype \
+                and not torch.allclose(out, wants[k], rtol=1e-6, atol=1e-12, equal_nan=True):
+            return (f"a {tp}-way column/row split changes its output {k}{when} (TP reduces "
+                    "only the first, the writer's); kept replicated")
     return ""
 
 
@@ -366,8 +442,8 @@ def _run_with_local_views(shard: nn.Module, path: str, readers: list[str], args:
             handle.remove()
 
 
-def _first_tensor(out: Any) -> torch.Tensor:
-    return next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 def _slice_shard(shard: nn.Module, path: str, readers: list[str], writer: str, rank: int,
@@ -458,6 +534,132 @@ def _layers_and_norms(layout: TPLayout, modules: dict[str, nn.Module],
     outer = {_parent(stack) for stack in stacks}  # e.g. model: its norm is the final one
     layout.norms += [p for p, m in modules.items() if _is_norm(m) and _parent(p) in outer
                      and p in recorder.outputs]
+
+
+def _sp_problems(layout: TPLayout, modules: dict[str, nn.Module], recorder: _Recorder,
+                 norm_out: set[int], tp: int) -> list[str]:
+    """Why SP (the residual stream split over the sequence from the first decoder layer's
+    input to the LM head's) would change what the model computes; [] when nothing does.
+    Each case is a review's silent wrong result or crash on a hand-written model:
+
+    - a decoder layer object that runs more than once per forward (ALBERT-style sharing):
+      its input hook shards the shard (8 logits for 16 tokens);
+    - the normalized stream passed to one mixer twice (``attn(h, xkv=h)``): only one
+      argument is gathered (logits 0.53 off) or torch's hook fails;
+    - a split mixer's parameter after its writer (a LayerScale gain,
+      :attr:`TPLayout.after_writer`), or a module with parameters between the layers or
+      between the final norm and the LM head (a projection): each rank's gradient covers its
+      sequence shard only (0.66-0.76 off, the loss exact);
+    - a layer whose code outside its mixers is not per position (positions computed from
+      the shard's length, a convolution over the sequence): :func:`_sequence_local`."""
+    problems = []
+    for layer in layout.layers:
+        runs = recorder.started.count(layer)
+        if runs > 1:
+            problems.append(f"decoder layer {layer} runs {runs} times per forward (one module "
+                            "shared across depth): SP's input hook would split its input at "
+                            "every call")
+    for path in (*layout.mixers, *layout.replicated):
+        if recorder.uses(path, norm_out) > 1:
+            problems.append(f"{path} takes the normalized hidden states in more than one "
+                            "argument: SP gathers one of them")
+    problems += [f"{name} runs after its mixer's row-parallel output, which SP leaves split "
+                 "over the sequence: its gradient would cover one shard per rank"
+                 for name in layout.after_writer]
+    layers = list(layout.layers)
+    if layers and layout.lm_head is not None:
+        index = {p: i for i, p in reversed(list(enumerate(recorder.started)))}  # first call
+        begin, end = index.get(layers[0], 0), index.get(layout.lm_head, len(index))
+        inside = (*layers, layout.lm_head, *layout.norms)
+        for path, i in index.items():
+            if begin < i < end and not any(path == h or path.startswith(h + ".")
+                                           for h in inside) \
+                    and any(True for _ in modules[path].parameters(recurse=False)):
+                problems.append(f"{path} has parameters and runs on the residual stream "
+                                "between the decoder layers and the LM head, which SP splits "
+                                "over the sequence: its gradient would cover one shard per "
+                                "rank")
+    if not problems:
+        problems += _sequence_local(layout, modules, recorder, tp)
+    return problems
+
+
+def _sequence_local(layout: TPLayout, modules: dict[str, nn.Module], recorder: _Recorder,
+                    tp: int) -> list[str]:
+    """Run each decoder layer on its recorded input, whole and split into ``tp`` sequence
+    shards, with its mixers and replicated readers (what SP gathers for) replaced by one
+    per-position function of their input: SP is right only if the shards' outputs are the
+    whole's. A review's layer added sinusoidal positions computed from ``x.shape[1]``
+    outside its mixers: under SP rank 1 labelled positions 8..15 as 0..7 (loss 2e-3 and
+    every gradient up to 0.19 off, silently). The check is structural (float inputs as
+    recorded, relative error 1e-6; 16-bit models 1e-2); models on the meta device (dry
+    runs) are not checked."""
+    gathered = {**layout.mixers, **{p: site for p, (site, _) in layout.replicated.items()}}
+    problems = []
+    for layer, site in layout.layers.items():
+        call = recorder.calls.get(layer)
+        if call is None:
+            continue
+        args, kwargs = call
+        x = args[site.position] if site.position is not None else kwargs.get(site.keyword or "")
+        if not isinstance(x, torch.Tensor) or x.is_meta or x.dim() < 3 or x.shape[1] % tp \
+                or not x.is_floating_point():
+            continue
+        kwargs = {k: None if "cache" in type(v).__name__.lower() else v
+                  for k, v in kwargs.items()}
+        mine = [p for p in gathered if p.startswith(layer + ".") and p in recorder.returned]
+        for p in mine:  # instead of its forward (which reads full-length position tables)
+            modules[p].forward = _per_position(gathered[p], *recorder.returned[p])
+        try:
+            with torch.no_grad(), eval_mode(modules[layer]):
+                whole = _run_layer(modules[layer], site, args, kwargs, x)
+                parts = torch.cat([_run_layer(modules[layer], site, args, kwargs, c)
+                                   for c in x.chunk(tp, dim=1)], dim=1)
+        except Exception as exc:  # noqa: BLE001 - a layer that cannot run on a shard
+            problems.append(f"decoder layer {layer} does not run on a sequence shard "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+            continue
+        finally:
+            for p in mine:
+                del modules[p].forward
+        tol = 1e-2 if whole.element_size() < 4 else 1e-6
+        scale = float(whole.abs().max()) or 1.0
+        error = float((parts - whole).abs().max()) / scale if parts.shape == whole.shape \
+            else math.inf
+        if not error <= tol:
+            problems.append(f"decoder layer {layer} computes something else on a sequence "
+                            f"shard outside its mixers (relative error {error:.2g}): its "
+                            "code mixes positions or depends on where they are (e.g. "
+                            "positions from the shard's length)")
+    return problems
+
+
+def _run_layer(layer: nn.Module, site: CallSite, args: tuple, kwargs: dict,
+               hidden: torch.Tensor) -> torch.Tensor:
+    """``layer``'s first output with ``hidden`` as its hidden-state argument (``site``)."""
+    a, k = list(args), dict(kwargs)
+    if site.position is not None:
+        a[site.position] = hidden
+    else:
+        k[site.keyword or ""] = hidden
+    return _tensors(layer(*a, **k))[0]
+
+
+def _per_position(site: CallSite, leaves: list[Any], spec: Any) -> Callable[..., Any]:
+    """A forward returning, in place of the module's first output (recorded as ``leaves`` /
+    ``spec``), tanh(x @ R) of its hidden-state input x (argument ``site``), R fixed, and its
+    other outputs as recorded: a per-position stand-in for what SP computes there on the
+    gathered sequence and hands back split."""
+    k = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        x = args[site.position] if site.position is not None else kwargs[site.keyword or ""]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        r = torch.randn(x.shape[-1], leaves[k].shape[-1], generator=gen, dtype=torch.float64)
+        out = list(leaves)
+        out[k] = torch.tanh(x.double() @ r.to(x.device)).to(leaves[k].dtype)
+        return torch.utils._pytree.tree_unflatten(out, spec)
+    return forward
 
 
 def sequence_sharded_params(model: nn.Module, layout: TPLayout) -> list[str]:
