@@ -145,13 +145,79 @@ def _run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
         return _run_seeded(fn, inputs, grads, seed)
 
 
+_WRITTEN: list[tuple[torch.Tensor, torch.Tensor]] = []
+"""(module attribute the verified graph writes in place, its value before verify): set by
+:func:`verify_compile` (:func:`written_attributes`) for the runs' duration. Each run's
+values after the call are compared, then the attribute is put back."""
+
+_VIEWS = {"view", "reshape", "select", "narrow", "transpose", "permute", "expand",
+          "unsqueeze", "squeeze", "flatten", "as_strided", "t", "view_as", "unflatten",
+          "getitem", "__getitem__", "detach", "data"}
+"""Ops a written tensor may be reached through from the attribute it aliases (and every
+in-place op, which returns its first argument)."""
+
+_AUGMENTED = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+              "iand", "ior", "ixor", "ilshift", "irshift"}
+"""``operator`` in-place calls (``step_t += 1``: Adam's step count, missed first, so each
+verify run counted one more step)."""
+
+
+def _writes_in_place(name: str) -> bool:
+    return name in ("setitem", *_AUGMENTED) or name.endswith("_") and not name.endswith("__")
+
+
+def written_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The module attributes (``get_attr``: a compiled ``optimizer.step``'s parameters and
+    states, a compiled function's tensor attributes) that ``gm`` writes in place (an op
+    named ``*_``, ``torch._foreach_*_``, ``setitem``, ``operator.iadd``, ...), through views
+    and other in-place ops. Verify's runs wrote
+    them for real: a compiled SGD step under verify applied its update three times on the
+    first call, and the report said "passed" (a review), since these are no inputs and
+    were neither copied nor compared."""
+    found: dict[int, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = node.target if isinstance(node.target, str) else \
+            getattr(node.target, "__name__", "")
+        if not _writes_in_place(name) or not node.args:
+            continue
+        first = node.args[0]
+        stack = list(first) if isinstance(first, (list, tuple)) else [first]
+        while stack:
+            x = stack.pop()
+            if not isinstance(x, torch.fx.Node):
+                continue
+            if x.op == "get_attr":
+                value: Any = gm
+                for part in str(x.target).split("."):
+                    value = getattr(value, part, None)
+                if isinstance(value, torch.Tensor):
+                    found[id(value)] = value
+            elif x.op in ("call_function", "call_method") and x.args:
+                kind = x.target if isinstance(x.target, str) else \
+                    getattr(x.target, "__name__", "")
+                if kind in _VIEWS or _writes_in_place(kind):
+                    head = x.args[0]
+                    stack += list(head) if isinstance(head, (list, tuple)) else [head]
+    return list(found.values())
+
+
 def _run_seeded(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
                 seed: int) -> Outcome:
     args = clone_inputs(inputs)
-    out = fn(*args)
+    versions = [t._version for t, _ in _WRITTEN]
+    try:
+        out = fn(*args)
+        written = [t.detach().clone() for t, _ in _WRITTEN]
+    finally:
+        with torch.no_grad():
+            for (t, before), version in zip(_WRITTEN, versions):
+                if t._version != version:
+                    t.copy_(before)
     flat = [o for o in pytree.tree_leaves(out)]
     states = [a.detach() for a in args if isinstance(a, torch.Tensor)]  # private clones
-    values = [_detach(o) for o in flat] + states
+    values = [_detach(o) for o in flat] + states + written
     if not grads:
         return values, []
     diff_out = [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -424,6 +490,31 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
     under the moe pass's expert parallelism: each rank's gradient covers its own experts
     over every rank's tokens, the eager run's covers every expert over this rank's tokens;
     verify then failed on every EP graph, found by a review)."""
+    if any(isinstance(a, list) for a in inputs):
+        report.verify = {"status": "skipped",
+                         "detail": "the graph takes its inputs as one list, which the call "
+                                   "consumes (compiled autograd's backward graph, which also "
+                                   "accumulates into the parameters' .grad): verify cannot "
+                                   "rerun it (a review: the user's call then failed)"}
+        return
+    written = written_attributes(original)
+    _WRITTEN[:] = [(t, t.detach().clone()) for t in written]
+    try:
+        _verify_compile(original, compiled, inputs, snapshots, config, report, recompile,
+                        owner_grads)
+    finally:
+        _WRITTEN.clear()
+    if written and report.verify.get("status") == "passed":
+        report.verify["detail"] += (f"; with the {len(written)} module attribute(s) it "
+                                    "writes in place (put back after each run)")
+
+
+def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
+                    inputs: Sequence[Any],
+                    snapshots: list[tuple[str, bool, torch.fx.GraphModule]],
+                    config: GraphoptConfig, report: CompileReport,
+                    recompile: Callable[[Sequence[str]], Callable[..., Any]],
+                    owner_grads: set[int] | None = None) -> None:
     grads = config.verify.grads and report.training
     positions = [i for i, a in enumerate(inputs)
                  if isinstance(a, torch.Tensor) and a.requires_grad]
