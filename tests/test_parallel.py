@@ -724,6 +724,29 @@ def test_sp_with_a_sequence_tp_does_not_divide_is_a_clear_error():
         assert "sequence length 7 is not divisible by tp=2 under SP" in message
 
 
+def _dropout_seed_worker(rank, world, seed_per_rank):
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+
+    model = parallelize(build_model("llama", attention_dropout=0.1), ParallelPlan(tp=2))
+    model.train()
+    torch.manual_seed(100 + (rank if seed_per_rank else 0))
+    try:
+        model(input_ids=torch.zeros(2, 8, dtype=torch.long), use_cache=False)
+    except ConfigError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_dropout_under_tp_with_ranks_seeded_apart_is_a_clear_error():
+    """TP ranks seeded by global rank drew other dropout masks in regions TP keeps
+    replicated, and their replicated parameters drifted apart (a review: gradients up to
+    1.49 apart, no error). The first training forward compares the TP ranks' RNG states."""
+    for message in run_distributed(_dropout_seed_worker, 2, True):
+        assert "TP ranks' random states differ" in message
+    assert run_distributed(_dropout_seed_worker, 2, False) == ["ran", "ran"]
+
+
 def _user_wrapped_worker(rank, world):
     """torch.compile(backend="graphopt") of a model the user wrapped in DDP (Dynamo's
     DDPOptimizer splits the graph at gradient buckets) or FSDP2 (fully_shard): the same loss

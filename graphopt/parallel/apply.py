@@ -344,6 +344,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         model.register_forward_pre_hook(_microbatch_check(plan.microbatch), with_kwargs=True)
         if report.sp:
             model.register_forward_pre_hook(_sp_length_check(plan.tp), with_kwargs=True)
+    if plan.tp > 1 and has_dropout(model):
+        model.register_forward_pre_hook(_tp_rng_check(mesh["tp"].get_group()))
     names = getattr(model, "original_names", {})
     report.parameters = [(names.get(name, name), _expert_placement(names.get(name, name),
                                                                    report) + _placements(p),
@@ -541,6 +543,55 @@ def _microbatch_check(microbatch: int) -> Callable[..., None]:
                       "gradients accumulated (split it: for mb in graphopt.parallel."
                       "microbatches(model, local): (loss(mb) * len(mb) / len(local))"
                       ".backward(); docs/parallel.md)", stacklevel=2)
+    return hook
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` draws dropout masks in training: a dropout module with p > 0, or a
+    module attribute named ``*dropout*`` / ``*pdrop*`` above 0 (transformers' attention
+    dropout, read by functional calls)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        if any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+               for k, v in vars(module).items()):
+            return True
+    return False
+
+
+def _tp_rng_check(group: Any) -> Callable[..., None]:
+    """Forward pre-hook, first training forward only: the TP ranks of a model with dropout
+    must draw alike (replicated regions compute the same values on every TP rank), so their
+    random states must agree. Megatron's model-parallel RNG tracker is not implemented; TP
+    ranks seeded by global rank (a data-parallel habit) drew different masks and their
+    replicated parameters drifted apart, silently (a review: gradients up to 1.49 apart)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    checked: list[bool] = []
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        if checked or not module.training or not torch.is_grad_enabled():
+            return
+        checked.append(True)
+        local = next((_local(p) for p in module.parameters()), None)
+        device = local.device if local is not None else torch.device("cpu")
+        rng = torch.get_device_module(device) if device.type != "cpu" else torch
+        try:
+            state = rng.get_rng_state(device) if device.type != "cpu" else torch.get_rng_state()
+        except (AttributeError, TypeError, RuntimeError):
+            return  # a device whose generator state cannot be read here: not checked
+        digest = hashlib.sha1(state.cpu().numpy().tobytes()).hexdigest()
+        states: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, digest, group=group)
+        if len(set(states)) > 1:
+            raise ConfigError(
+                "dropout is on (model.train()) and the TP ranks' random states differ: the "
+                "ranks of a TP group must draw the same dropout masks where TP keeps values "
+                "replicated, or their replicated parameters drift apart. Seed every rank of "
+                "a TP group alike before the first step (e.g. torch.manual_seed(seed + "
+                "data-parallel rank), not seed + global rank), or train without dropout")
     return hook
 
 
