@@ -747,6 +747,25 @@ def test_dropout_under_tp_with_ranks_seeded_apart_is_a_clear_error():
     assert run_distributed(_dropout_seed_worker, 2, False) == ["ran", "ran"]
 
 
+def _gpt2_tp_worker(rank, world):
+    import transformers
+
+    from graphopt.parallel import parallelize
+
+    config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                     n_positions=64)
+    with pytest.warns(UserWarning, match="splits nothing"):
+        model = parallelize(transformers.GPT2LMHeadModel(config), ParallelPlan(tp=2, sp=False))
+    return model.graphopt_parallel.notes
+
+
+def test_tp_that_splits_nothing_says_so():
+    """GPT-2's projections are Conv1D, no nn.Linear: tp=2 ran the whole model on each rank
+    and the report said nothing (a review)."""
+    for notes in run_distributed(_gpt2_tp_worker, 2):
+        assert any("TP=2 splits nothing" in n for n in notes), notes
+
+
 def _user_wrapped_worker(rank, world):
     """torch.compile(backend="graphopt") of a model the user wrapped in DDP (Dynamo's
     DDPOptimizer splits the graph at gradient buckets) or FSDP2 (fully_shard): the same loss

@@ -281,6 +281,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "all) acts on it outside the norms and the mixers TP splits: "
                               "its gradient would cover one sequence shard per rank; use "
                               "sp=False")
+        if not layout.mixers and layout.lm_head is None:
+            # (a review: GPT-2's Conv1D projections are no nn.Linear; tp=2 ran the whole
+            # model on both ranks and the report said nothing)
+            message = (f"TP={plan.tp} splits nothing in this model: no nn.Linear reads a "
+                       "normalization module's output (projections that are no nn.Linear, "
+                       "e.g. GPT-2's Conv1D, are not split), so every TP rank computes the "
+                       "whole model; use tp=1")
+            report.notes.append(message)
+            warnings.warn(f"graphopt: {message}", stacklevel=2)
         if plan.sp and not report.sp:
             report.notes.append("SP off: no decoder layer has a mixer TP splits")
         elif report.sp and layout.replicated:
