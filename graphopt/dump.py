@@ -67,14 +67,14 @@ def _rank_folders(top: Path) -> list[Path]:
     return [p for p in top.glob("rank[0-9]*") if p.name[4:].isascii() and p.name[4:].isdigit()]
 
 
-_GRAPH_FOLDER = re.compile(r"graph_\d{3,}(\.pid\d+)?")
+_GRAPH_FOLDER = re.compile(r"(graph_\d{3,}|export)(\.pid\d+)?")
 
 
 def _graph_folders(root: Path) -> list[Path]:
-    """The folders :class:`Dumper` names: ``graph_NNN``, ``graph_NNN.pid<P>``, ``export``
-    (exactly: a user's ``graph_2024_experiments/`` is not one)."""
-    return [*(p for p in root.glob("graph_[0-9]*") if _GRAPH_FOLDER.fullmatch(p.name)),
-            root / "export"]
+    """The folders :class:`Dumper` names: ``graph_NNN`` or ``export``, either with
+    ``.pid<P>`` (exactly: a user's ``graph_2024_experiments/`` is not one)."""
+    return [p for pattern in ("graph_[0-9]*", "export*") for p in root.glob(pattern)
+            if _GRAPH_FOLDER.fullmatch(p.name)]
 
 
 def _remove_if_dead(folder: Path) -> None:
@@ -153,7 +153,11 @@ class Dumper:
         folder = root / (f"graph_{graph_id:03d}" if graph_id >= 0 else "export")
         try:
             _claim(top, root)
-            if _owned_by_another_live_process(folder):
+            if _owned_by_another_live_process(folder) or \
+                    (folder.exists() and not (folder / ".owner").is_file()):
+                # another live process's, or not graphopt's at all (a user's graph_000/ or
+                # export/: writing there marked it, and the next run removed the user's
+                # files, a re-review)
                 folder = folder.with_name(f"{folder.name}.pid{os.getpid()}")
             elif _owner(folder) not in (None, os.getpid()):
                 # written by a process that has ended since this one's first dump (two

@@ -77,6 +77,29 @@ def test_a_new_run_replaces_the_graphs_of_an_earlier_run(tmp_path):
     assert len(list(tmp_path.glob("graph_*/.owner"))) == 1
 
 
+def test_a_user_folder_with_a_graph_folder_name_is_never_written_or_removed(tmp_path,
+                                                                          monkeypatch):
+    """A user's graph_000/ without graphopt's .owner: the first run wrote its .owner and
+    report.json into it, and the next run removed it with the user's files (a re-review).
+    graphopt writes graph_000.pid<P> beside it instead."""
+    import itertools
+
+    import graphopt.dump as dump
+    import graphopt.report
+
+    mine = tmp_path / "graph_000"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (mine / "report.json").write_text("{}")
+    for _ in range(2):  # two runs
+        monkeypatch.setattr(graphopt.report, "_graph_ids", itertools.count())
+        dump._claimed.discard(tmp_path.resolve())
+        _compile_and_train(tmp_path)
+        assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "report.json"]
+        assert (mine / "report.json").read_text() == "{}"
+        assert (tmp_path / f"graph_000.pid{os.getpid()}" / "report.json").is_file()
+
+
 def test_dumps_never_delete_or_share_a_live_process_folder_and_split_ranks(tmp_path,
                                                                             monkeypatch):
     """Two processes on one dump directory deleted each other's graph folders (each claims

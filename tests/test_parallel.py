@@ -724,27 +724,35 @@ def test_sp_with_a_sequence_tp_does_not_divide_is_a_clear_error():
         assert "sequence length 7 is not divisible by tp=2 under SP" in message
 
 
-def _dropout_seed_worker(rank, world, seed_per_rank):
+def _dropout_seed_worker(rank, world, seed_per_rank, pp):
     from graphopt.models import build_model
     from graphopt.parallel import parallelize
 
-    model = parallelize(build_model("llama", attention_dropout=0.1), ParallelPlan(tp=2))
+    plan = ParallelPlan(tp=2, pp=pp, microbatch=1)
+    model = parallelize(build_model("llama", attention_dropout=0.1), plan)
     model.train()
     torch.manual_seed(100 + (rank if seed_per_rank else 0))
+    ids = torch.zeros(2, 8, dtype=torch.long)
     try:
-        model(input_ids=torch.zeros(2, 8, dtype=torch.long), use_cache=False)
+        if pp > 1:
+            model.step(ids)
+        else:
+            model(input_ids=ids, use_cache=False)
     except ConfigError as exc:
         return str(exc)
     return "ran"
 
 
-def test_dropout_under_tp_with_ranks_seeded_apart_is_a_clear_error():
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dropout_under_tp_with_ranks_seeded_apart_is_a_clear_error(pp):
     """TP ranks seeded by global rank drew other dropout masks in regions TP keeps
     replicated, and their replicated parameters drifted apart (a review: gradients up to
-    1.49 apart, no error). The first training forward compares the TP ranks' RNG states."""
-    for message in run_distributed(_dropout_seed_worker, 2, True):
+    1.49 apart, no error). The first training forward (under PP: step) compares the TP
+    ranks' RNG states."""
+    world = 2 * pp
+    for message in run_distributed(_dropout_seed_worker, world, True, pp):
         assert "TP ranks' random states differ" in message
-    assert run_distributed(_dropout_seed_worker, 2, False) == ["ran", "ran"]
+    assert run_distributed(_dropout_seed_worker, world, False, pp) == ["ran"] * world
 
 
 def _gpt2_tp_worker(rank, world):

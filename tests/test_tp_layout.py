@@ -224,3 +224,17 @@ def test_a_mixer_with_dropout_in_training_is_still_split():
     torch.manual_seed(0)
     layout = _layout(LM([Block(attn=DropoutAttn()) for _ in range(2)]).train())
     assert "layers.0.attn" in layout.mixers and not layout.kept
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "deepseek_v3"])
+def test_real_models_have_no_sp_problem_with_a_batch_of_two(name):
+    """The per-position probe runs each layer on its sequence shards: a non-contiguous
+    slice of a batch-2 input made DeepSeek-V3's MoE `.view` fail, a false refusal of SP (a
+    re-review); SP hands a layer a contiguous shard, and so does the probe."""
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(name)
+    ids = torch.randint(0, 64, (2, 8))
+    layout = derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), 2)
+    assert layout.mixers and not layout.sp_problems, layout.sp_problems

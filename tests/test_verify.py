@@ -541,6 +541,7 @@ def test_an_input_written_in_place_is_compared_at_its_writers_precision():
 
 @pytest.mark.parametrize("make", [
     lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
     lambda params: torch.optim.Adam(params, lr=0.1)])
 def test_a_compiled_optimizer_step_is_verified_without_stepping_more_than_once(make):
     """A compiled optimizer.step writes its parameters' states as module attributes (no

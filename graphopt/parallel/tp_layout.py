@@ -333,13 +333,13 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
     # was kept replicated as "a split changes its output" (a review)
     reference.eval()
     try:
-        wants, got, others, shard = _split_outputs(reference, path, readers, writer, args,
-                                                   kwargs, tp)
+        shards = _shards(reference, path, readers, writer, tp)
+        wants, got, others = _split_outputs(reference, shards, args, kwargs)
     except Exception as exc:  # the sharded code cannot even run: not head-parallel
         return (f"a {tp}-way column/row split of it fails to run "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
     try:
-        _run_with_local_views(shard, path, readers, args, kwargs)
+        _run_with_local_views(shards[-1], path, readers, args, kwargs)
     except RuntimeError as exc:
         return ("it writes a column-parallel output in place (e.g. OLMo's clip_qkv clamp_), "
                 "which autograd forbids on TP's sharded outputs (views made by DTensor's "
@@ -353,28 +353,33 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
     # and in training mode, where its code may take another path (a review: a head-mixing
     # step under `if self.training` was split, gradients 0.33 off); a mixer that draws
     # random numbers there (dropout: another draw per run) is checked in eval mode only
+    # (one run when training computes what eval does: the eval-mode check stands)
+    evaluated = wants
     reference.train()
     try:
-        first = _split_outputs(reference, path, readers, writer, args, kwargs, 1, seed=1)[0]
-        wants, got, others, _ = _split_outputs(reference, path, readers, writer, args,
-                                               kwargs, tp)
+        trained = _split_outputs(reference, [], args, kwargs)[0]
+        if len(trained) == len(evaluated) and all(
+                a.shape == b.shape and torch.equal(a, b) for a, b in zip(trained, evaluated)):
+            return ""
+        wants, got, others = _split_outputs(reference, shards, args, kwargs)
+        why = _split_changes(wants, got, others, tp, " in training mode")
+        if why and not torch.equal(_split_outputs(reference, [], args, kwargs, seed=1)[0][0],
+                                   wants[0]):
+            return ""  # another draw per run: a random mixer (dropout) is checked in eval only
     except Exception as exc:
         return (f"in training mode a {tp}-way column/row split of it fails to run "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
-    if not torch.equal(first[0], wants[0]):
-        return ""
-    return _split_changes(wants, got, others, tp, " in training mode")
+    return why
 
 
-def _split_outputs(reference: nn.Module, path: str, readers: list[str], writer: str,
-                   args: tuple, kwargs: dict, tp: int, seed: int = 0
-                   ) -> tuple[list[torch.Tensor], torch.Tensor,
-                              list[tuple[int, torch.Tensor]], nn.Module]:
-    """(``reference``'s output tensors, the sum of the ``tp`` shards' first outputs, the
-    shards' other outputs by position, the last shard), every run from RNG seed ``seed``."""
-    import copy
-
+def _split_outputs(reference: nn.Module, shards: list[nn.Module], args: tuple, kwargs: dict,
+                   seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor,
+                                           list[tuple[int, torch.Tensor]]]:
+    """(``reference``'s output tensors, the sum of the ``shards``' first outputs, the
+    shards' other outputs by position), every run from RNG seed ``seed``, in the reference's
+    mode (train / eval)."""
     def run(module: nn.Module) -> list[torch.Tensor]:
+        module.train(reference.training)
         device = next((t.device for t in (*args, *kwargs.values())
                        if isinstance(t, torch.Tensor)), torch.device("cpu"))
         with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
@@ -385,14 +390,24 @@ def _split_outputs(reference: nn.Module, path: str, readers: list[str], writer: 
     wants = run(reference)
     got = torch.zeros_like(wants[0])
     others: list[tuple[int, torch.Tensor]] = []
-    shard = reference
-    for rank in range(tp if tp > 1 else 0):
-        shard = copy.deepcopy(reference)
-        _slice_shard(shard, path, readers, writer, rank, tp)
+    for shard in shards:
         outs = run(shard)
         got += outs[0]
         others += list(enumerate(outs[1:], 1))
-    return wants, got, others, shard
+    return wants, got, others
+
+
+def _shards(reference: nn.Module, path: str, readers: list[str], writer: str,
+            tp: int) -> list[nn.Module]:
+    """``tp`` copies of ``reference``, each with its rank's slice of the readers and writer."""
+    import copy
+
+    shards = []
+    for rank in range(tp):
+        shard = copy.deepcopy(reference)
+        _slice_shard(shard, path, readers, writer, rank, tp)
+        shards.append(shard)
+    return shards
 
 
 def _split_changes(wants: list[torch.Tensor], got: torch.Tensor,
@@ -613,7 +628,8 @@ def _sequence_local(layout: TPLayout, modules: dict[str, nn.Module], recorder: _
         try:
             with torch.no_grad(), eval_mode(modules[layer]):
                 whole = _run_layer(modules[layer], site, args, kwargs, x)
-                parts = torch.cat([_run_layer(modules[layer], site, args, kwargs, c)
+                parts = torch.cat([_run_layer(modules[layer], site, args, kwargs,
+                                              c.contiguous())  # as SP hands it over
                                    for c in x.chunk(tp, dim=1)], dim=1)
         except Exception as exc:  # noqa: BLE001 - a layer that cannot run on a shard
             problems.append(f"decoder layer {layer} does not run on a sequence shard "

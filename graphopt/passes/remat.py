@@ -534,7 +534,8 @@ def build_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
     memory.update({n + index[v]: float(rng_state_bytes(v)) for v in forward
                    if rng_state_bytes(v) and upper[n + index[v]]})  # recomputed: its state
     memory.update({k: float(_bytes(p)) for p, k in held.items()})
-    rows.append((memory, -math.inf, float(budget)))
+    rows.append((memory, -math.inf, budget + 0.5))  # whole bytes: <= budget, with room for
+    # the solver's feasibility tolerance (the least-bytes re-solve's budget is that least)
     a = lil_matrix((len(rows), width))
     lb, ub = np.zeros(len(rows)), np.zeros(len(rows))
     for k, (coeffs, lo, hi) in enumerate(rows):
@@ -575,7 +576,7 @@ def solve_ilp(forward: list[fx.Node], needed: list[fx.Node], times: dict[str, fl
             return None
         floor = int(math.ceil(least.fun - 1e-6))
         c, constraints, integrality, bounds, index, blocks = build_ilp(
-            forward, needed, times, floor + max(1, floor // 10**9), offload_cost, inputs)
+            forward, needed, times, floor, offload_cost, inputs)
         res = milp(c, constraints=constraints, integrality=integrality, bounds=bounds,
                    options={"time_limit": time_limit})
         least_note = (f"budget infeasible: {floor} bytes is the least any plan saves"
