@@ -652,3 +652,26 @@ def test_a_boolean_added_to_the_scores_is_not_taken_for_a_mask():
                          example_inputs=bind_inputs(gm, attend, *args))
     assert record.sites and all(s.action != "rewritten" for s in record.sites), record.sites
     assert any("a boolean tensor is added to the scores" in s.reason for s in record.sites)
+
+
+def test_a_site_kept_in_training_and_converted_in_eval_is_warned_about():
+    """With attention dropout on, the training graph keeps every site and the eval graph
+    converts them: the model trained as softmax attention and evaluated as Lightning,
+    silently (a review). Both graphs now warn."""
+    import graphopt
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama", attention_dropout=0.1, num_hidden_layers=1)
+    ids = torch.randint(0, 64, (1, 8))
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
+                             backend="graphopt",
+                             options={"lowering": "eager", "attention": "lightning"})
+    model.train()
+    with pytest.warns(UserWarning, match="because their attention dropout is on"):
+        compiled(ids)
+    model.eval()
+    with pytest.warns(UserWarning, match="decided 1 site.s. differently"):
+        compiled(ids)

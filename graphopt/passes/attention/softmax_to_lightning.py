@@ -72,6 +72,10 @@ from graphopt.passes.fx_utils import (
     writes_of,
 )
 
+_DECIDED: dict[str, bool] = {}
+"""Softmax-attention site (module path) -> whether the last graph of this process that
+held it converted it (:meth:`SoftmaxToLightning.convert_sites` warns on a change)."""
+
 NORM_EPS = 1e-6
 """eps of the RMS output norm, in float32 (float64 for float64 models) whatever the model's
 dtype, as MiniMax-01's lightning layers normalize (transformers' MiniMaxRMSNorm: eps 1e-6,
@@ -187,7 +191,8 @@ class SoftmaxToLightning:
         # builders of the body's inputs (a causal mask built outside the region).
         root, outer = ctx.extras.get("root", gm), ctx.extras.get("outer")
         writes = WritesBetween(gm.graph)
-        cached = masked = 0
+        cached = masked = dropped = 0
+        changed: list[str] = []
         for node in sites:
             reason = autocast_reason(node) or self.convert(gm, node, env, root, outer, writes)
             done = reason.startswith("APPROXIMATE")
@@ -195,6 +200,28 @@ class SoftmaxToLightning:
             modified = modified or done
             cached += "KV cache" in reason
             masked += "depends on a graph input's values" in reason
+            dropped += "training dropout" in reason
+            path = module_path(node) or site_name(node)
+            if _DECIDED.setdefault(path, done) != done:
+                changed.append(f"{path} ({'converted' if done else 'kept'} here, "
+                               f"{'kept' if done else 'converted'} before)")
+                _DECIDED[path] = done
+        if changed:  # one model, two functions (a review: a Mistral converted at S <= its
+            # window, kept after a longer recompile, and then kept at the short length too)
+            warnings.warn(f"graphopt: attention='lightning' decided {len(changed)} site(s) "
+                          f"differently from an earlier graph of this process: "
+                          f"{'; '.join(changed[:3])}. The model computes softmax attention in "
+                          "some calls and Lightning Attention in others; see the report's "
+                          "reasons (dropout in training, a sliding window at some lengths)",
+                          stacklevel=2)
+        if dropped:  # as loud (a review: the model fine-tuned as softmax attention in train
+            # mode and evaluated as Lightning, whose layers never trained)
+            warnings.warn(f"graphopt: attention='lightning' kept {dropped} softmax-attention "
+                          "site(s) of this graph because their attention dropout is on "
+                          "(training): an eval-mode graph converts them, so the model would "
+                          "train as softmax attention and run as Lightning Attention; set the "
+                          "model's attention dropout to 0 to train the converted model",
+                          stacklevel=2)
         if cached:  # loud: a forward that returns transformers' default cache (use_cache=True)
             warnings.warn(f"graphopt: attention='lightning' kept {cached} softmax-attention "
                           "site(s) of this graph because they read or fill a KV cache (a "
