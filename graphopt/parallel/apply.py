@@ -353,7 +353,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         model.register_forward_pre_hook(_microbatch_check(plan.microbatch), with_kwargs=True)
         if report.sp:
             model.register_forward_pre_hook(_sp_length_check(plan.tp), with_kwargs=True)
-    if plan.tp > 1 and has_dropout(model):
+    if plan.tp > 1 and _has_dropout(model):
         check = _tp_rng_check(mesh["tp"].get_group())
         if plan.pp > 1:  # PipelinedModel.step runs the stages, never its own forward (the
             # check did not run under PP: a re-review)
@@ -566,7 +566,7 @@ def _microbatch_check(microbatch: int) -> Callable[..., None]:
     return hook
 
 
-def has_dropout(model: nn.Module) -> bool:
+def _has_dropout(model: nn.Module) -> bool:
     """Whether ``model`` draws dropout masks in training: a dropout module with p > 0, or a
     module attribute named ``*dropout*`` / ``*pdrop*`` above 0 (transformers' attention
     dropout, read by functional calls)."""

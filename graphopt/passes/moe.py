@@ -671,9 +671,9 @@ class MoEPass(GraphPass):
                 region = find_region(topk)
                 if autocast_reason(region.nodes):
                     raise Skip(autocast_reason(region.nodes))
-                if grad_mode_reason(region.nodes, region.output):  # frozen experts computed
-                    # under no_grad: the op would carry their gradients
-                    raise Skip(grad_mode_reason(region.nodes, region.output))
+                mixed = grad_mode_reason(region.nodes, region.output)  # frozen experts
+                if mixed:  # computed under no_grad: the op would carry their gradients
+                    raise Skip(mixed)
                 detail = self._describe(region, topk)
                 if self.options is None:
                     ctx.record("kept", site, f"{detail}; set options={{'moe': {{}}}} to rewrite")
