@@ -214,9 +214,18 @@ def _minimax_loop(attn, q, k, v, variant):
             q_decay = attn.query_decay[:, 8 - size:8]
         if i == n - 1 and variant == "constant_decay":
             decay = torch.exp(-attn.slope_rate * 8)
+        if variant == "swapped_operands":  # every elementwise product written the other way
+            intra = torch.matmul(diagonal_decay[:, :, :size, :size]
+                                 * torch.matmul(qb, kb.transpose(-1, -2)), vb)
+            outputs.append(torch.matmul(q_decay * qb, state) + intra)
+            kv = torch.matmul((key_decay[:, -size:] * ks).transpose(-1, -2), vs)
+            state = torch.exp(size * -slope) * state + kv
+            continue
         with torch.set_grad_enabled(variant != "intra_no_grad"):
             intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2))
                                  * diagonal_decay[:, :, :size, :size], vb)
+        if variant == "state_detached" and i > 0:  # truncated backprop through the state
+            state = state.detach()
         inter = torch.matmul(qb * q_decay, state)
         alpha = 0.5 if variant == "alpha_output" else 1
         outputs.append(torch.add(inter, intra, alpha=alpha))
@@ -334,6 +343,49 @@ def test_loop_whose_state_is_read_before_its_cat_is_rewritten():
     assert [s.action for s in record.sites] == ["rewritten"], record.sites
     args = [a.requires_grad_() for a in args]
     assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-10, atol=1e-10)
+
+
+def test_loop_with_its_products_written_the_other_way_round_is_rewritten():
+    """``decay * x`` for ``x * decay`` in every elementwise product (query, key, diagonal and
+    block decays; ``exp(L * -slope)``) is the same loop: rewritten, and equal to eager in
+    float64 (a review: swapped operands were neither rewritten nor reported)."""
+    attn = _layer(40, 16)[0].double()
+    with torch.no_grad():
+        for name, table in zip(("query_decay", "key_decay", "diagonal_decay"),
+                               attn.decay_factors(attn.slope_rate)):
+            getattr(attn, name).copy_(table)
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q * 1, k * 1, v * 1, "swapped_operands")
+
+    args = [torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3)]
+    gm = trace_for_pass(fn, *args)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, *args))
+    assert [s.action for s in record.sites] == ["rewritten"], record.sites
+    args = [a.requires_grad_() for a in args]
+    assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-10, atol=1e-10)
+
+
+def test_loop_with_a_detached_state_is_refused_with_its_reason():
+    """``state = state.detach()`` between blocks (truncated backprop through the state): the
+    kernel would differentiate through the whole chain. The loop is left as written (its
+    blocks' intra products may become parallel forms), the report names the detach, and
+    the gradients equal eager's."""
+    attn = _layer(40, 16)[0]
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q * 1, k * 1, v * 1, "state_detached")
+
+    args = [torch.randn(2, 4, 48, 16) for _ in range(3)]
+    gm = trace_for_pass(fn, *args)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, *args))
+    loops = [s for s in record.sites if "block loop" in s.reason]
+    assert [s.action for s in loops] == ["skipped"], record.sites
+    assert "reads block 0's state detached" in loops[0].reason
+    args = [a.requires_grad_() for a in args]
+    assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-5, atol=1e-5)
 
 
 def test_no_match_for_other_concatenations():

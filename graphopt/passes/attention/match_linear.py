@@ -141,6 +141,24 @@ def _is_last_two_transpose(node: Any) -> bool:
         [-2, -1], [2, 3])
 
 
+def _other_factor(product: Any, factor: Any) -> Any:
+    """The other operand of ``product = factor * x`` or ``x * factor`` (an elementwise mul
+    commutes, so either spelling is the same value); None when neither operand is
+    ``factor``."""
+    if not is_call(product, aten.mul.Tensor):
+        return None
+    a, b = arg(product, 0), arg(product, 1)
+    return b if a is factor else a if b is factor else None
+
+
+def _scores_and_decay(weights: Any) -> tuple[Any, Any]:
+    """``weights = (Q_b @ K_b^T) * D`` in either operand order: (the scores, D)."""
+    a, b = _split_product(weights, aten.mul.Tensor)
+    if not is_call(a, aten.matmul.default) and is_call(b, aten.matmul.default):
+        return b, a
+    return a, b
+
+
 def _match_block_output(o: Any) -> LoopBlock:
     """o = (Q_b * qd) @ S_in + ((Q_b @ K_b^T) * dd) @ V_b (either order of the sum)."""
     if not _plain_add(o):
@@ -148,11 +166,11 @@ def _match_block_output(o: Any) -> LoopBlock:
     for inter, intra in ((arg(o, 0), arg(o, 1)), (arg(o, 1), arg(o, 0))):
         try:
             scaled_q, state = _split_product(inter, aten.matmul.default)
-            q_b, qd = _split_product(scaled_q, aten.mul.Tensor)
             weights, v_b = _split_product(intra, aten.matmul.default)
-            qk, dd = _split_product(weights, aten.mul.Tensor)
-            q_b2, k_t = _split_product(qk, aten.matmul.default)
-            if q_b2 is not q_b or not is_call(k_t, aten.transpose.int) or \
+            qk, dd = _scores_and_decay(weights)
+            q_b, k_t = _split_product(qk, aten.matmul.default)
+            qd = _other_factor(scaled_q, q_b)
+            if qd is None or not is_call(k_t, aten.transpose.int) or \
                     sorted([arg(k_t, 1), arg(k_t, 2)]) != [-2, -1]:
                 raise NoMatch("intra scores are not Q_b @ K_b^T of the same block")
             (q, s0, e0), (k, s1, e1), (v, s2, e2) = (_seq_slice(x) for x in (q_b, arg(k_t, 0),
@@ -184,12 +202,17 @@ def _match_state_update(new: fx.Node, block: LoopBlock
         if not is_call(k_scaled, aten.mul.Tensor) or not self_rows(v_b, block.v, block):
             continue
         k_b, kd = k_scaled.args
+        if not self_rows(k_b, block.k, block) and self_rows(kd, block.k, block):
+            k_b, kd = kd, k_b  # kd * K_b
         if not self_rows(k_b, block.k, block):
             raise NoMatch("the state update reads K rows other than its block's")
-        if not (is_call(bd, aten.exp.default) and is_call(arg(bd, 0), aten.mul.Tensor)
-                and is_call(arg(arg(bd, 0), 0), aten.neg.default)):
+        exponent = arg(bd, 0) if is_call(bd, aten.exp.default) else None
+        negated = next((x for x in (arg(exponent, 0), arg(exponent, 1))
+                        if is_call(x, aten.neg.default)), None) \
+            if is_call(exponent, aten.mul.Tensor) else None
+        if negated is None:
             raise NoMatch("block decay is not exp(-slope * L)")
-        return arg(arg(arg(bd, 0), 0), 0), bd, kd
+        return arg(negated, 0), bd, kd
     raise NoMatch("state update does not read this block's K and V")
 
 
@@ -287,6 +310,12 @@ def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
         checks += [(blk.q_decay, "query", i, length), (kd, "key", i, length),
                    (blk.diag_decay, "diagonal", i, length), (bd, "block", i, length)]
         if i + 1 < len(blocks) and blocks[i + 1].state_in is not new_state:
+            read = blocks[i + 1].state_in
+            if is_call(read, aten.detach.default, aten.alias.default) and \
+                    arg(read, 0) is new_state:
+                raise NoMatch(f"block {i + 1} reads block {i}'s state detached (truncated "
+                              "backpropagation through the state); the kernel "
+                              "differentiates through the whole chain")
             raise NoMatch(f"block {i + 1} does not read block {i}'s state")
         final_state = new_state
     assert slope is not None
