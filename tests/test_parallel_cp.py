@@ -23,10 +23,22 @@ RUNS = {
         # planner prices and searches it)
         ("qwen3", dict(cp=2, zero_stage=3)),
         ("minimax", dict(cp=2, **A2A)),  # lightning layers pass their state
-        ("llama_mha", dict(cp=2))],  # no GQA: the ring sends transformers' strided K/V
+        ("llama_mha", dict(cp=2)),  # no GQA: the ring sends transformers' strided K/V
+        ("llama_dynamic_rope", dict(cp=2)), ("llama_longrope", dict(cp=2, **A2A))],
     4: [("llama", dict(cp=2, tp=2, **A2A)),
         ("mixtral", dict(cp=2, dp_shard=2, ep=4, zero_stage=3, **A2A)),
         ("minimax", dict(cp=4, **A2A))],
+}
+
+
+# rotary frequencies chosen from max(position_ids) + 1 (past 8 positions: the sequences are
+# 16 long): each rank's chunk alone chose its own (gradients 0.03-0.15 off, a review)
+LENGTH_DEPENDENT_ROPE = {
+    "llama_dynamic_rope": dict(max_position_embeddings=8, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    "llama_longrope": dict(max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+        "long_factor": [4.0] * 8, "original_max_position_embeddings": 8}),
 }
 
 
@@ -38,7 +50,9 @@ def _run(name, plan, steps=3):
     from graphopt.parallel.context import chunk_positions, cp_loss, shard_sequence
 
     torch.manual_seed(0)
-    ref = build_model("llama", dtype=torch.float64, num_key_value_heads=4) \
+    ref = build_model("llama", dtype=torch.float64, **LENGTH_DEPENDENT_ROPE[name]) \
+        if name in LENGTH_DEPENDENT_ROPE else \
+        build_model("llama", dtype=torch.float64, num_key_value_heads=4) \
         if name == "llama_mha" else build_model(name, dtype=torch.float64)
     _full_precision_rmsnorm(ref)
     _float64_decays(ref)
@@ -159,7 +173,9 @@ def _bad_input_worker(rank, world):
 
     from graphopt.parallel.context import chunk_positions
 
-    ring_chunk, _ = shard_sequence(torch.arange(8)[None], build_mesh(ParallelPlan(cp=2)))
+    ring_mesh = build_mesh(ParallelPlan(cp=2))
+    ring_chunk, _ = shard_sequence(torch.arange(8)[None], ring_mesh)
+    ring_model = parallelize(build_model("llama"), ParallelPlan(cp=2), ring_mesh)
     assert torch.equal(ring_chunk[0], chunk_positions(4, rank, 2, True)), ring_chunk
     plain = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     return config_errors(
@@ -178,7 +194,10 @@ def _bad_input_worker(rank, world):
         lambda: model(input_ids=local, position_ids=torch.arange(4)[None] + 4 * rank,
                       attention_mask=torch.ones(2, 4, dtype=torch.long)),
         lambda: model(local, None, None, None, None, labels),  # labels by position
-        lambda: model(input_ids=local[:, :3 + rank]))  # chunks of 3 and 4 tokens
+        lambda: model(input_ids=local[:, :3 + rank]),  # chunks of 3 and 4 tokens
+        # the ring's two half-chunks of a 5-token chunk cut by hand: a crash in the rotary
+        # embedding (a review)
+        lambda: ring_model(input_ids=torch.zeros(2, 5, dtype=torch.long)))
 
 
 def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error():
@@ -203,6 +222,7 @@ def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error(
         assert messages[7] == "ran"
         assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[8]
         assert "the CP ranks hold chunks of different lengths" in messages[9]
+        assert "this rank's 5 tokens do not split in two" in messages[10]
 
 
 @pytest.mark.parametrize("kind", ["_ulysses", "_ring"])
@@ -247,6 +267,72 @@ def test_cp_refuses_models_whose_mixing_it_would_drop(name, config, message):
         with pytest.raises(ConfigError, match=message):
             check_cp(model, ParallelPlan(cp=2, cp_kind=kind))
     assert model.config._attn_implementation != "graphopt_cp_probe"  # restored
+
+
+class _OwnAttentionBlock(torch.nn.Module):
+    """A pre-norm block with its own causal F.scaled_dot_product_attention (not transformers'
+    attention interface, which CP replaces)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm, self.qkv, self.o = norm(32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, length, h = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, length, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, length, h))
+
+
+class _OwnAttentionLM(torch.nn.Module):
+    def __init__(self, norm, container):
+        import transformers
+
+        super().__init__()
+        self.config = transformers.LlamaConfig(vocab_size=64, hidden_size=32,
+                                               num_attention_heads=4, num_hidden_layers=2)
+        self.embed, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+        blocks = [_OwnAttentionBlock(norm), _OwnAttentionBlock(norm)]
+        self.blocks = container(*blocks) if container is torch.nn.Sequential else \
+            container(blocks)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("build, message", [
+    # position 0 moved by +1 in every unit: LayerNorm subtracted it, the probe saw nothing
+    (lambda t: _OwnAttentionLM(torch.nn.LayerNorm, torch.nn.ModuleList), "decoder layer 0"),
+    (lambda t: t.GPTNeoForCausalLM(t.GPTNeoConfig(
+        vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+        attention_types=[[["global"], 2]])), "decoder layer 0"),
+    # its own attention code takes the causal mask from the mask function (None in the
+    # probe): moving the last position changed the others, which hid the mixing
+    (lambda t: t.GPTNeoXJapaneseForCausalLM(t.GPTNeoXJapaneseConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_multiple_size=2)), "decoder layer 0"),
+    # blocks in an nn.Sequential: no ModuleList of layers, the probe did not run
+    (lambda t: _OwnAttentionLM(torch.nn.RMSNorm, torch.nn.Sequential),
+     r"the model \(no ModuleList of decoder layers found\)"),
+])
+def test_cp_refuses_models_with_their_own_attention_code(build, message):
+    """A review found each accepted under cp=2 and trained silently wrong (each rank attends
+    within its own chunk: gradients 0.98-1.42 off, relative): attention written by the model
+    itself, not through transformers' attention interface."""
+    import transformers
+
+    from graphopt.parallel.context import check_cp
+
+    torch.manual_seed(0)
+    model = build(transformers).double()
+    with pytest.raises(ConfigError, match=message + ".* mixes positions outside the attention"):
+        check_cp(model, ParallelPlan(cp=2, cp_kind="all_to_all"))
 
 
 LLAMA4 = dict(TINY, intermediate_size_mlp=128, head_dim=16, num_local_experts=2,

@@ -15,7 +15,9 @@ of every sequence (rank r of P: positions r*S/P .. (r+1)*S/P - 1):
   balancing is needed.
 - positions: a forward pre-hook passes ``position_ids`` of the chunk (global positions;
   the chunk's length read from ``input_ids`` or ``inputs_embeds``) when
-  the caller gives none, so rotary embeddings are those of the whole sequence.
+  the caller gives none, so rotary embeddings are those of the whole sequence. A rotary
+  embedding whose frequencies follow the sequence length (``dynamic`` NTK, ``longrope``)
+  is given the whole sequence's last position too, so it picks them as one process does.
 - masks: the mask function registered for ``"graphopt_cp"`` accepts no padding (a padding
   ``attention_mask`` raises ConfigError: sequences without padding, one per row, are what
   CP runs; packed rows would need a document mask that CP's attention does not apply).
@@ -165,8 +167,7 @@ def _mixing_outside_attention(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None)
     layers = decoder_layers(model)
-    if not params or any(p.is_meta for p in params) or not isinstance(hidden, int) or \
-            not layers:
+    if not params or any(p.is_meta for p in params) or not isinstance(hidden, int):
         return ""
     extra: list[str] = []
     outputs: list[list[torch.Tensor]] = []
@@ -184,7 +185,7 @@ def _mixing_outside_attention(model: nn.Module) -> str:
         return torch.zeros_like(output)
 
     def record(module: nn.Module, args: Any, output: Any) -> None:
-        outputs[-1].append(output[0] if isinstance(output, tuple) else output)
+        outputs[-1].append(_sequence_output(output))
 
     AttentionInterface.register(PROBE, no_mixing)
     AttentionMaskInterface.register(PROBE, _no_padding_mask)
@@ -193,7 +194,9 @@ def _mixing_outside_attention(model: nn.Module) -> str:
                and hasattr(c, "_attn_implementation")}
     hooks = [m.register_forward_hook(zero_output) for m in model.modules()
              if getattr(m, "layer_type", None) == "linear_attention"]
-    hooks += [layer.register_forward_hook(record) for layer in layers]
+    # the model's own output too: mixing after the last layer, or in a model whose layers
+    # are not a ModuleList (an nn.Sequential of blocks: a review found one accepted unprobed)
+    hooks += [layer.register_forward_hook(record) for layer in [*layers, model]]
     for c, _ in configs.values():
         c._attn_implementation = PROBE
     try:
@@ -203,10 +206,16 @@ def _mixing_outside_attention(model: nn.Module) -> str:
         dtype = embedding.dtype if embedding.is_floating_point() else torch.float32
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(1, PROBE_TOKENS, hidden, generator=gen, dtype=dtype)
-        x = x.to(embedding.device)
+        # +-1 on every unit, half of them each way (random signs): +1 on every unit was
+        # erased by LayerNorm, which subtracts the mean (a review: a model with its own
+        # F.sdpa behind LayerNorms passed the probe); unit size on every channel keeps a
+        # depthwise convolution's smallest mixing visible (a fresh Lfm2: 3e-5 of it)
+        delta = torch.ones(hidden, dtype=dtype)
+        delta[torch.randperm(hidden, generator=gen)[:hidden // 2]] = -1
+        x, delta = x.to(embedding.device), delta.to(embedding.device)
         first, last = x.clone(), x.clone()
-        first[:, 0] += 1
-        last[:, -1] += 1
+        first[:, 0] += delta
+        last[:, -1] += delta
         with torch.no_grad(), eval_mode(model):
             for e in (x, first, last):
                 outputs.append([])
@@ -214,7 +223,10 @@ def _mixing_outside_attention(model: nn.Module) -> str:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the reason goes into the refusal
-        return f"its CP probe (one forward, module docstring) failed: {type(exc).__name__}: {exc}"
+        return (f"its CP probe (one forward through a stand-in of transformers' attention "
+                f"interface, module docstring) failed with {type(exc).__name__}: {exc}. A "
+                "model whose attention does not go through that interface (or that needs "
+                "the attention weights it returns) cannot run CP's attention")
     finally:
         for c, name in configs.values():
             c._attn_implementation = name
@@ -231,14 +243,38 @@ def _mixing_outside_attention(model: nn.Module) -> str:
     # to reroute anything (the expert GEMMs' rounding: ~1e-7 of it in float32).
     tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 8 * torch.finfo(dtype).eps)
     for i, (base, moved, noisy) in enumerate(zip(*outputs)):
+        where = f"decoder layer {i}" if i < len(layers) else (
+            "the model after its decoder layers" if layers else
+            "the model (no ModuleList of decoder layers found)")
+        if any(not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != PROBE_TOKENS
+               for t in (base, moved, noisy)):
+            return (f"{where} returns no [B, S, ...] tensor its CP probe can compare "
+                    "(logits, last_hidden_state or a tensor), so graphopt cannot tell "
+                    "whether it mixes positions outside the attention function")
         changed = float((base[:, :1] - moved[:, :1]).abs().max())
         later = float((base[:, 1:] - moved[:, 1:]).abs().max())
         noise = float((base[:, :-1] - noisy[:, :-1]).abs().max())
-        if later > max(100.0 * noise, tol * changed):
-            return (f"decoder layer {i} mixes positions outside the attention function (a "
-                    "convolution or state-space layer?), which CP would compute on each "
-                    "rank's chunk alone")
+        # moving the last position must leave earlier ones within rounding: a layer that
+        # attends with its own code and takes its causal mask from the mask function (which
+        # gives None here) reads later positions, and that noise hid its mixing (a review:
+        # GPTNeoXJapanese, gradients 1.4 off under CP)
+        last_changed = float((base[:, -1:] - noisy[:, -1:]).abs().max())
+        if later > max(100.0 * noise, tol * changed) or noise > tol * last_changed:
+            return (f"{where} mixes positions outside the attention function (a "
+                    "convolution, a state-space layer, its own attention code?), which CP "
+                    "would compute on each rank's chunk alone")
     return ""
+
+
+def _sequence_output(output: Any) -> Any:
+    """The [B, S, ...] tensor of a layer's or model's output (its first tensor; a model
+    output's ``logits`` or ``last_hidden_state``); None when there is none."""
+    for name in ("logits", "last_hidden_state"):
+        if isinstance(t := getattr(output, name, None), torch.Tensor):
+            return t
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    return output if isinstance(output, torch.Tensor) else None
 
 
 def _dropped_by_cp(module: nn.Module, attention_mask: torch.Tensor | None,
@@ -370,6 +406,11 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
             module.forward = types.MethodType(_lightning_cp_forward, module)
             swapped += 1
 
+    rope = [m for m in model.modules() if _length_dependent_rope(m)]
+    for module in rope:
+        module.register_forward_pre_hook(_whole_sequence_rope(plan.cp), with_kwargs=True)
+        module.register_forward_hook(_drop_last_position)
+
     signature = inspect.signature(model.forward)
 
     def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -407,6 +448,11 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
                               "and the positions CP passes need equal chunks; cut the "
                               "sequence with graphopt.parallel.context.shard_sequence (pad it "
                               "to a multiple of the CP size)")
+        if ring and length % 2:  # the same on every rank: the chunks are equal
+            raise ConfigError(f"ring CP holds two chunks per rank (zigzag); this rank's "
+                              f"{length} tokens do not split in two: cut the sequence with "
+                              "graphopt.parallel.context.shard_sequence (pad it to a "
+                              "multiple of 2 x the CP size)")
         if untagged == plan.cp and length and \
                 abs(mark_squares * plan.cp - marks * marks) <= 1e-9 * marks * marks:
             raise ConfigError(
@@ -428,6 +474,45 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
     return (f"CP={plan.cp} ({what}" + (
                 f"; {swapped} lightning layer(s) pass their KV state between ranks"
                 if swapped else ""))
+
+
+def _length_dependent_rope(module: nn.Module) -> bool:
+    """A transformers rotary embedding whose frequencies follow the sequence length:
+    ``dynamic`` NTK scaling (its inverse frequencies recomputed from ``max(position_ids) +
+    1``) and ``longrope`` (Phi-3: the long factors past the original length)."""
+    kind = getattr(module, "rope_type", None)
+    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
+    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+
+
+def _whole_sequence_rope(size: int) -> Any:
+    """Forward pre-hook for a :func:`_length_dependent_rope` module under CP of ``size``
+    equal chunks: appends the sequence's last position (``size * L - 1``) to the chunk's
+    ``position_ids`` [B, L], so the frequencies are chosen from the whole sequence's
+    length, as in one process (each rank's chunk alone picked its own: gradients 0.03-0.15
+    off, a review); :func:`_drop_last_position` removes the extra position's cos/sin."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        given = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        if not isinstance(given, torch.Tensor):
+            raise ConfigError(f"{type(module).__name__}: a length-dependent rotary embedding "
+                              "under CP needs position_ids (its frequencies follow the whole "
+                              "sequence's length): use cp=1")
+        last = given.new_full((*given.shape[:-1], 1), size * given.shape[-1] - 1)
+        extended = torch.cat([given, last], dim=-1)
+        if "position_ids" in kwargs:
+            kwargs = {**kwargs, "position_ids": extended}
+        else:
+            args = (args[0], extended, *args[2:])
+        return args, kwargs
+    return hook
+
+
+def _drop_last_position(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook after :func:`_whole_sequence_rope`: cos and sin [B, L + 1, D] -> the
+    chunk's [B, L, D]."""
+    if isinstance(output, tuple):
+        return tuple(o[..., :-1, :] for o in output)
+    return output[..., :-1, :]
 
 
 _PADDING = ("context parallelism runs causal attention without padding; this batch has a "
