@@ -36,6 +36,47 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
         for m, mode in modes:
             m.training = mode
 
+def length_dependent_rope(module: torch.nn.Module) -> bool:
+    """A transformers rotary embedding whose frequencies follow the sequence length:
+    ``dynamic`` NTK scaling (inverse frequencies recomputed from ``max(position_ids) + 1``)
+    or ``longrope`` (Phi-3: the long factors past the original length)."""
+    kind = getattr(module, "rope_type", None)
+    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
+    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+
+
+@contextmanager
+def rope_state_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Put back, after the block, what a forward changed in ``module``'s rotary embeddings
+    whose frequencies follow the sequence length (transformers' ``dynamic_rope_update``:
+    ``dynamic`` NTK grows and caches ``inv_freq`` with the longest sequence seen, ``longrope``
+    writes it in place): graphopt's own check forwards (CP's probe, the TP layout's, PP's
+    stage check) ran 8-16 tokens and left the model computing another sequence's
+    frequencies than one process given the same batches would (a review: 1.2e-3 off under
+    pp x cp)."""
+    saved = []
+    for m in module.modules():
+        if length_dependent_rope(m):
+            attrs = {k: v for k, v in vars(m).items() if k != "_buffers"}
+            buffers = dict(m._buffers)
+            values = {k: b.detach().clone() for k, b in buffers.items() if b is not None}
+            saved.append((m, attrs, buffers, values))
+    try:
+        yield
+    finally:
+        for m, attrs, buffers, values in saved:
+            for k in [k for k in vars(m) if k not in attrs and k != "_buffers"]:
+                delattr(m, k)
+            m.__dict__.update(attrs)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            with torch.no_grad():
+                for k, value in values.items():
+                    buffer = buffers[k]
+                    assert buffer is not None
+                    buffer.copy_(value)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str

@@ -543,3 +543,35 @@ def test_auto_picks_cp_only_when_allowed_and_never_one_cp_refuses():
     assert not (plan.cp > 1 and plan.cp_kind == "ring"), plan.describe()
     with pytest.raises(ConfigError, match=r"\['cp'\] must be True"):
         auto_plan(dropout, 2, {**cluster, "cp": "yes"})
+
+
+def test_graphopt_s_check_forwards_leave_length_dependent_rope_as_they_found_it():
+    """transformers' dynamic NTK RoPE caches the frequencies of the longest sequence it has
+    run; graphopt's own check forwards (CP's probe, the TP layout's derivation, PP's stage
+    check on 16 tokens) left a model with 8 original positions computing 16 positions'
+    frequencies, so a later 12-token batch differed from one process's (a review: 1.2e-3
+    off under pp x cp). After the checks the rotary state and logits equal a fresh model's."""
+    from graphopt.models import build_model
+    from graphopt.parallel import derive_tp_layout
+    from graphopt.parallel.apply import decoder_layers
+    from graphopt.parallel.context import check_cp
+    from graphopt.parallel.pipeline import _check_stages_compute_the_model
+
+    def build():
+        return build_model("llama", dtype=torch.float64,
+                           **LENGTH_DEPENDENT_ROPE["llama_dynamic_rope"])
+
+    model, fresh = build(), build()
+    rotary = model.model.rotary_emb
+    before = (rotary.inv_freq.clone(), rotary.max_seq_len_cached)
+    long_ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    check_cp(model, ParallelPlan(cp=2, **A2A))
+    derive_tp_layout(model, lambda: model(input_ids=long_ids, use_cache=False), 2)
+    _check_stages_compute_the_model(model, decoder_layers(model))
+    assert rotary.max_seq_len_cached == before[1]
+    assert torch.equal(rotary.inv_freq, before[0])
+    ids = long_ids[:, :12]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits,
+                                   fresh(input_ids=ids, use_cache=False).logits,
+                                   rtol=0, atol=0)

@@ -64,6 +64,7 @@ from graphopt.kernels.lightning.minimax import (
     decay_tables_problem,
     minimax_lightning_layer,
 )
+from graphopt.models import length_dependent_rope
 from graphopt.planner.plan import ParallelPlan
 
 ATTENTION = "graphopt_cp"
@@ -200,7 +201,7 @@ def _mixing_outside_attention(model: nn.Module) -> str:
     for c, _ in configs.values():
         c._attn_implementation = PROBE
     try:
-        from graphopt.models import eval_mode
+        from graphopt.models import eval_mode, rope_state_kept
 
         embedding: torch.Tensor = model.get_input_embeddings().weight  # type: ignore[operator]
         dtype = embedding.dtype if embedding.is_floating_point() else torch.float32
@@ -216,7 +217,7 @@ def _mixing_outside_attention(model: nn.Module) -> str:
         first, last = x.clone(), x.clone()
         first[:, 0] += delta
         last[:, -1] += delta
-        with torch.no_grad(), eval_mode(model):
+        with torch.no_grad(), eval_mode(model), rope_state_kept(model):
             for e in (x, first, last):
                 outputs.append([])
                 model(inputs_embeds=e, use_cache=False)
@@ -406,7 +407,7 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
             module.forward = types.MethodType(_lightning_cp_forward, module)
             swapped += 1
 
-    rope = [m for m in model.modules() if _length_dependent_rope(m)]
+    rope = [m for m in model.modules() if length_dependent_rope(m)]
     for module in rope:
         module.register_forward_pre_hook(_whole_sequence_rope(plan.cp), with_kwargs=True)
         module.register_forward_hook(_drop_last_position)
@@ -476,21 +477,13 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
                 if swapped else ""))
 
 
-def _length_dependent_rope(module: nn.Module) -> bool:
-    """A transformers rotary embedding whose frequencies follow the sequence length:
-    ``dynamic`` NTK scaling (its inverse frequencies recomputed from ``max(position_ids) +
-    1``) and ``longrope`` (Phi-3: the long factors past the original length)."""
-    kind = getattr(module, "rope_type", None)
-    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
-    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
-
-
 def _whole_sequence_rope(size: int) -> Any:
-    """Forward pre-hook for a :func:`_length_dependent_rope` module under CP of ``size``
-    equal chunks: appends the sequence's last position (``size * L - 1``) to the chunk's
-    ``position_ids`` [B, L], so the frequencies are chosen from the whole sequence's
-    length, as in one process (each rank's chunk alone picked its own: gradients 0.03-0.15
-    off, a review); :func:`_drop_last_position` removes the extra position's cos/sin."""
+    """Forward pre-hook for a :func:`graphopt.models.length_dependent_rope` module under CP
+    of ``size`` equal chunks: appends the sequence's last position (``size * L - 1``) to
+    the chunk's ``position_ids`` [B, L], so the frequencies are chosen from the whole
+    sequence's length, as in one process (each rank's chunk alone picked its own:
+    gradients 0.03-0.15 off, a review); :func:`_drop_last_position` removes the extra
+    position's cos/sin."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         given = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         if not isinstance(given, torch.Tensor):

@@ -567,7 +567,7 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     multipliers, Cohere's logit scale) is caught by running both on one sequence of 16
     random tokens (eval mode, no grad; skipped for weights on the meta device). Translation
     validation by execution, as the MoE pass does."""
-    from graphopt.models import eval_mode
+    from graphopt.models import eval_mode, rope_state_kept
 
     config = model.config
     attn = getattr(config, "_attn_implementation", None)
@@ -600,7 +600,7 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     stage = DecoderStage(model, layers, 0, len(layers), 0, 1)
     ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (1, 16),
                         generator=torch.Generator().manual_seed(0)).to(params[0].device)
-    with torch.no_grad(), eval_mode(model):
+    with torch.no_grad(), eval_mode(model), rope_state_kept(model):
         want = model(input_ids=ids, use_cache=False).logits
         got = stage(ids)
     scale = float(want.abs().max()) or 1.0

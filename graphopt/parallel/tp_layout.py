@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from graphopt.errors import ConfigError
-from graphopt.models import eval_mode
+from graphopt.models import eval_mode, rope_state_kept
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,8 @@ def derive_tp_layout(model: nn.Module, sample: Callable[[], Any], tp: int) -> TP
 def _derive(model: nn.Module, sample: Callable[[], Any], tp: int) -> TPLayout:
     recorder = _Recorder(model)
     try:
-        with torch.no_grad(), eval_mode(model):  # one deterministic forward (no dropout)
+        with torch.no_grad(), eval_mode(model), rope_state_kept(model):  # one deterministic
+            # forward (no dropout)
             sample()
     finally:
         recorder.remove()
