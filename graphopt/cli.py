@@ -521,11 +521,11 @@ def plan(
     # CP with all-to-all, PP drops an MoE aux loss (a review found --json defaulting to a
     # plan parallelize refuses when these were not checked)
     config = model_config(source, overrides, seq)
-    # and the model itself on the meta device, where a PP or CP plan needs it: the stages'
-    # structure and CP's refusals (a review: GPT-2 class PP plans and sliding-window CP
-    # plans were ranked as executed)
+    # and the model itself on the meta device, where a PP, CP or TP plan needs it: the
+    # stages' structure, CP's refusals, layers TP splits nothing of (a review: GPT-2 class
+    # PP and TP plans and sliding-window CP plans were ranked as executed)
     meta = _meta_model(source, config, dtype, overrides, seq) \
-        if any(p.pp > 1 or p.cp > 1 for p in result.top) else None
+        if any(p.pp > 1 or p.cp > 1 or p.tp > 1 for p in result.top) else None
 
     def not_executed(plan: ParallelPlan) -> str:
         why = not_executable(plan, global_batch, config, meta)

@@ -579,6 +579,18 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
     gpt2 = build_architecture(resolve_model("gpt2"), overrides={"n_layer": 2})
     assert "another structure" in not_executable(ParallelPlan(pp=2), config=gpt2.config,
                                                  model=gpt2)
+    # GPT-2's Conv1D projections: TP splits nothing, every rank holds the whole model, but
+    # "auto" picked tp=2 priced as split (a review); on the meta device (the CLI) and with
+    # real weights (auto: the derived layout)
+    from graphopt.models import build_model
+
+    for model in (gpt2, build_model("gpt2")):
+        assert "splits nothing" in not_executable(ParallelPlan(tp=2, sp=False),
+                                                  config=model.config, model=model)
+    llama = build_model("llama")
+    assert not_executable(ParallelPlan(tp=2), config=llama.config, model=llama) == ""
+    assert "num_key_value_heads (2) is not divisible by tp (4)" in not_executable(
+        ParallelPlan(tp=4), model=llama)  # the derived layout's check, without a config
     mistral = build_architecture(resolve_model("mixtral"), torch.bfloat16, overrides={
         "sliding_window": 64, "num_hidden_layers": 2})
     for plan, message in ((ParallelPlan(cp=2), "sliding-window attention under CP"),
@@ -1239,3 +1251,20 @@ def test_pipeline_sends_are_priced_at_the_level_the_pipeline_spans():
     inside = ParallelPlan(tp=2, pp=4)  # devices 0, 2, 4, 6: one node
     assert evaluate(inside, model, slow, 8).comm_s["pp"] == \
         evaluate(inside, model, H100, 8).comm_s["pp"]
+
+
+def test_a_model_whose_attention_classes_sit_in_a_fixed_table_is_planned(tmp_path):
+    """Falcon looks its attention class up in a fixed table, so graphopt's registered cost
+    attention was a KeyError, and its fused-QKV indexing by a Python list a fake-trace
+    error (a review: `graphopt plan` and parallel="auto" could not plan it); it is priced
+    through its own SDPA path now, as flash attention."""
+    import transformers
+
+    config = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, new_decoder_architecture=True,
+                                       num_kv_heads=2, alibi=False)
+    config.architectures = ["FalconForCausalLM"]
+    path = tmp_path / "falcon.json"
+    config.to_json_file(str(path))
+    model = plan_model(str(path), 16, H100)
+    assert model.dense_layers == 2 and model.dense.flops > 0 and model.dense.activation_bytes > 0

@@ -182,8 +182,10 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
     try:  # activation checkpointing's tracing marks torch.fx.traceback's current node
         # meta with its policy; restored so that later traces do not inherit the marks
         with context, attention, causal, torch.fx.traceback.preserve_node_meta():
-            return make_fx(step, tracing_mode=tracing)(  # type: ignore[arg-type]
-                detached, buffers, args, kwargs)
+            # tensors the model makes itself are constants of the trace (Falcon indexes
+            # its fused QKV with a Python list, which becomes a meta tensor)
+            return make_fx(step, tracing_mode=tracing,  # type: ignore[arg-type]
+                           _allow_non_fake_inputs=True)(detached, buffers, args, kwargs)
     except Exception as exc:
         if "data-dependent" in str(exc).lower() or "_local_scalar_dense" in str(exc):
             raise ConfigError(

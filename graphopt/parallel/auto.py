@@ -97,8 +97,49 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
     if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or
                                                         plan.pp > 1 or plan.cp > 1):
         return "ZeRO-1 is executed with data parallelism alone"
+    if plan.tp > 1 and model is not None:
+        why = _tp_refusal(model, plan)
+        if why:
+            return why
     if plan.pp > 1 and model is not None:  # last: the model-level check may run it once
         return _pp_refusal(model, plan)
+    return ""
+
+
+def _tp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
+    """Why graphopt.parallelize's TP would not run ``plan`` on ``model`` as the planner
+    prices it ("" if it would): a model whose decoder layers hold no nn.Linear (GPT-2's
+    Conv1D) is split nowhere, every rank computing and holding the whole model (a review:
+    "auto" picked tp=2 for it, priced as split, over the memory it has); with real weights
+    also what the derived layout refuses (:func:`graphopt.parallel.tp_layout.
+    derive_tp_layout`: divisibility, SP's problems), derived once per TP degree and cached
+    on the model."""
+    from graphopt.parallel.apply import _default_sample, decoder_layers
+    from graphopt.parallel.tp_layout import derive_tp_layout
+
+    nothing = (f"TP={plan.tp} splits nothing in this model (no nn.Linear reads a "
+               "normalization module's output: e.g. GPT-2's Conv1D projections), so every "
+               "TP rank would compute and hold the whole model")
+    layers = decoder_layers(model)
+    if layers and not any(isinstance(m, nn.Linear) for layer in layers
+                          for m in layer.modules()):
+        return nothing
+    if any(p.is_meta for p in model.parameters()):
+        return ""
+    cache = model.__dict__.setdefault("_graphopt_plan_refusals", {})
+    key = ("tp", plan.tp)
+    if key not in cache:
+        try:
+            cache[key] = derive_tp_layout(model, _default_sample(model), plan.tp)
+        except ConfigError as exc:
+            cache[key] = str(exc)
+    layout = cache[key]
+    if isinstance(layout, str):
+        return layout
+    if not layout.mixers and layout.lm_head is None:
+        return nothing
+    if plan.sp and layout.layers and (layout.sp_problems or layout.written_in_place):
+        return f"SP cannot run this model: {(layout.sp_problems or layout.written_in_place)[0]}"
     return ""
 
 

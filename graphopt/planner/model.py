@@ -304,8 +304,18 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         if types:  # mixed layers (MiniMax: linear, full attention): all of one kind
             extra["layer_types"] = [kind] * layers
         layer_key = "n_layer" if source.config_class == "GPT2Config" else "num_hidden_layers"
-        return build_architecture(source, dtype, {**(overrides or {}), layer_key: layers,
-                                                  **extra}, seq=seq, attn_implementation=attn)
+        fields = {**(overrides or {}), layer_key: layers, **extra}
+        try:
+            return build_architecture(source, dtype, fields, seq=seq, attn_implementation=attn)
+        except ConfigError as exc:
+            if repr(attn) not in str(exc):
+                raise
+            # a model whose attention classes sit in a fixed table (Falcon) takes no
+            # registered attention function: its own SDPA path, which the fake trace
+            # prices as the fused kernel, or its eager one (the unfused GEMMs of 2021)
+            return build_architecture(source, dtype, fields, seq=seq,
+                                      attn_implementation="sdpa" if attention == "flash"
+                                      else "eager")
 
     layers = int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0)))
     flags = moe_layer_flags(cfg, layers)
