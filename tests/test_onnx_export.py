@@ -228,6 +228,20 @@ def test_llama_lightning_export_equals_the_transformed_model(tmp_path: Path) -> 
     assert not any(p.startswith("s") and p[1:].isdigit() for p in symbols), symbols
 
 
+def test_module_path_options_select_the_sites_they_select_under_compile(tmp_path: Path
+                                                                        ) -> None:
+    """``lightning.layers`` patterns and report paths name the model's modules as under
+    torch.compile (a review: the export's wrapper prefixed them with "model.", so
+    ``"model.layers.0.*"`` converted layer 0 when compiled and nothing in the file)."""
+    model = build_model("llama")
+    options = {"attention": "lightning", "lightning": {"layers": ["model.layers.0.*"]}}
+    result = graphopt.export_onnx(model, sample_batch(model, 2, 12), options,
+                                  tmp_path / "layer0.onnx")
+    sites = _exported_sites(result, "attention")
+    assert [s.action for s in sites] == ["rewritten", "skipped"], sites
+    assert "kept: model.layers.1.self_attn is not selected" in sites[1].reason
+
+
 def test_cli_exports_mixtral_in_the_dense_form(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

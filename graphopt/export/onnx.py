@@ -214,7 +214,8 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
                                      loops=bool(lightning_layers(model)))
             result.seconds["torch_export"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            gm, dumper = _run_model_passes(exported, args, config, report)
+            gm, dumper = _run_model_passes(exported, args, config, report,
+                                           "model." if module is not model else "")
             result.transformed = gm
             result.seconds["passes"] = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -434,16 +435,27 @@ def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptC
 
 
 def _run_model_passes(exported: torch.export.ExportedProgram, args: tuple,
-                      config: GraphoptConfig, report: CompileReport
+                      config: GraphoptConfig, report: CompileReport, wrapper: str = ""
                       ) -> tuple[fx.GraphModule, Dumper]:
     """Run stage "pre_autograd" on the exported graph (parameters as attributes); returns
-    the graph and its dumper."""
+    the graph and its dumper. ``wrapper``: the path prefix of the model inside the module
+    exported (:class:`CausalLMLogits`' ``"model."``), dropped from the nodes' module paths
+    so that reports and module-path options (``lightning.layers``) name the model's own
+    modules, as under torch.compile (a review: ``"model.layers.0.*"`` selected layer 0
+    when compiled and nothing when exported)."""
     from graphopt.capture import check_outputs
     from graphopt.pipeline import PassRunner, copy_graph_module
 
     gm = exported.module(check_guards=False)  # the retrace checks the shapes again
     assert isinstance(gm, fx.GraphModule)
     _fake_attr_meta(gm)
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if wrapper and stack:
+            node.meta["nn_module_stack"] = {
+                key: ("" if str(value[0]) == wrapper.rstrip(".") else
+                      str(value[0]).removeprefix(wrapper), *value[1:])
+                for key, value in stack.items()}
     # torch.export's dtype assertions on intermediate values: side-effecting nodes that would
     # keep a region a pass replaced alive (the retrace checks dtypes again).
     for node in list(gm.graph.find_nodes(op="call_function",
