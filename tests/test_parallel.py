@@ -705,6 +705,36 @@ def test_auto_without_the_job_s_sizes_is_a_clear_error():
 
     with pytest.raises(ConfigError, match=r"missing \['global_batch'\]"):
         auto_plan(build_model("llama"), 4, {"seq": 16})
+    # a review: a profile name (as `graphopt plan --cluster` takes it) was a ValueError, a
+    # float or string seq was accepted (16.5 planned as 16), cp="yes" refused after the
+    # whole search
+    for cluster, message in (("h100-sxm", "a profile name goes in it as 'profile'"),
+                             ({"seq": 16.5, "global_batch": 4}, r"\['seq'\] must be an int"),
+                             ({"seq": "16", "global_batch": 4}, r"\['seq'\] must be an int"),
+                             ({"seq": 16, "global_batch": 0}, "must be an int >= 1"),
+                             ({"seq": 16, "global_batch": 4, "cp": "yes"}, "must be True")):
+        with pytest.raises(ConfigError, match=message):
+            auto_plan(build_model("llama"), 4, cluster)
+
+
+def test_auto_plans_a_subclass_of_a_transformers_model_as_its_base_class():
+    """``class MyLlama(LlamaForCausalLM)`` was refused with an error about a temporary
+    config.json and a class MyLlamaForCausalLM that does not exist (a review)."""
+    import transformers
+
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import auto_plan
+
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    plan, notes = auto_plan(MyLlama(build_model("llama").config), 2,
+                            {"seq": 16, "global_batch": 4})
+    assert plan.devices == 2 and notes[0].startswith(f"auto: {plan.describe()} for 2 ranks")
+    wrapper = torch.nn.Linear(2, 2)  # a wrapper module holding a transformers config
+    wrapper.config = build_model("llama").config
+    with pytest.raises(ConfigError, match="Linear is none of them nor a subclass of one"):
+        auto_plan(wrapper, 2, {"seq": 16, "global_batch": 4})
 
 
 def _sp_odd_length_worker(rank, world):
@@ -1151,3 +1181,60 @@ def test_an_optimizer_built_before_parallelize_is_refused_at_its_step():
     for early, late in run_distributed(_stale_optimizer_worker, 2):
         assert "holds parameters that graphopt.parallelize replaced" in early
         assert late == "ran"
+
+
+class _SharedDepthBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _SharedDepthModel(torch.nn.Module):
+    """One block run at depths 0 and 2 (weights shared across depth, ALBERT style)."""
+
+    def __init__(self):
+        super().__init__()
+        shared = _SharedDepthBlock()
+        self.blocks = torch.nn.ModuleList([shared, _SharedDepthBlock(), shared])
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _shared_depth_worker(rank, world, zero_stage):
+    import graphopt
+
+    torch.manual_seed(0)
+    ref = _SharedDepthModel().double()
+    model = graphopt.parallelize(copy.deepcopy(ref), ParallelPlan(dp_shard=2,
+                                                                  zero_stage=zero_stage))
+    x = torch.randn(4, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        model(x.chunk(2)[rank]).square().mean().backward()
+        ref(x).square().mean().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    error = max(float((_full(p.detach()) - r.detach()).abs().max())
+                for p, r in zip(model.parameters(), ref.parameters()))
+    return error, model.graphopt_parallel.notes
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_block_shared_across_depth_is_sharded_with_the_root(zero_stage):
+    """A block at two depths under FSDP was torch's AssertionError ("fully_shard has
+    already been applied", a review); it is sharded with the root and trains as one
+    process does."""
+    for error, notes in run_distributed(_shared_depth_worker, 2, zero_stage):
+        assert error < 1e-12, (error, notes)
+        assert any("1 decoder layer(s) appear twice" in n for n in notes), notes

@@ -235,3 +235,14 @@ def test_selective_recomputation_gathers_sp_inputs_again():
         assert full["gloo:all_gather"] == gather + 2 * layers, counts
         assert selective == {**none, "gloo:all_gather": gather + 2 * layers}, counts
         assert err < 1e-12, err
+
+
+def test_a_recompute_layers_value_of_the_wrong_type_is_the_plan_s_own_error():
+    """``recompute_layers=[1]`` was a TypeError comparing a list with an int (a review):
+    the plan's own validation speaks first."""
+    import graphopt
+    from graphopt.errors import ConfigError
+    from graphopt.models import build_model
+
+    with pytest.raises(ConfigError, match=r"recompute_layers must be an int >= 0, got \[1\]"):
+        graphopt.parallelize(build_model("llama"), ParallelPlan(recompute_layers=[1]))

@@ -200,7 +200,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
                           f"{type(plan).__name__}")
     unexecuted = plan.problems()
-    if plan.recompute_layers:
+    if plan.recompute_layers and not unexecuted:  # (a list was a TypeError below: a review)
         count = len(decoder_layers(model))
         # uneven stages (the plan's stage_layers): the largest stage's layers (the
         # planner's recompute_layers for a layout; a review found llama3-70b's best plan,
@@ -762,9 +762,19 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 \
             else mesh["dp_shard_cp"]
         for unit in units:
-            for block in _blocks(unit):
-                fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
-                            **fsdp_kwargs)
+            blocks = _blocks(unit)
+            # a block run at two depths (weights shared across depth) is no FSDP unit of
+            # its own: the root's unit holds it, gathered for the whole forward and reduced
+            # once (fully_shard on it twice was torch's AssertionError: a review)
+            shared = [b for i, b in enumerate(blocks) if any(b is c for c in blocks[:i])]
+            for block in blocks:
+                if not any(block is b for b in shared):
+                    fully_shard(block, mesh=dp_mesh,
+                                reshard_after_forward=plan.zero_stage == 3, **fsdp_kwargs)
+            if shared:
+                report.notes.append(f"FSDP: {len(shared)} decoder layer(s) appear twice in "
+                                    "the layer list (shared weights): sharded with the root, "
+                                    "not as units of their own")
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=plan.zero_stage == 3,
                         **fsdp_kwargs)
         kind = "HSDP" if plan.dp_replicate > 1 else "FSDP"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,21 @@ def _cp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
     return cache[key]
 
 
+def _transformers_class(model: nn.Module) -> str:
+    """The name of the transformers model class ``model`` is or subclasses (the planner
+    builds the architecture by that name: a review found ``class MyLlama(LlamaForCausalLM)``
+    refused with an error about a temporary config.json)."""
+    import transformers
+
+    for cls in type(model).__mro__:
+        if getattr(transformers, cls.__name__, None) is cls:
+            return cls.__name__
+    raise ConfigError(f"parallel='auto' plans transformers model classes, which it builds by "
+                      f"name; {type(model).__name__} is none of them nor a subclass of one: "
+                      "plan its architecture with `graphopt plan --model config.json` and "
+                      "pass the plan (options={'parallel': 'plan.json'})")
+
+
 def auto_plan(model: nn.Module, world: int, cluster: Any = None
               ) -> tuple[ParallelPlan, list[str]]:
     """(the best executable plan for ``world`` ranks, notes); module docstring."""
@@ -221,17 +237,33 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     from graphopt.planner.model import plan_model
     from graphopt.planner.search import search
 
+    shape = ("options['cluster'] = {'seq': tokens per sequence, 'global_batch': sequences "
+             "per step, 'profile': name (optional), 'cp': True to allow context parallelism "
+             "(optional)}")
+    if cluster is not None and not isinstance(cluster, Mapping):
+        # (a review: "h100-sxm", as `graphopt plan --cluster` takes it, was a ValueError)
+        raise ConfigError(f"parallel='auto' needs {shape}, got {cluster!r}; a profile name "
+                          "goes in it as 'profile'")
     spec = dict(cluster or {})
     unknown = sorted(set(spec) - set(CLUSTER_KEYS))
     missing = [k for k in ("seq", "global_batch") if k not in spec]
     if unknown or missing:
-        raise ConfigError(f"parallel='auto' needs options['cluster'] = {{'seq': tokens per "
-                          f"sequence, 'global_batch': sequences per step, 'profile': name "
-                          f"(optional), 'cp': True to allow context parallelism (optional)}}; "
-                          f"unknown {unknown}, missing {missing}")
+        raise ConfigError(f"parallel='auto' needs {shape}; unknown {unknown}, missing "
+                          f"{missing}")
+    for key, least in (("seq", 2), ("global_batch", 1)):
+        value = spec[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"options['cluster']['{key}'] must be an int >= {least}, got "
+                              f"{value!r}")
+    allow_cp = spec.get("cp", False)
+    if not isinstance(allow_cp, bool):
+        raise ConfigError(f"options['cluster']['cp'] must be True (the training loop feeds "
+                          f"each rank shard_sequence's chunk and uses cp_loss) or False, got "
+                          f"{allow_cp!r}")
     config = getattr(model, "config", None)
     if config is None:
         raise ConfigError("parallel='auto' plans transformers models (it reads model.config)")
+    architecture = _transformers_class(model)
     profile_name = spec.get("profile") or default_profile_name()
     profile = load_profile(profile_name)
     dtype = next(model.parameters()).dtype
@@ -242,7 +274,7 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
         import copy
 
         config = copy.deepcopy(config)
-        config.architectures = [type(model).__name__]  # the class the planner builds
+        config.architectures = [architecture]  # the class the planner builds
         config.to_json_file(str(Path(tmp) / "config.json"))
         planned = plan_model(str(Path(tmp) / "config.json"), int(spec["seq"]), profile,
                              dtype=dtype)
@@ -251,11 +283,6 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False,
                                   tied_embeddings=tied_embeddings(config, model))
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
-    allow_cp = spec.get("cp", False)
-    if not isinstance(allow_cp, bool):
-        raise ConfigError(f"options['cluster']['cp'] must be True (the training loop feeds "
-                          f"each rank shard_sequence's chunk and uses cp_loss) or False, got "
-                          f"{allow_cp!r}")
 
     def why_not(plan: ParallelPlan) -> str:
         if plan.cp > 1 and not allow_cp:
