@@ -61,7 +61,7 @@ def bench_vs_sdpa(seqs: list[int], reps: int, peak: float) -> None:
         gflops = flops / t_la_t / 1e9
         print(f"| {s} | {t_sdpa * 1e3:.1f} | {t_la * 1e3:.1f} | {t_sdpa / t_la:.2f}x | "
               f"{t_sdpa_t * 1e3:.1f} | {t_la_t * 1e3:.1f} | {t_sdpa_t / t_la_t:.2f}x | "
-              f"{gflops:.0f} | {gflops / peak:.0%} |", flush=True)
+              f"{gflops:.3g} | {gflops / peak:.1%} |", flush=True)
 
 
 def bench_subsets(seqs: list[int], reps: int) -> None:

@@ -321,6 +321,10 @@ def main() -> None:
                         "without the host's (launch-bound rows: B=1, H=8, short S)")
     args = parser.parse_args()
     start = time.perf_counter()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"lightning_gpu.py times GPU kernels and needs a CUDA GPU (this torch "
+                         f"{torch.__version__} sees none); run it through the device tool "
+                         "(benchmarks/gpu_session.sh)")
     if args.no_tune:
         from graphopt.kernels.lightning import triton_kernels
         triton_kernels.TUNE = False

@@ -143,6 +143,10 @@ def main() -> None:
     if args.bound:
         non_gemm_bound(*args.times)
         return
+    if not torch.cuda.is_available():
+        raise SystemExit(f"moe_gpu.py times GPU kernels and needs a CUDA GPU (this torch "
+                         f"{torch.__version__} sees none); run it through the device tool "
+                         "(benchmarks/gpu_session.sh)")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     if args.profile is not None:
         profile_shape(*SHAPES[args.profile])

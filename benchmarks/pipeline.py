@@ -81,6 +81,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    stages = max(k["pp"] * k.get("virtual_stages", 1) for k in PLANS)
+    if args.layers < stages or args.layers % stages:
+        parser.error(f"--layers must be a multiple of {stages} (the most pipeline stages of "
+                     "the plans run: pp=4 x 2 virtual stages)")
     print(f"Llama {args.layers} layers, hidden {args.hidden}, seq {args.seq}, fp32, pp gloo "
           f"ranks x 1 thread, microbatch = 1 sequence; medians of {args.reps}")
     print(f"{'plan':40s} {'m':>3s} {'step ms':>8s} {'t ms':>7s} {'bubble':>7s} "
@@ -94,13 +98,16 @@ def main() -> None:
         slope = sum((m - mean_m) * (steps[m] - mean_t) for m in ms) / \
             sum((m - mean_m) ** 2 for m in ms)
         intercept = mean_t - slope * mean_m
+        # a negative intercept or slope is timing noise, not a bubble (a review saw -0.25
+        # and 1.18 at hidden 64): printed as "noise", not as a fraction
+        fitted = slope > 0 and 0 <= intercept
         for m in ms:
             ramp = (plan.pp - 1) / plan.virtual_stages / (
                 3 if plan.pp_schedule == "zero_bubble" else 1)
             formula = ramp / (m + ramp)
+            measured = f"{intercept / steps[m]:7.3f}" if fitted else f"{'noise':>7s}"
             print(f"{plan.describe():40s} {m:3d} {steps[m] * 1e3:8.1f} {slope * 1e3:7.1f} "
-                  f"{intercept / steps[m]:7.3f} {formula:8.3f} "
-                  f"{_predicted_bubble(args, plan, m):8.3f}")
+                  f"{measured} {formula:8.3f} {_predicted_bubble(args, plan, m):8.3f}")
 
 
 if __name__ == "__main__":
