@@ -794,14 +794,24 @@ def _gpt2_tp_worker(rank, world):
                                      n_positions=64)
     with pytest.warns(UserWarning, match="splits nothing"):
         model = parallelize(transformers.GPT2LMHeadModel(config), ParallelPlan(tp=2, sp=False))
-    return model.graphopt_parallel.notes
+    # blocks whose norm sits inside (x + MLP(norm(x))): each kept whole for its reason, which
+    # the note gives (it said no Linear reads a norm's output: a review)
+    mlp = torch.nn.Sequential(_SharedDepthBlock(), _SharedDepthBlock())
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(UserWarning, match="splits nothing"):
+        blocks = parallelize(mlp, ParallelPlan(tp=2, sp=False), sample=lambda: mlp(x))
+    return model.graphopt_parallel.notes + blocks.graphopt_parallel.notes
 
 
 def test_tp_that_splits_nothing_says_so():
     """GPT-2's projections are Conv1D, no nn.Linear: tp=2 ran the whole model on each rank
     and the report said nothing (a review)."""
     for notes in run_distributed(_gpt2_tp_worker, 2):
-        assert any("TP=2 splits nothing" in n for n in notes), notes
+        assert any("TP=2 splits nothing in this model: " in n and "GPT-2's Conv1D" in n
+                   for n in notes), notes
+        assert any("TP=2 splits nothing in this model: 0 is kept whole: its hidden-state "
+                   "input could not be located in its call (1 more in" in n
+                   for n in notes), notes
 
 
 def _user_wrapped_worker(rank, world):

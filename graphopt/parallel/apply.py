@@ -284,10 +284,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         if not layout.mixers and layout.lm_head is None:
             # (a review: GPT-2's Conv1D projections are no nn.Linear; tp=2 ran the whole
             # model on both ranks and the report said nothing)
-            message = (f"TP={plan.tp} splits nothing in this model: no nn.Linear reads a "
-                       "normalization module's output (projections that are no nn.Linear, "
-                       "e.g. GPT-2's Conv1D, are not split), so every TP rank computes the "
-                       "whole model; use tp=1")
+            kept = next(iter(layout.kept.items()), None)
+            why = (f"{kept[0]} is kept whole: {kept[1]}" + (
+                f" ({len(layout.kept) - 1} more in derive_tp_layout(...).kept)"
+                if len(layout.kept) > 1 else "") + "; ") if kept else ""
+            message = (f"TP={plan.tp} splits nothing in this model: {why}TP splits an "
+                       "nn.Linear pair reading a normalization module's output (projections "
+                       "that are no nn.Linear, e.g. GPT-2's Conv1D, are not split), so every "
+                       "TP rank computes the whole model; use tp=1")
             report.notes.append(message)
             warnings.warn(f"graphopt: {message}", stacklevel=2)
         if plan.sp and not report.sp:
@@ -412,8 +416,11 @@ def _expert_ranges(held: dict[str, tuple[int, int, int]]) -> str:
 def _default_sample(model: nn.Module) -> Callable[[], Any]:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is None:
-        raise ConfigError("tp > 1 needs a sample forward to derive the layout: pass "
-                          "parallelize(..., sample=lambda: model(example_input))")
+        raise ConfigError("tp > 1 needs a sample forward to derive the layout, and this "
+                          "model has no config.vocab_size to make token ids from: call "
+                          "graphopt.parallelize(model, plan, sample=lambda: "
+                          "model(example_input)) yourself (graphopt.compile's 'parallel' "
+                          "option runs token ids only)")
     device = next(model.parameters()).device
     ids = torch.arange(8, device=device).remainder(vocab).unsqueeze(0)
     return lambda: model(input_ids=ids, use_cache=False)

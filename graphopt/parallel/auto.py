@@ -308,7 +308,8 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
                               f"executable: {why_not(result.best)}") from None
     pred = plan.prediction
     assert pred is not None
-    notes = [f"auto: {plan.describe()} for {world} ranks of {profile_name!r} (seq "
+    shown = profile_name if isinstance(profile_name, str) else profile.name  # not a dict
+    notes = [f"auto: {plan.describe()} for {world} ranks of {shown!r} (seq "
              f"{spec['seq']}, global batch {spec['global_batch']}): predicted step "
              f"{pred.step_s * 1e3:.3g} ms, {pred.tokens_per_s:.4g} tokens/s, MFU "
              f"{pred.mfu * 100:.3g}%; best of {result.evaluated} plans evaluated"]
