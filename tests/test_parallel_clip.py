@@ -25,6 +25,9 @@ RUNS = {
         # tensor-parallel experts: FFN slices over tp, EP over dp_shard
         ("mixtral", {}, dict(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=3)),
         ("llama", TIED, dict(pp=2, dp_shard=2, zero_stage=3)),
+        # the router [2, H] over dp_shard 4: ranks 2 and 3 hold empty shards, whose inf-norm
+        # raised there while ranks 0 and 1 waited in the all-reduce (a review)
+        ("mixtral", dict(num_local_experts=2), dict(dp_shard=4, ep=2, zero_stage=3)),
         # FSDP2 x TP with dp_shard inside tp: DTensor's own norm raised a KeyError there
         ("llama", {}, dict(dp_shard=2, tp=2, zero_stage=3,
                            mesh_order=("dp_shard", "tp", "cp", "dp_replicate", "pp")))],
@@ -73,6 +76,25 @@ def test_clipping_needs_a_parallelized_model():
 
     with pytest.raises(ConfigError, match="torch.nn.utils.clip_grad_norm_"):
         clip_grad_norm_(build_model("llama"), 1.0)
+
+
+def _zero_norm_worker(rank, world):
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel import grad_norm
+
+    model = graphopt.parallelize(build_model("llama"), ParallelPlan(dp_shard=2, zero_stage=3))
+    try:
+        grad_norm(model, 0)
+    except ConfigError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_a_norm_of_order_zero_is_a_clear_error():
+    """grad_norm(model, 0) was a ZeroDivisionError (a review)."""
+    for message in run_distributed(_zero_norm_worker, 2):
+        assert "norm_type must be > 0" in message
 
 
 def _nan_worker(rank, world):

@@ -52,6 +52,10 @@ def _norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
     """The ``p``-norm of ``grads`` as a plain float64 scalar (0 for none)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
+    if not hasattr(grads[0], "device_mesh"):
+        grads = [g for g in grads if g.numel()]  # (the inf-norm of an empty tensor raises)
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
     if hasattr(grads[0], "device_mesh") and not any(
             pl.is_partial() for g in grads for pl in g.placements):  # type: ignore[attr-defined]
         return _sharded_norm(grads, p)
@@ -75,7 +79,12 @@ def _sharded_norm(grads: list[Any], p: float) -> torch.Tensor:
     inf = p == float("inf")
     parts = []
     for placements, locals_ in groups.items():
-        local = torch.nn.utils.get_total_norm(locals_, norm_type=p).detach()
+        # a rank's empty shards (FSDP2 splits dim 0 unevenly: a [4, H] router over 3 ranks
+        # is 2/2/0) hold nothing; the inf-norm of an empty tensor raised on that rank while
+        # the others waited in the all-reduce (a review)
+        locals_ = [t for t in locals_ if t.numel()]
+        local = torch.nn.utils.get_total_norm(locals_, norm_type=p).detach() if locals_ \
+            else torch.zeros((), dtype=torch.float64)
         value = local.to(torch.float64).cpu()  # (_all_reduce moves it where the group needs)
         value = value if inf else value.pow(p)
         for dim, placement in enumerate(placements):
@@ -119,6 +128,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
                           "graphopt.parallelize or graphopt.compile(options={'parallel': ...}); "
                           "use torch.nn.utils.clip_grad_norm_ for a plain model")
     plan, mesh, p = report.parallel_plan, report.mesh, float(norm_type)
+    if not p > 0:  # (0 was a ZeroDivisionError: a review)
+        raise ConfigError(f"norm_type must be > 0 (float('inf') for the max norm), got "
+                          f"{norm_type!r}")
     skip = _tied_copy(model)
     meshes: dict[tuple[Any, bool], list[torch.Tensor]] = {}
     plain: dict[bool, list[torch.Tensor]] = {False: [], True: []}
