@@ -754,12 +754,14 @@ def test_sp_with_a_sequence_tp_does_not_divide_is_a_clear_error():
         assert "sequence length 7 is not divisible by tp=2 under SP" in message
 
 
-def _dropout_seed_worker(rank, world, seed_per_rank, pp):
+def _dropout_seed_worker(rank, world, seed_per_rank, pp, kind="dropout"):
     from graphopt.models import build_model
     from graphopt.parallel import parallelize
 
-    plan = ParallelPlan(tp=2, pp=pp, microbatch=1)
-    model = parallelize(build_model("llama", attention_dropout=0.1), plan)
+    plan = ParallelPlan(tp=2, pp=pp, microbatch=1, sp=kind != "jitter")
+    model = parallelize(build_model("llama", attention_dropout=0.1) if kind == "dropout"
+                        else build_model("mixtral", router_jitter_noise=0.1)
+                        if kind == "jitter" else build_model("llama"), plan)
     model.train()
     torch.manual_seed(100 + (rank if seed_per_rank else 0))
     ids = torch.zeros(2, 8, dtype=torch.long)
@@ -783,6 +785,16 @@ def test_dropout_under_tp_with_ranks_seeded_apart_is_a_clear_error(pp):
     for message in run_distributed(_dropout_seed_worker, world, True, pp):
         assert "TP ranks' random states differ" in message
     assert run_distributed(_dropout_seed_worker, world, False, pp) == ["ran"] * world
+
+
+def test_router_noise_under_tp_with_ranks_seeded_apart_is_a_clear_error():
+    """Mixtral's router_jitter_noise draws in the replicated router: the check looked for
+    modules named *dropout* and missed it (a review: router gradients 0.28 apart between
+    TP ranks). It reads the generators now; a forward that draws nothing runs with ranks
+    seeded apart."""
+    for message in run_distributed(_dropout_seed_worker, 2, True, 1, "jitter"):
+        assert "TP ranks' random states differ" in message
+    assert run_distributed(_dropout_seed_worker, 2, True, 1, "none") == ["ran"] * 2
 
 
 def _gpt2_tp_worker(rank, world):

@@ -238,3 +238,20 @@ def test_real_models_have_no_sp_problem_with_a_batch_of_two(name):
     ids = torch.randint(0, 64, (2, 8))
     layout = derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), 2)
     assert layout.mixers and not layout.sp_problems, layout.sp_problems
+
+
+def test_a_module_that_writes_its_input_in_training_is_an_sp_problem():
+    """Mixtral's router_jitter_noise multiplies the MoE block's input in place in training
+    mode only: the layout, derived in eval mode, saw nothing and SP crashed every training
+    step inside autograd (a review). Found by running each gathered module once in training
+    mode; the model's modes, random state and outputs are as before."""
+    from graphopt.models import build_model
+
+    model = build_model("mixtral", router_jitter_noise=0.1).train()
+    ids = torch.randint(0, 64, (2, 8))
+    state = torch.get_rng_state()
+    layout = derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), 2)
+    assert any("model.layers.0.mlp writes its input in place in training mode" in p
+               for p in layout.sp_problems), layout.sp_problems
+    assert model.training and all(m.training for m in model.modules())
+    assert torch.equal(torch.get_rng_state(), state)

@@ -357,19 +357,22 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         model.register_forward_pre_hook(_microbatch_check(plan.microbatch), with_kwargs=True)
         if report.sp:
             model.register_forward_pre_hook(_sp_length_check(plan.tp), with_kwargs=True)
-    if plan.tp > 1 and _has_dropout(model):
-        check = _tp_rng_check(mesh["tp"].get_group())
+    if plan.tp > 1:
+        before_forward, after_forward = _tp_rng_check(mesh["tp"].get_group())
         if plan.pp > 1:  # PipelinedModel.step runs the stages, never its own forward (the
             # check did not run under PP: a re-review)
             step: Callable[..., Any] = model.step  # type: ignore[assignment]
 
             def checked_step(*args: Any, **kwargs: Any) -> Any:
-                check(model, args)
-                return step(*args, **kwargs)
+                before_forward(model, args)
+                out = step(*args, **kwargs)
+                after_forward(model)
+                return out
 
             object.__setattr__(model, "step", checked_step)
         else:
-            model.register_forward_pre_hook(check)
+            model.register_forward_pre_hook(before_forward)
+            model.register_forward_hook(after_forward)
     names = getattr(model, "original_names", {})
     report.parameters = [(names.get(name, name), _expert_placement(names.get(name, name),
                                                                    report) + _placements(p),
@@ -573,53 +576,61 @@ def _microbatch_check(microbatch: int) -> Callable[..., None]:
     return hook
 
 
-def _has_dropout(model: nn.Module) -> bool:
-    """Whether ``model`` draws dropout masks in training: a dropout module with p > 0, or a
-    module attribute named ``*dropout*`` / ``*pdrop*`` above 0 (transformers' attention
-    dropout, read by functional calls)."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-        if any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
-               for k, v in vars(module).items()):
-            return True
-    return False
-
-
-def _tp_rng_check(group: Any) -> Callable[..., None]:
-    """Forward pre-hook, first training forward only: the TP ranks of a model with dropout
-    must draw alike (replicated regions compute the same values on every TP rank), so their
-    random states must agree. Megatron's model-parallel RNG tracker is not implemented; TP
-    ranks seeded by global rank (a data-parallel habit) drew different masks and their
-    replicated parameters drifted apart, silently (a review: gradients up to 1.49 apart)."""
+def _rng_digest(device: torch.device) -> str:
+    """A digest of this process's CPU random state and, on an accelerator, ``device``'s."""
     import hashlib
 
+    states = [torch.get_rng_state()]
+    if device.type != "cpu":
+        try:
+            states.append(torch.get_device_module(device).get_rng_state(device))
+        except (AttributeError, TypeError, RuntimeError):
+            pass  # a device whose generator state cannot be read here: the CPU's alone
+    return hashlib.sha1(b"".join(s.cpu().numpy().tobytes() for s in states)).hexdigest()
+
+
+def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+    """(before, after) the first training forward: the TP ranks must draw alike (replicated
+    regions compute the same values on every TP rank), so where that forward draws random
+    numbers (dropout, Mixtral's router jitter noise, any op that advances a generator) the
+    ranks' random states must have agreed before it. Megatron's model-parallel RNG tracker
+    is not implemented; TP ranks seeded by global rank (a data-parallel habit) drew
+    different masks and their replicated parameters drifted apart, silently (a review:
+    gradients up to 1.49 apart). Whether the forward draws is read from the generators
+    themselves (a later review: the check looked for modules named ``*dropout*`` and missed
+    ``router_jitter_noise``, router gradients 0.28 apart)."""
     import torch.distributed as dist
 
-    checked: list[bool] = []
+    pending: dict[str, Any] = {}
+    done: list[bool] = []
 
-    def hook(module: nn.Module, args: tuple) -> None:
-        if checked or not module.training or not torch.is_grad_enabled():
+    def before(module: nn.Module, args: tuple) -> None:
+        if done or pending or not module.training or not torch.is_grad_enabled():
             return
-        checked.append(True)
         local = next((_local(p) for p in module.parameters()), None)
         device = local.device if local is not None else torch.device("cpu")
-        rng = torch.get_device_module(device) if device.type != "cpu" else torch
-        try:
-            state = rng.get_rng_state(device) if device.type != "cpu" else torch.get_rng_state()
-        except (AttributeError, TypeError, RuntimeError):
-            return  # a device whose generator state cannot be read here: not checked
-        digest = hashlib.sha1(state.cpu().numpy().tobytes()).hexdigest()
+        digest = _rng_digest(device)
         states: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(states, digest, group=group)
-        if len(set(states)) > 1:
+        pending.update(device=device, digest=digest, differ=len(set(states)) > 1)
+
+    def after(module: nn.Module, *_: Any) -> None:
+        if not pending:
+            return
+        device, digest, differ = pending["device"], pending["digest"], pending["differ"]
+        pending.clear()
+        done.append(True)
+        drew: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(drew, _rng_digest(device) != digest, group=group)
+        if differ and any(drew):
             raise ConfigError(
-                "dropout is on (model.train()) and the TP ranks' random states differ: the "
-                "ranks of a TP group must draw the same dropout masks where TP keeps values "
-                "replicated, or their replicated parameters drift apart. Seed every rank of "
-                "a TP group alike before the first step (e.g. torch.manual_seed(seed + "
-                "data-parallel rank), not seed + global rank), or train without dropout")
-    return hook
+                "the training forward draws random numbers (dropout, router jitter noise, "
+                "...) and the TP ranks' random states differ: the ranks of a TP group must "
+                "draw alike where TP keeps values replicated, or their replicated parameters "
+                "drift apart. Seed every rank of a TP group alike before the first step "
+                "(e.g. torch.manual_seed(seed + data-parallel rank), not seed + global "
+                "rank), or train without dropout or noise")
+    return before, after
 
 
 def _sp_length_check(tp: int) -> Callable[..., None]:

@@ -595,9 +595,53 @@ def _sp_problems(layout: TPLayout, modules: dict[str, nn.Module], recorder: _Rec
                                 "between the decoder layers and the LM head, which SP splits "
                                 "over the sequence: its gradient would cover one shard per "
                                 "rank")
+    problems += _inputs_written_in_training(layout, modules, recorder)
     if not problems:
         problems += _sequence_local(layout, modules, recorder, tp)
     return problems
+
+
+def _inputs_written_in_training(layout: TPLayout, modules: dict[str, nn.Module],
+                                recorder: _Recorder) -> list[str]:
+    """The mixers and replicated readers (what SP hands a gathered sequence) that write an
+    input in place in training mode: autograd forbids that on the view SP's gather returns
+    (a review: Mixtral's ``router_jitter_noise``, ``hidden_states *= noise`` under
+    ``self.training``, crashed every training step under SP, while the layout, derived in
+    eval mode, saw nothing). Each is run once on copies of its recorded inputs, in training
+    mode, without gradients, its random state and buffers put back afterwards."""
+    found = []
+    for path in (*layout.mixers, *layout.replicated):
+        call = recorder.calls.get(path)
+        module = modules[path]
+        if call is None or any(t.is_meta for t in module.parameters()):
+            continue
+        args, kwargs = call
+        copies = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        kw = {k: v.detach().clone() if isinstance(v, torch.Tensor) else
+              None if "cache" in type(v).__name__.lower() else v for k, v in kwargs.items()}
+        tensors = [t for t in (*copies, *kw.values()) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in tensors]
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        modes = [(m, m.training) for m in module.modules()]
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        try:
+            module.train()
+            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
+                                       else []), torch.no_grad():
+                module(*copies, **kw)
+        except Exception:  # noqa: BLE001 - its training path is the probes' business
+            continue
+        finally:
+            for m, mode in modes:
+                m.training = mode
+            with torch.no_grad():
+                for b, value in buffers:
+                    b.copy_(value)
+        if any(t._version != v for t, v in zip(tensors, versions)):
+            found.append(f"{path} writes its input in place in training mode (e.g. Mixtral's "
+                         "router_jitter_noise), which autograd forbids on the sequence SP "
+                         "gathers for it")
+    return found
 
 
 def _sequence_local(layout: TPLayout, modules: dict[str, nn.Module], recorder: _Recorder,
