@@ -312,6 +312,11 @@ class ModelState:
                     dst.copy_(src)
 
 
+FRESH = "graphopt_saved_before_the_first_step"
+"""The key of :meth:`OptimizerState.state_dict` telling whether the optimizer had not
+stepped yet (its states then are torch's zero-learning-rate initialization)."""
+
+
 class OptimizerState:
     """A ``torch.distributed.checkpoint`` Stateful over the optimizer of a parallelized model:
     states keyed by the unparallelized model's parameter names, experts' states as global
@@ -319,8 +324,9 @@ class OptimizerState:
     ``torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict``, which
     initializes empty states with a zero-learning-rate step; for a fresh optimizer that
     step is undone (the live optimizer's states emptied again; the checkpoint holds them
-    with step 0). A run resumed from a checkpoint saved before any step starts from those
-    zero states: exact for Adam/AdamW, not for NAdam (mu_product) or SGD with dampening.
+    with step 0, and :data:`FRESH`). A run resumed from a checkpoint saved before any step
+    starts with an empty optimizer, as a fresh one (Rprop's step sizes, ASGD's eta, NAdam's
+    mu_product, SGD's dampened momentum are then exact too).
 
     ZeRO-1 (``ZeroRedundancyOptimizer``): each rank saves the states of the parameters it
     owns (its local ``.optim``), so the checkpoint again holds each state once.
@@ -376,6 +382,7 @@ class OptimizerState:
                 self._owners[new] = owner
             out[new] = self.experts.global_view(v, owner) \
                 if owner is not None and isinstance(v, torch.Tensor) and v.dim() else v
+        out[FRESH] = fresh
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -400,6 +407,11 @@ class OptimizerState:
                     self._own[key] = loaded
         with _without_grads(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, self._own, options=_FLAT())
+        if state_dict.get(FRESH) is True:  # saved before the first step: its states are
+            # the zero-learning-rate step's, which a fresh optimizer does not have (a
+            # review: Rprop resumed with step sizes of 1e-6, ASGD with eta 0, 5e-2 and
+            # 7e-3 off after 3 steps); the optimizer starts as a fresh one does
+            self.optimizer.state.clear()
         if self.zero1 is not None:  # its step copies the wrapper's hyperparameters into
             for outer, inner in zip(self.zero1.param_groups, self.optimizer.param_groups):
                 outer.update({k: v for k, v in inner.items() if k != "params"})  # .optim
