@@ -312,11 +312,6 @@ class ModelState:
                     dst.copy_(src)
 
 
-FRESH = "graphopt_saved_before_the_first_step"
-"""The key of :meth:`OptimizerState.state_dict` telling whether the optimizer had not
-stepped yet (its states then are torch's zero-learning-rate initialization)."""
-
-
 class OptimizerState:
     """A ``torch.distributed.checkpoint`` Stateful over the optimizer of a parallelized model:
     states keyed by the unparallelized model's parameter names, experts' states as global
@@ -324,8 +319,8 @@ class OptimizerState:
     ``torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict``, which
     initializes empty states with a zero-learning-rate step; for a fresh optimizer that
     step is undone (the live optimizer's states emptied again; the checkpoint holds them
-    with step 0, and :data:`FRESH`). A run resumed from a checkpoint saved before any step
-    starts with an empty optimizer, as a fresh one (Rprop's step sizes, ASGD's eta, NAdam's
+    with step 0). A run resumed from a checkpoint saved before any step (every ``step``
+    state 0) starts with an empty optimizer, as a fresh one (Rprop's step sizes, ASGD's eta, NAdam's
     mu_product, SGD's dampened momentum are then exact too).
 
     ZeRO-1 (``ZeroRedundancyOptimizer``): each rank saves the states of the parameters it
@@ -382,8 +377,27 @@ class OptimizerState:
                 self._owners[new] = owner
             out[new] = self.experts.global_view(v, owner) \
                 if owner is not None and isinstance(v, torch.Tensor) and v.dim() else v
-        out[FRESH] = fresh
         return out
+
+    def _saved_before_first_step(self) -> bool:
+        """Whether the loaded states are those :meth:`state_dict` saves for an optimizer that
+        had not stepped: every ``step`` state 0 (they count real steps), or, for an optimizer
+        without one (SGD's momentum), every state tensor zero. Read from the states, so a
+        checkpoint needs no marker of its own (a marker key made older checkpoints fail to
+        load: a review)."""
+        states = {k: v for k, v in self._own.items() if k.startswith("state.")}
+        if not states:
+            return False
+
+        def zero(v: Any) -> bool:
+            if isinstance(v, torch.Tensor):
+                local = _local(v)
+                return not local.numel() or not bool(local.ne(0).any())
+            return isinstance(v, (int, float)) and v == 0
+
+        steps = [v for k, v in states.items() if k.endswith(".step")]
+        return all(zero(v) for v in steps) if steps else all(
+            zero(v) for v in states.values() if isinstance(v, torch.Tensor))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give the loaded states and hyperparameters back to the optimizer (states copied
@@ -407,10 +421,10 @@ class OptimizerState:
                     self._own[key] = loaded
         with _without_grads(self.optimizer):
             set_optimizer_state_dict(self.model, self.optimizer, self._own, options=_FLAT())
-        if state_dict.get(FRESH) is True:  # saved before the first step: its states are
-            # the zero-learning-rate step's, which a fresh optimizer does not have (a
-            # review: Rprop resumed with step sizes of 1e-6, ASGD with eta 0, 5e-2 and
-            # 7e-3 off after 3 steps); the optimizer starts as a fresh one does
+        if self._saved_before_first_step():  # its states are the zero-learning-rate
+            # step's, which a fresh optimizer does not have (a review: Rprop resumed with
+            # step sizes of 1e-6, ASGD with eta 0, 5e-2 and 7e-3 off after 3 steps); the
+            # optimizer starts as a fresh one does
             self.optimizer.state.clear()
         if self.zero1 is not None:  # its step copies the wrapper's hyperparameters into
             for outer, inner in zip(self.zero1.param_groups, self.optimizer.param_groups):
