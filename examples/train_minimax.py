@@ -1,9 +1,12 @@
-"""Train a small MiniMax (lightning + softmax attention, MoE) for a few steps with graphopt.
+"""Train a small MiniMax (lightning + softmax attention, MoE) for a few steps with graphopt:
+its lightning-attention block loop becomes graphopt's kernel (``attention="exact"``) and its
+experts the sorted-dispatch op (``moe``; transformers' grouped_mm experts, one graph per
+layer, as ``graphopt demo`` runs them; the default "eager" expert loop graph-breaks).
 
     python examples/train_minimax.py [--lowering eager|inductor] [--dump-dir graphopt_dump]
 
-Prints the loss per step and the per-pass summary; with --dump-dir, `graphopt explain DIR`
-shows the same report from the dumped files.
+Prints the loss per step and the per-pass summary (rewrites per pass: attention and moe are
+not 0); with --dump-dir, `graphopt explain DIR` shows the same report from the dumped files.
 """
 
 import argparse
@@ -22,7 +25,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model = build_model("minimax").train()
-    options = {"lowering": args.lowering, "verify": True}
+    model.set_experts_implementation("grouped_mm")
+    options = {"lowering": args.lowering, "verify": True, "attention": "exact", "moe": {}}
     if args.dump_dir:
         options["dump_dir"] = args.dump_dir
     compiled = torch.compile(model, backend="graphopt", options=options)

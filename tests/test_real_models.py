@@ -69,3 +69,22 @@ def test_dynamic_llama_recompiles_on_new_sequence_length():
     assert len([r for r in graphopt.reports() if r.status == "compiled"]) == 1
     assert graphopt.last_report().dynamic
     assert graphopt.last_report().fallback is None  # symbolic outputs pass the capture checks
+
+
+def test_the_minimax_training_example_runs_graphopt_s_rewrites():
+    """examples/train_minimax.py said it trains MiniMax with graphopt and ran none of its
+    rewrites (default options, the graph-breaking eager experts: a review)."""
+    import ast
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_minimax.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "1"], capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    counts = re.search(r"rewrites per pass: (\{.*?\})", out)
+    assert counts, out
+    rewrites = ast.literal_eval(counts.group(1))
+    assert rewrites["attention"] > 0 and rewrites["moe"] > 0, out
+    assert "verify: ['passed']" in out, out
