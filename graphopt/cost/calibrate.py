@@ -36,6 +36,10 @@ from graphopt.cost.profiles import (
     local_profile_path,
 )
 
+_SPREAD: list[float] = []
+"""The slowest / fastest timing ratio of each :func:`_median_time` since the last
+:func:`calibrate` began (a busy machine spreads them)."""
+
 
 def _median_time(fn: Callable[[], Any], reps: int, min_time: float = 0.02) -> float:
     fn()
@@ -49,6 +53,7 @@ def _median_time(fn: Callable[[], Any], reps: int, min_time: float = 0.02) -> fl
             if elapsed >= min_time:
                 break
         times.append(elapsed / n)
+    _SPREAD.append(max(times) / min(times))
     return statistics.median(times)
 
 
@@ -218,6 +223,7 @@ def calibrate(path: Path | None = None, collectives: bool = True,
     """
     target = path or local_profile_path()
     check_writable(target)
+    _SPREAD.clear()
     log(f"matmul fp32 ({torch.get_num_threads()} threads)...")
     curve = measure_matmul()
     peak32 = max(f for _, f in curve)
@@ -244,4 +250,11 @@ def calibrate(path: Path | None = None, collectives: bool = True,
                              "measured by graphopt calibrate")
     target.write_text(json.dumps(cluster_to_dict(profile), indent=2))
     log(f"wrote {target}")
+    busy = sum(r > 2 for r in _SPREAD)
+    if busy:  # (a review: next to other work it saved 0 GFLOP/s at n = 64 and 619 us per
+        # op, against 78 GFLOP/s and 9 us idle, with one warning about n = 1024 only)
+        warnings.warn(f"graphopt calibrate: {busy} of {len(_SPREAD)} measurements had "
+                      "repeated timings more than 2x apart: another process was probably "
+                      "using the cores, and the profile written prices this machine slower "
+                      "than it is; rerun graphopt calibrate on an idle machine", stacklevel=2)
     return profile
