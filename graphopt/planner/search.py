@@ -340,8 +340,8 @@ def hand_configurations(model: PlanModel, devices: int, global_batch: int, node:
         "data parallel (DDP)": ParallelPlan(dp_replicate=devices),
         "FSDP (ZeRO-3)": ParallelPlan(dp_shard=devices, zero_stage=3),
         f"Megatron TP={tp} in node + DP": ParallelPlan(dp_replicate=devices // tp, tp=tp),
-        f"Megatron TP={tp} + PP={pp} + DP, full recompute": _megatron(devices, tp, pp,
-                                                                     model.layers),
+        (f"Megatron TP={tp} + PP={pp} + DP, full recompute" if pp > 1 else
+         f"Megatron TP={tp} + DP, full recompute"): _megatron(devices, tp, pp, model.layers),
     }
     if model.experts:
         plans[f"FSDP + EP={ep}"] = ParallelPlan(dp_shard=devices, zero_stage=3, ep=ep)
