@@ -1026,7 +1026,7 @@ def test_hand_megatron_recipe_takes_kv_heads_every_tp_and_uneven_stages():
     def megatron(model, devices, node=8):
         hand = {name: (plan, problems) for name, plan, problems in
                 hand_configurations(model, devices, 8 * devices, node, H100)}
-        name = next(n for n in hand if "PP=" in n)
+        name = next(n for n in hand if "full recompute" in n)
         return hand[name]
 
     m = plan_model("llama", 256, H100)  # 4 heads, 2 KV heads, 2 layers
