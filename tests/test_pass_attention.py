@@ -322,11 +322,15 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_loop_whose_state_is_read_before_its_cat_is_rewritten():
-    """The op goes before the first read of the loop's final state when that comes before
-    the ``cat`` (a review: ``state.abs().amax()`` there crashed the compile: the state was
-    read before the op that now computes it); output and state equal eager in float64
-    (decay tables recomputed in float64)."""
+@pytest.mark.parametrize("variant", ["state_read_before_cat", "swapped_operands"])
+def test_float64_loops_of_other_shapes_are_rewritten_and_exact(variant):
+    """``state_read_before_cat``: the op goes before the first read of the loop's final
+    state when that comes before the ``cat`` (a review: ``state.abs().amax()`` there
+    crashed the compile: the state was read before the op that now computes it).
+    ``swapped_operands``: ``decay * x`` for ``x * decay`` in every elementwise product
+    (query, key, diagonal and block decays; ``exp(L * -slope)``) is the same loop (a later
+    review: it was neither rewritten nor reported). Outputs and gradients equal eager in
+    float64 (decay tables recomputed in float64)."""
     attn = _layer(40, 16)[0].double()
     with torch.no_grad():
         for name, table in zip(("query_decay", "key_decay", "diagonal_decay"),
@@ -334,29 +338,7 @@ def test_loop_whose_state_is_read_before_its_cat_is_rewritten():
             getattr(attn, name).copy_(table)
 
     def fn(q, k, v):
-        return _minimax_loop(attn, q * 1, k * 1, v * 1, "state_read_before_cat")
-
-    args = [torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3)]
-    gm = trace_for_pass(fn, *args)
-    gm, record = run_pass("attention", gm, Config(attention="exact"),
-                          example_inputs=bind_inputs(gm, fn, *args))
-    assert [s.action for s in record.sites] == ["rewritten"], record.sites
-    args = [a.requires_grad_() for a in args]
-    assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-10, atol=1e-10)
-
-
-def test_loop_with_its_products_written_the_other_way_round_is_rewritten():
-    """``decay * x`` for ``x * decay`` in every elementwise product (query, key, diagonal and
-    block decays; ``exp(L * -slope)``) is the same loop: rewritten, and equal to eager in
-    float64 (a review: swapped operands were neither rewritten nor reported)."""
-    attn = _layer(40, 16)[0].double()
-    with torch.no_grad():
-        for name, table in zip(("query_decay", "key_decay", "diagonal_decay"),
-                               attn.decay_factors(attn.slope_rate)):
-            getattr(attn, name).copy_(table)
-
-    def fn(q, k, v):
-        return _minimax_loop(attn, q * 1, k * 1, v * 1, "swapped_operands")
+        return _minimax_loop(attn, q * 1, k * 1, v * 1, variant)
 
     args = [torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3)]
     gm = trace_for_pass(fn, *args)
