@@ -335,6 +335,28 @@ def test_cp_refuses_models_with_their_own_attention_code(build, message):
         check_cp(model, ParallelPlan(cp=2, cp_kind="all_to_all"))
 
 
+@pytest.mark.parametrize("name, config", [
+    ("GPTNeoXJapanese", dict(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, intermediate_multiple_size=2)),
+    ("Lfm2", dict(TINY, layer_types=["conv", "full_attention"],
+                  block_auto_adjust_ff_dim=False)),
+])
+def test_cp_refuses_layers_that_never_call_the_attention_function_in_any_dtype(name, config):
+    """In bf16 the probe's numbers drown in rounding (8 eps = 0.06): GPT-NeoX-Japanese (its
+    own attention code) and Lfm2's convolution were accepted, CP logits 0.58 off (a
+    re-review), and so was GPT-NeoX-Japanese in float32 with a zero-initialized output
+    projection. Every decoder layer must reach transformers' attention function."""
+    import transformers
+
+    from graphopt.parallel.context import check_cp
+
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(
+        getattr(transformers, f"{name}Config")(**config)).to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="never calls transformers' attention function"):
+        check_cp(model, ParallelPlan(cp=2, cp_kind="all_to_all"))
+
+
 LLAMA4 = dict(TINY, intermediate_size_mlp=128, head_dim=16, num_local_experts=2,
               num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 0])
 

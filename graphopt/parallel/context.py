@@ -172,10 +172,20 @@ def _mixing_outside_attention(model: nn.Module) -> str:
         return ""
     extra: list[str] = []
     outputs: list[list[torch.Tensor]] = []
+    # which decoder layer holds each module: every layer must reach the attention function
+    # (or be a lightning layer, whose state CP passes)
+    layer_of = {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}
+    lightning = {layer_of[id(m)] for m in model.modules()
+                 if getattr(m, "layer_type", None) == "linear_attention" and id(m) in layer_of}
+    called: set[int] = set()
+    calls: list[bool] = []
 
     def no_mixing(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+        calls.append(True)
+        if id(module) in layer_of:
+            called.add(layer_of[id(module)])
         extra.extend(_dropped_by_cp(module, attention_mask, kwargs))
         out = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
         return out.transpose(1, 2).contiguous(), None
@@ -264,6 +274,19 @@ def _mixing_outside_attention(model: nn.Module) -> str:
             return (f"{where} mixes positions outside the attention function (a "
                     "convolution, a state-space layer, its own attention code?), which CP "
                     "would compute on each rank's chunk alone")
+    # Structural, whatever the weights and dtype: a layer that never calls transformers'
+    # attention function computes its attention (or convolution, state-space scan) itself,
+    # which CP would run on each rank's chunk alone. The numbers above miss mixing under
+    # bf16's rounding or behind zero-initialized weights (a re-review: GPT-NeoX-Japanese
+    # and Bloom accepted in bf16, CP logits 0.58 off; Lfm2's convolution in bf16/fp16).
+    missing = [i for i in range(len(layers)) if i not in called and i not in lightning]
+    if missing:
+        return (f"decoder layer {missing[0]} never calls transformers' attention function, "
+                "which CP replaces (its own attention code, a convolution or a state-space "
+                "layer?): CP would compute it on each rank's chunk alone")
+    if not layers and not calls:
+        return ("the model never calls transformers' attention function, which CP replaces "
+                "(its own attention code?): CP would compute it on each rank's chunk alone")
     return ""
 
 
