@@ -320,8 +320,9 @@ class OptimizerState:
     initializes empty states with a zero-learning-rate step; for a fresh optimizer that
     step is undone (the live optimizer's states emptied again; the checkpoint holds them
     with step 0). A run resumed from a checkpoint saved before any step (every ``step``
-    state 0) starts with an empty optimizer, as a fresh one (Rprop's step sizes, ASGD's eta, NAdam's
-    mu_product, SGD's dampened momentum are then exact too).
+    state 0) starts with an empty optimizer, as a fresh one (Rprop's step sizes, ASGD's
+    eta, NAdam's mu_product are then exact too); SGD, which counts no steps, resumes from
+    those zero states (exact without dampening).
 
     ZeRO-1 (``ZeroRedundancyOptimizer``): each rank saves the states of the parameters it
     owns (its local ``.optim``), so the checkpoint again holds each state once.
@@ -381,13 +382,15 @@ class OptimizerState:
 
     def _saved_before_first_step(self) -> bool:
         """Whether the loaded states are those :meth:`state_dict` saves for an optimizer that
-        had not stepped: every ``step`` state 0 (they count real steps), or, for an optimizer
-        without one (SGD's momentum), every state tensor zero. Read from the states, so a
-        checkpoint needs no marker of its own (a marker key made older checkpoints fail to
-        load: a review)."""
-        states = {k: v for k, v in self._own.items() if k.startswith("state.")}
-        if not states:
-            return False
+        had not stepped: every ``step`` state 0 (they count real steps, the same on every
+        rank). Read from the states, so a checkpoint needs no marker of its own (a marker
+        key made older checkpoints fail to load: a review). An optimizer without a step
+        count (SGD) is never taken for fresh: zero momentum can follow real steps (all
+        gradients zero; an expert no token reached, on some ranks only: a re-review), and
+        emptying it then would be wrong; SGD with dampening resumed from a save before any
+        step therefore starts its momentum from zeros, not from the first gradient."""
+        steps = [v for k, v in self._own.items() if k.startswith("state.")
+                 and k.endswith(".step")]
 
         def zero(v: Any) -> bool:
             if isinstance(v, torch.Tensor):
@@ -395,9 +398,7 @@ class OptimizerState:
                 return not local.numel() or not bool(local.ne(0).any())
             return isinstance(v, (int, float)) and v == 0
 
-        steps = [v for k, v in states.items() if k.endswith(".step")]
-        return all(zero(v) for v in steps) if steps else all(
-            zero(v) for v in states.values() if isinstance(v, torch.Tensor))
+        return bool(steps) and all(zero(v) for v in steps)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give the loaded states and hyperparameters back to the optimizer (states copied
