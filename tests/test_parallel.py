@@ -736,6 +736,16 @@ def test_auto_plans_a_subclass_of_a_transformers_model_as_its_base_class():
     with pytest.raises(ConfigError, match="Linear is none of them nor a subclass of one"):
         auto_plan(wrapper, 2, {"seq": 16, "global_batch": 4})
 
+    class TwoHeads(transformers.LlamaPreTrainedModel):  # a new architecture (a re-review:
+        pass                                            # planned as LlamaPreTrainedModel)
+
+    with pytest.raises(ConfigError, match="TwoHeads is none of them nor a subclass of one"):
+        auto_plan(TwoHeads(build_model("llama").config), 2, {"seq": 16, "global_batch": 4})
+    import numpy as np
+
+    plan, _ = auto_plan(build_model("llama"), 2, {"seq": np.int64(16), "global_batch": 4})
+    assert plan.devices == 2
+
 
 def _sp_odd_length_worker(rank, world):
     from graphopt.models import build_model

@@ -27,6 +27,7 @@ no executable plan among the top 200 (names the best and why it is not executabl
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -223,6 +224,9 @@ def _transformers_class(model: nn.Module) -> str:
 
     for cls in type(model).__mro__:
         if getattr(transformers, cls.__name__, None) is cls:
+            if cls.__name__.endswith("PreTrainedModel") or \
+                    cls.__module__.startswith("transformers.generation"):
+                break  # a base of model classes, not an architecture (a re-review)
             return cls.__name__
     raise ConfigError(f"parallel='auto' plans transformers model classes, which it builds by "
                       f"name; {type(model).__name__} is none of them nor a subclass of one: "
@@ -252,9 +256,11 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
                           f"{missing}")
     for key, least in (("seq", 2), ("global_batch", 1)):
         value = spec[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or \
+                value < least:
             raise ConfigError(f"options['cluster']['{key}'] must be an int >= {least}, got "
                               f"{value!r}")
+        spec[key] = int(value)  # (numpy integers too: a re-review)
     allow_cp = spec.get("cp", False)
     if not isinstance(allow_cp, bool):
         raise ConfigError(f"options['cluster']['cp'] must be True (the training loop feeds "
