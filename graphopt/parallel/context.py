@@ -156,9 +156,11 @@ def _mixing_outside_attention(model: nn.Module) -> str:
     changed by more than 100x the rounding noise (measured by moving the last position,
     which nothing causal reads back) and more than a dtype's rounding of the first
     position's change (1e-10 float64, 1e-5 float32, 8 eps below). Reviews found both kinds
-    silently wrong (gradient errors 0.46-1.0). A model with parameters on the meta device
-    is not probed (the attention functions still refuse masks they would drop, at run
-    time)."""
+    silently wrong (gradient errors 0.46-1.0). Structurally, whatever the dtype and
+    weights, every decoder layer must call the attention function (or be a lightning
+    layer), and a model without a ModuleList of layers must call it at all. A model with
+    parameters on the meta device is not probed (the attention functions still refuse
+    masks they would drop, at run time)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
