@@ -61,6 +61,7 @@ from graphopt.parallel.tp_layout import (
     TPLayout,
     derive_tp_layout,
     sequence_sharded_params,
+    splits_nothing,
 )
 from graphopt.planner.plan import ParallelPlan
 
@@ -281,17 +282,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "all) acts on it outside the norms and the mixers TP splits: "
                               "its gradient would cover one sequence shard per rank; use "
                               "sp=False")
-        if not layout.mixers and layout.lm_head is None:
-            # (a review: GPT-2's Conv1D projections are no nn.Linear; tp=2 ran the whole
-            # model on both ranks and the report said nothing)
-            kept = next(iter(layout.kept.items()), None)
-            why = (f"{kept[0]} is kept whole: {kept[1]}" + (
-                f" ({len(layout.kept) - 1} more in derive_tp_layout(...).kept)"
-                if len(layout.kept) > 1 else "") + "; ") if kept else ""
-            message = (f"TP={plan.tp} splits nothing in this model: {why}TP splits an "
-                       "nn.Linear pair reading a normalization module's output (projections "
-                       "that are no nn.Linear, e.g. GPT-2's Conv1D, are not split), so every "
-                       "TP rank computes the whole model; use tp=1")
+        message = splits_nothing(layout, plan.tp)
+        if message:
             report.notes.append(message)
             warnings.warn(f"graphopt: {message}", stacklevel=2)
         if plan.sp and not report.sp:

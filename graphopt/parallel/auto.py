@@ -117,15 +117,12 @@ def _tp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
     derive_tp_layout`: divisibility, SP's problems), derived once per TP degree and cached
     on the model."""
     from graphopt.parallel.apply import _default_sample, decoder_layers
-    from graphopt.parallel.tp_layout import derive_tp_layout
+    from graphopt.parallel.tp_layout import derive_tp_layout, splits_nothing
 
-    nothing = (f"TP={plan.tp} splits nothing in this model (no nn.Linear reads a "
-               "normalization module's output: e.g. GPT-2's Conv1D projections), so every "
-               "TP rank would compute and hold the whole model")
     layers = decoder_layers(model)
     if layers and not any(isinstance(m, nn.Linear) for layer in layers
                           for m in layer.modules()):
-        return nothing
+        return splits_nothing(None, plan.tp)
     if any(p.is_meta for p in model.parameters()):
         return ""
     cache = model.__dict__.setdefault("_graphopt_plan_refusals", {})
@@ -138,7 +135,8 @@ def _tp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
     layout = cache[key]
     if isinstance(layout, str):
         return layout
-    if not layout.mixers and layout.lm_head is None:
+    nothing = splits_nothing(layout, plan.tp)
+    if nothing:
         return nothing
     if plan.sp and layout.layers and (layout.sp_problems or layout.written_in_place):
         return f"SP cannot run this model: {(layout.sp_problems or layout.written_in_place)[0]}"

@@ -326,8 +326,7 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
             not dry else t
 
     args = tuple(to64(a) for a in args)
-    kwargs = {k: None if "cache" in type(v).__name__.lower() else to64(v)  # replays: no KV
-              for k, v in kwargs.items()}                                  # cache updates
+    kwargs = _no_cache(kwargs, to64)
     reference = copy.deepcopy(mixer) if dry else copy.deepcopy(mixer).double()
     # in eval mode: with attention dropout on (a model in train mode, the usual order in a
     # training script) the reference and each shard drew other masks, and the attention
@@ -383,8 +382,7 @@ def _split_outputs(reference: nn.Module, shards: list[nn.Module], args: tuple, k
         module.train(reference.training)
         device = next((t.device for t in (*args, *kwargs.values())
                        if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
-                                   else []), torch.no_grad():
+        with _forked_rng(device), torch.no_grad():
             torch.manual_seed(seed)
             return _tensors(module(*args, **kwargs))
 
@@ -601,6 +599,38 @@ def _sp_problems(layout: TPLayout, modules: dict[str, nn.Module], recorder: _Rec
     return problems
 
 
+def splits_nothing(layout: TPLayout | None, tp: int) -> str:
+    """Why TP of degree ``tp`` splits nothing of a model ("" when it splits something):
+    ``layout`` (None: a model whose decoder layers hold no nn.Linear, known without
+    deriving one) has no split mixer and no vocabulary-parallel head, so every TP rank
+    computes and holds the whole model (a review: GPT-2's Conv1D projections; tp=2 ran the
+    whole model on both ranks, and "auto" picked it priced as split)."""
+    if layout is not None and (layout.mixers or layout.lm_head is not None):
+        return ""
+    kept = next(iter(layout.kept.items()), None) if layout is not None else None
+    why = (f"{kept[0]} is kept whole: {kept[1]}" + (
+        f" ({len(layout.kept) - 1} more in derive_tp_layout(...).kept)"
+        if layout is not None and len(layout.kept) > 1 else "") + "; ") if kept else ""
+    return (f"TP={tp} splits nothing in this model: {why}TP splits an nn.Linear pair reading "
+            "a normalization module's output (projections that are no nn.Linear, e.g. "
+            "GPT-2's Conv1D, are not split), so every TP rank computes the whole model; use "
+            "tp=1")
+
+
+def _no_cache(kwargs: dict[str, Any], value: Callable[[Any], Any] = lambda v: v
+              ) -> dict[str, Any]:
+    """Recorded keyword arguments for a replay: a KV cache dropped (a replay must not
+    update it), every other value through ``value``."""
+    return {k: None if "cache" in type(v).__name__.lower() else value(v)
+            for k, v in kwargs.items()}
+
+
+def _forked_rng(device: torch.device) -> Any:
+    """``torch.random.fork_rng`` of the CPU and, on CUDA, ``device``'s generator."""
+    return torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
+                                 else [])
+
+
 def _inputs_written_in_training(layout: TPLayout, modules: dict[str, nn.Module],
                                 recorder: _Recorder) -> list[str]:
     """The mixers and replicated readers (what SP hands a gathered sequence) that write an
@@ -617,8 +647,8 @@ def _inputs_written_in_training(layout: TPLayout, modules: dict[str, nn.Module],
             continue
         args, kwargs = call
         copies = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
-        kw = {k: v.detach().clone() if isinstance(v, torch.Tensor) else
-              None if "cache" in type(v).__name__.lower() else v for k, v in kwargs.items()}
+        kw = _no_cache(kwargs, lambda v: v.detach().clone() if isinstance(v, torch.Tensor)
+                       else v)
         tensors = [t for t in (*copies, *kw.values()) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in tensors]
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
@@ -626,8 +656,7 @@ def _inputs_written_in_training(layout: TPLayout, modules: dict[str, nn.Module],
         device = next((t.device for t in tensors), torch.device("cpu"))
         try:
             module.train()
-            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
-                                       else []), torch.no_grad():
+            with _forked_rng(device), torch.no_grad():
                 module(*copies, **kw)
         except Exception:  # noqa: BLE001 - its training path is the probes' business
             continue
@@ -665,8 +694,7 @@ def _sequence_local(layout: TPLayout, modules: dict[str, nn.Module], recorder: _
         if not isinstance(x, torch.Tensor) or x.is_meta or x.dim() < 3 or x.shape[1] % tp \
                 or not x.is_floating_point():
             continue
-        kwargs = {k: None if "cache" in type(v).__name__.lower() else v
-                  for k, v in kwargs.items()}
+        kwargs = _no_cache(kwargs)
         mine = [p for p in gathered if p.startswith(layer + ".") and p in recorder.returned]
         for p in mine:  # instead of its forward (which reads full-length position tables)
             modules[p].forward = _per_position(gathered[p], *recorder.returned[p])
