@@ -234,7 +234,14 @@ def _transformers_class(model: nn.Module) -> str:
 
 def auto_plan(model: nn.Module, world: int, cluster: Any = None
               ) -> tuple[ParallelPlan, list[str]]:
-    """(the best executable plan for ``world`` ranks, notes); module docstring."""
+    """(the best executable plan for ``world`` ranks, notes); module docstring.
+
+    Raises:
+        ConfigError: ``cluster`` is not a mapping of CLUSTER_KEYS with an int ``seq`` >= 2
+            and ``global_batch`` >= 1 and a bool ``cp``; ``model`` has no transformers
+            config or is no transformers model class (nor a subclass of one); no plan
+            graphopt executes fits ``world`` ranks.
+    """
     from graphopt.cost.profiles import default_profile_name, load_profile
     from graphopt.planner.model import plan_model
     from graphopt.planner.search import search

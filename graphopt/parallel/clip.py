@@ -120,7 +120,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     rank of the model's mesh calls it.
 
     Raises:
-        ConfigError: ``model`` was not parallelized by graphopt.
+        ConfigError: ``model`` was not parallelized by graphopt; ``norm_type`` is not > 0.
     """
     report = getattr(model, "graphopt_parallel", None)
     if report is None or report.parallel_plan is None:
