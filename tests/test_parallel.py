@@ -1006,7 +1006,8 @@ def test_example_runs_under_torchrun(tmp_path):
                 s in out.stderr for s in ("Address already in use", "EADDRINUSE",
                                           "DistNetworkError")):
             break
-    assert out.returncode == 0, out.stderr[-3000:]
+    # both tails: a rank that aborted (a SIGABRT seen once, under load) shows how far it got
+    assert out.returncode == 0, f"stdout: {out.stdout[-2000:]}\nstderr: {out.stderr[-4000:]}"
     assert "step 1: loss" in out.stdout and "tp: S(0)" in out.stdout and "SP on" in out.stdout
     import torch.distributed.checkpoint as dcp  # the TP checkpoint loads into one process
 
