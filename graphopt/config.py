@@ -228,6 +228,11 @@ class GraphoptConfig:
             raise ConfigError(f"option 'inductor_config' patches Inductor, but lowering is "
                               f"{config.lowering!r}, which does not use it: drop "
                               "inductor_config or use lowering 'inductor' (or 'auto')")
+        if config.dump_dir is not None and \
+                config.inductor_config.get("force_disable_caches") is False:
+            raise ConfigError("inductor_config force_disable_caches=False with a dump_dir: a "
+                              "cache hit skips the graphs a dump holds (graphopt turns the "
+                              "caches off while dumping); drop one of them")
         if config.lowering == "npu":
             from graphopt.lowering import require_npu
 
@@ -242,7 +247,9 @@ def _pass_options(options: Mapping[str, Any], enable: Any) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
     for key, pass_name in option_keys().items():
         parse = get_pass(pass_name).parse_options
-        if key in options and options[key] not in (None, False):
+        # None / False switch the pass off; 0 (== False in Python) is a value, and its parse
+        # says what it must be (remat: 0 meant "no remat" silently, a review)
+        if key in options and options[key] is not None and options[key] is not False:
             parsed[key] = parse(options[key])
         elif pass_name in enable and key == pass_name:
             try:
@@ -297,15 +304,18 @@ def _inductor_patches(value: Any) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     defaults = inductor_config.get_config_copy()
+    # get_config_copy leaves out the aliases of torch.compiler.config (force_disable_caches,
+    # the static launcher's two): real options, refused as unknown before (a review)
+    known = set(defaults) | set(getattr(inductor_config, "_config", {}))
     for key, value in patches.items():
-        if key not in defaults:
+        if key not in known:
             raise ConfigError(f"inductor_config key {key!r} is not a torch._inductor.config "
-                              f"option{did_you_mean(str(key), set(defaults))}")
+                              f"option{did_you_mean(str(key), known)}")
         if key == "custom_partitioner_fn":  # silently replaced before (a review)
             raise ConfigError("inductor_config 'custom_partitioner_fn' is graphopt's: its "
                               "joint passes and partition run there; drop it (lowering "
                               "'inductor' partitions with torch's min-cut after the passes)")
-        default = defaults[key]
+        default = defaults[key] if key in defaults else getattr(inductor_config, key, None)
         # the kind of the option's default: "False" (a string) for a bool turned the option
         # on, an int for a string list was ignored (a review); None (unset) is left to
         # Inductor, as are numpy numbers

@@ -37,6 +37,10 @@ def _compile_and_call(options):
     ({"inductor_config": {"max_autotune": True}, "lowering": "eager"},
      r"option 'inductor_config' patches Inductor, but lowering is 'eager'"),
     ({"remat": {}}, r"remat needs a budget, e.g. options=\{'remat': \{'budget': '50%'\}\}"),
+    # 0 == False in Python: "remat": 0 switched remat off silently (a review); only None and
+    # False do
+    ({"remat": 0}, r"option 'remat' must be a dict with keys budget.*got 0\b"),
+    ({"moe": 0.0}, r"option 'moe' must be a dict with keys ep.*got 0.0\b"),
 ])
 def test_bad_option_raises_before_compiling(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -222,3 +226,35 @@ def test_inductor_config_accepts_none_and_numpy_numbers():
         "compile_threads": None, "cpp.threads": np.int32(2), "cpp.min_chunk_size": np.int64(8)}})
     assert config.inductor_config["compile_threads"] is None
 
+
+
+def test_inductor_config_takes_torch_compiler_aliases(tmp_path):
+    """torch._inductor.config's aliases of torch.compiler.config (force_disable_caches, the
+    static launcher's) are options: refused as unknown before (a review); their type is
+    checked, and turning the caches on while dumping is a conflict."""
+    config = GraphoptConfig.from_options({"inductor_config": {
+        "force_disable_caches": True, "use_static_triton_launcher": False}})
+    assert config.inductor_config["force_disable_caches"] is True
+    with pytest.raises(ConfigError, match=r"'force_disable_caches' takes a bool"):
+        GraphoptConfig.from_options({"inductor_config": {"force_disable_caches": "yes"}})
+    with pytest.raises(ConfigError, match=r"force_disable_caches=False with a dump_dir"):
+        GraphoptConfig.from_options({"inductor_config": {"force_disable_caches": False},
+                                     "dump_dir": str(tmp_path)})
+
+
+@pytest.mark.skipif(npu_available(), reason="torch_npu is installed here")
+def test_npu_with_an_older_torchair_says_what_to_install(tmp_path, monkeypatch):
+    """A torchair without the CompilerConfig / get_compiler the NPU lowering calls passed
+    validation and failed at the first call with "No module named 'torchair.configs'"
+    (a review)."""
+    for name in ("torch_npu", "torchair"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(LoweringUnavailableError, match=r"its graph compiler torchair "
+                           r"does not \(ModuleNotFoundError.*torchair.configs.*bundles"):
+            GraphoptConfig.from_options({"lowering": "npu"})
+    finally:
+        for name in ("torch_npu", "torchair"):
+            sys.modules.pop(name, None)

@@ -68,7 +68,11 @@ def require_npu() -> None:
     try:  # the graph compiler: torchair, bundled with torch_npu since 2.1; an older or
         # partial install imported torch_npu and failed on torchair at the first call, as a
         # bare ModuleNotFoundError inside Dynamo's error (a review)
-        importlib.import_module("torchair")
+        torchair = importlib.import_module("torchair")
+        # what NpuLowering calls: an older torchair without them passed this check and
+        # failed at the first call (No module named 'torchair.configs', a review)
+        importlib.import_module("torchair.configs.compiler_config").CompilerConfig  # noqa: B018
+        torchair.get_compiler  # noqa: B018
     except Exception as exc:  # noqa: BLE001 - named in the error
         raise LoweringUnavailableError(
             f"lowering='npu': torch_npu imports but its graph compiler torchair does not "

@@ -155,9 +155,9 @@ class InductorLowering(Lowering):
         patches: dict[str, Any] = {}
         if config.mode not in (None, "default"):
             patches.update(list_mode_options(config.mode))
+        patches.update(config.inductor_config)
         if config.dump_dir is not None:  # a dump holds every graph: a cache hit would skip
             patches["force_disable_caches"] = True  # the joint/forward/backward ones
-        patches.update(config.inductor_config)
         patches["custom_partitioner_fn"] = _JointPassPartitioner(
             hooks, config, mutated_input_marker(gm), input_marker(example_inputs))
         return compile_fx(  # type: ignore[return-value]
