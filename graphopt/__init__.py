@@ -14,7 +14,14 @@ from graphopt.errors import (
 )
 from graphopt.export.onnx import export_onnx
 from graphopt.parallel import parallelize
-from graphopt.report import CompileReport, clear_reports, graph_breaks, last_report, reports
+from graphopt.report import (
+    CompileReport,
+    clear_reports,
+    graph_breaks,
+    last_report,
+    reports,
+    uncompiled_frames,
+)
 
 __version__ = "0.1.0"
 
@@ -36,4 +43,5 @@ __all__ = [
     "last_report",
     "parallelize",
     "reports",
+    "uncompiled_frames",
 ]

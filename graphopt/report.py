@@ -84,6 +84,10 @@ class CompileReport:
     backend or model, so breaks of other ``torch.compile`` calls made since then are
     included. A break splits the model into several graphs (each its own report); code
     between them runs eagerly."""
+    uncompiled_frames: dict[str, int] = field(default_factory=dict)
+    """Frames Dynamo gave up on in this process (since :func:`clear_reports`) when this
+    graph was compiled: see :func:`uncompiled_frames`. Later ones (the recompile limit
+    reached after the last compile) are in ``graphopt.uncompiled_frames()``, not here."""
 
     def pass_records(self, name: str) -> list[PassRecord]:
         return [p for p in self.passes if p.name == name]
@@ -121,6 +125,9 @@ class CompileReport:
             lines.append(f"- graph breaks so far (this process, all torch.compile calls): "
                          f"{sum(self.graph_breaks.values())} ("
                          + "; ".join(f"{n}x {r}" for r, n in self.graph_breaks.items()) + ")")
+        if self.uncompiled_frames:
+            lines.append("- frames run uncompiled (no graphopt pass sees them) so far: "
+                         + "; ".join(f"{n}x {r}" for r, n in self.uncompiled_frames.items()))
         if self.verify:
             lines.append(f"- verify: {self.verify.get('status')} {self.verify.get('detail', '')}"
                          + (f"; tolerance {self.verify['tolerance']}"
@@ -165,14 +172,48 @@ def graph_breaks() -> dict[str, int]:
     for reason, n in counters["graph_break"].items():
         short = str(reason).strip().splitlines()[0] if str(reason).strip() else "unknown"
         out[short] = out.get(short, 0) + n
+    return _since_clear(out)
+
+
+def uncompiled_frames() -> dict[str, int]:
+    """Frames Dynamo gave up on since :func:`clear_reports` (or process start), each of
+    which runs uncompiled: plain Python and eager kernels, so no graphopt pass (a Lightning
+    or MoE rewrite included) applies to the code in it. Two kinds: a frame skipped (e.g. a
+    graph break inside a loop; frames it calls are still compiled on their own), and code
+    past ``torch._dynamo.config.recompile_limit`` (every later new shape runs eagerly).
+    Dynamo counts these in ``counters["unimplemented"]``, not among graph breaks, so a
+    review saw a model whose rewrite had quietly stopped after its 8th sequence length.
+
+    Returns:
+        "<Dynamo's reason> (frame <function> (<file> line <n>))" or "<reason>
+        (recompile_limit)" -> count.
+    """
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for reason, n in counters["unimplemented"].items():
+        lines = [line.strip() for line in str(reason).strip().splitlines()] or ["unknown"]
+        where = next((line.split("frame skipped:", 1)[1].strip() for line in lines
+                      if "frame skipped:" in line), None)
+        limit = next((line.split("Limit type:", 1)[1].strip() for line in lines
+                      if "Limit type:" in line), None)
+        if where is None and limit is None:
+            continue  # an Unsupported Dynamo handled (inlining retried, a break elsewhere)
+        key = f"{lines[0]} ({f'frame {where}' if where is not None else limit})"
+        out[key] = out.get(key, 0) + n
+    return _since_clear(out)
+
+
+def _since_clear(counts: dict[str, int]) -> dict[str, int]:
     with _lock:
-        return {r: n - _break_baseline.get(r, 0) for r, n in out.items()
+        return {r: n - _break_baseline.get(r, 0) for r, n in counts.items()
                 if n > _break_baseline.get(r, 0)}
 
 
 def register(report: CompileReport) -> None:
     """Keep ``report`` in this process's list, with the graph breaks counted so far."""
     report.graph_breaks = graph_breaks()
+    report.uncompiled_frames = uncompiled_frames()
     with _lock:
         _reports.append(report)
 
@@ -198,7 +239,7 @@ def last_report() -> CompileReport:
 
 def clear_reports() -> None:
     """Forget this process's reports and start counting graph breaks from here."""
-    baseline = graph_breaks()
+    baseline = {**graph_breaks(), **uncompiled_frames()}  # their keys never collide
     with _lock:
         _reports.clear()
         for reason, n in baseline.items():

@@ -142,6 +142,42 @@ def test_graph_breaks_are_counted_with_their_reasons():
     assert graphopt.graph_breaks() == {}
 
 
+def test_frames_dynamo_runs_uncompiled_are_reported():
+    """Dynamo's frame skips and its recompile limit are not graph breaks: the code runs
+    uncompiled, with no graphopt pass, and nothing said so (a review: a MiniMax rewrite
+    stopped applying after the 8th sequence length). uncompiled_frames() names them; each
+    report holds those seen when it was compiled."""
+
+    def loop(x):
+        for _ in range(2):
+            x = x.sin()
+            print("side effect")  # a graph break inside a loop: Dynamo skips the frame
+        return x
+
+    torch.compile(loop, backend="graphopt", options={"lowering": "eager"})(torch.randn(4))
+    (skipped,) = graphopt.uncompiled_frames()
+    assert "(frame loop (" in skipped and "test_pipeline.py line" in skipped, skipped
+    graphopt.clear_reports()
+    assert graphopt.uncompiled_frames() == {}
+
+    def f(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(f, backend="graphopt", options={"lowering": "eager"},
+                             dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in range(1, 5):
+            compiled(torch.randn(n))
+    assert len(graphopt.reports()) == 2
+    assert graphopt.last_report().uncompiled_frames == {}  # the limit came after it
+    assert graphopt.uncompiled_frames() == {
+        "Dynamo recompile limit exceeded (recompile_limit)": 1}, graphopt.uncompiled_frames()
+    # f's later shapes run eagerly; the next compiled graph's report holds the limit
+    torch.compile(lambda x: x.cos(), backend="graphopt", options={"lowering": "eager"})(
+        torch.randn(3))
+    assert "1x Dynamo recompile limit exceeded" in graphopt.last_report().to_markdown()
+
+
 def test_dynamo_restart_is_labelled_as_such():
     """Under dynamic=True Dynamo restarts to specialize RMSNorm's float eps: the first report
     says so instead of 'aborted'."""
