@@ -2,6 +2,7 @@
 graphopt::lightning_attention; look-alikes that are not Lightning Attention are refused."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -412,6 +413,42 @@ def test_minimax_model_exact_mode_matches_eager_logits_and_gradients():
              for s in p.sites]
     assert [s.action for s in sites].count("rewritten") == 1  # the one linear-attention layer
     assert [s.action for s in sites].count("kept") == 1  # the softmax-attention layer
+
+
+def test_float32_rounded_decay_tables_in_a_float64_model_are_reported():
+    """transformers builds MiniMax's decay tables in float32; a float64 model holds them
+    float32-rounded, while the rewrite computes the decays in float64 from the slope: the
+    outputs differ from eager's by ~1e-7, which the report said nothing about (a review).
+    The rewritten site now says by how much the tables deviate; with tables rebuilt in
+    float64 there is no note and the rewrite equals eager to float64 rounding."""
+    model = build_model("minimax", dtype=torch.float64).eval()
+    ids = sample_batch(model, batch=2, seq=32)
+
+    def fn(i):
+        return model(input_ids=i, use_cache=False).logits
+
+    for rebuilt in (False, True):
+        if rebuilt:
+            for module in model.modules():
+                if hasattr(module, "decay_factors") and hasattr(module, "slope_rate"):
+                    (module.query_decay, module.key_decay,
+                     module.diagonal_decay) = module.decay_factors(module.slope_rate)
+        torch._dynamo.reset()
+        graphopt.clear_reports()
+        compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager",
+                                                                  "attention": "exact"})
+        with torch.no_grad():
+            got, want = compiled(ids), fn(ids)
+        (site,) = [s for r in graphopt.reports() for p in r.pass_records("attention")
+                   for s in p.sites if s.action == "rewritten"]
+        error = float((got - want).abs().max() / want.abs().max())
+        if rebuilt:
+            assert "NOTE" not in site.reason and error < 1e-13, (site.reason, error)
+        else:
+            match = re.search(r"NOTE: the model's decay tables deviate from exp\(-slope\*d\) "
+                              r"by up to (\S+) relative", site.reason)
+            assert match and 1e-8 < float(match[1]) < 1e-6, site.reason
+            assert 1e-10 < error < 1e-6, error
 
 
 def test_forward_mode_tangents_through_graphopt_s_ops_equal_eager():

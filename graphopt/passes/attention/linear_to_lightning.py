@@ -68,6 +68,7 @@ from graphopt.passes.attention.match_linear import (
     match_decayed_parallel_form,
     match_minimax_block_loop,
     parallel_form_slopes,
+    rounding_note,
 )
 from graphopt.passes.attention.match_symbolic import hint, sym_expr
 from graphopt.passes.base import PassContext
@@ -112,7 +113,7 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
             ctx.record("kept", site, "linear-attention block loop (attention='keep')")
             continue
         try:
-            check_loop_decays(loop, env)
+            rounding = check_loop_decays(loop, env)
         except NoMatch as exc:
             ctx.record("skipped", site, str(exc))
             continue
@@ -136,7 +137,8 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         ctx.record("rewritten", site, f"block loop of {len(loop.blocks)} blocks "
                    f"(block {loop.block_size}, S {hint(val.shape[2])}{lengths}) -> "
                    "graphopt::lightning_attention"
-                   + saved_bytes_note(loop.q, loop.k, loop.v))
+                   + saved_bytes_note(loop.q, loop.k, loop.v)
+                   + rounding_note(rounding, val.dtype))
         modified = True
     return modified, in_loops
 

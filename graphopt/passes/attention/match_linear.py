@@ -462,10 +462,39 @@ def _decay_layout_problem(val: torch.Tensor | None, kind: str, heads: int, lengt
     return None
 
 
-def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
+def table_rounding(got: torch.Tensor, slope: torch.Tensor, kind: str, length: int) -> float:
+    """The largest relative deviation of a decay table ``got`` (one that
+    :func:`decay_deviation` accepted) from exp(-slope d) computed in float64, over its
+    entries above float32's smallest normal. 0 for a table computed in float64; ~1e-7 for
+    transformers' MiniMax tables in a float64 model (built in float32, then ``.to``)."""
+    dist, mask = _distances(kind, length)
+    want = torch.exp(-slope.reshape(-1, 1, 1).double() * dist) * mask
+    got = got.double().reshape(want.shape)
+    usable = want > torch.finfo(torch.float32).smallest_normal
+    if not bool(usable.any()):
+        return 0.0
+    return float(((got - want).abs() / want.clamp(min=1e-300))[usable].max())
+
+
+def rounding_note(deviation: float, dtype: torch.dtype) -> str:
+    """"" when a decay table's ``deviation`` (:func:`table_rounding`) is within ``dtype``'s
+    rounding (64 units), else the report's note: the kernel computes the decays in
+    ``dtype`` from the slope, so outputs differ from eager's by about the tables' rounding
+    (a review: a float64 MiniMax was 3.5e-8 off eager with nothing said)."""
+    if not dtype.is_floating_point or deviation <= 64 * torch.finfo(dtype).eps:
+        return ""
+    return (f"; NOTE: the model's decay tables deviate from exp(-slope*d) by up to "
+            f"{deviation:.1e} relative (built in a coarser dtype than {dtype}, e.g. "
+            f"transformers' float32 tables in a {dtype} model); the kernel computes the "
+            "decays from the slope in the model's dtype, so outputs and gradients differ "
+            "from eager's by about that much (closer to the exact decay)")
+
+
+def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> float:
     """Raise NoMatch unless every decay of ``loop``, evaluated, is Lightning Attention's
     (:func:`decay_deviation`); for a loop whose bounds follow the sequence length, at every
-    length its graph can run at too (:func:`match_symbolic.check_every_length`)."""
+    length its graph can run at too (:func:`match_symbolic.check_every_length`). Returns
+    the largest :func:`table_rounding` of its decays at the compile's length."""
     if loop.symbolic is None and any(follows_sizes(c[0]) for c in loop.checks):
         raise NoMatch("a decay follows a dynamic input size while the block bounds do not")
     if follows_sizes(loop.slope):
@@ -485,6 +514,7 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
     heads = hint(q_val.shape[1]) if q_val is not None else None
     if not isinstance(slope, torch.Tensor) or slope.numel() != heads:
         raise NoMatch(f"slope is not one value per query head ({heads} heads)")
+    rounding = 0.0
     for node, kind, _, length in loop.checks:
         layout = _decay_layout_problem(tensor_meta(node), kind, heads, length)
         if layout:
@@ -497,9 +527,11 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> None:
             raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
                           f"-slope times the distance ({deviation}): the loop is not "
                           "Lightning Attention")
+        rounding = max(rounding, table_rounding(got, slope, kind, length))
     if loop.symbolic is not None:
         check_every_length(loop.blocks, loop.checks, loop.symbolic, slope, env,
                            decay_deviation)
+    return rounding
 
 
 @dataclass
