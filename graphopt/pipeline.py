@@ -121,9 +121,18 @@ class PassRunner:
                 ) from exc
             record.time_s = time.perf_counter() - start
             self.report.add_time("passes", record.time_s)
-            record.modified = result.modified
             record.nodes_after = len(gm.graph.nodes)
             record.op_delta = count_delta(before, op_counts(gm))
+            # a pass's own flag gates what runs after it (meta refresh, the buffer guard):
+            # one that changed ops or nodes is recorded as modified whatever it returned (a
+            # plugin pass that turned sin into cos said modified=False, a review)
+            changed = bool(record.op_delta) or record.nodes_after != record.nodes_before
+            if changed and not result.modified:
+                self.report.notes.append(
+                    f"pass {graph_pass.name!r} returned modified=False but changed the "
+                    f"{graph_kind} graph ({record.nodes_before} -> {record.nodes_after} "
+                    f"nodes, op counts {record.op_delta}): recorded as modified")
+            record.modified = result.modified or changed
             self.ran.append(graph_pass.name)
             self.dumper.pass_step(stage, graph_pass.name, graph_kind, before_code, gm)
             if snapshots is not None:

@@ -41,6 +41,20 @@ class WrongExactPass(GraphPass):
 
 @register_pass
 @dataclass(frozen=True)
+class SilentRewritePass(GraphPass):
+    """Rewrites sin into cos and says it changed nothing (modified=False): the pipeline
+    records it as modified from the op counts (tests/test_pipeline.py)."""
+
+    name = "test_silent_rewrite"
+    stage = "pre_autograd"
+    exact = False
+
+    def run(self, gm, ctx):
+        return PassResult(_sin_to_cos(gm, ctx).gm, False)
+
+
+@register_pass
+@dataclass(frozen=True)
 class WrongApproximatePass(GraphPass):
     name = "test_wrong_approximate"
     stage = "pre_autograd"

@@ -178,6 +178,22 @@ def test_frames_dynamo_runs_uncompiled_are_reported():
     assert "1x Dynamo recompile limit exceeded" in graphopt.last_report().to_markdown()
 
 
+def test_a_pass_that_changes_the_graph_is_recorded_as_modified_whatever_it_returns():
+    """The report (and what runs after a pass: meta refresh, the buffer guard) followed a
+    pass's own modified flag: a plugin pass that rewrote sin into cos and returned
+    modified=False was recorded as unmodified (a review)."""
+    import tests.helpers  # noqa: F401 - registers the test passes
+
+    fn = torch.compile(lambda x: x.sin() + 1, backend="graphopt",
+                       options={"lowering": "eager", "enable": ["test_silent_rewrite"]})
+    x = torch.randn(4)
+    torch.testing.assert_close(fn(x), x.cos() + 1)
+    (record,) = graphopt.last_report().pass_records("test_silent_rewrite")
+    assert record.modified and record.op_delta == {"aten.cos.default": 1,
+                                                   "aten.sin.default": -1}
+    assert any("returned modified=False but changed" in n for n in graphopt.last_report().notes)
+
+
 def test_dynamo_restart_is_labelled_as_such():
     """Under dynamic=True Dynamo restarts to specialize RMSNorm's float eps: the first report
     says so instead of 'aborted'."""
