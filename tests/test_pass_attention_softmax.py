@@ -283,6 +283,28 @@ def test_every_site_the_matcher_sees_is_converted_or_reported(kind, action, reas
     assert [s.action for s in kept.sites] == ["kept"], kept.sites
 
 
+def test_attention_with_sinks_is_kept_and_reported():
+    """GPT-OSS's attention: learned sinks concatenated to the scores, the sink column
+    dropped after the softmax. Not a site (the scores change shape between the products),
+    so it was left as it was with nothing in the report (a review); it is kept and said."""
+    sinks = torch.nn.Parameter(torch.randn(4))
+
+    def fn(q, k, v):
+        s = q.size(2)
+        scores = q @ k.transpose(-1, -2) * D ** -0.5 + _causal_additive(s)
+        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)],
+                           dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+        return probs @ v
+
+    args = _inputs("mul_scale")
+    gm, record = _convert(fn, args)
+    assert [s.action for s in record.sites] == ["kept"] and not record.modified, record.sites
+    assert "scores change shape between Q K^T and the product with V" in \
+        record.sites[0].reason and "[2, 4, " in record.sites[0].reason, record.sites[0].reason
+    torch.testing.assert_close(as_function(gm, fn)(*args), fn(*args))
+
+
 def test_a_softmax_that_is_not_attention_is_not_a_site():
     """A router's softmax (feeds top-k) and mixing weights softmax(w) @ x are not attention:
     nothing is reported for them."""

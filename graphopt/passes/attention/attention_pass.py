@@ -43,12 +43,15 @@ from graphopt.passes.attention.linear_to_lightning import (
     rewrite_block_loops,
     rewrite_parallel_forms,
 )
-from graphopt.passes.attention.match_softmax import softmax_attention_sites
+from graphopt.passes.attention.match_softmax import (
+    attention_like_softmaxes,
+    softmax_attention_sites,
+)
 from graphopt.passes.attention.options import LightningOptions
 from graphopt.passes.attention.sdpa_causal_mask import report_or_make_causal
 from graphopt.passes.attention.softmax_to_lightning import SoftmaxToLightning
 from graphopt.passes.base import GraphPass, PassContext, PassResult
-from graphopt.passes.fx_utils import eliminate_dead_code
+from graphopt.passes.fx_utils import eliminate_dead_code, site_name, tensor_meta
 
 aten = torch.ops.aten
 
@@ -89,6 +92,13 @@ class AttentionPass(GraphPass):
         modified |= rewrite_parallel_forms(gm, ctx, env, self.mode, in_loops)
         if self.mode == "lightning":
             modified |= SoftmaxToLightning(self.lightning).convert_sites(gm, sites, ctx, env)
+            for node in attention_like_softmaxes(gm.graph):
+                shape = list(tensor_meta(node).shape)  # type: ignore[union-attr]
+                ctx.record("kept", site_name(node), f"softmax over {shape} scores between "
+                           "products, not a softmax-attention site graphopt converts: the "
+                           "scores change shape between Q K^T and the product with V (e.g. "
+                           "learned attention sinks concatenated to them, as GPT-OSS does); "
+                           "softmax kept")
         if modified:
             eliminate_dead_code(gm.graph)
         _report_unmatched(linear, found, ctx)

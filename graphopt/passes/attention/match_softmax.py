@@ -125,6 +125,35 @@ def is_softmax_attention_site(node: fx.Node) -> bool:
         _reaches_product(list(node.users), "users", shape)
 
 
+def attention_like_softmaxes(graph: fx.Graph) -> list[fx.Node]:
+    """Softmaxes over [B, H, S_q, S_k]-like (4-d or more) scores that sit between products
+    as attention does but are not :func:`is_softmax_attention_site` (the scores change shape
+    between the products: GPT-OSS concatenates learned sinks to them and drops the sink
+    column after). Mode "lightning" reports them as kept: a review saw GPT-OSS left as it
+    was with nothing in the report."""
+    out = []
+    for n in graph.nodes:
+        val = tensor_meta(n)
+        if not is_call(n, *_SOFTMAX) or val is None or val.dim() < 4 or \
+                not isinstance(n.args[0], fx.Node) or is_softmax_attention_site(n):
+            continue
+        if _reaches_any_product([n.args[0]], "all_input_nodes") and \
+                _reaches_any_product(list(n.users), "users"):
+            out.append(n)
+    return out
+
+
+def _reaches_any_product(start: list[fx.Node], step: str) -> bool:
+    frontier, seen = start, set(start)
+    for _ in range(_SITE_DEPTH):
+        calls = [n for n in frontier if n.op == "call_function"]
+        if any(is_call(n, *_PRODUCTS) for n in calls):
+            return True
+        frontier = [m for n in calls for m in getattr(n, step) if m not in seen]
+        seen.update(frontier)
+    return False
+
+
 def softmax_attention_sites(graph: fx.Graph) -> list[fx.Node]:
     """Every softmax-attention site of ``graph``, in graph order."""
     return [n for n in graph.nodes if is_softmax_attention_site(n)]
