@@ -591,6 +591,42 @@ def test_minimax_model_recompiled_for_a_new_length_keeps_the_rewrite():
     assert any("bounds follow the sequence length" in s.reason for s in loops)
 
 
+class ToyGatedDeltaNet(torch.nn.Module):
+    """The delta rule with a data-dependent gate (Qwen3-Next's linear attention, one step per
+    token): not MiniMax's fixed decay, so not rewritten."""
+
+    def forward(self, q, k, v, beta):
+        state = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
+        outs = []
+        for t in range(q.shape[1]):
+            kt, vt = k[:, t].unsqueeze(-1), v[:, t].unsqueeze(1)
+            state = state - beta[:, t, None, None] * kt @ (kt.transpose(1, 2) @ state - vt)
+            outs.append(q[:, t].unsqueeze(1) @ state)
+        return torch.cat(outs, 1)
+
+
+def test_a_delta_net_layer_is_reported_as_not_rewritten():
+    """A review saw Qwen3-Next's Gated DeltaNet layers under attention="exact" neither
+    rewritten nor mentioned: the unmatched-layer report knew only *LightningAttention* /
+    *LinearAttention* class names."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear_attn = ToyGatedDeltaNet()
+
+        def forward(self, q, k, v, beta):
+            return self.linear_attn(q, k, v, beta)
+
+    args = [torch.randn(2, 5, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 3), torch.rand(2, 5)]
+    gm = trace_for_pass(Model(), *args)
+    _, record = run_pass("attention", gm, Config(attention="exact"))
+    assert [(s.action, s.site) for s in record.sites] == [("skipped", "linear_attn")], \
+        record.sites
+    assert record.sites[0].reason.startswith("ToyGatedDeltaNet: no block loop graphopt "
+                                             "rewrites was found")
+
+
 def test_a_linear_attention_layer_whose_loop_does_not_match_is_reported():
     """A review: a MiniMax prefill with its cache under dynamic=True, batch 2, one block
     (S 10) left the loop neither rewritten nor mentioned (the matcher's no-match is silent

@@ -113,10 +113,15 @@ class AttentionPass(GraphPass):
         return {p: x for p, x in zip(placeholders, inputs) if x is not None}
 
 
+_LINEAR_CLASS_PARTS = ("LightningAttention", "LinearAttention", "DeltaNet", "Retention")
+
+
 def _linear_attention_modules(graph: fx.Graph) -> dict[str, str]:
     """Module path -> class name of the linear-attention layers whose products this graph
     computes (by class name: ``*LightningAttention*`` / ``*LinearAttention*``, e.g.
-    MiniMax's)."""
+    MiniMax's, and the other linear-attention families' ``*DeltaNet*`` (Qwen3-Next's
+    Gated DeltaNet, which a review saw neither rewritten nor mentioned), ``*Retention*``,
+    RWKV's ``*SelfAttention``)."""
     found: dict[str, str] = {}
     products = (aten.matmul.default, aten.bmm.default, aten.mm.default)
     for node in graph.nodes:
@@ -125,7 +130,8 @@ def _linear_attention_modules(graph: fx.Graph) -> dict[str, str]:
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
             name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
             name = name.rsplit(".", 1)[-1].strip("'>")
-            if "LightningAttention" in name or "LinearAttention" in name:
+            if any(k in name for k in _LINEAR_CLASS_PARTS) or \
+                    (name.startswith("Rwkv") and name.endswith("SelfAttention")):
                 found[str(path)] = name
     return found
 
