@@ -491,7 +491,7 @@ def test_a_model_level_top_k_is_reported_as_feeding_no_experts_module():
     sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
     assert [s.action for s in sites].count("rewritten") == 1, sites
     (aux,) = [s for s in sites if s.action == "skipped"]
-    assert "outside any module" in aux.reason and "load-balancing loss" in aux.reason
+    assert "a top-k with no module path" in aux.reason and "load-balancing loss" in aux.reason
 
 
 class _VariantExperts(_PlusOneExperts):

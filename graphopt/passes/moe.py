@@ -80,7 +80,9 @@ from graphopt.passes.moe_options import MoEOptions
 
 aten = torch.ops.aten
 GROUPED_MM_FIX = ("build the model with experts_implementation='grouped_mm' (or 'batched_mm') "
-                  "so router and experts reach one graph")
+                  "so router and experts reach one graph, where its class offers them "
+                  "(transformers' set_experts_implementation; a class without them, e.g. "
+                  "DBRX, keeps its eager loop and is not rewritten)")
 EAGER_LOOP_FIX = ("the router's indices leave this graph at a graph break (transformers' eager "
                   "experts loop breaks on a data-dependent nonzero); " + GROUPED_MM_FIX)
 
@@ -135,7 +137,11 @@ def find_region(topk: fx.Node) -> Region:
             continue
         if node.target is aten.one_hot.default or node.op == "output":
             if not module_path(topk):  # a model-level top-k, no router module
-                raise Skip("a top-k outside any module feeds one_hot or the graph output, "
+                # no module path: a model-level top-k, or one in the function Dynamo
+                # resumes after a graph break (DBRX's router, a review: "outside any module"
+                # misdescribed it)
+                raise Skip("a top-k with no module path (model-level, or resumed after a "
+                           "graph break) feeds one_hot or the graph output, "
                            "not an experts module: transformers' load-balancing loss "
                            "(output_router_logits: nothing to rewrite), or an experts loop "
                            f"that breaks the graph ({GROUPED_MM_FIX})")
