@@ -337,8 +337,11 @@ def _not_constant_causal(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool,
                 return ("the attention mask is derived inside a checkpoint region from an "
                         "input built outside it; the proof follows a mask passed in "
                         "unchanged, not one sliced or combined inside the region")
-            return ("the attention mask depends on a graph input's values (a padding mask), "
-                    "so it cannot be proven causal for every call")
+            # an input: a padding mask, or a causal mask built in an earlier graph (the
+            # mask function graph-breaks before transformers' eager experts loop, a review)
+            return ("the attention mask depends on a graph input's values (a padding mask, "
+                    "or a mask built before a graph break), so it cannot be proven causal "
+                    "for every call")
         if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
             return (f"the attention mask is built by non-ATen code ({n.name}: "
                     f"{getattr(n.target, '__name__', n.target)}, e.g. arithmetic on sizes "
