@@ -230,9 +230,12 @@ class GraphoptConfig:
                               "inductor_config or use lowering 'inductor' (or 'auto')")
         if config.dump_dir is not None and \
                 config.inductor_config.get("force_disable_caches") is False:
-            raise ConfigError("inductor_config force_disable_caches=False with a dump_dir: a "
-                              "cache hit skips the graphs a dump holds (graphopt turns the "
-                              "caches off while dumping); drop one of them")
+            where = "option 'dump_dir'" if "dump_dir" in options else \
+                f"{DUMP_DIR_ENV} (environment)"
+            raise ConfigError(f"inductor_config force_disable_caches=False with a dump "
+                              f"directory ({where}): a cache hit skips the graphs a dump "
+                              "holds (graphopt turns the caches off while dumping); drop one "
+                              "of them")
         if config.lowering == "npu":
             from graphopt.lowering import require_npu
 

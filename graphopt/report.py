@@ -160,19 +160,18 @@ _reports: list[CompileReport] = []
 _graph_ids = itertools.count()
 
 
-_break_baseline: dict[str, int] = {}
+_baselines: dict[str, tuple[Any, dict[str, int]]] = {}
+"""Dynamo counter category -> (its Counter when :func:`clear_reports` ran, a copy)."""
 
 
 def graph_breaks() -> dict[str, int]:
     """Dynamo's graph breaks since :func:`clear_reports` (or process start): the first line
     of each reason -> count."""
-    from torch._dynamo.utils import counters
-
     out: dict[str, int] = {}
-    for reason, n in counters["graph_break"].items():
+    for reason, n in _since_clear("graph_break").items():
         short = str(reason).strip().splitlines()[0] if str(reason).strip() else "unknown"
         out[short] = out.get(short, 0) + n
-    return _since_clear(out)
+    return out
 
 
 def uncompiled_frames() -> dict[str, int]:
@@ -184,30 +183,41 @@ def uncompiled_frames() -> dict[str, int]:
     Dynamo counts these in ``counters["unimplemented"]``, not among graph breaks, so a
     review saw a model whose rewrite had quietly stopped after its 8th sequence length.
 
+    Not found (Dynamo's message names neither a skipped frame nor a limit): a graph break
+    inside a ``try`` block or a user context manager, which also leaves the frame eager.
+    Dynamo's recompile-limit message does not name its function.
+
     Returns:
         "<Dynamo's reason> (frame <function> (<file> line <n>))" or "<reason>
         (recompile_limit)" -> count.
     """
-    from torch._dynamo.utils import counters
-
     out: dict[str, int] = {}
-    for reason, n in counters["unimplemented"].items():
+    for reason, n in _since_clear("unimplemented").items():
         lines = [line.strip() for line in str(reason).strip().splitlines()] or ["unknown"]
-        where = next((line.split("frame skipped:", 1)[1].strip() for line in lines
-                      if "frame skipped:" in line), None)
+        where = next((line.split(marker, 1)[1].strip().rstrip(".") for line in lines
+                      for marker in ("frame skipped:", "Skipping frame") if marker in line),
+                     None)
         limit = next((line.split("Limit type:", 1)[1].strip() for line in lines
                       if "Limit type:" in line), None)
         if where is None and limit is None:
             continue  # an Unsupported Dynamo handled (inlining retried, a break elsewhere)
         key = f"{lines[0]} ({f'frame {where}' if where is not None else limit})"
         out[key] = out.get(key, 0) + n
-    return _since_clear(out)
+    return out
 
 
-def _since_clear(counts: dict[str, int]) -> dict[str, int]:
+def _since_clear(category: str) -> dict[str, int]:
+    """Dynamo's ``counters[category]`` minus what :func:`clear_reports` saw. A Counter that
+    is no longer the one seen there was cleared since (``counters.clear()``, as torch's
+    TestCase does): all of it is new (a review: a running baseline hid later entries)."""
+    from torch._dynamo.utils import counters
+
+    current = counters[category]
     with _lock:
-        return {r: n - _break_baseline.get(r, 0) for r, n in counts.items()
-                if n > _break_baseline.get(r, 0)}
+        seen, base = _baselines.get(category, (None, {}))
+    if seen is not current:
+        base = {}
+    return {r: n - base.get(r, 0) for r, n in current.items() if n > base.get(r, 0)}
 
 
 def register(report: CompileReport) -> None:
@@ -239,11 +249,12 @@ def last_report() -> CompileReport:
 
 def clear_reports() -> None:
     """Forget this process's reports and start counting graph breaks from here."""
-    baseline = {**graph_breaks(), **uncompiled_frames()}  # their keys never collide
+    from torch._dynamo.utils import counters
+
     with _lock:
         _reports.clear()
-        for reason, n in baseline.items():
-            _break_baseline[reason] = _break_baseline.get(reason, 0) + n
+        for category in ("graph_break", "unimplemented"):
+            _baselines[category] = (counters[category], dict(counters[category]))
 
 
 def _joint_records_dir() -> Path:

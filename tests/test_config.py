@@ -228,7 +228,7 @@ def test_inductor_config_accepts_none_and_numpy_numbers():
 
 
 
-def test_inductor_config_takes_torch_compiler_aliases(tmp_path):
+def test_inductor_config_takes_torch_compiler_aliases(tmp_path, monkeypatch):
     """torch._inductor.config's aliases of torch.compiler.config (force_disable_caches, the
     static launcher's) are options: refused as unknown before (a review); their type is
     checked, and turning the caches on while dumping is a conflict."""
@@ -237,7 +237,12 @@ def test_inductor_config_takes_torch_compiler_aliases(tmp_path):
     assert config.inductor_config["force_disable_caches"] is True
     with pytest.raises(ConfigError, match=r"'force_disable_caches' takes a bool"):
         GraphoptConfig.from_options({"inductor_config": {"force_disable_caches": "yes"}})
-    with pytest.raises(ConfigError, match=r"force_disable_caches=False with a dump_dir"):
+    monkeypatch.setenv("GRAPHOPT_DUMP_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"dump directory \(GRAPHOPT_DUMP_DIR"):
+        GraphoptConfig.from_options({"inductor_config": {"force_disable_caches": False}})
+    monkeypatch.delenv("GRAPHOPT_DUMP_DIR")
+    with pytest.raises(ConfigError, match=r"force_disable_caches=False with a dump "
+                       r"directory \(option 'dump_dir'\)"):
         GraphoptConfig.from_options({"inductor_config": {"force_disable_caches": False},
                                      "dump_dir": str(tmp_path)})
 

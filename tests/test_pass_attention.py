@@ -627,6 +627,40 @@ def test_a_delta_net_layer_is_reported_as_not_rewritten():
                                              "rewrites was found")
 
 
+class RwkvToySelfAttention(torch.nn.Module):
+    """RWKV's time mixing: projections (linear) and an element-wise recurrence, no matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.key, self.value = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        k, v = self.key(x).exp(), self.value(x)
+        num, den, outs = torch.zeros_like(x[:, 0]), torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            num, den = 0.9 * num + k[:, t] * v[:, t], 0.9 * den + k[:, t]
+            outs.append(num / den)
+        return torch.stack(outs, 1)
+
+
+def test_an_rwkv_layer_is_reported_as_not_rewritten():
+    """RWKV's attention has no matmul, so the unmatched-layer report, which looked for the
+    layer's products, missed it (a re-review): its projections count."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = RwkvToySelfAttention()
+
+        def forward(self, x):
+            return self.attention(x)
+
+    x = torch.randn(2, 5, 4)
+    _, record = run_pass("attention", trace_for_pass(Model(), x), Config(attention="exact"))
+    assert [(s.action, s.site) for s in record.sites] == [("skipped", "attention")], \
+        record.sites
+
+
 def test_a_linear_attention_layer_whose_loop_does_not_match_is_reported():
     """A review: a MiniMax prefill with its cache under dynamic=True, batch 2, one block
     (S 10) left the loop neither rewritten nor mentioned (the matcher's no-match is silent

@@ -159,6 +159,25 @@ def test_frames_dynamo_runs_uncompiled_are_reported():
     assert "(frame loop (" in skipped and "test_pipeline.py line" in skipped, skipped
     graphopt.clear_reports()
     assert graphopt.uncompiled_frames() == {}
+    # Dynamo's counters cleared after clear_reports (torch's TestCase does): a later skip
+    # of the same frame is new, not hidden under the old count (a re-review)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch._dynamo.reset()
+    torch.compile(loop, backend="graphopt", options={"lowering": "eager"})(torch.randn(4))
+    assert graphopt.uncompiled_frames() == {skipped: 1}
+    graphopt.clear_reports()
+
+    def skipping(x):  # torch._dynamo.skip_frame(): "Skipping frame <name> (...)"
+        x = x.sin()
+        torch._dynamo.skip_frame()
+        return x.cos()
+
+    torch.compile(skipping, backend="graphopt", options={"lowering": "eager"})(torch.randn(4))
+    (skipped,) = graphopt.uncompiled_frames()
+    assert "(frame skipping (" in skipped, skipped
+    graphopt.clear_reports()
 
     def f(x):
         return x * 2 + 1

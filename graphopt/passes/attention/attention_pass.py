@@ -124,14 +124,19 @@ def _linear_attention_modules(graph: fx.Graph) -> dict[str, str]:
     RWKV's ``*SelfAttention``)."""
     found: dict[str, str] = {}
     products = (aten.matmul.default, aten.bmm.default, aten.mm.default)
+    # RWKV's attention has only its projections (its recurrence is element-wise): its
+    # linear ops count (it went unreported, a re-review); for the others a graph with only
+    # the projections is not the layer's (its loop is in another graph)
+    projections = (aten.linear.default, aten.addmm.default)
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in products:
+        if node.op != "call_function" or node.target not in products + projections:
             continue  # the layer's products are here (not in a checkpoint body, say)
         for path, cls in (node.meta.get("nn_module_stack") or {}).values():
             name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
             name = name.rsplit(".", 1)[-1].strip("'>")
-            if any(k in name for k in _LINEAR_CLASS_PARTS) or \
-                    (name.startswith("Rwkv") and name.endswith("SelfAttention")):
+            rwkv = name.startswith("Rwkv") and name.endswith("SelfAttention")
+            if rwkv or (node.target in products and
+                        any(k in name for k in _LINEAR_CLASS_PARTS)):
                 found[str(path)] = name
     return found
 
