@@ -91,9 +91,11 @@ class SoftmaxAttention:
     the constant part is ``scale``."""
 
 
-def _reaches_product(start: list[fx.Node], step: str, shape: tuple[int, ...]) -> bool:
+def _reaches_product(start: list[fx.Node], step: str, shape: tuple[int, ...] | None
+                     ) -> bool:
     """True when a product is among ``start`` or reached from it by following ``step``
-    ("all_input_nodes" or "users") through call_function nodes of the scores' shape."""
+    ("all_input_nodes" or "users") through call_function nodes of the scores' shape (any
+    shape for None)."""
     frontier, seen = start, set(start)
     for _ in range(_SITE_DEPTH):
         calls = [n for n in frontier if n.op == "call_function"]
@@ -102,7 +104,8 @@ def _reaches_product(start: list[fx.Node], step: str, shape: tuple[int, ...]) ->
         frontier = []
         for n in calls:
             val = tensor_meta(n)
-            if val is None or val.dim() < 2 or tuple(val.shape[-2:]) != shape:
+            if shape is not None and (val is None or val.dim() < 2 or
+                                      tuple(val.shape[-2:]) != shape):
                 continue
             for m in getattr(n, step):
                 if m not in seen:
@@ -137,21 +140,10 @@ def attention_like_softmaxes(graph: fx.Graph) -> list[fx.Node]:
         if not is_call(n, *_SOFTMAX) or val is None or val.dim() < 4 or \
                 not isinstance(n.args[0], fx.Node) or is_softmax_attention_site(n):
             continue
-        if _reaches_any_product([n.args[0]], "all_input_nodes") and \
-                _reaches_any_product(list(n.users), "users"):
+        if _reaches_product([n.args[0]], "all_input_nodes", None) and \
+                _reaches_product(list(n.users), "users", None):
             out.append(n)
     return out
-
-
-def _reaches_any_product(start: list[fx.Node], step: str) -> bool:
-    frontier, seen = start, set(start)
-    for _ in range(_SITE_DEPTH):
-        calls = [n for n in frontier if n.op == "call_function"]
-        if any(is_call(n, *_PRODUCTS) for n in calls):
-            return True
-        frontier = [m for n in calls for m in getattr(n, step) if m not in seen]
-        seen.update(frontier)
-    return False
 
 
 def softmax_attention_sites(graph: fx.Graph) -> list[fx.Node]:
