@@ -466,7 +466,18 @@ def table_rounding(got: torch.Tensor, slope: torch.Tensor, kind: str, length: in
     """The largest relative deviation of a decay table ``got`` (one that
     :func:`decay_deviation` accepted) from exp(-slope d) computed in float64, over its
     entries above float32's smallest normal. 0 for a table computed in float64; ~1e-7 for
-    transformers' MiniMax tables in a float64 model (built in float32, then ``.to``)."""
+    transformers' MiniMax tables in a float64 model (built in float32, then ``.to``).
+
+    Args:
+        got: the table, any float dtype, ``numel`` of the [H, rows, cols] layout of
+            ``kind`` (as :func:`decay_deviation` takes it).
+        slope: [H] per-head slopes, any float dtype (used in float64).
+        kind: "query", "key", "diagonal" or "block"; ``length``: the block length L.
+    Returns:
+        A unitless relative deviation (max over entries of |got - want| / want).
+    Source: Lightning Attention's decay exp(-s d) (MiniMax-01, arXiv:2501.08313, eq. of the
+    intra/inter-block decays); transformers' MiniMax ``decay_factors``.
+    """
     dist, mask = _distances(kind, length)
     want = torch.exp(-slope.reshape(-1, 1, 1).double() * dist) * mask
     got = got.double().reshape(want.shape)
