@@ -217,6 +217,13 @@ def _model_stage(gm: fx.GraphModule, captured: Capture, runner: PassRunner,
                     if site.action == "rewritten":
                         site.action = "skipped"
                         site.reason = f"rewrite dropped: {problem}; was: {site.reason}"
+    else:  # capture refused the graph: no model pass ran; each one's record says why, so
+        # a user who asked for one (moe, attention) finds the reason under its name too
+        for graph_pass in build_pipeline(config, "pre_autograd"):
+            record = PassRecord(graph_pass.name, "pre_autograd", "model", graph_pass.exact)
+            record.record("skipped", "whole graph",
+                          f"not run: model passes skipped for this graph ({fallback})")
+            report.passes.append(record)
     report.fallback = fallback
     warnings.warn(f"graphopt: model passes skipped for this graph: {fallback}. It runs as "
                   "backend='aot_eager' would (joint passes still run); see "
