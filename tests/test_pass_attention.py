@@ -786,6 +786,41 @@ def test_parallel_form_float64_keeps_float64_slopes():
     assert_matches_eager(model, as_function(gm, model), qkv, rtol=1e-12, atol=1e-12)
 
 
+class Float32Decay(RetNetStyle):
+    """A float64 model whose decay matrix is built in float32 (as transformers builds
+    MiniMax's tables), then cast."""
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[2], dtype=torch.float32)
+        gap = i.view(-1, 1) - i.view(1, -1)
+        decay = torch.exp(-self.slope.float().view(-1, 1, 1) * gap.clamp(min=0)) * (gap >= 0)
+        return ((q @ k.transpose(-1, -2)) * decay.to(q.dtype)) @ v
+
+
+@pytest.mark.parametrize("model_cls", [RetNetStyle, Float32Decay])
+def test_a_float32_rounded_decay_matrix_in_a_float64_parallel_form_is_reported(model_cls):
+    """The parallel form's slopes are fitted to the matrix; the kernel computes exp(-s d)
+    from them in float64, so a float32-rounded matrix leaves outputs ~1e-7 off eager, which
+    its site now says (the loop form's note, carried over; nothing was said before)."""
+    model = model_cls().double()
+    qkv = [x.detach().double().requires_grad_() for x in _qkv(40)]
+    gm = trace_for_pass(model, *qkv)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, model, *qkv))
+    (site,) = record.sites
+    assert site.action == "rewritten", site
+    with torch.no_grad():
+        got, want = as_function(gm, model)(*qkv), model(*qkv)
+    error = float((got - want).abs().max() / want.abs().max())
+    if model_cls is RetNetStyle:
+        assert "NOTE" not in site.reason and error < 1e-13, (site.reason, error)
+    else:
+        match = re.search(r"NOTE: the model's decay tables deviate from exp\(-slope\*d\) "
+                          r"by up to (\S+) relative", site.reason)
+        assert match and 1e-8 < float(match[1]) < 1e-5, site.reason
+        assert 1e-10 < error < 1e-5, error
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_parallel_form_is_rewritten_and_as_accurate_as_eager(dtype):
     """The decay matrix computed in bf16/fp16: slopes fitted over a whole column (exp(-0.02)

@@ -44,7 +44,7 @@ Pseudo-code:
         replace cat by o and the loop's last state by state
     (the pass removes dead code here)
     for matmul not inside a loop: form = match_decayed_parallel_form(matmul)
-        slopes = parallel_form_slopes(form.decay, H, env)
+        slopes, rounding = parallel_form_slopes(form.decay, H, env)
         replace matmul by lightning_attention_fwd(Q, K, V, buffer(slopes), 1.0)[0]
 """
 
@@ -166,7 +166,7 @@ def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.No
         q_val = tensor_meta(form.q)
         assert q_val is not None
         try:
-            slopes = parallel_form_slopes(form.decay, int(q_val.shape[1]), env)
+            slopes, rounding = parallel_form_slopes(form.decay, int(q_val.shape[1]), env)
         except NoMatch as exc:
             ctx.record("skipped", site, str(exc))
             continue
@@ -178,7 +178,8 @@ def rewrite_parallel_forms(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.No
         node.replace_all_uses_with(
             insert_with_frozen_slopes(gm, node, form.q, form.k, form.v, slopes, 1.0))
         ctx.record("rewritten", site, f"parallel form (S {int(q_val.shape[2])}) -> "
-                   "graphopt::lightning_attention" + saved_bytes_note(form.q, form.k, form.v))
+                   "graphopt::lightning_attention" + saved_bytes_note(form.q, form.k, form.v)
+                   + rounding_note(rounding, q_val.dtype))
         modified = True
     return modified
 

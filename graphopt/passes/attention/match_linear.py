@@ -582,8 +582,11 @@ def match_decayed_parallel_form(node: fx.Node) -> DecayedParallelForm:
     raise NoMatch("no Q @ K^T factor")
 
 
-def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) -> torch.Tensor:
-    """Slopes s_h with D = exp(-s_h (i - j)) masked causal; refuse anything else."""
+def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]
+                         ) -> tuple[torch.Tensor, float]:
+    """Slopes s_h [H] (float64) with D = exp(-s_h (i - j)) masked causal, and the matrix's
+    :func:`table_rounding` against them (a float32 matrix in a float64 model: ~1e-7, for the
+    report's :func:`rounding_note`); raise NoMatch for anything else."""
     for n in ancestors(decay):
         if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt):
             raise NoMatch("the decay matrix's size follows a dynamic input size (a "
@@ -615,7 +618,7 @@ def parallel_form_slopes(decay: fx.Node, heads: int, env: dict[fx.Node, Any]) ->
     if deviation is not None:
         raise NoMatch("the mask is not exp(-slope * (i - j)) below the diagonal and 0 above "
                       f"(non-causal or not a decay; {deviation})")
-    return slopes
+    return slopes, table_rounding(d, slopes, "diagonal", seq)
 
 
 def _fit_slopes(column: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
