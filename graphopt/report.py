@@ -177,33 +177,72 @@ def graph_breaks() -> dict[str, int]:
 def uncompiled_frames() -> dict[str, int]:
     """Frames Dynamo gave up on since :func:`clear_reports` (or process start), each of
     which runs uncompiled: plain Python and eager kernels, so no graphopt pass (a Lightning
-    or MoE rewrite included) applies to the code in it. Two kinds: a frame skipped (e.g. a
-    graph break inside a loop; frames it calls are still compiled on their own), and code
-    past ``torch._dynamo.config.recompile_limit`` (every later new shape runs eagerly).
-    Dynamo counts these in ``counters["unimplemented"]``, not among graph breaks, so a
-    review saw a model whose rewrite had quietly stopped after its 8th sequence length.
+    or MoE rewrite included) applies to the code in it. For example a graph break inside a
+    loop, a ``try`` block or a context manager Dynamo cannot resume in (frames it calls are
+    still compiled on their own), ``torch._dynamo.skip_frame()``, a backend failure under
+    ``torch._dynamo.config.suppress_errors``, and a frame past
+    ``torch._dynamo.config.recompile_limit`` (every later new shape runs eagerly). Dynamo
+    does not count these among graph breaks, so a review saw a model whose rewrite had
+    quietly stopped after its 8th sequence length.
 
-    Not found (Dynamo's message names neither a skipped frame nor a limit): a graph break
-    inside a ``try`` block or a user context manager, which also leaves the frame eager.
-    Dynamo's recompile-limit message does not name its function.
+    Read from Dynamo's compilation metrics (``torch._dynamo.utils.get_compilation_metrics``:
+    one entry per frame compile, with its failure), which Dynamo keeps for its last 64
+    compiles: each graphopt compile and each call of this function collects the new
+    failures, so a failure followed by more than 64 compiles without either is missed.
 
     Returns:
-        "<Dynamo's reason> (frame <function> (<file> line <n>))" or "<reason>
-        (recompile_limit)" -> count.
+        "<Dynamo's reason, first line> (frame <function> (<file> line <n>))" -> count; for
+        the recompile limit "<reason> (<limit type>, frame <function> (...))", the function
+        taken from an earlier compile of the same frame (no function when none is kept).
     """
+    _collect_failed_frames()
     out: dict[str, int] = {}
-    for reason, n in _since_clear("unimplemented").items():
-        lines = [line.strip() for line in str(reason).strip().splitlines()] or ["unknown"]
-        where = next((line.split(marker, 1)[1].strip().rstrip(".") for line in lines
-                      for marker in ("frame skipped:", "Skipping frame") if marker in line),
-                     None)
-        limit = next((line.split("Limit type:", 1)[1].strip() for line in lines
-                      if "Limit type:" in line), None)
-        if where is None and limit is None:
-            continue  # an Unsupported Dynamo handled (inlining retried, a break elsewhere)
-        key = f"{lines[0]} ({f'frame {where}' if where is not None else limit})"
-        out[key] = out.get(key, 0) + n
+    with _lock:
+        for key in _failed_frames:
+            out[key] = out.get(key, 0) + 1
     return out
+
+
+_failed_frames: list[str] = []
+"""The keys of failed frame compiles collected since :func:`clear_reports`."""
+_seen_metrics: dict[int, Any] = {}
+"""id -> Dynamo metrics entry already collected or present at :func:`clear_reports` (the
+entry is held so that its id is not reused)."""
+
+
+def _collect_failed_frames() -> None:
+    """Add the failed forward frame compiles in Dynamo's metrics not seen before to
+    :data:`_failed_frames`."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    metrics = get_compilation_metrics()
+    names: dict[str, str] = {}  # frame id -> "<function> (<file> line <n>)"
+    for m in metrics:
+        frame = _frame_id(m.compile_id)
+        if m.co_name is not None and frame is not None:
+            names[frame] = f"{m.co_name} ({m.co_filename} line {m.co_firstlineno})"
+    with _lock:
+        for m in metrics:
+            if m.fail_type is None or m.is_forward is False or id(m) in _seen_metrics:
+                continue
+            _seen_metrics[id(m)] = m
+            lines = [line.strip() for line in str(m.fail_reason or m.fail_type).strip()
+                     .splitlines() if line.strip()] or [str(m.fail_type)]
+            limit = next((line.split("Limit type:", 1)[1].strip() for line in lines
+                          if "Limit type:" in line), None)
+            frame = _frame_id(m.compile_id)
+            where = (f"{m.co_name} ({m.co_filename} line {m.co_firstlineno})"
+                     if m.co_name is not None else names.get(frame or ""))
+            parts = ([limit] if limit else []) + ([f"frame {where}"] if where else [])
+            _failed_frames.append(f"{lines[0]} ({', '.join(parts) or m.fail_type})")
+
+
+def _frame_id(compile_id: Any) -> str | None:
+    """The frame part of Dynamo's compile id ("<frame>/<compile>", e.g. "0/2"), or None."""
+    if compile_id is None:
+        return None
+    text = str(compile_id)
+    return text.split("/", 1)[0] if "/" in text else None
 
 
 def _since_clear(category: str) -> dict[str, int]:
@@ -249,12 +288,15 @@ def last_report() -> CompileReport:
 
 def clear_reports() -> None:
     """Forget this process's reports and start counting graph breaks from here."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters, get_compilation_metrics
 
     with _lock:
         _reports.clear()
-        for category in ("graph_break", "unimplemented"):
+        for category in ("graph_break",):
             _baselines[category] = (counters[category], dict(counters[category]))
+        _failed_frames.clear()
+        _seen_metrics.clear()
+        _seen_metrics.update((id(m), m) for m in get_compilation_metrics())
 
 
 def _joint_records_dir() -> Path:

@@ -1,6 +1,7 @@
 """The pass pipeline: order, disabling, joint passes, training/inference, dynamic shapes,
 graph breaks, and errors that name the failing pass."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -189,12 +190,66 @@ def test_frames_dynamo_runs_uncompiled_are_reported():
             compiled(torch.randn(n))
     assert len(graphopt.reports()) == 2
     assert graphopt.last_report().uncompiled_frames == {}  # the limit came after it
-    assert graphopt.uncompiled_frames() == {
-        "Dynamo recompile limit exceeded (recompile_limit)": 1}, graphopt.uncompiled_frames()
+    (limit,) = graphopt.uncompiled_frames()  # the limit names its frame now (a re-review)
+    assert limit.startswith("Dynamo recompile limit exceeded (recompile_limit, frame f ("), \
+        limit
     # f's later shapes run eagerly; the next compiled graph's report holds the limit
     torch.compile(lambda x: x.cos(), backend="graphopt", options={"lowering": "eager"})(
         torch.randn(3))
     assert "1x Dynamo recompile limit exceeded" in graphopt.last_report().to_markdown()
+
+
+def _in_try(x):
+    y = x.sin()
+    try:
+        print("side effect")  # a graph break inside a try block: Dynamo skips the frame
+        y = y.cos()
+    finally:
+        y = y + 1
+    return y
+
+
+@contextlib.contextmanager
+def _user_context():
+    yield
+
+
+def _in_context(x):
+    y = x.sin()
+    with _user_context():
+        print("side effect")  # a graph break under a user context manager: skipped too
+        y = y.cos()
+    return y + 1
+
+
+def _plain(x):
+    return x.sin() * 2
+
+
+@pytest.mark.parametrize("case", ["try", "context manager", "suppressed backend error"])
+def test_frames_left_uncompiled_for_any_reason_are_named(case):
+    """A graph break inside a try block or a user context manager, and a backend failure
+    under suppress_errors, leave the whole frame eager; Dynamo's messages name neither a
+    skipped frame nor a limit, so uncompiled_frames() missed them (a re-review). They are
+    now read from Dynamo's compilation metrics, with the function's name."""
+    graphopt.clear_reports()
+    torch._dynamo.reset()
+    fn = {"try": _in_try, "context manager": _in_context,
+          "suppressed backend error": _plain}[case]
+    options = {"lowering": "eager"}
+    suppress = case == "suppressed backend error"
+    if suppress:
+        options["enable"] = ["test_crash"]
+    x = torch.randn(4)
+    with torch._dynamo.config.patch(suppress_errors=suppress):
+        got = torch.compile(fn, backend="graphopt", options=options)(x)
+    torch.testing.assert_close(got, fn(x))
+    (frame,) = graphopt.uncompiled_frames()
+    assert f"(frame {fn.__name__} (" in frame and "test_pipeline.py line" in frame, frame
+    if case == "suppressed backend error":
+        assert frame.startswith("backend='graphopt' raised"), frame
+    graphopt.clear_reports()
+    assert graphopt.uncompiled_frames() == {}
 
 
 def test_a_pass_that_changes_the_graph_is_recorded_as_modified_whatever_it_returns():
