@@ -667,9 +667,10 @@ def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any]
             "approximate" if approximate else "passed",
             detail=f"differs from {against} by {ours:.3g} ({problem}), beyond the "
                    f"tolerance, as torch.compile(backend='aot_eager') of the same graph does "
-                   f"for each output and gradient (up to {max(torchs or [0.0]):.3g}): the "
-                   f"graph's rounding in {str(dtype).replace('torch.', '')}, not a graphopt "
-                   "pass or lowering")
+                   f"for each output and gradient (up to {max(torchs or [0.0]):.3g}): what "
+                   "compiling alone does to this graph (its rounding in "
+                   f"{str(dtype).replace('torch.', '')}, or another difference of torch's own "
+                   "compile path), not a graphopt pass or lowering")
         return
     if torchs is not None:  # name the output/gradient that compiling alone does not explain
         problem = unexcused(actual) or problem

@@ -983,7 +983,19 @@ class _TwoDraws(torch.nn.Module):
         return h + self.draw(h), h + self.draw(h)
 
 
-@pytest.mark.parametrize("draw", ["randn_like", "randint_like", "uniform_", "exponential_"])
+@torch.library.custom_op("graphopt_test::add_noise", mutates_args=())
+def _add_noise(x: torch.Tensor) -> torch.Tensor:
+    """Another library's op that draws (no nondeterministic_seeded tag: custom_op adds none)."""
+    return x + torch.rand_like(x)
+
+
+_add_noise.register_fake(torch.empty_like)
+_add_noise.register_autograd(lambda ctx, grad: grad,
+                             setup_context=lambda ctx, inputs, output: None)
+
+
+@pytest.mark.parametrize("draw", ["randn_like", "randint_like", "uniform_", "exponential_",
+                                  "custom op"])
 @pytest.mark.parametrize("remat", [False, True])
 def test_identical_random_draws_stay_independent_in_training_graphs(draw, remat):
     """A review: two ``randn_like(h)`` (randint_like, uniform_, exponential_) of one tensor
@@ -994,7 +1006,8 @@ def test_identical_random_draws_stay_independent_in_training_graphs(draw, remat)
     draws = {"randn_like": torch.randn_like,
              "randint_like": lambda h: torch.randint_like(h.detach(), 10),
              "uniform_": lambda h: torch.empty_like(h).uniform_(),
-             "exponential_": lambda h: torch.empty_like(h).exponential_()}
+             "exponential_": lambda h: torch.empty_like(h).exponential_(),
+             "custom op": lambda h: _add_noise(h) - h}  # merged by the partitioner too
     model = _TwoDraws(draws[draw])
     options = {"lowering": "eager", **({"remat": {"budget": 0}} if remat else {})}
     graphopt.clear_reports()

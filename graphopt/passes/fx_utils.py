@@ -177,12 +177,15 @@ def random_ops_kept(graph: fx.Graph) -> Iterator[None]:
     ``exponential``) of the same tensor in a training graph became one draw, the same noise
     twice and the RNG stream shifted, with ``backend="aot_eager"`` as well in torch 2.13 (a
     review). The list is extended by the graph's random ops' overload packets for the
-    duration."""
+    duration, and by other libraries' custom ops (:func:`is_foreign_op`: their schema does
+    not say whether they draw; a review's ``x + rand_like(x)`` op, called twice, gave the
+    same noise twice, with aot_eager too)."""
     from torch._functorch import compile_utils
 
     known = list(compile_utils.rand_ops)
     extra = {n.target.overloadpacket for n in graph.nodes
-             if n.op == "call_function" and is_random(n)} - set(known)
+             if n.op == "call_function" and (is_random(n) or is_foreign_op(n.target))
+             } - set(known)
     if not extra:
         yield
         return
