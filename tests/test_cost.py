@@ -267,6 +267,20 @@ def test_collectives_follow_the_alpha_beta_formulas():
     assert two_d != flat and collective_time("all_to_all", 1e8, 64, h100) == min(flat, two_d)
 
 
+@pytest.mark.parametrize("kind", ["all_reduce", "all_to_all", "all_gather"])
+def test_a_group_that_spills_into_a_second_node_pays_for_the_network(kind):
+    """12 ranks of 8-device nodes: nodes were counted as 12 // 8 = 1, so the cross-node part
+    cost nothing and 9-15 ranks cost what 8 did (a review; the planner then gave FSDP on 12
+    devices the exposed DP time of 8)."""
+    h100 = CLUSTERS["h100-sxm"]
+    times = {n: collective_time(kind, 1e9, n, h100) for n in (8, 9, 12, 15, 16)}
+    for n in (9, 12, 15):
+        assert times[n] > 1.5 * times[8], times
+    # a part of a node per group (4 of 8) with the network between them: no cheaper than
+    # the whole-node split of the same network level, as bandwidth per rank goes
+    assert times[12] >= 0.5 * times[16], times
+
+
 def test_group_larger_than_the_cluster_is_an_error():
     with pytest.raises(ConfigError, match="spans 8192 devices but cluster 'h100-sxm' has"):
         collective_time("all_reduce", 1e6, 8192, CLUSTERS["h100-sxm"])
