@@ -1,5 +1,6 @@
 """The graphopt CLI: help, passes, explain on a real dump, demo on a real model."""
 
+import re
 import sys
 
 import pytest
@@ -174,6 +175,32 @@ def test_plan_and_estimate_load_models_with_one_loader(tmp_path):
         unknown = runner.invoke(app, [*args, "--model", "llama9"])
         assert unknown.exit_code == 2 and "unknown model 'llama9'" in unknown.output
         assert "llama3-8b" in unknown.output and "qwen3_moe" in unknown.output
+
+
+@pytest.mark.parametrize("override, message", [
+    ("num_experts_per_tok=16", r"num_experts_per_tok \(16\) must be in \[1, 4\]"),
+    ("num_key_value_heads=3", r"must be divisible by num_key_value_heads \(3\)"),
+    (None, "num_hidden_layers must be a positive integer, got 0"),
+])
+def test_estimate_refuses_the_sizes_plan_refuses(override, message, tmp_path):
+    """A review: estimate crashed with a traceback on a top-k above the expert count, and
+    priced 4 query heads over 3 KV heads and a config file of 0 layers (which no model
+    runs) with exit 0."""
+    import json
+
+    args = ["estimate", "--model", "mixtral", "--dtype", "bfloat16", "--seq", "16"]
+    if override is None:  # --override refuses 0 itself; a config file did not
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 0, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 256}))
+        args[2], args[4] = str(config), "float32"
+    else:
+        args += ["--override", override]
+    result = runner.invoke(app, args, terminal_width=300)
+    assert result.exit_code == 2, result.output
+    assert re.search(message, " ".join(result.output.split())), result.output
 
 
 def test_demo_parallel_runs_a_planned_step_on_local_ranks():

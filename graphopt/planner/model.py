@@ -26,7 +26,13 @@ import torch
 
 from graphopt.cost.profiles import ClusterProfile
 from graphopt.errors import ConfigError
-from graphopt.models import build_architecture, expert_count, model_config, resolve_model
+from graphopt.models import (
+    build_architecture,
+    check_sizes,
+    expert_count,
+    model_config,
+    resolve_model,
+)
 
 
 @dataclass(frozen=True)
@@ -287,7 +293,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     transformers.AttentionInterface.register("graphopt_megatron_cost", _megatron_attention)
     transformers.AttentionInterface.register("graphopt_fused_cost", _fused_cost_attention)
     cfg = model_config(source, overrides, seq)
-    _check_sizes(cfg)
+    check_sizes(cfg)
     attn = "graphopt_fused_cost" if attention == "flash" else "graphopt_megatron_cost"
 
     types = [str(t) for t in (getattr(cfg, "layer_types", None) or ())]
@@ -399,50 +405,6 @@ def moe_layer_flags(cfg: Any, layers: int) -> list[bool]:
         step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
         return [i not in only and (i + 1) % step == 0 for i in range(layers)]
     return [True] * layers
-
-
-def _check_sizes(cfg: Any) -> None:
-    """ConfigError for sizes no model has (found by a review: a zero vocabulary ended in a
-    reshape error deep in the trace, heads not divisible by KV heads were planned)."""
-    for names in (("vocab_size",), ("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
-                  ("num_attention_heads", "n_head"), ("num_key_value_heads",), ("head_dim",),
-                  ("intermediate_size", "n_inner")):
-        name = next((n for n in names if getattr(cfg, n, None) is not None), None)
-        if name is not None and not int(getattr(cfg, name)) > 0:
-            raise ConfigError(f"{name} must be a positive integer, got {getattr(cfg, name)!r}; "
-                              "fix the config or the override")
-    heads = int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 1)) or 1)
-    kv = getattr(cfg, "num_key_value_heads", None)
-    if kv is not None and heads % int(kv):
-        raise ConfigError(f"num_attention_heads ({heads}) must be divisible by "
-                          f"num_key_value_heads ({kv}): each KV head serves a whole group of "
-                          "query heads (GQA); fix the config or the override")
-    # MoE and MLA sizes (a review: these ended in tracebacks from deep in the trace, or
-    # were accepted and priced as nonsense)
-    for name in ("moe_intermediate_size", "kv_lora_rank", "q_lora_rank",
-                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-        value = getattr(cfg, name, None)
-        if value is not None and not (isinstance(value, int) and value > 0):
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}; fix the "
-                              "config or the override")
-    experts = next((getattr(cfg, n) for n in ("num_local_experts", "num_experts",
-                                              "n_routed_experts")
-                    if isinstance(getattr(cfg, n, None), int)), None)
-    top_k = getattr(cfg, "num_experts_per_tok", None)
-    if experts is not None and isinstance(top_k, int) and not 1 <= top_k <= experts:
-        raise ConfigError(f"num_experts_per_tok ({top_k}) must be in [1, {experts}] (the "
-                          "routed experts); fix the config or the override")
-    groups, chosen = getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None)
-    if experts is not None and isinstance(groups, int) and groups > 0:
-        if experts % groups:
-            raise ConfigError(f"n_group ({groups}) must divide the routed experts "
-                              f"({experts}): group-limited routing splits them evenly")
-        if isinstance(chosen, int) and not 1 <= chosen <= groups:
-            raise ConfigError(f"topk_group ({chosen}) must be in [1, n_group={groups}]")
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and not (isinstance(window, int) and window > 0):
-        raise ConfigError(f"sliding_window must be a positive integer or null, got "
-                          f"{window!r}; fix the config or the override")
 
 
 def _mix(measured: dict[str | None, tuple[LayerCost, LayerCost, LayerCost | None]],
