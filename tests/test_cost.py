@@ -71,11 +71,35 @@ def test_the_documented_cluster_file_loads(tmp_path):
     ({"name": "x", "device": "h100-sxm",
       "levels": [{"name": "node", "size": 8, "link": {"bandwidth": 1e9}}]},
      "levels[0].link is missing field(s) latency"),
+    ({"name": "x", "device": "h100-sxm",  # outermost first (a review: accepted, replanned)
+      "levels": [{"name": "network", "size": 512, "link": {"bandwidth": 50e9, "latency": 0}},
+                 {"name": "node", "size": 8, "link": {"bandwidth": 450e9, "latency": 0}}]},
+     "B/s), the level inside it; levels go innermost first"),
 ])
 def test_bad_profiles_say_what_is_wrong(spec, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         load_profile(spec)
+
+
+def test_a_half_precision_run_on_a_profile_without_that_rate_is_refused():
+    """A review: a profile listing only a float32 peak priced a bfloat16 plan at the float32
+    rate (11x slow) and quoted its MFU against the float32 peak (63%), with no note."""
+    from graphopt.planner.model import plan_model
+
+    device = {"name": "d", "peak_flops": {"float32": 67e12}, "memory_bytes": 80e9,
+              "memory_bandwidth": 3e12}
+    cluster = load_profile({"name": "c", "device": device, "levels": [
+        {"name": "node", "size": 8, "link": {"bandwidth": 450e9, "latency": 3e-6}}]})
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).split(".")[1]
+        with pytest.raises(ConfigError, match=f"peak_flops has no '{name}' entry, so a "
+                           f"{name} run would be priced at the float32 rate"):
+            plan_model("llama", 64, cluster, dtype=dtype)
+        with pytest.raises(ConfigError, match=f"peak_flops has no '{name}' entry"):
+            estimate(torch.nn.Linear(4, 4).to(dtype), (torch.randn(2, 4, dtype=dtype),),
+                     cluster)
+    plan_model("llama", 64, cluster, dtype=torch.float32)  # its own rate: planned
 
 
 def test_local_profile_before_calibration_says_to_calibrate(tmp_path, monkeypatch):

@@ -311,7 +311,8 @@ def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, A
     calibrated "local" profile when there is one, else h100-sxm).
 
     Raises:
-        ConfigError: unknown profile (lists the valid ones) or bad tracing mode.
+        ConfigError: unknown profile (lists the valid ones), bad tracing mode, or a
+            bfloat16/float16 model on a profile without that rate.
     """
     prof = load_profile(profile if profile is not None else default_profile_name())
     if not isinstance(model, torch.nn.Module):
@@ -330,5 +331,6 @@ def estimate(model: torch.nn.Module | Callable[..., Any], inputs: Mapping[str, A
     cost = graph_cost(graph, prof.device)
     dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters()
                   if p.is_floating_point()), "float32")
+    prof.device.require_rate(dtype)
     states = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return Estimate(cost, prof, dtype, states, liveness_peak(graph))

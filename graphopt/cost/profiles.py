@@ -121,6 +121,20 @@ class DeviceProfile:
                               "rate of integer ops) and dtype names from "
                               f"{', '.join(PEAK_DTYPES)}; got {', '.join(self.peak_flops)}")
 
+    def require_rate(self, dtype: str) -> None:
+        """Raise ConfigError when a ``dtype`` run (bfloat16/float16) has no rate of its own
+        in ``peak_flops``: :meth:`flops_for` would price it at the float32 rate and MFU
+        would be quoted against that peak (a review: a "bfloat16" plan 11x slow at 63%
+        MFU). The run's entry points (the planner's model, :func:`estimate`) call it."""
+        if dtype in ("bfloat16", "float16") and not {"bfloat16", "float16"} & set(
+                self.peak_flops):
+            raise ConfigError(
+                f"device {self.name!r}: peak_flops has no {dtype!r} entry, so a {dtype} run "
+                f"would be priced at the float32 rate "
+                f"({float(self.peak_flops['float32']):.3g} FLOP/s) and its MFU quoted "
+                f"against it; add {dtype!r} (the datasheet's dense rate) to the profile's "
+                "peak_flops, or run in float32")
+
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float64 falls back to float32 / 2 when not listed;
         integer and bool ops count at the float32 rate)."""
@@ -170,6 +184,18 @@ class ClusterProfile:
     device: DeviceProfile
     levels: tuple[ClusterLevel, ...]
     source: str = ""
+
+    def __post_init__(self) -> None:
+        # levels go innermost first, so links get no faster outward; a list given outermost
+        # first (the network as level 0) was accepted and changed the best plan (a review)
+        for inner, outer in zip(self.levels, self.levels[1:]):
+            if outer.link.bandwidth > inner.link.bandwidth:
+                raise ConfigError(
+                    f"cluster {self.name!r}: level {outer.name!r} "
+                    f"({outer.link.bandwidth:.3g} B/s) is faster than {inner.name!r} "
+                    f"({inner.link.bandwidth:.3g} B/s), the level inside it; levels go "
+                    "innermost first (level 0: devices per node on the fastest link), "
+                    "each next level's size counting units of the one before")
 
     @property
     def max_devices(self) -> int:

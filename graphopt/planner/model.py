@@ -269,7 +269,8 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     MoE layers stay traced). ``overrides``: config fields to change (e.g. sizes).
 
     Raises:
-        ConfigError: unknown model, attention or activations kind.
+        ConfigError: unknown model, attention or activations kind; a bfloat16/float16
+            ``dtype`` on a device profile without that rate.
     """
     if attention not in ("flash", "megatron2021"):
         raise ConfigError(f"attention must be 'flash' or 'megatron2021', got {attention!r}")
@@ -279,6 +280,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         from graphopt.cost.profiles import load_profile
 
         cluster = load_profile(cluster)
+    cluster.device.require_rate(str(dtype).replace("torch.", ""))
     source = resolve_model(spec)
     if activations not in ("traced", "fused"):
         raise ConfigError(f"activations must be 'traced' or 'fused', got {activations!r}")
