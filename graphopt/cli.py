@@ -659,6 +659,10 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
         source = resolve_model(model)
         for length in lengths:
             batch = max(1, tokens // length)
+            # a length that does not divide the tokens rounds the batch down: say so (a
+            # review: 262,143 tokens under a header of 262,144)
+            held = str(batch) if batch * length == tokens else \
+                f"{batch} ({batch * length:,} tokens)"
             pm = plan_model(model, length, profile, getattr(torch, dtype),
                             activations=activations, overrides=overrides)
             # the plans graphopt.parallelize runs for this model (a re-review: every bucket's
@@ -674,7 +678,7 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
                 best = search(pm, profile, devices, batch, top_k=1, recompute=recompute,
                               admit=runs).best
             except GraphoptError as exc:
-                table.add_row(str(length), str(batch), f"[red]{escape(str(exc))}[/]",
+                table.add_row(str(length), held, f"[red]{escape(str(exc))}[/]",
                               "", "", "", "")
                 continue
             pred = best.prediction
@@ -683,7 +687,7 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
             change = "" if previous is None else ("same" if shape == previous else
                                                   "[yellow]re-plan[/]")
             previous = shape
-            table.add_row(str(length), str(batch), best.describe(), f"{pred.step_s:.3g}",
+            table.add_row(str(length), held, best.describe(), f"{pred.step_s:.3g}",
                           f"{pred.mfu:.1%}", f"{pred.memory_bytes / 2**30:.1f}", change)
     except GraphoptError as exc:
         _fail(str(exc))

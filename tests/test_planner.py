@@ -340,6 +340,14 @@ def test_cli_plan_buckets_and_plot(tmp_path):
                                         "128", "--global-batch", "2", "--seq-buckets",
                                         "64,1k"])
     assert too_long.exit_code == 2 and "longer than the 256 tokens" in too_long.output
+    # a length that does not divide the tokens rounds the batch down: the row says so (a
+    # review: 262,143 tokens under a header of 262,144)
+    rounded = CliRunner().invoke(app, ["plan", "--model", "llama", "--devices", "8", "--seq",
+                                       "128", "--global-batch", "2", "--seq-buckets", "96,128"],
+                                 terminal_width=250)
+    assert rounded.exit_code == 0, rounded.output
+    assert "2 (192 tokens)" in rounded.output, rounded.output
+    assert "(256 tokens)" not in rounded.output
 
 
 def test_selective_checkpointing_keeps_what_torchtitans_policy_keeps():
@@ -754,6 +762,12 @@ def test_no_recompute_search_and_cli_plan_file_that_parallelize_runs(tmp_path):
     best = ParallelPlan.load(out)
     assert best == ParallelPlan.from_dict(json.loads(out.read_text())["plans"][0])
     assert not best.recompute_layers and not best.selective_recompute
+    # a job that fits only with recomputation: the refusal names the flag (a review: it
+    # said only "add devices or shorten the sequence")
+    with pytest.raises(ConfigError, match="smallest needs") as refused:
+        search(plan_model("llama3-8b", 8192, H100), H100, 2, 64, recompute=False)
+    assert "drop graphopt plan's --no-recompute" in str(refused.value)
+    assert search(plan_model("llama3-8b", 8192, H100), H100, 2, 64).best.recompute_layers
 
 
 def test_a_plans_expert_parallelism_refuses_token_dropping_options():

@@ -296,7 +296,10 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         raise ConfigError(f"no plan for {model.name} fits {devices} x {cluster.device.name} "
                           f"({_gib(capacity)} GiB usable): the smallest needs "
                           f"{_gib(smallest)} GiB per device; add devices or shorten "
-                          f"the sequence{hint}")
+                          f"the sequence{hint}" + (
+                              "" if recompute else ", or allow activation recomputation "
+                              "(recompute=True; drop graphopt plan's --no-recompute): no "
+                              "plan with it was searched"))
     ranked = [p for *_, p in sorted(heap, key=lambda x: x[:3], reverse=True)]
     hand, invalid = [], []
     listed: list[tuple[str, ParallelPlan, list[str]]] = [
