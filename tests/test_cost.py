@@ -322,6 +322,18 @@ def test_model_states_follow_zero_stages():
     assert z3.params == 0.25e9 and z3.total == 16e9 / 8
     with pytest.raises(ConfigError, match="zero_stage must be 0, 1, 2 or 3"):
         model_state_bytes(n, zero_stage=4)
+    for bad in (-1e9, math.nan, "1e9"):  # negative / NaN bytes before (a review)
+        with pytest.raises(ConfigError, match="num_params must be a finite number >= 0"):
+            model_state_bytes(bad)
+
+
+def test_estimate_refuses_a_bare_tensor_as_inputs():
+    """A review: a bare tensor was unpacked into its rows as positional arguments
+    ("forward() takes 2 positional arguments but 5 were given")."""
+    with pytest.raises(ConfigError, match="inputs must be a mapping .* got Tensor; wrap one "
+                       r"tensor as \(x,\)"):
+        estimate(torch.nn.Linear(8, 8), torch.randn(4, 8), "h100-sxm")
+    assert estimate(torch.nn.Linear(8, 8), (torch.randn(4, 8),), "h100-sxm").flops > 0
 
 
 def test_liveness_peak_counts_simultaneously_live_tensors():

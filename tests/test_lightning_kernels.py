@@ -356,6 +356,14 @@ def test_step_and_packed_inputs_are_validated():
     two = torch.randn(2, 2, 2, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="takes one token"):
         lightning_attention_step(two, two, two, slope, state)
+    # the step checks scale as lightning_attention does, and neither takes a NaN (every
+    # output NaN) (a review)
+    with pytest.raises(TypeError, match="scale must be a real number, got str 'x'"):
+        lightning_attention_step(q, k, v, slope, state, scale="x")
+    for call in (lambda: lightning_attention_step(q, k, v, slope, state, scale=math.nan),
+                 lambda: lightning_attention(q, k, v, slope, scale=math.inf)):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            call()
     with pytest.raises(ValueError, match=r"state must be \[B, Hq, D, Dv\]"):
         lightning_attention_step(q, k, v, slope, state[:1, :1])
     with pytest.raises(TypeError, match="float32 or float64"):

@@ -97,6 +97,9 @@ def test_fp32_and_no_nan_for_empty_batches():
     (dict(index=torch.full((4, 2), 9)), "outside \\[0, 4\\)"),
     (dict(capacity_factor=0.0), "capacity_factor must be a finite number > 0"),
     (dict(hidden=torch.randn(4, 8)), "gate_up must be"),
+    # a review: failed inside silu / with a comparison TypeError
+    (dict(hidden=torch.ones(4, 16, dtype=torch.long)), "hidden must be floating point"),
+    (dict(capacity_factor="1"), "capacity_factor must be a finite number > 0, got '1'"),
 ])
 def test_bad_input_names_the_problem(kwargs, message):
     experts = _experts().float()

@@ -140,10 +140,16 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
     accelerators run, or with "cpu" the CPU flash kernel (see :class:`_FlashAttention`).
 
     Raises:
-        ConfigError: ``tracing`` not "real"/"fake"; a fake trace of data-dependent code.
+        ConfigError: ``tracing`` not "real"/"fake"; ``inputs`` neither a mapping nor a
+            tuple/list; a fake trace of data-dependent code.
     """
     if tracing not in ("real", "fake"):
         raise ConfigError(f"tracing must be 'real' or 'fake', got {tracing!r}")
+    if not isinstance(inputs, Mapping | tuple | list):  # a bare tensor was unpacked into
+        # its rows as positional arguments (a review)
+        raise ConfigError(f"inputs must be a mapping of keyword arguments or a tuple of "
+                          f"positional ones, got {type(inputs).__name__}; wrap one tensor "
+                          "as (x,)")
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad]

@@ -16,6 +16,7 @@ training step holds (saved tensors plus the transients of the largest op).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,12 @@ def model_state_bytes(num_params: float, *, param_bytes: int = 2, grad_bytes: in
     this device (after TP/PP/EP sharding), sharded by ZeRO ``zero_stage`` over ``dp`` ranks.
 
     Raises:
-        ConfigError: unknown optimizer, zero_stage not in 0..3, dp < 1.
+        ConfigError: num_params not a finite number >= 0, unknown optimizer, zero_stage
+            not in 0..3, dp < 1.
     """
+    if isinstance(num_params, bool) or not isinstance(num_params, int | float) or \
+            not 0 <= num_params < math.inf:  # gave negative or NaN bytes (a review)
+        raise ConfigError(f"num_params must be a finite number >= 0, got {num_params!r}")
     if zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if dp < 1:

@@ -12,6 +12,7 @@ selective rematerialization).
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -619,7 +620,7 @@ def _scalars(scale: Any, block_size: Any, checkpoint_every: Any) -> tuple[float,
         TypeError: block_size / checkpoint_every not ints; scale not a real number or a
             one-element tensor, or a tensor that requires grad (the op takes a constant
             scale: a learnable one would silently get no gradient).
-        ValueError: block_size or checkpoint_every < 1.
+        ValueError: block_size or checkpoint_every < 1; scale not finite.
     """
     for name, value in (("block_size", block_size), ("checkpoint_every", checkpoint_every)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -640,6 +641,8 @@ def _scalars(scale: Any, block_size: Any, checkpoint_every: Any) -> tuple[float,
                             f"{tuple(scale.shape)}")
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(float(scale)):  # every output NaN (a review)
+        raise ValueError(f"scale must be finite, got {float(scale)}")
     return float(scale), block, every
 
 

@@ -63,11 +63,12 @@ def lightning_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ValueError / TypeError: more than one token (S != 1: several tokens need the decay
             between them, use ``lightning_attention`` with ``initial_state``), shapes or
             dtypes that do not match (as ``lightning_attention``), a state that is not
-            [B, Hq, D, Dv] float32/float64 on q's device.
+            [B, Hq, D, Dv] float32/float64 on q's device; scale not a finite real number.
     """
-    from graphopt.kernels.lightning.op import validate
+    from graphopt.kernels.lightning.op import _scalars, validate
 
     validate(q, k, v, slope, None)
+    scale = _scalars(scale, None, None)[0]  # as lightning_attention checks it (a review)
     b, hq, s, d = q.shape
     if s != 1:
         raise ValueError(f"lightning_attention_step takes one token (q [B, Hq, 1, D]), got "

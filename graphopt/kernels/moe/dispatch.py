@@ -183,11 +183,16 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
                          f"{top_k_index.dtype} of shape {tuple(top_k_index.shape)}")
     if not top_k_weights.dtype.is_floating_point:
         raise ValueError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
+    if not hidden.dtype.is_floating_point:  # failed inside silu (a review)
+        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
     if gate_up.dtype != hidden.dtype or down.dtype != hidden.dtype:
         raise ValueError(f"gate_up ({gate_up.dtype}) and down ({down.dtype}) must have "
                          f"hidden's dtype ({hidden.dtype})")
-    if capacity_factor is not None and not (0 < capacity_factor < math.inf):
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
+    if capacity_factor is not None and (
+            isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float)
+            or not 0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got "
+                         f"{capacity_factor!r}")
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     from graphopt.kernels import functorch_active, functorch_unwrapped
