@@ -171,6 +171,7 @@ def _bad_input_worker(rank, world):
     # records the layout, and a chunk of the other layout or an unknown mesh is refused
     from torch.distributed.device_mesh import init_device_mesh
 
+    from graphopt.parallel import tag_chunk
     from graphopt.parallel.context import chunk_positions
 
     ring_mesh = build_mesh(ParallelPlan(cp=2))
@@ -197,7 +198,13 @@ def _bad_input_worker(rank, world):
         lambda: model(input_ids=local[:, :3 + rank]),  # chunks of 3 and 4 tokens
         # the ring's two half-chunks of a 5-token chunk cut by hand: a crash in the rotary
         # embedding (a review)
-        lambda: ring_model(input_ids=torch.zeros(2, 5, dtype=torch.long)))
+        lambda: ring_model(input_ids=tag_chunk(torch.zeros(2, 5, dtype=torch.long),
+                                               ring_mesh)),
+        # an untagged chunk under the ring: a contiguous cut by hand trained silently wrong
+        # (gradients 0.83 off, a review); a tagged one, and the embeddings of one, run
+        lambda: ring_model(input_ids=torch.arange(8)[None].chunk(2, dim=1)[rank]),
+        lambda: ring_model(input_ids=ring_chunk[:, :2]),  # a slice loses the tag
+        lambda: ring_model(inputs_embeds=ring_model.get_input_embeddings()(ring_chunk)))
 
 
 def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error():
@@ -223,6 +230,9 @@ def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error(
         assert "compute the loss with graphopt.parallel.context.cp_loss" in messages[8]
         assert "the CP ranks hold chunks of different lengths" in messages[9]
         assert "this rank's 5 tokens do not split in two" in messages[10]
+        assert "under ring CP each rank holds chunks r and 2P-1-r" in messages[11]
+        assert "graphopt.parallel.tag_chunk(x, mesh)" in messages[12]
+        assert messages[13] == "ran"
 
 
 @pytest.mark.parametrize("kind", ["_ulysses", "_ring"])

@@ -85,9 +85,11 @@ def _run(name, overrides, plan, steps=3, accum=1, uneven=False):
         from graphopt.parallel.context import chunk_positions
 
         shifted = torch.cat([y[:, 1:], torch.full_like(y[:, :1], -100)], dim=1)
+        from graphopt.parallel import tag_chunk
+
         index = chunk_positions(x.shape[1] // plan.cp, mesh["cp"].get_local_rank(), plan.cp,
                                 plan.cp_kind == "ring")
-        return x[:, index], shifted[:, index]
+        return tag_chunk(x[:, index], mesh), shifted[:, index]  # a zigzag cut by hand
 
     # part a of the batch: part a of every DP rank's share
     parts = [(torch.cat([x.chunk(plan.dp)[r].chunk(accum)[a] for r in range(plan.dp)]),
@@ -125,7 +127,9 @@ def _run(name, overrides, plan, steps=3, accum=1, uneven=False):
         # across the chunks), chunks of different lengths (the all-to-all / ring would hang)
         with pytest.raises(ConfigError, match="shard_sequence"):
             pipe.step(mine)
-        cut = mine[:, :-2] if mesh["cp"].get_local_rank() == 0 else mine
+        from graphopt.parallel import tag_chunk
+
+        cut = tag_chunk(mine[:, :-2], mesh) if mesh["cp"].get_local_rank() == 0 else mine
         with pytest.raises(ConfigError, match="chunks of different lengths"):
             pipe.step(cut, labels=my_labels[:, :cut.shape[1]])
     param_err = max(float((_full(p.detach()) - want(pipe.original_names[n],

@@ -28,7 +28,7 @@ from graphopt.parallel.apply import (
 )
 from graphopt.parallel.checkpoint import ModelState, OptimizerState
 from graphopt.parallel.clip import clip_grad_norm_, grad_norm
-from graphopt.parallel.context import cp_loss, shard_sequence
+from graphopt.parallel.context import cp_loss, shard_sequence, tag_chunk
 from graphopt.parallel.mesh import build_mesh
 from graphopt.parallel.pipeline import PipelinedModel
 from graphopt.parallel.tp_layout import TPLayout, derive_tp_layout
@@ -37,4 +37,4 @@ from graphopt.planner.plan import ParallelPlan
 __all__ = ["ModelState", "OptimizerState", "ParallelPlan", "ParallelReport", "PipelinedModel",
            "TPLayout", "build_mesh",
            "build_optimizer", "clip_grad_norm_", "cp_loss", "derive_tp_layout", "grad_norm",
-           "microbatches", "optimizer_for", "parallelize", "shard_sequence"]
+           "microbatches", "optimizer_for", "parallelize", "shard_sequence", "tag_chunk"]

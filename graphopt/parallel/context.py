@@ -468,6 +468,8 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
         for (_, message), flag in zip(_REFUSALS, refused):
             if flag:
                 raise ConfigError(message)
+        if ring and untagged and length:  # every rank refuses together
+            raise ConfigError(UNTAGGED_RING)
         if squares * plan.cp != total * total:
             raise ConfigError(f"the CP ranks hold chunks of different lengths (this rank "
                               f"{length}, {total / plan.cp:g} on average): Ulysses, the ring "
@@ -493,6 +495,9 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
 
     if hook:
         model.register_forward_pre_hook(positions, with_kwargs=True)
+        embed = getattr(model, "get_input_embeddings", lambda: None)()
+        if isinstance(embed, nn.Module):  # inputs_embeds of a tagged chunk: tagged too
+            embed.register_forward_hook(_carry_tag)
     what = (f"ring attention): this rank holds chunks {rank} and {2 * plan.cp - 1 - rank} of "
             f"{2 * plan.cp} (zigzag); keys and values pass around the ring" if ring else
             f"Ulysses all-to-all): this rank holds sequence chunk {rank} of {plan.cp}; "
@@ -654,6 +659,45 @@ def shard_sequence(ids: torch.Tensor, mesh: Any, labels: torch.Tensor | None = N
     chunk = ids[:, index]
     setattr(chunk, SHARDED, kind)
     return chunk, shifted[:, index]
+
+
+def _carry_tag(module: nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook of the input embedding under CP: the embeddings of a chunk
+    :func:`shard_sequence` tagged carry its tag (``inputs_embeds=embed(ids)``), outside
+    compiled code (a tensor attribute set there would only cost a graph break)."""
+    cut = getattr(args[0], SHARDED, None) if args else None
+    if cut is not None and isinstance(output, torch.Tensor) and \
+            not torch.compiler.is_compiling():
+        setattr(output, SHARDED, cut)
+
+
+def tag_chunk(x: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """``x`` (returned, tagged in place) marked as this CP rank's chunk cut for ``mesh``'s
+    layout, as :func:`shard_sequence` marks its chunks: for a tensor made from them that
+    lost the tag (``inputs_embeds`` from its ids, a copy to another device) or a cut made by
+    hand with :func:`chunk_positions`. Under ring CP the model refuses untagged chunks:
+    nothing else shows that they are the zigzag chunks r and 2P-1-r (a contiguous cut, right
+    for Ulysses, trained silently wrong: gradients 0.83 off, a review).
+
+    Raises:
+        ConfigError: a mesh without a recorded CP layout (as :func:`shard_sequence`).
+    """
+    kind = getattr(mesh, "_graphopt_cp_kind", None)
+    if kind is None:
+        raise ConfigError("tag_chunk does not know this mesh's CP layout: pass the mesh from "
+                          "graphopt.parallel.build_mesh(plan), or the one "
+                          "graphopt.parallelize(model, plan, mesh) ran on")
+    setattr(x, SHARDED, kind)
+    return x
+
+
+UNTAGGED_RING = (
+    "under ring CP each rank holds chunks r and 2P-1-r of the sequence's 2P (zigzag), and "
+    "nothing shows how this rank's untagged input was cut (a contiguous cut, right for "
+    "Ulysses, trains silently wrong here): cut the batch with ids, labels = "
+    "graphopt.parallel.shard_sequence(batch, mesh), which tags its chunks; mark a tensor "
+    "made from them (inputs_embeds, a device copy) or a zigzag cut of your own with "
+    "graphopt.parallel.tag_chunk(x, mesh)")
 
 
 def cp_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: Any) -> torch.Tensor:

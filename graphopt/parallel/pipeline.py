@@ -373,9 +373,11 @@ class PipelinedModel(nn.Module):
                               "ids, labels = graphopt.parallel.context.shard_sequence(batch, "
                               "mesh); model.step(ids, labels=labels)")
         if self.cp > 1:
-            from graphopt.parallel.context import check_layout
+            from graphopt.parallel.context import SHARDED, UNTAGGED_RING, check_layout
 
             check_layout(input_ids, "ring" if self.cp_ring else "all_to_all")
+            if self.cp_ring and input_ids.numel() and getattr(input_ids, SHARDED, None) is None:
+                raise ConfigError(UNTAGGED_RING)
         if self.cp_ring and input_ids.shape[1] % 2:
             raise ConfigError(f"ring CP holds two chunks per rank (zigzag); this rank's "
                               f"{input_ids.shape[1]} tokens do not split in two: cut the "
