@@ -108,6 +108,13 @@ def _run(name, plan, steps=3):
         ref_opt.zero_grad()
     errors["params"] = max(float((_full(p.detach()) - _held(n, r.detach(), report)).abs().max())
                            for (n, p), r in zip(model.named_parameters(), ref.parameters()))
+    if plan.tp > 1 and plan.sp:  # a chunk SP cannot split: the whole sequence's need is
+        # named (a review: "length 9 is not divisible by tp=2" for a sequence of 18)
+        odd, _ = shard_sequence(torch.zeros(2, 9 * plan.cp, dtype=torch.long), mesh)
+        try:
+            model(input_ids=odd, use_cache=False)
+        except ConfigError as exc:
+            errors["refusal"] = str(exc)
     return errors, report.notes
 
 
@@ -136,6 +143,10 @@ def test_context_parallel_plans_train_like_one_process(world):
             assert errors["grads"] < 1e-9 and errors["params"] < 1e-9, label
             kind = "ring" if kw.get("cp_kind", "ring") == "ring" else "Ulysses"
             assert any(f"CP={kw['cp']} ({kind}" in n for n in notes), label
+            if kw.get("tp", 1) > 1:
+                assert "CP chunk of 9 tokens is not divisible by tp=2 under SP" in \
+                    errors["refusal"] and "a multiple of 4 (cp=2 x tp=2)" in \
+                    errors["refusal"], label
 
 
 @pytest.mark.parametrize("model, plan, message", [

@@ -348,7 +348,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
         model.register_forward_pre_hook(_microbatch_check(plan.microbatch), with_kwargs=True)
         if report.sp:
-            model.register_forward_pre_hook(_sp_length_check(plan.tp), with_kwargs=True)
+            model.register_forward_pre_hook(_sp_length_check(plan.tp, plan.cp,
+                                                             plan.cp_kind == "ring"),
+                                            with_kwargs=True)
     if plan.tp > 1:
         before_forward, after_forward = _tp_rng_check(mesh["tp"].get_group())
         if plan.pp > 1:  # PipelinedModel.step runs the stages, never its own forward (the
@@ -625,12 +627,22 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
     return before, after
 
 
-def _sp_length_check(tp: int) -> Callable[..., None]:
+def _sp_length_check(tp: int, cp: int = 1, ring: bool = False) -> Callable[..., None]:
     """Forward pre-hook: under SP the sequence is split over the TP ranks; a length tp does
-    not divide would make the ranks' collectives disagree (gloo aborts the process)."""
+    not divide would make the ranks' collectives disagree (gloo aborts the process). Under
+    CP the length seen is this rank's chunk: the message names the whole sequence's
+    requirement (cp x tp, 2 x cp x tp for the ring), not the chunk's (a review: "length 9
+    is not divisible by tp=2" for a sequence of 18)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = _batch_input(args, kwargs)
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
+            if cp > 1:
+                parts = (2 if ring else 1) * cp * tp
+                raise ConfigError(
+                    f"this rank's CP chunk of {x.shape[1]} tokens is not divisible by tp={tp} "
+                    f"under SP (each chunk is split over the TP ranks): pad the sequence to "
+                    f"a multiple of {parts} ({'2 x ' if ring else ''}cp={cp} x tp={tp}) "
+                    "before shard_sequence, or use sp=False")
             raise ConfigError(f"sequence length {x.shape[1]} is not divisible by tp={tp} "
                               "under SP (the sequence is split over the TP ranks): pad to a "
                               "multiple of tp or use sp=False")
