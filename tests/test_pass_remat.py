@@ -402,6 +402,28 @@ def test_weights_passed_as_plain_tensors_are_priced_as_what_the_backward_holds()
             sites["graph inputs held by the backward"].reason
 
 
+def test_a_copy_of_an_input_the_backward_also_holds_is_reported_as_such():
+    """The batch x feeds l1 (its weight gradient reads x) and recomputing l1(x) reads a
+    forward-time copy of x: x is held twice, which the report did not explain (a review
+    called the copy redundant; it keeps the recomputed values those of the forward when x
+    is written through .data before the backward: -k forward_time_copy checks it)."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(16, 32).double(), torch.nn.Linear(32, 16).double()
+
+    def f(x):
+        h = torch.sin(l1(x))
+        return l2(h.exp() * torch.tanh(h)).cos().sum()
+
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    x = torch.randn(64, 16, dtype=torch.float64)
+    torch.compile(f, backend="graphopt", options={"lowering": "eager",
+                                                  "remat": {"budget": 0}})(x).backward()
+    reason = _remat_summary().reason
+    assert "with copies of 1 graph inputs" in reason and \
+        "the backward also holds 1 of them itself" in reason, reason
+
+
 def test_inductor_lowering_applies_the_decision_too():
     """Inductor's partitioner hook runs the joint passes, then its min-cut honors the tags."""
     model = build_model("llama", num_hidden_layers=1).train()

@@ -929,7 +929,13 @@ class RematPass(GraphPass):
                    f"{decision.saved_bytes} bytes"
                    + (f" (with copies of {len(copied)} graph inputs that are not "
                       f"parameters, held to recompute from: {sum(_bytes(p) for p in copied)} "
-                      "bytes)" if copied else "")
+                      "bytes" + (
+                          f"; the backward also holds {len(both)} of them itself: the copy "
+                          "keeps the recomputed values those of the forward if the input "
+                          "is written between forward and backward (.data, a buffer "
+                          "update), as eager's saved values are" if (both := [
+                              p for p in copied if p in read]) else "") + ")"
+                      if copied else "")
                    + f", {len(decision.recomputed)} values "
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
                    f"{decision.solver}: {decision.status}, "
