@@ -424,6 +424,36 @@ def test_a_copy_of_an_input_the_backward_also_holds_is_reported_as_such():
         "the backward also holds 1 of them itself" in reason, reason
 
 
+def test_random_ops_a_user_checkpoint_recomputes_are_priced_with_their_generator_state():
+    """Dropout inside torch.utils.checkpoint: the partitioner recomputes it from a saved
+    generator state (5,056 bytes on CPU). Unpriced, remat claimed 2,672 bytes at budget 0
+    and autograd held 20,736, more than no remat's 20,608 (a review); priced, no plan beats
+    PyTorch's partition here, which is kept, and memory is no remat's."""
+    from torch.utils.checkpoint import checkpoint
+
+    def block(h, w):
+        q = (h @ w).sin()
+        return q.exp() * torch.nn.functional.dropout(q, 0.3, True)
+
+    def f(x, w):
+        h = checkpoint(block, x, w, use_reentrant=False)
+        return checkpoint(block, h.tanh(), w, use_reentrant=False).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(*shape, dtype=torch.float64, generator=gen, requires_grad=True)
+            for shape in ((12, 4), (4, 4)))
+    torch._dynamo.reset()
+    no_remat = _saved_activation_bytes(torch.compile(f, backend="aot_eager"), [], x, w)
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    fn = torch.compile(f, backend="graphopt", options={"lowering": "eager",
+                                                       "remat": {"budget": 0}})
+    held = _saved_activation_bytes(fn, [], x, w)
+    reason = _remat_summary().reason
+    assert held <= no_remat, (held, no_remat, reason)
+    assert "is not below PyTorch's partition" in reason, reason
+
+
 def test_inductor_lowering_applies_the_decision_too():
     """Inductor's partitioner hook runs the joint passes, then its min-cut honors the tags."""
     model = build_model("llama", num_hidden_layers=1).train()

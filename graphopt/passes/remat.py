@@ -742,9 +742,23 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
         saved.discard(v)  # a tuple element of a recomputed op comes with it (the partitioner
         recomputed.add(v)  # ignores its MUST_SAVE; the claim counted a recomputed SDPA's
         # logsumexp as saved: the tie-break that prefers recomputing it is below HiGHS's gap)
+    # a random multi-output op (native_dropout) the user's checkpoint tags "recompute" keeps
+    # that tag (its elements' MUST_SAVE does not reach it): the partitioner recomputes it,
+    # elements included, from a saved generator state (a review: claimed 2,672 bytes where
+    # autograd held 20,736, four 5,056-byte CPU states)
+    regenerated = []
+    for t in forward:
+        if user_policy(t) == "recompute" and rng_state_bytes(t) and t not in saved \
+                and t not in recomputed:
+            elements = [u for u in t.users if u.target is operator.getitem and u in saved]
+            for u in elements:
+                saved.discard(u)
+                recomputed.add(u)
+            if elements:
+                regenerated.append(t)
     held = held_inputs(priced, recomputed)
     saved_bytes = sum(_bytes(v) for v in saved) + sum(rng_state_bytes(v) for v in recomputed) \
-        + sum(_bytes(p) for p in held)
+        + sum(rng_state_bytes(t) for t in regenerated) + sum(_bytes(p) for p in held)
     cost = sum(times.get(v.name, 0.0) for v in recomputed)
     if offload_cost:
         cost += sum(offload_cost[v] for v in offloaded)
