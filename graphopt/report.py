@@ -188,7 +188,11 @@ def uncompiled_frames() -> dict[str, int]:
     Read from Dynamo's compilation metrics (``torch._dynamo.utils.get_compilation_metrics``:
     one entry per frame compile, with its failure), which Dynamo keeps for its last 64
     compiles: each graphopt compile and each call of this function collects the new
-    failures, so a failure followed by more than 64 compiles without either is missed.
+    failures, so a failure followed by more than 64 compiles without either is missed. A
+    frame Dynamo gave up on before :func:`clear_reports` keeps running eagerly without a new
+    entry (Dynamo does not convert it again). A compiled ``nn.Module`` past the recompile
+    limit is named by the frame Dynamo compiled, torch's wrapper (``inner`` in
+    ``torch/_dynamo/external_utils.py``), not the module's ``forward``.
 
     Returns:
         "<Dynamo's reason, first line> (frame <function> (<file> line <n>))" -> count; for

@@ -93,6 +93,19 @@ def test_fp32_and_no_nan_for_empty_batches():
     assert out.shape == (0, 16)
 
 
+def test_numpy_and_tensor_numbers_are_capacity_factors():
+    """A re-review: np.int64(2), np.float32(1.5) and a 0-d tensor, which ran before, were
+    refused by the type check that named a string capacity_factor."""
+    import numpy as np
+
+    experts = _experts().float()
+    hidden, index = torch.randn(4, 16), torch.zeros(4, 2, dtype=torch.long)
+    args = (hidden, index, torch.ones(4, 2), experts.gate_up_proj, experts.down_proj)
+    want = moe_experts(*args, capacity_factor=2.0)
+    for factor in (np.int64(2), np.float32(2.0), torch.tensor(2.0), 2):
+        torch.testing.assert_close(moe_experts(*args, capacity_factor=factor), want)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(index=torch.full((4, 2), 9)), "outside \\[0, 4\\)"),
     (dict(capacity_factor=0.0), "capacity_factor must be a finite number > 0"),

@@ -347,6 +347,12 @@ def test_cli_plan_buckets_and_plot(tmp_path):
                                  terminal_width=250)
     assert rounded.exit_code == 0, rounded.output
     assert "2 (192 tokens)" in rounded.output, rounded.output
+    # rounded to a multiple of gcd(global batch, devices) = 2 where it can (a re-review:
+    # 262 sequences ruled out 8-way DP and the bucket's plan followed the rounding)
+    even = CliRunner().invoke(app, ["plan", "--model", "llama", "--devices", "4", "--seq",
+                                    "128", "--global-batch", "4", "--seq-buckets", "48"],
+                              terminal_width=250)
+    assert even.exit_code == 0 and "8 (384 tokens)" in even.output, even.output
     assert "(256 tokens)" not in rounded.output
 
 

@@ -17,6 +17,7 @@ training step holds (saved tensors plus the transients of the largest op).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ def model_state_bytes(num_params: float, *, param_bytes: int = 2, grad_bytes: in
         ConfigError: num_params not a finite number >= 0, unknown optimizer, zero_stage
             not in 0..3, dp < 1.
     """
-    if isinstance(num_params, bool) or not isinstance(num_params, int | float) or \
+    if isinstance(num_params, bool) or not isinstance(num_params, numbers.Real) or \
             not 0 <= num_params < math.inf:  # gave negative or NaN bytes (a review)
         raise ConfigError(f"num_params must be a finite number >= 0, got {num_params!r}")
     if zero_stage not in (0, 1, 2, 3):

@@ -149,6 +149,10 @@ class DeviceProfile:
         return float(self.peak_flops.get("float32", max(self.peak_flops.values())))
 
 
+class ProfileWarning(UserWarning):
+    """A cluster profile that loads but looks mistaken (levels in an unusual order)."""
+
+
 @dataclass(frozen=True)
 class LinkProfile:
     """A link class: per-device unidirectional bandwidth (bytes/s) and latency (s)."""
@@ -188,14 +192,20 @@ class ClusterProfile:
     def __post_init__(self) -> None:
         # levels go innermost first, so links get no faster outward; a list given outermost
         # first (the network as level 0) was accepted and changed the best plan (a review)
+        # (a warning, not an error: PCIe nodes with one 400G NIC per GPU are real, a
+        # re-review)
         for inner, outer in zip(self.levels, self.levels[1:]):
             if outer.link.bandwidth > inner.link.bandwidth:
-                raise ConfigError(
+                import warnings
+
+                warnings.warn(
                     f"cluster {self.name!r}: level {outer.name!r} "
                     f"({outer.link.bandwidth:.3g} B/s) is faster than {inner.name!r} "
                     f"({inner.link.bandwidth:.3g} B/s), the level inside it; levels go "
-                    "innermost first (level 0: devices per node on the fastest link), "
-                    "each next level's size counting units of the one before")
+                    "innermost first (level 0: devices per node), each next level's size "
+                    "counting units of the one before: check the order if this is not a "
+                    "cluster whose network outruns its nodes' links (PCIe GPUs with a NIC "
+                    "each)", ProfileWarning, stacklevel=3)
 
     @property
     def max_devices(self) -> int:
@@ -483,5 +493,6 @@ def cluster_to_dict(profile: ClusterProfile) -> dict[str, Any]:
 
 
 __all__ = ["CLUSTERS", "DEFAULT_PROFILE", "DEVICES", "ClusterLevel", "ClusterProfile",
-           "DeviceProfile", "LinkProfile", "cluster_from_dict", "cluster_to_dict",
+           "DeviceProfile", "LinkProfile", "ProfileWarning", "cluster_from_dict",
+           "cluster_to_dict",
            "default_profile_name", "load_profile", "local_profile_path", "profile_names"]

@@ -298,8 +298,8 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
                           f"{_gib(smallest)} GiB per device; add devices or shorten "
                           f"the sequence{hint}" + (
                               "" if recompute else ", or allow activation recomputation "
-                              "(recompute=True; drop graphopt plan's --no-recompute): no "
-                              "plan with it was searched"))
+                              "(recompute=True; drop graphopt plan's --no-recompute), with "
+                              "which a plan may fit: none with it was searched"))
     ranked = [p for *_, p in sorted(heap, key=lambda x: x[:3], reverse=True)]
     hand, invalid = [], []
     listed: list[tuple[str, ParallelPlan, list[str]]] = [

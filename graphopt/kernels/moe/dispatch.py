@@ -31,6 +31,7 @@ ones are kept is the drop policy (Megatron-Core's ``moe_token_drop_policy``, sam
 from __future__ import annotations
 
 import math
+import numbers
 from fractions import Fraction
 
 import torch
@@ -188,8 +189,11 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     if gate_up.dtype != hidden.dtype or down.dtype != hidden.dtype:
         raise ValueError(f"gate_up ({gate_up.dtype}) and down ({down.dtype}) must have "
                          f"hidden's dtype ({hidden.dtype})")
+    if isinstance(capacity_factor, torch.Tensor) and capacity_factor.numel() == 1 and \
+            not capacity_factor.requires_grad:  # a 0-d tensor, as numpy numbers, is a number
+        capacity_factor = float(capacity_factor)
     if capacity_factor is not None and (
-            isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float)
+            isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
             or not 0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor must be a finite number > 0, got "
                          f"{capacity_factor!r}")
@@ -214,4 +218,4 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     op = MOE_FUNCTORCH.apply if functorch_active() else moe_experts_op
     # int64 indices for the op (int32 / int16 / uint8 routers work too)
     return op(hidden, top_k_index.to(torch.int64), top_k_weights, gate_up, down,
-              capacity_factor or -1.0, 1, "", "flat", 1, 1, drop_policy)[0]
+              float(capacity_factor or -1.0), 1, "", "flat", 1, 1, drop_policy)[0]
