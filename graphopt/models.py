@@ -297,7 +297,16 @@ def model_config(source: ModelSource, overrides: Mapping[str, Any] | None = None
 def check_sizes(cfg: Any) -> None:
     """Raise ConfigError for sizes no model has (found by reviews: a zero vocabulary ended
     in a reshape error deep in the trace, heads not divisible by KV heads were planned, and
-    ``graphopt estimate`` priced them or crashed on a top-k above the expert count)."""
+    ``graphopt estimate`` priced them or crashed on a top-k above the expert count).
+
+    Args:
+        cfg: a transformers ``PretrainedConfig`` (sizes are counts: heads, layers, experts,
+            hidden and FFN widths in elements).
+    Raises:
+        ConfigError: a non-positive size, query heads not divisible by KV heads (GQA),
+            ``num_experts_per_tok`` outside [1, experts], ``n_group`` not dividing the
+            experts or ``topk_group`` outside [1, n_group], a non-positive sliding window.
+    """
     for names in (("vocab_size",), ("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
                   ("num_attention_heads", "n_head"), ("num_key_value_heads",), ("head_dim",),
                   ("intermediate_size", "n_inner")):

@@ -219,12 +219,12 @@ def _collect_failed_frames() -> None:
     :data:`_failed_frames`."""
     from torch._dynamo.utils import get_compilation_metrics
 
+    def where(m: Any) -> str:
+        return f"{m.co_name} ({m.co_filename} line {m.co_firstlineno})"
+
     metrics = get_compilation_metrics()
-    names: dict[str, str] = {}  # frame id -> "<function> (<file> line <n>)"
-    for m in metrics:
-        frame = _frame_id(m.compile_id)
-        if m.co_name is not None and frame is not None:
-            names[frame] = f"{m.co_name} ({m.co_filename} line {m.co_firstlineno})"
+    names = {_frame_id(m.compile_id): where(m) for m in metrics
+             if m.co_name is not None and _frame_id(m.compile_id) is not None}
     with _lock:
         for m in metrics:
             if m.fail_type is None or m.is_forward is False or id(m) in _seen_metrics:
@@ -234,10 +234,10 @@ def _collect_failed_frames() -> None:
                      .splitlines() if line.strip()] or [str(m.fail_type)]
             limit = next((line.split("Limit type:", 1)[1].strip() for line in lines
                           if "Limit type:" in line), None)
-            frame = _frame_id(m.compile_id)
-            where = (f"{m.co_name} ({m.co_filename} line {m.co_firstlineno})"
-                     if m.co_name is not None else names.get(frame or ""))
-            parts = ([limit] if limit else []) + ([f"frame {where}"] if where else [])
+            # (the recompile limit's entry names no function: an earlier compile of its
+            # frame does)
+            frame = where(m) if m.co_name is not None else names.get(_frame_id(m.compile_id))
+            parts = ([limit] if limit else []) + ([f"frame {frame}"] if frame else [])
             _failed_frames.append(f"{lines[0]} ({', '.join(parts) or m.fail_type})")
 
 
@@ -296,8 +296,7 @@ def clear_reports() -> None:
 
     with _lock:
         _reports.clear()
-        for category in ("graph_break",):
-            _baselines[category] = (counters[category], dict(counters[category]))
+        _baselines["graph_break"] = (counters["graph_break"], dict(counters["graph_break"]))
         _failed_frames.clear()
         _seen_metrics.clear()
         _seen_metrics.update((id(m), m) for m in get_compilation_metrics())

@@ -679,8 +679,16 @@ def tag_chunk(x: torch.Tensor, mesh: Any) -> torch.Tensor:
     nothing else shows that they are the zigzag chunks r and 2P-1-r (a contiguous cut, right
     for Ulysses, trained silently wrong: gradients 0.83 off, a review).
 
+    Args:
+        x: this rank's chunk, token ids [B, L] (int64) or embeddings [B, L, H] (any float
+            dtype), L = S / cp, positions :func:`chunk_positions` of the mesh's layout.
+        mesh: the DeviceMesh of ``graphopt.parallel.build_mesh(plan)`` or the one
+            ``graphopt.parallelize`` ran on (it records the layout).
     Raises:
         ConfigError: a mesh without a recorded CP layout (as :func:`shard_sequence`).
+    Source: the ring's load-balanced zigzag layout (chunks r and 2P-1-r of 2P), as in
+    Megatron-LM's context parallelism and torch's ``context_parallel`` (round-robin
+    load balancing).
     """
     kind = getattr(mesh, "_graphopt_cp_kind", None)
     if kind is None:

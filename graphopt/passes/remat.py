@@ -938,18 +938,18 @@ class RematPass(GraphPass):
             # values the backward does not need stay untagged
         times = decision.times
         over = decision.saved_bytes > budget
-        ctx.record("skipped" if over else "rewritten", "saved activations",
-                   f"{of}: saved "
-                   f"{decision.saved_bytes} bytes"
-                   + (f" (with copies of {len(copied)} graph inputs that are not "
-                      f"parameters, held to recompute from: {sum(_bytes(p) for p in copied)} "
-                      "bytes" + (
-                          f"; the backward also holds {len(both)} of them itself: the copy "
+        copies = ""
+        if copied:
+            also = [p for p in copied if p in read]
+            copies = (f" (with copies of {len(copied)} graph inputs that are not parameters, "
+                      f"held to recompute from: {sum(_bytes(p) for p in copied)} bytes" + (
+                          f"; the backward also holds {len(also)} of them itself: the copy "
                           "keeps the recomputed values those of the forward if the input "
                           "is written between forward and backward (.data, a buffer "
-                          "update), as eager's saved values are" if (both := [
-                              p for p in copied if p in read]) else "") + ")"
-                      if copied else "")
+                          "update), as eager's saved values are" if also else "") + ")")
+        ctx.record("skipped" if over else "rewritten", "saved activations",
+                   f"{of}: saved "
+                   f"{decision.saved_bytes} bytes{copies}"
                    + f", {len(decision.recomputed)} values "
                    f"recomputed (predicted +{decision.recompute_s * 1e3:.3f} ms), solver "
                    f"{decision.solver}: {decision.status}, "
