@@ -275,9 +275,10 @@ def explain(
     for path in paths:
         try:
             reports.append(CompileReport.from_dict(json.loads(path.read_text())))
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            _fail(f"cannot read {path}: {type(exc).__name__}: {exc} (not a graphopt report, "
-                  "or written by another version)")
+        except (ValueError, TypeError, KeyError, AttributeError, OSError,
+                RecursionError) as exc:
+            _fail(f"cannot read {path}: {type(exc).__name__}: {exc} (not a readable "
+                  "graphopt report, or written by another version)")
         # the folder, so ranks' and other processes' graphs (graph_000.pid<P>) stay apart
         folder = path.parent.relative_to(dump_dir).as_posix()
         labels.append(_report_label(reports[-1]) if folder == "." else folder)
@@ -772,23 +773,29 @@ def _print_reports(reports: list[CompileReport], sites: int,
         "skips: pass sites rewritten / left as they are with a reason (listed below, or "
         "by graphopt explain of the dump); "
         "graphopt s: graphopt's own compile time, total s: with AOTAutograd and the "
-        "lowering; verify: the numeric check against the captured graph (option verify)"))
+        "lowering; verify: the numeric check against the captured graph (option verify). "
+        "A graph Dynamo restarted or that aborted never runs: its rewrites and skips are "
+        "shown in parentheses and left out of the per-pass totals"))
     for col in ("graph", "status", "lowering", "train", "nodes", "rewrites", "skips",
                 "graphopt s", "total s", "verify"):
         summary.add_column(col, no_wrap=True)
     for r in reports:
+        ran = not _discarded(r)
+        rewrites = str(sum(p.count("rewritten") for p in r.passes))
+        skips = str(sum(p.count("skipped") for p in r.passes))
         summary.add_row(
             _graph_label(r),
-            "ok" if r.status == "compiled" else r.status.split(":")[0],
+            "ok" if ran else r.status.split(":")[0],
             r.lowering, "yes" if r.training else "no",
             f"{r.graphs.get('model', '?')}->{r.graphs.get('model_after_passes', '?')}",
-            str(sum(p.count("rewritten") for p in r.passes)),
-            str(sum(p.count("skipped") for p in r.passes)),
+            rewrites if ran else f"({rewrites})", skips if ran else f"({skips})",
             f"{r.timing.get('graphopt_overhead', 0.0):.2f}", f"{r.timing.get('total', 0.0):.2f}",
-            str(r.verify.get("status", "off")))
+            str(r.verify.get("status", "off" if ran else "not run")))
     console.print(summary)
     per_pass: dict[str, list[Any]] = {}
     for r in reports:
+        if _discarded(r):
+            continue
         for p in r.passes:
             agg = per_pass.setdefault(p.name, [p.stage, p.exact, 0, 0, 0, 0.0])
             agg[2] += p.count("kept") + p.count("matched")
@@ -819,6 +826,11 @@ def _print_reports(reports: list[CompileReport], sites: int,
         if r.verify.get("status") == "failed":
             console.print(f"[red]graph {_graph_label(r)} verify failed: "
                           f"{escape(str(r.verify.get('detail')))}[/]")
+
+
+def _discarded(report: CompileReport) -> bool:
+    """Whether the graph never runs: Dynamo restarted its trace, or its compile raised."""
+    return report.status.startswith(("restarted", "aborted"))
 
 
 def _report_label(report: CompileReport) -> str:

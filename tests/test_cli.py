@@ -308,3 +308,50 @@ def test_plan_flags_what_graphopt_s_executor_would_not_run():
                                  "8", "--seq", "64", "--seq-buckets", "16,64"],
                            terminal_width=400)
     assert result.exit_code == 0 and "pp=" not in result.output, result.output
+
+
+def test_explain_leaves_discarded_graphs_out_of_the_totals(tmp_path):
+    """A graph Dynamo restarts (changing Dropout.p: TensorifyScalarRestartAnalysis) never
+    runs; its rewrites were added to the per-pass totals and its verify column said "off"
+    under verify=True (a review: remove_noops "rewritten 3", 2 of them in graphs that run)."""
+    import graphopt
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.3)
+
+        def forward(self, x):
+            return self.drop(self.lin(x) * 1).relu()
+
+    graphopt.clear_reports()
+    net = Net()
+    compiled = torch.compile(net, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "dump_dir": str(tmp_path)})
+    x = torch.randn(4, 8)
+    compiled(x)
+    net.drop.p = 0.0
+    compiled(x)
+    reports = graphopt.reports()
+    discarded = [r for r in reports if r.status.startswith("restarted")]
+    assert discarded and sum(p.count("rewritten") for p in discarded[0].passes) == 1
+    ran = sum(p.count("rewritten") for r in reports if r not in discarded for p in r.passes)
+    result = runner.invoke(app, ["explain", str(tmp_path), "--sites", "0"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines()
+               if line.strip().startswith("remove_noops") or "│ remove_noops" in line)
+    assert f"│ {ran} " in row, row
+    restarted = next(line for line in result.output.splitlines() if "restarted" in line)
+    assert "(1)" in restarted and "not run" in restarted, restarted
+
+
+def test_explain_reports_unreadable_report_files_clearly(tmp_path):
+    """A report.json that is a folder, or JSON nested past Python's recursion limit, gave a
+    raw IsADirectoryError / RecursionError traceback (a review)."""
+    (tmp_path / "report.json").mkdir()
+    result = runner.invoke(app, ["explain", str(tmp_path)])
+    assert result.exit_code == 2 and "cannot read" in result.output, result.output
+    (tmp_path / "report.json").rmdir()
+    (tmp_path / "report.json").write_text("[" * 100000 + "]" * 100000)
+    result = runner.invoke(app, ["explain", str(tmp_path)])
+    assert result.exit_code == 2 and "cannot read" in result.output, result.output
