@@ -55,6 +55,30 @@ class SilentRewritePass(GraphPass):
 
 @register_pass
 @dataclass(frozen=True)
+class NudgeSinPass(GraphPass):
+    """Claims exactness but adds 1e-4 to every sin(): an error far above float64 rounding
+    that verify must catch beside a large entry of the same tensor."""
+
+    name = "test_nudge_sin"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.target is aten.sin.default:
+                with gm.graph.inserting_after(node):
+                    add = gm.graph.call_function(aten.add.Tensor, (node, 1e-4))
+                node.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
+                add.meta.update(node.meta)
+                ctx.record("rewritten", site_name(node), "sin + 1e-4 (test-only, wrong)")
+                changed = True
+        gm.recompile()
+        return PassResult(gm, changed)
+
+
+@register_pass
+@dataclass(frozen=True)
 class WrongApproximatePass(GraphPass):
     name = "test_wrong_approximate"
     stage = "pre_autograd"

@@ -54,6 +54,29 @@ def test_approximate_pass_is_reported_not_raised():
     assert verify["approximate"][0]["pass"] == "test_wrong_approximate"
 
 
+@pytest.mark.parametrize("big", ["large_entry", "mask_fill"])
+def test_a_large_entry_does_not_loosen_the_tolerance_of_the_others(big):
+    """atol was relative to a tensor's largest |value|: one entry of 1.2e6 among 1000 let
+    every other entry of a float64 output be 1e-4 off (passed), and a finfo.min mask fill
+    made atol infinite (a review). Now relative to the RMS, fill values left out."""
+    def f(x):
+        head = x[:1].exp() if big == "large_entry" else torch.full_like(
+            x[:1], torch.finfo(x.dtype).min)
+        return torch.cat([head, x[1:].sin()])
+
+    x = torch.linspace(0.1, 1.0, 1000, dtype=torch.float64)
+    x[0] = 14.0
+    compiled = torch.compile(f, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_nudge_sin"]})
+    with pytest.raises(VerificationError, match="test_nudge_sin"):
+        compiled(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="graphopt", options={"lowering": "eager",
+                                                              "verify": True})
+    compiled(x)
+    assert graphopt.last_report().verify["status"] == "passed"
+
+
 def test_graph_with_active_dropout_is_skipped_with_reason():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
     compiled = torch.compile(model, backend="graphopt",
