@@ -69,7 +69,8 @@ class NudgeSinPass(GraphPass):
             if node.target is aten.sin.default:
                 with gm.graph.inserting_after(node):
                     add = gm.graph.call_function(aten.add.Tensor, (node, 1e-4))
-                node.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
+                node.replace_all_uses_with(add)
+                add.args = (node, 1e-4)  # its own input again
                 add.meta.update(node.meta)
                 ctx.record("rewritten", site_name(node), "sin + 1e-4 (test-only, wrong)")
                 changed = True

@@ -689,3 +689,91 @@ def test_third_review_findings_are_exact_or_refused(tmp_path: Path) -> None:
                        "slope_rate .*decay_factors"):
         graphopt.export_onnx(model, sample_batch(model, 2, 8), {"attention": "exact"},
                              tmp_path / "d.onnx")
+
+
+class _MatMul(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+
+class _EveryOther(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a[::2] + b
+
+
+def test_fourth_review_findings_leave_the_model_as_given_and_grow_sizes_as_exported(
+        tmp_path: Path) -> None:
+    """Phi-3's longrope rotary embedding came back holding a FakeTensor from the trace (the
+    caller's logits past the original length 1.3e-3 off; a second export failed); the check
+    grew each input axis on its own (a Dim shared by two axes by 1 and by 3, a Dim(max=6)
+    to 8, a derived 2*n to 7: PyTorch's shape guard failed); an encoder-decoder model died
+    in transformers; dynamic NTK and GPT-OSS's experts got hints that named no way out."""
+    import copy
+
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+            "long_factor": [4.0 + i for i in range(4)], "original_max_position_embeddings": 32,
+            "partial_rotary_factor": 1.0}
+    model = Phi3ForCausalLM(Phi3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        original_max_position_embeddings=32, pad_token_id=0, rope_parameters=rope)).eval()
+    pristine = copy.deepcopy(model)
+    assert graphopt.export_onnx(model, torch.randint(0, 100, (2, 20)), {},
+                                tmp_path / "phi3.onnx", check=True).ok
+    ids = torch.randint(0, 100, (2, 33))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits,
+                           pristine(input_ids=ids, use_cache=False).logits)
+    graphopt.export_onnx(model, torch.randint(0, 100, (2, 20)), {}, tmp_path / "phi3b.onnx")
+
+    n = Dim("n")
+    for module, args, shapes, grown in (
+            (_MatMul(), (torch.randn(5, 4), torch.randn(4, 5)), ({0: n}, {1: n}), "n+1"),
+            (_MatMul(), (torch.randn(2, 5), torch.randn(5, 3)),
+             ({1: Dim("m", max=5)}, {0: Dim("m", max=5)}), "m-3"),
+            (_EveryOther(), (torch.randn(6, 4), torch.randn(3, 4)), ({0: 2 * n}, {0: n}),
+             "n+1")):
+        result = graphopt.export_onnx(module, args, None, tmp_path / "d.onnx",
+                                      dynamic_shapes=shapes, check=True)
+        assert result.ok and len(result.checks) == 4, result.checks
+        assert result.checks[-1][0].endswith(grown), result.checks
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64,
+                                             num_layers=1, num_heads=4,
+                                             decoder_start_token_id=0))
+    with pytest.raises(ConfigError, match="encoder-decoder model.*wrap it"):
+        graphopt.export_onnx(t5, torch.randint(0, 100, (2, 10)), {}, tmp_path / "t5.onnx")
+    with pytest.raises(ConfigError, match="option 'mode' does not apply"):
+        graphopt.export_onnx(_MatMul(), (torch.randn(2, 2), torch.randn(2, 2)),
+                             {"mode": "max-autotune"}, tmp_path / "m.onnx")
+
+    ntk = LlamaForCausalLM(LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}))
+    with pytest.raises(ExportError, match=r"model\.model\.rotary_emb is a rotary embedding "
+                       r"with dynamic NTK scaling.*static rope_type"):
+        graphopt.export_onnx(ntk, torch.randint(0, 100, (2, 20)), {}, tmp_path / "ntk.onnx")
+
+    oss = GptOssForCausalLM(GptOssConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=128,
+        layer_types=["full_attention"]))
+    oss.set_experts_implementation("grouped_mm")
+    with pytest.raises(ExportError, match=r"which graphopt's moe pass left as they are \(.+\): "
+                       r"call model.set_experts_implementation\('batched_mm'\)"):
+        graphopt.export_onnx(oss, torch.randint(0, 100, (2, 12)), {"moe": {}},
+                             tmp_path / "oss.onnx")

@@ -54,7 +54,7 @@ from graphopt.kernels.lightning.minimax import (
     lightning_layers,
     minimax_lightning_layer,
 )
-from graphopt.models import eval_mode
+from graphopt.models import eval_mode, length_dependent_rope, rope_state_kept
 from graphopt.report import CompileReport
 
 OPSET = 18
@@ -66,6 +66,8 @@ _NOT_FOR_EXPORT = {
               "onnxruntime with the PyTorch model: drop 'verify'",
     "lowering": "the ONNX runtime is the lowering of an exported model: drop 'lowering'",
     "inductor_config": "Inductor does not run in an ONNX export: drop 'inductor_config'",
+    "mode": "torch.compile's mode picks Inductor's tuning; Inductor does not run in an ONNX "
+            "export: drop 'mode'",
 }
 
 
@@ -101,7 +103,10 @@ class OnnxExport:
     eager: nn.Module | None = dataclasses.field(default=None, repr=False)
     """The module as given (a causal LM wrapped as input_ids -> logits)."""
     shapes: Any = dataclasses.field(default=None, repr=False)
-    """torch.export's ``dynamic_shapes`` as exported (the check grows nested inputs by it)."""
+    """torch.export's ``dynamic_shapes`` as exported."""
+    sizes: tuple[list[tuple], dict] | None = dataclasses.field(default=None, repr=False)
+    """The exported program's symbolic input shapes and size ranges (the check grows the
+    example along them); None when every size is static."""
 
     @property
     def ok(self) -> bool:
@@ -206,12 +211,17 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
     report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
     result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
                         example_inputs=args, eager=module, shapes=shapes)
-    with eval_mode(model):  # every submodule back in its own mode afterwards
+    # every submodule back in its own mode afterwards, and length-dependent rotary state
+    # (Phi-3 longrope, dynamic NTK) as it was: tracing left a FakeTensor in the caller's
+    # model (a review: its logits past the original length 1.3e-3 off, a second export
+    # failed)
+    with eval_mode(model), rope_state_kept(model):
         with torch.no_grad(), _module_rewrites(model, config, shapes is not None) as swapped:
             result.module_rewrites = swapped
             t0 = time.perf_counter()
             exported = _torch_export(module, args, shapes, config,
                                      loops=bool(lightning_layers(model)))
+            result.sizes = _symbolic_sizes(exported)
             result.seconds["torch_export"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             gm, dumper = _run_model_passes(exported, args, config, report,
@@ -224,7 +234,9 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
             result.seconds["retrace"] = time.perf_counter() - t0
             _refuse_outputs_that_are_not_tensors(final)
             t0 = time.perf_counter()
-            program = _onnx_export(final, table)
+            skipped = [f"{site.site}: {site.reason}" for record in report.pass_records("moe")
+                       for site in record.sites if site.action == "skipped"]
+            program = _onnx_export(final, table, skipped if config.moe is not None else None)
             assert program is not None  # dynamo=True returns the program
             _name_axes(program.model, result.dynamic,
                        ["logits"] if isinstance(module, CausalLMLogits) else None)
@@ -267,6 +279,14 @@ def _prepare(model: nn.Module, example_inputs: Any, dynamic: bool, dynamic_shape
     if not isinstance(model, nn.Module):
         raise ConfigError(f"export_onnx takes an nn.Module, got {type(model).__name__}")
     if getattr(model, "config", None) is not None and hasattr(model, "get_input_embeddings"):
+        if getattr(model.config, "is_encoder_decoder", False):  # a review: T5 died in
+            # transformers ("specify exactly one of input_ids or inputs_embeds")
+            raise ConfigError(
+                f"{type(model).__name__} is an encoder-decoder model; export_onnx exports a "
+                "transformers model as input_ids -> logits of a decoder-only (causal) LM: "
+                "wrap it in an nn.Module whose forward takes the tensors it needs "
+                "(input_ids, decoder_input_ids) and returns the tensors to export, and "
+                "export that")
         ids = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
             raise ConfigError("a causal LM is exported as input_ids -> logits: pass input_ids "
@@ -409,6 +429,14 @@ def _is_axes(spec: Any) -> bool:
     return isinstance(spec, dict) and all(isinstance(k, int) for k in spec)
 
 
+def _ntk_rope(module: nn.Module) -> bool:
+    """A transformers rotary embedding with ``dynamic`` NTK scaling."""
+    kind = getattr(module, "rope_type", None)
+    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
+    return length_dependent_rope(module) and any(
+        isinstance(k, str) and "dynamic" in k for k in kinds)
+
+
 def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptConfig,
                   loops: bool = False) -> torch.export.ExportedProgram:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -417,8 +445,18 @@ def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptC
         return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
     except GuardOnDataDependentSymNode as exc:
         hint = (" transformers' eager experts loop iterates over the experts that received "
-                "tokens: call model.set_experts_implementation('grouped_mm') before exporting"
+                "tokens: call model.set_experts_implementation('grouped_mm') (with "
+                "options={'moe': {}}) or 'batched_mm' before exporting"
                 if "expert" in str(exc) else "")
+        dynamic_rope = [name for name, m in module.named_modules() if _ntk_rope(m)]
+        if dynamic_rope:  # a review: the message named neither the module nor a way out
+            hint += (f" {dynamic_rope[0]} is a rotary embedding with dynamic NTK scaling: "
+                     "it recomputes its frequencies when max(position_ids) passes the "
+                     "longest sequence seen, a branch on tensor values that an ONNX graph "
+                     "cannot hold. Export a copy whose config.rope_parameters has a static "
+                     "rope_type ('default', 'linear', 'yarn'; numerics past "
+                     "max_position_embeddings change), or serve this model with "
+                     "torch.compile(backend='graphopt')")
         raise ExportError("torch.export met data-dependent Python control flow: "
                           f"{str(exc).splitlines()[0]}.{hint}") from exc
     except torch._dynamo.exc.UserError as exc:
@@ -575,7 +613,8 @@ def _rename_dims(graph: Any, rename: Mapping[str, str]) -> None:
             value.shape = ir.Shape([named(d) for d in value.shape])
 
 
-def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) -> Any:
+def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any],
+                 moe_skipped: list[str] | None = None) -> Any:
     """torch.onnx.export; an op ONNX cannot express becomes an ExportError naming it."""
     try:
         return torch.onnx.export(exported, custom_translation_table=table, dynamo=True,
@@ -597,10 +636,19 @@ def _onnx_export(exported: torch.export.ExportedProgram, table: dict[Any, Any]) 
         if found is None:
             raise
         name = found.group(1)
-        hint = (" transformers' grouped_mm experts: rewrite them with options={'moe': {}} "
-                "(graphopt's moe_experts has a translation)" if "grouped_mm" in name else
-                " replace the module that calls it, or register a translation in "
-                "graphopt/export/translations.py")
+        if "grouped_mm" not in name:
+            hint = (" replace the module that calls it, or register a translation in "
+                    "graphopt/export/translations.py")
+        elif moe_skipped is None:
+            hint = (" transformers' grouped_mm experts: rewrite them with options={'moe': {}} "
+                    "(graphopt's moe_experts has a translation), or call "
+                    "model.set_experts_implementation('batched_mm') (standard ops)")
+        else:  # the moe pass ran and left these experts as they are (a review: the hint
+            # sent a user who had given options={'moe': {}} back to it)
+            why = "; ".join(moe_skipped[:2]) or "no MoE layer it matched"
+            hint = (f" transformers' grouped_mm experts, which graphopt's moe pass left as "
+                    f"they are ({why}): call model.set_experts_implementation('batched_mm') "
+                    "(standard ops) before exporting")
         raise ExportError(f"ONNX has no translation of {name} (torch.onnx and graphopt know "
                           f"none).{hint}") from None
 
@@ -762,88 +810,133 @@ def _kept_positions(names: list[str], tensors: list[torch.Tensor]) -> torch.Tens
 
 @contextlib.contextmanager
 def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode for the block (an exported graph module has no train/eval;
-    otherwise ``graphopt.models.eval_mode``)."""
+    """``module`` in eval mode for the block, its length-dependent rotary state put back
+    after it (an exported graph module has neither; otherwise ``graphopt.models.eval_mode``
+    and ``rope_state_kept``)."""
     if isinstance(module, fx.GraphModule):
         yield
         return
-    with eval_mode(module):
+    with eval_mode(module), rope_state_kept(module):  # each reference from the same state
         yield
 
 
-def _specs(shapes: Any, names: list[str], count: int) -> list[Any]:
-    """torch.export's ``dynamic_shapes`` as one spec per positional input (None: static)."""
-    if shapes is None:
-        return [None] * count
-    if isinstance(shapes, Mapping):
-        return [shapes.get(name) for name in names] + [None] * (count - len(names))
-    return list(shapes) + [None] * (count - len(shapes))
-
-
 def _grown(args: tuple, result: OnnxExport) -> tuple[str, tuple] | None:
-    """(label, the example grown by one along batch axes (axis 0) and by three along the
-    other dynamic axes (three fewer when that would pass the model's max positions)); None
-    when no axis is dynamic. Axes left to torch.export (Dim.AUTO) are not grown. Integer
-    inputs are drawn below the example's largest value, except masks (random 0/1 holes make
-    fully masked rows, whose values runtimes define differently: a false alarm, a review):
-    an ``attention_mask`` is all ones (keep everything), another input named like a mask
-    (unknown polarity) repeats the example's last row / column."""
-    axes = list(result.dynamic.values())
-    specs = _specs(result.shapes, list(result.dynamic), len(args))
-    if not any(name != "auto" for spec in axes for name in spec.values()) and \
-            not any(spec and not _is_axes(spec) for spec in specs):
+    """(label, the example grown along its dynamic sizes); None when none is dynamic.
+
+    Each size symbol of the exported program (``result.sizes``: a ``Dim``, or one that
+    torch.export chose under ``Dim.AUTO``) moves once, so every input axis and derived size
+    (``2 * n``) built from it moves with it: by one for a symbol that is some input's axis 0
+    (batch), else by three; three fewer when that would pass the symbol's ``max`` or the
+    model's max positions; not at all when neither fits its range (a review: a Dim shared by
+    two axes grew by 1 and by 3, a Dim(max=6) grew to 8, a derived 2*n to 7, and the check
+    died in PyTorch's shape guard). Integer inputs are drawn below the example's largest
+    value, except masks (random 0/1 holes make fully masked rows, whose values runtimes
+    define differently: a false alarm, a review): an ``attention_mask`` is all ones (keep
+    everything), another input named like a mask (unknown polarity) repeats the example's
+    last row / column."""
+    import sympy
+
+    if not result.sizes:
         return None
+    shapes, symbols = result.sizes
     longest = max_positions(result.eager.model) if isinstance(result.eager, CausalLMLogits) \
         else None
-    grew: dict[str, int] = {}
+    batch = {shape[0] for shape in shapes if shape and isinstance(shape[0], sympy.Symbol)}
+    value: dict[Any, int] = {}
+    for symbol, (hint, low, high) in symbols.items():
+        low, step = max(low, 2), 1 if symbol in batch else 3
+        if high is not None and hint + step > high or \
+                symbol not in batch and longest is not None and hint + step > longest:
+            step = -min(3, hint - low)
+        value[symbol] = hint + step if step and low <= hint + step else hint
+    grew: dict[Any, tuple[str, int]] = {}
+    leaves, tree = torch.utils._pytree.tree_flatten_with_path(args)
+    tensors = [i for i, (_, x) in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if len(tensors) != len(shapes):
+        return None
     gen = torch.Generator().manual_seed(1)
+    names = list(result.dynamic)
+    out = [x for _, x in leaves]
+    for i, shape in zip(tensors, shapes):
+        path, x = leaves[i]
+        new = [int(d.subs(value)) if isinstance(d, sympy.Expr) else int(d) for d in shape]
+        for axis, (d, old, size) in enumerate(zip(shape, x.shape, new)):
+            if size != old and isinstance(d, sympy.Symbol):
+                label = _size_label(result.dynamic, names, path, axis) or str(d)
+                grew.setdefault(d, (label, size - old))
+        input_name = _leaf_name(path, names)
+        out[i] = _grow_tensor(x, new, input_name, gen) if new != list(x.shape) else x
+    if not grew:
+        return None
+    label = ", ".join(f"{name}{step:+d}" for name, step in grew.values())
+    return label, tuple(torch.utils._pytree.tree_unflatten(out, tree))
 
-    def nested(x: Any, spec: Any, input_name: str) -> Any:
-        # a dict / list input grows leaf by leaf along its own spec (it was passed at the
-        # example size next to grown top-level inputs: onnxruntime's broadcast failed, a
-        # review)
-        if isinstance(x, torch.Tensor):
-            dyn = {axis: getattr(dim, "__name__", "auto") for axis, dim in spec.items()} \
-                if _is_axes(spec) else {}
-            return grow(x, dyn, input_name) if dyn else x
-        if isinstance(x, dict):
-            return {k: nested(v, spec.get(k) if isinstance(spec, dict) else None, str(k))
-                    for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            parts = [nested(v, spec[i] if isinstance(spec, (list, tuple)) and i < len(spec)
-                            else None, input_name) for i, v in enumerate(x)]
-            return type(x)(parts)
-        return x
 
-    def grow(x: torch.Tensor, dyn: dict[int, str], input_name: str) -> torch.Tensor:
-        shape = list(x.shape)
-        for axis, name in dyn.items():
-            if name == "auto":
+def _leaf_name(path: tuple, names: list[str]) -> str:
+    """The name a tensor leaf's mask rule reads: its innermost dict key, else its input's."""
+    for key in reversed(path):
+        if isinstance(key, torch.utils._pytree.MappingKey):
+            return str(key.key)
+    index = path[0].idx if path and isinstance(path[0], torch.utils._pytree.SequenceKey) else 0
+    return names[index] if index < len(names) else ""
+
+
+def _size_label(dynamic: dict[str, dict[int, str]], names: list[str], path: tuple,
+                axis: int) -> str | None:
+    """The ``Dim`` name the user gave a top-level input's axis (for the check's label)."""
+    if len(path) != 1 or not isinstance(path[0], torch.utils._pytree.SequenceKey):
+        return None
+    index = path[0].idx
+    name = dynamic.get(names[index], {}).get(axis) if index < len(names) else None
+    return name if name and name != "auto" else None
+
+
+def _grow_tensor(x: torch.Tensor, shape: list[int], input_name: str,
+                 gen: torch.Generator) -> torch.Tensor:
+    """New values of ``x``'s kind at ``shape`` (see :func:`_grown` for masks and integers)."""
+    if input_name.lower() == "attention_mask":  # 1 keeps every position
+        return torch.ones(shape, dtype=x.dtype)
+    if "mask" in input_name.lower():  # unknown polarity: the example's edge repeated
+        index = [torch.arange(n).clamp(max=old - 1) for n, old in zip(shape, x.shape)]
+        return x[torch.meshgrid(*index, indexing="ij")]
+    if x.dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if not x.dtype.is_floating_point:  # ids / labels (int32, int64, ...): drawn in [0,
+        # the example's max], so no ignore-index sentinel (-100) becomes another
+        # negative value (a re-review: -57 failed in the loss's gather)
+        high = int(x.max()) + 1 if x.numel() else 1
+        return torch.randint(0, max(high, 1), shape, generator=gen, dtype=x.dtype)
+    return torch.randn(shape, generator=gen, dtype=x.dtype)
+
+
+def _symbolic_sizes(program: torch.export.ExportedProgram) -> tuple[list[tuple], dict] | None:
+    """(each tensor input's shape, ints and sympy expressions over the size symbols, in
+    pytree order; symbol -> (example value, min, max or None)) of ``program``; None when
+    no input size is symbolic."""
+    import sympy
+
+    shapes: list[tuple] = []
+    symbols: dict[Any, tuple[int, int, int | None]] = {}
+    ranges = program.range_constraints
+    users = set(program.graph_signature.user_inputs)
+    for node in program.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if node.name not in users or not isinstance(val, torch.Tensor):
+            continue
+        shape = []
+        for d in val.shape:
+            if not isinstance(d, torch.SymInt):
+                shape.append(int(d))
                 continue
-            step = 1 if axis == 0 else 3
-            if axis > 0 and longest is not None and shape[axis] + step > longest:
-                step = -min(3, shape[axis] - 2)
-            shape[axis] += step
-            grew[name] = step
-        if input_name.lower() == "attention_mask":  # 1 keeps every position
-            return torch.ones(shape, dtype=x.dtype)
-        if "mask" in input_name.lower():  # unknown polarity: the example's edge repeated
-            index = [torch.arange(n).clamp(max=old - 1) for n, old in zip(shape, x.shape)]
-            return x[torch.meshgrid(*index, indexing="ij")]
-        if x.dtype == torch.bool:
-            return torch.randint(0, 2, shape, generator=gen).bool()
-        if not x.dtype.is_floating_point:  # ids / labels (int32, int64, ...): drawn in [0,
-            # the example's max], so no ignore-index sentinel (-100) becomes another
-            # negative value (a re-review: -57 failed in the loss's gather)
-            high = int(x.max()) + 1 if x.numel() else 1
-            return torch.randint(0, max(high, 1), shape, generator=gen, dtype=x.dtype)
-        return torch.randn(shape, generator=gen, dtype=x.dtype)
-
-    out = []
-    for x, dyn, input_name, spec in zip(args, axes, result.dynamic, specs):
-        if isinstance(x, torch.Tensor):
-            out.append(grow(x, dyn, input_name) if dyn else x)
-        else:
-            out.append(nested(x, spec, input_name))
-    label = ", ".join(f"{name}{step:+d}" for name, step in grew.items())
-    return label, tuple(out)
+            expr = d.node.expr
+            shape.append(expr)
+            for symbol in expr.free_symbols:
+                hint = d.node.shape_env.var_to_val.get(symbol)
+                bound = ranges.get(symbol)
+                if hint is None or bound is None:
+                    continue
+                high = bound.upper
+                symbols[symbol] = (int(hint), int(bound.lower), int(high)
+                                   if isinstance(high, (int, sympy.Integer)) else None)
+        shapes.append(tuple(shape))
+    return (shapes, symbols) if symbols else None
