@@ -777,3 +777,19 @@ def test_fourth_review_findings_leave_the_model_as_given_and_grow_sizes_as_expor
                        r"call model.set_experts_implementation\('batched_mm'\)"):
         graphopt.export_onnx(oss, torch.randint(0, 100, (2, 12)), {"moe": {}},
                              tmp_path / "oss.onnx")
+
+
+def test_a_reference_grouped_mm_refuses_is_compared_with_eager_experts(tmp_path: Path) -> None:
+    """A float32 MiniMax of hidden size 30 (grouped_mm's CPU kernel refuses its strides) got
+    ok=True with the eager comparison "not compared" for every input (a review): the
+    reference now runs transformers' per-expert loop, and the model keeps grouped_mm."""
+    model = build_model("minimax", hidden_size=30, head_dim=10, num_attention_heads=3,
+                        num_key_value_heads=1)
+    model.set_experts_implementation("grouped_mm")
+    result = graphopt.export_onnx(model, sample_batch(model, 2, 8),
+                                  {"attention": "exact", "moe": {}}, tmp_path / "m.onnx",
+                                  check=True)
+    eager = [c for c in result.checks if "eager model" in c[0]]
+    assert result.ok and len(eager) == 2, result.checks
+    assert all("with eager experts" in what and err <= tol for what, err, tol in eager)
+    assert model.config._experts_implementation == "grouped_mm"
