@@ -1096,3 +1096,21 @@ def test_exact_mode_keeps_a_padding_mask():
     gm = trace_for_pass(fn, *args)
     _, record = run_pass("attention", gm, Config(attention="exact"))
     assert [s.action for s in record.sites] == ["kept"] and not record.modified
+
+
+def test_a_site_with_no_mask_to_drop_says_so():
+    """OPT already calls SDPA with is_causal=True and no mask: its site was "kept" under
+    attention='exact' with no reason (a review)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     max_position_embeddings=64, word_embed_proj_dim=32)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    compiled = torch.compile(model, backend="graphopt",
+                             options={"lowering": "eager", "attention": "exact"})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits)
+    sites = [s for r in graphopt.last_report().pass_records("attention") for s in r.sites]
+    assert sites and all(s.action == "kept" and s.reason.endswith(
+        "no mask to drop: already is_causal=True") for s in sites), sites

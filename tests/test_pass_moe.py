@@ -138,6 +138,31 @@ def test_eager_experts_loop_is_reported_with_the_fix():
     assert all("no MoE router" in s.reason for s in sites if s.site == "graph")
 
 
+def test_experts_that_receive_routing_scores_in_their_input_are_named():
+    """Llama4 applies the routing scores to the experts' input (its experts take one
+    tensor): the skip said "no experts module consumes the router's indices" (a review)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    model = Llama4ForCausalLM(Llama4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+        moe_layers=[0], no_rope_layers=[1], attention_chunk_size=8,
+        max_position_embeddings=64)).eval()
+    ids = torch.randint(0, 64, (2, 6))
+    clear_reports()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
+            input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
+    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    assert any(s.action == "skipped" and "experts only through floating-point values "
+               "(attention or the residual stream; or routing scores applied to the experts' "
+               "input, as Llama4 does)" in s.reason for s in sites), sites
+
+
 def test_moe_options_on_a_model_without_experts_say_they_change_nothing():
     """moe options on a dense model were silently accepted (an empty report; a new user's
     trial): the report now says the graph has no MoE router."""

@@ -125,7 +125,7 @@ def find_region(topk: fx.Node) -> Region:
     # was taken as the router of the next MoE layer)
     frontier: list[tuple[fx.Node, bool]] = [(u, False) for u in idx.users]
     seen: set[tuple[fx.Node, bool]] = set()
-    path = ""
+    path, by_value = "", ""
     while frontier and not path:  # the first module that consumes the indices
         node, through_float = frontier.pop(0)
         if (node, through_float) in seen:
@@ -134,6 +134,7 @@ def find_region(topk: fx.Node) -> Region:
         if "experts" in module_path(node).rsplit(".", 1)[-1]:
             if not through_float:
                 path = module_path(node)
+            by_value = by_value or module_path(node)
             continue
         if node.target is aten.one_hot.default or node.op == "output":
             if not module_path(topk):  # a model-level top-k, no router module
@@ -149,6 +150,13 @@ def find_region(topk: fx.Node) -> Region:
                 raise Skip(EAGER_LOOP_FIX)
             continue
         frontier += [(u, through_float or _floating(node)) for u in node.users]
+    if not path and by_value:  # a review: Llama4 was told no experts module took them
+        raise Skip("no experts module consumes the router's indices in this graph: they "
+                   f"reach {by_value} only through floating-point values (attention or the "
+                   "residual stream; or routing scores applied to the experts' input, as "
+                   "Llama4 does), and the pass rewrites experts that take the indices and "
+                   "weights (transformers' experts interface: hidden, top_k_index, "
+                   "top_k_weights)")
     if not path:
         raise Skip("no experts module consumes the router's indices in this graph")
     graph = topk.graph

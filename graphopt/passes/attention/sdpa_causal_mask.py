@@ -38,19 +38,22 @@ from graphopt.passes.fx_utils import autocast_reason, site_name, tensor_meta
 def mask_to_is_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | None = None
                       ) -> str | None:
     """SDPA with a mask proven causal (and q length = k length) -> ``is_causal=True``,
-    mask dropped. Returns None when ``node`` was changed, else why not ("" when there is no
-    mask to drop). Exact: both give every query its keys 0..i. Under torch.compile
-    transformers materializes the causal mask that eager code skips (S x S). ``outer``: a
+    mask dropped. Returns None when ``node`` was changed, else why not. Exact: both give
+    every query its keys 0..i. Under torch.compile transformers materializes the causal
+    mask that eager code skips (S x S). ``outer``: a
     checkpoint body's placeholder -> (the parent's node that feeds it, the parent's values):
     a mask built outside the region is proven there."""
     if node.target is not aten.scaled_dot_product_attention.default:
-        return ""
+        return "not an SDPA call (only SDPA's mask becomes is_causal)"
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal"]
     args: dict[str, Any] = dict(zip(names, node.args)) | dict(node.kwargs)
     mask = args.get("attn_mask")
     q_val, k_val = tensor_meta(args["query"]), tensor_meta(args["key"])
-    if mask is None or q_val is None or k_val is None or q_val.dim() != 4:
-        return ""
+    if mask is None:  # a review: OPT's site was "kept" with no reason
+        return "no mask to drop: already is_causal=True" if args.get("is_causal") else \
+            "no mask: every query sees every key"
+    if q_val is None or k_val is None or q_val.dim() != 4:
+        return "query/key shapes unknown or not [B, H, S, D]"
     if q_val.shape[2] != k_val.shape[2]:
         return "query length != key length"
     problem = not_constant_causal(*built_where(mask, env, outer), outer=outer)
@@ -80,5 +83,6 @@ def report_or_make_causal(sites: list[fx.Node], ctx: PassContext, env: dict[fx.N
             modified = True
         else:
             ctx.record("kept", site_name(node), f"softmax attention (attention='{mode}')"
-                       + (f"; its mask stays: {why}" if why else ""))
+                       + (f"; {why}" if why.startswith(("no mask", "not an SDPA")) else
+                          f"; its mask stays: {why}" if why else ""))
     return modified
