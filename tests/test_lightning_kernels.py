@@ -671,3 +671,16 @@ def test_the_forward_op_checks_kv_heads_itself():
     k, slope = torch.randn(1, 1, 20, 8), torch.rand(4)
     with pytest.raises(ValueError, match=r"v must be \[B, Hk, S, Dv\] = \[1, 1, 20, Dv\]"):
         torch.ops.graphopt.lightning_attention_fwd(q, k, v, slope, 1.0, None, 16, 8, "chunked")
+
+
+@pytest.mark.parametrize("bad", [[0, 6, 5, 10], [0, 5, 8], [0, 5, 12], [0, 5, 5, 10]])
+def test_the_packed_forward_op_checks_cu_seqlens_itself(bad):
+    """graphopt::lightning_attention_varlen_fwd called directly with impl="chunked" and a
+    bad packing returned o of 11 or 8 rows for q's 10 (its fake says 10), where the Triton
+    path raised (a review)."""
+    import graphopt.kernels.lightning  # noqa: F401  (registers the ops)
+
+    q = torch.randn(1, 2, 10, 16)
+    with pytest.raises(ValueError, match="cu_seqlens must increase strictly from 0 to S = 10"):
+        torch.ops.graphopt.lightning_attention_varlen_fwd(
+            q, q, q, torch.rand(2), 1.0, None, torch.tensor(bad), 16, "chunked")

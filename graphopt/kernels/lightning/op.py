@@ -363,8 +363,11 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, scale: 
     chunk slots for the backward: int32 [triton_kernels.packed_chunk_size(T, N, chunk
     rows)] on Triton (built once in the forward, one launch), [0] on the chunked path).
     ``graphopt::lightning_attention_varlen_fwd``'s implementation; checks the shapes of
-    q, k, v and slope (:func:`validate`) for graphs that call the op directly."""
+    q, k, v and slope (:func:`validate`) and cu_seqlens for graphs that call the op
+    directly (a review: a bad packing on the chunked path returned outputs of another
+    length than q's, where the Triton path raised)."""
     validate(q, k, v, slope, None, dtypes=False)
+    _check_cu_seqlens(cu_seqlens, q.shape[2], q.device, kernel_checks=impl == "triton")
     hq = q.shape[1]
     if impl == "triton":
         o, final, chunks = triton_varlen_forward(q, k, v, slope, scale, initial_state,
