@@ -523,7 +523,7 @@ def test_eager_path_refuses_double_backward_and_hands_vmap_and_tracing_to_the_op
     q, k, v, slope, _ = _inputs(1, 2, 1, 24, 4, 4, torch.float64)
     o = lightning_attention(q, k, v, slope, block_size=8, checkpoint_every=1)
     (g,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="lightning_attention_bwd.*no autograd formula"):
+    with pytest.raises(NotImplementedError, match="lightning_attention has no double backward"):
         torch.autograd.grad(g.square().sum(), k)
     o = lightning_attention(q, k, v, slope, block_size=8)
     rows = torch.randn(3, *o.shape, dtype=torch.float64)
@@ -684,3 +684,29 @@ def test_the_packed_forward_op_checks_cu_seqlens_itself(bad):
     with pytest.raises(ValueError, match="cu_seqlens must increase strictly from 0 to S = 10"):
         torch.ops.graphopt.lightning_attention_varlen_fwd(
             q, q, q, torch.rand(2), 1.0, None, torch.tensor(bad), 16, "chunked")
+
+
+@pytest.mark.parametrize("op", ["lightning", "lightning_varlen", "moe"])
+def test_double_backward_is_refused_with_what_to_do(op):
+    """A second backward through graphopt's ops (create_graph=True: gradient penalties,
+    Hessian-vector products) said only "no autograd formula was registered" on the backward
+    op (a review); the error now names the op and what to use instead."""
+    from graphopt.kernels.moe import moe_experts
+
+    gen = torch.Generator().manual_seed(0)
+    if op == "moe":
+        x = torch.randn(6, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+        weights, index = torch.randn(6, 4, dtype=torch.float64, generator=gen).softmax(-1).topk(2)
+        out = moe_experts(x, index, weights, torch.randn(4, 12, 8, dtype=torch.float64),
+                          torch.randn(4, 8, 6, dtype=torch.float64))
+        name, fix = "graphopt::moe_experts", "keep transformers' experts"
+    else:
+        x = torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+        packed = {"cu_seqlens": torch.tensor([0, 5, 12])} if op == "lightning_varlen" else {}
+        out = lightning_attention(x, x, x, torch.rand(2, dtype=torch.float64), impl="chunked",
+                                  **packed)
+        name, fix = "graphopt::lightning_attention", "lightning_attention_reference"
+    out = out[0] if isinstance(out, tuple) else out
+    (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match=f"{name}.* has no double backward.*{fix}"):
+        grad.square().sum().backward()

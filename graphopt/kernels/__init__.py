@@ -40,6 +40,29 @@ def refuse_forward_ad(op: str, *tensors: Any) -> None:
             "PyTorch code for this computation")
 
 
+def refuse_double_backward(backward_op: Any, op: str, fix: str) -> None:
+    """Register an autograd formula on ``backward_op`` (a custom op computing ``op``'s
+    gradients) that raises a clear error: differentiating the gradients again (gradient
+    penalties, Hessian-vector products: ``create_graph=True``, then a second backward) has
+    no formula. torch's own message only said "no autograd formula was registered" on the
+    backward op (a review). Shapes and values are untouched; the error comes at the second
+    backward, where torch's came.
+
+    Raises (at the second backward):
+        NotImplementedError: naming ``op`` and ``fix``.
+    """
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        pass
+
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        raise NotImplementedError(
+            f"{op} has no double backward (gradients of its gradients: create_graph=True "
+            f"and a second backward, e.g. a gradient penalty or a Hessian-vector product): "
+            f"{fix}")
+
+    backward_op.register_autograd(backward, setup_context=setup_context)
+
+
 def functorch_active() -> bool:
     """Whether a torch.func transform (grad, vjp, jacrev, vmap, ...) is running eagerly.
     False while Dynamo traces (it answers True there, and the traced graph needs the custom

@@ -23,6 +23,7 @@ from graphopt.kernels import (
     eager_function,
     functorch_active,
     plain_eager,
+    refuse_double_backward,
     refuse_forward_ad,
     transformable,
 )
@@ -301,6 +302,12 @@ def _backward(ctx: Any, grad_o: Tensor | None,
 
 
 lightning_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_NO_DOUBLE_BACKWARD = ("compute that term with graphopt.kernels.lightning."
+                       "lightning_attention_reference (plain PyTorch ops, differentiable "
+                       "twice), or keep the model's own attention for it (options "
+                       "{'attention': 'keep'})")
+refuse_double_backward(lightning_attention_bwd, "graphopt::lightning_attention",
+                       _NO_DOUBLE_BACKWARD)
 _FUNCTORCH = transformable("graphopt::lightning_attention", lightning_attention_fwd,
                            _setup_context, _backward)
 
@@ -470,6 +477,8 @@ def _varlen_backward(ctx: Any, grad_o: Tensor | None, grad_state: Tensor | None,
 
 lightning_attention_varlen_fwd.register_autograd(_varlen_backward,
                                                  setup_context=_varlen_setup_context)
+refuse_double_backward(lightning_attention_varlen_bwd, "graphopt::lightning_attention_varlen",
+                       _NO_DOUBLE_BACKWARD)
 _VARLEN_FUNCTORCH = transformable("graphopt::lightning_attention_varlen",
                                   lightning_attention_varlen_fwd, _varlen_setup_context,
                                   _varlen_backward)

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from graphopt.kernels import transformable
+from graphopt.kernels import refuse_double_backward, transformable
 from graphopt.kernels.comm import RoundTrip, round_trip_keys
 from graphopt.kernels.moe.combine import combine, combine_backward
 from graphopt.kernels.moe.dispatch import (
@@ -339,6 +339,8 @@ def _backward(ctx: Any, grad_out: Tensor, *unused: Any) -> tuple[Any, ...]:
 
 
 moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
+refuse_double_backward(moe_experts_backward, "graphopt::moe_experts",
+                       "keep transformers' experts for that term (options without 'moe')")
 MOE_FUNCTORCH = transformable("graphopt::moe_experts", moe_experts_op, _setup_context,
                               _backward)
 """The op under torch.func transforms (graphopt.kernels.transformable)."""
