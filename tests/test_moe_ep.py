@@ -710,3 +710,26 @@ def test_verify_reports_an_approximate_capacity_under_ep_instead_of_failing():
     for verified in run_distributed(_verify_capacity_worker, 2):
         assert verified and all(v["status"] in ("approximate", "passed") for v in verified)
         assert any("approximate pass(es) moe" in v.get("detail", "") for v in verified)
+
+
+def _uneven_experts_worker(rank: int, world: int) -> str:
+    from graphopt.kernels.moe.op import moe_experts_op
+
+    local = 3 if rank == 0 else 1
+    x = torch.randn(4, 8, dtype=torch.float64)
+    index, weights = torch.randint(0, 4, (4, 2)), torch.rand(4, 2, dtype=torch.float64)
+    try:
+        moe_experts_op(x, index, weights, torch.randn(local, 16, 8, dtype=torch.float64),
+                       torch.randn(local, 8, 8, dtype=torch.float64), -1.0, world, "", "flat",
+                       1, 1)
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_ep_ranks_with_different_expert_counts_raise_on_every_rank():
+    """Rank 0 passing 3 local experts and rank 1 one reached the counts' all_gather with
+    different sizes and gloo aborted the process (a review); every rank raises now."""
+    messages = run_distributed(_uneven_experts_worker, 2)
+    assert all("EP ranks pass between 1 and 3 local experts" in m and "E / ep" in m
+               for m in messages), messages

@@ -793,3 +793,29 @@ def test_a_reference_grouped_mm_refuses_is_compared_with_eager_experts(tmp_path:
     assert result.ok and len(eager) == 2, result.checks
     assert all("with eager experts" in what and err <= tol for what, err, tol in eager)
     assert model.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("form", ["gather", "dense"])
+def test_a_dropped_assignment_whose_expert_overflows_adds_zero(tmp_path: Path,
+                                                              form: str) -> None:
+    """Under a capacity the gather form multiplied a dropped row by a zero weight: an
+    expert output that overflows (inf) made the token NaN, where the op never computes
+    the row (a review: rows 2 and 5 non-finite in the file, finite in the op)."""
+    from graphopt.export.translations import translation_table
+
+    torch.manual_seed(0)
+    e, h, f = 4, 8, 8
+    x = torch.randn(6, h).abs() + 0.1
+    weights = torch.rand(6, 2)
+    gate_up, down = torch.randn(e, 2 * f, h) / 3, torch.randn(e, h, f) / 3
+    gate_up[0] = 1e20  # expert 0 overflows; capacity 2 keeps tokens 0, 1 and drops 2, 5
+    index = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2], [2, 3], [0, 1]])
+    args = [x, index, weights, gate_up, down]
+    module = Experts(0.4)
+    program = torch.onnx.export(torch.export.export(module, tuple(args)), dynamo=True,
+                                custom_translation_table=translation_table(form))
+    path = tmp_path / "m.onnx"
+    program.save(str(path))
+    got, want = _run(path, args)[0], module(*args)
+    assert not torch.isfinite(want[:2]).all() and torch.isfinite(want[2:]).all()
+    torch.testing.assert_close(got[2:], want[2:], rtol=1e-5, atol=1e-5)

@@ -213,6 +213,7 @@ def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, dow
     acc = _promote(hidden.dtype, weights.dtype)
     weights = op.Cast(weights, to=acc)
     flat = op.Reshape(index, _ints(-1))  # [T*K], token-major as the op's stable sort
+    kept = None  # [T, K] bool under a capacity
     if 0 < capacity_factor < num_experts:  # C kept per expert (a factor >= E keeps all)
         # C = ceil(num * T*K / (den * E)) in int64, exactly as the op (capacity_fraction)
         frac = capacity_fraction(capacity_factor)
@@ -222,8 +223,8 @@ def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, dow
         keep = _capacity_keep(flat, op.Reshape(weights, _ints(-1)), capacity, num_experts,
                               drop_policy)
         # Where, not a multiply by 0: a dropped assignment adds 0 even with an inf weight
-        weights = op.Where(op.Reshape(keep, op.Shape(index)), weights,
-                           op.CastLike(_double(0.0), weights))
+        kept = op.Reshape(keep, op.Shape(index))
+        weights = op.Where(kept, weights, op.CastLike(_double(0.0), weights))
     out = op.ConstantOfShape(op.Shape(hidden), value=ir.tensor([0.0], dtype=acc))
     if form == "dense":
         # [T, E] routing matrix: w at (t, index[t, k]), zero elsewhere.
@@ -245,6 +246,10 @@ def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, dow
             scale = op.Unsqueeze(op.GatherND(weights, hits), _ints(1))  # [n, 1]
         y = _swiglu(rows, w1, w2)
         y = op.Mul(op.Cast(y, to=acc), scale)
+        if where is not None and kept is not None:  # a dropped row adds 0, not 0 * inf
+            # (NaN; the op never computes it: a review)
+            y = op.Where(op.Unsqueeze(op.GatherND(kept, hits), _ints(1)), y,
+                         op.CastLike(op.Constant(value_float=0.0), y))
         if where is None:  # dense: unrouted tokens' rows are 0, also where y overflowed
             y = op.Where(op.Equal(scale, op.CastLike(op.Constant(value_float=0.0), scale)),
                          op.CastLike(op.Constant(value_float=0.0), y), y)

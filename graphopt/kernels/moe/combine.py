@@ -7,8 +7,10 @@ Shapes (T tokens, K experts per token, H hidden, n <= T*K kept assignments):
     is False, were dropped by a capacity).
 
 Forward:  out[t] = sum_k w[t, k] * y_rows[slot[t * K + k]]  (slot: the inverse permutation,
-          -1 for a dropped assignment), accumulated in promote(hidden, weights) dtype and
-          stored in hidden's dtype.
+          -1 for a dropped assignment), accumulated in promote(hidden, weights) dtype
+          (the Triton kernels, which take no float64 hidden: in float32 whatever the
+          weights' dtype, below the float32-or-narrower output's rounding) and stored in
+          hidden's dtype.
 Backward: for sorted row i with assignment j = order[i], token t = j // K:
           grad_y[i] = w[j] * grad_out[t]  (hidden's dtype),
           grad_w[j] = grad_out[t] . y_rows[i]  (0 for a dropped assignment).

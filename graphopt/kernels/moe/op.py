@@ -8,7 +8,8 @@ Inputs (T tokens, K experts per token, E experts, H hidden, F expert intermediat
     experts, experts r*El .. (r+1)*El - 1 on EP rank r (El = E with ep = 1). Output [T, H],
     hidden's dtype;
     the weighted sum over the K experts is accumulated in promote(hidden, weights) dtype, as
-    transformers' grouped_mm experts do.
+    transformers' grouped_mm experts do (float32 in the Triton combine, which never takes
+    float64 hidden: see graphopt.kernels.moe.combine).
 
 Algorithm (Megablocks sec. 5; Megatron-Core's alltoall token dispatcher):
     1. stable sort of the T*K assignments by expert; counts by a device histogram;
@@ -116,6 +117,28 @@ def _rows(counts: Tensor, n: int, capacity_factor: float, pg: dist.ProcessGroup 
     return int(counts.sum()), None
 
 
+_CHECKED_EXPERT_COUNTS: set[tuple[int, int]] = set()
+
+
+def _check_expert_count(counts: Tensor, group: dist.ProcessGroup, ep: int) -> None:
+    """Every EP rank of ``group`` must pass the same number of local experts (E / ep):
+    checked once per (group, E) with one all-reduce, and every rank raises the same
+    ValueError. Ranks with different counts reached the counts' all_gather with different
+    sizes, and gloo aborted the process ("Received data size doesn't match", a review)."""
+    key = (id(group), counts.numel())
+    if key in _CHECKED_EXPERT_COUNTS:
+        return
+    local = counts.numel() // ep
+    bounds = counts.new_tensor([local, -local])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ValueError(f"graphopt moe: EP ranks pass between {fewest} and {most} local "
+                         f"experts (this rank {local}); every rank of the EP group must pass "
+                         f"E / ep experts (gate_up [E / ep, 2F, H], down [E / ep, H, F])")
+    _CHECKED_EXPERT_COUNTS.add(key)
+
+
 def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int,
                    bad: Tensor | None = None) -> Tensor:
     """counts [E] of every EP rank -> [ep, E]. ``bad``: this rank's top_k_index had values
@@ -123,6 +146,7 @@ def _gather_counts(counts: Tensor, group: dist.ProcessGroup | None, ep: int,
     the same ValueError (one rank raising alone left the others waiting in this gather)."""
     if group is None:
         return counts.view(1, -1)
+    _check_expert_count(counts, group, ep)
     flag = (bad if bad is not None else torch.zeros((), dtype=torch.bool)).to(counts)
     mine = torch.cat([counts, flag.view(1)]).contiguous()
     parts = [torch.empty_like(mine) for _ in range(ep)]
