@@ -175,11 +175,25 @@ def written_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     first call, and the report said "passed" (a review), since these are no inputs and
     were neither copied nor compared."""
     found: dict[int, torch.Tensor] = {}
+    for x in written_roots(gm):
+        if x.op == "get_attr":
+            value: Any = gm
+            for part in str(x.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def written_roots(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The ``get_attr`` and ``placeholder`` nodes of a Dynamo-level graph that an op named
+    ``*_``, ``setitem``, ``operator.iadd``, ... writes in place, directly or through views
+    and other in-place ops."""
+    found: dict[torch.fx.Node, None] = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        name = node.target if isinstance(node.target, str) else \
-            getattr(node.target, "__name__", "")
+        name = _op_name(node.target)
         if not _writes_in_place(name) or not node.args:
             continue
         first = node.args[0]
@@ -188,19 +202,23 @@ def written_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
             x = stack.pop()
             if not isinstance(x, torch.fx.Node):
                 continue
-            if x.op == "get_attr":
-                value: Any = gm
-                for part in str(x.target).split("."):
-                    value = getattr(value, part, None)
-                if isinstance(value, torch.Tensor):
-                    found[id(value)] = value
+            if x.op in ("get_attr", "placeholder"):
+                found[x] = None
             elif x.op in ("call_function", "call_method") and x.args:
-                kind = x.target if isinstance(x.target, str) else \
-                    getattr(x.target, "__name__", "")
+                kind = _op_name(x.target)
                 if kind in _VIEWS or _writes_in_place(kind):
                     head = x.args[0]
                     stack += list(head) if isinstance(head, (list, tuple)) else [head]
-    return list(found.values())
+    return list(found)
+
+
+def _op_name(target: Any) -> str:
+    """A call's name: a method's, a function's, an ATen overload's packet ("add_")."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.overloadpacket.__name__)
+    return str(getattr(target, "__name__", ""))
 
 
 def _run_seeded(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,

@@ -749,3 +749,47 @@ def test_dropped_rewrites_are_not_reported_as_rewritten():
     (record,) = [p for p in report.passes if p.name == "test_detach_output"]
     assert [s.action for s in record.sites] == ["skipped"]
     assert record.sites[0].reason.startswith("rewrite dropped: output 0 has requires_grad")
+
+
+def _write_back_after_read(x, w, b):
+    h1 = (x + b).sin()
+    h2 = torch.maximum(b, b)
+    h3 = torch.where(h1 > 0, h1, h2 * 0.0)
+    h1.add_(1)
+    h7 = torch.where(h1 > 0, h1, h2 * 0.0)
+    b.copy_(h3)
+    return h7, h2
+
+
+def _read_then_write_back(x, w, b):
+    h2 = b * 2  # read before the write: no gradient path (Dynamo agrees)
+    s1, s2 = x.cos(), x.cos()  # merged by cse
+    b.copy_(x.sin() + h2)  # now b carries one from x
+    return h2, b * x + s1 * s2 + w
+
+
+@pytest.mark.parametrize("fn", [_write_back_after_read, _read_then_write_back])
+def test_a_write_back_of_a_value_with_a_gradient_leaves_dynamos_fakes_alone(fn):
+    """normalize traced on the fakes Dynamo's mode memoizes: b.copy_(value with a gradient)
+    gave fake b a CopyBackwards grad_fn, so AOTAutograd failed ("modified by an inplace
+    operation") where aot_eager compiles, or the capture check saw a gradient path that
+    does not exist and skipped every model pass (a review)."""
+    def run(compiled):
+        gen = torch.Generator().manual_seed(1203)
+        x, w, b = (torch.randn(4, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+        x.requires_grad_()
+        w.requires_grad_()
+        outs = compiled(x, w, b)
+        (outs[0].sum() + outs[1].square().sum()).backward()
+        return [o.detach() for o in outs] + [b, x.grad] + ([w.grad] if w.grad is not None
+                                                          else [])
+
+    torch._dynamo.reset()
+    want = run(fn)
+    got = run(torch.compile(fn, backend="graphopt", options={"lowering": "eager"}))
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    report = graphopt.last_report()
+    assert report.status == "compiled" and report.fallback is None, report.fallback
+    if fn is _read_then_write_back:
+        assert report.pass_records("cse")[0].count("rewritten") == 1
