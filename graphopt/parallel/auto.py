@@ -79,9 +79,10 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
             global_batch // (plan.dp * plan.microbatch) < plan.pp:
         return (f"{global_batch // (plan.dp * plan.microbatch)} microbatch(es) per step for "
                 f"{plan.pp} pipeline stages: the pipeline runs at least one per stage")
-    if plan.pp > 1 and getattr(config, "output_router_logits", False) and \
+    if (plan.pp > 1 or plan.cp > 1) and getattr(config, "output_router_logits", False) and \
             float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0):
-        return "the pipeline's loss leaves out the MoE load-balancing loss (aux loss on)"
+        return ("the pipeline's" if plan.pp > 1 else "CP's") + \
+            " loss leaves out the MoE load-balancing loss (aux loss on)"
     if plan.cp > 1 and plan.cp_kind == "ring" and \
             "linear_attention" in (getattr(config, "layer_types", None) or ()):
         # graphopt.parallel.context refuses it (lightning state passing needs contiguous
