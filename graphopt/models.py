@@ -36,6 +36,20 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
         for m, mode in modes:
             m.training = mode
 
+def refuse_aux_loss(config: Any, plan: str, loss: str, missing: str) -> None:
+    """Raise :class:`ConfigError` when ``config`` adds transformers' MoE load-balancing loss
+    (``output_router_logits`` with a nonzero ``router_aux_loss_coef``) that the parallel
+    form ``plan`` ("pp > 1", "cp > 1"), training on ``loss``, cannot compute (``missing``
+    says why): the loss was dropped without a word, router gradients 2.7-50% off one
+    process (reviews)."""
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if getattr(config, "output_router_logits", False) and coef:
+        raise ConfigError(f"{plan} trains on {loss}; this MoE model adds a load-balancing loss "
+                          f"(output_router_logits=True, router_aux_loss_coef={coef}) "
+                          f"{missing}: set config.output_router_logits=False (no auxiliary "
+                          f"loss) or use {plan.split()[0]}=1")
+
+
 def length_dependent_rope(module: torch.nn.Module) -> bool:
     """A transformers rotary embedding whose frequencies follow the sequence length:
     ``dynamic`` NTK scaling (inverse frequencies recomputed from ``max(position_ids) + 1``)

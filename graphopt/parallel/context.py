@@ -64,7 +64,7 @@ from graphopt.kernels.lightning.minimax import (
     decay_tables_problem,
     minimax_lightning_layer,
 )
-from graphopt.models import length_dependent_rope
+from graphopt.models import length_dependent_rope, refuse_aux_loss
 from graphopt.planner.plan import ParallelPlan
 
 ATTENTION = "graphopt_cp"
@@ -84,18 +84,12 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
         raise ConfigError(f"Ulysses CP splits the attention heads ({heads}) over cp x tp "
                           f"({plan.cp} x {plan.tp}): choose a cp dividing heads / tp")
     for c in _configs(model):
-        if getattr(c, "output_router_logits", False) and \
-                float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0):
-            # CP's loss is cp_loss over the logits (labels= is refused); the MoE
-            # load-balancing loss is not linear in the tokens, so neither it nor each
-            # chunk's own share adds up to one process's (a review: router gradients 50%
-            # off with no error; 24-26% with each chunk's aux loss / cp)
-            raise ConfigError("cp > 1 trains on cp_loss over the logits; this MoE model adds "
-                              "a load-balancing loss (output_router_logits=True, "
-                              f"router_aux_loss_coef={c.router_aux_loss_coef}) over the whole "
-                              "sequence's router logits, which no CP rank holds: set "
-                              "config.output_router_logits=False (no auxiliary loss) or use "
-                              "cp=1")
+        # CP's loss is cp_loss over the logits (labels= is refused); the MoE load-balancing
+        # loss is not linear in the tokens, so neither it nor each chunk's own share adds
+        # up to one process's (a review: router gradients 50% off with no error; 24-26%
+        # with each chunk's aux loss / cp)
+        refuse_aux_loss(c, "cp > 1", "cp_loss over the logits",
+                        "over the whole sequence's router logits, which no CP rank holds")
         kinds = getattr(c, "layer_types", None)  # per layer, where the config lists them
         sliding = "sliding_attention" in kinds if kinds else bool(
             getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True))

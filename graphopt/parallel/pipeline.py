@@ -569,7 +569,7 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     multipliers, Cohere's logit scale) is caught by running both on one sequence of 16
     random tokens (eval mode, no grad; skipped for weights on the meta device). Translation
     validation by execution, as the MoE pass does."""
-    from graphopt.models import eval_mode, rope_state_kept
+    from graphopt.models import eval_mode, refuse_aux_loss, rope_state_kept
 
     config = model.config
     attn = getattr(config, "_attn_implementation", None)
@@ -585,17 +585,10 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
                           "exists only in the masks transformers builds, and the stages pass "
                           "none): set config.sliding_window=None if the sequences fit the "
                           "window, or use pp=1")
-    if getattr(config, "output_router_logits", False) and \
-            float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0):
-        # the stages' loss is the next-token loss of the last stage's logits; the MoE
-        # load-balancing loss needs every stage's router logits (a review: under pp=2 it
-        # was dropped without a word, router gradients 2.7-50% off one process)
-        raise ConfigError("pp > 1 trains on the next-token loss alone; this MoE model adds "
-                          "a load-balancing loss (output_router_logits=True, "
-                          f"router_aux_loss_coef={config.router_aux_loss_coef}) from every "
-                          "layer's router logits, which the pipeline's stages do not "
-                          "return: set config.output_router_logits=False (no auxiliary loss) "
-                          "or use pp=1")
+    # the stages' loss is the next-token loss of the last stage's logits; the MoE
+    # load-balancing loss needs every stage's router logits
+    refuse_aux_loss(config, "pp > 1", "the next-token loss alone", "from every layer's "
+                    "router logits, which the pipeline's stages do not return")
     params = list(model.parameters())
     if not params or any(p.is_meta for p in params):
         return
