@@ -36,12 +36,18 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
         for m, mode in modes:
             m.training = mode
 
+
 def refuse_aux_loss(config: Any, plan: str, loss: str, missing: str) -> None:
     """Raise :class:`ConfigError` when ``config`` adds transformers' MoE load-balancing loss
     (``output_router_logits`` with a nonzero ``router_aux_loss_coef``) that the parallel
     form ``plan`` ("pp > 1", "cp > 1"), training on ``loss``, cannot compute (``missing``
     says why): the loss was dropped without a word, router gradients 2.7-50% off one
-    process (reviews)."""
+    process (reviews).
+
+    Raises:
+        ConfigError: the auxiliary loss is on; names ``output_router_logits=False`` or
+            the plan's dimension = 1 as the fix.
+    """
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     if getattr(config, "output_router_logits", False) and coef:
         raise ConfigError(f"{plan} trains on {loss}; this MoE model adds a load-balancing loss "
@@ -50,13 +56,19 @@ def refuse_aux_loss(config: Any, plan: str, loss: str, missing: str) -> None:
                           f"loss) or use {plan.split()[0]}=1")
 
 
+def rope_kinds(module: torch.nn.Module) -> list[str]:
+    """The ``rope_type`` names of a transformers rotary embedding (one per layer type where
+    the model keeps a dict of them); [] for any other module."""
+    kind = getattr(module, "rope_type", None)
+    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
+    return [k for k in kinds if isinstance(k, str)]
+
+
 def length_dependent_rope(module: torch.nn.Module) -> bool:
     """A transformers rotary embedding whose frequencies follow the sequence length:
     ``dynamic`` NTK scaling (inverse frequencies recomputed from ``max(position_ids) + 1``)
     or ``longrope`` (Phi-3: the long factors past the original length)."""
-    kind = getattr(module, "rope_type", None)
-    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
-    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+    return any("dynamic" in k or k == "longrope" for k in rope_kinds(module))
 
 
 @contextmanager

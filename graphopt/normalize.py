@@ -33,15 +33,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[FakeTensorMode, list]:
     """Fake versions of ``example_inputs`` in Dynamo's fake mode (a fresh mode if none).
 
-    An input the graph writes in place (``verify.written_roots``) that does not require
+    An input the graph writes in place (``fx_utils.written_roots``) that does not require
     grad gets a detached alias (same storage, sizes, strides and symbols) of the fake
     Dynamo's mode memoizes for it, so running the graph on it does not change that fake:
     AOTAutograd traces the same memoized fakes afterwards, and an in-place ``b.copy_(h)``
-    of a value carrying a gradient left ``b``'s fake with a
-    CopyBackwards grad_fn (AOTAutograd then failed, "modified by an inplace operation",
-    where aot_eager compiled; the capture checks saw a gradient path that never existed;
-    a review); ``t_()`` left it transposed. Every other input keeps the memoized fake
-    (aliases of all of them made a compiled optimizer step's trace fail)."""
+    of a value carrying a gradient left ``b``'s fake with a CopyBackwards grad_fn
+    (AOTAutograd then failed, "modified by an inplace operation", where aot_eager
+    compiled; the capture checks saw a gradient path that never existed; a review);
+    ``t_()`` left it transposed. Every other input keeps the memoized fake (aliases of all
+    of them made a compiled optimizer step's trace fail)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
@@ -61,9 +61,10 @@ def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Fake
             fakes.append(ph_val)
         else:
             fakes.append(x)
-    from graphopt.verify import written_roots
+    from graphopt.passes.fx_utils import written_roots
 
-    written = {i for i, p in enumerate(placeholders) if p in set(written_roots(gm))}
+    roots = set(written_roots(gm))
+    written = {i for i, p in enumerate(placeholders) if p in roots}
     with fake_mode:
         return fake_mode, [f.detach() if i in written and isinstance(f, FakeTensor) and
                            not f.requires_grad else f for i, f in enumerate(fakes)]

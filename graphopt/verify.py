@@ -36,6 +36,7 @@ from graphopt.passes.fx_utils import (
     is_random,
     is_random_call,
     unannotated_writes,
+    written_roots,
 )
 from graphopt.passes.regions import checkpoint_bodies
 from graphopt.report import CompileReport
@@ -150,22 +151,6 @@ _WRITTEN: list[tuple[torch.Tensor, torch.Tensor]] = []
 :func:`verify_compile` (:func:`written_attributes`) for the runs' duration. Each run's
 values after the call are compared, then the attribute is put back."""
 
-_VIEWS = {"view", "reshape", "select", "narrow", "transpose", "permute", "expand",
-          "unsqueeze", "squeeze", "flatten", "as_strided", "t", "view_as", "unflatten",
-          "getitem", "__getitem__", "detach", "data"}
-"""Ops a written tensor may be reached through from the attribute it aliases (and every
-in-place op, which returns its first argument)."""
-
-_AUGMENTED = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
-              "iand", "ior", "ixor", "ilshift", "irshift"}
-"""``operator`` in-place calls (``step_t += 1``: Adam's step count, missed first, so each
-verify run counted one more step)."""
-
-
-def _writes_in_place(name: str) -> bool:
-    return name in ("setitem", *_AUGMENTED) or name.endswith("_") and not name.endswith("__")
-
-
 def written_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     """The module attributes (``get_attr``: a compiled ``optimizer.step``'s parameters and
     states, a compiled function's tensor attributes) that ``gm`` writes in place (an op
@@ -183,42 +168,6 @@ def written_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor):
                 found[id(value)] = value
     return list(found.values())
-
-
-def written_roots(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The ``get_attr`` and ``placeholder`` nodes of a Dynamo-level graph that an op named
-    ``*_``, ``setitem``, ``operator.iadd``, ... writes in place, directly or through views
-    and other in-place ops."""
-    found: dict[torch.fx.Node, None] = {}
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
-            continue
-        name = _op_name(node.target)
-        if not _writes_in_place(name) or not node.args:
-            continue
-        first = node.args[0]
-        stack = list(first) if isinstance(first, (list, tuple)) else [first]
-        while stack:
-            x = stack.pop()
-            if not isinstance(x, torch.fx.Node):
-                continue
-            if x.op in ("get_attr", "placeholder"):
-                found[x] = None
-            elif x.op in ("call_function", "call_method") and x.args:
-                kind = _op_name(x.target)
-                if kind in _VIEWS or _writes_in_place(kind):
-                    head = x.args[0]
-                    stack += list(head) if isinstance(head, (list, tuple)) else [head]
-    return list(found)
-
-
-def _op_name(target: Any) -> str:
-    """A call's name: a method's, a function's, an ATen overload's packet ("add_")."""
-    if isinstance(target, str):
-        return target
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target.overloadpacket.__name__)
-    return str(getattr(target, "__name__", ""))
 
 
 def _run_seeded(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,

@@ -54,7 +54,7 @@ from graphopt.kernels.lightning.minimax import (
     lightning_layers,
     minimax_lightning_layer,
 )
-from graphopt.models import eval_mode, length_dependent_rope, rope_state_kept
+from graphopt.models import eval_mode, rope_kinds, rope_state_kept
 from graphopt.report import CompileReport
 
 OPSET = 18
@@ -429,14 +429,6 @@ def _is_axes(spec: Any) -> bool:
     return isinstance(spec, dict) and all(isinstance(k, int) for k in spec)
 
 
-def _ntk_rope(module: nn.Module) -> bool:
-    """A transformers rotary embedding with ``dynamic`` NTK scaling."""
-    kind = getattr(module, "rope_type", None)
-    kinds = list(kind.values()) if isinstance(kind, dict) else [kind]
-    return length_dependent_rope(module) and any(
-        isinstance(k, str) and "dynamic" in k for k in kinds)
-
-
 def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptConfig,
                   loops: bool = False) -> torch.export.ExportedProgram:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -448,7 +440,8 @@ def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptC
                 "tokens: call model.set_experts_implementation('grouped_mm') (with "
                 "options={'moe': {}}) or 'batched_mm' before exporting"
                 if "expert" in str(exc) else "")
-        dynamic_rope = [name for name, m in module.named_modules() if _ntk_rope(m)]
+        dynamic_rope = [name for name, m in module.named_modules()  # dynamic NTK scaling
+                        if any("dynamic" in k for k in rope_kinds(m))]
         if dynamic_rope:  # a review: the message named neither the module nor a way out
             hint += (f" {dynamic_rope[0]} is a rotary embedding with dynamic NTK scaling: "
                      "it recomputes its frequencies when max(position_ids) passes the "
@@ -821,10 +814,10 @@ def _kept_positions(names: list[str], tensors: list[torch.Tensor]) -> torch.Tens
 def _eager_experts(module: nn.Module) -> Iterator[bool]:
     """The block with ``module``'s transformers MoE experts switched to their per-expert
     loop ("eager", the same function), switched back after; yields whether any was not."""
-    models: list[Any] = [m for m in module.modules() if hasattr(m, "set_experts_implementation")
-              and getattr(getattr(m, "config", None), "_experts_implementation", "eager")
-              not in (None, "eager")]
-    models = models[:1]  # the outermost; it sets its submodules'
+    models: list[Any] = [  # the outermost only: it sets its submodules'
+        m for m in module.modules() if hasattr(m, "set_experts_implementation") and
+        getattr(getattr(m, "config", None), "_experts_implementation", "eager")
+        not in (None, "eager")][:1]
     kinds = [m.config._experts_implementation for m in models]
     for m in models:
         m.set_experts_implementation("eager")

@@ -492,3 +492,55 @@ def set_fake_val(node: fx.Node) -> None:
         if mode is not None and mode.shape_env is not None else None
     if bindings:
         node.meta["unbacked_bindings"] = bindings
+
+
+_WRITE_VIEWS = {"view", "reshape", "select", "narrow", "transpose", "permute", "expand",
+          "unsqueeze", "squeeze", "flatten", "as_strided", "t", "view_as", "unflatten",
+          "getitem", "__getitem__", "detach", "data"}
+"""Ops a written tensor may be reached through from the input or attribute it aliases (and every
+in-place op, which returns its first argument)."""
+
+_AUGMENTED_OPS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul",
+              "iand", "ior", "ixor", "ilshift", "irshift"}
+"""``operator`` in-place calls (``step_t += 1``: Adam's step count, missed first, so each
+verify run counted one more step)."""
+
+
+def _writes_in_place(name: str) -> bool:
+    return name in ("setitem", *_AUGMENTED_OPS) or name.endswith("_") and not name.endswith("__")
+
+
+def written_roots(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``get_attr`` and ``placeholder`` nodes of a Dynamo-level graph that an op named
+    ``*_``, ``setitem``, ``operator.iadd``, ... writes in place, directly or through views
+    and other in-place ops."""
+    found: dict[fx.Node, None] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = _op_name(node.target)
+        if not _writes_in_place(name) or not node.args:
+            continue
+        first = node.args[0]
+        stack = list(first) if isinstance(first, (list, tuple)) else [first]
+        while stack:
+            x = stack.pop()
+            if not isinstance(x, fx.Node):
+                continue
+            if x.op in ("get_attr", "placeholder"):
+                found[x] = None
+            elif x.op in ("call_function", "call_method") and x.args:
+                kind = _op_name(x.target)
+                if kind in _WRITE_VIEWS or _writes_in_place(kind):
+                    head = x.args[0]
+                    stack += list(head) if isinstance(head, (list, tuple)) else [head]
+    return list(found)
+
+
+def _op_name(target: Any) -> str:
+    """A call's name: a method's, a function's, an ATen overload's packet ("add_")."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.overloadpacket.__name__)
+    return str(getattr(target, "__name__", ""))
