@@ -28,3 +28,8 @@ class FallbackWarning(UserWarning):
     outputs) and runs as ``backend="aot_eager"`` would; the message says why. The report's
     ``fallback`` holds the same text. Silence with ``warnings.filterwarnings("ignore",
     category=graphopt.errors.FallbackWarning)``."""
+
+
+class CaptureError(GraphoptError, RuntimeError):
+    """Dynamo's graph cannot be compiled faithfully (e.g. Dynamo would drop an in-place
+    write); names the construct and how to change it."""

@@ -236,13 +236,62 @@ def _model_stage(gm: fx.GraphModule, captured: Capture, runner: PassRunner,
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                  config: GraphoptConfig) -> Callable[..., Any]:
-    """Run the whole pipeline on one Dynamo graph; returns what Dynamo should call."""
+                  config: GraphoptConfig, *, retry_of: str | None = None) -> Callable[..., Any]:
+    """Run the whole pipeline on one Dynamo graph; returns what Dynamo should call.
+
+    ``retry_of``: why this is the second compile of the same graph (see
+    :mod:`graphopt.restart`: a tensorify restart whose retrace would drop an in-place
+    write); a second such restart then raises instead.
+
+    Raises:
+        CaptureError: Dynamo's graph would lose an in-place write to a 0-d float64 tensor
+            that graphopt cannot keep (:mod:`graphopt.restart`).
+    """
+    from graphopt import restart
+
     report = CompileReport(graph_id=next_graph_id(), options=_options_summary(config))
     register(report)
     dumper = Dumper(config.dump_dir, report.graph_id, report)
+    if retry_of:
+        report.notes.append(retry_of)
+    dropped = restart.dropped_writes(gm)
+    if dropped:  # a symbol marked by an earlier restart (TensorifyState is global)
+        if retry_of:
+            report.status = "aborted: CaptureError"
+            dumper.write_report()
+            raise restart.lost_write_error(dropped, "Dynamo's graph lacks them")
+        restart.unmark(set(dropped))
+        report.status = ("restarted by graphopt: Dynamo's graph lacks the in-place write(s) "
+                         f"{', '.join(dropped.values())}; unmarked their symbols and asked "
+                         "Dynamo to trace again")
+        dumper.write_report()
+        raise torch._dynamo.exc.TensorifyScalarRestartAnalysis
+    marked = restart.specialized_symbols()
     try:
         return _compile_graph(gm, example_inputs, config, report, dumper)
+    except torch._dynamo.exc.TensorifyScalarRestartAnalysis:
+        lost = restart.writes_a_retrace_drops(gm)
+        if not lost:
+            report.status = "restarted by Dynamo: TensorifyScalarRestartAnalysis"
+            dumper.write_report()
+            raise
+        if retry_of:
+            report.status = "aborted: CaptureError"
+            dumper.write_report()
+            raise restart.lost_write_error(lost, "AOTAutograd asked to restart twice") from None
+        new = restart.specialized_symbols() - marked  # this write's and any other floats':
+        # the retry's tensorify pass specializes the others in the graph, with guards
+        report.status = ("restarted by Dynamo: TensorifyScalarRestartAnalysis, whose retrace "
+                         f"would drop {', '.join(lost.values())}; graphopt compiled the "
+                         "same graph again instead")
+        dumper.write_report()
+        try:
+            return compile_graph(gm, example_inputs, config, retry_of=(
+                "compiled again after AOTAutograd's TensorifyScalarRestartAnalysis: Dynamo's "
+                f"retrace would drop the in-place write(s) {', '.join(lost.values())} "
+                "(torch bug; see graphopt.restart)"))
+        finally:
+            restart.unmark(new)
     except torch._dynamo.exc.RestartAnalysis as exc:
         # Dynamo's control flow (e.g. TensorifyScalarRestartAnalysis: specialize a float and
         # trace again); the next report holds the real compile.

@@ -793,3 +793,134 @@ def test_a_write_back_of_a_value_with_a_gradient_leaves_dynamos_fakes_alone(fn):
     assert report.status == "compiled" and report.fallback is None, report.fallback
     if fn is _read_then_write_back:
         assert report.pass_records("cse")[0].count("rewritten") == 1
+
+
+# --- Dynamo's tensorify restart drops in-place writes to 0-d float64 tensors (torch 2.13;
+# backend="aot_eager" leaves the counter at 0). graphopt.restart compiles around it ---
+
+
+def _counter_step(n, x):
+    n.add_(1)
+    return x * n
+
+
+def _counter_iadd(n, x):
+    n += 1
+    return x * 2
+
+
+def _counter_chain(n, x):
+    n.mul_(2).add_(1)
+    return x + 1
+
+
+def _counter_copy(n, x):
+    n.copy_(x.detach().sum())
+    return x.sin()
+
+
+def _run_counter(fn, compiled: bool, lowering: str = "eager", calls: int = 4):
+    """Calls 0-1 compile once, call 2 recompiles for requires_grad, call 3 for a new size."""
+    torch._dynamo.reset()
+    step = _graphopt(fn, lowering=lowering) if compiled else fn
+    n = torch.zeros((), dtype=torch.float64)
+    seen = []
+    for i in range(calls):
+        x = torch.linspace(0.5, 2.0, 3 + (i >= 3), dtype=torch.float64, requires_grad=i >= 2)
+        y = step(n, x)
+        seen.append(y.detach().clone())
+        if x.requires_grad:
+            y.sum().backward()
+            seen.append(x.grad)
+    return seen + [n.clone()]
+
+
+@pytest.mark.parametrize("fn", [_counter_step, _counter_iadd, _counter_chain, _counter_copy])
+def test_an_in_place_write_to_a_0d_float64_input_is_kept(fn):
+    """AOTAutograd's tensorify pass restarts Dynamo for the 0-d float64 input's value symbol,
+    and Dynamo's retrace removes the write whose result is unused (n stayed 0 and x * n
+    was 0, as under aot_eager); every recompile of the frame dropped it with no restart.
+    graphopt compiles the same graph again instead; outputs, gradients and n match eager."""
+    graphopt.clear_reports()
+    got = _run_counter(fn, compiled=True)
+    statuses = [r.status for r in graphopt.reports()]
+    assert sum("graphopt compiled the same graph again" in s for s in statuses) == 3, statuses
+    for g, w in zip(got, _run_counter(fn, compiled=False), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-15)
+
+
+def test_an_in_place_write_to_a_0d_float64_input_is_kept_by_inductor():
+    got = _run_counter(_counter_step, compiled=True, lowering="inductor", calls=2)
+    for g, w in zip(got, _run_counter(_counter_step, compiled=False, calls=2), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-15)
+
+
+class _StepCounted(nn.Module):
+    """A float64 step-count buffer read after its update (a review's reproducer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        self.steps.add_(1)
+        return self.lin(x) * self.steps.rsqrt()
+
+
+def test_a_step_count_buffer_trains_like_eager():
+    def train(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _StepCounted()
+        step = _graphopt(model) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(3):
+            x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+            step(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [*model.parameters(), model.steps]
+
+    got = train(True)
+    assert float(got[-1]) == 3.0
+    for g, w in zip(got, train(False), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-14)
+
+
+def test_a_write_dropped_before_graphopt_sees_the_graph_is_traced_again():
+    """TensorifyState is global: after aot_eager's restart marked the symbol, Dynamo's graph
+    of another frame arrives already lacking the write. graphopt finds it (the fake input's
+    version counter exceeds the graph's writes), unmarks the symbol and restarts."""
+    torch._dynamo.reset()
+    torch.compile(_counter_step, backend="aot_eager")(torch.zeros((), dtype=torch.float64),
+                                                       torch.ones(3, dtype=torch.float64))
+    graphopt.clear_reports()
+
+    def other(n, x):
+        n.add_(1)
+        return x * n
+
+    n = torch.zeros((), dtype=torch.float64)
+    y = _graphopt(other)(n, torch.ones(3, dtype=torch.float64))
+    assert float(n) == 1.0 and y.tolist() == [1.0, 1.0, 1.0]
+    assert graphopt.reports()[0].status.startswith("restarted by graphopt: Dynamo's graph "
+                                                   "lacks the in-place write(s) L['n']")
+
+
+def test_a_write_graphopt_cannot_keep_is_refused_by_name(monkeypatch):
+    """A second restart of the same graph raises CaptureError naming the write and the fix,
+    never compiles without it."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    def always_restarts(gm, *args):  # type: ignore[no-untyped-def]
+        for node in gm.graph.nodes:
+            memo = getattr(node.meta.get("example_value"), "item_memo", None)
+            if memo is not None:
+                TensorifyState.specialize(memo.node._expr.name)
+        raise torch._dynamo.exc.TensorifyScalarRestartAnalysis
+
+    monkeypatch.setattr(graphopt.pipeline, "_compile_graph", always_restarts)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"CaptureError.*add_ of L\['n'\].*shape \(1,\)"):
+        _graphopt(_counter_step)(torch.zeros((), dtype=torch.float64), torch.ones(3))

@@ -514,26 +514,42 @@ def written_roots(gm: fx.GraphModule) -> list[fx.Node]:
     """The ``get_attr`` and ``placeholder`` nodes of a Dynamo-level graph that an op named
     ``*_``, ``setitem``, ``operator.iadd``, ... writes in place, directly or through views
     and other in-place ops."""
-    found: dict[fx.Node, None] = {}
+    return list(write_counts(gm))
+
+
+def write_counts(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """How many in-place writes (see :func:`written_roots`) each written ``get_attr`` or
+    ``placeholder`` node of a Dynamo-level graph gets; a tensor's version counter grows by
+    one per such write. Keys in graph order of their first write."""
+    counts: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
+        for root in roots_written_by(node):
+            counts[root] = counts.get(root, 0) + 1
+    return counts
+
+
+def roots_written_by(node: fx.Node) -> list[fx.Node]:
+    """The ``get_attr``/``placeholder`` nodes one call node writes in place (an op named
+    ``*_``, ``setitem``, ``operator.iadd``, ...), reached through views and earlier in-place
+    ops; empty for a node that writes nothing."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    if not _writes_in_place(_op_name(node.target)) or not node.args:
+        return []
+    found: dict[fx.Node, None] = {}
+    first = node.args[0]
+    stack = list(first) if isinstance(first, (list, tuple)) else [first]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, fx.Node):
             continue
-        name = _op_name(node.target)
-        if not _writes_in_place(name) or not node.args:
-            continue
-        first = node.args[0]
-        stack = list(first) if isinstance(first, (list, tuple)) else [first]
-        while stack:
-            x = stack.pop()
-            if not isinstance(x, fx.Node):
-                continue
-            if x.op in ("get_attr", "placeholder"):
-                found[x] = None
-            elif x.op in ("call_function", "call_method") and x.args:
-                kind = _op_name(x.target)
-                if kind in _WRITE_VIEWS or _writes_in_place(kind):
-                    head = x.args[0]
-                    stack += list(head) if isinstance(head, (list, tuple)) else [head]
+        if x.op in ("get_attr", "placeholder"):
+            found[x] = None
+        elif x.op in ("call_function", "call_method") and x.args:
+            kind = _op_name(x.target)
+            if kind in _WRITE_VIEWS or _writes_in_place(kind):
+                head = x.args[0]
+                stack += list(head) if isinstance(head, (list, tuple)) else [head]
     return list(found)
 
 
