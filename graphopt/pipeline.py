@@ -235,35 +235,52 @@ def _model_stage(gm: fx.GraphModule, captured: Capture, runner: PassRunner,
     return gm, snapshots
 
 
+_MAX_TENSORIFY_RETRIES = 4
+"""Compiles of one graph after tensorify restarts whose retrace would drop a write (each
+restart marks more floats; the tensorify pass may need a round per autograd level)."""
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                  config: GraphoptConfig, *, retry_of: str | None = None) -> Callable[..., Any]:
+                  config: GraphoptConfig, *, attempt: int = 0) -> Callable[..., Any]:
     """Run the whole pipeline on one Dynamo graph; returns what Dynamo should call.
 
-    ``retry_of``: why this is the second compile of the same graph (see
+    ``attempt``: how many times this same graph was compiled before (see
     :mod:`graphopt.restart`: a tensorify restart whose retrace would drop an in-place
-    write); a second such restart then raises instead.
+    write compiles the graph again, at most ``_MAX_TENSORIFY_RETRIES`` times).
 
     Raises:
-        CaptureError: Dynamo's graph would lose an in-place write to a 0-d float64 tensor
-            that graphopt cannot keep (:mod:`graphopt.restart`).
+        CaptureError: Dynamo's graph would lose an in-place write to a 0-d float64 tensor,
+            or reads such a tensor's value with ``.item()`` across a write
+            (:mod:`graphopt.restart`).
     """
     from graphopt import restart
 
     report = CompileReport(graph_id=next_graph_id(), options=_options_summary(config))
     register(report)
     dumper = Dumper(config.dump_dir, report.graph_id, report)
-    if retry_of:
-        report.notes.append(retry_of)
+
+    def refuse(error: Exception) -> Exception:
+        report.status = f"aborted: {type(error).__name__}"
+        dumper.write_report()
+        return error
+
+    if attempt:
+        report.notes.append(
+            f"compiled again (attempt {attempt + 1}) after AOTAutograd's "
+            "TensorifyScalarRestartAnalysis: Dynamo's retrace would drop an in-place write "
+            "(torch bug; see graphopt.restart)")
+    stale = restart.stale_reads(gm)
+    if stale:
+        raise refuse(restart.stale_read_error(stale))
     dropped = restart.dropped_writes(gm)
     if dropped:  # a symbol marked by an earlier restart (TensorifyState is global)
-        if retry_of:
-            report.status = "aborted: CaptureError"
-            dumper.write_report()
-            raise restart.lost_write_error(dropped, "Dynamo's graph lacks them")
-        restart.unmark(set(dropped))
-        report.status = ("restarted by graphopt: Dynamo's graph lacks the in-place write(s) "
-                         f"{', '.join(dropped.values())}; unmarked their symbols and asked "
-                         "Dynamo to trace again")
+        try:
+            restart.unmark_dropped(dropped)
+        except Exception as exc:
+            raise refuse(exc) from None
+        report.status = ("restarted by graphopt (Dynamo traces again): Dynamo's graph lacks "
+                         f"the in-place write(s) {', '.join(dropped.values())}; unmarked "
+                         "their value symbols")
         dumper.write_report()
         raise torch._dynamo.exc.TensorifyScalarRestartAnalysis
     marked = restart.specialized_symbols()
@@ -275,21 +292,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
             report.status = "restarted by Dynamo: TensorifyScalarRestartAnalysis"
             dumper.write_report()
             raise
-        if retry_of:
-            report.status = "aborted: CaptureError"
-            dumper.write_report()
-            raise restart.lost_write_error(lost, "AOTAutograd asked to restart twice") from None
-        new = restart.specialized_symbols() - marked  # this write's and any other floats':
-        # the retry's tensorify pass specializes the others in the graph, with guards
-        report.status = ("restarted by Dynamo: TensorifyScalarRestartAnalysis, whose retrace "
-                         f"would drop {', '.join(lost.values())}; graphopt compiled the "
-                         "same graph again instead")
+        if attempt >= _MAX_TENSORIFY_RETRIES:
+            raise refuse(restart.lost_write_error(
+                lost, f"AOTAutograd asked to restart {attempt + 1} times")) from None
+        new = restart.specialized_symbols() - marked  # the write's symbol and any other
+        # floats': the next compile's tensorify pass specializes the others, with guards
+        report.status = ("restarted by graphopt (same graph compiled again): AOTAutograd "
+                         "raised TensorifyScalarRestartAnalysis, and Dynamo's retrace would "
+                         f"drop {', '.join(lost.values())}")
         dumper.write_report()
         try:
-            return compile_graph(gm, example_inputs, config, retry_of=(
-                "compiled again after AOTAutograd's TensorifyScalarRestartAnalysis: Dynamo's "
-                f"retrace would drop the in-place write(s) {', '.join(lost.values())} "
-                "(torch bug; see graphopt.restart)"))
+            return compile_graph(gm, example_inputs, config, attempt=attempt + 1)
         finally:
             restart.unmark(new)
     except torch._dynamo.exc.RestartAnalysis as exc:

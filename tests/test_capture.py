@@ -835,16 +835,28 @@ def _run_counter(fn, compiled: bool, lowering: str = "eager", calls: int = 4):
     return seen + [n.clone()]
 
 
-@pytest.mark.parametrize("fn", [_counter_step, _counter_iadd, _counter_chain, _counter_copy])
+def _counter_out(n, x):
+    torch.add(n, 1, out=n)
+    return x * 2
+
+
+def _counter_read(n, x):
+    v = n.add_(1).item()
+    return x * v
+
+
+@pytest.mark.parametrize("fn", [_counter_step, _counter_iadd, _counter_chain, _counter_copy,
+                                _counter_out, _counter_read])
 def test_an_in_place_write_to_a_0d_float64_input_is_kept(fn):
     """AOTAutograd's tensorify pass restarts Dynamo for the 0-d float64 input's value symbol,
     and Dynamo's retrace removes the write whose result is unused (n stayed 0 and x * n
     was 0, as under aot_eager); every recompile of the frame dropped it with no restart.
     graphopt compiles the same graph again instead; outputs, gradients and n match eager."""
     graphopt.clear_reports()
-    got = _run_counter(fn, compiled=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=fn is _counter_read):
+        got = _run_counter(fn, compiled=True)
     statuses = [r.status for r in graphopt.reports()]
-    assert sum("graphopt compiled the same graph again" in s for s in statuses) == 3, statuses
+    assert sum("same graph compiled again" in s for s in statuses) == 3, statuses
     for g, w in zip(got, _run_counter(fn, compiled=False), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-15)
 
@@ -904,8 +916,9 @@ def test_a_write_dropped_before_graphopt_sees_the_graph_is_traced_again():
     n = torch.zeros((), dtype=torch.float64)
     y = _graphopt(other)(n, torch.ones(3, dtype=torch.float64))
     assert float(n) == 1.0 and y.tolist() == [1.0, 1.0, 1.0]
-    assert graphopt.reports()[0].status.startswith("restarted by graphopt: Dynamo's graph "
-                                                   "lacks the in-place write(s) L['n']")
+    assert graphopt.reports()[0].status.startswith(
+        "restarted by graphopt (Dynamo traces again): Dynamo's graph lacks the in-place "
+        "write(s) L['n']")
 
 
 def test_a_write_graphopt_cannot_keep_is_refused_by_name(monkeypatch):
@@ -924,3 +937,67 @@ def test_a_write_graphopt_cannot_keep_is_refused_by_name(monkeypatch):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"CaptureError.*add_ of L\['n'\].*shape \(1,\)"):
         _graphopt(_counter_step)(torch.zeros((), dtype=torch.float64), torch.ones(3))
+
+
+def test_a_write_kept_through_two_tensorify_restarts():
+    """A float clamp bound that changes between calls: the retry's tensorify pass asked to
+    restart again for the float (a round per autograd level) and graphopt refused the
+    counter it had kept (a review); it now compiles again while the write is still there."""
+    def f(n, x, p):
+        n.add_(1)
+        return x.clamp(min=-p, max=p) * n
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        step = _graphopt(f) if compiled else f
+        n, seen = torch.zeros((), dtype=torch.float64), []
+        for p in (0.5, 0.75, 0.25):
+            x = torch.linspace(-1, 1, 5, dtype=torch.float64, requires_grad=True)
+            step(n, x, p).sum().backward()
+            seen.append(x.grad)
+        return seen + [n]
+
+    graphopt.clear_reports()
+    got = run(True)
+    assert any("same graph compiled again" in r.status for r in graphopt.reports())
+    for g, w in zip(got, run(False), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-15)
+
+
+def test_a_write_inside_a_checkpoint_body_is_not_a_lost_write():
+    """The write is in the checkpoint region's body graph: counting only the top-level
+    graph's writes called it lost, and the unmark/restart loop ran 100 times until Dynamo
+    gave up compiling the frame (a review)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def body(x, n):
+        n.add_(1)
+        return x.sin() * 2
+
+    def f(x, n):
+        return checkpoint(body, x, n, use_reentrant=False) * n
+
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    n = torch.tensor(2.0, dtype=torch.float64)
+    compiled = _graphopt(f)
+    outs = [compiled(torch.linspace(0.1, 1, 3, dtype=torch.float64), n) for _ in range(2)]
+    assert float(n) == 4.0
+    want = torch.linspace(0.1, 1, 3, dtype=torch.float64).sin() * 2
+    torch.testing.assert_close(outs[1], want * 4, rtol=0, atol=1e-15)
+    assert [r.status for r in graphopt.reports()].count("compiled") == 1
+
+
+def test_an_item_read_made_stale_by_a_write_is_refused():
+    """torch keeps a 0-d float64 tensor's value symbol across an in-place write, so the second
+    .item() returned the first's value: 4.0 where eager gives 8.0, as aot_eager (a review)."""
+    def f(x, n):
+        a = n.item()
+        n.mul_(3)
+        b = n.item()
+        return x * a + b
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), \
+            pytest.raises(Exception, match=r"CaptureError: the graph reads L\['n'\] with .item"):
+        _graphopt(f)(torch.ones(3, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64))

@@ -512,33 +512,76 @@ def _writes_in_place(name: str) -> bool:
 
 def written_roots(gm: fx.GraphModule) -> list[fx.Node]:
     """The ``get_attr`` and ``placeholder`` nodes of a Dynamo-level graph that an op named
-    ``*_``, ``setitem``, ``operator.iadd``, ... writes in place, directly or through views
-    and other in-place ops."""
+    ``*_``, ``setitem``, ``operator.iadd``, ... (or an ``out=`` argument) writes in place,
+    directly or through views and other in-place ops."""
     return list(write_counts(gm))
 
 
-def write_counts(gm: fx.GraphModule) -> dict[fx.Node, int]:
+def write_counts(gm: fx.GraphModule, into_subgraphs: bool = False) -> dict[fx.Node, int]:
     """How many in-place writes (see :func:`written_roots`) each written ``get_attr`` or
     ``placeholder`` node of a Dynamo-level graph gets; a tensor's version counter grows by
-    one per such write. Keys in graph order of their first write."""
+    one per such write. Keys in graph order of their first write.
+
+    ``into_subgraphs``: also count the writes a higher-order op's body graphs (a checkpoint
+    region, ``wrap``) make to the operands passed after the last body."""
     counts: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         for root in roots_written_by(node):
             counts[root] = counts.get(root, 0) + 1
+        if into_subgraphs and isinstance(node.target, torch._ops.HigherOrderOperator):
+            for root, n in _body_writes(gm, node).items():
+                counts[root] = counts.get(root, 0) + n
     return counts
+
+
+def _body_writes(gm: fx.GraphModule, node: fx.Node) -> dict[fx.Node, int]:
+    """Writes a higher-order op's body graphs make to its operands, by the outer graph's
+    written roots; Dynamo passes a body's inputs after its last ``get_attr`` body, in order
+    (``tag_activation_checkpoint(body, x, n)``, ``wrap(body, x)``)."""
+    bodies = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
+              and a.op == "get_attr" and isinstance(_attr(gm, a.target), fx.GraphModule)]
+    if not bodies:
+        return {}
+    operands = [a for a in node.args[bodies[-1] + 1:]]
+    flat = [x for a in operands for x in (a if isinstance(a, (list, tuple)) else [a])]
+    found: dict[fx.Node, int] = {}
+    for i in bodies:
+        body = _attr(gm, node.args[i].target)  # type: ignore[union-attr]
+        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+        for inner, n in write_counts(body, into_subgraphs=True).items():
+            if inner.op != "placeholder" or inputs.index(inner) >= len(flat):
+                continue
+            for root in _roots_of(flat[inputs.index(inner)]):
+                found[root] = found.get(root, 0) + n
+    return found
+
+
+def _attr(gm: fx.GraphModule, target: Any) -> Any:
+    value: Any = gm
+    for part in str(target).split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def roots_written_by(node: fx.Node) -> list[fx.Node]:
     """The ``get_attr``/``placeholder`` nodes one call node writes in place (an op named
-    ``*_``, ``setitem``, ``operator.iadd``, ...), reached through views and earlier in-place
-    ops; empty for a node that writes nothing."""
+    ``*_``, ``setitem``, ``operator.iadd``, ..., or an ``out=`` argument), reached through
+    views and earlier in-place ops; empty for a node that writes nothing."""
     if node.op not in ("call_function", "call_method"):
         return []
-    if not _writes_in_place(_op_name(node.target)) or not node.args:
-        return []
     found: dict[fx.Node, None] = {}
-    first = node.args[0]
-    stack = list(first) if isinstance(first, (list, tuple)) else [first]
+    if _writes_in_place(_op_name(node.target)) and node.args:
+        found.update(dict.fromkeys(_roots_of(node.args[0])))
+    if node.kwargs.get("out") is not None:
+        found.update(dict.fromkeys(_roots_of(node.kwargs["out"])))
+    return list(found)
+
+
+def _roots_of(value: Any) -> list[fx.Node]:
+    """The ``get_attr``/``placeholder`` nodes ``value`` (a node, or a list of them) is or
+    views, through views and in-place ops."""
+    found: dict[fx.Node, None] = {}
+    stack = list(value) if isinstance(value, (list, tuple)) else [value]
     while stack:
         x = stack.pop()
         if not isinstance(x, fx.Node):
