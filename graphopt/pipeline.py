@@ -272,7 +272,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any],
     stale = restart.stale_reads(gm)
     if stale:
         raise refuse(restart.stale_read_error(stale))
-    dropped = restart.dropped_writes(gm)
+    dropped = {} if attempt else restart.dropped_writes(gm)  # (a retry's graph has them; the
+    # first compile's trace may have written its fakes)
     if dropped:  # a symbol marked by an earlier restart (TensorifyState is global)
         try:
             restart.unmark_dropped(dropped)
