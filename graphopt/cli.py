@@ -515,6 +515,12 @@ def plan(
                       f"{pred.mfu:.1%}", f"{pred.memory_bytes / 2**30:.1f}",
                       f"{pred.bubble_s:.2g}", comm)
     console.print(table)
+    if devices > profile.max_devices:  # (a review: 10,000 devices of a 4,096-device
+        # profile were planned with no word)
+        console.print(f"note: cluster {escape(profile.name)!r} describes "
+                      f"{profile.max_devices:,} devices; its outermost level "
+                      f"({escape(profile.levels[-1].name)}) was extended to hold {devices:,}, "
+                      "at the same link speed")
     from graphopt.models import model_config
     from graphopt.parallel.auto import not_executable
 

@@ -398,12 +398,37 @@ def build_architecture(source: ModelSource, dtype: torch.dtype = torch.float32,
                               f"torch._grouped_mm takes bfloat16 only, not {dtype}; use "
                               "dtype bfloat16 (--dtype bfloat16)")
         config._experts_implementation = "grouped_mm"
+        _check_grouped_mm_alignment(config, source.name)
     try:
         with torch.device("meta"):
             return getattr(transformers, source.model_class)(config).to(dtype)
     except Exception as exc:  # model __init__ validation, any exception class
         raise ConfigError(f"transformers cannot build {source.model_class} from this config: "
                           f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _check_grouped_mm_alignment(config: Any, name: str) -> None:
+    """torch._grouped_mm needs each matrix row to be a multiple of 16 bytes (8 bfloat16
+    values): an expert width of 100 died in its meta kernel with a raw RuntimeError in
+    ``graphopt plan`` and ``parallel="auto"`` (a review).
+
+    Raises:
+        ConfigError: the hidden size or the expert FFN width is not a multiple of 8.
+    """
+    sizes = {"hidden_size": getattr(config, "hidden_size", None),
+             "moe_intermediate_size" if getattr(config, "moe_intermediate_size", None)
+             else "intermediate_size": getattr(config, "moe_intermediate_size", None)
+             or getattr(config, "intermediate_size", None)}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % 8}
+    if bad:
+        shown = ", ".join(f"{k}={v} ({2 * v} bytes)" for k, v in bad.items())
+        padded = ", ".join(f"{k}={-(-v // 8) * 8}" for k, v in bad.items())
+        raise ConfigError(f"{name} is an MoE model, traced with torch._grouped_mm experts, "
+                          "which need matrix rows of a multiple of 16 bytes (8 bfloat16 "
+                          f"values): {shown} is not. The planner cannot price it: plan padded "
+                          f"sizes (graphopt plan --override {padded}), which a GPU run with "
+                          "grouped_mm needs too, or give parallel=ParallelPlan(...) instead "
+                          "of 'auto'")
 
 
 def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,

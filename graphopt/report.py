@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -290,10 +291,23 @@ def last_report() -> CompileReport:
         return _reports[-1]
 
 
+_on_clear: list[Callable[[], None]] = []
+"""What :func:`clear_reports` also forgets (registered by passes that remember decisions
+across graphs: attention='lightning''s per-site decisions)."""
+
+
+def on_clear(forget: Callable[[], None]) -> None:
+    """Call ``forget`` on every :func:`clear_reports`."""
+    _on_clear.append(forget)
+
+
 def clear_reports() -> None:
-    """Forget this process's reports and start counting graph breaks from here."""
+    """Forget this process's reports and the decisions passes compare across graphs, and
+    start counting graph breaks from here."""
     from torch._dynamo.utils import counters, get_compilation_metrics
 
+    for forget in _on_clear:
+        forget()
     with _lock:
         _reports.clear()
         _baselines["graph_break"] = (counters["graph_break"], dict(counters["graph_break"]))

@@ -423,6 +423,9 @@ def test_models_an_axis_cannot_split_and_world_mismatch_are_errors():
     ("mixtral", dict(dp_shard=2, tp=2, ep=2, expert_tp=2, zero_stage=3, intermediate_size=127),
      r"FFN dim \(127\) is not divisible by expert_tp=2"),
     ("llama", dict(dp_shard=2, ep=2, zero_stage=3), r"ep=2 but the model has no routed-experts"),
+    # (a review: ZeRO-3 over dp_shard=1 ran whole replicas, and describe() said neither)
+    ("llama", dict(dp_replicate=2, zero_stage=3), r"zero_stage=3 shards over dp_shard \(x cp\), "
+     r"which is 1 here: .*For FSDP use dp_shard=2"),
 ])
 def test_impossible_expert_parallel_plans_are_refused_before_anything_changes(model, plan,
                                                                               message):
@@ -715,6 +718,22 @@ def test_auto_without_the_job_s_sizes_is_a_clear_error():
                              ({"seq": 16, "global_batch": 4, "cp": "yes"}, "must be True")):
         with pytest.raises(ConfigError, match=message):
             auto_plan(build_model("llama"), 4, cluster)
+
+
+@pytest.mark.parametrize("name, dtype, priced", [("mixtral", torch.float32, "bfloat16"),
+                                                  ("llama", torch.float64, "float32")])
+def test_auto_says_when_it_prices_another_dtype_than_the_model_s(name, dtype, priced):
+    """A float32 Mixtral got exactly the bf16 model's prediction (MoE models are traced with
+    grouped_mm, bf16 only) and a float64 model was priced as float32, with no word (a
+    review); the notes now say so and by how much the bytes are off."""
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import auto_plan
+
+    _, notes = auto_plan(build_model(name, dtype=dtype), 2, {"seq": 16, "global_batch": 4})
+    assert any(f"priced as {priced}, not the model's {str(dtype)[6:]}" in n and "about 2x" in n
+               for n in notes), notes
+    _, notes = auto_plan(build_model("llama"), 2, {"seq": 16, "global_batch": 4})
+    assert not any("priced as" in n for n in notes)
 
 
 def test_auto_plans_a_subclass_of_a_transformers_model_as_its_base_class():

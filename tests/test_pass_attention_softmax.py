@@ -3,6 +3,7 @@ use is converted to exactly ``rms_norm(lightning_attention(q, k, v, slopes, scal
 look-alikes that are not causal softmax attention over Q K^T are refused with a reason."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -697,3 +698,77 @@ def test_a_site_kept_in_training_and_converted_in_eval_is_warned_about():
     model.eval()
     with pytest.warns(UserWarning, match="decided 1 site.s. differently"):
         compiled(ids)
+
+
+def test_a_site_whose_attention_weights_are_returned_is_kept_and_warned_about():
+    """With output_attentions=True the softmax stayed to compute the returned weights while
+    the output came from Lightning Attention: layer 0's weights equalled eager's exactly
+    next to a converted output (a review). Such a site is kept, with a warning."""
+    import graphopt
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama", attn_implementation="eager").double().eval()
+    ids = torch.randint(0, 64, (2, 7))
+
+    def run(i):
+        out = model(input_ids=i, use_cache=False, output_attentions=True)
+        return out.logits, out.attentions
+
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    compiled = torch.compile(run, backend="graphopt",
+                             options={"lowering": "eager", "attention": "lightning"})
+    with pytest.warns(UserWarning, match=r"because the graph returns their attention weights"):
+        logits, weights = compiled(ids)
+    want_logits, want_weights = run(ids)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-12)
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites]
+    assert len(sites) == 2 and all(s.action == "skipped" and "output_attentions=True"
+                                   in s.reason for s in sites), sites
+
+
+def test_the_last_compile_dynamo_allows_warns_that_later_calls_run_softmax():
+    """Past recompile_limit Dynamo runs a frame uncompiled: lengths 2-9 ran Lightning
+    Attention and 10-12 softmax attention, silently (a review). The last compile warns."""
+    import graphopt
+    from graphopt.models import build_model
+
+    model = build_model("llama", num_hidden_layers=1).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: model(input_ids=x, use_cache=False).logits,
+                             backend="graphopt", dynamic=False,
+                             options={"lowering": "eager", "attention": "lightning"})
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # the first compile does not warn
+            compiled(torch.randint(0, 64, (1, 4)))
+        with pytest.warns(UserWarning, match=r"Dynamo's last compile of this frame "
+                                             r"\(recompile_limit=2\).*run uncompiled"):
+            compiled(torch.randint(0, 64, (1, 5)))
+    assert graphopt.last_report().pass_records("attention")[0].sites[0].action == "rewritten"
+
+
+def test_clear_reports_forgets_the_lightning_decisions():
+    """A new model with the same module paths was warned that it "computes softmax attention
+    in some calls and Lightning Attention in others" because of the model before it (a
+    review)."""
+    import graphopt
+    from graphopt.models import build_model
+
+    ids = torch.randint(0, 64, (1, 8))
+    options = {"lowering": "eager", "attention": "lightning"}
+    first = build_model("llama", attention_dropout=0.3, num_hidden_layers=1).train()
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="because their attention dropout is on"):
+        torch.compile(lambda x: first(input_ids=x, use_cache=False).logits,
+                      backend="graphopt", options=options)(ids)
+    graphopt.clear_reports()
+    torch._dynamo.reset()
+    second = build_model("llama", num_hidden_layers=1).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with torch.no_grad():
+            torch.compile(lambda x: second(input_ids=x, use_cache=False).logits,
+                          backend="graphopt", options=options)(ids)

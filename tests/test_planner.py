@@ -103,6 +103,11 @@ def test_nothing_fits_says_so():
     assert search(model, H100, 16, 128).best
     with pytest.raises(ConfigError, match="or plan 16 devices: every plan uses all 17"):
         search(model, H100, 17, 128)
+    # offered only where it fits: 8 devices fit no plan at seq 8192 either (a review)
+    long = plan_model("llama3-70b", 8192, H100)
+    with pytest.raises(ConfigError, match="the smallest needs") as refused:
+        search(long, H100, 9, 72)
+    assert "or plan" not in str(refused.value)
 
 
 def test_cli_plan_prints_plans_and_writes_json(tmp_path):
@@ -1288,3 +1293,21 @@ def test_a_model_whose_attention_classes_sit_in_a_fixed_table_is_planned(tmp_pat
     config.to_json_file(str(path))
     model = plan_model(str(path), 16, H100)
     assert model.dense_layers == 2 and model.dense.flops > 0 and model.dense.activation_bytes > 0
+
+
+def test_an_moe_expert_width_grouped_mm_cannot_trace_is_a_clear_error(tmp_path):
+    """An expert width of 100 (200 bytes in bf16) died in grouped_mm's meta kernel with a raw
+    RuntimeError in graphopt plan, estimate and parallel='auto' (a review)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=250, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, num_local_experts=4,
+        num_experts_per_tok=2)
+    config.architectures = ["MixtralForCausalLM"]
+    config.to_json_file(str(tmp_path / "config.json"))
+    with pytest.raises(ConfigError, match=r"intermediate_size=100 \(200 bytes\) is not.*"
+                                          r"--override intermediate_size=104"):
+        plan_model(str(tmp_path / "config.json"), 32, H100)
+    assert plan_model(str(tmp_path / "config.json"), 32, H100,
+                      overrides={"intermediate_size": 104}).moe is not None

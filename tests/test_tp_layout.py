@@ -255,3 +255,19 @@ def test_a_module_that_writes_its_input_in_training_is_an_sp_problem():
                for p in layout.sp_problems), layout.sp_problems
     assert model.training and all(m.training for m in model.modules())
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("tp, size", [(2, 101), (3, 100)])
+def test_an_mlp_tp_does_not_divide_is_refused_not_kept_whole(tp, size):
+    """The probe's uneven split changed the MLP's output, so it was kept replicated with
+    "mixes what the split separates" as the reason; parallel='auto' priced tp=2 as split
+    and each rank held 0.72 of the parameters, not 0.5 (a review). tp not dividing a
+    projection is a ConfigError naming it, as the module's contract says; auto skips it."""
+    from graphopt.errors import ConfigError
+    from graphopt.models import build_model
+
+    model = build_model("llama", intermediate_size=size)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ConfigError, match=rf"mlp\.gate_proj\.out_features \({size}\) is not "
+                                          rf"divisible by tp \({tp}\)"):
+        derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), tp)

@@ -257,6 +257,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             raise ConfigError("ZeRO-1 with ep > 1 is not executed (ZeroRedundancyOptimizer "
                               "would broadcast one rank's experts over ranks holding others): "
                               "use zero_stage 2 or 3")
+    if plan.zero_stage >= 2 and plan.dp_replicate > 1 and plan.dp_shard * plan.cp == 1:
+        # (a review: dp_replicate=2 with ZeRO-3 ran full replicas, describe() said neither)
+        raise ConfigError(f"zero_stage={plan.zero_stage} shards over dp_shard (x cp), which "
+                          f"is 1 here: dp_replicate={plan.dp_replicate} keeps whole replicas "
+                          f"and nothing would be sharded. For FSDP use dp_shard="
+                          f"{plan.dp_replicate} (HSDP: dp_replicate x dp_shard), or "
+                          "zero_stage=1 for plain data parallelism")
     mesh = mesh if mesh is not None else build_mesh(plan)
     report = ParallelReport(plan.describe(), parallel_plan=plan, mesh=mesh)
     before = weakref.WeakValueDictionary({id(p): p for p in model.parameters()})

@@ -278,8 +278,8 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     architecture = _transformers_class(model)
     profile_name = spec.get("profile") or default_profile_name()
     profile = load_profile(profile_name)
-    dtype = next(model.parameters()).dtype
-    dtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    own = next(model.parameters()).dtype
+    dtype = own if own in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if any(getattr(m, "gate_up_proj", None) is not None for m in model.modules()):
         dtype = torch.bfloat16  # MoE models are traced with grouped_mm (bf16 meta kernel)
     with tempfile.TemporaryDirectory() as tmp:
@@ -328,4 +328,13 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     if passed:
         notes.append(f"auto: passed over {len(passed)} faster plan(s) graphopt does not "
                      f"execute here: {'; '.join(passed[:3])}")
+    if dtype != own:  # (a review: a float32 Mixtral got the bf16 model's prediction, silently)
+        ratio = own.itemsize / dtype.itemsize
+        why = ("the planner traces MoE models with grouped_mm experts, whose meta kernel takes "
+               "bfloat16 only" if dtype == torch.bfloat16 else
+               f"device profiles have no {own} rate")
+        notes.append(f"auto: priced as {str(dtype).replace('torch.', '')}, not the model's "
+                     f"{str(own).replace('torch.', '')} ({why}): activations and parameter "
+                     f"bytes are about {ratio:g}x the prediction, and the step slower; plans "
+                     "are ranked as for that dtype")
     return plan, notes

@@ -85,6 +85,10 @@ class TPLayout:
     sp_problems: list[str] = field(default_factory=list)
     """Why SP would change what this model computes (:func:`_sp_problems`); SP refuses to
     run with the first one. TP without SP is not affected."""
+    indivisible: list[str] = field(default_factory=list)
+    """A splittable mixer's projection sizes tp does not divide (``_check_divisible`` raises
+    with them): the probe's uneven split changed the output, and the mixer was kept
+    replicated with that as the reason, while the planner had priced it split (a review)."""
     after_writer: list[str] = field(default_factory=list)
     """Parameters of split mixers that run after the writer (a LayerScale gain): they see
     the reduced output, whole without SP, one sequence shard per rank with it."""
@@ -254,6 +258,14 @@ def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: l
                                   "mlp_output += attention_output), which autograd forbids on "
                                   "TP's row-parallel outputs (views made by DTensor's "
                                   "to_local); kept replicated")
+            continue
+        uneven = [f"{p}.out_features ({modules[p].out_features})" for p in mine
+                  if int(getattr(modules[p], "out_features", 0)) % tp] + \
+                 [f"{p}.in_features ({modules[p].in_features})" for p in writers
+                  if int(getattr(modules[p], "in_features", 0)) % tp]
+        if uneven:
+            layout.indivisible += [f"{u} is not divisible by tp ({tp})" for u in uneven]
+            layout.kept[mixer] = f"{', '.join(uneven)} not divisible by tp ({tp})"
             continue
         # every instance: one class's instances may differ (a review: only layer 1's
         # attention rolled its heads, and the probe of layer 0 split both)
@@ -784,9 +796,12 @@ def _check_divisible(layout: TPLayout, model: nn.Module, modules: dict[str, nn.M
         cols = int(getattr(modules[path], "in_features", 0))
         if cols % tp:
             problems.append(f"{path}.in_features ({cols}) is not divisible by tp ({tp})")
+    problems += layout.indivisible
     if layout.vocab is not None and layout.vocab % tp:
         problems.append(f"the vocabulary ({layout.vocab}) is not divisible by tp ({tp}); pad "
                         "the embedding to a multiple of tp")
+    if len(problems) > 4:  # (one per layer and projection: 6 for 2 layers' MLPs)
+        problems = problems[:3] + [f"{len(problems) - 3} more like these"]
     if problems:
         raise ConfigError("tensor parallelism cannot split this model: " + "; ".join(problems)
                           + ". Choose a tp that divides them (graphopt plan checks the "

@@ -290,6 +290,12 @@ def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch
         raise ConfigError(no_layout_reason(model, devices, global_batch, node))
     if not heap:
         fewer = devices - devices % node if devices > node else 1 << (devices.bit_length() - 1)
+        if fewer != devices:  # offered only where it fits (a review: 9 devices were told to
+            try:              # plan 8, which fit nothing either)
+                search(model, cluster, fewer, global_batch, top_k=1, dp_overlap=dp_overlap,
+                       recompute=recompute, admit=admit)
+            except ConfigError:
+                fewer = devices
         hint = (f", or plan {fewer} devices: every plan uses all {devices}, and a count with "
                 f"few divisors leaves few layouts (17 devices fit none of Llama 3 70B's where "
                 f"16 do, a review)") if fewer != devices else ""

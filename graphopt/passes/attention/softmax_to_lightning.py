@@ -71,10 +71,14 @@ from graphopt.passes.fx_utils import (
     tensor_meta,
     writes_of,
 )
+from graphopt.report import on_clear
 
 _DECIDED: dict[str, bool] = {}
 """Softmax-attention site (module path) -> whether the last graph of this process that
-held it converted it (:meth:`SoftmaxToLightning.convert_sites` warns on a change)."""
+held it converted it (:meth:`SoftmaxToLightning.convert_sites` warns on a change);
+``graphopt.clear_reports()`` forgets it (a review: a new model with the same module paths
+was warned about the one before)."""
+on_clear(_DECIDED.clear)
 
 NORM_EPS = 1e-6
 """eps of the RMS output norm, in float32 (float64 for float64 models) whatever the model's
@@ -177,6 +181,47 @@ def _scaled(gm: fx.GraphModule, before: fx.Node, q: fx.Node,
     return q
 
 
+def _warn_at_the_recompile_limit() -> None:
+    """Warn when this compile is the last Dynamo allows for its frame: past
+    ``torch._dynamo.config.recompile_limit``, Dynamo runs the frame without compiling it,
+    i.e. as softmax attention, a different function from the converted calls (a review:
+    lengths 2-9 ran Lightning Attention and 10-12 softmax, with no word from graphopt)."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    limit = int(torch._dynamo.config.recompile_limit)
+    if compile_id is None or compile_id.frame_compile_id is None or \
+            compile_id.frame_compile_id + 1 < limit or \
+            torch._dynamo.config.fail_on_recompile_limit_hit:
+        return
+    warnings.warn(f"graphopt: attention='lightning' converted a graph in Dynamo's last "
+                  f"compile of this frame (recompile_limit={limit}): later calls that need "
+                  "another compile (a new input shape) run uncompiled, i.e. as softmax "
+                  "attention, a different function. Compile with dynamic=True or "
+                  "mark_dynamic, raise torch._dynamo.config.recompile_limit, or set "
+                  "torch._dynamo.config.fail_on_recompile_limit_hit = True to get an "
+                  "error instead", stacklevel=2)
+
+
+def _escaping_value(found: Any) -> str:
+    """Why a value computed inside the site (the attention probabilities) is read outside it
+    ("" when none is): the softmax would stay to compute it, so the graph would return
+    softmax weights next to a Lightning output they did not produce (a review: with
+    ``output_attentions=True``, layer 0's returned weights equalled eager's exactly while its
+    output came from Lightning Attention)."""
+    region = between((found.q, found.k, found.v), (found.output,))
+    for node in sorted(region - {found.output}, key=lambda n: n.name):
+        outside = [u for u in node.users if u not in region]
+        if outside:
+            returned = any(u.op == "output" for u in outside)
+            return (f"{node.name}, computed inside the attention, is also read outside it "
+                    + ("(the graph returns it: output_attentions=True returns the attention "
+                       "weights)" if returned else f"(by {outside[0].name})")
+                    + ": converting would leave it as softmax attention computes it, next to "
+                    "a Lightning output it did not produce")
+    return ""
+
+
 @dataclass(frozen=True)
 class SoftmaxToLightning:
     """One conversion with the ``lightning.*`` options."""
@@ -191,7 +236,7 @@ class SoftmaxToLightning:
         # builders of the body's inputs (a causal mask built outside the region).
         root, outer = ctx.extras.get("root", gm), ctx.extras.get("outer")
         writes = WritesBetween(gm.graph)
-        cached = masked = dropped = 0
+        cached = masked = dropped = returned = 0
         changed: list[str] = []
         for node in sites:
             reason = autocast_reason(node) or self.convert(gm, node, env, root, outer, writes)
@@ -201,6 +246,7 @@ class SoftmaxToLightning:
             cached += "KV cache" in reason
             masked += "depends on a graph input's values" in reason
             dropped += "training dropout" in reason
+            returned += "output_attentions=True" in reason
             path = module_path(node) or site_name(node)
             if _DECIDED.setdefault(path, done) != done:
                 changed.append(f"{path} ({'converted' if done else 'kept'} here, "
@@ -222,6 +268,12 @@ class SoftmaxToLightning:
                           "train as softmax attention and run as Lightning Attention; set the "
                           "model's attention dropout to 0 to train the converted model",
                           stacklevel=2)
+        if returned:  # as loud: the user asked for Lightning and gets softmax attention
+            warnings.warn(f"graphopt: attention='lightning' kept {returned} softmax-attention "
+                          "site(s) of this graph because the graph returns their attention "
+                          "weights (output_attentions=True), which Lightning Attention does "
+                          "not compute; call the model without output_attentions to convert "
+                          "them", stacklevel=2)
         if cached:  # loud: a forward that returns transformers' default cache (use_cache=True)
             warnings.warn(f"graphopt: attention='lightning' kept {cached} softmax-attention "
                           "site(s) of this graph because they read or fill a KV cache (a "
@@ -237,6 +289,8 @@ class SoftmaxToLightning:
                           "passes one even without padding) or one built before a graph "
                           "break; call the model without attention_mask (and without graph "
                           "breaks before attention) to convert them", stacklevel=2)
+        if modified:
+            _warn_at_the_recompile_limit()
         self._report_unused_patterns(sites, ctx)
         return modified
 
@@ -280,6 +334,9 @@ class SoftmaxToLightning:
                              found.output)
         if moved:
             return f"kept: {moved}"
+        escaped = _escaping_value(found)
+        if escaped:
+            return f"kept: {escaped}"
         cached = kv_cache_reason(found.k, found.v)
         if cached:
             return f"kept: {cached}"
