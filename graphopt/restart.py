@@ -165,7 +165,8 @@ def stale_reads(gm: fx.GraphModule) -> list[str]:
         root = node.args[0]
         value = root.meta.get("example_value")
         if root.op != "placeholder" or not isinstance(value, FakeTensor) or \
-                value.dtype != torch.float64 or value.dim() != 0:
+                value.dtype != torch.float64 or value.dim() != 0 or \
+                value.device.type != "cpu":  # (torch memoizes CPU values only)
             continue
         written = last_write.get(root, -1)
         if order[node] < written and any(order[u] > written for u in node.users):

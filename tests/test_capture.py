@@ -1001,3 +1001,26 @@ def test_an_item_read_made_stale_by_a_write_is_refused():
     with torch._dynamo.config.patch(capture_scalar_outputs=True), \
             pytest.raises(Exception, match=r"CaptureError: the graph reads L\['n'\] with .item"):
         _graphopt(f)(torch.ones(3, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device, stale", [("cpu", ["n"]), ("cuda", [])])
+def test_only_cpu_values_are_taken_for_stale(device, stale):
+    """torch memoizes the value of CPU 0-d tensors only; a CUDA counter read before its
+    write was refused too (a re-review; checked on fake tensors, no GPU here)."""
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphopt import restart
+
+    def f(x, n):
+        a = n.item()
+        n.add_(1)
+        return x * a
+
+    gm = fx.symbolic_trace(f)
+    with FakeTensorMode():
+        values = {"x": torch.empty(2, dtype=torch.float64, device=device),
+                  "n": torch.empty((), dtype=torch.float64, device=device)}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        node.meta["example_value"] = values[node.name]
+    assert restart.stale_reads(gm) == stale
