@@ -6,6 +6,7 @@ Use it through ``torch.compile(model, backend="graphopt", options={...})``; no i
 from graphopt.backend import compile, graphopt_backend
 from graphopt.config import GraphoptConfig, VerifyConfig
 from graphopt.errors import (
+    CaptureError,
     ConfigError,
     GraphoptError,
     LoweringUnavailableError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompileReport",
+    "CaptureError",
     "ConfigError",
     "GraphoptConfig",
     "GraphoptError",
