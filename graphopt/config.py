@@ -254,6 +254,9 @@ def _pass_options(options: Mapping[str, Any], enable: Any) -> dict[str, Any]:
         # says what it must be (remat: 0 meant "no remat" silently, a review)
         if key in options and options[key] is not None and options[key] is not False:
             parsed[key] = parse(options[key])
+        elif pass_name in enable and key in options:  # (a review: enable won, silently)
+            raise ConfigError(f"options={{{key!r}: {options[key]!r}}} switches the {pass_name} "
+                              f"pass off and enable: [{pass_name!r}] on: drop one of them")
         elif pass_name in enable and key == pass_name:
             try:
                 parsed[key] = parse({})
@@ -372,16 +375,21 @@ def _writable_dir(value: Any, from_env: bool = False) -> Path:
                            "option 'dump_dir'") + f" must be a non-empty path, got {value!r}"
                           + (f"; unset {DUMP_DIR_ENV} or set it to a directory"
                              if from_env else ""))
-    path = Path(value).expanduser()
+    where = (f"set {DUMP_DIR_ENV} to a writable directory or unset it" if from_env
+             else "pass a writable directory")
+    try:  # absolute: graphs compiled after a chdir went to another folder (a review)
+        path = Path(value).expanduser().absolute()
+    except RuntimeError as exc:  # "~nosuchuser/...": a raw traceback before (a review)
+        raise ConfigError(f"dump_dir {str(value)!r}: {exc}; {where}") from None
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"dump_dir {str(path)!r} is a file, not a directory; {where}")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".graphopt-write-test"):
             pass
     except OSError as exc:
         raise ConfigError(
-            f"dump_dir {str(path)!r} cannot be written ({exc.strerror or exc}); "
-            + (f"set {DUMP_DIR_ENV} to a writable directory or unset it" if from_env
-               else "pass a writable directory")
+            f"dump_dir {str(path)!r} cannot be written ({exc.strerror or exc}); {where}"
         ) from exc
     return path
 

@@ -121,11 +121,36 @@ def _owned_by_another_live_process(folder: Path) -> bool:
 
 
 def _rank_root(root: Path) -> Path:
-    """``root/rank<R>`` for a rank of a multi-process job (torchrun's env), else ``root``."""
+    """``root/rank<R>`` for a rank of a multi-process job (an initialized process group, or
+    torchrun's env), else ``root``. (Ranks started by ``mp.spawn`` + ``init_process_group``
+    set no env: both wrote one folder, a review found graphs lost and mixed.)"""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return root / f"rank{dist.get_rank()}"
     world, rank = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
     if world is not None and rank is not None and world.isdigit() and int(world) > 1:
         return root / f"rank{rank}"
     return root
+
+
+def _claim_folder(folder: Path) -> Path:
+    """Make ``folder`` this process's: its ``.owner`` is created exclusively (``O_EXCL``), so
+    two processes never both take one folder (checking the owner, then writing it, let two
+    processes on one directory write into one graph folder, a review); a folder another
+    process claimed first gets a ``.pid<P>`` sibling."""
+    for candidate in (folder, folder.with_name(f"{folder.name}.pid{os.getpid()}")):
+        candidate.mkdir(parents=True, exist_ok=True)
+        owner = candidate / ".owner"
+        try:
+            with owner.open("x") as handle:
+                handle.write(_owner_tag())
+            return candidate
+        except FileExistsError:
+            if _owner(candidate) == os.getpid():  # this process's already (a recompile)
+                owner.write_text(_owner_tag())
+                return candidate
+    raise FileExistsError(f"{folder}: claimed by another process")
 
 
 def graph_code(gm: fx.GraphModule) -> str:
@@ -163,8 +188,7 @@ class Dumper:
                 # written by a process that has ended since this one's first dump (two
                 # runs on one directory: the other's graph_001 got this run's files too)
                 _remove_if_dead(folder)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / ".owner").write_text(_owner_tag())
+            folder = _claim_folder(folder)
         except OSError as exc:
             self._failed(exc)
             return

@@ -28,7 +28,13 @@ from torch._subclasses.fake_tensor import is_fake
 from graphopt.capture import Capture, capture, check_gradient_paths, check_outputs
 from graphopt.config import GraphoptConfig
 from graphopt.dump import Dumper, graph_code
-from graphopt.errors import ConfigError, FallbackWarning, GraphoptError, PassFailedError
+from graphopt.errors import (
+    ConfigError,
+    FallbackWarning,
+    GraphoptError,
+    PassFailedError,
+    VerificationError,
+)
 from graphopt.lowering import AOTHooks, get_lowering
 from graphopt.normalize import check_meta, refresh_meta
 from graphopt.passes import PassContext, Stage, build_pipeline
@@ -334,6 +340,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
 
     with recording_buffer_reads() as buffer_reads:
         model, snapshots = _model_stage(gm, captured, runner, config, report, dumper)
+    # only the model passes read the inputs' values; the runner lives on in the lowering's
+    # hooks (a lazily compiled backward), which kept the first call's inputs alive (a review)
+    runner.example_inputs, runner.value_inputs = [], []
     report.graphs["model_after_passes"] = len(model.graph.nodes)
     if config.remat is not None and config.remat.profile_guided and report.training:
         from graphopt.passes.remat import observe_sizes
@@ -590,28 +599,42 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
     of some lowerings must not nest in it); errors surface from the model call itself."""
     from graphopt.verify import verify_compile
 
-    pending = [True]
+    # what verify needs, dropped once it ran (a review: the first call's inputs, activations
+    # after a graph break, stayed alive as long as the compiled code)
+    state: dict[str, Any] = {"inputs": example_inputs, "snapshots": snapshots,
+                             "model": model, "original": original}
+    failed: list[BaseException] = []
 
     def call(*args: Any) -> Any:
+        if failed:  # a VerificationError is not a first-call warning: the graph it
+            # found wrong stays refused (a review: later calls returned its results)
+            raise failed[0]
         # DDPOptimizer runs each split graph once on fake tensors while Dynamo compiles:
         # not the first real call (verify there ran inside the compile context, a review)
-        if pending and not any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
-            pending.clear()
+        if state and not any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+            inputs, shots = state["inputs"], state["snapshots"]
+            traced, reference = state["model"], state["original"]
+            state.clear()
             # and there the example inputs are fake: verify on this call's (cloned) inputs
-            fake = any(is_fake(a) for a in example_inputs if isinstance(a, torch.Tensor))
-            inputs = list(args) if fake else example_inputs
+            fake = any(is_fake(a) for a in inputs if isinstance(a, torch.Tensor))
+            examples = inputs
+            inputs = list(args) if fake else inputs
             t0 = time.perf_counter()
             try:  # isolated from a caller's checkpoint (saved-tensor hooks, SAC's mode):
                 with torch.enable_grad() if report.training else torch.no_grad(), \
                         outside_callers_saved_tensor_hooks(), \
                         torch.utils._python_dispatch._disable_current_modes():
-                    verify_compile(original, compiled, inputs, snapshots, config, report,
+                    verify_compile(reference, compiled, inputs, shots, config, report,
                                    recompile=lambda disabled: _recompile(
-                                       model, example_inputs, config, disabled),
-                                   owner_grads=_owner_grad_inputs(model))
+                                       traced, examples, config, disabled),
+                                   owner_grads=_owner_grad_inputs(traced))
+            except VerificationError as exc:
+                failed.append(exc)
+                raise
             finally:
                 report.add_time("verify", time.perf_counter() - t0)
                 dumper.write_report()
+                del inputs, examples, shots, traced, reference
         return compiled(*args)
 
     return call

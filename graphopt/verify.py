@@ -492,6 +492,13 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
                         owner_grads)
     finally:
         _WRITTEN.clear()
+    if report.verify.get("status") == "skipped":  # as loud as a failure would be (a review:
+        # a train-mode graph with dropout was checked by nothing, said in the report only)
+        warnings.warn(f"graphopt: verify=True compared nothing for graph {report.graph_id}: "
+                      f"{report.verify['detail']}" + (
+                          ". Verify such a model in eval mode (dropout off)"
+                          if "random numbers" in report.verify["detail"] else ""),
+                      stacklevel=2)
     if written and report.verify.get("status") == "passed":
         report.verify["detail"] += (f"; with the {len(written)} module attribute(s) it "
                                     "writes in place (put back after each run)")
@@ -669,7 +676,24 @@ def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any]
                   "graphopt pass is the cause (each exact pass's output matches its input's)"
           + (f"; torch.compile(backend='aot_eager') of the same graph differs by up to "
              f"{max(torchs or [0.0]):.3g}, graphopt by {max_error(reference, actual):.3g}"
-             if torchs is not None else ""))
+             if torchs is not None else "") + _lowering_hint(report.lowering, reference))
+
+
+def _lowering_hint(lowering: str, reference: Any) -> str:
+    """What to do when the lowering alone differs (a review: Inductor computes bf16/fp16
+    pointwise math in float32, as plain backend='inductor' does, and the error named no
+    way out); ``reference``: the eager outputs and gradients."""
+    sixteen = any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
+                  for t in pytree.tree_leaves(reference))
+    if lowering == "inductor" and sixteen:
+        return (". Inductor computes 16-bit pointwise math in float32, as "
+                "torch.compile(backend='inductor') does: options={'inductor_config': "
+                "{'emulate_precision_casts': True}} rounds as eager does; or widen "
+                "options={'verify': {'rtol': ..., 'atol': ...}}, or check with "
+                "lowering='eager'")
+    return (". If that difference is acceptable, widen options={'verify': {'rtol': ..., "
+            "'atol': ...}}; lowering='eager' runs the same graphs without the lowering's "
+            "kernels")
 
 
 def _input_writes(body: torch.fx.GraphModule) -> list[str]:

@@ -138,6 +138,12 @@ def test_config_is_frozen_and_typed():
     ({"inductor_config": {"custom_partitioner_fn": print}},
      r"inductor_config 'custom_partitioner_fn' is graphopt's"),
     ({"mode": 5}, r"option 'mode' must be of type str"),
+    # accepted and ignored, or contradictory (a review)
+    ({"remat": {"budget": "50%", "solver": "greedy", "time_limit": 2}},
+     r"remat.time_limit bounds the ILP solver; solver 'greedy' does not use it"),
+    ({"moe": {"profile": "b200"}}, r"with moe.ep=1 there is no exchange"),
+    ({"moe": {"ranks_per_node": 1}}, r"with moe.ep=1 there is no exchange"),
+    ({"moe": False, "enable": ["moe"]}, r"switches the moe pass off and enable: \['moe'\] on"),
 ])
 def test_bad_nested_values(options, message):
     with pytest.raises(ConfigError, match=message):

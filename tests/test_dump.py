@@ -214,3 +214,53 @@ def test_dumps_of_a_lambda_are_python(tmp_path):
     assert len(files) > 5
     for path in files:
         ast.parse(path.read_text(), filename=str(path))
+
+
+def _dump_from_a_rank(rank, world, root):
+    from graphopt.dump import Dumper
+    from graphopt.report import CompileReport
+
+    dirs = [Dumper(Path(root), i, CompileReport(graph_id=i)).dir for i in range(5)]
+    return [str(d.relative_to(root)) for d in dirs]
+
+
+def test_ranks_of_a_process_group_without_torchrun_s_env_dump_apart(tmp_path):
+    """Ranks started with mp.spawn + init_process_group set no WORLD_SIZE/RANK: both dumped
+    into one folder, and graph folders were lost and mixed between them (a review). The
+    process group's rank decides."""
+    from graphopt.distributed import run_distributed
+
+    got = run_distributed(_dump_from_a_rank, 2, str(tmp_path))
+    assert got == [[f"rank{r}/graph_{i:03d}" for i in range(5)] for r in range(2)]
+
+
+def test_a_graph_folder_is_claimed_once(tmp_path):
+    """Checking the owner and then writing it let two processes take one folder (a review);
+    the .owner file is now created exclusively, and a folder claimed first by another
+    process leaves this one a .pid sibling."""
+    from graphopt.dump import _claim_folder
+
+    folder = tmp_path / "graph_000"
+    folder.mkdir()
+    (folder / ".owner").write_text("")  # being claimed by another process right now
+    assert _claim_folder(folder) == tmp_path / f"graph_000.pid{os.getpid()}"
+    assert _claim_folder(tmp_path / "graph_001") == tmp_path / "graph_001"
+    assert _claim_folder(tmp_path / "graph_001") == tmp_path / "graph_001"  # a recompile
+
+
+def test_dump_dir_paths_are_absolute_and_bad_ones_are_named(tmp_path, monkeypatch):
+    """A relative dump_dir was resolved at each compile (after a chdir the graphs went to
+    another folder), '~nosuchuser' was a raw RuntimeError and a file was 'cannot be written
+    (File exists)' (a review)."""
+    import pytest
+
+    from graphopt import ConfigError, GraphoptConfig
+
+    monkeypatch.chdir(tmp_path)
+    config = GraphoptConfig.from_options({"dump_dir": "dumps"})
+    assert config.dump_dir == tmp_path / "dumps"
+    with pytest.raises(ConfigError, match="'~nosuchuser_graphopt/x'.*pass a writable"):
+        GraphoptConfig.from_options({"dump_dir": "~nosuchuser_graphopt/x"})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        GraphoptConfig.from_options({"dump_dir": str(tmp_path / "file")})

@@ -618,3 +618,64 @@ def test_compiled_autograd_graphs_skip_verification_instead_of_failing_the_backw
     torch.testing.assert_close(got, grads(None), rtol=1e-12, atol=1e-12)
     assert any(r.verify.get("status") == "skipped" and "one list" in r.verify["detail"]
                for r in graphopt.reports())
+
+
+def test_a_failed_verification_refuses_every_later_call_too():
+    """The VerificationError surfaced on the first call only: the next calls returned the
+    wrong graph's results, 7e-4 off, silently (a review)."""
+    torch._dynamo.reset()
+    model = MLP()
+    compiled = torch.compile(model, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_wrong_exact"]})
+    for _ in range(3):
+        with pytest.raises(VerificationError, match="test_wrong_exact"):
+            compiled(torch.randn(4, 8, dtype=torch.float64))
+
+
+def test_verify_does_not_keep_the_first_call_s_inputs_alive():
+    """The compiled graph's closure held the first call's inputs (activations after a graph
+    break) for as long as the compiled code lived (a review: 100 MB kept)."""
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    model = MLP()
+    compiled = torch.compile(model, backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    x = torch.randn(4, 8, dtype=torch.float64)
+    alive = weakref.ref(x)
+    compiled(x)
+    del x
+    gc.collect()
+    assert alive() is None
+    assert graphopt.last_report().verify["status"] == "passed"
+
+
+def test_a_skipped_verification_is_warned_about():
+    """verify=True on a train-mode graph with dropout compared nothing, said in the report
+    only (a review)."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    compiled = torch.compile(model, backend="graphopt",
+                             options={"lowering": "eager", "verify": True})
+    with pytest.warns(UserWarning, match=r"verify=True compared nothing for graph \d+: graph "
+                                         r"draws random numbers.*in eval mode"):
+        compiled(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("lowering, dtype, hint", [
+    ("inductor", torch.bfloat16, r"inductor_config': \{'emulate_precision_casts': True\}"),
+    ("eager", torch.float64, r"widen options=\{'verify': \{'rtol'")])
+def test_a_lowering_difference_names_the_ways_out(lowering, dtype, hint):
+    """Inductor computes bf16/fp16 pointwise math in float32 (as backend='inductor' does)
+    and verify failed the call naming no fix (a review)."""
+    from graphopt.config import GraphoptConfig
+    from graphopt.report import CompileReport
+    from graphopt.verify import verify_compile
+
+    gm = torch.fx.symbolic_trace(lambda x: (x.sin() * 2,))
+    report = CompileReport(graph_id=0, lowering=lowering)
+    with pytest.raises(VerificationError, match=hint):
+        verify_compile(gm, lambda x: (gm(x)[0] * 1.5,), [torch.randn(16, dtype=dtype)],
+                       [("normalize", True, gm)], GraphoptConfig(), report,
+                       recompile=lambda disabled: gm)

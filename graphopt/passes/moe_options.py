@@ -59,10 +59,11 @@ class MoEOptions:
                 self.chunks, int) or not 1 <= self.chunks <= 64):
             raise ConfigError(f"moe.chunks must be an int in 1..64 or 'auto', got "
                               f"{self.chunks!r}")
-        if self.ep == 1 and (self.all_to_all != "auto" or self.chunks != "auto"):
-            raise ConfigError("moe.all_to_all and moe.chunks choose how expert-parallel ranks "
-                              "exchange tokens; with moe.ep=1 there is no exchange: drop them "
-                              "or set moe.ep > 1")
+        if self.ep == 1 and (self.all_to_all != "auto" or self.chunks != "auto"
+                             or self.ranks_per_node is not None or self.profile is not None):
+            raise ConfigError("moe.all_to_all, moe.chunks, moe.ranks_per_node and moe.profile "
+                              "choose how expert-parallel ranks exchange tokens; with moe.ep=1 "
+                              "there is no exchange: drop them or set moe.ep > 1")
         if self.chunks != "auto" and self.all_to_all not in ("auto", "chunked"):
             raise ConfigError(f"moe.chunks applies to the 'chunked' schedule, but "
                               f"moe.all_to_all is {self.all_to_all!r}: drop moe.chunks or set "

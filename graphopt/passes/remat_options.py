@@ -28,7 +28,9 @@ class RematOptions:
     budget: Any = None
     """Required: with no budget remat would do nothing."""
     solver: str = "ilp"
-    time_limit: float = 10.0
+    time_limit: float | None = None
+    """Seconds the ILP may take (default 10); not with solver "greedy", which does not use
+    it (a review: accepted and ignored)."""
     offload: bool = False
     """Also consider copying saved values to host memory and back (priced by the profile's
     host bandwidth); "ilp" only."""
@@ -42,6 +44,11 @@ class RematOptions:
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "greedy"):
             raise ConfigError(f"remat.solver must be 'ilp' or 'greedy', got {self.solver!r}")
+        if self.time_limit is not None and self.solver == "greedy":
+            raise ConfigError("remat.time_limit bounds the ILP solver; solver 'greedy' does not "
+                              "use it: drop one of them")
+        if self.time_limit is None:
+            object.__setattr__(self, "time_limit", 10.0)  # (frozen)
         if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
                 or not math.isfinite(self.time_limit) or self.time_limit <= 0:
             raise ConfigError(f"remat.time_limit must be finite seconds > 0, got "
