@@ -254,7 +254,8 @@ def _pass_options(options: Mapping[str, Any], enable: Any) -> dict[str, Any]:
         # says what it must be (remat: 0 meant "no remat" silently, a review)
         if key in options and options[key] is not None and options[key] is not False:
             parsed[key] = parse(options[key])
-        elif pass_name in enable and key in options:  # (a review: enable won, silently)
+        elif pass_name in enable and key == pass_name and key in options:  # (a review:
+            # enable won, silently; a section of another name, 'lightning', is not the switch)
             raise ConfigError(f"options={{{key!r}: {options[key]!r}}} switches the {pass_name} "
                               f"pass off and enable: [{pass_name!r}] on: drop one of them")
         elif pass_name in enable and key == pass_name:

@@ -54,12 +54,13 @@ def _claim(top: Path, root: Path) -> None:
     if root == top:
         stale += [f for rank in _rank_folders(top) for f in _graph_folders(rank)]
     elif root.name == "rank0":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = _world_size()
         stale += _graph_folders(top) + [
             f for rank in _rank_folders(top) if int(rank.name[4:]) >= world
             for f in _graph_folders(rank)]
     for old in stale:
-        _remove_if_dead(old)
+        if _owner(old) != os.getpid():  # this process's own graphs from before its process
+            _remove_if_dead(old)          # group came up (a re-review: rank 0 deleted them)
 
 
 def _rank_folders(top: Path) -> list[Path]:
@@ -120,6 +121,16 @@ def _owned_by_another_live_process(folder: Path) -> bool:
     return True
 
 
+def _world_size() -> int:
+    """The initialized process group's size, else torchrun's WORLD_SIZE, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    world = os.environ.get("WORLD_SIZE", "1")
+    return int(world) if world.isdigit() else 1
+
+
 def _rank_root(root: Path) -> Path:
     """``root/rank<R>`` for a rank of a multi-process job (an initialized process group, or
     torchrun's env), else ``root``. (Ranks started by ``mp.spawn`` + ``init_process_group``
@@ -135,22 +146,36 @@ def _rank_root(root: Path) -> Path:
 
 
 def _claim_folder(folder: Path) -> Path:
-    """Make ``folder`` this process's: its ``.owner`` is created exclusively (``O_EXCL``), so
-    two processes never both take one folder (checking the owner, then writing it, let two
+    """Make ``folder`` this process's: its ``.owner`` appears whole and only once (a hard
+    link of a written file; ``O_EXCL`` where the filesystem has no hard links), so two
+    processes never both take one folder (checking the owner, then writing it, let two
     processes on one directory write into one graph folder, a review); a folder another
     process claimed first gets a ``.pid<P>`` sibling."""
     for candidate in (folder, folder.with_name(f"{folder.name}.pid{os.getpid()}")):
         candidate.mkdir(parents=True, exist_ok=True)
-        owner = candidate / ".owner"
+        if _create_owner(candidate) or _owner(candidate) == os.getpid():
+            return candidate  # (this process's already: a recompile)
+    raise FileExistsError(f"{folder}: claimed by another process")
+
+
+def _create_owner(folder: Path) -> bool:
+    """Create ``folder/.owner`` holding this process's tag; False if it exists."""
+    owner, staged = folder / ".owner", folder / f".owner.{os.getpid()}"
+    staged.write_text(_owner_tag())
+    try:  # no moment at which another process reads an empty owner (taken as dead)
+        os.link(staged, owner)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no hard links on this filesystem
         try:
             with owner.open("x") as handle:
                 handle.write(_owner_tag())
-            return candidate
+            return True
         except FileExistsError:
-            if _owner(candidate) == os.getpid():  # this process's already (a recompile)
-                owner.write_text(_owner_tag())
-                return candidate
-    raise FileExistsError(f"{folder}: claimed by another process")
+            return False
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def graph_code(gm: fx.GraphModule) -> str:

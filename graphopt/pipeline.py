@@ -603,12 +603,13 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
     # after a graph break, stayed alive as long as the compiled code)
     state: dict[str, Any] = {"inputs": example_inputs, "snapshots": snapshots,
                              "model": model, "original": original}
-    failed: list[BaseException] = []
+    failed: list[str] = []  # the message, not the exception: its traceback would keep
+    # every failing call's frames and inputs alive (a re-review)
 
     def call(*args: Any) -> Any:
         if failed:  # a VerificationError is not a first-call warning: the graph it
             # found wrong stays refused (a review: later calls returned its results)
-            raise failed[0]
+            raise VerificationError(failed[0])
         # DDPOptimizer runs each split graph once on fake tensors while Dynamo compiles:
         # not the first real call (verify there ran inside the compile context, a review)
         if state and not any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
@@ -629,7 +630,7 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
                                        traced, examples, config, disabled),
                                    owner_grads=_owner_grad_inputs(traced))
             except VerificationError as exc:
-                failed.append(exc)
+                failed.append(str(exc))
                 raise
             finally:
                 report.add_time("verify", time.perf_counter() - t0)

@@ -269,3 +269,23 @@ def test_npu_with_an_older_torchair_says_what_to_install(tmp_path, monkeypatch):
     finally:
         for name in ("torch_npu", "torchair"):
             sys.modules.pop(name, None)
+
+
+def test_the_contradiction_checks_refuse_only_contradictions():
+    """A re-review of the checks above: 'lightning': None (a section of the attention pass,
+    not its switch) was refused next to enable: ['attention']; a parsed greedy RematOptions
+    could not be copied (its time_limit default was written into the field); an
+    MoEOptions object for a parallel plan (whose ep replaces 1) could not carry
+    ranks_per_node or profile."""
+    import dataclasses
+
+    from graphopt.passes.moe_options import MoEOptions
+    from graphopt.passes.remat_options import RematOptions
+
+    with pytest.raises(ConfigError, match="'attention' already runs by default"):
+        GraphoptConfig.from_options({"attention": "lightning", "lightning": None,
+                                     "enable": ["attention"]})  # (not "switches it off")
+    greedy = RematOptions.parse({"budget": "50%", "solver": "greedy"})
+    assert dataclasses.replace(greedy, budget="25%").time_limit is None
+    assert RematOptions.parse(dataclasses.asdict(greedy)) == greedy
+    assert MoEOptions(ranks_per_node=1, profile="h200").profile == "h200"

@@ -264,3 +264,16 @@ def test_dump_dir_paths_are_absolute_and_bad_ones_are_named(tmp_path, monkeypatc
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="is a file, not a directory"):
         GraphoptConfig.from_options({"dump_dir": str(tmp_path / "file")})
+
+
+def test_a_rank_keeps_its_own_graphs_from_before_its_process_group(tmp_path):
+    """Graphs dumped before init_process_group go to the top level, later ones under
+    rank<R>/; rank 0's first rank-folder dump removed its own earlier graphs as an earlier
+    run's (a re-review)."""
+    from graphopt.dump import Dumper, _claim
+    from graphopt.report import CompileReport
+
+    early = Dumper(tmp_path, 0, CompileReport(graph_id=0)).dir
+    assert early == tmp_path / "graph_000"
+    _claim(tmp_path, tmp_path / "rank0")
+    assert (early / ".owner").is_file()

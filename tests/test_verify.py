@@ -627,9 +627,18 @@ def test_a_failed_verification_refuses_every_later_call_too():
     model = MLP()
     compiled = torch.compile(model, backend="graphopt", options={
         "lowering": "eager", "verify": True, "enable": ["test_wrong_exact"]})
+    import gc
+    import weakref
+
+    alive = []
     for _ in range(3):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        alive.append(weakref.ref(x))
         with pytest.raises(VerificationError, match="test_wrong_exact"):
-            compiled(torch.randn(4, 8, dtype=torch.float64))
+            compiled(x)
+        del x
+    gc.collect()  # the stored failure keeps no call's frames (a re-review: it kept every
+    assert [ref() for ref in alive] == [None, None, None]  # input, its traceback growing)
 
 
 def test_verify_does_not_keep_the_first_call_s_inputs_alive():

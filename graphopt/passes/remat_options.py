@@ -47,10 +47,9 @@ class RematOptions:
         if self.time_limit is not None and self.solver == "greedy":
             raise ConfigError("remat.time_limit bounds the ILP solver; solver 'greedy' does not "
                               "use it: drop one of them")
-        if self.time_limit is None:
-            object.__setattr__(self, "time_limit", 10.0)  # (frozen)
-        if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
-                or not math.isfinite(self.time_limit) or self.time_limit <= 0:
+        if self.time_limit is not None and (
+                isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float))
+                or not math.isfinite(self.time_limit) or self.time_limit <= 0):
             raise ConfigError(f"remat.time_limit must be finite seconds > 0, got "
                               f"{self.time_limit!r}")
         if self.offload is True and self.solver == "greedy":
