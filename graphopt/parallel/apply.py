@@ -289,7 +289,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "all) acts on it outside the norms and the mixers TP splits: "
                               "its gradient would cover one sequence shard per rank; use "
                               "sp=False")
-        message = splits_nothing(layout, plan.tp)
+        message = splits_nothing(layout, plan.tp) or (
+            f"TP={plan.tp} keeps {len(layout.indivisible)} mixer(s) whole on every TP rank "
+            f"because tp does not divide their sizes ({'; '.join(layout.indivisible[:2])}"
+            f"{' ...' if len(layout.indivisible) > 2 else ''}): choose a tp that divides them "
+            "to split them" if layout.indivisible else "")
         if message:
             report.notes.append(message)
             warnings.warn(f"graphopt: {message}", stacklevel=2)

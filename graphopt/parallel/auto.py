@@ -139,6 +139,11 @@ def _tp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
     nothing = splits_nothing(layout, plan.tp)
     if nothing:
         return nothing
+    if layout.indivisible:  # priced as split, run whole (a review: tp=2 held 0.72 of the
+        # parameters per rank where 0.5 was priced)
+        return (f"tp={plan.tp} does not divide {layout.indivisible[0]} ("
+                f"{len(layout.indivisible)} mixer(s) in all): they would stay whole on every "
+                "TP rank, not split as the plan is priced")
     if plan.sp and layout.layers and (layout.sp_problems or layout.written_in_place):
         return f"SP cannot run this model: {(layout.sp_problems or layout.written_in_place)[0]}"
     return ""

@@ -86,9 +86,12 @@ class TPLayout:
     """Why SP would change what this model computes (:func:`_sp_problems`); SP refuses to
     run with the first one. TP without SP is not affected."""
     indivisible: list[str] = field(default_factory=list)
-    """A splittable mixer's projection sizes tp does not divide (``_check_divisible`` raises
-    with them): the probe's uneven split changed the output, and the mixer was kept
-    replicated with that as the reason, while the planner had priced it split (a review)."""
+    """Mixers kept whole because tp does not divide a projection's size ("path: sizes"). The
+    probe's uneven split "changed the output" was the reason given before, and
+    parallel='auto' ran such a tp priced as split (0.72 of the parameters per rank where
+    0.5 was priced, a review): auto now refuses such plans, and parallelize notes and warns.
+    Not an error: a mixer the probe or its own parameters keep whole at every tp (Phi-3's
+    fused gate_up_proj, Mamba2's A_log) ran before and still does (a re-review)."""
     after_writer: list[str] = field(default_factory=list)
     """Parameters of split mixers that run after the writer (a LayerScale gain): they see
     the reduced output, whole without SP, one sequence shard per rank with it."""
@@ -264,8 +267,9 @@ def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: l
                  [f"{p}.in_features ({modules[p].in_features})" for p in writers
                   if int(getattr(modules[p], "in_features", 0)) % tp]
         if uneven:
-            layout.indivisible += [f"{u} is not divisible by tp ({tp})" for u in uneven]
-            layout.kept[mixer] = f"{', '.join(uneven)} not divisible by tp ({tp})"
+            layout.indivisible.append(f"{mixer}: {', '.join(uneven)}")
+            layout.kept[mixer] = (f"{', '.join(uneven)} not divisible by tp ({tp}): kept "
+                                  "whole on every TP rank")
             continue
         # every instance: one class's instances may differ (a review: only layer 1's
         # attention rolled its heads, and the probe of layer 0 split both)
@@ -796,7 +800,6 @@ def _check_divisible(layout: TPLayout, model: nn.Module, modules: dict[str, nn.M
         cols = int(getattr(modules[path], "in_features", 0))
         if cols % tp:
             problems.append(f"{path}.in_features ({cols}) is not divisible by tp ({tp})")
-    problems += layout.indivisible
     if layout.vocab is not None and layout.vocab % tp:
         problems.append(f"the vocabulary ({layout.vocab}) is not divisible by tp ({tp}); pad "
                         "the embedding to a multiple of tp")
