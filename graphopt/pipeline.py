@@ -597,8 +597,6 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
                           dumper: Dumper) -> Callable[..., Any]:
     """Verify on the first call, outside Dynamo's compile context (lazy backward compiles
     of some lowerings must not nest in it); errors surface from the model call itself."""
-    from graphopt.verify import verify_compile
-
     # what verify needs, dropped once it ran (a review: the first call's inputs, activations
     # after a graph break, stayed alive as long as the compiled code)
     state: dict[str, Any] = {"inputs": example_inputs, "snapshots": snapshots,
@@ -613,32 +611,40 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
         # DDPOptimizer runs each split graph once on fake tensors while Dynamo compiles:
         # not the first real call (verify there ran inside the compile context, a review)
         if state and not any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
-            inputs, shots = state["inputs"], state["snapshots"]
-            traced, reference = state["model"], state["original"]
+            held = dict(state)
             state.clear()
-            # and there the example inputs are fake: verify on this call's (cloned) inputs
-            fake = any(is_fake(a) for a in inputs if isinstance(a, torch.Tensor))
-            examples = inputs
-            inputs = list(args) if fake else inputs
-            t0 = time.perf_counter()
-            try:  # isolated from a caller's checkpoint (saved-tensor hooks, SAC's mode):
-                with torch.enable_grad() if report.training else torch.no_grad(), \
-                        outside_callers_saved_tensor_hooks(), \
-                        torch.utils._python_dispatch._disable_current_modes():
-                    verify_compile(reference, compiled, inputs, shots, config, report,
-                                   recompile=lambda disabled: _recompile(
-                                       traced, examples, config, disabled),
-                                   owner_grads=_owner_grad_inputs(traced))
+            try:
+                _verify_once(held, args, compiled, config, report, dumper)
             except VerificationError as exc:
                 failed.append(str(exc))
                 raise
-            finally:
-                report.add_time("verify", time.perf_counter() - t0)
-                dumper.write_report()
-                del inputs, examples, shots, traced, reference
         return compiled(*args)
 
     return call
+
+
+def _verify_once(held: dict[str, Any], args: Sequence[Any], compiled: Callable[..., Any],
+                 config: GraphoptConfig, report: CompileReport, dumper: Dumper) -> None:
+    """:func:`graphopt.verify.verify_compile` on the first real call (``held``: what
+    :func:`_verify_on_first_call` kept for it)."""
+    from graphopt.verify import verify_compile
+
+    examples, traced = held["inputs"], held["model"]
+    # where the example inputs are fake (DDPOptimizer): verify on this call's (cloned) inputs
+    fake = any(is_fake(a) for a in examples if isinstance(a, torch.Tensor))
+    t0 = time.perf_counter()
+    try:  # isolated from a caller's checkpoint (saved-tensor hooks, SAC's mode):
+        with torch.enable_grad() if report.training else torch.no_grad(), \
+                outside_callers_saved_tensor_hooks(), \
+                torch.utils._python_dispatch._disable_current_modes():
+            verify_compile(held["original"], compiled, list(args) if fake else examples,
+                           held["snapshots"], config, report,
+                           recompile=lambda disabled: _recompile(
+                               traced, examples, config, disabled),
+                           owner_grads=_owner_grad_inputs(traced))
+    finally:
+        report.add_time("verify", time.perf_counter() - t0)
+        dumper.write_report()
 
 
 def make_hooks(runner: PassRunner, dumper: Dumper, report: CompileReport) -> AOTHooks:

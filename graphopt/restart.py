@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from graphopt.errors import CaptureError
-from graphopt.passes.fx_utils import roots_written_by, write_counts
+from graphopt.passes.fx_utils import op_name, roots_written_by, write_counts
 
 _unmarked: set[tuple[Any, str]] = set()
 """(frame compile id, symbol) pairs :func:`unmark_dropped` has unmarked: a second time in the
@@ -95,9 +95,8 @@ def writes_a_retrace_drops(gm: fx.GraphModule) -> dict[str, str]:
         roots = roots_written_by(node)
         symbol = _memo_symbol(node.meta.get("example_value"))
         if roots and symbol is not None:
-            name = node.target if isinstance(node.target, str) else \
-                getattr(node.target, "__name__", str(node.target))
-            found.setdefault(symbol, f"{name} of {', '.join(_source(r) for r in roots)}")
+            found.setdefault(symbol,
+                             f"{op_name(node)} of {', '.join(_source(r) for r in roots)}")
     return found
 
 

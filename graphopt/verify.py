@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphopt.config import GraphoptConfig
 from graphopt.errors import VerificationError
 from graphopt.passes.fx_utils import (
+    attr_value,
     communicates,
     is_mutating,
     is_random,
@@ -162,9 +163,7 @@ def written_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     found: dict[int, torch.Tensor] = {}
     for x in written_roots(gm):
         if x.op == "get_attr":
-            value: Any = gm
-            for part in str(x.target).split("."):
-                value = getattr(value, part, None)
+            value = attr_value(gm, x.target, None)
             if isinstance(value, torch.Tensor):
                 found[id(value)] = value
     return list(found.values())

@@ -55,6 +55,7 @@ from graphopt.kernels.lightning.minimax import (
     minimax_lightning_layer,
 )
 from graphopt.models import eval_mode, rope_kinds, rope_state_kept
+from graphopt.passes.fx_utils import attr_value
 from graphopt.report import CompileReport
 
 OPSET = 18
@@ -518,16 +519,9 @@ def _fake_attr_meta(gm: fx.GraphModule) -> None:
 
     mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta])
     for node in gm.graph.find_nodes(op="get_attr"):
-        value = _attr(gm, str(node.target))
+        value = attr_value(gm, str(node.target))
         if isinstance(value, torch.Tensor) and "val" not in node.meta and mode is not None:
             node.meta["val"] = mode.from_tensor(value, static_shapes=True)
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _translations(gm: fx.GraphModule, moe_form: str) -> tuple[dict[Any, Any], dict[str, str]]:

@@ -443,11 +443,21 @@ def eliminate_dead_code(graph: fx.Graph) -> bool:
     return graph.eliminate_dead_code(is_impure_node=impure)
 
 
+_UNANNOTATED_ALIASES = (torch.ops.aten.unsafe_split.Tensor,
+                        torch.ops.aten.unsafe_split_with_sizes.default)
+"""Ops whose results share their input's storage without saying so in their schema
+(``unsafe_chunk`` decomposes to ``unsafe_split``); a re-review found remat pricing their
+pieces at their own size, as ``split``'s were."""
+
+
 def returns_alias(node: fx.Node, include_inplace: bool = False) -> bool:
     """True when every result of the node's ATen op aliases an input (views: ``view``,
     ``transpose``, ``slice``, ...; with ``include_inplace`` also in-place ops, whose result is
-    the mutated input). ``getitem`` and non-ATen targets count as not aliasing."""
+    the mutated input; and :data:`_UNANNOTATED_ALIASES`). ``getitem`` and non-ATen targets
+    count as not aliasing."""
     target = node.target
+    if target in _UNANNOTATED_ALIASES:
+        return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
     rets = target._schema.returns
@@ -538,28 +548,34 @@ def _body_writes(gm: fx.GraphModule, node: fx.Node) -> dict[fx.Node, int]:
     """Writes a higher-order op's body graphs make to its operands, by the outer graph's
     written roots; Dynamo passes a body's inputs after its last ``get_attr`` body, in order
     (``tag_activation_checkpoint(body, x, n)``, ``wrap(body, x)``)."""
-    bodies = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
-              and a.op == "get_attr" and isinstance(_attr(gm, a.target), fx.GraphModule)]
-    if not bodies:
-        return {}
-    operands = [a for a in node.args[bodies[-1] + 1:]]
-    flat = [x for a in operands for x in (a if isinstance(a, (list, tuple)) else [a])]
+    bodies = [attr_value(gm, a.target, None) for a in node.args
+              if isinstance(a, fx.Node) and a.op == "get_attr"]
+    last = max((i for i, a in enumerate(node.args) if isinstance(a, fx.Node)
+                and a.op == "get_attr"), default=-1)
+    operands = [x for a in node.args[last + 1:]
+                for x in (a if isinstance(a, (list, tuple)) else [a])]
     found: dict[fx.Node, int] = {}
-    for i in bodies:
-        body = _attr(gm, node.args[i].target)  # type: ignore[union-attr]
-        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    for body in bodies:
+        if not isinstance(body, fx.GraphModule):
+            continue
+        inputs = {n: i for i, n in enumerate(body.graph.find_nodes(op="placeholder"))}
         for inner, n in write_counts(body, into_subgraphs=True).items():
-            if inner.op != "placeholder" or inputs.index(inner) >= len(flat):
-                continue
-            for root in _roots_of(flat[inputs.index(inner)]):
-                found[root] = found.get(root, 0) + n
+            if inputs.get(inner, len(operands)) < len(operands):
+                for root in _roots_of(operands[inputs[inner]]):
+                    found[root] = found.get(root, 0) + n
     return found
 
 
-def _attr(gm: fx.GraphModule, target: Any) -> Any:
-    value: Any = gm
+_MISSING: Any = object()
+
+
+def attr_value(root: Any, target: Any, default: Any = _MISSING) -> Any:
+    """The object a ``get_attr`` target (dotted, e.g. ``"layers.0.weight"``) names on
+    ``root`` (a GraphModule); ``default`` where a part is missing (AttributeError without
+    one)."""
+    value: Any = root
     for part in str(target).split("."):
-        value = getattr(value, part, None)
+        value = getattr(value, part) if default is _MISSING else getattr(value, part, default)
     return value
 
 

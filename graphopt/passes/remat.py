@@ -192,15 +192,8 @@ def _is_view(node: fx.Node) -> bool:
     alone, the claim 229,376 bytes where autograd held 360,448), so it is rebuilt from its
     saved base, which is priced whole."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return returns_alias(node.args[0]) or node.args[0].target in _UNANNOTATED_SPLITS
+        return returns_alias(node.args[0])
     return returns_alias(node)
-
-
-_UNANNOTATED_SPLITS = (torch.ops.aten.unsafe_split.Tensor,
-                       torch.ops.aten.unsafe_split_with_sizes.default)
-"""Ops whose outputs share their input's storage without saying so in their schema
-(``unsafe_chunk`` decomposes to ``unsafe_split``); a re-review found their pieces priced at
-their own size, as ``split``'s were."""
 
 
 def _is_tuple(node: fx.Node) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt.passes.fx_utils import alias_classes, tensor_meta, writes_of
+from graphopt.passes.fx_utils import alias_classes, attr_value, tensor_meta, writes_of
 
 aten = torch.ops.aten
 
@@ -162,9 +162,7 @@ def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
                           f"{writer.target}), so its value cannot be proven at compile time")
     if node not in env:
         if node.op == "get_attr":  # a parameter/buffer held by the graph module (torch.export)
-            value: Any = node.graph.owning_module
-            for part in str(node.target).split("."):
-                value = getattr(value, part)
+            value = attr_value(node.graph.owning_module, node.target)
             env[node] = value
             return value
         if node.op != "call_function":
