@@ -415,10 +415,9 @@ def _check_grouped_mm_alignment(config: Any, name: str) -> None:
     Raises:
         ConfigError: the hidden size or the expert FFN width is not a multiple of 8.
     """
-    sizes = {"hidden_size": getattr(config, "hidden_size", None),
-             "moe_intermediate_size" if getattr(config, "moe_intermediate_size", None)
-             else "intermediate_size": getattr(config, "moe_intermediate_size", None)
-             or getattr(config, "intermediate_size", None)}
+    ffn = "moe_intermediate_size" if getattr(config, "moe_intermediate_size", None) \
+        else "intermediate_size"
+    sizes = {key: getattr(config, key, None) for key in ("hidden_size", ffn)}
     bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % 8}
     if bad:
         shown = ", ".join(f"{k}={v} ({2 * v} bytes)" for k, v in bad.items())

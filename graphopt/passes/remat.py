@@ -886,10 +886,10 @@ class RematPass(GraphPass):
                        "partition kept")
             _record_user_regions(ctx, user)
             return PassResult(original, False)
-        decision = plan(gm, budget, opts.solver, opts.time_limit or 10.0, opts.offload,
+        decision = plan(gm, budget, opts.solver, opts.ilp_seconds, opts.offload,
                         opts.profile, observed)
         if opts.profile_guided:
-            guess = plan(gm, budget, opts.solver, opts.time_limit or 10.0, opts.offload,
+            guess = plan(gm, budget, opts.solver, opts.ilp_seconds, opts.offload,
                          opts.profile)
             changed = sum(1 for a, b in ((guess.saved, decision.saved),
                                          (guess.recomputed, decision.recomputed),

@@ -29,8 +29,8 @@ class RematOptions:
     """Required: with no budget remat would do nothing."""
     solver: str = "ilp"
     time_limit: float | None = None
-    """Seconds the ILP may take (default 10); not with solver "greedy", which does not use
-    it (a review: accepted and ignored)."""
+    """Seconds the ILP may take (None: :attr:`ilp_seconds`' default, 10); not with solver
+    "greedy", which does not use it (a review: accepted and ignored)."""
     offload: bool = False
     """Also consider copying saved values to host memory and back (priced by the profile's
     host bandwidth); "ilp" only."""
@@ -40,6 +40,11 @@ class RematOptions:
     profile_guided: bool = False
     """Run the graph once at compile time on the real inputs, record its data-dependent
     sizes (MoE token counts), decide with them, and report how the decision changed."""
+
+    @property
+    def ilp_seconds(self) -> float:
+        """The ILP's time limit in seconds: ``time_limit``, or 10."""
+        return float(self.time_limit) if self.time_limit is not None else 10.0
 
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "greedy"):
