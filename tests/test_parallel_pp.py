@@ -216,9 +216,9 @@ def test_a_custom_loss_under_cp_is_refused():
 def _tiny(config_name, model_name, **extra):
     import transformers
 
-    config = getattr(transformers, config_name)(
+    config = getattr(transformers, config_name)(**(dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, **extra)
+        num_attention_heads=4, num_key_value_heads=2) | extra))
     torch.manual_seed(0)
     return getattr(transformers, model_name)(config).eval()
 
@@ -233,7 +233,10 @@ def _tiny(config_name, model_name, **extra):
     (lambda: __import__("graphopt.models").models.build_model(
         "mixtral", output_router_logits=True, router_aux_loss_coef=0.02),
      r"this MoE model adds a load-balancing loss"),
-], ids=["eager-attention", "sliding-window", "granite-multipliers", "moe-aux-loss"])
+    (lambda: __import__("graphopt.models").models.build_model("gpt2"),
+     r"GPT2LMHeadModel has another structure \(no \.model \(the decoder stack\)\)"),
+], ids=["eager-attention", "sliding-window", "granite-multipliers", "moe-aux-loss",
+        "another-layout"])
 def test_models_the_stages_would_compute_differently_are_refused(make, message):
     """Found by hostile reviews: each trained silently wrong under pp=2 (the stages call
     the layers with attention_mask=None and skip what the model's own forward adds; the
@@ -487,3 +490,53 @@ def test_pipeline_stages_take_the_model_mode(train):
     """A review: an eval model's pipeline containers (the PipelinedModel, its parts and the
     stages' layer dicts) said training=True; the layers themselves were right."""
     assert run_distributed(_modes_worker, 2, train) == [[], []]
+
+
+def _dropout_worker(rank, world):
+    """Phi-3 with residual dropout, 3 layers on pp=2 (1 + 2), every rank seeded alike: each
+    rank's masks per call of its first layer's attention-residual dropout, its default
+    generator's state after two steps, and its gradients with and without recomputing the
+    layers (the same seed)."""
+    from graphopt.parallel import build_mesh, parallelize
+
+    model = _tiny("Phi3Config", "Phi3ForCausalLM", num_hidden_layers=3, resid_pdrop=0.3,
+                  embd_pdrop=0.0, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2).double().train()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = []
+    for recompute in (0, 1):
+        plan = ParallelPlan(pp=2, microbatch=1, recompute_layers=recompute)
+        pipe = parallelize(copy.deepcopy(model), plan, build_mesh(plan))
+        masks = []
+        first = min(pipe.parts[0].layers, key=int)
+        pipe.parts[0].layers[first].resid_attn_dropout.register_forward_hook(
+            lambda m, i, o, masks=masks: masks.append(o == 0)
+            if torch.is_grad_enabled() else None)
+        torch.manual_seed(1234)
+        for _ in range(2):
+            pipe.step(ids)
+        out.append((masks, torch.get_rng_state(),
+                    {n: p.grad.clone() for n, p in pipe.named_parameters()}))
+    return out
+
+
+def test_pipeline_stages_draw_dropout_masks_of_their_own():
+    """A review: every pipeline rank is seeded alike, and each stage drew the same random
+    stream, so stage 1's dropout masks repeated stage 0's bit for bit (one process draws
+    them independently), and the ranks' default generators drifted apart (a batch drawn
+    after a step differed between the pipeline ranks that must share it)."""
+    (plain0, recomputed0), (plain1, recomputed1) = run_distributed(_dropout_worker, 2)
+    masks0, state0, grads0 = plain0
+    masks1, state1, grads1 = plain1
+    # 2 steps x 2 microbatches, after the new schedule's shape inference
+    masks0, masks1 = masks0[-4:], masks1[-4:]
+    for a, b in zip(masks0, masks1):  # independent masks agree on ~0.3^2 + 0.7^2 = 58%
+        assert 0.2 < float(a.double().mean()) < 0.4
+        assert float((a == b).double().mean()) < 0.75
+    assert float((masks0[0] == masks0[1]).double().mean()) < 0.75  # microbatches differ
+    assert torch.equal(state0, state1)  # the ranks' own generators stay together
+    # recomputed layers replay the stage's masks: the same gradients
+    for plain, recomputed in ((plain0, recomputed0), (plain1, recomputed1)):
+        assert plain[2].keys() == recomputed[2].keys()
+        for name, grad in plain[2].items():
+            assert torch.equal(grad, recomputed[2][name]), name

@@ -275,20 +275,20 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             raise ConfigError(f"SP cannot run {layout.written_in_place[0]}: its caller writes "
                               "its output in place, which autograd forbids on the sequence "
                               "shard SP hands back (a view from DTensor's to_local); use "
-                              "sp=False")
+                              "ParallelPlan(..., sp=False)")
         if report.sp and layout.sp_problems:
             raise ConfigError(f"SP cannot run this model: {layout.sp_problems[0]}"
                               + (f" ({len(layout.sp_problems) - 1} more reason(s) in "
                                  "derive_tp_layout(...).sp_problems)"
                                  if len(layout.sp_problems) > 1 else "")
-                              + "; use sp=False")
+                              + "; use ParallelPlan(..., sp=False)")
         stray = sequence_sharded_params(model, layout) if report.sp else []
         if stray:
             raise ConfigError(f"SP splits the residual stream inside the decoder layers over "
                               f"the sequence, but {stray[0]} ({len(stray)} parameter(s) in "
                               "all) acts on it outside the norms and the mixers TP splits: "
                               "its gradient would cover one sequence shard per rank; use "
-                              "sp=False")
+                              "ParallelPlan(..., sp=False)")
         message = splits_nothing(layout, plan.tp) or (
             f"TP={plan.tp} keeps {len(layout.indivisible)} mixer(s) whole on every TP rank "
             f"because tp does not divide their sizes ({'; '.join(layout.indivisible[:2])}"
@@ -491,7 +491,8 @@ def _apply_tp(model: nn.Module, layout: TPLayout, tp_mesh: Any, sp: bool) -> Non
         plan[first] = _prepare(layout.layers[first], Replicate(), Shard(1))
         if layout.lm_head is None:
             raise ConfigError("SP needs the LM head sharded to gather the sequence back; this "
-                              "model's head stays replicated: use sp=False")
+                              "model's head stays replicated (a tied embedding/head pair stays "
+                              "replicated under TP): use ParallelPlan(..., sp=False)")
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
     for name, param in model.named_parameters():
@@ -653,10 +654,10 @@ def _sp_length_check(tp: int, cp: int = 1, ring: bool = False) -> Callable[..., 
                     f"this rank's CP chunk of {x.shape[1]} tokens is not divisible by tp={tp} "
                     f"under SP (each chunk is split over the TP ranks): pad the sequence to "
                     f"a multiple of {parts} ({'2 x ' if ring else ''}cp={cp} x tp={tp}) "
-                    "before shard_sequence, or use sp=False")
+                    "before shard_sequence, or use ParallelPlan(..., sp=False)")
             raise ConfigError(f"sequence length {x.shape[1]} is not divisible by tp={tp} "
                               "under SP (the sequence is split over the TP ranks): pad to a "
-                              "multiple of tp or use sp=False")
+                              "multiple of tp or use ParallelPlan(..., sp=False)")
     return hook
 
 

@@ -49,8 +49,9 @@ microbatch count that is not a multiple of pp for interleaving (torch's requirem
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +59,11 @@ from torch import nn
 
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
+
+STAGE_SEED_STRIDE = 0x9E3779B97F4A7C15
+"""Distance between the stages' random-stream seeds (:meth:`DecoderStage.random_stream`):
+the 64-bit golden-ratio constant, so stage seeds do not meet the nearby seeds users give
+their DP ranks (``seed + dp_rank``)."""
 
 SCHEDULE_CACHE = 8
 """Pipeline schedules (with their stages' buffers) kept per PipelinedModel, one per
@@ -108,7 +114,10 @@ class DecoderStage(nn.Module):
         (:func:`graphopt.parallel.context.chunk_positions`)."""
         inner = model.model
         self.first, self.last = index == 0, index == count - 1
-        self.index, self.start, self.end = index, start, end
+        self.index, self.start, self.end, self.count = index, start, end, count
+        self._stream: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
+        """(torch.initial_seed() it started from, CPU state, device state): the stage's
+        random stream (:meth:`random_stream`)."""
         self.embed_tokens = model.get_input_embeddings() if self.first else None
         self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, end)})
         self.rotary_emb = getattr(inner, "rotary_emb", None)
@@ -120,7 +129,53 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] (first stage) or hidden states [B, S(/tp under SP), H] ->
-        hidden states, or logits [B, S, V] on the last stage (class docstring)."""
+        hidden states, or logits [B, S, V] on the last stage (class docstring), drawing its
+        random numbers (dropout) from the stage's own stream (:meth:`random_stream`)."""
+        if self.count == 1:
+            return self._compute(x)
+        with self.random_stream(x.device):
+            return self._compute(x)
+
+    @contextlib.contextmanager
+    def random_stream(self, device: torch.device) -> Iterator[None]:
+        """Run the body with this stage's random stream as the CPU (and ``device``'s)
+        default generator state, then restore the caller's.
+
+        The stream starts from ``torch.initial_seed() + STAGE_SEED_STRIDE * (index + 1)``
+        (mod 2**63) and goes on from where the stage's last call left it; it starts again
+        when ``torch.initial_seed()`` changes (a new ``torch.manual_seed``). Why: every
+        pipeline rank holds the same model and is seeded alike (TP asks it), so without
+        streams of their own stage k's dropout masks repeated stage 0's bit for bit (a
+        review: identical in every call; one process draws them independently), and the
+        ranks' default generators drifted apart by each stage's draws, so a batch drawn
+        after a step (``step`` needs the same ``input_ids`` on every pipeline rank)
+        differed between ranks. Megatron-LM offsets the seed per pipeline rank the same
+        way (``seed + 100 * pp_rank``, ``megatron/training/initialize.py``); a stream per
+        stage also separates the virtual stages of one rank. Activation checkpoints inside
+        the stage save and replay the stream's state, as they do the default one."""
+        accel = device.type != "cpu"
+        index = device.index if device.index is not None or not accel else \
+            torch.get_device_module(device.type).current_device()
+        module = torch.get_device_module(device.type) if accel else None
+        with torch.random.fork_rng(devices=[index] if accel else [],
+                                   device_type=device.type if accel else "cuda"):
+            seed = torch.initial_seed()
+            if self._stream is None or self._stream[0] != seed:
+                start = (seed + STAGE_SEED_STRIDE * (self.index + 1)) % 2**63
+                self._stream = (seed, torch.Generator().manual_seed(start).get_state(),
+                                torch.Generator(device=device).manual_seed(start).get_state()
+                                if accel else None)
+            _, cpu, dev = self._stream
+            torch.set_rng_state(cpu)
+            if module is not None:
+                module.set_rng_state(dev, index)
+            try:
+                yield
+            finally:
+                self._stream = (seed, torch.get_rng_state(),
+                                module.get_rng_state(index) if module is not None else None)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         length = h.shape[1] * self.seq_split
         if self.cp is None:
@@ -385,7 +440,7 @@ class PipelinedModel(nn.Module):
         if self.seq_split > 1 and input_ids.shape[1] % self.seq_split:
             raise ConfigError(f"sequence length {input_ids.shape[1]} is not divisible by "
                               f"tp={self.seq_split} under SP: pad to a multiple or use "
-                              "sp=False")
+                              "ParallelPlan(..., sp=False)")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ConfigError("pipeline stages run causal attention without a padding mask; "
                               "this batch has padding: pack sequences without padding or "
@@ -548,9 +603,15 @@ def check_pipeline(model: Any, plan: ParallelPlan) -> None:
     from graphopt.parallel.apply import decoder_layers
 
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "norm") or model.get_output_embeddings() is None:
-        raise ConfigError("pp > 1 cuts transformers causal LMs (embedding, decoder layers, "
-                          "final norm, LM head); this model has another structure: use pp=1")
+    missing = ("no .model (the decoder stack)" if inner is None else
+               "no .model.norm (the final norm)" if not hasattr(inner, "norm") else
+               "no output embeddings (LM head)" if model.get_output_embeddings() is None
+               else "")
+    if missing:
+        raise ConfigError(f"pp > 1 cuts transformers causal LMs laid out as Llama's (.model."
+                          f"embed_tokens, .model.layers, .model.norm, .lm_head); "
+                          f"{type(model).__name__} has another structure ({missing}): use "
+                          "pp=1")
     _plan_bounds(plan, len(decoder_layers(model)))
     _check_stages_compute_the_model(model, decoder_layers(model))
 
