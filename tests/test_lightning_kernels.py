@@ -271,23 +271,26 @@ def test_packed_sequences_trace_under_fake_tensors_and_bad_cu_seqlens_are_named(
         fn(q, k, v, slope, cu.to("meta"))
 
 
-@pytest.mark.parametrize("seq, every, dtype", [(300, 2, torch.float32), (64, 8, torch.float64),
-                                               (1000, 8, torch.bfloat16)])
-def test_reported_saved_bytes_are_what_autograd_keeps(seq, every, dtype):
+@pytest.mark.parametrize("seq, every, dtype, slope_dtype", [
+    (300, 2, torch.float32, torch.float32), (64, 8, torch.float64, torch.float32),
+    (64, 8, torch.float64, torch.float64), (1000, 8, torch.bfloat16, torch.float32)])
+def test_reported_saved_bytes_are_what_autograd_keeps(seq, every, dtype, slope_dtype):
     """op.saved_bytes (the attention pass's report) equals the bytes autograd's saved-tensor
-    hooks see for a real forward (GQA, Dv != D, S off the block grid), and the checkpointed
-    states are fewer than one per block."""
+    hooks see for a real forward (GQA, Dv != D, S off the block grid, a float64 slope: it
+    was counted as 4 bytes per head, a review), and the checkpointed states are fewer than
+    one per block."""
     from graphopt.cost.memory import measured_saved_bytes
     from graphopt.kernels.lightning.op import saved_bytes
 
     q = torch.randn(2, 4, seq, 16, dtype=dtype, requires_grad=True)
     k = torch.randn(2, 2, seq, 16, dtype=dtype, requires_grad=True)
     v = torch.randn(2, 2, seq, 8, dtype=dtype, requires_grad=True)
-    slope = torch.rand(4, requires_grad=True)
+    slope = torch.rand(4, dtype=slope_dtype, requires_grad=True)
     got = measured_saved_bytes(lambda: lightning_attention(q, k, v, slope, block_size=32,
                                                            checkpoint_every=every,
                                                            impl="chunked"))
-    kept, every_block = saved_bytes(q.shape, k.shape, v.shape, dtype, 32, every)
+    kept, every_block = saved_bytes(q.shape, k.shape, v.shape, dtype, 32, every,
+                                    slope_dtype=slope_dtype)
     assert got == kept
     assert kept < every_block if seq >= 300 else kept <= every_block
 

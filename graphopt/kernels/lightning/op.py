@@ -79,10 +79,12 @@ def stored_checkpoints(seq: int, block_size: int, checkpoint_every: int, impl: s
 def saved_bytes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...],
                 dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
                 checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, impl: str = "chunked",
-                has_initial_state: bool = False) -> tuple[int, int]:
+                has_initial_state: bool = False,
+                slope_dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """Bytes autograd keeps for the backward of one ``lightning_attention`` call ("bhsd"
-    shapes q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]; inputs in ``dtype``; impl
-    "chunked" or "triton", as resolved): (what the op saves: q, k, v, the float32 slope and
+    shapes q [B, Hq, S, D], k [B, Hk, S, D], v [B, Hk, S, Dv]; inputs in ``dtype``, the
+    slope [Hq] in ``slope_dtype``; impl "chunked" or "triton", as resolved): (what the op
+    saves: q, k, v, the slope and
     :func:`stored_checkpoints` states [B, Hq, D, Dv] in the accumulation dtype, where
     ``has_initial_state`` says whether the call passes an ``initial_state``; what saving
     every chunk's state would take instead: q, k, v, slope and ceil(S / C) states).
@@ -91,7 +93,8 @@ def saved_bytes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tup
     dv = v_shape[-1]
     item = torch.empty(0, dtype=dtype).element_size()
     state = b * hq * d * dv * torch.empty(0, dtype=acc_dtype(dtype)).element_size()
-    inputs = (_numel(q_shape) + _numel(k_shape) + _numel(v_shape)) * item + hq * 4
+    inputs = (_numel(q_shape) + _numel(k_shape) + _numel(v_shape)) * item + \
+        hq * torch.empty(0, dtype=slope_dtype).element_size()
     kept = stored_checkpoints(s, block_size, checkpoint_every, impl, has_initial_state)
     return (inputs + kept * state,
             inputs + -(-s // block_size) * state)

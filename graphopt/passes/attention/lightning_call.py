@@ -87,7 +87,10 @@ def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:
     # and the passes' calls have none.
     impl = resolve_impl("auto", vals[0].device, max(shapes[0][-1], shapes[2][-1]),
                         vals[0].dtype)
-    kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype, impl=impl)
+    # the passes' slopes: float64 for float64 q (insert_with_frozen_slopes), else float32
+    slope_dtype = torch.float64 if vals[0].dtype == torch.float64 else torch.float32
+    kept, every = saved_bytes(shapes[0], shapes[1], shapes[2], vals[0].dtype, impl=impl,
+                              slope_dtype=slope_dtype)
     symbolic = any(isinstance(x, torch.SymInt) for val in vals for x in val.shape)
     what = ("no state: Triton recomputes every chunk state from zero" if impl == "triton" else
             f"a state every {DEFAULT_CHECKPOINT_EVERY} of the kernel's "
