@@ -287,7 +287,11 @@ def last_report() -> CompileReport:
     """The newest compile report. Raises LookupError when nothing was compiled yet."""
     with _lock:
         if not _reports:
-            raise LookupError("no graph has been compiled with backend='graphopt' yet")
+            raise LookupError(
+                "no graph has been compiled with backend='graphopt' yet (the compiled code "
+                "has not run, or Dynamo skipped it: module.compile() on a torch.nn built-in "
+                "module such as nn.Linear or nn.Sequential compiles nothing in torch 2.13, "
+                "even for aot_eager; use torch.compile(module, backend='graphopt'))")
         return _reports[-1]
 
 

@@ -471,3 +471,16 @@ def test_the_dumped_report_holds_every_note_without_verify(tmp_path):
     assert any("are guarded" in note for note in report.notes)
     (path,) = tmp_path.glob("graph_*/report.json")
     assert json.loads(path.read_text())["notes"] == report.notes
+
+
+def test_nothing_compiled_says_how_a_builtin_module_gets_compiled():
+    """A review: ``nn.Sequential(...).compile(backend="graphopt")`` runs eagerly (Dynamo
+    skips torch.nn's own frames; aot_eager too), and last_report() only said that nothing
+    was compiled; it now names torch.compile(module) as the way."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    model.compile(backend="graphopt", options={"lowering": "eager"})
+    model(torch.randn(2, 3))
+    with pytest.raises(LookupError, match=r"use torch.compile\(module, backend='graphopt'\)"):
+        graphopt.last_report()
+    torch.compile(model, backend="graphopt", options={"lowering": "eager"})(torch.randn(2, 3))
+    assert graphopt.last_report().status == "compiled"
