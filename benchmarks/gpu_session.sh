@@ -8,7 +8,8 @@
 #
 # Order: the Lightning grid's launch-bound rows (B=1, H=8, D=64, S 2k-64k, fwd and fwd+bwd
 # vs fla and SDPA), the same rows replayed from CUDA graphs (device time alone), the MoE
-# profile at hidden 1024 (where the 0.80x of grouped_mm goes), the MoE grid. A step that
+# profile at hidden 1024 (where the 0.80x of grouped_mm goes), the MoE grid (after the op's
+# checks: its Triton SwiGLU and combine have not run on a GPU before). A step that
 # would start with under 30 s left is skipped and says so in summary.txt. fla-core comes from
 # the carried wheel (benchmarks/.wheels; see lightning_gpu.py's docstring); graphopt from
 # this checkout (PYTHONPATH), nothing from the network.
@@ -21,6 +22,10 @@ left() { echo $((budget - ($(date +%s) - start))); }
 if ls benchmarks/.wheels/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         benchmarks/.wheels/*.whl > "$out/pip.log" 2>&1
+else  # every fla column would be NaN: say so where the summary is read first
+    echo "fla wheel missing: no benchmarks/.wheels/*.whl carried (pip download" \
+        "flash-linear-attention fla-core --no-deps -d benchmarks/.wheels before the session)" \
+        >> "$out/summary.txt"
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_COMPILE_THREADS=1
@@ -43,5 +48,5 @@ step() {  # step NAME LIMIT_SECONDS command...
 step lightning 240 python3 lightning_gpu.py --quick --skip-checks --budget 180
 step lightning_graphs 150 python3 lightning_gpu.py --quick --skip-checks --graphs --budget 100
 step moe_profile 90 python3 moe_gpu.py --profile 0
-step moe 150 python3 moe_gpu.py --skip-checks
+step moe 150 python3 moe_gpu.py --op-checks-only
 cat "$out/summary.txt"
