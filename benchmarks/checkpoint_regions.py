@@ -5,10 +5,12 @@ lowering), side by side in one process.
 
     python benchmarks/checkpoint_regions.py [--seq 512] [--batch 2] [--reps 5]
 
-Saved: bytes autograd keeps for the backward of one step (``saved_tensors_hooks``; with
-checkpointing, what the regions' boundaries keep). Time: median of ``--reps`` forward +
-backward steps after a warm-up (compile excluded). Rewritten: the attention / moe report
-sites that were rewritten, and whether the compile ran its rewritten graph (no fallback).
+Saved: bytes autograd keeps for the backward of one step (``saved_tensors_hooks``, each
+storage once, parameters excluded; with checkpointing, what the regions' boundaries keep).
+Experts: transformers' ``grouped_mm`` (one graph; common.minimax_toy). Time: median of
+``--reps`` forward + backward steps after a warm-up (compile excluded). Rewritten: the
+attention / moe report sites that were rewritten, and whether the compile ran its rewritten
+graph (no fallback).
 Before graphopt ran passes inside checkpoint regions, the checkpointed graphopt column had
 0 rewrites: the layers' block loop and expert loop stayed as written.
 """
@@ -22,22 +24,8 @@ import torch
 from common import median_time, minimax_toy
 
 import graphopt
+from graphopt.cost.memory import measured_saved_bytes
 from graphopt.models import sample_batch
-
-
-def saved_bytes(step_fn) -> int:
-    """Bytes packed by autograd's saved-tensor hooks during one forward + backward."""
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = step_fn()
-    out.sum().backward()
-    return total
 
 
 def run(checkpointing: bool, kind: str, args: argparse.Namespace) -> dict:
@@ -49,7 +37,9 @@ def run(checkpointing: bool, kind: str, args: argparse.Namespace) -> dict:
         fn(ids).sum().backward()
 
     step()  # compile
-    saved = saved_bytes(lambda: fn(ids))
+    # each storage once, parameters not counted (as the other scripts; a review: every
+    # packed tensor was summed, shared inputs several times)
+    saved = measured_saved_bytes(lambda: fn(ids), list(model.parameters()))
     ms = median_time(step, args.reps) * 1e3
     reports = graphopt.reports()
     rewritten = sum(s.action == "rewritten" for r in reports for p in r.passes

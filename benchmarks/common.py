@@ -40,8 +40,10 @@ def cuda_median_ms(fn: Callable[[], object], reps: int, warmups: int = 3) -> flo
 
 
 def minimax_toy(kind: str, checkpointing: bool = False) -> tuple[object, Callable]:
-    """(model, fn): graphopt.models' MiniMax toy (float32, train mode, ``batched_mm``
-    experts so that the whole model is one graph: the eager expert loop graph-breaks) and
+    """(model, fn): graphopt.models' MiniMax toy (float32, train mode, ``grouped_mm``
+    experts so that the whole model is one graph: the eager expert loop graph-breaks; until
+    2026-12-06 ``batched_mm``, which computes every expert for every token and made the
+    baselines 20x slower than transformers' fast experts, a review) and
     ``fn(input_ids) -> logits`` run as ``kind``: "eager", "aot_eager", or "graphopt"
     (attention "exact" + moe, eager lowering). Resets Dynamo and graphopt's reports."""
     import torch
@@ -53,7 +55,7 @@ def minimax_toy(kind: str, checkpointing: bool = False) -> tuple[object, Callabl
     graphopt.clear_reports()
     torch.manual_seed(0)
     model = build_model("minimax", dtype=torch.float32).train()
-    model.set_experts_implementation("batched_mm")
+    model.set_experts_implementation("grouped_mm")
     if checkpointing:
         model.gradient_checkpointing_enable()
 
