@@ -1290,3 +1290,72 @@ def test_a_block_shared_across_depth_is_sharded_with_the_root(zero_stage):
     for error, notes in run_distributed(_shared_depth_worker, 2, zero_stage):
         assert error < 1e-12, (error, notes)
         assert any("1 decoder layer(s) appear twice" in n for n in notes), notes
+
+
+def _evaluation_worker(rank, world):
+    """ZeRO-2, float64: (a) an evaluation forward before the optimizer is built, by
+    build_optimizer and by hand; (b) an evaluation forward between backward and step, under
+    no_grad and with gradients on. Each trains 2 AdamW steps; returns each case's largest
+    parameter error to one process and the parameter types the optimizer holds."""
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, build_optimizer, parallelize
+    from tests.helpers import BATCH, plan_backward
+
+    plan = ParallelPlan(dp_shard=2, zero_stage=2)
+    ref = build_model("llama", dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        _lm_loss(ref, BATCH).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    want = dict(ref.named_parameters())
+    out = {}
+    # the gradient norm read after a forward with gradients on but no backward
+    from graphopt.parallel import clip_grad_norm_
+
+    probe = build_model("llama", dtype=torch.float64)
+    _full_precision_rmsnorm(probe)
+    _lm_loss(probe, BATCH).backward()
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in probe.parameters()])
+    mesh = build_mesh(plan)
+    model = parallelize(probe, plan, mesh)
+    local = BATCH.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+    for p in model.parameters():
+        p.grad = None
+    plan_backward(model, plan, mesh)
+    model(input_ids=local, use_cache=False)
+    out["grad_eval_then_norm"] = (["DTensor"], abs(float(clip_grad_norm_(model, 1e9)) -
+                                                   float(want_norm)))
+    for case in ("eval_then_build", "eval_then_by_hand", "eval_between", "grad_eval_between"):
+        model = build_model("llama", dtype=torch.float64)
+        _full_precision_rmsnorm(model)
+        mesh = build_mesh(plan)
+        model = parallelize(model, plan, mesh)
+        local = BATCH.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+        if case.startswith("eval_then"):
+            with torch.no_grad():
+                model(input_ids=local, use_cache=False)
+        opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2) \
+            if case != "eval_then_by_hand" else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        held = sorted({type(p).__name__ for g in opt.param_groups for p in g["params"]})
+        for _ in range(2):
+            plan_backward(model, plan, mesh)
+            if case.endswith("between"):
+                with torch.set_grad_enabled(case.startswith("grad")):
+                    model(input_ids=local, use_cache=False)
+            opt.step()
+            opt.zero_grad()
+        out[case] = (held, max(float((_full(p.detach()) - want[n].detach()).abs().max())
+                               for n, p in model.named_parameters()))
+    return out
+
+
+def test_evaluation_forwards_under_zero2_leave_training_exact():
+    """A review: under ZeRO-2 a forward without a backward left FSDP2's units gathered, so
+    an optimizer built after an evaluation held the gathered copies and the sharded master
+    weights never moved (update error 1.0), and an evaluation between backward and step
+    made the next forward reuse the weights gathered before the step (1.0)."""
+    for out in run_distributed(_evaluation_worker, 2):
+        for case, (held, err) in out.items():
+            assert held == ["DTensor"] and err < 1e-9, (case, held, err)

@@ -582,8 +582,10 @@ def _microbatch_check(microbatch: int) -> Callable[..., None]:
     return hook
 
 
-def _rng_digest(device: torch.device) -> str:
-    """A digest of this process's CPU random state and, on an accelerator, ``device``'s."""
+def _rng_digest(device: torch.device, module: nn.Module) -> str:
+    """A digest of this process's CPU random state and, on an accelerator, ``device``'s,
+    with the random streams of ``module``'s pipeline stages (they draw from their own:
+    graphopt.parallel.pipeline.DecoderStage.random_stream)."""
     import hashlib
 
     states = [torch.get_rng_state()]
@@ -592,6 +594,8 @@ def _rng_digest(device: torch.device) -> str:
             states.append(torch.get_device_module(device).get_rng_state(device))
         except (AttributeError, TypeError, RuntimeError):
             pass  # a device whose generator state cannot be read here: the CPU's alone
+    for part in getattr(module, "parts", ()):
+        states.extend(part.stream_state(device))
     return hashlib.sha1(b"".join(s.cpu().numpy().tobytes() for s in states)).hexdigest()
 
 
@@ -615,7 +619,7 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
             return
         local = next((_local(p) for p in module.parameters()), None)
         device = local.device if local is not None else torch.device("cpu")
-        digest = _rng_digest(device)
+        digest = _rng_digest(device, module)
         states: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(states, digest, group=group)
         pending.update(device=device, digest=digest, differ=len(set(states)) > 1)
@@ -627,7 +631,7 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
         pending.clear()
         done.append(True)
         drew: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(drew, _rng_digest(device) != digest, group=group)
+        dist.all_gather_object(drew, _rng_digest(device, module) != digest, group=group)
         if differ and any(drew):
             raise ConfigError(
                 "the training forward draws random numbers (dropout, router jitter noise, "
@@ -830,6 +834,42 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
     elif plan.dp * plan.cp > 1:  # with TP: FSDP2's replicate handles DTensor parameters
         replicate(model, mesh=mesh["dp_cp"], **fsdp_kwargs)
         report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp} x cp={plan.cp}")
+    if plan.zero_stage == 2:
+        _reshard_after_no_grad_forwards(model)
+
+
+def _fsdp_units(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _reshard_after_no_grad_forwards(model: nn.Module) -> None:
+    """ZeRO-2 keeps each FSDP2 unit's parameters gathered from its forward until the backward
+    reshards them (``reshard_after_forward=False``). A forward without a backward (under
+    ``torch.no_grad()``: an evaluation) left them gathered, and then (a review, both silent):
+    ``model.parameters()`` returned the gathered copies, so an optimizer built after an
+    evaluation stepped those and the sharded master weights never moved (update error 1.0;
+    bf16 copies, bf16 Adam states under mixed precision), and an evaluation between
+    ``backward`` and ``optimizer.step`` made the next forward reuse the weights gathered
+    before the step (FSDP2's ``unshard`` returns early when gathered; 0.64-1.0 update errors
+    after 2 steps). Each unit now reshards after a forward run without gradients, as ZeRO-3
+    does after every forward."""
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            module.reshard()
+
+    for unit in _fsdp_units(model):
+        unit.register_forward_hook(hook)
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 unit of ``model`` back on its sharded parameters (FSDP2's
+    ``FSDPModule.reshard``; a no-op for units already sharded and for models without
+    FSDP)."""
+    for unit in _fsdp_units(model):
+        unit.reshard()
 
 
 def _blocks(unit: nn.Module) -> list[nn.Module]:
@@ -877,7 +917,21 @@ def build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
     dp_shard > 1) shards its states over the dp_shard group with
     ``torch.distributed.optim.ZeroRedundancyOptimizer``; otherwise ``optimizer_class`` as
     is (FSDP already shards states for ZeRO-2/3; a DTensor parameter's states are sharded
-    like it)."""
+    like it). FSDP2 units are resharded first, so the optimizer holds the sharded master
+    parameters even where a forward left some gathered (ZeRO-2 without a backward), and
+    again before every step (an evaluation forward with gradients on between ``backward``
+    and ``step`` leaves gathered weights the next forward would reuse:
+    :func:`_reshard_after_no_grad_forwards`)."""
+    reshard(model)
+    optimizer = _build_optimizer(model, plan, mesh, optimizer_class, **kwargs)
+    if plan.zero_stage == 2 and _fsdp_units(model):
+        optimizer.register_step_pre_hook(lambda *_: reshard(model))
+    return optimizer
+
+
+def _build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
+                     optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+                     ) -> torch.optim.Optimizer:
     if plan.zero_stage == 1 and plan.dp_shard > 1:
         if plan.tp > 1:
             raise ConfigError("ZeRO-1 with tp > 1 is not built yet (ZeroRedundancyOptimizer "

@@ -131,6 +131,10 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if not p > 0:  # (0 was a ZeroDivisionError: a review)
         raise ConfigError(f"norm_type must be > 0 (float('inf') for the max norm), got "
                           f"{norm_type!r}")
+    from graphopt.parallel.apply import reshard
+
+    reshard(model)  # ZeRO-2 after a forward without backward: the sharded parameters hold
+    # the gradients, the gathered copies FSDP2 left hold none (a review)
     skip = _tied_copy(model)
     meshes: dict[tuple[Any, bool], list[torch.Tensor]] = {}
     plain: dict[bool, list[torch.Tensor]] = {False: [], True: []}

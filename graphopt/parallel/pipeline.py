@@ -159,13 +159,7 @@ class DecoderStage(nn.Module):
         module = torch.get_device_module(device.type) if accel else None
         with torch.random.fork_rng(devices=[index] if accel else [],
                                    device_type=device.type if accel else "cuda"):
-            seed = torch.initial_seed()
-            if self._stream is None or self._stream[0] != seed:
-                start = (seed + STAGE_SEED_STRIDE * (self.index + 1)) % 2**63
-                self._stream = (seed, torch.Generator().manual_seed(start).get_state(),
-                                torch.Generator(device=device).manual_seed(start).get_state()
-                                if accel else None)
-            _, cpu, dev = self._stream
+            seed, cpu, dev = self._current_stream(device)
             torch.set_rng_state(cpu)
             if module is not None:
                 module.set_rng_state(dev, index)
@@ -174,6 +168,23 @@ class DecoderStage(nn.Module):
             finally:
                 self._stream = (seed, torch.get_rng_state(),
                                 module.get_rng_state(index) if module is not None else None)
+
+    def stream_state(self, device: torch.device) -> list[torch.Tensor]:
+        """The generator states (CPU, and ``device``'s on an accelerator) the stage's next
+        forward starts from (:meth:`random_stream`; read by TP's check that its ranks draw
+        alike, graphopt.parallel.apply._tp_rng_check)."""
+        _, cpu, dev = self._current_stream(device)
+        return [cpu] if dev is None else [cpu, dev]
+
+    def _current_stream(self, device: torch.device
+                        ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        seed = torch.initial_seed()
+        if self._stream is None or self._stream[0] != seed:
+            start = (seed + STAGE_SEED_STRIDE * (self.index + 1)) % 2**63
+            self._stream = (seed, torch.Generator().manual_seed(start).get_state(),
+                            torch.Generator(device=device).manual_seed(start).get_state()
+                            if device.type != "cpu" else None)
+        return self._stream
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
