@@ -1293,17 +1293,23 @@ def test_a_block_shared_across_depth_is_sharded_with_the_root(zero_stage):
 
 
 def _evaluation_worker(rank, world):
-    """ZeRO-2, float64: (a) an evaluation forward before the optimizer is built, by
-    build_optimizer and by hand; (b) an evaluation forward between backward and step, under
-    no_grad and with gradients on. Each trains 2 AdamW steps; returns each case's largest
-    parameter error to one process and the parameter types the optimizer holds."""
+    """ZeRO-2, float64, forwards never followed by a backward (evaluations, under no_grad or
+    with gradients on) at every point of a training loop; each case trains 2 AdamW steps.
+    Returns each case's (parameter types its optimizer holds, largest parameter error to
+    one process), the clip norm's error after such a forward and how far a parameter
+    frozen by name after such a forward moved."""
     from graphopt.models import build_model
-    from graphopt.parallel import build_mesh, build_optimizer, parallelize
+    from graphopt.parallel import build_mesh, build_optimizer, clip_grad_norm_, parallelize
     from tests.helpers import BATCH, plan_backward
 
     plan = ParallelPlan(dp_shard=2, zero_stage=2)
-    ref = build_model("llama", dtype=torch.float64)
-    _full_precision_rmsnorm(ref)
+
+    def fresh():
+        model = build_model("llama", dtype=torch.float64)
+        _full_precision_rmsnorm(model)
+        return model
+
+    ref = fresh()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for _ in range(2):
         _lm_loss(ref, BATCH).backward()
@@ -1311,51 +1317,96 @@ def _evaluation_worker(rank, world):
         ref_opt.zero_grad()
     want = dict(ref.named_parameters())
     out = {}
-    # the gradient norm read after a forward with gradients on but no backward
-    from graphopt.parallel import clip_grad_norm_
-
-    probe = build_model("llama", dtype=torch.float64)
-    _full_precision_rmsnorm(probe)
-    _lm_loss(probe, BATCH).backward()
-    want_norm = torch.nn.utils.get_total_norm([p.grad for p in probe.parameters()])
-    mesh = build_mesh(plan)
-    model = parallelize(probe, plan, mesh)
-    local = BATCH.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-    for p in model.parameters():
-        p.grad = None
-    plan_backward(model, plan, mesh)
-    model(input_ids=local, use_cache=False)
-    out["grad_eval_then_norm"] = (["DTensor"], abs(float(clip_grad_norm_(model, 1e9)) -
-                                                   float(want_norm)))
-    for case in ("eval_then_build", "eval_then_by_hand", "eval_between", "grad_eval_between"):
-        model = build_model("llama", dtype=torch.float64)
-        _full_precision_rmsnorm(model)
+    for case in ("eval_then_build", "grad_eval_then_by_hand", "eval_between",
+                 "grad_eval_between_by_hand", "grad_eval_then_model_zero_grad", "norm",
+                 "freeze"):
         mesh = build_mesh(plan)
-        model = parallelize(model, plan, mesh)
+        model = parallelize(fresh(), plan, mesh)
         local = BATCH.chunk(plan.dp)[mesh["dp"].get_local_rank()]
-        if case.startswith("eval_then"):
-            with torch.no_grad():
+
+        def evaluate(grad, model=model, local=local):
+            with torch.set_grad_enabled(grad):
                 model(input_ids=local, use_cache=False)
-        opt = build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2) \
-            if case != "eval_then_by_hand" else torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        if case.endswith(("then_build", "then_by_hand")):
+            evaluate(case.startswith("grad"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if case.endswith("by_hand") \
+            else build_optimizer(model, plan, mesh, torch.optim.AdamW, lr=1e-2)
         held = sorted({type(p).__name__ for g in opt.param_groups for p in g["params"]})
-        for _ in range(2):
+        if case == "norm":  # the whole model's gradient norm, read after such a forward
+            probe = fresh()
+            _lm_loss(probe, BATCH).backward()
             plan_backward(model, plan, mesh)
-            if case.endswith("between"):
-                with torch.set_grad_enabled(case.startswith("grad")):
-                    model(input_ids=local, use_cache=False)
+            evaluate(True)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in probe.parameters()])
+            out[case] = (held, abs(float(clip_grad_norm_(model, 1e9)) - float(norm)))
+            continue
+        frozen = None
+        for step in range(2):
+            plan_backward(model, plan, mesh)
+            if case.endswith(("between", "between_by_hand")):
+                evaluate(case.startswith("grad"))
             opt.step()
-            opt.zero_grad()
+            if case == "grad_eval_then_model_zero_grad":
+                evaluate(True)
+                model.zero_grad()
+            else:
+                opt.zero_grad()
+            if case == "freeze" and step == 0:
+                evaluate(True)
+                name, frozen = next((n, p) for n, p in model.named_parameters()
+                                    if n.endswith("layers.0.mlp.up_proj.weight"))
+                frozen.requires_grad_(False)
+                before = _full(frozen.detach()).clone()
+        if case == "freeze":
+            out[case] = (held, float((_full(frozen.detach()) - before).abs().max()))
+            continue
         out[case] = (held, max(float((_full(p.detach()) - want[n].detach()).abs().max())
                                for n, p in model.named_parameters()))
     return out
 
 
 def test_evaluation_forwards_under_zero2_leave_training_exact():
-    """A review: under ZeRO-2 a forward without a backward left FSDP2's units gathered, so
-    an optimizer built after an evaluation held the gathered copies and the sharded master
-    weights never moved (update error 1.0), and an evaluation between backward and step
-    made the next forward reuse the weights gathered before the step (1.0)."""
+    """Reviews: under ZeRO-2 a forward without a backward left FSDP2's units gathered, and
+    the gathered copies stood in for the parameters: an optimizer built after an evaluation
+    never moved the master weights (1.0), an evaluation between backward and step made the
+    next forward reuse pre-step weights (1.0), model.zero_grad() after one left the sharded
+    gradients to add into the next step (0.023), a parameter frozen by name after one kept
+    training, and the clip norm missed gradients (1.27 off)."""
     for out in run_distributed(_evaluation_worker, 2):
         for case, (held, err) in out.items():
             assert held == ["DTensor"] and err < 1e-9, (case, held, err)
+
+
+def _inference_first_worker(rank, world):
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+    from tests.helpers import BATCH, config_errors, plan_backward
+
+    out = []
+    for kw in (dict(dp_shard=2, zero_stage=3), dict(dp_shard=2, zero_stage=0),
+               dict(pp=2, dp_shard=1)):
+        plan = ParallelPlan(**kw)
+        mesh = build_mesh(plan)
+        model = parallelize(build_model("llama", dtype=torch.float64), plan, mesh)
+        local = BATCH.chunk(plan.dp)[mesh["dp"].get_local_rank()]
+
+        def evaluate(model=model, local=local, plan=plan):
+            with torch.inference_mode():
+                model.step(local) if plan.pp > 1 else model(input_ids=local)
+
+        out.append(config_errors(
+            evaluate, lambda model=model, plan=plan, mesh=mesh: plan_backward(model, plan, mesh),
+            evaluate))
+    return out
+
+
+def test_inference_mode_as_a_data_parallel_model_s_first_forward_is_refused():
+    """A review: FSDP2 and DDP allocated their buffers as inference tensors and the first
+    training step failed ("Inplace update to inference tensor"; under PP x FSDP a hang).
+    Without data parallelism (pp=2 alone) it runs; after a training step it runs."""
+    for per_rank in run_distributed(_inference_first_worker, 2):
+        for messages in per_rank[:2]:
+            assert "runs under torch.inference_mode()" in messages[0], messages
+            assert messages[1:] == ["ran", "ran"], messages
+        assert per_rank[2] == ["ran", "ran", "ran"], per_rank[2]

@@ -834,8 +834,93 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
     elif plan.dp * plan.cp > 1:  # with TP: FSDP2's replicate handles DTensor parameters
         replicate(model, mesh=mesh["dp_cp"], **fsdp_kwargs)
         report.notes.append(f"replicas (FSDP2 replicate) over dp={plan.dp} x cp={plan.cp}")
-    if plan.zero_stage == 2:
-        _reshard_after_no_grad_forwards(model)
+    if plan.zero_stage == 2 and _fsdp_units(model):
+        _keep_zero2_sharded_when_idle(model)
+    if plan.dp * plan.cp > 1:
+        _refuse_inference_mode_first(model)
+
+
+def _refuse_inference_mode_first(model: nn.Module) -> None:
+    """ConfigError on every rank when a data-parallel model's first forward (``model.step``
+    under PP) runs under ``torch.inference_mode()``: FSDP2 and DDP then allocate their
+    gathered-parameter and bucket buffers as inference tensors, which training cannot write
+    later (a review: "Inplace update to inference tensor outside InferenceMode" at the first
+    training step, and under PP x FSDP a hang, one rank raising while the others waited).
+    Once a forward ran outside inference mode, later ones under it are exact."""
+    seen: list[bool] = []
+
+    def check() -> None:
+        if seen:
+            return
+        if torch.is_inference_mode_enabled():
+            raise ConfigError(
+                "the first forward of a data-parallel model runs under torch.inference_mode"
+                "(): FSDP2/DDP would allocate their buffers as inference tensors that "
+                "training cannot write later. Evaluate under torch.no_grad() instead (or "
+                "after a training step)")
+        seen.append(True)
+
+    if hasattr(model, "parts"):  # PP: the stages run inside step
+        step: Callable[..., Any] = model.step  # type: ignore[assignment]
+
+        def checked_step(*args: Any, **kwargs: Any) -> Any:
+            check()
+            return step(*args, **kwargs)
+
+        object.__setattr__(model, "step", checked_step)
+    else:
+        model.register_forward_pre_hook(lambda *_: check(), prepend=True)
+
+
+def _keep_zero2_sharded_when_idle(model: nn.Module) -> None:
+    """ZeRO-2 keeps each FSDP2 unit's parameters gathered from its forward until the backward
+    reshards them (``reshard_after_forward=False``). A forward never followed by a backward
+    (an evaluation, with or without ``torch.no_grad()``) left them gathered, and FSDP2 then
+    exposes the gathered copies as the module's parameters. Reviews found, all silent:
+    an optimizer built afterwards stepped the copies and the sharded master weights never
+    moved (update error 1.0; bf16 Adam states under mixed precision); the next forward
+    reused the weights gathered before ``optimizer.step`` (FSDP2's ``unshard`` returns
+    early when gathered; 0.64-1.0 update errors after 2 steps); ``model.zero_grad()``
+    cleared the copies' gradients and the sharded ones added into the next step (0.023);
+    ``requires_grad_(False)`` froze a copy while its master weight kept training; the clip
+    norm missed gathered parameters' gradients. So (:func:`reshard`, idle units only):
+    each unit reshards after a forward run without gradients, as ZeRO-3 does after every
+    forward; the root reshards before its forward (``model.step`` under PP) and whenever
+    its ``parameters()`` / ``named_parameters()`` are read (optimizers, ``zero_grad``,
+    freezing by name); ``build_optimizer`` and the gradient norm reshard first. A unit's
+    own attribute read after such a forward (``model.model.layers[0].mlp.up_proj.weight``
+    with no forward, ``parameters()`` or ``named_parameters()`` of the root in between)
+    still sees the copy."""
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            module.reshard()
+
+    for unit in _fsdp_units(model):
+        unit.register_forward_hook(hook)
+    if hasattr(model, "parts"):  # PP: the stages run inside step, never model's forward
+        step: Callable[..., Any] = model.step  # type: ignore[assignment]
+
+        def resharded_step(*args: Any, **kwargs: Any) -> Any:
+            reshard(model)
+            return step(*args, **kwargs)
+
+        object.__setattr__(model, "step", resharded_step)
+    else:
+        # before FSDP2's own pre-forward (which starts the forward: then nothing is idle)
+        model.register_forward_pre_hook(lambda module, args: reshard(module), prepend=True)
+    cls = type(model)
+
+    def parameters(recurse: bool = True) -> Any:
+        reshard(model)
+        return cls.parameters(model, recurse)
+
+    def named_parameters(*args: Any, **kwargs: Any) -> Any:
+        reshard(model)
+        return cls.named_parameters(model, *args, **kwargs)
+
+    object.__setattr__(model, "parameters", parameters)
+    object.__setattr__(model, "named_parameters", named_parameters)
 
 
 def _fsdp_units(model: nn.Module) -> list[Any]:
@@ -844,32 +929,21 @@ def _fsdp_units(model: nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _reshard_after_no_grad_forwards(model: nn.Module) -> None:
-    """ZeRO-2 keeps each FSDP2 unit's parameters gathered from its forward until the backward
-    reshards them (``reshard_after_forward=False``). A forward without a backward (under
-    ``torch.no_grad()``: an evaluation) left them gathered, and then (a review, both silent):
-    ``model.parameters()`` returned the gathered copies, so an optimizer built after an
-    evaluation stepped those and the sharded master weights never moved (update error 1.0;
-    bf16 copies, bf16 Adam states under mixed precision), and an evaluation between
-    ``backward`` and ``optimizer.step`` made the next forward reuse the weights gathered
-    before the step (FSDP2's ``unshard`` returns early when gathered; 0.64-1.0 update errors
-    after 2 steps). Each unit now reshards after a forward run without gradients, as ZeRO-3
-    does after every forward."""
-
-    def hook(module: Any, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            module.reshard()
-
-    for unit in _fsdp_units(model):
-        unit.register_forward_hook(hook)
-
-
 def reshard(model: nn.Module) -> None:
-    """Put every FSDP2 unit of ``model`` back on its sharded parameters (FSDP2's
-    ``FSDPModule.reshard``; a no-op for units already sharded and for models without
-    FSDP)."""
-    for unit in _fsdp_units(model):
-        unit.reshard()
+    """Put every FSDP2 unit of ``model`` that holds gathered parameters while idle (a
+    forward ran and no backward followed) back on its sharded parameters. Nothing happens
+    while a forward or backward is under way (a unit in another training state) or for
+    units already sharded; models without FSDP are left alone. Uses FSDP2's parameter
+    groups (``torch.distributed.fsdp._fully_shard``: ``FSDPParamGroup.reshard``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    groups = [g for unit in _fsdp_units(model)
+              for g in unit._get_fsdp_state()._fsdp_param_groups]
+    if any(g._training_state != TrainingState.IDLE for g in groups):
+        return  # inside a forward or backward: FSDP2 runs its own schedule
+    for group in groups:
+        if group.is_unsharded:
+            group.reshard()
 
 
 def _blocks(unit: nn.Module) -> list[nn.Module]:
@@ -918,15 +992,10 @@ def build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
     ``torch.distributed.optim.ZeroRedundancyOptimizer``; otherwise ``optimizer_class`` as
     is (FSDP already shards states for ZeRO-2/3; a DTensor parameter's states are sharded
     like it). FSDP2 units are resharded first, so the optimizer holds the sharded master
-    parameters even where a forward left some gathered (ZeRO-2 without a backward), and
-    again before every step (an evaluation forward with gradients on between ``backward``
-    and ``step`` leaves gathered weights the next forward would reuse:
-    :func:`_reshard_after_no_grad_forwards`)."""
+    parameters even where a forward left some gathered (ZeRO-2 without a backward:
+    :func:`_keep_zero2_sharded_when_idle`)."""
     reshard(model)
-    optimizer = _build_optimizer(model, plan, mesh, optimizer_class, **kwargs)
-    if plan.zero_stage == 2 and _fsdp_units(model):
-        optimizer.register_step_pre_hook(lambda *_: reshard(model))
-    return optimizer
+    return _build_optimizer(model, plan, mesh, optimizer_class, **kwargs)
 
 
 def _build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
