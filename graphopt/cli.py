@@ -816,6 +816,19 @@ def _print_reports(reports: list[CompileReport], sites: int,
     for name, (stage, exact, m, rw, sk, t) in per_pass.items():
         table.add_row(name, stage, str(exact), str(m), str(rw), str(sk), f"{t * 1e3:.1f}")
     console.print(table)
+    if not sites:  # the summary's caption promises the skips' reasons below (a new user
+        # saw "skips 1" and no reason anywhere but a dump)
+        reasons: dict[tuple[str, str], list[Any]] = {}  # (pass, reason) -> [count, example]
+        for r in reports:
+            for p in r.passes:
+                for s in p.sites:
+                    if s.action == "skipped":
+                        entry = reasons.setdefault((p.name, s.reason),
+                                                   [0, f"graph {_graph_label(r)} {s.site}"])
+                        entry[0] += 1
+        for (name, reason), (count, example) in reasons.items():
+            console.print(f"{name}: {count} site(s) skipped, e.g. [cyan]{escape(example)}[/]"
+                          + (f" - {escape(reason)}" if reason else ""))
     if sites:
         for r in reports:
             for p in r.passes:

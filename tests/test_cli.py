@@ -355,3 +355,12 @@ def test_explain_reports_unreadable_report_files_clearly(tmp_path):
     (tmp_path / "report.json").write_text("[" * 100000 + "]" * 100000)
     result = runner.invoke(app, ["explain", str(tmp_path)])
     assert result.exit_code == 2 and "cannot read" in result.output, result.output
+
+
+def test_demo_lists_why_sites_were_skipped():
+    """A new user: the report's caption promised the skips' reasons below, and the demo
+    printed none (only a dump and graphopt explain showed them)."""
+    result = runner.invoke(app, ["demo", "--model", "deepseek_v3", "--no-moe"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "moe: 2 site(s) skipped" in text and "router's indices leave this graph" in text
