@@ -469,6 +469,11 @@ def plan(
         except ConfigError as exc:
             raise typer.BadParameter(f"{flag} {path}: not a writable file path ({exc})"
                                      ) from None
+    if plot is not None:  # before the search too (a new user waited for the tables first)
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise typer.BadParameter("--plot needs matplotlib: pip install 'graphopt[plot]'")
     overrides = _parse_overrides(override)
     from graphopt.planner.plan import ParallelPlan
 

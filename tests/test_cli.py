@@ -364,3 +364,17 @@ def test_demo_lists_why_sites_were_skipped():
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "moe: 2 site(s) skipped" in text and "router's indices leave this graph" in text
+
+
+def test_plan_plot_without_matplotlib_fails_before_the_search(monkeypatch, tmp_path):
+    """A new user: the whole search ran and printed its tables before --plot said that
+    matplotlib was missing."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    result = runner.invoke(app, ["plan", "--model", "llama3-8b", "--devices", "8",
+                                 "--global-batch", "8", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2 and "--plot needs matplotlib" in result.output
+    assert "plans in" not in result.output  # the search's table title: it did not run
