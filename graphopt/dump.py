@@ -277,7 +277,11 @@ class Dumper:
             from torch.fx.passes.graph_drawer import FxGraphDrawer
 
             dot = FxGraphDrawer(gm, name).get_main_dot_graph()
-        except (ImportError, RuntimeError):  # pydot missing: code dumps are enough
+        except (ImportError, RuntimeError):  # pydot missing: code dumps are enough, and the
+            # report says why there are no drawings (a new user found none, silently)
+            note = "dump: no .dot graph drawings (pydot is not installed: pip install pydot)"
+            if self.dir is not None and note not in self.report.notes:
+                self.report.notes.append(note)
             return
         if self.dir is None:
             return

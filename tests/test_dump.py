@@ -42,6 +42,20 @@ def test_dump_contents(tmp_path):
         assert {"01_normalized.dot", "forward.dot", "backward.dot"} <= names
 
 
+def test_missing_pydot_is_said_in_the_report(tmp_path, monkeypatch):
+    """A new user: without pydot the .dot drawings were missing and nothing said why."""
+    from torch.fx.passes import graph_drawer
+
+    def no_pydot(*args, **kwargs):
+        raise RuntimeError("FXGraphDrawer requires the pydot package to be installed")
+
+    monkeypatch.setattr(graph_drawer, "FxGraphDrawer", no_pydot)
+    _compile_and_train(tmp_path)
+    (graph,) = tmp_path.glob("graph_*")
+    assert not list(graph.glob("*.dot"))
+    assert "pydot is not installed: pip install pydot" in (graph / "report.md").read_text()
+
+
 def test_no_dump_option_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _compile_and_train()
