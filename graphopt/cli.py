@@ -235,7 +235,11 @@ def export(
         for col in ("check", "max abs error", "tolerance", "ok"):
             checks.add_column(col)
         for what, err, tol in result.checks:
-            checks.add_row(what, f"{err:.3g}", f"{tol:.3g}",
+            # an infinite tolerance: an approximate rewrite's difference, reported only (a
+            # new user read "tolerance inf, ok yes" as a pass)
+            checks.add_row(what, f"{err:.3g}", "n/a (approximate)" if tol == float("inf")
+                           else f"{tol:.3g}",
+                           "-" if tol == float("inf") else
                            "[green]yes[/]" if err <= tol else "-" if err != err and tol != tol
                            else "[red]NO[/]")  # NaN, NaN: a reference that cannot run
         console.print(checks)
