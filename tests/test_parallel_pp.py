@@ -517,6 +517,11 @@ def _dropout_worker(rank, world):
             pipe.step(ids)
         out.append((masks, torch.get_rng_state(),
                     {n: p.grad.clone() for n, p in pipe.named_parameters()}))
+    losses = []  # the same seed again: the same masks (a re-review: kept streams went on)
+    for _ in range(2):
+        torch.manual_seed(5)
+        losses.append(pipe.step(ids))
+    out.append(losses)
     return out
 
 
@@ -525,7 +530,9 @@ def test_pipeline_stages_draw_dropout_masks_of_their_own():
     stream, so stage 1's dropout masks repeated stage 0's bit for bit (one process draws
     them independently), and the ranks' default generators drifted apart (a batch drawn
     after a step differed between the pipeline ranks that must share it)."""
-    (plain0, recomputed0), (plain1, recomputed1) = run_distributed(_dropout_worker, 2)
+    (plain0, recomputed0, none), (plain1, recomputed1, losses) = run_distributed(
+        _dropout_worker, 2)
+    assert none == [None, None] and losses[0] == losses[1], losses
     masks0, state0, grads0 = plain0
     masks1, state1, grads1 = plain1
     # 2 steps x 2 microbatches, after the new schedule's shape inference

@@ -582,9 +582,9 @@ def _microbatch_check(microbatch: int) -> Callable[..., None]:
     return hook
 
 
-def _rng_digest(device: torch.device, module: nn.Module) -> str:
-    """A digest of this process's CPU random state and, on an accelerator, ``device``'s,
-    with the random streams of ``module``'s pipeline stages (they draw from their own:
+def _rng_digest(device: torch.device) -> str:
+    """A digest of this process's CPU random state and, on an accelerator, ``device``'s
+    (under PP the stages seed their draws from the CPU one:
     graphopt.parallel.pipeline.DecoderStage.random_stream)."""
     import hashlib
 
@@ -594,8 +594,6 @@ def _rng_digest(device: torch.device, module: nn.Module) -> str:
             states.append(torch.get_device_module(device).get_rng_state(device))
         except (AttributeError, TypeError, RuntimeError):
             pass  # a device whose generator state cannot be read here: the CPU's alone
-    for part in getattr(module, "parts", ()):
-        states.extend(part.stream_state(device))
     return hashlib.sha1(b"".join(s.cpu().numpy().tobytes() for s in states)).hexdigest()
 
 
@@ -619,7 +617,9 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
             return
         local = next((_local(p) for p in module.parameters()), None)
         device = local.device if local is not None else torch.device("cpu")
-        digest = _rng_digest(device, module)
+        digest = _rng_digest(device)
+        for part in getattr(module, "parts", ()):  # PP: whether a stage drew is its own
+            part.drew = False  # record (each stage call draws its seed from the generator)
         states: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(states, digest, group=group)
         pending.update(device=device, digest=digest, differ=len(set(states)) > 1)
@@ -631,7 +631,10 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
         pending.clear()
         done.append(True)
         drew: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(drew, _rng_digest(device, module) != digest, group=group)
+        parts = getattr(module, "parts", None)
+        mine = any(p.drew for p in parts) if parts is not None else \
+            _rng_digest(device) != digest
+        dist.all_gather_object(drew, mine, group=group)
         if differ and any(drew):
             raise ConfigError(
                 "the training forward draws random numbers (dropout, router jitter noise, "
@@ -882,15 +885,17 @@ def _keep_zero2_sharded_when_idle(model: nn.Module) -> None:
     reused the weights gathered before ``optimizer.step`` (FSDP2's ``unshard`` returns
     early when gathered; 0.64-1.0 update errors after 2 steps); ``model.zero_grad()``
     cleared the copies' gradients and the sharded ones added into the next step (0.023);
-    ``requires_grad_(False)`` froze a copy while its master weight kept training; the clip
-    norm missed gathered parameters' gradients. So (:func:`reshard`, idle units only):
-    each unit reshards after a forward run without gradients, as ZeRO-3 does after every
-    forward; the root reshards before its forward (``model.step`` under PP) and whenever
-    its ``parameters()`` / ``named_parameters()`` are read (optimizers, ``zero_grad``,
-    freezing by name); ``build_optimizer`` and the gradient norm reshard first. A unit's
-    own attribute read after such a forward (``model.model.layers[0].mlp.up_proj.weight``
-    with no forward, ``parameters()`` or ``named_parameters()`` of the root in between)
-    still sees the copy."""
+    the clip norm missed gathered parameters' gradients. So (:func:`reshard`, idle units
+    only): each unit reshards after a forward run without gradients, as ZeRO-3 does after
+    every forward; the root reshards before its forward (``model.step`` under PP) and in
+    its ``zero_grad``; ``build_optimizer`` and the gradient norm reshard first; and an
+    optimizer whose first step would update FSDP2's gathered copies raises ConfigError
+    (:func:`_refuse_gathered_copies`: a plain optimizer built after such a forward, by
+    hand, through a wrapper or a ``torch.compile``'d model). Not done: reading the root's
+    ``parameters()`` does not reshard (a re-review: one rank reading it between forward
+    and backward, ``model.device`` in rank-0 logging, resharded that rank alone and the
+    backward's collectives hung); a parameter frozen after such a forward through
+    ``named_parameters()`` or an attribute may be the copy."""
 
     def hook(module: Any, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -909,18 +914,47 @@ def _keep_zero2_sharded_when_idle(model: nn.Module) -> None:
     else:
         # before FSDP2's own pre-forward (which starts the forward: then nothing is idle)
         model.register_forward_pre_hook(lambda module, args: reshard(module), prepend=True)
-    cls = type(model)
+    zero_grad = model.zero_grad
 
-    def parameters(recurse: bool = True) -> Any:
+    def resharded_zero_grad(set_to_none: bool = True) -> None:
         reshard(model)
-        return cls.parameters(model, recurse)
+        zero_grad(set_to_none)
 
-    def named_parameters(*args: Any, **kwargs: Any) -> Any:
-        reshard(model)
-        return cls.named_parameters(model, *args, **kwargs)
+    object.__setattr__(model, "zero_grad", resharded_zero_grad)
+    global _STEP_HOOK
+    _ZERO2_MODELS.add(model)
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    object.__setattr__(model, "parameters", parameters)
-    object.__setattr__(model, "named_parameters", named_parameters)
+        _STEP_HOOK = register_optimizer_step_pre_hook(_refuse_gathered_copies)
+
+
+_ZERO2_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models parallelized with ZeRO-2 in this process (:func:`_refuse_gathered_copies`)."""
+_CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_STEP_HOOK: Any = None
+
+
+def _refuse_gathered_copies(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook (torch.optim's ``register_optimizer_step_pre_hook``),
+    once per optimizer: ConfigError when it holds FSDP2's gathered copies of a ZeRO-2
+    model's parameters (``FSDPParam._unsharded_param``) instead of the sharded ones. Such
+    copies get no gradient (FSDP2 reduce-scatters into the sharded parameters), so the
+    optimizer skipped them and nothing trained, silently."""
+    if optimizer in _CHECKED or not _ZERO2_MODELS:
+        return
+    _CHECKED[optimizer] = True
+    copies = {id(p) for model in list(_ZERO2_MODELS) for unit in _fsdp_units(model)
+              for group in unit._get_fsdp_state()._fsdp_param_groups
+              for fsdp_param in group.fsdp_params
+              for p in [getattr(fsdp_param, "_unsharded_param", None)] if p is not None}
+    if any(id(p) in copies for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigError(
+            "this optimizer holds FSDP2's gathered copies of a ZeRO-2 model's parameters "
+            "(it was built after a forward that no backward followed, an evaluation, which "
+            "leaves the units gathered): they get no gradients and would never train. Build "
+            "it with graphopt.parallel.build_optimizer (it reshards first), or before any "
+            "evaluation, or run evaluations under torch.no_grad()")
 
 
 def _fsdp_units(model: nn.Module) -> list[Any]:

@@ -115,9 +115,9 @@ class DecoderStage(nn.Module):
         inner = model.model
         self.first, self.last = index == 0, index == count - 1
         self.index, self.start, self.end, self.count = index, start, end, count
-        self._stream: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
-        """(torch.initial_seed() it started from, CPU state, device state): the stage's
-        random stream (:meth:`random_stream`)."""
+        self.drew = False
+        """Whether a forward drew random numbers since TP's check last reset it
+        (:meth:`random_stream`)."""
         self.embed_tokens = model.get_input_embeddings() if self.first else None
         self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, end)})
         self.rotary_emb = getattr(inner, "rotary_emb", None)
@@ -138,53 +138,51 @@ class DecoderStage(nn.Module):
 
     @contextlib.contextmanager
     def random_stream(self, device: torch.device) -> Iterator[None]:
-        """Run the body with this stage's random stream as the CPU (and ``device``'s)
-        default generator state, then restore the caller's.
+        """Run the body with the CPU (and ``device``'s) default generator seeded for this
+        stage and call, then restore the caller's states and advance the CPU generator by
+        one draw.
 
-        The stream starts from ``torch.initial_seed() + STAGE_SEED_STRIDE * (index + 1)``
-        (mod 2**63) and goes on from where the stage's last call left it; it starts again
-        when ``torch.initial_seed()`` changes (a new ``torch.manual_seed``). Why: every
-        pipeline rank holds the same model and is seeded alike (TP asks it), so without
-        streams of their own stage k's dropout masks repeated stage 0's bit for bit (a
-        review: identical in every call; one process draws them independently), and the
-        ranks' default generators drifted apart by each stage's draws, so a batch drawn
-        after a step (``step`` needs the same ``input_ids`` on every pipeline rank)
-        differed between ranks. Megatron-LM offsets the seed per pipeline rank the same
-        way (``seed + 100 * pp_rank``, ``megatron/training/initialize.py``); a stream per
-        stage also separates the virtual stages of one rank. Activation checkpoints inside
-        the stage save and replay the stream's state, as they do the default one."""
+        Each call draws ``base`` from the default CPU generator (one ``randint``, so every
+        pipeline rank, which makes the same number of stage calls per step, advances its
+        generator alike) and seeds the stage's draws with ``base + STAGE_SEED_STRIDE *
+        (index + 1)`` (mod 2**63). Why: every pipeline rank holds the same model and is
+        seeded alike (TP asks it), so without a per-stage seed stage k's dropout masks
+        repeated stage 0's bit for bit (a review: identical in every call; one process
+        draws them independently), and the ranks' generators drifted apart by each stage's
+        own draws, so a batch drawn after a step (``step`` needs the same ``input_ids`` on
+        every pipeline rank) differed between ranks. Megatron-LM offsets the seed per
+        pipeline rank the same way (``seed + 100 * pp_rank``,
+        ``megatron/training/initialize.py``); per stage also separates the virtual stages
+        of one rank. Derived from the default generator, the masks follow
+        ``torch.manual_seed`` and ``torch.set_rng_state`` as one process's do (a re-review:
+        a stream kept per stage ignored a second ``manual_seed`` of the same value and a
+        restored state). Activation checkpoints inside the stage save and replay the
+        seeded state. ``self.drew`` becomes True when the body drew random numbers (TP's
+        check, graphopt.parallel.apply._tp_rng_check)."""
         accel = device.type != "cpu"
         index = device.index if device.index is not None or not accel else \
             torch.get_device_module(device.type).current_device()
         module = torch.get_device_module(device.type) if accel else None
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        start = (base + STAGE_SEED_STRIDE * (self.index + 1)) % 2**63
         with torch.random.fork_rng(devices=[index] if accel else [],
                                    device_type=device.type if accel else "cuda"):
-            seed, cpu, dev = self._current_stream(device)
-            torch.set_rng_state(cpu)
+            torch.default_generator.manual_seed(start)
             if module is not None:
-                module.set_rng_state(dev, index)
-            try:
-                yield
-            finally:
-                self._stream = (seed, torch.get_rng_state(),
-                                module.get_rng_state(index) if module is not None else None)
+                module.set_rng_state(torch.Generator(device=device).manual_seed(start)
+                                     .get_state(), index)
+            before = self._states(module, index)
+            yield
+            if not self.drew:
+                after = self._states(module, index)
+                self.drew = any(not torch.equal(a, b) for a, b in zip(before, after))
 
-    def stream_state(self, device: torch.device) -> list[torch.Tensor]:
-        """The generator states (CPU, and ``device``'s on an accelerator) the stage's next
-        forward starts from (:meth:`random_stream`; read by TP's check that its ranks draw
-        alike, graphopt.parallel.apply._tp_rng_check)."""
-        _, cpu, dev = self._current_stream(device)
-        return [cpu] if dev is None else [cpu, dev]
-
-    def _current_stream(self, device: torch.device
-                        ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-        seed = torch.initial_seed()
-        if self._stream is None or self._stream[0] != seed:
-            start = (seed + STAGE_SEED_STRIDE * (self.index + 1)) % 2**63
-            self._stream = (seed, torch.Generator().manual_seed(start).get_state(),
-                            torch.Generator(device=device).manual_seed(start).get_state()
-                            if device.type != "cpu" else None)
-        return self._stream
+    @staticmethod
+    def _states(module: Any, index: int | None) -> list[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if module is not None:
+            states.append(module.get_rng_state(index))
+        return states
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
