@@ -1320,7 +1320,8 @@ def _evaluation_worker(rank, world):
     out = {}
     for case in ("eval_then_build", "grad_eval_then_by_hand", "eval_between",
                  "grad_eval_between_by_hand", "grad_eval_then_model_zero_grad", "norm",
-                 "rank0_reads_parameters_before_backward"):
+                 "rank0_reads_parameters_before_backward",
+                 "zero_grad_between_forward_and_backward"):
         mesh = build_mesh(plan)
         model = parallelize(fresh(), plan, mesh)
         local = BATCH.chunk(plan.dp)[mesh["dp"].get_local_rank()]
@@ -1336,7 +1337,8 @@ def _evaluation_worker(rank, world):
         held = sorted({type(p).__name__ for g in opt.param_groups for p in g["params"]})
         if case == "grad_eval_then_by_hand":  # it holds FSDP2's gathered copies: refused
             plan_backward(model, plan, mesh)
-            out[case] = (held, config_errors(opt.step)[0])
+            first, again = config_errors(opt.step, opt.step)  # a caught refusal: again
+            out[case] = (held, first if first == again else f"{first} / then {again}")
             continue
         if case == "norm":  # the whole model's gradient norm, read after such a forward
             probe = fresh()
@@ -1347,11 +1349,16 @@ def _evaluation_worker(rank, world):
             out[case] = (held, abs(float(clip_grad_norm_(model, 1e9)) - float(norm)))
             continue
         for _ in range(2):
-            if case.startswith("rank0_reads"):  # a re-review: rank 0 alone resharded there
-                # when reading parameters() resharded, and the backward's collectives hung
+            if case.startswith("rank0_reads"):  # re-reviews: rank 0 alone resharded there
+                # (parameters(), zero_grad) and the backward's collectives hung
                 loss = _lm_loss(model, local)
                 if rank == 0:
                     sum(p.numel() for p in model.parameters())
+                    model.zero_grad()
+                loss.backward()
+            elif case.startswith("zero_grad_between"):  # the units are gathered there: the
+                loss = _lm_loss(model, local)  # sharded gradients must be cleared too
+                model.zero_grad()
                 loss.backward()
             else:
                 plan_backward(model, plan, mesh)
@@ -1361,7 +1368,7 @@ def _evaluation_worker(rank, world):
             if case == "grad_eval_then_model_zero_grad":
                 evaluate(True)
                 model.zero_grad()
-            else:
+            elif not case.startswith("zero_grad_between"):
                 opt.zero_grad()
         reshard(model)  # an evaluation last: the module attributes are FSDP2's copies
         out[case] = (held, max(float((_full(p.detach()) - want[n].detach()).abs().max())

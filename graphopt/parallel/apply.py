@@ -916,11 +916,17 @@ def _keep_zero2_sharded_when_idle(model: nn.Module) -> None:
         model.register_forward_pre_hook(lambda module, args: reshard(module), prepend=True)
     zero_grad = model.zero_grad
 
-    def resharded_zero_grad(set_to_none: bool = True) -> None:
-        reshard(model)
-        zero_grad(set_to_none)
+    def master_zero_grad(set_to_none: bool = True) -> None:
+        zero_grad(set_to_none)  # the module's parameters: FSDP2's copies where gathered
+        for param in master_parameters(model).values():  # and the sharded ones behind them
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_()
+                    param.grad.zero_()
 
-    object.__setattr__(model, "zero_grad", resharded_zero_grad)
+    object.__setattr__(model, "zero_grad", master_zero_grad)
     global _STEP_HOOK
     _ZERO2_MODELS.add(model)
     if _STEP_HOOK is None:
@@ -943,24 +949,33 @@ def _refuse_gathered_copies(optimizer: Any, args: Any, kwargs: Any) -> None:
     optimizer skipped them and nothing trained, silently."""
     if optimizer in _CHECKED or not _ZERO2_MODELS:
         return
-    _CHECKED[optimizer] = True
-    copies = {id(p) for model in list(_ZERO2_MODELS) for unit in _fsdp_units(model)
-              for group in unit._get_fsdp_state()._fsdp_param_groups
-              for fsdp_param in group.fsdp_params
-              for p in [getattr(fsdp_param, "_unsharded_param", None)] if p is not None}
+    copies = {i for model in list(_ZERO2_MODELS) for i in master_parameters(model)}
     if any(id(p) in copies for group in optimizer.param_groups for p in group["params"]):
         raise ConfigError(
             "this optimizer holds FSDP2's gathered copies of a ZeRO-2 model's parameters "
             "(it was built after a forward that no backward followed, an evaluation, which "
             "leaves the units gathered): they get no gradients and would never train. Build "
-            "it with graphopt.parallel.build_optimizer (it reshards first), or before any "
-            "evaluation, or run evaluations under torch.no_grad()")
+            "it with graphopt.parallel.build_optimizer (it takes the sharded parameters), "
+            "or before any evaluation, or run evaluations under torch.no_grad()")
+    _CHECKED[optimizer] = True  # only once passed: a caught refusal refuses again
 
 
 def _fsdp_units(model: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def master_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
+    """id(gathered copy) -> the sharded parameter it stands for, for every FSDP2 parameter
+    of ``model`` whose gathered copy exists (``FSDPParam._unsharded_param``). A local
+    lookup, no collective: what ``build_optimizer``, ``zero_grad`` and the gradient norm
+    use where resharding could hang (a re-review: one rank resharding between forward and
+    backward made its backward all-gather alone)."""
+    return {id(copy): fsdp_param.sharded_param for unit in _fsdp_units(model)
+            for group in unit._get_fsdp_state()._fsdp_param_groups
+            for fsdp_param in group.fsdp_params
+            for copy in [getattr(fsdp_param, "_unsharded_param", None)] if copy is not None}
 
 
 def reshard(model: nn.Module) -> None:
@@ -1027,14 +1042,7 @@ def build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
     is (FSDP already shards states for ZeRO-2/3; a DTensor parameter's states are sharded
     like it). FSDP2 units are resharded first, so the optimizer holds the sharded master
     parameters even where a forward left some gathered (ZeRO-2 without a backward:
-    :func:`_keep_zero2_sharded_when_idle`)."""
-    reshard(model)
-    return _build_optimizer(model, plan, mesh, optimizer_class, **kwargs)
-
-
-def _build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
-                     optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
-                     ) -> torch.optim.Optimizer:
+    :func:`_keep_zero2_sharded_when_idle`; :func:`master_parameters`)."""
     if plan.zero_stage == 1 and plan.dp_shard > 1:
         if plan.tp > 1:
             raise ConfigError("ZeRO-1 with tp > 1 is not built yet (ZeroRedundancyOptimizer "
@@ -1043,7 +1051,8 @@ def _build_optimizer(model: nn.Module, plan: ParallelPlan, mesh: Any,
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
                                        process_group=mesh["dp_shard"].get_group(), **kwargs)
-    return optimizer_class(model.parameters(), **kwargs)
+    masters = master_parameters(model)
+    return optimizer_class([masters.get(id(p), p) for p in model.parameters()], **kwargs)
 
 
 def _expert_placement(name: str, report: ParallelReport) -> str:

@@ -131,16 +131,20 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if not p > 0:  # (0 was a ZeroDivisionError: a review)
         raise ConfigError(f"norm_type must be > 0 (float('inf') for the max norm), got "
                           f"{norm_type!r}")
-    from graphopt.parallel.apply import reshard
+    from graphopt.parallel.apply import master_parameters
 
-    reshard(model)  # ZeRO-2 after a forward without backward: the sharded parameters hold
-    # the gradients, the gathered copies FSDP2 left hold none (a review)
+    # ZeRO-2 after a forward without backward: the sharded parameters hold the gradients,
+    # the gathered copies FSDP2 left in the module hold none (a review)
+    masters = master_parameters(model)
     skip = _tied_copy(model)
     meshes: dict[tuple[Any, bool], list[torch.Tensor]] = {}
     plain: dict[bool, list[torch.Tensor]] = {False: [], True: []}
     names = getattr(model, "original_names", {})
     for name, param in model.named_parameters():
-        if param.grad is None or param is skip:
+        if param is skip:
+            continue
+        param = masters.get(id(param), param)
+        if param.grad is None:
             continue
         name = names.get(name, name).replace("_orig_mod.", "")
         expert = any(name.startswith(path + ".") for path in report.experts)  # FSDP2 made
@@ -215,7 +219,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                            f"{float(total)}: non-finite, so they cannot be clipped")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for param in model.parameters():
+    from graphopt.parallel.apply import master_parameters
+
+    masters = master_parameters(model)  # ZeRO-2: the sharded parameters hold the gradients
+    for param in (masters.get(id(p), p) for p in model.parameters()):
         if param.grad is not None:
             g = param.grad
             local = g.to_local() if hasattr(g, "to_local") else g
