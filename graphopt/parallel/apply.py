@@ -885,17 +885,19 @@ def _keep_zero2_sharded_when_idle(model: nn.Module) -> None:
     reused the weights gathered before ``optimizer.step`` (FSDP2's ``unshard`` returns
     early when gathered; 0.64-1.0 update errors after 2 steps); ``model.zero_grad()``
     cleared the copies' gradients and the sharded ones added into the next step (0.023);
-    the clip norm missed gathered parameters' gradients. So (:func:`reshard`, idle units
-    only): each unit reshards after a forward run without gradients, as ZeRO-3 does after
-    every forward; the root reshards before its forward (``model.step`` under PP) and in
-    its ``zero_grad``; ``build_optimizer`` and the gradient norm reshard first; and an
-    optimizer whose first step would update FSDP2's gathered copies raises ConfigError
-    (:func:`_refuse_gathered_copies`: a plain optimizer built after such a forward, by
-    hand, through a wrapper or a ``torch.compile``'d model). Not done: reading the root's
-    ``parameters()`` does not reshard (a re-review: one rank reading it between forward
-    and backward, ``model.device`` in rank-0 logging, resharded that rank alone and the
-    backward's collectives hung); a parameter frozen after such a forward through
-    ``named_parameters()`` or an attribute may be the copy."""
+    the clip norm missed gathered parameters' gradients. So, on every rank together
+    (:func:`reshard`, idle units only): each unit reshards after a forward run without
+    gradients, as ZeRO-3 does after every forward, and the root before its forward
+    (``model.step`` under PP). What one rank may call alone looks the sharded parameters
+    up instead (:func:`master_parameters`, no collective): the root's ``zero_grad`` clears
+    them too, ``build_optimizer`` and the gradient norm and clip take them (re-reviews:
+    resharding from the root's ``parameters()`` or ``zero_grad``, called by one rank
+    between forward and backward, ``model.device`` in rank-0 logging, made that rank's
+    backward all-gather alone and hang). An optimizer whose first step would update the
+    gathered copies raises ConfigError (:func:`_refuse_gathered_copies`: built by hand
+    after such a forward, through a wrapper or a ``torch.compile``'d model). Not done: a
+    parameter frozen after such a forward through ``named_parameters()`` or an attribute
+    may be the copy."""
 
     def hook(module: Any, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
