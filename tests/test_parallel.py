@@ -1021,11 +1021,17 @@ def test_example_runs_under_torchrun(tmp_path):
              f"--master-port={free_port()}", str(root / "examples" / "parallel_train.py"),
              "--steps", "2", "--plan", str(plan), "--save", str(tmp_path / "ckpt")],
             capture_output=True, text=True, timeout=300, cwd=root, check=False)
-        if out.returncode == 0 or not any(
+        # retried: a port taken by the other test worker, or the SIGABRT at interpreter
+        # exit after the run finished ("terminate called without an active exception":
+        # gloo's worker threads destroyed during finalization, pytorch/pytorch#179291;
+        # seen twice in a loaded full suite, never alone)
+        exit_abort = "step 1: loss" in out.stdout and \
+            "terminate called without an active exception" in out.stderr
+        if out.returncode == 0 or not exit_abort and not any(
                 s in out.stderr for s in ("Address already in use", "EADDRINUSE",
                                           "DistNetworkError")):
             break
-    # both tails: a rank that aborted (a SIGABRT seen once, under load) shows how far it got
+    # both tails: a rank that aborted shows how far it got
     assert out.returncode == 0, f"stdout: {out.stdout[-2000:]}\nstderr: {out.stderr[-4000:]}"
     assert "step 1: loss" in out.stdout and "tp: S(0)" in out.stdout and "SP on" in out.stdout
     import torch.distributed.checkpoint as dcp  # the TP checkpoint loads into one process
