@@ -863,16 +863,23 @@ def _refuse_inference_mode_first(model: nn.Module) -> None:
                 "after a training step)")
         seen.append(True)
 
-    if hasattr(model, "parts"):  # PP: the stages run inside step
+    _before_each_forward(model, check)
+
+
+def _before_each_forward(model: nn.Module, run: Callable[[], None]) -> None:
+    """Call ``run()`` before each forward of ``model``, ahead of its other pre-hooks
+    (FSDP2's starts the forward), or under PP (a PipelinedModel, whose stages run inside
+    ``step``) before each ``step``."""
+    if hasattr(model, "parts"):
         step: Callable[..., Any] = model.step  # type: ignore[assignment]
 
-        def checked_step(*args: Any, **kwargs: Any) -> Any:
-            check()
+        def wrapped_step(*args: Any, **kwargs: Any) -> Any:
+            run()
             return step(*args, **kwargs)
 
-        object.__setattr__(model, "step", checked_step)
+        object.__setattr__(model, "step", wrapped_step)
     else:
-        model.register_forward_pre_hook(lambda *_: check(), prepend=True)
+        model.register_forward_pre_hook(lambda *_: run(), prepend=True)
 
 
 def _keep_zero2_sharded_when_idle(model: nn.Module) -> None:
@@ -905,17 +912,8 @@ def _keep_zero2_sharded_when_idle(model: nn.Module) -> None:
 
     for unit in _fsdp_units(model):
         unit.register_forward_hook(hook)
-    if hasattr(model, "parts"):  # PP: the stages run inside step, never model's forward
-        step: Callable[..., Any] = model.step  # type: ignore[assignment]
-
-        def resharded_step(*args: Any, **kwargs: Any) -> Any:
-            reshard(model)
-            return step(*args, **kwargs)
-
-        object.__setattr__(model, "step", resharded_step)
-    else:
-        # before FSDP2's own pre-forward (which starts the forward: then nothing is idle)
-        model.register_forward_pre_hook(lambda module, args: reshard(module), prepend=True)
+    # before FSDP2's own pre-forward (which starts the forward: then nothing is idle)
+    _before_each_forward(model, lambda: reshard(model))
     zero_grad = model.zero_grad
 
     def master_zero_grad(set_to_none: bool = True) -> None:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphopt.errors import ConfigError
+from graphopt.parallel.apply import master_parameters
 
 
 def _norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
@@ -131,8 +132,6 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if not p > 0:  # (0 was a ZeroDivisionError: a review)
         raise ConfigError(f"norm_type must be > 0 (float('inf') for the max norm), got "
                           f"{norm_type!r}")
-    from graphopt.parallel.apply import master_parameters
-
     # ZeRO-2 after a forward without backward: the sharded parameters hold the gradients,
     # the gathered copies FSDP2 left in the module hold none (a review)
     masters = master_parameters(model)
@@ -219,8 +218,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                            f"{float(total)}: non-finite, so they cannot be clipped")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    from graphopt.parallel.apply import master_parameters
-
     masters = master_parameters(model)  # ZeRO-2: the sharded parameters hold the gradients
     for param in (masters.get(id(p), p) for p in model.parameters()):
         if param.grad is not None:

@@ -129,8 +129,8 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] (first stage) or hidden states [B, S(/tp under SP), H] ->
-        hidden states, or logits [B, S, V] on the last stage (class docstring), drawing its
-        random numbers (dropout) from the stage's own stream (:meth:`random_stream`)."""
+        hidden states, or logits [B, S, V] on the last stage (class docstring), its random
+        numbers (dropout) seeded for this stage and call (:meth:`random_stream`)."""
         if self.count == 1:
             return self._compute(x)
         with self.random_stream(x.device):
