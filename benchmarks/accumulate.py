@@ -6,12 +6,13 @@ graphopt.parallel.microbatches, with the collectives each issues and the planner
 
 A Llama (transformers class, fp32, random weights) sharded by graphopt.parallelize; a step
 is forward + backward of this rank's share of the global batch as microbatches of one
-sequence (batch / 4 per rank), then AdamW. Per plan and loop: the median step of the slowest
-rank and the data-parallel collectives of one step (torch.profiler: all-reduces,
-reduce-scatters, all-gathers; graphopt.planner.perf prices the microbatches() counts,
+sequence (batch / 4 per rank), then AdamW. Per plan and loop: the median step of the
+slowest rank (the two loops' steps alternate, the order swapped every rep) and the data-
+parallel collectives of one step (torch.profiler: all-reduces, reduce-scatters, all-
+gathers; graphopt.planner.perf prices the microbatches() counts,
 tests/test_parallel_accumulate.py). FSDP over all ranks is the control: both loops issue
-the same collectives. gloo's collectives are CPU copies on the same 2 cores the
-4 ranks compute on, so a saved all-reduce shows up in the step time directly.
+the same collectives. gloo's collectives are CPU copies on the same 2 cores the 4 ranks
+compute on, so a saved all-reduce shows up in the step time directly.
 """
 
 from __future__ import annotations
@@ -54,20 +55,21 @@ def _worker(rank: int, world: int, args: argparse.Namespace, plan_kwargs: dict) 
         opt.step()
         opt.zero_grad()
 
-    out = {}
+    out: dict[bool, dict] = {h: {"times": []} for h in (False, True)}
     for helper in (False, True):
         step(helper)  # warm-up (optimizer states, DDP's bucket rebuild)
-        times = []
-        for _ in range(args.reps):
+    for rep in range(args.reps):  # the two loops in turns, the order swapped every rep
+        for helper in ((False, True) if rep % 2 == 0 else (True, False)):
             dist.barrier()
             start = time.perf_counter()
             step(helper)
-            times.append(time.perf_counter() - start)
+            out[helper]["times"].append(time.perf_counter() - start)
+    for helper in (False, True):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step(helper)
         counts = collections.Counter(e.name.removeprefix("c10d::") for e in prof.events()
                                      if e.name.startswith("c10d::"))
-        out[helper] = {"times": times, "counts": dict(counts)}
+        out[helper]["counts"] = dict(counts)
     return out
 
 

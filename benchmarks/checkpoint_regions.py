@@ -8,7 +8,8 @@ lowering), side by side in one process.
 Saved: bytes autograd keeps for the backward of one step (``saved_tensors_hooks``, each
 storage once, parameters excluded; with checkpointing, what the regions' boundaries keep).
 Experts: transformers' ``grouped_mm`` (one graph; common.minimax_toy). Time: median of
-``--reps`` forward + backward steps after a warm-up (compile excluded). Rewritten: the
+``--reps`` forward + backward steps after a warm-up (compile excluded), the three runs'
+steps alternating (one of each per rep, the order rotating). Rewritten: the
 attention / moe report sites that were rewritten, and whether the compile ran its rewritten
 graph (no fallback).
 Before graphopt ran passes inside checkpoint regions, the checkpointed graphopt column had
@@ -21,31 +22,46 @@ import argparse
 import os
 
 import torch
-from common import median_time, minimax_toy
+from common import interleaved_medians, minimax_toy
 
 import graphopt
 from graphopt.cost.memory import measured_saved_bytes
 from graphopt.models import sample_batch
 
+KINDS = ("eager", "aot_eager", "graphopt")
 
-def run(checkpointing: bool, kind: str, args: argparse.Namespace) -> dict:
-    model, fn = minimax_toy(kind, checkpointing)
-    ids = sample_batch(model, batch=args.batch, seq=args.seq)
 
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        fn(ids).sum().backward()
+def run(checkpointing: bool, args: argparse.Namespace) -> dict[str, dict]:
+    """One row per kind; the kinds' timed steps alternate (common.interleaved_medians)."""
+    import torch._dynamo
 
-    step()  # compile
-    # each storage once, parameters not counted (as the other scripts; a review: every
-    # packed tensor was summed, shared inputs several times)
-    saved = measured_saved_bytes(lambda: fn(ids), list(model.parameters()))
-    ms = median_time(step, args.reps) * 1e3
-    reports = graphopt.reports()
-    rewritten = sum(s.action == "rewritten" for r in reports for p in r.passes
-                    if p.name in ("attention", "moe") for s in p.sites)
-    fell_back = any(r.fallback for r in reports)
-    return {"saved": saved, "ms": ms, "rewritten": rewritten, "fallback": fell_back}
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    rows: dict[str, dict] = {}
+    steps = {}
+    for kind in KINDS:
+        model, fn = minimax_toy(kind, checkpointing, reset=False)
+        ids = sample_batch(model, batch=args.batch, seq=args.seq)
+
+        def step(model=model, fn=fn, ids=ids) -> None:
+            model.zero_grad(set_to_none=True)
+            fn(ids).sum().backward()
+
+        step()  # compile
+        # each storage once, parameters not counted (as the other scripts; a review: every
+        # packed tensor was summed, shared inputs several times)
+        saved = measured_saved_bytes(lambda fn=fn, ids=ids: fn(ids), list(model.parameters()))
+        rows[kind] = {"saved": saved}
+        steps[kind] = step
+    reports = graphopt.reports()  # graphopt's compiles alone write reports
+    rows["graphopt"]["rewritten"] = sum(
+        s.action == "rewritten" for r in reports for p in r.passes
+        if p.name in ("attention", "moe") for s in p.sites)
+    rows["graphopt"]["fallback"] = any(r.fallback for r in reports)
+    for kind, seconds in interleaved_medians(steps, args.reps).items():
+        rows[kind]["ms"] = seconds * 1e3
+    return rows
 
 
 def main() -> None:
@@ -61,8 +77,7 @@ def main() -> None:
           "| attention/moe rewrites | ran rewritten graph |")
     print("|---|---|---|---|---|---|---|---|")
     for checkpointing in (False, True):
-        rows = {kind: run(checkpointing, kind, args)
-                for kind in ("eager", "aot_eager", "graphopt")}
+        rows = run(checkpointing, args)
         for kind, row in rows.items():
             ran = "" if kind != "graphopt" else ("no (fallback)" if row["fallback"] else "yes")
             print(f"| {'on' if checkpointing else 'off'} | {kind} | "
