@@ -303,6 +303,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             report.notes.append(f"SP: {len(layout.replicated)} replicated module(s) all-gather "
                                 "their input and keep their sequence shard of the output")
         _apply_tp(model, layout, mesh["tp"], report.sp)
+        from graphopt.parallel.rng import install_tp_regions
+
+        if install_tp_regions(model, layout, mesh["tp"].get_local_rank(), report.sp):
+            report.notes.append(
+                "TP: random numbers (dropout) drawn per TP rank where TP splits the values "
+                "(between a split mixer's readers and writer" + (", and the decoder layers' "
+                "sequence shards under SP" if report.sp else "") + "), and alike on every TP "
+                "rank elsewhere (Megatron-LM's model-parallel RNG tracker; "
+                "graphopt.parallel.rng)")
     if plan.ep > 1:
         from graphopt.parallel.expert import apply_ep, choose_schedule_at_first_step
 
@@ -378,6 +387,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         else:
             model.register_forward_pre_hook(before_forward)
             model.register_forward_hook(after_forward)
+    if plan.cp > 1 and plan.pp == 1:  # (PP: each stage offsets its seed by the CP rank)
+        from graphopt.parallel.rng import install_cp_region
+
+        if install_cp_region(model, mesh["cp"].get_local_rank()):
+            report.notes.append("CP: random numbers (dropout) drawn per CP rank: each holds "
+                                "its chunk of every sequence (graphopt.parallel.rng)")
     names = getattr(model, "original_names", {})
     report.parameters = [(names.get(name, name), _expert_placement(names.get(name, name),
                                                                    report) + _placements(p),

@@ -65,6 +65,11 @@ STAGE_SEED_STRIDE = 0x9E3779B97F4A7C15
 the 64-bit golden-ratio constant, so stage seeds do not meet the nearby seeds users give
 their DP ranks (``seed + dp_rank``)."""
 
+CP_SEED_STRIDE = 0xBF58476D1CE4E5B9
+"""Distance between the CP ranks' stage seeds (splitmix64's multiplier): under CP each
+rank's stage draws its chunk's masks from ``base + STAGE_SEED_STRIDE * (index + 1) +
+CP_SEED_STRIDE * (cp_rank + 1)``."""
+
 SCHEDULE_CACHE = 8
 """Pipeline schedules (with their stages' buffers) kept per PipelinedModel, one per
 (microbatch count, sequence length); the least recently used goes first."""
@@ -164,7 +169,10 @@ class DecoderStage(nn.Module):
             torch.get_device_module(device.type).current_device()
         module = torch.get_device_module(device.type) if accel else None
         base = int(torch.randint(0, 2**62, (1,)).item())
-        start = (base + STAGE_SEED_STRIDE * (self.index + 1)) % 2**63
+        # CP: the ranks of a CP group run the same stage on their chunks (one process draws
+        # independent masks over the whole sequence; graphopt.parallel.rng)
+        chunk = 0 if self.cp is None else CP_SEED_STRIDE * (self.cp[0] + 1)
+        start = (base + STAGE_SEED_STRIDE * (self.index + 1) + chunk) % 2**63
         with torch.random.fork_rng(devices=[index] if accel else [],
                                    device_type=device.type if accel else "cuda"):
             torch.default_generator.manual_seed(start)
