@@ -22,7 +22,7 @@ from graphopt.parallel.rng import (
 from graphopt.planner.plan import ParallelPlan
 
 
-def _starcoder2(dropout=0.5, attention=0.5):
+def _starcoder2(dropout=0.5, attention=0.5, attn_implementation="eager"):
     import transformers
 
     config = transformers.Starcoder2Config(
@@ -30,7 +30,7 @@ def _starcoder2(dropout=0.5, attention=0.5):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         attention_dropout=attention, residual_dropout=dropout, embedding_dropout=dropout,
         tie_word_embeddings=False, sliding_window=None, bos_token_id=0, eos_token_id=0)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attn_implementation
     torch.manual_seed(0)
     return transformers.Starcoder2ForCausalLM(config).double()
 
@@ -236,3 +236,35 @@ def test_models_without_randomness_get_no_regions():
     assert draws_randomly(build_model("llama", attention_dropout=0.1))
     assert draws_randomly(build_model("mixtral", router_jitter_noise=0.1))
     assert draws_randomly(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+
+
+def _pp_cp_worker(rank, world):
+    from graphopt.parallel import build_mesh, parallelize, shard_sequence
+
+    plan = ParallelPlan(pp=2, cp=2, microbatch=1)
+    mesh = build_mesh(plan)
+    model = parallelize(_starcoder2(attention=0.0, attn_implementation="sdpa").train(), plan,
+                        mesh)
+    masks: list[torch.Tensor] = []
+    original, recording = _recording_dropout(masks)
+    torch.nn.functional.dropout = recording
+    try:
+        torch.manual_seed(5)
+        chunk, labels = shard_sequence(_ids(), mesh)
+        model.step(chunk, labels=labels)
+    finally:
+        torch.nn.functional.dropout = original
+    return mesh["pp"].get_local_rank(), mesh["cp"].get_local_rank(), masks
+
+
+def test_pipeline_stages_under_cp_draw_their_own_masks_per_cp_rank():
+    """Under PP the stages seed their own draws; the CP ranks of a stage seeded them alike
+    and drew the same masks on their chunks (identical fraction 1.0)."""
+    by_stage: dict[int, dict[int, list[torch.Tensor]]] = {}
+    for pp_rank, cp_rank, masks in run_distributed(_pp_cp_worker, 4):
+        by_stage.setdefault(pp_rank, {})[cp_rank] = masks
+    for stage in by_stage.values():
+        first, second = stage[0], stage[1]
+        assert first and len(first) == len(second)
+        for a, b in zip(first, second, strict=True):
+            assert a.shape == b.shape and float((a == b).double().mean()) < 0.8

@@ -616,8 +616,9 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
     """(before, after) the first training forward: the TP ranks must draw alike (replicated
     regions compute the same values on every TP rank), so where that forward draws random
     numbers (dropout, Mixtral's router jitter noise, any op that advances a generator) the
-    ranks' random states must have agreed before it. Megatron's model-parallel RNG tracker
-    is not implemented; TP ranks seeded by global rank (a data-parallel habit) drew
+    ranks' random states must have agreed before it (the split regions seed from that
+    shared state and the TP rank: graphopt.parallel.rng). TP ranks seeded by global rank
+    (a data-parallel habit) drew
     different masks and their replicated parameters drifted apart, silently (a review:
     gradients up to 1.49 apart). Whether the forward draws is read from the generators
     themselves (a later review: the check looked for modules named ``*dropout*`` and missed

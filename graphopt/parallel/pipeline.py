@@ -158,12 +158,13 @@ class DecoderStage(nn.Module):
         every pipeline rank) differed between ranks. Megatron-LM offsets the seed per
         pipeline rank the same way (``seed + 100 * pp_rank``,
         ``megatron/training/initialize.py``); per stage also separates the virtual stages
-        of one rank. Derived from the default generator, the masks follow
-        ``torch.manual_seed`` and ``torch.set_rng_state`` as one process's do (a re-review:
-        a stream kept per stage ignored a second ``manual_seed`` of the same value and a
-        restored state). Activation checkpoints inside the stage save and replay the
-        seeded state. ``self.drew`` becomes True when the body drew random numbers (TP's
-        check, graphopt.parallel.apply._tp_rng_check)."""
+        of one rank; under CP the CP rank is added too (``CP_SEED_STRIDE``: the ranks of a
+        CP group run the same stage on their chunks). Derived from the default generator,
+        the masks follow ``torch.manual_seed`` and ``torch.set_rng_state`` as one process's
+        do (a re-review: a stream kept per stage ignored a second ``manual_seed`` of the
+        same value and a restored state). Activation checkpoints inside the stage save and
+        replay the seeded state. ``self.drew`` becomes True when the body drew random
+        numbers (TP's check, graphopt.parallel.apply._tp_rng_check)."""
         accel = device.type != "cpu"
         index = device.index if device.index is not None or not accel else \
             torch.get_device_module(device.type).current_device()
