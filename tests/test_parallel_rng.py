@@ -59,12 +59,26 @@ def _recording_dropout(masks):
     return original, dropout
 
 
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False,
+                                                 **kwargs)
+
+
 def _tp_worker(rank, world, sp, recompute):
     import graphopt.parallel.rng as rng
     from graphopt.parallel import parallelize
 
-    model = parallelize(_starcoder2(), ParallelPlan(tp=2, sp=sp, recompute_layers=recompute))
+    layers = recompute if isinstance(recompute, int) else 0
+    model = parallelize(_starcoder2(), ParallelPlan(tp=2, sp=sp, recompute_layers=layers))
     model.train()
+    if recompute == "mixers":  # a checkpoint around each attention alone, hooks inside
+        for layer in model.model.layers:
+            layer.self_attn = _Checkpointed(layer.self_attn)
     masks: list[torch.Tensor] = []
     original, recording = _recording_dropout(masks)
     torch.nn.functional.dropout = recording
@@ -74,8 +88,8 @@ def _tp_worker(rank, world, sp, recompute):
         loss.backward()
     finally:
         torch.nn.functional.dropout = original
-    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-             for n, p in model.named_parameters()}
+    grads = {n.replace(".inner.", "."): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+             else p.grad for n, p in model.named_parameters()}
     notes = [n for n in model.graphopt_parallel.notes if "random numbers" in n]
     return loss.item(), grads, masks, notes, rng.region_seed(HEAD_TAG, rank, 7)
 
@@ -137,15 +151,19 @@ def test_tp_dropout_masks_split_by_rank_and_replay_in_one_process(sp):
         assert float((grads[name] - g).abs().max()) <= 1e-10 * float(g.abs().max()), name
 
 
-def test_tp_dropout_with_recomputed_layers_replays_the_same_masks():
-    """recompute_layers checkpoints each decoder layer: the recomputation enters the same
-    regions from the restored generator state, so the gradients equal the run without it
-    bit for bit (under SP, where mixers switch to the shared stream inside the layer)."""
+@pytest.mark.parametrize("recompute", [2, "mixers"])
+def test_tp_dropout_under_activation_checkpointing_replays_the_same_masks(recompute):
+    """recompute_layers checkpoints each decoder layer, "mixers" each attention alone (its
+    hooks inside the checkpoint, entered from the sequence region): the recomputation
+    enters the same regions from the restored generator state (the mixer reads which
+    stream it is in from the restored seed), so the gradients equal the run without it
+    bit for bit under SP."""
     plain = run_distributed(_tp_worker, 2, True, 0)
-    recomputed = run_distributed(_tp_worker, 2, True, 2)
+    recomputed = run_distributed(_tp_worker, 2, True, recompute)
     for (loss, grads, masks, *_), (loss_r, grads_r, masks_r, *_) in zip(plain, recomputed):
         assert loss == loss_r
-        assert len(masks_r) == 2 * len(masks) - 1  # + the layers' recomputation
+        # + the recomputation: the layers' 3 masks each, or the attentions' 2 each
+        assert len(masks_r) == len(masks) + (6 if recompute == 2 else 4)
         for name in grads:
             assert torch.equal(grads[name], grads_r[name]), name
 
