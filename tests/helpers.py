@@ -41,6 +41,33 @@ class WrongExactPass(GraphPass):
 
 @register_pass
 @dataclass(frozen=True)
+class GradientScalePass(GraphPass):
+    """Claims exactness, keeps the forward bit for bit and makes every gradient 1.5x eager's
+    (``y + 0.5 * (y - y.detach())`` on the first output): verify must catch it also when
+    the gradients are small (a mean loss's, ~1e-3)."""
+
+    name = "test_gradient_scale"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        y = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            detached = gm.graph.call_function(aten.detach.default, (y,))
+            half = gm.graph.call_function(
+                aten.mul.Tensor, (gm.graph.call_function(aten.sub.Tensor, (y, detached)), 0.5))
+            scaled = gm.graph.call_function(aten.add.Tensor, (y, half))
+        for node in (detached, half, scaled, half.args[0]):
+            node.meta["val"] = y.meta["val"]
+        out.args = ((scaled, *out.args[0][1:]),)
+        ctx.record("rewritten", site_name(y), "gradient x1.5 (test-only, wrong)")
+        gm.recompile()
+        return PassResult(gm, True)
+
+
+@register_pass
+@dataclass(frozen=True)
 class SilentRewritePass(GraphPass):
     """Rewrites sin into cos and says it changed nothing (modified=False): the pipeline
     records it as modified from the op counts (tests/test_pipeline.py)."""

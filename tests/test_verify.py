@@ -77,6 +77,34 @@ def test_a_large_entry_does_not_loosen_the_tolerance_of_the_others(big):
     assert graphopt.last_report().verify["status"] == "passed"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wrong_gradients_smaller_than_atol_are_caught(dtype):
+    """atol scaled with max(RMS, 1.0): gradients of a mean loss (RMS ~1e-3) all 1.5x eager's
+    passed under bf16 (atol 1e-2), and a float32 output of RMS 1e-7 twice eager's passed (a
+    review). The floor is now the largest RMS among the outputs, or the gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 128)).to(dtype)
+    x, target = torch.randn(512, 64, dtype=dtype), torch.randint(0, 128, (512,))
+
+    def loss(m):
+        return torch.nn.functional.cross_entropy(m(x).float(), target)
+
+    compiled = torch.compile(loss, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_gradient_scale"]})
+    with pytest.raises(VerificationError, match="test_gradient_scale"):
+        compiled(model).backward()
+
+
+def test_a_wrong_output_below_atol_is_caught():
+    """A float32 output of magnitude 1e-7 computed wrong (sin -> cos) passed: its error,
+    1e-7, was below atol (1e-5) with the floor of 1.0 (a review)."""
+    with pytest.raises(VerificationError, match="test_wrong_exact"):
+        torch.compile(lambda x: torch.sin(x) * 1e-7, backend="graphopt", options={
+            "lowering": "eager", "verify": True, "enable": ["test_wrong_exact"]})(
+                torch.full((64,), 1e-3))
+
+
 def test_graph_with_active_dropout_is_skipped_with_reason():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
     compiled = torch.compile(model, backend="graphopt",
