@@ -208,8 +208,10 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
     ``CheckpointPolicy.MUST_SAVE`` where nothing tagged it: min-cut otherwise recomputes such
     a value in the backward from the input after its in-place update (e.g. ``shift`` in
     ``sin(x + self.shift); self.shift.add_(1)``), which gives wrong gradients with
-    ``backend="aot_eager"`` and Inductor in torch 2.13, or a version-counter error. Its CSE
-    leaves every random op unmerged (:func:`graphopt.passes.fx_utils.random_ops_kept`)."""
+    ``backend="aot_eager"`` and Inductor in torch 2.13, or a version-counter error. Such an
+    input the backward reads itself is saved as a copy taken before the write
+    (:func:`save_pre_mutation_values`). Its CSE leaves every random op unmerged
+    (:func:`graphopt.passes.fx_utils.random_ops_kept`)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -218,12 +220,91 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
 
     readers = readers_of_mutated_inputs(joint.graph)
     if readers:
-        forward, _ = split_joint(joint)
-        for node in forward:
+        for node in split_joint(joint)[0]:
             if node in readers and node.meta.get("recompute") is None:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     with random_ops_kept(joint.graph):  # its CSE merged identical random draws
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs,
+                                                                **kwargs)
+    save_pre_mutation_values(forward, backward, kwargs.get("num_fwd_outputs"))
+    return forward, backward
+
+
+def save_pre_mutation_values(forward: fx.GraphModule, backward: fx.GraphModule,
+                             num_fwd_outputs: Any) -> list[str]:
+    """Make the partitioned ``forward`` save a copy (``aten.clone``, taken where the value
+    is defined, before the forward's writes) of every value it saves for ``backward`` that
+    is a graph input the graph writes in place, or a view of one; returns the names of the
+    values replaced.
+
+    Saving such an input saves the tensor the forward then overwrites (its ``copy_``
+    epilogue, or the runtime's copy after the graph), so the backward reads the updated
+    value: MUST_SAVE on the readers (:func:`min_cut_partition`) does not help when the
+    backward reads the input itself, as in ``h * self.ema.clone(); self.ema.mul_(0.5)``
+    under Inductor, whose joint-graph ``remove_noop_ops`` drops the ``clone`` before the
+    partitioner runs (the backward's ``grad * ema`` then read ``primals_4`` after the
+    ``copy_``: l1's gradients 50% off, a review). Done on the partitioned graphs, after
+    min-cut chose: a copy made in the joint graph that only the backward reads is
+    "unclaimed" there and would be computed in the backward, from the updated input. The
+    copy is a forward output next to its input, which Inductor's post-grad
+    ``remove_noop_ops`` keeps (it introduces no input/output alias). The number and order
+    of the saved values do not change; the backward's placeholder keeps its name.
+
+    Inputs are those the forward writes (:func:`graphopt.passes.fx_utils.mutated_nodes`)
+    or the lowering marked ``MUTATED_INPUT`` (a write the runtime does after the graph),
+    not those marked only because the marker could not match the inputs
+    (``MUTATED_INPUT_GUESSED``: copying every parameter the backward reads would double
+    their memory)."""
+    import torch
+
+    from graphopt.passes.fx_utils import (
+        MUTATED_INPUT,
+        MUTATED_INPUT_GUESSED,
+        alias_classes,
+        is_mutating,
+        mutated_nodes,
+    )
+
+    if not isinstance(num_fwd_outputs, int):
+        return []
+    graph = forward.graph
+    output = graph.output_node()
+    outputs = output.args[0]
+    if not isinstance(outputs, (list, tuple)):
+        return []
+    classes = alias_classes(graph)
+    written = mutated_nodes(graph, classes)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    dirty = {classes[p] for p in placeholders if p in written or (
+        p.meta.get(MUTATED_INPUT) and not p.meta.get(MUTATED_INPUT_GUESSED))}
+    if not dirty:
+        return []
+    copies: dict[fx.Node, fx.Node] = {}
+    new_outputs = list(outputs)
+    for i in range(num_fwd_outputs, len(new_outputs)):
+        value = new_outputs[i]
+        if not isinstance(value, fx.Node) or classes.get(value) not in dirty or \
+                not isinstance(value.meta.get("val"), torch.Tensor) or \
+                (value.op != "placeholder" and is_mutating(value)):
+            continue
+        if value not in copies:
+            with graph.inserting_after(placeholders[-1] if value.op == "placeholder"
+                                       else value):
+                copy = graph.call_function(torch.ops.aten.clone.default, (value,))
+            copy.meta["val"] = torch.ops.aten.clone.default(value.meta["val"])
+            copies[value] = copy
+        new_outputs[i] = copies[value]
+    if not copies:
+        return []
+    output.args = (type(outputs)(new_outputs),)
+    forward.recompile()
+    held = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
+    for value, copy in copies.items():
+        ph = held.get(value.name)
+        if ph is not None and ph.meta.get("val") is not None and \
+                ph.meta["val"].stride() != copy.meta["val"].stride():
+            ph.meta = {**ph.meta, "val": copy.meta["val"]}  # (shared with the joint's)
+    return [v.name for v in copies]
 
 
 def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]:
@@ -236,7 +317,7 @@ def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]
     parameters and effect tokens first), checked by shape and dtype; when the match fails
     or a ``get_attr`` is written, every primal is marked (nothing read from an input is
     recomputed: safe, and only costs memory)."""
-    from graphopt.passes.fx_utils import MUTATED_INPUT, mutated_nodes
+    from graphopt.passes.fx_utils import MUTATED_INPUT, MUTATED_INPUT_GUESSED, mutated_nodes
 
     written = mutated_nodes(gm.graph)
     inputs = list(gm.graph.find_nodes(op="placeholder"))
@@ -248,8 +329,11 @@ def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]
             return
         tail = None if unknown else _matching_primals(
             joint, [i.meta.get("example_value", i.meta.get("val")) for i in inputs])
-        for p, flag in zip(tail, flags) if tail is not None else \
-                ((p, True) for p in _primals(joint)):
+        if tail is None:  # every primal: which one is written is not known
+            for p in _primals(joint):
+                p.meta[MUTATED_INPUT] = p.meta[MUTATED_INPUT_GUESSED] = True
+            return
+        for p, flag in zip(tail, flags):
             if flag:
                 p.meta[MUTATED_INPUT] = True
 

@@ -332,6 +332,11 @@ MUTATED_INPUT = "graphopt_mutated_input"
 """Joint-graph placeholder meta: the forward writes this input in place (set by
 ``graphopt.lowering.base.mutated_input_marker``)."""
 
+MUTATED_INPUT_GUESSED = "graphopt_mutated_input_guessed"
+"""Joint-graph placeholder meta set with :data:`MUTATED_INPUT` where the marker could not
+tell which input is written and marked every primal (safe for what it only stops from being
+recomputed; ``graphopt.lowering.base.save_pre_mutation_values`` does not copy these)."""
+
 
 def readers_of_mutated_inputs(graph: fx.Graph) -> set[fx.Node]:
     """Tensor-valued nodes that read a graph input the graph writes in place, or a view of
