@@ -270,7 +270,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if plan.tp > 1:
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
         report.tp_layout = layout
-        report.sp = plan.sp and bool(layout.layers)
+        # (a layout with decoder layers but no split mixer, GPT-2's untied head alone:
+        # SP's input preparation of its blocks crashed in torch, a review)
+        report.sp = plan.sp and bool(layout.layers) and bool(layout.mixers)
         if report.sp and layout.written_in_place:
             raise ConfigError(f"SP cannot run {layout.written_in_place[0]}: its caller writes "
                               "its output in place, which autograd forbids on the sequence "
@@ -305,13 +307,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         _apply_tp(model, layout, mesh["tp"], report.sp)
         from graphopt.parallel.rng import install_tp_regions
 
-        if install_tp_regions(model, layout, mesh["tp"].get_local_rank(), report.sp):
+        regions = install_tp_regions(model, layout, mesh["tp"].get_local_rank(), report.sp)
+        if regions is not None:
             report.notes.append(
-                "TP: random numbers (dropout) drawn per TP rank where TP splits the values "
-                "(between a split mixer's readers and writer" + (", and the decoder layers' "
-                "sequence shards under SP" if report.sp else "") + "), and alike on every TP "
-                "rank elsewhere (Megatron-LM's model-parallel RNG tracker; "
-                "graphopt.parallel.rng)")
+                f"TP: random numbers (dropout) drawn per TP rank where TP splits the values "
+                f"(in {regions.split_mixers} split mixer(s) between their readers and "
+                f"writer" + (", and on the decoder layers' sequence shards under SP"
+                             if report.sp else "") + "), and alike on every TP rank "
+                "elsewhere (Megatron-LM's model-parallel RNG tracker; graphopt.parallel.rng)")
     if plan.ep > 1:
         from graphopt.parallel.expert import apply_ep, choose_schedule_at_first_step
 

@@ -11,10 +11,10 @@ regions are marked with module hooks on that layout instead of in the model's co
   writer's (RowwiseParallel) input, where each TP rank holds its heads or FFN columns
   (attention-probability dropout). Seeded per TP rank.
 - **sequence region** (TP + SP): a decoder layer outside its mixers and replicated modules,
-  and a split mixer after its writer (Starcoder2's and GPT-2's residual dropout inside the
-  mixer), where each TP rank holds a sequence shard of the residual stream. Seeded per TP
-  rank. Its mixers and replicated modules (which all-gather the sequence) run on a stream
-  derived from the region's shared base and the module, the same on every TP rank.
+  and a split mixer after its writer (Starcoder2's residual dropout inside the mixer),
+  where each TP rank holds a sequence shard of the residual stream. Seeded per TP rank. Its
+  mixers and replicated modules (which all-gather the sequence) run on a stream derived
+  from the region's shared base and the module, the same on every TP rank.
 - **chunk region** (CP): the model's forward, where each CP rank holds its chunk of every
   sequence. Seeded per CP rank (Megatron-LM does not offset CP ranks; one process draws
   independent masks over the whole sequence, which this matches in distribution). Under PP
@@ -126,6 +126,8 @@ class RandomRegions:
         self.tp_rank, self.cp_rank = tp_rank, cp_rank
         self.stack: list[tuple[str, Any]] = []
         """Open regions: (kind, saved states or None for a boundary that changed nothing)."""
+        self.split_mixers = 0
+        """Split mixers whose head regions are hooked (the report's note)."""
 
     # -- entering and leaving -------------------------------------------------------------
 
@@ -188,8 +190,9 @@ class RandomRegions:
             self._close("head", inner=False)
 
     def tail_enter(self, module: nn.Module, args: Any, output: Any) -> None:
-        """A split mixer's writer under SP, after its forward: the rest of the mixer (GPT-2's
-        ``resid_dropout``) runs on this rank's sequence shard of the writer's output."""
+        """A split mixer's writer under SP, after its forward: the rest of the mixer
+        (Starcoder2's residual dropout) runs on this rank's sequence shard of the writer's
+        output."""
         if module.training:
             self._enter("tail", lambda base: region_seed(SEQUENCE_TAG, self.tp_rank, base))
 
@@ -249,9 +252,11 @@ def install_tp_regions(model: nn.Module, layout: Any, tp_rank: int, sp: bool
     """Hook the head regions of every split mixer of ``layout`` (a TPLayout) and, with
     ``sp``, the sequence regions of its decoder layers (module docstring). Returns the
     RandomRegions, or None when ``model`` draws no random numbers (:func:`draws_randomly`)."""
-    if not draws_randomly(model):
+    split = {m for m in layout.mixers if any(p.startswith(m + ".") for p in layout.colwise)}
+    if not draws_randomly(model) or not (split or sp):
         return None
     regions = RandomRegions(_model_device(model), tp_rank=tp_rank)
+    regions.split_mixers = len(split)
     modules = dict(model.named_modules())
     for path in layout.colwise:
         if path in modules and any(path.startswith(m + ".") for m in layout.mixers):
