@@ -100,9 +100,9 @@ class AOTLowering(Lowering):
             forward, backward = self.partition(joint, joint_inputs, **kwargs)
             from graphopt.passes.remat import offloads_kept_on_device
 
-            note = offloads_kept_on_device(joint, forward)
-            if note:
-                hooks.note(note)
+            for note in (offloads_kept_on_device(joint, forward), pre_mutation_note(forward)):
+                if note:
+                    hooks.note(note)
             return forward, backward
 
         # Dynamo's own AOTAutograd backend wrapper, as aot_eager uses it: it counts the call
@@ -230,6 +230,23 @@ def min_cut_partition(joint: fx.GraphModule, joint_inputs: Sequence[Any],
     return forward, backward
 
 
+PRE_MUTATION_COPIES = "graphopt_pre_mutation_copies"
+"""Partitioned forward meta: {written input's name: bytes of the copy saved for the
+backward} (:func:`save_pre_mutation_values`; the report notes them)."""
+
+
+def pre_mutation_note(forward: fx.GraphModule) -> str:
+    """The report's note on the copies :func:`save_pre_mutation_values` added ("" if none):
+    memory the remat plan, priced on the joint graph before them, does not count (a review:
+    remat claimed 16384 bytes saved where autograd held 16640 under Inductor)."""
+    copies = forward.meta.get(PRE_MUTATION_COPIES)
+    if not copies:
+        return ""
+    return (f"the forward saves a copy of {len(copies)} input(s) it writes in place and the "
+            f"backward reads ({', '.join(copies)}: {sum(copies.values())} bytes), taken "
+            "before the write; not counted in remat's saved bytes")
+
+
 def save_pre_mutation_values(forward: fx.GraphModule, backward: fx.GraphModule,
                              num_fwd_outputs: Any) -> list[str]:
     """Make the partitioned ``forward`` save a copy (``aten.clone``, taken where the value
@@ -298,6 +315,9 @@ def save_pre_mutation_values(forward: fx.GraphModule, backward: fx.GraphModule,
         return []
     output.args = (type(outputs)(new_outputs),)
     forward.recompile()
+    from graphopt.passes.remat import _bytes
+
+    forward.meta[PRE_MUTATION_COPIES] = {v.name: _bytes(c) for v, c in copies.items()}
     held = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
     for value, copy in copies.items():
         ph = held.get(value.name)

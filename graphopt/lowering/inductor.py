@@ -112,7 +112,7 @@ class _JointPassPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        from graphopt.lowering.base import PARTITION_ARGS, min_cut_partition
+        from graphopt.lowering.base import PARTITION_ARGS, min_cut_partition, pre_mutation_note
         from graphopt.passes.remat import offloads_kept_on_device
 
         if self.mark_mutated is not None:
@@ -123,9 +123,9 @@ class _JointPassPartitioner(CustomPartitionerFn):
         gm = self.hooks.run_joint(gm, "joint")
         self.hooks.graph_ready("joint", gm)
         forward, backward = min_cut_partition(gm, joint_inputs, **kwargs)
-        note = offloads_kept_on_device(gm, forward)
-        if note:
-            self.hooks.note(note)
+        for note in (offloads_kept_on_device(gm, forward), pre_mutation_note(forward)):
+            if note:
+                self.hooks.note(note)
         return forward, backward
 
     def uuid(self) -> str:
