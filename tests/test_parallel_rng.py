@@ -7,6 +7,8 @@ gradient; activation checkpointing replays the same masks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -44,11 +46,14 @@ def _ids():
     return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def _recording_dropout(masks):
-    """F.dropout that records each call's keep mask: drawn with the same generator calls as
-    dropout (``dropout(ones)``), so a kept element whose input is 0 is recorded kept (an
-    all-dropped attention row makes o_proj's output row exactly its zero bias)."""
+@contextlib.contextmanager
+def _recorded_masks():
+    """Seeds the generator alike on every rank and patches F.dropout to record each call's
+    keep mask (yielded list): drawn with the same generator calls as dropout
+    (``dropout(ones)``), so a kept element whose input is 0 is recorded kept (an all-dropped
+    attention row makes o_proj's output row exactly its zero bias)."""
     original = torch.nn.functional.dropout
+    masks: list[torch.Tensor] = []
 
     def dropout(input, p=0.5, training=True, inplace=False):
         if not training or p == 0:
@@ -56,7 +61,18 @@ def _recording_dropout(masks):
         keep = original(torch.ones_like(input), p, True) != 0
         masks.append(keep)
         return input * keep / (1 - p)
-    return original, dropout
+
+    torch.nn.functional.dropout = dropout
+    try:
+        torch.manual_seed(5)
+        yield masks
+    finally:
+        torch.nn.functional.dropout = original
+
+
+def _full_grads(model):
+    return {n.replace(".inner.", "."): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+            else p.grad for n, p in model.named_parameters()}
 
 
 class _Checkpointed(torch.nn.Module):
@@ -79,17 +95,10 @@ def _tp_worker(rank, world, sp, recompute):
     if recompute == "mixers":  # a checkpoint around each attention alone, hooks inside
         for layer in model.model.layers:
             layer.self_attn = _Checkpointed(layer.self_attn)
-    masks: list[torch.Tensor] = []
-    original, recording = _recording_dropout(masks)
-    torch.nn.functional.dropout = recording
-    try:
-        torch.manual_seed(5)  # every TP rank alike
+    with _recorded_masks() as masks:  # every TP rank seeded alike
         loss = _loss(model, _ids())
         loss.backward()
-    finally:
-        torch.nn.functional.dropout = original
-    grads = {n.replace(".inner.", "."): p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-             else p.grad for n, p in model.named_parameters()}
+    grads = _full_grads(model)
     notes = [n for n in model.graphopt_parallel.notes if "random numbers" in n]
     return loss.item(), grads, masks, notes, rng.region_seed(HEAD_TAG, rank, 7)
 
@@ -157,17 +166,10 @@ def _compiled_worker(rank, world):
     model = graphopt.compile(_starcoder2(), options={
         "parallel": ParallelPlan(tp=2, sp=True), "lowering": "eager"})
     model.train()
-    masks: list[torch.Tensor] = []
-    original, recording = _recording_dropout(masks)
-    torch.nn.functional.dropout = recording
-    try:
-        torch.manual_seed(5)
+    with _recorded_masks() as masks:
         loss = _loss(model, _ids())
         loss.backward()
-    finally:
-        torch.nn.functional.dropout = original
-    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-             for n, p in model.named_parameters()}
+    grads = _full_grads(model)
     return loss.item(), grads, masks, len(graphopt.reports())
 
 
@@ -244,17 +246,10 @@ def _cp_worker(rank, world):
     mesh = build_mesh(plan)
     model = parallelize(_starcoder2(attention=0.0), plan, mesh)
     model.train()
-    masks: list[torch.Tensor] = []
-    original, recording = _recording_dropout(masks)
-    torch.nn.functional.dropout = recording
-    try:
-        torch.manual_seed(5)
-        ids = _ids()
-        chunk, labels = shard_sequence(ids, mesh)
+    with _recorded_masks() as masks:
+        chunk, labels = shard_sequence(_ids(), mesh)
         out = model(input_ids=chunk, use_cache=False)
         cp_loss(out.logits, labels, mesh).backward()
-    finally:
-        torch.nn.functional.dropout = original
     return masks, [n for n in model.graphopt_parallel.notes if "random numbers" in n]
 
 
@@ -297,15 +292,9 @@ def _pp_cp_worker(rank, world):
     mesh = build_mesh(plan)
     model = parallelize(_starcoder2(attention=0.0, attn_implementation="sdpa").train(), plan,
                         mesh)
-    masks: list[torch.Tensor] = []
-    original, recording = _recording_dropout(masks)
-    torch.nn.functional.dropout = recording
-    try:
-        torch.manual_seed(5)
+    with _recorded_masks() as masks:
         chunk, labels = shard_sequence(_ids(), mesh)
         model.step(chunk, labels=labels)
-    finally:
-        torch.nn.functional.dropout = original
     return mesh["pp"].get_local_rank(), mesh["cp"].get_local_rank(), masks
 
 
