@@ -378,9 +378,11 @@ def _compare_one(e: Any, a: Any, config: GraphoptConfig,
         return f"shape/dtype {tuple(e.shape)}/{e.dtype} vs {tuple(a.shape)}/{a.dtype}"
     if not e.is_floating_point() and not e.is_complex():
         return None if torch.equal(e, a) else "integer values differ"
-    rtol, atol = default_tolerance(e.dtype)
+    dtype = e.dtype
     if compute_dtype is not None and torch.finfo(compute_dtype).eps > torch.finfo(e.dtype).eps:
-        rtol, atol = default_tolerance(compute_dtype)
+        dtype = compute_dtype
+    rtol, atol = default_tolerance(dtype)
+    chosen = config.verify.rtol is not None or config.verify.atol is not None
     rtol = config.verify.rtol if config.verify.rtol is not None else rtol
     atol = config.verify.atol if config.verify.atol is not None else atol
     scale, sentinel = _scale(e)
@@ -391,9 +393,31 @@ def _compare_one(e: Any, a: Any, config: GraphoptConfig,
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol * max(scale, floor),
                                    equal_nan=True)
     except AssertionError:
+        if not chosen and _within_16bit_noise(e, a, dtype):
+            return None
         err = float((a.double() - e.double()).abs().max())
         return f"max abs error {err:.3g} (reference RMS |x| {scale:.3g}, rtol {rtol}, atol {atol})"
     return None
+
+
+def _within_16bit_noise(e: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``a``, computed in a 16-bit ``dtype``, is within that dtype's rounding of the
+    reference ``e`` as a whole: the same non-finite entries, and a relative L2 error
+    ``||a - e|| / ||e||`` of at most 8 eps (bf16 0.0625, fp16 0.0078). Entry by entry a
+    16-bit gradient summed over many contributions (an embedding's) is ~10% of its RMS
+    off a float64 truth in eager itself, and any reordering upstream moves its worst entry
+    that far (a review: six false alarms on MiniMax and Llama once atol stopped flooring
+    at 1.0, relative L2 differences 0.5-0.6%); a wrong exact pass moves the whole tensor
+    (a 1.5x gradient: 0.5)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    finite = torch.isfinite(e)
+    if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(e[~finite], a[~finite]):
+        return False
+    reference = e[finite].double()
+    norm = float(reference.norm())
+    return norm > 0 and float((a[finite].double() - reference).norm()) <= \
+        8 * torch.finfo(dtype).eps * norm
 
 
 def _scale(e: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -455,6 +479,9 @@ def _measured(report: CompileReport, reference: Outcome, actual: Outcome,
         "rtol": config.verify.rtol if config.verify.rtol is not None else rtol,
         "atol": config.verify.atol if config.verify.atol is not None else atol,
         "dtype": str(tol_dtype).replace("torch.", "")}
+    if tol_dtype in (torch.bfloat16, torch.float16) and config.verify.rtol is None and \
+            config.verify.atol is None:  # (_within_16bit_noise)
+        report.verify["tolerance"]["relative_l2"] = 8 * torch.finfo(tol_dtype).eps
     bad = {"compiled": nonfinite(actual), "eager": nonfinite(reference)}
     if bad["compiled"] or bad["eager"]:
         report.verify["nonfinite"] = bad
@@ -595,8 +622,11 @@ def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any]
             report.verify.update(status="nonfinite", detail=f"{detail} match eager, but hold "
                                  f"NaN/Inf: {report.verify['nonfinite']}")
         else:
+            within = (f"; 16-bit: a tensor beyond atol is accepted within relative L2 "
+                      f"{report.verify['tolerance']['relative_l2']:.3g}"
+                      if "relative_l2" in report.verify.get("tolerance", {}) else "")
             report.verify.update(status="passed", detail=f"{detail} match eager (max abs "
-                                 f"error {report.verify['max_abs_error']:.3g})")
+                                 f"error {report.verify['max_abs_error']:.3g}{within})")
         return
     talking = [n.name for _, _, g in snapshots for n in _all_nodes(g)
                if n.op == "call_function" and communicates(n.target, n.args)]
