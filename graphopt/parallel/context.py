@@ -455,6 +455,7 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
         if ids is None:  # inputs_embeds [B, L, H]: the same chunk, embedded by the caller
             ids = given.get("inputs_embeds")
         length = ids.shape[1] if isinstance(ids, torch.Tensor) else 0
+        batch = ids.shape[0] if isinstance(ids, torch.Tensor) else 0
         device = ids.device if isinstance(ids, torch.Tensor) else None
         own = chunk_positions(length, rank, plan.cp, ring, device)
         # every CP rank refuses together (the cause may sit in one rank's chunk only, and a
@@ -464,13 +465,15 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
         tagged = not isinstance(ids, torch.Tensor) or getattr(ids, SHARDED, False)
         check_layout(ids, plan.cp_kind)  # the same on every CP rank
         flags = torch.tensor([float(bool(problem)) for problem in _refusals(given, own)]
-                             + [float(length), float(length) ** 2, float(not tagged)],
+                             + [float(length), float(length) ** 2, float(batch),
+                                float(batch) ** 2, float(not tagged)],
                              dtype=torch.float64, device=device)
         mark = _fingerprint(ids).reshape(1) if isinstance(ids, torch.Tensor) and not tagged \
             else torch.zeros(1, dtype=torch.float64, device=device)
         flags = torch.cat([flags, mark, mark * mark])
         dist.all_reduce(flags, group=group)
-        *refused, total, squares, untagged, marks, mark_squares = flags.tolist()
+        *refused, total, squares, batches, batch_squares, untagged, marks, mark_squares = \
+            flags.tolist()
         for (_, message), flag in zip(_REFUSALS, refused):
             if flag:
                 raise ConfigError(message)
@@ -482,6 +485,12 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
                               "and the positions CP passes need equal chunks; cut the "
                               "sequence with graphopt.parallel.context.shard_sequence (pad it "
                               "to a multiple of the CP size)")
+        if batch_squares * plan.cp != batches * batches:  # (gloo aborted the process on
+            # the collectives' size mismatch: a review)
+            raise ConfigError(f"the CP ranks hold batches of different sizes (this rank "
+                              f"{batch} sequences, {batches / plan.cp:g} on average): the CP "
+                              "ranks of a group must cut the same batch, each its chunk of "
+                              "every sequence (graphopt.parallel.context.shard_sequence)")
         if ring and length % 2:  # the same on every rank: the chunks are equal
             raise ConfigError(f"ring CP holds two chunks per rank (zigzag); this rank's "
                               f"{length} tokens do not split in two: cut the sequence with "
