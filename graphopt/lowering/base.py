@@ -271,7 +271,9 @@ def save_pre_mutation_values(forward: fx.GraphModule, backward: fx.GraphModule,
     or the lowering marked ``MUTATED_INPUT`` (a write the runtime does after the graph),
     not those marked only because the marker could not match the inputs
     (``MUTATED_INPUT_GUESSED``: copying every parameter the backward reads would double
-    their memory)."""
+    their memory). An input the backward reads only to recompute the user's checkpoint
+    region is not copied: eager's recomputation reads it after the write, and graphopt
+    matches eager there (:func:`_only_checkpoint_recomputes`)."""
     import torch
 
     from graphopt.passes.fx_utils import (
@@ -298,11 +300,13 @@ def save_pre_mutation_values(forward: fx.GraphModule, backward: fx.GraphModule,
         return []
     copies: dict[fx.Node, fx.Node] = {}
     new_outputs = list(outputs)
+    held = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
     for i in range(num_fwd_outputs, len(new_outputs)):
         value = new_outputs[i]
         if not isinstance(value, fx.Node) or classes.get(value) not in dirty or \
                 not isinstance(value.meta.get("val"), torch.Tensor) or \
-                (value.op != "placeholder" and is_mutating(value)):
+                (value.op != "placeholder" and is_mutating(value)) or \
+                _only_checkpoint_recomputes(held.get(value.name)):
             continue
         if value not in copies:
             with graph.inserting_after(placeholders[-1] if value.op == "placeholder"
@@ -318,13 +322,22 @@ def save_pre_mutation_values(forward: fx.GraphModule, backward: fx.GraphModule,
     from graphopt.passes.remat import _bytes
 
     forward.meta[PRE_MUTATION_COPIES] = {v.name: _bytes(c) for v, c in copies.items()}
-    held = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
     for value, copy in copies.items():
         ph = held.get(value.name)
         if ph is not None and ph.meta.get("val") is not None and \
                 ph.meta["val"].stride() != copy.meta["val"].stride():
             ph.meta = {**ph.meta, "val": copy.meta["val"]}  # (shared with the joint's)
     return [v.name for v in copies]
+
+
+def _only_checkpoint_recomputes(placeholder: fx.Node | None) -> bool:
+    """Whether every backward reader of ``placeholder`` recomputes a node of the user's
+    checkpoint region (``ac_graph_id``, set by ``torch.utils.checkpoint`` under
+    torch.compile): eager's recomputation reads the input as it is then, after the
+    forward's write, and graphopt keeps that (a copy taken before the write made a nested
+    region's gradient half eager's: tests/test_pass_regions.py)."""
+    return placeholder is not None and bool(placeholder.users) and all(
+        user.meta.get("ac_graph_id") is not None for user in placeholder.users)
 
 
 def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]:
