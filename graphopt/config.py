@@ -349,15 +349,20 @@ def _names(value: Any, option: str) -> tuple[str, ...]:
 
 
 def require_writable_file(path: Path, fix: str, what: str = "",
-                          create_folder: bool = True) -> None:
+                          create_folder: bool = True, regular: bool = False) -> None:
     """Raise ConfigError ("cannot write <what><path> (<reason>): <fix>") unless a file can be
     written at ``path``, before any long work that would write it (an export, a
     calibration, a plan search). Checked by opening it for appending, since permission bits
     do not tell for root or /proc; a file this creates is removed again, an existing one is
     left as it is. ``create_folder``: create missing parent folders (else a missing folder
-    is the reason)."""
+    is the reason). ``regular``: an existing path must be a regular file (a file that is read
+    back: ``/dev/null`` took a whole ONNX export and then failed the checker with a raw
+    traceback, a review)."""
     if path.is_dir():
         raise ConfigError(f"cannot write {what}{path} (it is a directory): {fix}")
+    if regular and path.exists() and not path.is_file():
+        raise ConfigError(f"cannot write {what}{path} (it is not a regular file: a device, "
+                          f"pipe or socket, which cannot be read back): {fix}")
     existed = path.exists()
     try:
         if create_folder:

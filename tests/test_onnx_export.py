@@ -427,6 +427,9 @@ def test_second_review_findings_fail_early_with_the_fix(tmp_path: Path, monkeypa
     if Path("/proc").is_dir():
         with pytest.raises(ConfigError, match="cannot write /proc/x.onnx"):
             graphopt.export_onnx(model, sample_batch(model, 2, 16), None, "/proc/x.onnx")
+    if Path("/dev/null").exists():  # exported, then the checker read it back (a review)
+        with pytest.raises(ConfigError, match="cannot write /dev/null .it is not a regular"):
+            graphopt.export_onnx(model, sample_batch(model, 2, 16), None, "/dev/null")
     from transformers import LlamaModel
 
     with pytest.raises(ConfigError, match="LlamaModel returns BaseModelOutputWithPast without "

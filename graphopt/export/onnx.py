@@ -210,7 +210,7 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
         raise ConfigError(f"path must be the .onnx file to write (a str or Path), got "
                           f"{type(path).__name__}")
     path = Path(path)
-    require_writable_file(path, "give a writable path to the .onnx file")
+    require_writable_file(path, "give a writable path to the .onnx file", regular=True)
     report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
     result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
                         example_inputs=args, eager=module, shapes=shapes)
