@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from graphopt.errors import ConfigError
+from graphopt.parallel.rng import Generators, drew
 from graphopt.planner.plan import ParallelPlan
 
 STAGE_SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -165,33 +166,20 @@ class DecoderStage(nn.Module):
         same value and a restored state). Activation checkpoints inside the stage save and
         replay the seeded state. ``self.drew`` becomes True when the body drew random
         numbers (TP's check, graphopt.parallel.apply._tp_rng_check)."""
-        accel = device.type != "cpu"
-        index = device.index if device.index is not None or not accel else \
-            torch.get_device_module(device.type).current_device()
-        module = torch.get_device_module(device.type) if accel else None
+        generators = Generators(device)
         base = int(torch.randint(0, 2**62, (1,)).item())
         # CP: the ranks of a CP group run the same stage on their chunks (one process draws
         # independent masks over the whole sequence; graphopt.parallel.rng)
         chunk = 0 if self.cp is None else CP_SEED_STRIDE * (self.cp[0] + 1)
         start = (base + STAGE_SEED_STRIDE * (self.index + 1) + chunk) % 2**63
-        with torch.random.fork_rng(devices=[index] if accel else [],
+        accel = generators.module is not None
+        with torch.random.fork_rng(devices=[generators.index] if accel else [],
                                    device_type=device.type if accel else "cuda"):
-            torch.default_generator.manual_seed(start)
-            if module is not None:
-                module.set_rng_state(torch.Generator(device=device).manual_seed(start)
-                                     .get_state(), index)
-            before = self._states(module, index)
+            generators.seed(start)
+            before = generators.states()
             yield
             if not self.drew:
-                after = self._states(module, index)
-                self.drew = any(not torch.equal(a, b) for a, b in zip(before, after))
-
-    @staticmethod
-    def _states(module: Any, index: int | None) -> list[torch.Tensor]:
-        states = [torch.get_rng_state()]
-        if module is not None:
-            states.append(module.get_rng_state(index))
-        return states
+                self.drew = drew(before, generators.states())
 
     def _compute(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x

@@ -111,6 +111,52 @@ def draws_randomly(model: nn.Module) -> bool:
     return any(scan(getattr(m, "config", None)) for m in model.modules())
 
 
+class Generators:
+    """The default CPU generator and, on an accelerator ``device`` (CUDA, NPU, ...), that
+    device's default generator: read their states and seed them alike. Shared by the
+    regions here and the pipeline stages' streams
+    (:meth:`graphopt.parallel.pipeline.DecoderStage.random_stream`). ``meta`` and ``cpu``
+    devices have the CPU generator only.
+
+    Attributes:
+        module: ``torch.cuda``-like device module, or None on the CPU.
+        index: the device's index (its current one when ``device`` has none), or None.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        accel = device.type not in ("cpu", "meta")
+        self.module = torch.get_device_module(device.type) if accel else None
+        self.index = None if self.module is None else (
+            device.index if device.index is not None else self.module.current_device())
+
+    def states(self) -> list[torch.Tensor]:
+        """[CPU state, device state]: uint8 tensors on the CPU (``get_rng_state``)."""
+        states = [torch.get_rng_state()]
+        if self.module is not None:
+            states.append(self.module.get_rng_state(self.index))
+        return states
+
+    def set_states(self, states: list[torch.Tensor]) -> None:
+        """Restore what :meth:`states` read."""
+        torch.set_rng_state(states[0])
+        if self.module is not None:
+            self.module.set_rng_state(states[1], self.index)
+
+    def seed(self, seed: int) -> None:
+        """Seed both generators with ``seed`` (an int below 2**64; the CPU's mt19937 uses
+        its low 32 bits, CUDA's Philox all 64)."""
+        torch.default_generator.manual_seed(seed)
+        if self.module is not None:
+            self.module.set_rng_state(
+                torch.Generator(device=self.device).manual_seed(seed).get_state(), self.index)
+
+
+def drew(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    """Whether the generators advanced between two :meth:`Generators.states` reads."""
+    return any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
 class RandomRegions:
     """The hooks of :mod:`graphopt.parallel.rng` for one model (module docstring).
 
@@ -122,7 +168,7 @@ class RandomRegions:
     """
 
     def __init__(self, device: torch.device, tp_rank: int = 0, cp_rank: int = 0) -> None:
-        self.device = device
+        self.generators = Generators(device)
         self.tp_rank, self.cp_rank = tp_rank, cp_rank
         self.stack: list[tuple[str, Any]] = []
         """Open regions: (kind, saved states or None for a boundary that changed nothing)."""
@@ -133,38 +179,19 @@ class RandomRegions:
 
     @torch._dynamo.disable(recursive=False)
     def _enter(self, kind: str, seed_of: Any) -> None:
-        device = self.device
-        accel = device.type not in ("cpu", "meta")
-        module = torch.get_device_module(device.type) if accel else None
-        index = (device.index if device.index is not None else module.current_device()) \
-            if module is not None else None
-        saved = [torch.get_rng_state()]
-        if module is not None:
-            saved.append(module.get_rng_state(index))
-        seed = seed_of(int(torch.randint(0, _BASE, (1,)).item()))
-        torch.default_generator.manual_seed(seed)
-        if module is not None:
-            module.set_rng_state(torch.Generator(device=device).manual_seed(seed).get_state(),
-                                 index)
-        seeded = [torch.get_rng_state()]
-        if module is not None:
-            seeded.append(module.get_rng_state(index))
-        self.stack.append((kind, (module, index, saved, seeded)))
+        saved = self.generators.states()
+        self.generators.seed(seed_of(int(torch.randint(0, _BASE, (1,)).item())))
+        self.stack.append((kind, (saved, self.generators.states())))
 
     @torch._dynamo.disable(recursive=False)
     def _leave(self) -> None:
         _, state = self.stack.pop()
         if state is None:
             return
-        module, index, saved, seeded = state
-        now = [torch.get_rng_state()]
-        if module is not None:
-            now.append(module.get_rng_state(index))
-        drew = any(not torch.equal(a, b) for a, b in zip(now, seeded))
-        torch.set_rng_state(saved[0])
-        if module is not None:
-            module.set_rng_state(saved[1], index)
-        if drew:  # the next region entered from here draws another base
+        saved, seeded = state
+        advanced = drew(seeded, self.generators.states())
+        self.generators.set_states(saved)
+        if advanced:  # the next region entered from here draws another base
             torch.randint(0, _BASE, (1,))
 
     def _top(self) -> str | None:
