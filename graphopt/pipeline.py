@@ -139,10 +139,11 @@ class PassRunner:
                     f"{graph_kind} graph ({record.nodes_before} -> {record.nodes_after} "
                     f"nodes, op counts {record.op_delta}): recorded as modified")
             record.modified = result.modified or changed
+            record.exact = graph_pass.exact_for(record)
             self.ran.append(graph_pass.name)
             self.dumper.pass_step(stage, graph_pass.name, graph_kind, before_code, gm)
             if snapshots is not None:
-                snapshots.append((graph_pass.name, graph_pass.exact, copy_graph_module(gm)))
+                snapshots.append((graph_pass.name, record.exact, copy_graph_module(gm)))
         return gm
 
 

@@ -27,6 +27,9 @@ class SiteRecord:
     action: Action
     site: str
     reason: str = ""
+    approximate: bool = False
+    """A rewrite that changes the numerics (of an approximate pass whose options can also
+    leave a site exact: a capacity factor no expert can reach)."""
 
 
 @dataclass
@@ -44,8 +47,9 @@ class PassRecord:
     op_delta: dict[str, int] = field(default_factory=dict)
     sites: list[SiteRecord] = field(default_factory=list)
 
-    def record(self, action: Action, site: str, reason: str = "") -> None:
-        self.sites.append(SiteRecord(action, site, reason))
+    def record(self, action: Action, site: str, reason: str = "",
+               approximate: bool = False) -> None:
+        self.sites.append(SiteRecord(action, site, reason, approximate))
 
     def count(self, action: Action) -> int:
         return sum(1 for s in self.sites if s.action == action)

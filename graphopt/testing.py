@@ -101,6 +101,7 @@ def run_pass(graph_pass: str | GraphPass, gm: fx.GraphModule,
     result.gm.graph.lint()
     result.gm.recompile()
     record.modified = result.modified
+    record.exact = graph_pass.exact_for(record)
     record.nodes_after = len(result.gm.graph.nodes)
     record.op_delta = count_delta(before, op_counts(result.gm))
     return result.gm, record

@@ -13,8 +13,9 @@ cause, and the report says so without raising. Joint passes are searched with th
 criterion, and the message names the output or gradient that compiling alone does not
 explain.
 A mismatch caused by an exact pass raises :class:`VerificationError`; one after an
-approximate pass is recorded in the report (approximation is its contract) and later passes
-are checked against that pass's output.
+approximate pass is recorded in the report (approximation is its contract: ``verify
+["approximate"]`` entries give the pass, its first ``deviation`` beyond tolerance and the
+``largest`` one) and later passes are checked against that pass's output.
 """
 
 from __future__ import annotations
@@ -656,7 +657,8 @@ def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any]
             continue
         if exact:
             _fail(report, f"pass {name!r} claims to be exact but changed the numerics: {bad}")
-        report.verify.setdefault("approximate", []).append({"pass": name, "deviation": bad})
+        report.verify.setdefault("approximate", []).append(
+            {"pass": name, "deviation": bad, "largest": _largest(reference, got)})
         reference, reference_graph = got, snapshot
     approximate = [a["pass"] for a in report.verify.get("approximate", [])]
     if approximate:
@@ -776,6 +778,19 @@ def _input_writes(body: torch.fx.GraphModule) -> list[str]:
 def _pairs(expected: Outcome, actual: Outcome) -> list[tuple[Any, Any]]:
     """(expected, actual) of every output, then every gradient."""
     return [*zip(expected[0], actual[0]), *zip(expected[1], actual[1])]
+
+
+def _largest(expected: Outcome, actual: Outcome) -> str:
+    """Which output or gradient differs most, and by how much (the deviation a compare
+    names is the first beyond tolerance: an approximate pass's output, where its largest
+    change was a gradient, a review)."""
+    errors = _tensor_errors(expected, actual)
+    if not errors:
+        return "nothing compared"
+    i = max(range(len(errors)), key=errors.__getitem__)
+    n_out = len(expected[0])
+    kind, j = ("output", i) if i < n_out else ("gradient", i - n_out)
+    return f"{kind} {j}: max abs error {errors[i]:.3g}"
 
 
 def _tensor_errors(expected: Outcome, actual: Outcome) -> list[float]:

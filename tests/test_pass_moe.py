@@ -258,6 +258,38 @@ def test_capacity_is_reported_as_approximate(drop_policy):
     torch.testing.assert_close(as_function(out, block)(x), want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("factor", [4.0, 8.0])
+def test_a_capacity_no_expert_can_reach_is_exact(factor):
+    """C = ceil(cf T K / E) >= T K at cf >= E (4 experts): nothing can be dropped, so the
+    site runs dropless and the pass's record is exact (a review: reported APPROXIMATE with
+    a result equal to eager's); verify then holds it to exactness."""
+    block = _block()
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    config = GraphoptConfig.from_options({"moe": {"capacity_factor": factor}})
+    out, record = run_pass("moe", gm, config, example_inputs=bind_inputs(gm, block, x))
+    assert record.exact
+    (site,) = _sites(record, "rewritten")
+    assert "nothing is dropped; exact" in site.reason and "APPROXIMATE" not in site.reason
+    assert not site.approximate
+    (call,) = [n for n in out.graph.nodes if n.target is torch.ops.graphopt.moe_experts.default]
+    assert call.args[5] == -1.0  # the dropless path: no capacity sort
+    want = block(x)
+    want = want[0] if isinstance(want, tuple) else want
+    torch.testing.assert_close(as_function(out, block)(x).view(want.shape), want,
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_approximate_sites_are_marked_and_the_record_says_so():
+    block = _block()
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    gm = trace_for_pass(block, x)
+    config = GraphoptConfig.from_options({"moe": {"capacity_factor": 3.99}})
+    _, record = run_pass("moe", gm, config, example_inputs=bind_inputs(gm, block, x))
+    (site,) = _sites(record, "rewritten")
+    assert site.approximate and not record.exact
+
+
 @pytest.mark.parametrize("options, message", [
     ({"moe": {"ep": 0}}, "moe.ep must be an int >= 1"),
     ({"moe": {"all_to_all": "hierarchial"}}, "did you mean 'hierarchical'"),
@@ -787,8 +819,10 @@ def test_index_clamp_and_unused_chunk_count_are_reported_as_such():
     unused = "moe.chunks=64 applies to the chunked schedule only"
     schedule, _, note = ep_schedule(64, 2, 1024, 2048, torch.bfloat16, opts, 2)
     assert schedule == "peer" and unused in note, note  # few tokens: no chunks
+    assert "; chunks" not in note and "of 64 tokens per rank" in note, note
     schedule, _, note = ep_schedule(4096, 2, 1024, 2048, torch.bfloat16, opts, 2)
     assert schedule == "chunked" and unused not in note, note
+    assert "; chunks 64)" in note and "of 4096 tokens per rank" in note, note
 
 
 class _ZeroExpertsBlock(torch.nn.Module):

@@ -44,10 +44,12 @@ class PassContext:
     record_: PassRecord | None = field(default=None, repr=False)
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def record(self, action: Action, site: str, reason: str = "") -> None:
-        """Report one site: "matched", "rewritten", "skipped" (give the reason) or "kept"."""
+    def record(self, action: Action, site: str, reason: str = "",
+               approximate: bool = False) -> None:
+        """Report one site: "matched", "rewritten", "skipped" (give the reason) or "kept";
+        ``approximate``: this rewrite changes the numerics (see GraphPass.exact_for)."""
         if self.record_ is not None:
-            self.record_.record(action, site, reason)
+            self.record_.record(action, site, reason, approximate)
 
 
 class GraphPass(ABC):
@@ -79,6 +81,12 @@ class GraphPass(ABC):
     def from_config(cls, config: GraphoptConfig) -> GraphPass:
         """Build the pass with its options taken from ``config``."""
         return cls()
+
+    def exact_for(self, record: PassRecord) -> bool:
+        """Whether this run (its ``record``) left the numerics unchanged: ``exact``, which
+        a pass whose options are approximate only at some sites refines from the sites it
+        recorded ``approximate`` (the moe pass: a capacity factor >= E drops nothing)."""
+        return self.exact
 
     @abstractmethod
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -77,6 +77,7 @@ from graphopt.passes.fx_utils import (
     writes_of,
 )
 from graphopt.passes.moe_options import MoEOptions
+from graphopt.report import PassRecord
 
 aten = torch.ops.aten
 GROUPED_MM_FIX = ("build the model with experts_implementation='grouped_mm' (or 'batched_mm') "
@@ -643,6 +644,10 @@ class MoEPass(GraphPass):
     def exact(self) -> bool:  # type: ignore[override]
         return self.options is None or self.options.capacity_factor is None
 
+    def exact_for(self, record: PassRecord) -> bool:
+        """Exact unless a rewritten site can drop assignments (a capacity factor < E)."""
+        return self.exact or not any(s.approximate for s in record.sites)
+
     @classmethod
     def from_config(cls, config: Any) -> MoEPass:
         return cls(config.moe)
@@ -693,9 +698,9 @@ class MoEPass(GraphPass):
                     ctx.record("kept", site, f"{detail}; set options={{'moe': {{}}}} to rewrite")
                     continue
                 check_region(region, real)
-                detail += "; " + self._rewrite(gm, region)
+                how, drops = self._rewrite(gm, region)
                 modified = True
-                ctx.record("rewritten", site, detail)
+                ctx.record("rewritten", site, f"{detail}; {how}", approximate=drops)
             except Skip as why:
                 ctx.record("skipped", site, str(why))
         if modified:
@@ -712,7 +717,8 @@ class MoEPass(GraphPass):
         return (f"{region.path}: E={e}, K={k}, T={t}, router {router_kind(topk)}"
                 + (", shared experts kept dense" if shared else ""))
 
-    def _rewrite(self, gm: fx.GraphModule, region: Region) -> str:
+    def _rewrite(self, gm: fx.GraphModule, region: Region) -> tuple[str, bool]:
+        """Replace the region by ``graphopt::moe_experts``: (how, whether it can drop)."""
         import graphopt.kernels.moe.op  # noqa: F401  (registers graphopt::moe_experts)
 
         moe_experts_op = torch.ops.graphopt.moe_experts.default
@@ -727,6 +733,11 @@ class MoEPass(GraphPass):
             schedule, chunks, note = self._schedule(region, opts, rpn)
             note += _fail_on_recompile_limit()
         cf = -1.0 if opts.capacity_factor is None else float(opts.capacity_factor)
+        # C = ceil(cf T K / E) >= T K at cf >= E (each rank's own T under EP): no drops, so
+        # the op runs dropless and the site is exact (a review: reported APPROXIMATE)
+        unreachable = cf >= e
+        if unreachable:
+            cf = -1.0
         with gm.graph.inserting_before(region.output):
             if ep > 1:  # the module holds every expert: the op takes this rank's E / ep
                 gm.meta.setdefault(OWNER_GRADS, set()).update(
@@ -749,9 +760,11 @@ class MoEPass(GraphPass):
             node.meta["nn_module_stack"] = region.output.meta.get("nn_module_stack", {})
             node.meta["graphopt_replaced"] = [region.output.name]
         region.output.replace_all_uses_with(out)
-        drop = "dropless" if cf < 0 else (f"capacity factor {cf}, drop policy "
-                                          f"{opts.drop_policy} (APPROXIMATE: drops tokens)")
-        return f"sorted dispatch + grouped GEMM, {drop}, {note}"
+        drop = (f"dropless (capacity factor {opts.capacity_factor} >= E = {e}: an expert "
+                f"can take every assignment, nothing is dropped; exact)" if unreachable else
+                "dropless" if cf < 0 else (f"capacity factor {cf}, drop policy "
+                                           f"{opts.drop_policy} (APPROXIMATE: drops tokens)"))
+        return f"sorted dispatch + grouped GEMM, {drop}, {note}", cf >= 0
 
     @staticmethod
     def _schedule(region: Region, opts: MoEOptions, rpn: int) -> tuple[str, int, str]:
@@ -800,9 +813,12 @@ def ep_schedule(tokens: int, top_k: int, hidden: int, ffn: int, dtype: torch.dty
         how += f"; moe.chunks={opts.chunks} applies to the chunked schedule only"
     if schedule == "hierarchical" and (rpn in (1, opts.ep)):  # one level: the kernel runs
         how += f"; runs as flat: {rpn} rank(s) per node"  # the flat exchange (a review)
+    # chunks only where the schedule uses them; the token count of the prediction, which
+    # is this call's unless "auto" (a review read tables of two counts as contradictory)
+    used = f"; chunks {chunks}" if schedule == "chunked" else ""
     return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
-                                   f"({how}; chunks {chunks}); predicted fwd+bwd on "
-                                   f"{profile}: {pred}")
+                                   f"({how}{used}); predicted fwd+bwd of {tokens} tokens per "
+                                   f"rank on {profile}: {pred}")
 
 
 def _slice(graph: fx.Graph, weight: fx.Node, start: int, end: int) -> fx.Node:
