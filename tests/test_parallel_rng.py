@@ -309,3 +309,31 @@ def test_pipeline_stages_under_cp_draw_their_own_masks_per_cp_rank():
         assert first and len(first) == len(second)
         for a, b in zip(first, second, strict=True):
             assert a.shape == b.shape and float((a == b).double().mean()) < 0.8
+
+
+def _pp_tp_worker(rank, world, sp):
+    from graphopt.parallel import build_mesh, parallelize
+
+    plan = ParallelPlan(pp=2, tp=2, sp=sp, microbatch=1)
+    mesh = build_mesh(plan)
+    model = parallelize(_starcoder2(attention=0.0, attn_implementation="sdpa").train(), plan,
+                        mesh)
+    with _recorded_masks() as masks:
+        model.step(_ids(), labels=_ids())
+    return mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank(), masks
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_pipeline_stages_under_tp_split_masks_only_where_sp_splits_the_sequence(sp):
+    """PP x TP (world 4): a stage's layers keep their TP regions. Residual dropout acts on
+    the replicated hidden state without SP (the TP ranks of a stage draw the same masks, as
+    one process would) and on each rank's sequence shard with SP (their own masks)."""
+    by_stage: dict[int, dict[int, list[torch.Tensor]]] = {}
+    for pp_rank, tp_rank, masks in run_distributed(_pp_tp_worker, 4, sp):
+        by_stage.setdefault(pp_rank, {})[tp_rank] = masks
+    for stage in by_stage.values():
+        first, second = stage[0], stage[1]
+        assert first and len(first) == len(second)
+        for a, b in zip(first, second, strict=True):
+            agree = float((a == b).double().mean())
+            assert a.shape == b.shape and (agree < 0.8 if sp else agree == 1.0)
