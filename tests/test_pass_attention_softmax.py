@@ -348,6 +348,9 @@ def test_layers_option_selects_by_module_path():
     assert actions == {"first": "skipped", "second": "rewritten"}, record.sites
     assert "not selected by lightning.layers" in next(
         s.reason for s in record.sites if s.action == "skipped")
+    assert not record.exact
+    _, record = _convert(model, args, layers=["third*"])  # converts nothing: exact
+    assert {s.action for s in record.sites} == {"skipped"} and record.exact
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None,

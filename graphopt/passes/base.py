@@ -82,11 +82,16 @@ class GraphPass(ABC):
         """Build the pass with its options taken from ``config``."""
         return cls()
 
+    marks_approximate_sites: ClassVar[bool] = False
+    """True: the pass records every rewrite that changes the numerics with
+    ``approximate=True``, so a run of an inexact pass that recorded none is exact (the moe
+    pass: a capacity factor >= E drops nothing; mode "lightning" converting no site)."""
+
     def exact_for(self, record: PassRecord) -> bool:
-        """Whether this run (its ``record``) left the numerics unchanged: ``exact``, which
-        a pass whose options are approximate only at some sites refines from the sites it
-        recorded ``approximate`` (the moe pass: a capacity factor >= E drops nothing)."""
-        return self.exact
+        """Whether this run (its ``record``) left the numerics unchanged: ``exact``, or
+        for a pass that ``marks_approximate_sites``, no site recorded approximate."""
+        return self.exact or (self.marks_approximate_sites
+                              and not any(s.approximate for s in record.sites))
 
     @abstractmethod
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

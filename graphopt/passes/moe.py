@@ -77,7 +77,6 @@ from graphopt.passes.fx_utils import (
     writes_of,
 )
 from graphopt.passes.moe_options import MoEOptions
-from graphopt.report import PassRecord
 
 aten = torch.ops.aten
 GROUPED_MM_FIX = ("build the model with experts_implementation='grouped_mm' (or 'batched_mm') "
@@ -638,15 +637,12 @@ class MoEPass(GraphPass):
     stage = "pre_autograd"
     options_key = "moe"
     options_cls = MoEOptions
+    marks_approximate_sites = True  # a capacity factor >= E drops nothing: exact
     options: MoEOptions | None = None
 
     @property
     def exact(self) -> bool:  # type: ignore[override]
         return self.options is None or self.options.capacity_factor is None
-
-    def exact_for(self, record: PassRecord) -> bool:
-        """Exact unless a rewritten site can drop assignments (a capacity factor < E)."""
-        return self.exact or not any(s.approximate for s in record.sites)
 
     @classmethod
     def from_config(cls, config: Any) -> MoEPass:

@@ -65,6 +65,7 @@ class AttentionPass(GraphPass):
     stage = "pre_autograd"
     options_key = "lightning"
     options_cls = LightningOptions
+    marks_approximate_sites = True  # mode "lightning" converting nothing is exact
     mode: str = "keep"
     lightning: LightningOptions = field(default_factory=LightningOptions)
 

@@ -241,7 +241,8 @@ class SoftmaxToLightning:
         for node in sites:
             reason = autocast_reason(node) or self.convert(gm, node, env, root, outer, writes)
             done = reason.startswith("APPROXIMATE")
-            ctx.record("rewritten" if done else "skipped", site_name(node), reason)
+            ctx.record("rewritten" if done else "skipped", site_name(node), reason,
+                       approximate=done)
             modified = modified or done
             cached += "KV cache" in reason
             masked += "depends on a graph input's values" in reason
