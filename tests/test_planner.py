@@ -21,18 +21,29 @@ SMALL = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16
 
 
 def test_plan_validation_names_the_problem_and_the_fix():
-    plan = ParallelPlan(dp_shard=2, tp=2, ep=8)
     with pytest.raises(ConfigError, match=r"ep \(8\) x expert_tp \(1\) must divide "
                                           r"dp_shard\*cp\*tp \(4\)"):
-        plan.validate(devices=4, experts=8)
+        ParallelPlan(dp_shard=2, tp=2, ep=8)
+    with pytest.raises(ConfigError, match=r"experts \(6\) must be divisible by ep \(4\)"):
+        ParallelPlan(dp_shard=2, tp=2, ep=4).validate(devices=4, experts=6)
     problems = ParallelPlan(tp=3, pp=5).problems(devices=16, layers=32, heads=32,
                                                  global_batch=10)
     text = " ".join(problems)
     assert "multiply to 15 devices, the job has 16" in text
     assert "layers (32) must divide into pp (5)" in text
     assert "heads (32) must be divisible by tp (3)" in text
-    assert ParallelPlan(pp_schedule="interleaved").problems()  # needs virtual_stages > 1
-    assert ParallelPlan(tp=0).problems() == ["tp must be an int >= 1, got 0"]
+    # what is wrong whatever the job raises on construction (a review: tp=0 was saved)
+    with pytest.raises(ConfigError, match="virtual_stages > 1"):
+        ParallelPlan(pp_schedule="interleaved")
+    with pytest.raises(ConfigError, match=r"invalid parallel plan: tp must be an int >= 1, "
+                                          r"got 0$"):
+        ParallelPlan(tp=0)
+    for bad, message in (({"tp": "2"}, "tp must be an int >= 1, got '2'"),
+                         ({"dp_shard": -1}, "dp_shard must be an int"),
+                         ({"zero_stage": 5}, "zero_stage must be one of"),
+                         ({"cp": 2, "cp_kind": "rng"}, "cp_kind must be 'ring'")):
+        with pytest.raises(ConfigError, match=message):
+            ParallelPlan(**bad)
 
 
 def test_plan_json_round_trip_keeps_the_prediction(tmp_path):
@@ -302,11 +313,11 @@ def test_ranked_plans_are_ones_graphopt_executes_or_say_why_not():
     assert not [p for p in plans if p.zero_stage == 1 and p.dp_shard > 1 and
                 max(p.tp, p.cp, p.pp, p.ep) > 1]
     assert any(p.zero_stage == 2 for p in plans)
-    inner = ParallelPlan(dp_replicate=2, dp_shard=2, zero_stage=3,
-                         mesh_order=("dp_replicate", "tp", "cp", "dp_shard", "pp"))
-    assert any("move dp_replicate after them" in p for p in inner.problems())
+    inner = ("dp_replicate", "tp", "cp", "dp_shard", "pp")
+    with pytest.raises(ConfigError, match="move dp_replicate after them"):
+        ParallelPlan(dp_replicate=2, dp_shard=2, zero_stage=3, mesh_order=inner)
     assert not ParallelPlan(dp_replicate=2, dp_shard=2, zero_stage=1,
-                            mesh_order=inner.mesh_order).problems()  # DDP + ZeRO-1: fine
+                            mesh_order=inner).problems()  # DDP + ZeRO-1: fine
     layers = model.layers
     none = evaluate(ParallelPlan(dp_shard=32, zero_stage=3), model, H100, 256)
     some = evaluate(ParallelPlan(dp_shard=32, zero_stage=3, recompute_layers=1), model, H100,
@@ -418,8 +429,9 @@ def test_selective_recompute_and_uneven_stages_in_the_search():
     even, light = (evaluate(ParallelPlan(dp_shard=2, pp=4, stage_layers=st), model, H100, 64)
                    for st in ((7, 7, 8, 8), (7, 8, 8, 7)))
     assert light.step_s < even.step_s  # 30 layers: the head on an 8- vs a 7-layer end
-    problems = " ".join(ParallelPlan(pp=4, stage_layers=(8, 8, 8)).problems(layers=30))
-    assert "stage_layers has 3 entries; pp is 4" in problems
+    with pytest.raises(ConfigError, match="stage_layers has 3 entries; pp is 4"):
+        ParallelPlan(pp=4, stage_layers=(8, 8, 8))
+    problems = " ".join(ParallelPlan(pp=3, stage_layers=(8, 8, 8)).problems(layers=30))
     assert "add up to 24 layers, the model has 30" in problems
     plan = ParallelPlan(pp=4, stage_layers=(7, 8, 8, 7))
     assert _plan_bounds(plan, 30) == [(0, 7), (7, 15), (15, 23), (23, 30)]

@@ -45,7 +45,14 @@ def _number(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A parallel plan (see the module docstring). All degrees are ints >= 1."""
+    """A parallel plan (see the module docstring). All degrees are ints >= 1.
+
+    Raises:
+        ConfigError: on construction, for anything :meth:`problems` finds without a job
+            (a degree < 1 or not an int, an unknown cp_kind / pp_schedule, ep not dividing
+            dp_shard*cp*tp, ...); :meth:`validate` adds the job's checks (devices, layers,
+            heads, batch, sequence).
+    """
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -92,6 +99,11 @@ class ParallelPlan:
         for name in ("stage_layers", "mesh_order"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        # what is wrong whatever the job is raises here, not at the first torchrun launch
+        # (a review: ParallelPlan(tp=0) was saved and described as "mb=1")
+        problems = self.problems()
+        if problems:
+            raise ConfigError("invalid parallel plan: " + "; ".join(problems))
 
     @property
     def devices(self) -> int:
@@ -299,11 +311,7 @@ class ParallelPlan:
             if not isinstance(data["mesh_order"], (list, tuple)):
                 raise ConfigError(f"mesh_order must be a list of axes {list(AXES)}")
             data["mesh_order"] = tuple(data["mesh_order"])
-        plan = cls(**data)
-        problems = plan.problems()
-        if problems:
-            raise ConfigError("invalid parallel plan: " + "; ".join(problems))
-        return plan
+        return cls(**data)  # __post_init__ raises ConfigError for what problems() rejects
 
     def save(self, path: str | Path) -> None:
         """Write :meth:`to_dict` as JSON to ``path``."""
