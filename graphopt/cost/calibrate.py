@@ -11,7 +11,10 @@ Measured (medians of repeated timings, in a process with the default thread coun
   (latency, bandwidth of the ``local`` link).
 
 The profile is written as JSON to ``$GRAPHOPT_CACHE_DIR/local.json`` (default
-``~/.cache/graphopt``) and loaded by ``load_profile("local")``.
+``~/.cache/graphopt``) and loaded by ``load_profile("local")``. Other work on the machine
+slows every timing: calibrate warns, and says so in the profile's ``source``, when other
+processes used more than :data:`OTHER_LOAD_LIMIT` of the CPUs while it measured
+(:class:`OtherLoad`), or when repeated timings spread more than 2x.
 """
 
 from __future__ import annotations
@@ -39,6 +42,50 @@ from graphopt.cost.profiles import (
 _SPREAD: list[float] = []
 """The slowest / fastest timing ratio of each :func:`_median_time` since the last
 :func:`calibrate` began (a busy machine spreads them)."""
+
+
+def _busy_ticks() -> int | None:
+    """Clock ticks every CPU of the machine spent busy (user, nice, system, irq, softirq,
+    steal; ``/proc/stat``'s first line); None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+class OtherLoad:
+    """The share of this machine's CPU time that other processes used while the block ran:
+    (every CPU's busy time - this process's and its children's CPU time) / (wall time x
+    CPUs), from ``/proc/stat`` and ``os.times`` (Linux; ``share`` stays None elsewhere).
+
+    Sustained work next to calibrate (a test suite, a compile) slows every timing alike, so
+    repeated timings agree and the spread check (:data:`_SPREAD`) misses it: a review's
+    runs beside a 2-worker pytest saved 525-673 us per op (7 us idle) without a warning."""
+
+    def __init__(self) -> None:
+        self.share: float | None = None
+
+    def __enter__(self) -> OtherLoad:
+        self._start = (_busy_ticks(), os.times(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        busy0, times0, wall0 = self._start
+        busy1, times1, wall1 = _busy_ticks(), os.times(), time.perf_counter()
+        cpus, tick = os.cpu_count() or 1, os.sysconf("SC_CLK_TCK")
+        if busy0 is None or busy1 is None or wall1 <= wall0:
+            return
+        ours = sum(b - a for a, b in zip(times0[:4], times1[:4]))  # user, sys, children's
+        self.share = max(0.0, ((busy1 - busy0) / tick - ours) / ((wall1 - wall0) * cpus))
+
+
+OTHER_LOAD_LIMIT = 0.2
+"""Share of the machine other processes may use during calibrate before it warns."""
 
 
 def _median_time(fn: Callable[[], Any], reps: int, min_time: float = 0.02) -> float:
@@ -224,32 +271,43 @@ def calibrate(path: Path | None = None, collectives: bool = True,
     target = path or local_profile_path()
     check_writable(target)
     _SPREAD.clear()
-    log(f"matmul fp32 ({torch.get_num_threads()} threads)...")
-    curve = measure_matmul()
-    peak32 = max(f for _, f in curve)
-    log("matmul bf16...")
-    bf16 = measure_matmul((1024,), torch.bfloat16)[0][1]
-    log("memory bandwidth, kernel overhead...")
-    bandwidth = measure_bandwidth()
-    overhead = measure_overhead()
-    attention = measure_attention_efficiency()
+    with OtherLoad() as other:
+        log(f"matmul fp32 ({torch.get_num_threads()} threads)...")
+        curve = measure_matmul()
+        peak32 = max(f for _, f in curve)
+        log("matmul bf16...")
+        bf16 = measure_matmul((1024,), torch.bfloat16)[0][1]
+        log("memory bandwidth, kernel overhead...")
+        bandwidth = measure_bandwidth()
+        overhead = measure_overhead()
+        attention = measure_attention_efficiency()
     link = LinkProfile(bandwidth=bandwidth / 2, latency=50e-6)
     if collectives:
         log("gloo all-reduce, 2 ranks...")
         link = measure_allreduce()
+    busy_note = ""
+    if other.share is not None and other.share > OTHER_LOAD_LIMIT:
+        busy_note = (f"; other processes used {other.share:.0%} of the CPUs while it "
+                     "measured: slower than this machine is")
     device = DeviceProfile(
         "local CPU", {"float32": peak32, "bfloat16": bf16, "float16": bf16},
         memory_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         memory_bandwidth=bandwidth, kernel_overhead_s=overhead, matmul_efficiency=1.0,
         memory_efficiency=1.0, attention_efficiency=attention, kind="cpu",
         host_bandwidth=bandwidth / 2,  # "host" is this memory: a copy reads and writes
-        source=f"graphopt calibrate, {time.strftime('%Y-%m-%d')}",
+        source=f"graphopt calibrate, {time.strftime('%Y-%m-%d')}{busy_note}",
         threads=torch.get_num_threads(), matmul_curve=tuple(curve))
     profile = ClusterProfile("local", device, (ClusterLevel("node", os.cpu_count() or 1,
                                                             link),),
                              "measured by graphopt calibrate")
     target.write_text(json.dumps(cluster_to_dict(profile), indent=2))
     log(f"wrote {target}")
+    if busy_note:
+        warnings.warn(f"graphopt calibrate: other processes used {other.share:.0%} of this "
+                      f"machine's CPU time while it measured (more than "
+                      f"{OTHER_LOAD_LIMIT:.0%}): the profile written prices this machine "
+                      "slower than it is; rerun graphopt calibrate on an idle machine",
+                      stacklevel=2)
     busy = sum(r > 2 for r in _SPREAD)
     if busy:  # (a review: next to other work it saved 0 GFLOP/s at n = 64 and 619 us per
         # op, against 78 GFLOP/s and 9 us idle, with one warning about n = 1024 only)
