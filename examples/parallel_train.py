@@ -55,6 +55,10 @@ def main() -> None:
     if args.resume and not os.path.isfile(os.path.join(args.resume, ".metadata")):
         parser.error(f"--resume {args.resume}: no checkpoint there (a directory written by "
                      "--save, holding .metadata)")
+    if "RANK" not in os.environ:  # a review: torch's env:// rendezvous error said only that
+        parser.error("run under torchrun, which starts the ranks: torchrun --nproc-per-node 4 "
+                     "examples/parallel_train.py (the plan's degrees must multiply to the "
+                     "rank count)")
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.plan:

@@ -91,8 +91,11 @@ def demo(
         options["moe"] = {}
     if dump_dir is not None:
         options["dump_dir"] = str(dump_dir)
-    try:
+    try:  # a bad --lowering/--attention: Typer's usage error, as for --model and --dtype
         graphopt.GraphoptConfig.from_options(options)
+    except graphopt.GraphoptError as exc:  # also npu without torch_npu
+        raise typer.BadParameter(str(exc)) from None
+    try:
         graphopt.clear_reports()
         with console.status("[bold]compiling and running[/]") as status:
             result = run_demo(model, lowering, getattr(torch, dtype), batch, seq, dump_dir,
@@ -218,7 +221,9 @@ def export(
                                           dynamic=not static, moe_form=moe_form, check=check)
     except (graphopt.GraphoptError, ImportError) as exc:
         _fail(str(exc))
-    _print_reports([result.report], sites=10)
+    _print_reports([result.report], sites=10, more=(
+        f"all are in {dump_dir}/graph_*/report.md" if dump_dir is not None else
+        "export with --dump-dir DIR to write them all to report.md"))
     table = Table(title=f"{model} -> {onnx}")
     for col in ("what", "how"):
         table.add_column(col)
@@ -777,7 +782,10 @@ def _print_toy_note(source: ModelSource) -> None:
 
 
 def _print_reports(reports: list[CompileReport], sites: int,
-                   labels: list[str] | None = None) -> None:
+                   labels: list[str] | None = None,
+                   more: str = "--sites N to list more; all are in report.md") -> None:
+    """The summary table, skip reasons, ``sites`` sites per pass (``more``: how to see
+    the rest), notes and verify failures of ``reports``."""
     names = {id(r): label for r, label in zip(reports, labels or [])}
 
     def _graph_label(report: CompileReport) -> str:
@@ -847,7 +855,7 @@ def _print_reports(reports: list[CompileReport], sites: int,
                                   + (f" - {escape(s.reason)}" if s.reason else ""))
                 if len(p.sites) > sites:
                     console.print(f"graph {_graph_label(r)} {p.name}: ... {len(p.sites) - sites} "
-                                  "more sites (--sites N to list more; all are in report.md)")
+                                  f"more sites ({more})")
     for r in reports:
         for note in r.notes:
             console.print(f"graph {_graph_label(r)}: note: {escape(note)}")

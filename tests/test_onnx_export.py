@@ -255,6 +255,10 @@ def test_cli_exports_mixtral_in_the_dense_form(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "dense form" in result.output and "NO" not in result.output
     assert "?->?" not in result.output and "onnx" in result.output  # the report row
+    # export has no --sites (a review: its report pointed to it); without --dump-dir no
+    # report.md is written, so the hint says how to get one
+    assert "more sites (export with --dump-dir DIR" in result.output, result.output
+    assert "--sites" not in result.output
     assert "MatMul" in _op_types(out) and "NonZero" not in _op_types(out)
 
 

@@ -1029,6 +1029,22 @@ def test_planner_expert_parallel_golden_plan_on_a_large_fake_world():
     assert shape == (1, hidden // 8, ffn)
 
 
+def test_example_without_torchrun_says_to_use_it():
+    """A review: ``python examples/parallel_train.py`` failed in torch's env:// rendezvous
+    ("environment variable RANK expected") with nothing from the example."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, str(root / "examples" / "parallel_train.py")],
+                         capture_output=True, text=True, timeout=120, cwd=root, env=env,
+                         check=False)
+    assert out.returncode == 2 and "run under torchrun" in out.stderr, out.stderr[-2000:]
+
+
 def test_example_runs_under_torchrun(tmp_path):
     """examples/parallel_train.py as docs run it with a plan file: torchrun, 2 CPU ranks,
     gloo, TP + SP (FSDP x TP, the example's 4-rank default, runs in-process above)."""
