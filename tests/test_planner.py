@@ -1323,3 +1323,24 @@ def test_an_moe_expert_width_grouped_mm_cannot_trace_is_a_clear_error(tmp_path):
         plan_model(str(tmp_path / "config.json"), 32, H100)
     assert plan_model(str(tmp_path / "config.json"), 32, H100,
                       overrides={"intermediate_size": 104}).moe is not None
+
+
+def test_plot_marks_hand_configurations_that_do_not_fit(tmp_path, monkeypatch):
+    """A review: DDP/FSDP hand configurations out of memory drew shorter step-time bars
+    than the best plans, with nothing in the time panel saying they do not run."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from graphopt.planner.perf import USABLE_MEMORY
+    from graphopt.planner.plot import plot_plans
+    from graphopt.planner.search import search
+
+    result = search(plan_model("llama3-70b", 4096, H100), H100, 64, 256)
+    limit = USABLE_MEMORY * H100.device.memory_bytes
+    over = [name for name, p, _ in result.hand if p.prediction.memory_bytes > limit]
+    assert over, [(n, p.prediction.memory_bytes / 2**30) for n, p, _ in result.hand]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_plans(result, tmp_path / "plans.png")
+    texts = [t.get_text() for t in figures[0].axes[0].texts]
+    assert texts.count("  out of memory: does not run") == len(over)
