@@ -98,9 +98,10 @@ class AOTLowering(Lowering):
             joint = hooks.run_joint(joint, "joint")
             hooks.graph_ready("joint", joint)
             forward, backward = self.partition(joint, joint_inputs, **kwargs)
-            from graphopt.passes.remat import offloads_kept_on_device
+            from graphopt.passes.remat import offloads_kept_on_device, partition_claim_note
 
-            for note in (offloads_kept_on_device(joint, forward), pre_mutation_note(forward)):
+            for note in (offloads_kept_on_device(joint, forward), pre_mutation_note(forward),
+                         partition_claim_note(joint, forward, kwargs.get("num_fwd_outputs"))):
                 if note:
                     hooks.note(note)
             return forward, backward

@@ -113,7 +113,7 @@ class _JointPassPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object],
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         from graphopt.lowering.base import PARTITION_ARGS, min_cut_partition, pre_mutation_note
-        from graphopt.passes.remat import offloads_kept_on_device
+        from graphopt.passes.remat import offloads_kept_on_device, partition_claim_note
 
         if self.mark_mutated is not None:
             self.mark_mutated(gm)
@@ -123,7 +123,8 @@ class _JointPassPartitioner(CustomPartitionerFn):
         gm = self.hooks.run_joint(gm, "joint")
         self.hooks.graph_ready("joint", gm)
         forward, backward = min_cut_partition(gm, joint_inputs, **kwargs)
-        for note in (offloads_kept_on_device(gm, forward), pre_mutation_note(forward)):
+        for note in (offloads_kept_on_device(gm, forward), pre_mutation_note(forward),
+                     partition_claim_note(gm, forward, kwargs.get("num_fwd_outputs"))):
             if note:
                 self.hooks.note(note)
         return forward, backward
