@@ -130,7 +130,10 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                 forward, recompute = forward.args
             block.forward = torch.compile(forward, backend="graphopt", options=options,
                                           **kwargs)
-            if plan.tp > 1 and not plan.sp:
+            # the layout's SP, not the plan's: parallelize turns SP off where TP splits no
+            # mixer (Phi3's fused projections; a review: the plan's sp=True skipped this
+            # and the backward raised "'Tensor' object has no attribute '_local_tensor'")
+            if plan.tp > 1 and not model.graphopt_parallel.sp:
                 block.forward = functools.partial(_waited_inputs, block.forward)
             if recompute is not None:
                 block.forward = functools.partial(_checkpointed, block.forward, recompute)

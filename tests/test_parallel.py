@@ -450,7 +450,15 @@ def _compiled_worker(rank, world, plan_path, name):
     from graphopt.models import build_model
 
     torch.manual_seed(0)
-    ref = build_model(name, dtype=torch.float64)
+    if name == "phi3":  # fused qkv / gate_up projections: TP splits no mixer
+        import transformers
+
+        ref = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            pad_token_id=0, tie_word_embeddings=False)).double()
+    else:
+        ref = build_model(name, dtype=torch.float64)
     _full_precision_rmsnorm(ref)
     model = copy.deepcopy(ref)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -471,17 +479,20 @@ def _compiled_worker(rank, world, plan_path, name):
 
 
 @pytest.mark.parametrize("name, sp", [("llama", True), ("mixtral", True), ("llama", False),
-                                      ("mixtral", False)])
+                                      ("mixtral", False), ("phi3", True)])
 def test_graphopt_compile_with_a_parallel_plan_file(tmp_path, name, sp):
     """TP without SP: the first layer's input is the embedding's AsyncCollectiveTensor, which
     torch 2.13 mishandles as a compiled graph's input (the backward raised "'Tensor' object
     has no attribute '_local_tensor'", aot_eager too); graphopt.compile hands the compiled
-    layers a plain copy (``backend._waited_inputs``)."""
+    layers a plain copy (``backend._waited_inputs``). Also where the plan asks for SP and
+    parallelize turns it off (Phi3's fused projections: TP splits no mixer; a review:
+    Phi3/OLMoE/Mamba2 raised that error)."""
     path = tmp_path / "plan.json"
     ParallelPlan(tp=2, sp=sp).save(path)
     for loss_err, grad_err, fallbacks, got_sp in run_distributed(_compiled_worker, 2,
                                                                  str(path), name):
-        assert loss_err < 1e-6 and grad_err < 1e-9 and got_sp == sp
+        assert loss_err < 1e-6 and grad_err < 1e-9
+        assert got_sp == (sp and name != "phi3")
         assert fallbacks and all("DTensor" in f for f in fallbacks if f)
 
 
