@@ -369,6 +369,9 @@ def check_sizes(cfg: Any) -> None:
         if isinstance(chosen, int) and not 1 <= chosen <= groups:
             raise ConfigError(f"topk_group ({chosen}) must be in [1, n_group={groups}]")
     window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False:
+        window = None  # switched off: transformers 5's Qwen2-MoE then stores 0 (a review:
+        # parallel="auto" refused every Qwen1.5-MoE / Qwen2-57B-A14B config)
     if window is not None and not (isinstance(window, int) and window > 0):
         raise ConfigError(f"sliding_window must be a positive integer or null, got "
                           f"{window!r}; fix the config or the override")

@@ -1177,6 +1177,27 @@ def test_moe_mla_and_window_sizes_no_model_has_are_clear_errors(model, overrides
         plan_model(model, 2048, H100, overrides={"num_hidden_layers": 2, **overrides})
 
 
+def test_a_sliding_window_switched_off_is_no_window(tmp_path):
+    """transformers 5's Qwen2-MoE stores sliding_window = 0 when use_sliding_window is False
+    (every Qwen1.5-MoE / Qwen2-57B-A14B config); check_sizes refused 0, so parallel="auto"
+    refused every such model, with advice (sliding_window=None) the config undid (a
+    review). Switched on, 0 is still an error."""
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        use_sliding_window=False, architectures=["Qwen2MoeForCausalLM"])
+    assert config.sliding_window == 0
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    assert plan_model(str(path), 256, H100).experts == 4
+    with pytest.raises(ConfigError, match="sliding_window must be a positive integer"):
+        plan_model(str(path), 256, H100, overrides={"use_sliding_window": True,
+                                                    "sliding_window": 0})
+
+
 def test_planner_inputs_by_name_and_published_plans_without_tp_listed_once():
     with pytest.raises(ConfigError, match="seq must be an int >= 2"):
         plan_model("llama3-8b", 0, H100)
