@@ -282,6 +282,10 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
     # Doge builds a dynamic bias from dt_proj and hands it to attention as its mask: CP's
     # attention dropped it (dt_proj got no gradient; a review)
     ("Doge", dict(TINY, keep_window_size=2048), "DogeAttention passes its own attention mask"),
+    # no attention at all: the ring was refused as for lightning layers, with the advice
+    # cp_kind='all_to_all', which then asked for a cp dividing 0 heads (a review)
+    ("Mamba", dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, state_size=8),
+     "no attention heads .*state-space.* use cp=1"),
 ])
 def test_cp_refuses_models_whose_mixing_it_would_drop(name, config, message):
     """Found by running the model once with an attention function that mixes nothing

@@ -80,7 +80,12 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
                           "has no config; use cp=1")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
-    if plan.cp_kind == "all_to_all" and (not heads or heads % (plan.cp * plan.tp)):
+    if not heads:  # (a review: Mamba was told to choose a cp dividing 0 heads)
+        raise ConfigError("cp > 1 splits the sequence around attention, and this model's "
+                          "config has no attention heads (num_attention_heads: a state-space "
+                          "or convolutional model?), whose layers mix positions CP would "
+                          "compute on each rank's chunk alone: use cp=1")
+    if plan.cp_kind == "all_to_all" and heads % (plan.cp * plan.tp):
         raise ConfigError(f"Ulysses CP splits the attention heads ({heads}) over cp x tp "
                           f"({plan.cp} x {plan.tp}): choose a cp dividing heads / tp")
     for c in _configs(model):
@@ -109,15 +114,17 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
                               "under CP would be each rank's chunk: use cp=1")
     for path, module in model.named_modules():
         if getattr(module, "layer_type", None) == "linear_attention" and \
+                not all(hasattr(module, a) for a in LIGHTNING_PARTS):
+            # before the ring's advice, which only lightning layers can take (a review:
+            # Mamba was told to use cp_kind='all_to_all')
+            raise ConfigError(f"{path}: a linear-attention (or state-space) layer without "
+                              f"MiniMax's parts ({', '.join(LIGHTNING_PARTS)}); graphopt "
+                              "passes the state of that form only: use cp=1")
+        if getattr(module, "layer_type", None) == "linear_attention" and \
                 plan.cp_kind == "ring":
             raise ConfigError(f"{path}: lightning layers pass their state over contiguous "
                               "chunks, the ring holds zigzag chunks: use "
                               "cp_kind='all_to_all'")
-        if getattr(module, "layer_type", None) == "linear_attention" and \
-                not all(hasattr(module, a) for a in LIGHTNING_PARTS):
-            raise ConfigError(f"{path}: a linear-attention (or state-space) layer without "
-                              f"MiniMax's parts ({', '.join(LIGHTNING_PARTS)}); graphopt "
-                              "passes the state of that form only: use cp=1")
         if getattr(module, "layer_type", None) == "linear_attention" and \
                 (problem := decay_tables_problem(module)):
             raise ConfigError(f"{path}: CP runs lightning layers from slope_rate, but "
