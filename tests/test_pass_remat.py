@@ -1307,3 +1307,26 @@ def test_graph_breaks_say_the_budget_is_per_graph():
     reasons = [s.reason for r in graphopt.reports() for p in r.pass_records("remat")
                for s in p.sites if s.site == "saved activations"]
     assert len(reasons) == 2 and all(per_graph in r for r in reasons), reasons
+
+
+def test_a_solver_minimum_above_pytorchs_partition_is_not_called_the_least_any_plan_saves():
+    """Four back-to-back checkpointed blocks: graphopt's plans also keep a copy of the input
+    they recompute from, so the ILP's least (the 3 block boundaries + that copy) is above
+    PyTorch's partition (the boundaries only), which is kept; the record said "65536 bytes
+    is the least any plan saves" next to a partition of 49152 (a re-review)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32, dtype=torch.float64)
+                                 for _ in range(4))
+
+    def fn(x):
+        for block in blocks:
+            x = checkpoint(lambda t, b=block: t + torch.sin(b(t)), x, use_reentrant=False)
+        return x.pow(2).mean()
+
+    x = torch.randn(64, 32, dtype=torch.float64)
+    _compile(fn, budget=0.5)(x).backward()
+    summary = _remat_summary()
+    assert summary.action == "kept" and "is the least any plan saves" not in summary.reason
+    assert "PyTorch's partition, 49152 bytes, does" in summary.reason, summary.reason

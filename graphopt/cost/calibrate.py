@@ -62,6 +62,9 @@ class OtherLoad:
     """The share of this machine's CPU time that other processes used while the block ran:
     (every CPU's busy time - this process's and its children's CPU time) / (wall time x
     CPUs), from ``/proc/stat`` and ``os.times`` (Linux; ``share`` stays None elsewhere).
+    Children count as this process's when they are started and reaped inside the block
+    (``os.times`` adds a child's CPU time when it is waited for). ``/proc/stat`` is the
+    host's: in a container limited to fewer CPUs, other tenants' work counts too.
 
     Sustained work next to calibrate (a test suite, a compile) slows every timing alike, so
     repeated timings agree and the spread check (:data:`_SPREAD`) misses it: a review's
@@ -281,10 +284,11 @@ def calibrate(path: Path | None = None, collectives: bool = True,
         bandwidth = measure_bandwidth()
         overhead = measure_overhead()
         attention = measure_attention_efficiency()
-    link = LinkProfile(bandwidth=bandwidth / 2, latency=50e-6)
-    if collectives:
-        log("gloo all-reduce, 2 ranks...")
-        link = measure_allreduce()
+        link = LinkProfile(bandwidth=bandwidth / 2, latency=50e-6)
+        if collectives:  # inside: its ranks are children spawned and reaped in the block,
+            # so os.times counts all of their CPU time as calibrate's own (a re-review)
+            log("gloo all-reduce, 2 ranks...")
+            link = measure_allreduce()
     busy_note = ""
     if other.share is not None and other.share > OTHER_LOAD_LIMIT:
         busy_note = (f"; other processes used {other.share:.0%} of the CPUs while it "

@@ -978,10 +978,16 @@ class RematPass(GraphPass):
                        "no data-dependent sizes in this graph: the static plan is exact")
         if alone is not None and decision.saved_bytes > budget \
                 and decision.saved_bytes >= alone:
+            # the solver's least is of its model of the graph; where PyTorch's partition
+            # saves less (user checkpoint regions, a re-review: "65536 bytes is the least
+            # any plan saves" next to a partition of 49152) its "least any plan" is not
+            status = decision.status if decision.saved_bytes == alone else (
+                f"its model of this graph saves no less; PyTorch's partition, {alone} "
+                "bytes, does")
             ctx.record("kept", "saved activations",
                        f"{of}: over budget, and the least the solver found "
                        f"({decision.saved_bytes} bytes; solver {decision.solver}: "
-                       f"{decision.status}) is not below PyTorch's partition: nothing "
+                       f"{status}) is not below PyTorch's partition: nothing "
                        "recomputed or offloaded, PyTorch's partition kept")
             _record_user_regions(ctx, user)
             return PassResult(original, False)
