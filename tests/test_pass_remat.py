@@ -1330,3 +1330,29 @@ def test_a_solver_minimum_above_pytorchs_partition_is_not_called_the_least_any_p
     summary = _remat_summary()
     assert summary.action == "kept" and "is the least any plan saves" not in summary.reason
     assert "PyTorch's partition, 49152 bytes, does" in summary.reason, summary.reason
+
+
+def test_profile_guided_mode_under_dynamic_shapes():
+    """A dynamic-shape compile hands its sizes to the graph as SymInt inputs; the profile
+    run passed them on and the first view raised "SymIntArrayRef expected to contain only
+    concrete integers" (a review: Llama and Qwen3-MoE with a dynamic batch). Their values at
+    the example inputs run the observation; the observed batch and length decide."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16, dtype=torch.float64)
+
+    def f(x):
+        h = torch.tanh(lin(x)).view(x.shape[0], x.shape[1], 4, 4)
+        return torch.tanh(lin(h.flatten(2))).square().mean()
+
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    want = torch.autograd.grad(f(x), list(lin.parameters()))
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    fn = torch.compile(f, backend="graphopt", dynamic=True, options={
+        "lowering": "eager", "remat": {"budget": 0.5, "profile_guided": True}})
+    fn(x).backward()
+    torch.testing.assert_close([p.grad for p in lin.parameters()], list(want), rtol=1e-10,
+                               atol=1e-12)
+    (site,) = [s for r in graphopt.reports() for p in r.pass_records("remat")
+               for s in p.sites if s.site == "profile-guided"]
+    assert site.action == "rewritten" and "=3" in site.reason and "=5" in site.reason, site

@@ -171,8 +171,17 @@ def observe_sizes(gm: fx.GraphModule, example_inputs: list[Any]) -> dict[Any, in
                                 observed.setdefault(expr, int(size))
             return out
 
-    inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x
-              for x in example_inputs]
+    from graphopt.passes.fx_utils import size_hint
+
+    # a dynamic-shape compile's size inputs are SymInts: their values at these inputs (a
+    # review: a dynamic batch raised "SymIntArrayRef expected to contain only concrete
+    # integers" in the first view); a size without one leaves the observation empty
+    hints = [size_hint(x) if isinstance(x, torch.SymInt) else 0 for x in example_inputs]
+    if None in hints:
+        return observed
+    inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else
+              hint if isinstance(x, torch.SymInt) else x
+              for x, hint in zip(example_inputs, hints)]
     with torch.no_grad():
         Observer(gm).run(*inputs)
     return observed
