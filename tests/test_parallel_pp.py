@@ -292,6 +292,27 @@ def test_bad_batches_for_a_pipeline_are_clear_errors():
         assert cached == [(2, True, seq) for seq in range(12, 28, 2)]  # least recently used out
 
 
+def _all_padding_worker(rank, world):
+    import warnings
+
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+
+    pipe = parallelize(build_model("llama", num_hidden_layers=2), ParallelPlan(pp=2))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loss = pipe.step(ids, labels=torch.full_like(ids, -100))
+    return None if loss is None else float(loss), [str(w.message) for w in seen]
+
+
+def test_a_batch_without_labelled_tokens_warns_on_every_rank():
+    """A review: an all-padding global batch read loss 0.0 (one process: NaN) silently."""
+    for loss, seen in run_distributed(_all_padding_worker, 2):
+        assert loss in (None, 0.0)
+        assert any("no labelled token in this global batch" in m for m in seen), seen
+
+
 def _varying_worker(rank, world):
     """Steps with another sequence length, and labels with ignored (-100) positions spread
     unevenly over the microbatches: each step equals one process's mean loss."""

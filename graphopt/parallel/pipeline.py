@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -377,6 +378,11 @@ class PipelinedModel(nn.Module):
         labelled = ((target if self.cp > 1 else target[:, 1:]) != -100).sum().to(torch.float64)
         if self.dp_group is not None:  # every DP (and CP) rank's labels (uneven -100)
             torch.distributed.all_reduce(labelled, group=self.dp_group)
+        if int(labelled) == 0:  # every rank has the same count: a warning on each, no hang
+            warnings.warn("PipelinedModel.step: no labelled token in this global batch "
+                          "(every label is -100): the loss reads 0.0 and the gradients are "
+                          "zero, where one process's mean over no tokens is NaN (a review)",
+                          stacklevel=2)
         self._labelled = max(1, int(labelled))
         report = getattr(self, "graphopt_parallel", None)
         if report is not None:
