@@ -82,7 +82,7 @@ aten = torch.ops.aten
 GROUPED_MM_FIX = ("build the model with experts_implementation='grouped_mm' (or 'batched_mm') "
                   "so router and experts reach one graph, where its class offers them "
                   "(transformers' set_experts_implementation; a class without them, e.g. "
-                  "DBRX, keeps its eager loop and is not rewritten)")
+                  "DBRX or JetMoE, keeps its eager loop and is not rewritten)")
 EAGER_LOOP_FIX = ("the router's indices leave this graph at a graph break (transformers' eager "
                   "experts loop breaks on a data-dependent nonzero); " + GROUPED_MM_FIX)
 
