@@ -1023,6 +1023,28 @@ def test_exact_mode_replaces_a_constant_causal_mask_by_is_causal():
     assert_matches_eager(fn, as_function(gm, fn), args)
 
 
+def test_a_mask_built_from_random_numbers_is_never_proven_causal():
+    """A review: ``tril(ones) & (randint(0, 50, (S, S)) > 0)`` (random key dropping) drew a
+    causal mask at compile time about half the time; the site became is_causal and every
+    later call ignored its mask (logits 1.7, gradients 8.2 off, no warning). A random op
+    in the mask's construction now keeps the site, whatever the draw (10 seeds)."""
+    def fn(q, k, v):
+        s = q.shape[2]
+        keep = torch.randint(0, 50, (s, s)) > 0
+        mask = torch.ones(s, s, dtype=torch.bool).tril() & keep
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    args = [torch.randn(1, 2, 8, 4) for _ in range(3)]
+    for seed in range(10):
+        gm = trace_for_pass(fn, *args)
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        _, record = run_pass("attention", gm, Config(attention="exact"))
+        (site,) = record.sites
+        assert site.action == "kept" and "draws random numbers" in site.reason, site
+        assert torch.equal(torch.get_rng_state(), state)  # nothing drawn at compile time
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_a_finfo_min_causal_mask_is_causal_in_every_dtype(dtype):
     """transformers fills masked positions with finfo(dtype).min: float16's is -65504, above

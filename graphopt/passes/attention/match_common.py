@@ -20,7 +20,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt.passes.fx_utils import alias_classes, attr_value, tensor_meta, writes_of
+from graphopt.passes.fx_utils import (
+    alias_classes,
+    attr_value,
+    is_random,
+    tensor_meta,
+    writes_of,
+)
 
 aten = torch.ops.aten
 
@@ -151,7 +157,8 @@ def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
     Raises:
         NoMatch: the node, or a value it is computed from, is written in place in the graph
             (directly or through a view: its value at run time is not the one computed
-            here), or it is not computable from the inputs.
+            here), draws random numbers (another value at every call), or it is not
+            computable from the inputs.
     """
     if not isinstance(node, fx.Node):
         return node
@@ -167,6 +174,11 @@ def evaluate(node: Any, env: dict[fx.Node, Any]) -> Any:
             return value
         if node.op != "call_function":
             raise NoMatch(f"{node.name} is not computable from the inputs")
+        if is_random(node):  # (a review: tril(ones) & (randint(...) > 0) drew a causal
+            # mask once, was rewritten to is_causal and every later call ignored its mask;
+            # the draw also advanced the caller's generator at compile time)
+            raise NoMatch(f"{node.name} draws random numbers ({node.target}): its value "
+                          "differs at every call, so it cannot be proven at compile time")
         args = torch.fx.node.map_arg(node.args, lambda n: evaluate(n, env))
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: evaluate(n, env))
         env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
