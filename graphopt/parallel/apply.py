@@ -200,8 +200,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if not isinstance(plan, ParallelPlan):
         raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
                           f"{type(plan).__name__}")
-    unexecuted = plan.problems()
-    if plan.recompute_layers and not unexecuted:  # (a list was a TypeError below: a review)
+    unexecuted: list[str] = []  # what is wrong whatever the job raised when it was built
+    if plan.recompute_layers:  # (a list was a TypeError below: a review)
         count = len(decoder_layers(model))
         # uneven stages (the plan's stage_layers): the largest stage's layers (the
         # planner's recompute_layers for a layout; a review found llama3-70b's best plan,

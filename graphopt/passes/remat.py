@@ -402,19 +402,11 @@ def partition_claim_note(joint: fx.GraphModule, forward: fx.GraphModule,
     primals = {_storage(t) for p in forward.graph.find_nodes(op="placeholder")
                if p.name not in priced for t in torch.utils._pytree.tree_leaves(
                    p.meta.get("val")) if isinstance(t, torch.Tensor)}  # their views: free
-    sizes: dict[Any, float] = {}
-    for v in out.args[0][num_fwd_outputs:]:
-        if not isinstance(v, fx.Node) or v.name in offloaded or (
-                v.op == "placeholder" and v.name not in priced) or \
-                v.target is torch.ops.prims.device_put.default:  # an offload's host copy
-            continue
-        for t in torch.utils._pytree.tree_leaves(v.meta.get("val")):
-            if isinstance(t, torch.Tensor) and _storage(t) not in primals:
-                sizes[_storage(t)] = max(sizes.get(_storage(t), 0.0),
-                                         _concrete(t.untyped_storage().nbytes()),
-                                         _concrete(t.numel()) * t.element_size())
-    held = int(sum(sizes.values())) - sum((forward.meta.get(PRE_MUTATION_COPIES) or {})
-                                          .values())
+    saved = [v for v in out.args[0][num_fwd_outputs:] if isinstance(v, fx.Node) and not (
+        v.name in offloaded or (v.op == "placeholder" and v.name not in priced)
+        or v.target is torch.ops.prims.device_put.default)]  # an offload's host copy
+    held = _storage_bytes(saved, primals) - sum(
+        (forward.meta.get(PRE_MUTATION_COPIES) or {}).values())
     if held <= claimed + max(256, claimed // 100):
         return ""
     return (f"remat: the partition saves {held} bytes of activations where the plan claimed "
@@ -514,15 +506,22 @@ def _partitioner_bytes(gm: fx.GraphModule, cse_done: bool = False,
                if n.op == "placeholder" and n.name not in names
                for t in torch.utils._pytree.tree_leaves(n.meta.get("val"))
                if isinstance(t, torch.Tensor)}
-    saved = [v for v in saved if v.op != "placeholder" or v.name in names]
-    sizes: dict[Any, float] = {}  # one entry per storage, all of it: autograd keeps a
-    for v in saved:  # saved view's whole storage alive (q, k, v split from one projection:
-        for t in torch.utils._pytree.tree_leaves(v.meta.get("val")):  # a review found the
-            if isinstance(t, torch.Tensor) and _storage(t) not in primals:  # largest view
-                sizes[_storage(t)] = max(  # counted, 2.9x low); views of a primal (a
-                    sizes.get(_storage(t), 0.0),  # weight's transpose) add nothing
-                    _concrete(t.untyped_storage().nbytes()),
-                    _concrete(t.numel()) * t.element_size())
+    return _storage_bytes([v for v in saved if v.op != "placeholder" or v.name in names],
+                          primals)
+
+
+def _storage_bytes(saved: list[fx.Node], primals: set[Any]) -> int:
+    """Bytes the ``saved`` values keep alive: one entry per storage, all of it (autograd
+    keeps a saved view's whole storage alive: q, k, v split from one projection; a review
+    found the largest view counted, 2.9x low); views of a storage in ``primals`` (a
+    weight's transpose) add nothing."""
+    sizes: dict[Any, float] = {}
+    for v in saved:
+        for t in torch.utils._pytree.tree_leaves(v.meta.get("val")):
+            if isinstance(t, torch.Tensor) and _storage(t) not in primals:
+                sizes[_storage(t)] = max(sizes.get(_storage(t), 0.0),
+                                         _concrete(t.untyped_storage().nbytes()),
+                                         _concrete(t.numel()) * t.element_size())
     return int(sum(sizes.values()))
 
 
