@@ -941,8 +941,8 @@ def test_lightning_mode_keeps_sites_whose_inputs_move_or_whose_layer_is_unknown(
     the approximate path); and lightning.every with no decoder-layer index (a site outside
     any layer) cannot tell whether the site keeps softmax: both are kept, with the reason."""
     def hand_written(write):
-        def fn(q, k, v):
-            q, k, v = q * 1, k * 1, v * 1
+        def fn(x):  # (q, k, v of one input: computed ones of three would be cross attention)
+            q, k, v = x[0] * 1, x[1] * 1, x[2] * 1
             mask = torch.full((24, 24), float("-inf")).triu(1)
             p = torch.softmax(q @ k.transpose(-1, -2) * 8 ** -0.5 + mask, dim=-1)
             if write:
@@ -954,9 +954,9 @@ def test_lightning_mode_keeps_sites_whose_inputs_move_or_whose_layer_is_unknown(
     for write in (False, True):
         fn = hand_written(write)
         with torch.no_grad():
-            gm = trace_for_pass(fn, *qkv)
+            gm = trace_for_pass(fn, torch.stack(qkv))
             _, record = run_pass("attention", gm, Config(attention="lightning"),
-                                 example_inputs=bind_inputs(gm, fn, *qkv))
+                                 example_inputs=bind_inputs(gm, fn, torch.stack(qkv)))
         assert [s.action for s in record.sites] == ["skipped" if write else "rewritten"], \
             record.sites
         if write:

@@ -775,3 +775,88 @@ def test_clear_reports_forgets_the_lightning_decisions():
         with torch.no_grad():
             torch.compile(lambda x: second(input_ids=x, use_cache=False).logits,
                           backend="graphopt", options=options)(ids)
+
+
+class CrossAttention(torch.nn.Module):
+    """Causal softmax attention whose keys/values come from ``memory`` (another sequence of the
+    same length); ``later``: the queries also read ``memory`` (a decoder's later layer, after
+    an earlier cross attention); ``self_attention``: keys/values from ``x`` (the control)."""
+
+    def __init__(self, spelling, later=False, self_attention=False):
+        super().__init__()
+        self.spelling, self.later, self.self_attention = spelling, later, self_attention
+        self.q, self.kv = torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, x, memory):
+        b, s, _ = x.shape
+        if self.later:
+            x = x + memory.mean(1, keepdim=True)
+        q = self.q(x).view(b, s, 2, D).transpose(1, 2)
+        k, v = self.kv(x if self.self_attention else memory).view(b, s, 2, 2, D) \
+            .permute(2, 0, 3, 1, 4)
+        if self.spelling == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        scores = q @ k.transpose(-1, -2) * D ** -0.5 + _causal_additive(s)
+        return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("spelling", ["sdpa", "hand_written"])
+@pytest.mark.parametrize("later", [False, True])
+def test_causal_cross_attention_is_kept(spelling, later):
+    """Keys and values from another sequence of the queries' length, with a causal mask, are
+    no self-attention: converting them (a review: logits 1.5, gradients 277 off) treated the
+    memory's positions as the queries'. Kept, with the reason; the same module attending to
+    its own input is converted."""
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, S, 16, generator=gen), torch.randn(2, S, 16, generator=gen)]
+    for self_attention in (False, True):
+        torch.manual_seed(0)
+        model = CrossAttention(spelling, later, self_attention)
+        gm, record = _convert(model, args)
+        actions = [s.action for s in record.sites]
+        if self_attention:
+            assert actions == ["rewritten"], record.sites
+            continue
+        assert actions == ["skipped"], record.sites
+        assert "not computed from the queries' inputs" in record.sites[0].reason
+        assert ("they do not read" if later else "which the queries do not") in \
+            record.sites[0].reason
+        assert record.op_delta.get(LIGHTNING, 0) == 0
+        torch.testing.assert_close(as_function(gm, model)(*args), model(*args), rtol=0, atol=0)
+
+
+def test_cross_attention_of_another_length_is_not_called_a_kv_cache():
+    """BART with use_cache=False: its decoder's cross attention (keys of the encoder's length)
+    is kept as cross attention, and no warning tells the user to pass use_cache=False (a
+    review: the reason said "(KV cache)" and the KV-cache warning counted it)."""
+    import transformers
+
+    import graphopt
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, attn_implementation="sdpa")
+    model = transformers.BartForConditionalGeneration(config).double().eval()
+    gen = torch.Generator().manual_seed(0)
+    ids, dec = torch.randint(3, 100, (2, 11), generator=gen), torch.randint(3, 100, (2, 7),
+                                                                          generator=gen)
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    compiled = torch.compile(lambda a, b: model(input_ids=a, decoder_input_ids=b,
+                                                use_cache=False).logits,
+                             backend="graphopt", options={"lowering": "eager",
+                                                          "attention": "lightning"})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        compiled(ids, dec)
+    assert not [w for w in caught if "KV cache" in str(w.message)], \
+        [str(w.message) for w in caught]
+    sites = {s.site.split(":")[0]: s for r in graphopt.reports()
+             for p in r.pass_records("attention") for s in p.sites}
+    cross = [s for path, s in sites.items() if "encoder_attn" in path]
+    assert cross and all("cross attention" in s.reason and s.action == "skipped"
+                         for s in cross), cross
+    assert any(s.action == "rewritten" for path, s in sites.items() if "self_attn" in path
+               and "decoder" in path), sites

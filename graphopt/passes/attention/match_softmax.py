@@ -202,7 +202,7 @@ def match_sdpa_causal(node: fx.Node, env: dict[fx.Node, Any], outer: Outer | Non
     if q_val is None or k_val is None or q_val.dim() != 4:
         raise NoMatch("operands are not [B, H, S, D]")
     if q_val.shape[2] != k_val.shape[2]:  # first: a decode step is not "non-causal"
-        raise NoMatch("query length != key length (KV cache); causal alignment differs")
+        raise NoMatch(LENGTHS_DIFFER)
     mask = args.get("attn_mask")
     if mask is not None:
         problem = not_constant_causal(*built_where(mask, env, outer))
@@ -246,12 +246,17 @@ def match_handwritten_softmax_attention(softmax: fx.Node, env: dict[fx.Node, Any
     if any(x is None or x.dim() != 4 for x in vals):
         raise NoMatch("q, k, v are not [B, H, S, D] tensors")
     if vals[0].shape[2] != vals[1].shape[2]:  # type: ignore[union-attr]
-        raise NoMatch("query length != key length (KV cache); causal alignment differs")
+        raise NoMatch(LENGTHS_DIFFER)
     (k0, nk), (v0, nv) = _unrepeat(k), _unrepeat(v)  # type: ignore[arg-type]
     if nk == nv and nk > 1:
         k, v = k0, v0
     return SoftmaxAttention(q, k, v, scale, output, factors)  # type: ignore[arg-type]
 
+
+LENGTHS_DIFFER = ("query length != key length (cross attention over another sequence, or a "
+                  "decode step reading cached keys); causal alignment differs")
+"""The reason for a site whose queries and keys differ in length (a review: BART's cross
+attention was said to read a KV cache, and counted in the KV-cache warning)."""
 
 SIZE_PROBES = (1, 2, 5, 16, 37)
 """Sizes a mask that depends on input sizes only is evaluated at (besides the example's), and

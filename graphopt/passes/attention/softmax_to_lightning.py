@@ -17,13 +17,15 @@ Contract:
         "approximate"). Every site is either converted or reported "skipped" with the
         matcher's reason: a mask from a graph input (padding, or a mask passed across a graph
         break), non-causal or sliding-window masks, dropout > 0, query length != key length
-        (KV cache), keys/values read from or stored into a KV cache (``kv_cache_reason``;
-        warned once per graph), a K permuted other than over its last two dims, a run-time
-        scale that would promote the scores' dtype, an unknown layer index with per-layer
-        slopes, an autocast region, ``lightning.every`` / ``lightning.layers``. A scale
-        computed from a graph input or a trainable temperature (``dynamic=True`` lifts
-        transformers' ``self.scaling`` to a graph input) multiplies phi(q) in the graph,
-        so it stays live and differentiable. The output keeps the site's dtype.
+        (cross attention, decode steps), keys/values read from or stored into a KV cache
+        (``kv_cache_reason``; warned once per graph), keys/values not computed from the
+        queries' inputs (cross attention, ``cross_attention_reason``), a K permuted other
+        than over its last two dims, a run-time scale that would promote the scores'
+        dtype, an unknown layer index with per-layer slopes, an autocast region,
+        ``lightning.every`` / ``lightning.layers``. A scale computed from a graph input or
+        a trainable temperature (``dynamic=True`` lifts transformers' ``self.scaling`` to a
+        graph input) multiplies phi(q) in the graph, so it stays live and differentiable.
+        The output keeps the site's dtype.
     reads meta: ``val``, ``nn_module_stack`` (layer index, module path), ``grapharg``,
         ``autocast``.
     writes meta: new nodes get ``val``, ``nn_module_stack`` and ``graphopt_replaced`` of the
@@ -52,7 +54,14 @@ import torch
 import torch.fx as fx
 
 from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes, saved_bytes_note
-from graphopt.passes.attention.match_common import NoMatch, WritesBetween, aten, layer_index
+from graphopt.passes.attention.match_common import (
+    NoMatch,
+    WritesBetween,
+    ancestors,
+    aten,
+    is_buffer,
+    layer_index,
+)
 from graphopt.passes.attention.match_softmax import (
     Outer,
     match_softmax_attention_site,
@@ -137,8 +146,8 @@ def kv_cache_reason(k: fx.Node, v: fx.Node) -> str:
                 return (f"the {what} come from a KV cache of earlier steps (a graph input "
                         + ("concatenated with this step's" if concatenated else
                            "written in place") + "): Lightning Attention would need its "
-                        "recurrent state there, not past softmax keys/values; run with "
-                        "use_cache=False")
+                        "recurrent state there, not past softmax keys/values; "
+                        + _USE_CACHE_FALSE)
             if n.op == "call_function" and n.target in _PASS_THROUGH:  # tensors only (not
                 todo.extend((i, concatenated or n.target is aten.cat.default)  # a dynamic
                             for i in n.all_input_nodes  # size's SymInt input)
@@ -149,8 +158,67 @@ def kv_cache_reason(k: fx.Node, v: fx.Node) -> str:
                                               or n in writes_of(user)):
                     return (f"the {what} are also returned or written in place (a KV cache "
                             "for later decode steps, which would read softmax keys/values "
-                            "of a Lightning model): run with use_cache=False")
+                            "of a Lightning model): " + _USE_CACHE_FALSE)
     return ""
+
+
+_USE_CACHE_FALSE = "run with use_cache=False"
+"""How every :func:`kv_cache_reason` ends (the KV-cache warning counts those sites)."""
+
+
+def cross_attention_reason(q: fx.Node, k: fx.Node, v: fx.Node, env: dict[fx.Node, Any]
+                           ) -> str:
+    """Why a site's keys or values come from another sequence than its queries (non-empty:
+    the site is kept), else "". Self-attention computes q, k and v from the same hidden
+    states, so the graph inputs each is computed from, parameters and buffers aside, are the
+    same for q and k (RoPE reads positions for both), and v reads none that q does not;
+    cross attention's keys and values read the encoder's states (in a decoder's first
+    layer) or its keys lack the decoder's input (later layers). Causal cross attention with equal
+    lengths was converted, as if keys were the queries' positions (a review: logits 1.5 and
+    gradients 277 off a softmax model whose keys came from a second input). Where q, k and v
+    are each a graph input as they are (through layout ops: a graph break just before the
+    attention, or a function of q, k, v) the graph cannot tell, and the site is taken for
+    self-attention as the caller's function of (q, k, v) says; keys computed in an earlier
+    graph next to queries computed in this one are kept."""
+    if all(_graph_input(x) is not None for x in (q, k, v)):
+        return ""
+
+    def inputs(x: fx.Node) -> set[fx.Node]:
+        return {n for n in ancestors(x) if n.op == "placeholder"
+                and isinstance(tensor_meta(n), torch.Tensor)
+                and not isinstance(env.get(n), torch.nn.Parameter)
+                and not is_buffer(n, env) and not _is_parameter(n)}
+
+    mine = inputs(q)
+    for x, what in ((k, "keys"), (v, "values")):
+        theirs = inputs(x)
+        only = sorted(n.name for n in theirs - mine)
+        # values skip what only positions need (RoPE's cos/sin inputs in a checkpoint body)
+        missing = sorted(n.name for n in mine - theirs) if x is k else []
+        if only or missing:
+            return (f"the {what} are not computed from the queries' inputs ("
+                    + "; ".join(part for part in (
+                        f"they read {', '.join(only[:3])}, which the queries do not"
+                        if only else "",
+                        f"they do not read {', '.join(missing[:3])}" if missing else "")
+                        if part)
+                    + "): cross attention, or keys computed before a graph break; only "
+                      "self-attention is converted")
+    return ""
+
+
+def _graph_input(x: fx.Node) -> fx.Node | None:
+    """The graph input ``x`` is, through single-operand layout ops, or None."""
+    while x.op == "call_function" and x.target in _PASS_THROUGH and x.target is not \
+            aten.cat.default and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x if x.op == "placeholder" else None
+
+
+def _is_parameter(node: fx.Node) -> bool:
+    """A graph input that Dynamo lifted from a module's parameters (its source)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return "_parameters" in str(getattr(source, "name", ""))
 
 
 def _promoting_factor(q: fx.Node, factors: tuple[tuple[fx.Node, bool], ...]) -> str:
@@ -244,7 +312,7 @@ class SoftmaxToLightning:
             ctx.record("rewritten" if done else "skipped", site_name(node), reason,
                        approximate=done)
             modified = modified or done
-            cached += "KV cache" in reason
+            cached += reason.endswith(_USE_CACHE_FALSE)  # kv_cache_reason's
             masked += "depends on a graph input's values" in reason
             dropped += "training dropout" in reason
             returned += "output_attentions=True" in reason
@@ -338,7 +406,8 @@ class SoftmaxToLightning:
         escaped = _escaping_value(found)
         if escaped:
             return f"kept: {escaped}"
-        cached = kv_cache_reason(found.k, found.v)
+        cached = kv_cache_reason(found.k, found.v) or \
+            cross_attention_reason(found.q, found.k, found.v, env)
         if cached:
             return f"kept: {cached}"
         path = module_path(node)
