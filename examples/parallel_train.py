@@ -63,6 +63,12 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.plan:
         plan = ParallelPlan.load(args.plan, args.index)
+        if plan.devices != world:  # one line, not a traceback per rank (a review)
+            dist.destroy_process_group()
+            parser.error(f"--plan {args.plan}: the plan uses {plan.devices} devices and "
+                         f"torchrun started {world} ranks; launch {plan.devices} "
+                         f"(--nproc-per-node) or search a plan for {world} devices "
+                         f"(graphopt plan --devices {world} --json ...)")
     elif world % 2 == 0 and world >= 4:
         plan = ParallelPlan(dp_shard=world // 2, tp=2, zero_stage=3)
     else:

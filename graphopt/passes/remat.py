@@ -454,6 +454,8 @@ def _unsafe_to_recompute(node: fx.Node) -> bool:
         bodies = [b for b in found if isinstance(b, fx.GraphModule)]
         return not bodies or any(_unsafe_to_recompute(n) for b in bodies
                                  for n in b.graph.nodes if n.op == "call_function")
+    if rng_state_bytes(node) and _has_opaque_inputs(node.graph):
+        return True
     if isinstance(target, torch._ops.OpOverload):
         if is_foreign_op(target):
             return True
@@ -461,6 +463,18 @@ def _unsafe_to_recompute(node: fx.Node) -> bool:
                 target._schema.name:
             return True  # data-dependent sizes
     return False
+
+
+def _has_opaque_inputs(graph: fx.Graph) -> bool:
+    """Whether ``graph`` takes an opaque (script) object, as a TP plan's layer graph takes
+    its DeviceMesh. torch 2.13's partitioner saves the RNG state of a recomputed seeded op
+    (SDPA) after such saved objects, where the runtime expects tensors only: every remat
+    budget that recomputed attention under tp=2 failed the first forward with
+    "expected all tensors_saved_with_vc_check to be Tensors" (a review). Seeded ops are
+    not recomputed in such graphs."""
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+
+    return any(is_opaque_node(n) for n in graph.find_nodes(op="placeholder"))
 
 
 def _record_user_regions(ctx: PassContext, user: list[fx.Node]) -> None:
