@@ -19,7 +19,8 @@ from graphopt.models import build_model, sample_batch
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--lowering", default="eager")
+    parser.add_argument("--lowering", default="eager",
+                        choices=["eager", "inductor", "auto", "npu"])
     parser.add_argument("--dump-dir", default=None)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()

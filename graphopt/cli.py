@@ -75,7 +75,8 @@ def demo(
             ("--no-moe", moe, True)) if value != default]
         if ignored:
             _fail(f"--parallel runs MiniMax in float64 with eager modules; it does not take "
-                  f"{', '.join(ignored)}: drop them, or drop --parallel")
+                  f"{', '.join(ignored)}: drop {'them' if len(ignored) > 1 else 'it'}, or "
+                  "drop --parallel")
         if parallel < 2:
             _fail("--parallel needs N >= 2 ranks (N = 1 would compare one process with itself)")
         _parallel_demo(parallel, batch, seq)
@@ -272,10 +273,12 @@ def explain(
 ) -> None:
     """Render the report(s) of a dump directory in the terminal."""
     if not dump_dir.is_dir():
-        _fail(f"{dump_dir} is not a directory")
+        _fail(f"{dump_dir} " + ("is not a directory" if dump_dir.exists() else
+                                "does not exist") + ": give a dump directory")
     paths = sorted(dump_dir.glob("report.json")) or sorted(
-        [*dump_dir.glob("graph_*/report.json"), *dump_dir.glob("export/report.json"),
-         *dump_dir.glob("rank*/graph_*/report.json"), *dump_dir.glob("rank*/export/report.json")],
+        [*dump_dir.glob("graph_*/report.json"), *dump_dir.glob("export*/report.json"),
+         *dump_dir.glob("rank*/graph_*/report.json"),
+         *dump_dir.glob("rank*/export*/report.json")],
         key=lambda path: _dump_order(path.relative_to(dump_dir)))
     if not paths:
         _fail(f"no report.json in {dump_dir} or its graph_*, export or rank*/ folders; "

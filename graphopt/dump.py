@@ -22,6 +22,7 @@ Models: torch/fx/passes/graph_transform_observer.py; torchtitan graph_trainer's 
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import re
 import shutil
@@ -68,11 +69,11 @@ def _rank_folders(top: Path) -> list[Path]:
     return [p for p in top.glob("rank[0-9]*") if p.name[4:].isascii() and p.name[4:].isdigit()]
 
 
-_GRAPH_FOLDER = re.compile(r"(graph_\d{3,}|export)(\.pid\d+)?")
+_GRAPH_FOLDER = re.compile(r"(graph_\d{3,}|export(_\d{3,})?)(\.pid\d+)?")
 
 
 def _graph_folders(root: Path) -> list[Path]:
-    """The folders :class:`Dumper` names: ``graph_NNN`` or ``export``, either with
+    """The folders :class:`Dumper` names: ``graph_NNN`` or ``export[_NNN]``, either with
     ``.pid<P>`` (exactly: a user's ``graph_2024_experiments/`` is not one)."""
     return [p for pattern in ("graph_[0-9]*", "export*") for p in root.glob(pattern)
             if _GRAPH_FOLDER.fullmatch(p.name)]
@@ -190,8 +191,13 @@ def graph_code(gm: fx.GraphModule) -> str:
     return code
 
 
+_EXPORTS = itertools.count()
+"""Exports dumped by this process (``export``, then ``export_001``, ...)."""
+
+
 class Dumper:
-    """Writes a compile's graphs under ``root/graph_NNN``; a no-op when ``root`` is None."""
+    """Writes a compile's graphs under ``root/graph_NNN`` (an export's under ``root/export``,
+    ``export_001``, ...); a no-op when ``root`` is None."""
 
     def __init__(self, root: Path | None, graph_id: int, report: CompileReport) -> None:
         self.dir: Path | None = None
@@ -200,7 +206,11 @@ class Dumper:
         if root is None:
             return
         top, root = root, _rank_root(root)
-        folder = root / (f"graph_{graph_id:03d}" if graph_id >= 0 else "export")
+        if graph_id >= 0:
+            folder = root / f"graph_{graph_id:03d}"
+        else:  # one folder per export of this process (a review: a second export into the
+            exports = next(_EXPORTS)  # same directory replaced the first one's graphs)
+            folder = root / ("export" if exports == 0 else f"export_{exports:03d}")
         try:
             _claim(top, root)
             if _owned_by_another_live_process(folder) or \

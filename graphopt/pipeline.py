@@ -658,8 +658,12 @@ def make_hooks(runner: PassRunner, dumper: Dumper, report: CompileReport) -> AOT
         if kind == "backward":  # compiled lazily, after the backend returned
             dumper.write_report()
 
+    def timed_done(key: str) -> None:
+        if key == "lowering_backward":  # its time too (a review: the dumped report lacked
+            dumper.write_report()  # it without verify, which writes the report again)
+
     return AOTHooks(run_joint=run_joint, graph_ready=graph_ready, add_time=report.add_time,
-                    note=report.notes.append)
+                    note=report.notes.append, timed_done=timed_done)
 
 
 def _hooked_time(report: CompileReport) -> float:

@@ -37,6 +37,8 @@ def test_dump_contents(tmp_path):
     assert report["passes"][2]["op_delta"] == {"aten.mul.Tensor": -1}
     assert report["graphs"]["backward"] > 0  # written again after the lazy backward compile
     assert "graphopt_overhead" in report["timing"]
+    # and again after it: its compile time too (missing without verify, a review)
+    assert report["timing"]["lowering_backward"] > 0, report["timing"]
     assert "| remove_noops |" in (graph / "report.md").read_text()
     if importlib.util.find_spec("pydot") is not None:
         assert {"01_normalized.dot", "forward.dot", "backward.dot"} <= names
@@ -134,8 +136,14 @@ def test_dumps_never_delete_or_share_a_live_process_folder_and_split_ranks(tmp_p
     mine = Dumper(tmp_path, 0, CompileReport(graph_id=0))
     assert other.exists() and mine.dir == tmp_path / f"graph_000.pid{os.getpid()}"
     assert (mine.dir / ".owner").read_text().split()[0] == str(os.getpid())
+    import itertools
+
+    monkeypatch.setattr("graphopt.dump._EXPORTS", itertools.count())
     export = Dumper(tmp_path, -1, CompileReport(graph_id=-1))
     assert export.dir == tmp_path / "export"
+    # a second export of this process beside it (a review: it replaced the first's graphs)
+    second = Dumper(tmp_path, -1, CompileReport(graph_id=-1))
+    assert second.dir == tmp_path / "export_001"
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

@@ -184,6 +184,7 @@ def test_minimax_exact_exports_with_dynamic_axes_and_equals_transformers(tmp_pat
                                         "graphopt.moe_experts"}
     assert [s.action for s in _exported_sites(result, "moe")] == ["rewritten", "rewritten"]
     assert result.dynamic == {"input_ids": {0: "batch", 1: "seq"}}
+    assert result.report.dynamic and result.report.lowering == "onnx"  # (said False, a review)
     assert {"Loop", "NonZero", "ScatterND"} <= _op_types(path)
     assert len(result.checks) == 4 and result.ok, result.checks
     assert "forward" not in vars(model.model.layers[0].self_attn)  # the rewrite was undone
@@ -193,6 +194,7 @@ def test_minimax_exact_exports_with_dynamic_axes_and_equals_transformers(tmp_pat
                                   {"attention": "exact", "moe": {}}, tmp_path / "static.onnx",
                                   dynamic=False, check=True)
     assert static.module_rewrites == [] and static.ok, static.checks
+    assert not static.report.dynamic
     assert any("block loop of 3 blocks" in s.reason
                for s in _exported_sites(static, "attention"))
 

@@ -214,6 +214,8 @@ def export_onnx(model: nn.Module, example_inputs: torch.Tensor | Sequence[Any],
     report = CompileReport(graph_id=-1, options={"export": "onnx", **dict(options or {})})
     result = OnnxExport(path=path, report=report, dynamic=_axes(names, shapes),
                         example_inputs=args, eager=module, shapes=shapes)
+    # (a review: the dumped report said "dynamic: False, lowering: ``" for a dynamic export)
+    report.dynamic, report.lowering = any(result.dynamic.values()), "onnx"
     # every submodule back in its own mode afterwards, and length-dependent rotary state
     # (Phi-3 longrope, dynamic NTK) as it was: tracing left a FakeTensor in the caller's
     # model (a review: its logits past the original length 1.3e-3 off, a second export

@@ -28,6 +28,9 @@ class AOTHooks:
     add_time: Callable[[str, float], None]
     note: Callable[[str], None] = lambda _: None
     """Add a note to the compile report."""
+    timed_done: Callable[[str], None] = lambda _: None
+    """Called with the key once a :meth:`timed` step's time is added (the pipeline writes
+    the dumped report again after the lazy backward's compile)."""
 
     @contextmanager
     def timed(self, key: str) -> Iterator[None]:
@@ -36,6 +39,7 @@ class AOTHooks:
             yield
         finally:
             self.add_time(key, time.perf_counter() - start)
+            self.timed_done(key)
 
 
 def lowering_key(kind: str) -> str:
