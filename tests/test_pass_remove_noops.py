@@ -173,3 +173,24 @@ def test_refuses_when_a_list_view_or_an_aliased_input_is_written():
         mine, ref = base.clone(), base.clone()
         torch.testing.assert_close(as_function(gm, fn)(*make(mine)), fn(*make(ref)))
         torch.testing.assert_close(mine, ref)
+
+
+def test_an_arithmetic_identity_that_makes_a_strided_input_dense_is_kept():
+    """``x[:, ::2] * 1`` is a new dense tensor (strides (3, 1)), the slice (6, 2): an
+    ``as_strided`` after it read other elements once the multiply was removed (a review's
+    signal framing: outputs 6.5, gradients 5.0 off eager, silently). Same-stride identities
+    are still removed."""
+    def fn(x):
+        y = x[:, ::2] * 1
+        z = x[:, 1:5] - 0  # strides (6, 1) -> (4, 1): kept too
+        w = x.t() / 1  # a transposed (dense) x keeps its strides: removed
+        return y.as_strided((2, 3), (3, 1)) * 2, z.sin(), w.sin()
+
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(fn, x)
+    gm, record = run_pass("remove_noops", gm)
+    removed = [s.reason for s in record.sites if s.action == "rewritten"]
+    assert len(removed) == 1 and "div" in removed[0], record.sites
+    assert_matches_eager(fn, as_function(gm, fn), [x])
+    compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager"})
+    assert_matches_eager(fn, compiled, [x])

@@ -3,7 +3,8 @@
 Contract:
     accepts: any normalized graph (pre-autograd ATen or joint), static or symbolic shapes.
     guarantees: exact; every removed node ``y = op(x, ...)`` had ``y`` equal to ``x`` in
-        value, shape, dtype, device and (for view-like ops) already aliased ``x``. Shapes
+        value, shape, dtype, device and strides (an arithmetic identity's new tensor is
+        dense where ``x`` may be strided) and (for view-like ops) already aliased ``x``. Shapes
         are compared with ``statically_known_true``, so a symbolic shape that is only equal
         for some inputs is kept.
     reads meta: ``val``. writes meta: nothing (removed nodes' users now read ``x``).
@@ -106,9 +107,19 @@ def identity_input(node: fx.Node) -> fx.Node | None:
     if target in _ARITH_IDENTITY and len(node.args) == 2 and not node.kwargs:
         other = node.args[1]
         if type(other) in (int, float) and other == _ARITH_IDENTITY[target] and \
-                not _signed_zero_changes(target, x):
+                not _signed_zero_changes(target, x) and _same_strides(x, y):
             return x_node
     return None
+
+
+def _same_strides(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the result ``y`` of an arithmetic identity has ``x``'s strides. It is a new
+    tensor laid out by TensorIterator: dense for a strided ``x`` (``x[:, ::2] * 1`` has
+    strides (3, 1), the slice (6, 2)), so an op that reads strides after it (``as_strided``
+    framing a signal) read other elements once it was removed (a review: outputs 6.5 and
+    gradients 5.0 off eager, silently)."""
+    return all(statically_known_true(a == b)  # type: ignore[arg-type]
+               for a, b in zip(x.stride(), y.stride()))
 
 
 @register_pass
