@@ -465,6 +465,15 @@ def max_error(expected: Outcome, actual: Outcome) -> float:
     return max((_pair_error(e, a)[0] for e, a in _pairs(expected, actual)), default=0.0)
 
 
+def _error_text(expected: Outcome, actual: Outcome) -> str:
+    """:func:`max_error` for a message, naming NaN/Inf that differ in place or sign, which
+    it skips (a review read "graphopt by 0" where the lowering gave 0 for eager's NaN)."""
+    pairs = [_pair_error(e, a) for e, a in _pairs(expected, actual)]
+    largest = max((err for err, _ in pairs), default=0.0)
+    return f"{largest:.3g}" + (" on finite entries, and NaN/Inf where the other has none"
+                               if any(mismatch for _, mismatch in pairs) else "")
+
+
 def _pair_error(e: Any, a: Any) -> tuple[float, bool]:
     """(largest |a - e| over the entries finite on both sides, whether NaN/Inf differ in
     place or sign); (0, False) for values that are not floating tensors of equal shapes."""
@@ -732,7 +741,7 @@ def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any]
     _fail(report, f"lowering {report.lowering!r} differs from {against} ({problem}); no "
                   "graphopt pass is the cause (each exact pass's output matches its input's)"
           + (f"; torch.compile(backend='aot_eager') of the same graph differs by up to "
-             f"{max(torchs or [0.0]):.3g}, graphopt by {max_error(reference, actual):.3g}"
+             f"{max(torchs or [0.0]):.3g}, graphopt by {_error_text(reference, actual)}"
              if torchs is not None else "") + _lowering_hint(report.lowering, reference))
 
 

@@ -748,3 +748,14 @@ def test_a_lowering_difference_names_the_ways_out(lowering, dtype, hint):
         verify_compile(gm, lambda x: (gm(x)[0] * 1.5,), [torch.randn(16, dtype=dtype)],
                        [("normalize", True, gm)], GraphoptConfig(), report,
                        recompile=lambda disabled: gm)
+
+
+def test_the_error_in_a_message_names_nan_and_inf_that_differ():
+    """max_error skips non-finite entries; the lowering's message said "graphopt by 0" where
+    Inductor gave 0 for eager's NaN (a review)."""
+    from graphopt.verify import _error_text
+
+    nan = torch.tensor([float("nan"), 1.0])
+    assert _error_text(([nan], []), ([torch.tensor([0.0, 1.5])], [])) == \
+        "0.5 on finite entries, and NaN/Inf where the other has none"
+    assert _error_text(([nan], []), ([nan.clone()], [])) == "0"
