@@ -210,6 +210,14 @@ def is_buffer(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
     return isinstance(value, torch.Tensor) and not value.requires_grad and "_buffers" in name
 
 
+def is_parameter(node: fx.Node, env: dict[fx.Node, Any]) -> bool:
+    """A graph input that is a module parameter: an ``nn.Parameter`` value in ``env``, or
+    lifted by Dynamo from a module's ``_parameters`` (its source)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return isinstance(env.get(node), torch.nn.Parameter) or \
+        "_parameters" in str(getattr(source, "name", ""))
+
+
 def layer_index(node: fx.Node) -> int | None:
     """The decoder layer index from the module path (``...layers.3.self_attn``)."""
     for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):

@@ -60,6 +60,7 @@ from graphopt.passes.attention.match_common import (
     ancestors,
     aten,
     is_buffer,
+    is_parameter,
     layer_index,
 )
 from graphopt.passes.attention.match_softmax import (
@@ -186,8 +187,7 @@ def cross_attention_reason(q: fx.Node, k: fx.Node, v: fx.Node, env: dict[fx.Node
     def inputs(x: fx.Node) -> set[fx.Node]:
         return {n for n in ancestors(x) if n.op == "placeholder"
                 and isinstance(tensor_meta(n), torch.Tensor)
-                and not isinstance(env.get(n), torch.nn.Parameter)
-                and not is_buffer(n, env) and not _is_parameter(n)}
+                and not is_buffer(n, env) and not is_parameter(n, env)}
 
     mine = inputs(q)
     for x, what in ((k, "keys"), (v, "values")):
@@ -213,12 +213,6 @@ def _graph_input(x: fx.Node) -> fx.Node | None:
             aten.cat.default and isinstance(x.args[0], fx.Node):
         x = x.args[0]
     return x if x.op == "placeholder" else None
-
-
-def _is_parameter(node: fx.Node) -> bool:
-    """A graph input that Dynamo lifted from a module's parameters (its source)."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    return "_parameters" in str(getattr(source, "name", ""))
 
 
 def _promoting_factor(q: fx.Node, factors: tuple[tuple[fx.Node, bool], ...]) -> str:
@@ -406,10 +400,10 @@ class SoftmaxToLightning:
         escaped = _escaping_value(found)
         if escaped:
             return f"kept: {escaped}"
-        cached = kv_cache_reason(found.k, found.v) or \
+        other_sequence = kv_cache_reason(found.k, found.v) or \
             cross_attention_reason(found.q, found.k, found.v, env)
-        if cached:
-            return f"kept: {cached}"
+        if other_sequence:
+            return f"kept: {other_sequence}"
         path = module_path(node)
         if opts.layers and not any(fnmatch.fnmatchcase(path, p) for p in opts.layers):
             return f"kept: {path or 'this site'} is not selected by lightning.layers"
