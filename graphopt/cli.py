@@ -730,6 +730,10 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
+        key = key.strip()
+        if not key:  # "=5" reached the config check as "override(s)  not a field"
+            raise typer.BadParameter(f"--override takes key=number with a config field name "
+                                     f"before '=', e.g. hidden_size=512; got {item!r}")
         try:
             try:
                 out[key] = int(value)

@@ -288,6 +288,13 @@ def test_an_override_of_a_size_to_zero_is_refused():
         assert result.exit_code == 2 and "must be at least 1" in result.output, result.output
 
 
+def test_an_override_without_a_key_is_refused():
+    """'--override =5' was reported as 'override(s)  not a field of LlamaConfig'."""
+    result = runner.invoke(app, ["estimate", "--model", "llama", "--override", "=5"])
+    assert result.exit_code == 2 and "config field name" in result.output \
+        and "got '=5'" in result.output, result.output
+
+
 def test_plan_flags_what_graphopt_s_executor_would_not_run():
     """A review: on 7 H100s llama3-8b's bf16 ZeRO-1 plans were priced as Megatron's
     distributed optimizer (2 + 2 + 12/dp bytes per parameter) where graphopt's ZeRO-1 holds
