@@ -478,8 +478,9 @@ def _compiled_worker(rank, world, plan_path, name):
             model.graphopt_parallel.sp)
 
 
-@pytest.mark.parametrize("name, sp", [("llama", True), ("mixtral", True), ("llama", False),
-                                      ("mixtral", False), ("phi3", True)])
+# (llama, sp=False) runs in test_compiled_plans_train_exactly_on_new_sequence_lengths
+@pytest.mark.parametrize("name, sp", [("llama", True), ("mixtral", True), ("mixtral", False),
+                                      ("phi3", True)])
 def test_graphopt_compile_with_a_parallel_plan_file(tmp_path, name, sp):
     """TP without SP: the first layer's input is the embedding's AsyncCollectiveTensor, which
     torch 2.13 mishandles as a compiled graph's input (the backward raised "'Tensor' object
@@ -556,10 +557,10 @@ def _lengths_worker(rank, world, lengths):
 
 
 def test_compiled_plans_train_exactly_on_new_sequence_lengths():
-    """Three sequence lengths (each new one recompiles, static or dynamic) train like one
+    """Two sequence lengths (the second recompiles, static or dynamic) train like one
     process for TP, EP folded over TP with dynamic=True, and FSDP + EP; a TP graph torch
     cannot compile with dynamic shapes gets an error naming the fix, not a RecursionError."""
-    lengths = [16, 24, 20]
+    lengths = [16, 24]
     for per_rank in run_distributed(_lengths_worker, 2, lengths):
         for (name, kw, compile_kwargs, extra), (errors, graphs, notes, verified, remat) in \
                 zip(LENGTH_RUNS, per_rank):
