@@ -798,6 +798,11 @@ def _print_reports(reports: list[CompileReport], sites: int,
     def _graph_label(report: CompileReport) -> str:
         return names.get(id(report)) or _report_label(report)
 
+    def _graph_ref(report: CompileReport) -> str:
+        """The label in a sentence: "graph 0", "rank0/graph_000" (not "graph graph_000")."""
+        label = _graph_label(report)
+        return label if label.rsplit("/", 1)[-1].startswith("graph_") else f"graph {label}"
+
     summary = Table(title="graphopt compile report", caption=(
         "nodes: FX nodes of the captured graph before -> after the model passes; rewrites / "
         "skips: pass sites rewritten / left as they are with a reason (listed below, or "
@@ -848,7 +853,7 @@ def _print_reports(reports: list[CompileReport], sites: int,
                 for s in p.sites:
                     if s.action == "skipped":
                         entry = reasons.setdefault((p.name, s.reason),
-                                                   [0, f"graph {_graph_label(r)} {s.site}"])
+                                                   [0, f"{_graph_ref(r)} {s.site}"])
                         entry[0] += 1
         for (name, reason), (count, example) in reasons.items():
             console.print(f"{name}: {count} site(s) skipped, e.g. [cyan]{escape(example)}[/]"
@@ -857,17 +862,17 @@ def _print_reports(reports: list[CompileReport], sites: int,
         for r in reports:
             for p in r.passes:
                 for s in p.sites[:sites]:
-                    console.print(f"graph {_graph_label(r)} {p.name}: {s.action} "
+                    console.print(f"{_graph_ref(r)} {p.name}: {s.action} "
                                   f"[cyan]{escape(s.site)}[/]"
                                   + (f" - {escape(s.reason)}" if s.reason else ""))
                 if len(p.sites) > sites:
-                    console.print(f"graph {_graph_label(r)} {p.name}: ... {len(p.sites) - sites} "
+                    console.print(f"{_graph_ref(r)} {p.name}: ... {len(p.sites) - sites} "
                                   f"more sites ({more})")
     for r in reports:
         for note in r.notes:
-            console.print(f"graph {_graph_label(r)}: note: {escape(note)}")
+            console.print(f"{_graph_ref(r)}: note: {escape(note)}")
         if r.verify.get("status") == "failed":
-            console.print(f"[red]graph {_graph_label(r)} verify failed: "
+            console.print(f"[red]{_graph_ref(r)} verify failed: "
                           f"{escape(str(r.verify.get('detail')))}[/]")
 
 
