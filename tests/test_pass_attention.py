@@ -215,6 +215,12 @@ def _minimax_loop(attn, q, k, v, variant):
             q_decay = attn.query_decay[:, 8 - size:8]
         if i == n - 1 and variant == "constant_decay":
             decay = torch.exp(-attn.slope_rate * 8)
+        if variant == "no_decay":  # causal linear attention without decay: tril masks
+            outputs.append(torch.matmul(qb, state)
+                           + torch.matmul(torch.tril(torch.matmul(qb, kb.transpose(-1, -2))),
+                                          vb))
+            state = state + torch.matmul(kb.transpose(-1, -2), vb)
+            continue
         if variant == "swapped_operands":  # every elementwise product written the other way
             intra = torch.matmul(diagonal_decay[:, :, :size, :size]
                                  * torch.matmul(qb, kb.transpose(-1, -2)), vb)
@@ -232,7 +238,13 @@ def _minimax_loop(attn, q, k, v, variant):
         outputs.append(torch.add(inter, intra, alpha=alpha))
         with torch.set_grad_enabled(variant != "state_no_grad"):  # truncated backprop
             kv = torch.matmul((ks * key_decay[:, -size:]).transpose(-1, -2), vs)
-            state = torch.add(state * decay, kv, alpha=2.0 if variant == "alpha_state" else 1)
+            if variant == "decay_after_sum":
+                state = (state + kv) * decay
+            elif variant == "gated_state":  # a decay times a gate read from the input
+                state = state * decay * torch.sigmoid(qb.mean()) + kv
+            else:
+                state = torch.add(state * decay, kv,
+                                  alpha=2.0 if variant == "alpha_state" else 1)
         if variant == "write_k_after_first_block" and i == 0:
             k[:, :, :blk].mul_(2.0)  # rows the state has already read
         if variant == "state_row_zeroed":  # the next block reads the written state
@@ -321,6 +333,36 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
         got, want = as_function(gm, fn)(*args), fn(*args)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("no_decay", "block output is not (Q*qd) @ S + ((Q K^T) * D) @ V; graphopt's kernel "
+                 "computes MiniMax's decayed form"),
+    ("decay_after_sum", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "
+                        "(its state is read by add, matmul"),
+    ("gated_state", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "
+                    "(its state is read by matmul, mul"),
+])
+def test_loops_of_other_math_are_reported_with_what_differs(variant, reason):
+    """A review: a causal block loop without decay was neither rewritten nor reported, and
+    a state decayed after the sum or gated by an input was reported as "block 0 has no
+    state update". Each is left as written (its per-block products may become parallel
+    forms, exactly), with a reason that names the form, and equals eager in float64."""
+    attn = _layer(40, 16)[0].double()
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q * 1, k * 1, v * 1, variant)
+
+    args = [torch.randn(2, 4, 40, 16, dtype=torch.float64, requires_grad=True)
+            for _ in range(3)]
+    gm = trace_for_pass(fn, *args)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, *args))
+    loops = [s for s in record.sites if s.reason.startswith("linear-attention block loop")]
+    assert len(loops) == 1 and loops[0].action == "skipped" and reason in loops[0].reason, \
+        record.sites
+    # the parallel forms compute exact decays where the layer's tables are float32 ones
+    assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["state_read_before_cat", "swapped_operands"])

@@ -230,8 +230,13 @@ def _next_state(block: LoopBlock, i: int) -> fx.Node:
     users = [u for u in block.state_in.users if is_call(u, aten.mul.Tensor)
              and u.users and any(is_call(w, aten.add.Tensor) for w in u.users)]
     new_state = next((w for u in users for w in u.users if is_call(w, aten.add.Tensor)), None)
-    if new_state is None:
-        raise NoMatch(f"block {i} has no state update")
+    if new_state is None:  # "has no state update" misled where the update has another
+        # form: decayed after the sum, or a decay times an input-dependent gate (a review)
+        read_by = sorted({str(u.target).split(".")[1] if str(u.target).startswith("aten.")
+                          else str(u.target) for u in block.state_in.users})
+        raise NoMatch(f"block {i}'s state update is not S * exp(-slope * L) + (K * kd)^T @ V "
+                      f"(its state is read by {', '.join(read_by)}: e.g. decayed after the "
+                      "sum, or its decay multiplied by a gate)")
     return new_state
 
 
@@ -241,7 +246,15 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
     if len(cat.args) < 2 or arg(cat, 1) not in (-2, 2) or not isinstance(outputs, list) \
             or len(outputs) < 1:
         raise NoMatch("not a concatenation over the sequence dimension")
-    blocks = [_match_block_output(o) for o in outputs]
+    try:
+        blocks = [_match_block_output(o) for o in outputs]
+    except NoMatch as exc:
+        if _loop_shaped(outputs):  # a review: a block loop without decay tables (tril
+            # masked, no decay) went neither rewritten nor reported
+            raise LoopRefused(f"{exc}; graphopt's kernel computes MiniMax's decayed form "
+                              "(a causal loop without decay is that form with decay tables "
+                              "of ones, which the matcher does not take)") from None
+        raise
     try:
         loop = _check_loop(blocks)
         operand_problem(loop.q, loop.k, loop.v, cat)
@@ -250,6 +263,21 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
         raise
     except NoMatch as exc:
         raise LoopRefused(str(exc)) from None
+
+
+def _loop_shaped(outputs: list[Any]) -> bool:
+    """Every block output is a sum of two products and the first block's reads a zeros
+    state: a linear-attention block loop (``inter + intra`` with ``inter = Q_b @ S``), even
+    where its products are not the form :func:`_match_block_output` takes."""
+    def products(o: Any) -> list[Any] | None:
+        if not _plain_add(o) or not all(is_call(x, aten.matmul.default) for x in o.args[:2]):
+            return None
+        return [y for x in o.args[:2] for y in x.args[:2]]
+
+    found = [products(o) for o in outputs]
+    return all(found) and any(  # type: ignore[union-attr]
+        is_call(x, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+        for x in found[0])  # type: ignore[union-attr]
 
 
 def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
