@@ -2,10 +2,20 @@ import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+import logging
+
 import pytest
 import torch
 
 import graphopt
+
+# pytest (9.x) attaches its log-capture handlers to every logger that does not propagate,
+# torch's structured-trace logger among them; torch computes each trace payload (graphs
+# printed, guards dumped) whenever that logger has a handler, so every compile in the suite
+# did that work for pytest's captured DEBUG records. It is TORCH_TRACE's output, not a
+# log: unless TORCH_TRACE is set, the logger takes no handler from pytest.
+if "TORCH_TRACE" not in os.environ:
+    logging.getLogger("torch.__trace").addHandler = lambda handler: None  # type: ignore
 
 # Under pytest-xdist (README's `-n 2`) the workers share the cores: each takes its share of
 # torch's threads instead of all of them (two workers of 2 threads each on 2 cores slowed
