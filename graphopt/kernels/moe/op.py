@@ -255,6 +255,10 @@ def _(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tenso
       ranks_per_node: int, drop_policy: str = "position"
       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_index_dtype(top_k_index)
+    # the EP layout's sizes are constants: specialized (a guard) where Dynamo traced them as
+    # symbols (FSDP2-wrapped experts under dynamic=True: "chunks must be an int >= 1, got
+    # s5", a review)
+    ep, chunks = int(ep), int(chunks)
     n = top_k_index.numel()
     owned: Any = 0  # ep = 1: the backward gathers its rows from hidden again
     gu_rows: Any = n
