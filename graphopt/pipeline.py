@@ -368,11 +368,19 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     if config.verify.enabled:
         assert snapshots is not None
         if _recompile_that_communicates(model):
-            report.notes.append(
-                "verify: skipped for this recompile: the graph exchanges data between ranks "
-                "(expert-parallel op or collectives) and ranks recompile independently (a "
-                "shape change on one rank); verifying it on this rank alone would wait for "
-                "ranks that run no verification. Verified at the graph's first compile")
+            # not "verified at the graph's first compile": that compile may have been another
+            # graph (DeepSeek-V3's dense first layer; its MoE layers, the only graphs with
+            # the EP op, recompile the same forward and were never checked, a review)
+            detail = ("verify: skipped for this recompile: the graph exchanges data between "
+                      "ranks (expert-parallel op or collectives) and ranks may recompile "
+                      "independently (a shape change on one rank); verifying it on this rank "
+                      "alone would wait for ranks that run no verification. This graph's "
+                      "numerics are not checked (the frame's first compile was, and may have "
+                      "been another graph, e.g. a dense layer before MoE layers)")
+            report.notes.append(detail)
+            report.verify = {"status": "skipped", "detail": detail}
+            warnings.warn(f"graphopt: verify=True compared nothing for graph "
+                          f"{report.graph_id}: {detail}", stacklevel=2)
         else:
             compiled = _verify_on_first_call(gm, compiled, list(example_inputs), snapshots,
                                              model, config, report, dumper)
