@@ -223,6 +223,11 @@ def _tiny(config_name, model_name, **extra):
     return getattr(transformers, model_name)(config).eval()
 
 
+def _grouped_mm(model):
+    model.set_experts_implementation("grouped_mm")
+    return model
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: __import__("graphopt.models").models.build_model(
         "llama", attn_implementation="eager"), r"eager attention reads that as no mask"),
@@ -235,8 +240,12 @@ def _tiny(config_name, model_name, **extra):
      r"this MoE model adds a load-balancing loss"),
     (lambda: __import__("graphopt.models").models.build_model("gpt2"),
      r"GPT2LMHeadModel has another structure \(no \.model \(the decoder stack\)\)"),
+    # the model cannot run eagerly at all (torch's "mat_a" error from the probe, a review)
+    (lambda: _grouped_mm(__import__("graphopt.models").models.build_model(
+        "mixtral", dtype=torch.float64)),
+     r"the model's own forward failed: .*grouped_mm experts have no float64 kernel"),
 ], ids=["eager-attention", "sliding-window", "granite-multipliers", "moe-aux-loss",
-        "another-layout"])
+        "another-layout", "float64-grouped-mm"])
 def test_models_the_stages_would_compute_differently_are_refused(make, message):
     """Found by hostile reviews: each trained silently wrong under pp=2 (the stages call
     the layers with attention_mask=None and skip what the model's own forward adds; the

@@ -669,7 +669,16 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     ids = torch.randint(0, model.get_input_embeddings().num_embeddings, (1, 16),
                         generator=torch.Generator().manual_seed(0)).to(params[0].device)
     with torch.no_grad(), eval_mode(model), rope_state_kept(model):
-        want = model(input_ids=ids, use_cache=False).logits
+        try:
+            want = model(input_ids=ids, use_cache=False).logits
+        except RuntimeError as exc:  # the model cannot run eagerly as built (a review: a
+            # float64 Mixtral with grouped_mm experts died with torch's "mat_a" message)
+            hint = (" (grouped_mm experts have no float64 kernel: call model."
+                    "set_experts_implementation('eager') or use float32/bfloat16)"
+                    if "mat_a" in str(exc) or "grouped_mm" in str(exc) else "")
+            raise ConfigError(
+                f"pp > 1 checks its stages against one eager forward of the model, and the "
+                f"model's own forward failed: {str(exc).splitlines()[0]}{hint}") from exc
         got = stage(ids)
     scale = float(want.abs().max()) or 1.0
     diff = float((got.to(want.dtype) - want).abs().max()) / scale
