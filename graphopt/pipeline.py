@@ -608,8 +608,11 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
     of some lowerings must not nest in it); errors surface from the model call itself."""
     # what verify needs, dropped once it ran (a review: the first call's inputs, activations
     # after a graph break, stayed alive as long as the compiled code)
+    from graphopt.verify import on_placeholders
+
     state: dict[str, Any] = {"inputs": example_inputs, "snapshots": snapshots,
-                             "model": model, "original": original}
+                             "model": model, "original": original,
+                             "placeholders": on_placeholders()}  # examples hold no data
     failed: list[str] = []  # the message, not the exception: its traceback would keep
     # every failing call's frames and inputs alive (a re-review)
 
@@ -619,7 +622,8 @@ def _verify_on_first_call(original: fx.GraphModule, compiled: Callable[..., Any]
             raise VerificationError(failed[0])
         # DDPOptimizer runs each split graph once on fake tensors while Dynamo compiles:
         # not the first real call (verify there ran inside the compile context, a review)
-        if state and not any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+        if state and not on_placeholders() and \
+                not any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
             held = dict(state)
             state.clear()
             try:
@@ -640,7 +644,8 @@ def _verify_once(held: dict[str, Any], args: Sequence[Any], compiled: Callable[.
 
     examples, traced = held["inputs"], held["model"]
     # where the example inputs are fake (DDPOptimizer): verify on this call's (cloned) inputs
-    fake = any(is_fake(a) for a in examples if isinstance(a, torch.Tensor))
+    fake = any(is_fake(a) for a in examples if isinstance(a, torch.Tensor)) or \
+        held["placeholders"]  # compiled on a pipeline's metadata inference: no data either
     t0 = time.perf_counter()
     try:  # isolated from a caller's checkpoint (saved-tensor hooks, SAC's mode):
         with torch.enable_grad() if report.training else torch.no_grad(), \

@@ -20,9 +20,11 @@ approximate pass is recorded in the report (approximation is its contract: ``ver
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +148,28 @@ def _run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
         if count:
             module.manual_seed_all(seed)  # type: ignore[union-attr]
         return _run_seeded(fn, inputs, grads, seed)
+
+
+_PLACEHOLDERS = threading.local()
+
+
+@contextlib.contextmanager
+def placeholder_inputs() -> Iterator[None]:
+    """Compiled graphs called inside run on placeholder values, not data: verify waits for
+    their next call. torch.distributed.pipelining's metadata inference feeds a later stage
+    ``torch.empty`` tensors (``TensorMeta.to_tensor``), and verify compared eager and
+    compiled on that uninitialized memory (NaN on one rank, "passed" on another: a review)."""
+    depth = getattr(_PLACEHOLDERS, "depth", 0)
+    _PLACEHOLDERS.depth = depth + 1
+    try:
+        yield
+    finally:
+        _PLACEHOLDERS.depth = depth
+
+
+def on_placeholders() -> bool:
+    """Whether this thread is inside :func:`placeholder_inputs`."""
+    return getattr(_PLACEHOLDERS, "depth", 0) > 0
 
 
 _WRITTEN: list[tuple[torch.Tensor, torch.Tensor]] = []

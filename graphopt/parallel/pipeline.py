@@ -50,6 +50,7 @@ microbatch count that is not a multiple of pp for interleaving (torch's requirem
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import warnings
 from collections.abc import Callable, Iterator
@@ -297,6 +298,11 @@ class PipelinedModel(nn.Module):
             parts: list[Any] = list(self.parts)
             stages: list[Any] = [PipelineStage(p, p.index, count, device, group=self.group)
                                  for p in parts]
+            for stage in stages:  # its metadata inference runs the layers on torch.empty
+                # inputs: verify (option) waits for the first microbatch's call
+                for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+                    if hasattr(stage, name):
+                        setattr(stage, name, _on_placeholders(getattr(stage, name)))
             loss = self._microbatch_loss
             if self.plan.pp_schedule == "zero_bubble":
                 self._schedules[key] = ScheduleInterleavedZeroBubble(
@@ -631,6 +637,18 @@ def check_pipeline(model: Any, plan: ParallelPlan) -> None:
 _PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 """Largest relative difference (to the largest logit) between the stages' composition and
 the model's own forward accepted by the probe; 2e-2 for 16-bit dtypes."""
+
+
+def _on_placeholders(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run inside :func:`graphopt.verify.placeholder_inputs`."""
+    from graphopt.verify import placeholder_inputs
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with placeholder_inputs():
+            return method(*args, **kwargs)
+
+    return run
 
 
 def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None:
