@@ -776,3 +776,36 @@ def test_calibrate_warns_and_says_so_in_the_profile_when_the_machine_was_busy(
         profile = cal.calibrate(tmp_path / "local.json", collectives=False, log=lambda m: None)
     assert "other processes used 60% of the CPUs" in profile.device.source
     assert "other processes" in (tmp_path / "local.json").read_text()
+
+
+def test_pricing_an_op_with_a_data_dependent_size_leaves_no_pending_symbol():
+    """remat prices nodes by running them on the compile's fake values; the EP op's fake
+    kernel makes a fresh unbacked size (its received rows) that no node binds. Left pending
+    in the shape environment, Inductor's FakeTensorProp refused the remat graph
+    (PendingUnbackedSymbolNotFound: remat x EP x Inductor failed the first forward, a
+    review)."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import graphopt.kernels.moe.op  # noqa: F401 - registers graphopt::moe_experts
+    from graphopt.cost.graph_cost import node_flops
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env) as mode:
+        values = [torch.randn(16, 32, dtype=torch.float64),
+                  torch.zeros(16, 2, dtype=torch.int64), torch.rand(16, 2),
+                  torch.randn(2, 96, 32, dtype=torch.float64),
+                  torch.randn(2, 32, 48, dtype=torch.float64)]
+    assert all(mode.is_our_fake(v) for v in values)
+    graph = fx.Graph()
+    inputs = []
+    for i, v in enumerate(values):
+        inputs.append(graph.placeholder(f"x{i}"))
+        inputs[-1].meta["val"] = v
+    node = graph.call_function(torch.ops.graphopt.moe_experts.default,
+                               (*inputs, -1.0, 2, "0", "peer", 1, 2))
+    symbols = len(env.var_to_range)
+    node_flops(node)
+    assert len(env.var_to_range) > symbols  # the op ran: its fake kernel made the size
+    assert not env.pending_fresh_unbacked_symbols, env.pending_fresh_unbacked_symbols
