@@ -125,11 +125,10 @@ def refresh_meta(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
 
 
 def _run_meta(gm: fx.GraphModule, fake_mode: FakeTensorMode, fakes: list) -> None:
-    import contextlib
+    from graphopt.passes.fx_utils import unbound_sizes_dropped
 
-    env = fake_mode.shape_env
     # Data-dependent sizes get fresh unbacked symbols in this run; they are not the graph's.
-    fresh = env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
+    fresh = unbound_sizes_dropped(fake_mode)
     # A checkpoint body runs in the HOP's own interpreter: a constant a pass registered on it
     # (e.g. frozen Lightning slopes) reaches ops as a real tensor, which fake mode then
     # converts instead of refusing. The top graph's constants are converted in get_attr.

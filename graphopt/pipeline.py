@@ -377,10 +377,11 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
                       "alone would wait for ranks that run no verification. This graph's "
                       "numerics are not checked (the frame's first compile was, and may have "
                       "been another graph, e.g. a dense layer before MoE layers)")
+            from graphopt.verify import warn_skipped
+
             report.notes.append(detail)
             report.verify = {"status": "skipped", "detail": detail}
-            warnings.warn(f"graphopt: verify=True compared nothing for graph "
-                          f"{report.graph_id}: {detail}", stacklevel=2)
+            warn_skipped(report)
         else:
             compiled = _verify_on_first_call(gm, compiled, list(example_inputs), snapshots,
                                              model, config, report, dumper)

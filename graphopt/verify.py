@@ -150,6 +150,17 @@ def _run_with_grads(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
         return _run_seeded(fn, inputs, grads, seed)
 
 
+def warn_skipped(report: CompileReport, stacklevel: int = 2) -> None:
+    """Warn (UserWarning) that ``report``'s graph was verified against nothing (its
+    ``report.verify`` status is "skipped" and its detail says why): as loud as a failure
+    would be. ``stacklevel`` counts from the caller, as ``warnings.warn``'s does."""
+    detail = report.verify["detail"]
+    warnings.warn(f"graphopt: verify=True compared nothing for graph {report.graph_id}: "
+                  f"{detail}" + (". Verify such a model in eval mode (dropout off)"
+                                 if "random numbers" in detail else ""),
+                  stacklevel=stacklevel + 1)
+
+
 _PLACEHOLDERS = threading.local()
 
 
@@ -578,11 +589,7 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
         _WRITTEN.clear()
     if report.verify.get("status") == "skipped":  # as loud as a failure would be (a review:
         # a train-mode graph with dropout was checked by nothing, said in the report only)
-        warnings.warn(f"graphopt: verify=True compared nothing for graph {report.graph_id}: "
-                      f"{report.verify['detail']}" + (
-                          ". Verify such a model in eval mode (dropout off)"
-                          if "random numbers" in report.verify["detail"] else ""),
-                      stacklevel=2)
+        warn_skipped(report)
     if written and report.verify.get("status") == "passed":
         report.verify["detail"] += (f"; with the {len(written)} module attribute(s) it "
                                     "writes in place (put back after each run)")

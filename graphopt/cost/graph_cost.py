@@ -26,7 +26,6 @@ graph in one dtype it is the usual ``flops / (time * peak(dtype))``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import operator
@@ -356,14 +355,11 @@ def node_flops(node: fx.Node) -> Any:
     counter = FlopCounterMode(display=False, custom_mapping=custom_flop_formulas())
     try:
         if mode is not None:
-            # an op with a data-dependent output size (the EP op's received rows) makes a
-            # fresh unbacked symbol here that no graph node binds: left pending in the
-            # compile's shape environment, Inductor's FakeTensorProp refused the graph
-            # ("PendingUnbackedSymbolNotFound", remat x EP x Inductor, a review)
-            env = mode.shape_env
-            fresh = env.ignore_fresh_unbacked_symbols() if env is not None \
-                else contextlib.nullcontext()
-            with mode, counter, fresh:
+            from graphopt.passes.fx_utils import unbound_sizes_dropped
+
+            # the EP op's received rows: a fresh symbol left pending here made Inductor
+            # refuse the graph (remat x EP x Inductor, a review)
+            with mode, counter, unbound_sizes_dropped(mode):
                 node.target(*args, **kwargs)
         else:
             with counter:

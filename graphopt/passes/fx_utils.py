@@ -481,6 +481,16 @@ def size_hint(size: Any) -> int | None:
     return int(size)
 
 
+def unbound_sizes_dropped(mode: Any) -> contextlib.AbstractContextManager[Any]:
+    """For a fake run outside any graph (analysis, pricing) under FakeTensorMode ``mode``:
+    the fresh unbacked symbols its data-dependent sizes create (the EP op's received rows,
+    ``nonzero``) are not left pending in the shape environment, where the next trace
+    (AOTAutograd's, Inductor's FakeTensorProp) would refuse them as
+    PendingUnbackedSymbolNotFound: no node of its graph binds them."""
+    env = getattr(mode, "shape_env", None)
+    return env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
+
+
 def fake_call(target: Any, *args: Any, **kwargs: Any) -> Any:
     """``meta['val']`` for a new node: ``target`` run on its input nodes' fake values."""
     from torch._guards import detect_fake_mode

@@ -275,9 +275,10 @@ def _loop_shaped(outputs: list[Any]) -> bool:
         return [y for x in o.args[:2] for y in x.args[:2]]
 
     found = [products(o) for o in outputs]
-    return all(found) and any(  # type: ignore[union-attr]
+    first = found[0]
+    return first is not None and all(f is not None for f in found) and any(
         is_call(x, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
-        for x in found[0])  # type: ignore[union-attr]
+        for x in first)
 
 
 def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
