@@ -243,6 +243,9 @@ class _FakeAttrs(fx.Interpreter):
         if isinstance(target, torch._ops.HigherOrderOperator):  # bodies at any position
             args = tuple(_with_applied_autocast(a) if isinstance(a, fx.GraphModule) else a
                          for a in args)
+            from graphopt.passes.fx_utils import unbound_sizes_dropped
+            with unbound_sizes_dropped(self.fake_mode):
+                return super().call_function(target, args, kwargs)
         return super().call_function(target, args, kwargs)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
