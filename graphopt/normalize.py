@@ -244,6 +244,11 @@ class _FakeAttrs(fx.Interpreter):
             args = tuple(_with_applied_autocast(a) if isinstance(a, fx.GraphModule) else a
                          for a in args)
             from graphopt.passes.fx_utils import unbound_sizes_dropped
+
+            # torch's pre-dispatch rule for a checkpoint region runs the body once untraced
+            # before tracing it: a data-dependent size of that run (the EP op's received
+            # rows) no node binds, and the body's trace refused it as pending. AOTAutograd
+            # traces the body again and binds its own.
             with unbound_sizes_dropped(self.fake_mode):
                 return super().call_function(target, args, kwargs)
         return super().call_function(target, args, kwargs)
