@@ -154,6 +154,25 @@ def test_custom_op_passes_opcheck():
                           (q, k, v, slope, 1.0, h0, 16, 2, "chunked"))
 
 
+def test_backward_gives_gradients_in_the_inputs_layouts():
+    """dq, dk, dv in the layouts of transposed q, k, v ([B, S, H, D] memory, as views of a
+    projection are), by the kernel and its fake alike (opcheck compares them): contiguous
+    gradients met torch 2.13's elu_backward, whose fake strides differ from its real ones
+    when the gradient's layout differs from the input's, so a compiled backward viewed a
+    contiguous tensor as transposed and failed (a hand-written linear attention, exact
+    rewrite)."""
+    q, k, v, slope, _ = _inputs(2, 4, 2, 37, 8, 6, torch.float64)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2).detach() for x in (q, k, v))
+    op = torch.ops.graphopt
+    _, _, ckpt = op.lightning_attention_fwd(q, k, v, slope, 1.0, None, 16, 2, "chunked")
+    grad = torch.randn(*q.shape[:3], v.shape[-1], dtype=q.dtype)
+    args = (grad, None, q, k, v, slope, 1.0, ckpt, 16, 2, True, "chunked")
+    dq, dk, dv, _, _ = op.lightning_attention_bwd(*args)
+    assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
+    torch.library.opcheck(op.lightning_attention_bwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_compiles_without_graph_break_with_dynamic_shapes():
     def fn(q, k, v, slope):
         return lightning_attention(q, k, v, slope, block_size=16) * 2

@@ -215,10 +215,21 @@ def _minimax_loop(attn, q, k, v, variant):
             q_decay = attn.query_decay[:, 8 - size:8]
         if i == n - 1 and variant == "constant_decay":
             decay = torch.exp(-attn.slope_rate * 8)
-        if variant == "no_decay":  # causal linear attention without decay: tril masks
-            outputs.append(torch.matmul(qb, state)
-                           + torch.matmul(torch.tril(torch.matmul(qb, kb.transpose(-1, -2))),
-                                          vb))
+        if variant and variant.startswith("no_decay"):  # causal linear attention without decay
+            scores = torch.matmul(qb, kb.transpose(-1, -2))
+            ones = torch.ones(size, size, dtype=q.dtype)
+            if variant == "no_decay":  # tril masks
+                scores = torch.tril(scores)
+            elif variant == "no_decay_mask":  # a causal mask of ones, multiplied
+                scores = scores * torch.tril(ones)
+            elif variant == "no_decay_offset_mask":  # tril(x, 1): one row into the future
+                scores = torch.tril(scores, 1)
+            elif variant == "no_decay_full_mask":  # not causal
+                scores = scores * ones
+            elif variant == "no_decay_decayed_query":  # a decayed query, undecayed rest
+                qb = qb * q_decay
+                scores = torch.tril(scores)
+            outputs.append(torch.matmul(qb, state) + torch.matmul(scores, vb))
             state = state + torch.matmul(kb.transpose(-1, -2), vb)
             continue
         if variant == "swapped_operands":  # every elementwise product written the other way
@@ -336,8 +347,12 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
 
 
 @pytest.mark.parametrize("variant, reason", [
-    ("no_decay", "block output is not (Q*qd) @ S + ((Q K^T) * D) @ V; graphopt's kernel "
-                 "computes MiniMax's decayed form"),
+    ("no_decay_offset_mask", "block output is not (Q*qd) @ S + ((Q K^T) * D) @ V; "
+                             "graphopt's kernel computes Lightning Attention's form"),
+    ("no_decay_full_mask", "diagonal decay of a 16-long block is not the exponential of "
+                           "-slope times the distance (nonzero entries where the decay must "
+                           "be 0"),
+    ("no_decay_decayed_query", "block 0's state update is not S * exp(-slope * L)"),
     ("decay_after_sum", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "
                         "(its state is read by add, matmul"),
     ("gated_state", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "
@@ -365,14 +380,17 @@ def test_loops_of_other_math_are_reported_with_what_differs(variant, reason):
     assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["state_read_before_cat", "swapped_operands"])
+@pytest.mark.parametrize("variant", ["state_read_before_cat", "swapped_operands", "no_decay",
+                                     "no_decay_mask"])
 def test_float64_loops_of_other_shapes_are_rewritten_and_exact(variant):
     """``state_read_before_cat``: the op goes before the first read of the loop's final
     state when that comes before the ``cat`` (a review: ``state.abs().amax()`` there
     crashed the compile: the state was read before the op that now computes it).
     ``swapped_operands``: ``decay * x`` for ``x * decay`` in every elementwise product
     (query, key, diagonal and block decays; ``exp(L * -slope)``) is the same loop (a later
-    review: it was neither rewritten nor reported). Outputs and gradients equal eager in
+    review: it was neither rewritten nor reported). ``no_decay``/``no_decay_mask``: causal
+    linear attention without decay (tril, or a causal mask of ones), the kernel at slope 0
+    (a review found it reported, not rewritten). Outputs and gradients equal eager in
     float64 (decay tables recomputed in float64)."""
     attn = _layer(40, 16)[0].double()
     with torch.no_grad():
@@ -388,6 +406,8 @@ def test_float64_loops_of_other_shapes_are_rewritten_and_exact(variant):
     gm, record = run_pass("attention", gm, Config(attention="exact"),
                           example_inputs=bind_inputs(gm, fn, *args))
     assert [s.action for s in record.sites] == ["rewritten"], record.sites
+    assert ("without decay (slope 0)" in record.sites[0].reason) == \
+        variant.startswith("no_decay"), record.sites
     args = [a.requires_grad_() for a in args]
     assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-10, atol=1e-10)
 
@@ -1178,3 +1198,59 @@ def test_a_site_with_no_mask_to_drop_says_so():
     sites = [s for r in graphopt.last_report().pass_records("attention") for s in r.sites]
     assert sites and all(s.action == "kept" and s.reason.endswith(
         "no mask to drop: already is_causal=True") for s in sites), sites
+
+
+class _CausalLinearAttention(torch.nn.Module):
+    """Causal linear attention without decay written as a block loop (Katharopoulos et al.
+    2020, eq. 9, in blocks of ``block`` rows): o_b = Q_b S + mask(Q_b K_b^T) V_b, S += K_b^T
+    V_b; the intra mask is ``tril`` or a causal mask of ones multiplied in."""
+
+    def __init__(self, dim: int, heads: int, block: int, masked: bool) -> None:
+        super().__init__()
+        self.heads, self.block, self.masked = heads, block, masked
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        # elu + 1 features (Katharopoulos et al.) on the projection, as MiniMax applies its
+        # activation: elu_backward's fake strides differ from its real ones for a transposed
+        # input (torch 2.13, aot_eager too), so features of the [B, H, S, D] views fail there
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2)
+                   for t in (torch.nn.functional.elu(self.qkv(x)) + 1).chunk(3, dim=-1))
+        state = torch.zeros(b, self.heads, q.shape[-1], v.shape[-1], dtype=x.dtype)
+        outputs = []
+        for i in range((s + self.block - 1) // self.block):  # MiniMax's bounds: follow S
+            start, end = i * self.block, min(i * self.block + self.block, s)
+            qb, kb, vb = (t[:, :, start:end] for t in (q, k, v))
+            scores = torch.matmul(qb, kb.transpose(-1, -2))
+            if self.masked:
+                n = qb.shape[2]
+                scores = scores * torch.tril(torch.ones(n, n, dtype=x.dtype))
+            else:
+                scores = torch.tril(scores)
+            outputs.append(torch.matmul(qb, state) + torch.matmul(scores, vb))
+            state = state + torch.matmul(kb.transpose(-1, -2), vb)
+        return torch.cat(outputs, dim=-2).transpose(1, 2).reshape(b, s, d)
+
+
+@pytest.mark.parametrize("masked, dynamic", [(False, False), (True, False), (False, True)])
+def test_causal_linear_attention_without_decay_is_rewritten_through_the_backend(masked,
+                                                                                  dynamic):
+    """A hand-written causal linear-attention block loop without decay compiled with
+    backend="graphopt" (float64): rewritten into one Lightning op at slope 0 (the report
+    says so), outputs and gradients equal eager's, also at another length under
+    dynamic=True."""
+    torch.manual_seed(0)
+    model = _CausalLinearAttention(32, 2, 16, masked).double()
+    graphopt.clear_reports()
+    compiled = torch.compile(model, backend="graphopt", dynamic=dynamic,
+                             options={"lowering": "eager", "attention": "exact"})
+    for length in (40, 37) if dynamic else (40,):
+        x = torch.randn(2, length, 32, dtype=torch.float64, requires_grad=True)
+        assert_matches_eager(model, compiled, [x], rtol=1e-10, atol=1e-10)
+    sites = [s for r in graphopt.reports() for p in r.pass_records("attention")
+             for s in p.sites]
+    assert all(r.fallback is None for r in graphopt.reports())
+    assert [s.action for s in sites] == ["rewritten"], sites  # one compile
+    assert "block loop of 3 blocks without decay (slope 0)" in sites[0].reason, sites
+    assert ("bounds follow the sequence length" in sites[0].reason) == dynamic, sites

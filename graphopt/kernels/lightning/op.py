@@ -249,15 +249,31 @@ def _input_grads(grads: tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor], q:
                  k: Tensor, v: Tensor, slope: Tensor, slope_zeros: bool = True
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Kernel gradients (dk, dv per query head from the chunked kernel, per K/V head from
-    Triton) -> the inputs' shapes and dtypes, contiguous: each GQA group summed where the
-    kernel did not; dslope, when it was not asked for, zeros if ``slope_zeros`` else None."""
+    Triton) -> the inputs' shapes, dtypes and layouts (:func:`_in_layout`): each GQA group
+    summed where the kernel did not; dslope, when it was not asked for, zeros if
+    ``slope_zeros`` else None."""
     dq, dk, dv, dslope, dstate = grads
     hk = k.shape[1]
     if dslope is None and slope_zeros:
         dslope = slope.new_zeros(slope.shape)
-    out = (dq.to(q.dtype), _reduce_kv(dk, hk).to(k.dtype), _reduce_kv(dv, hk).to(v.dtype),
-           None if dslope is None else dslope.to(slope.dtype), dstate.to(acc_dtype(q.dtype)))
-    return tuple(None if g is None else g.contiguous() for g in out)  # type: ignore
+    return (_in_layout(dq.to(q.dtype), q), _in_layout(_reduce_kv(dk, hk).to(k.dtype), k),
+            _in_layout(_reduce_kv(dv, hk).to(v.dtype), v),
+            None if dslope is None else dslope.to(slope.dtype).contiguous(),
+            dstate.to(acc_dtype(q.dtype)).contiguous())
+
+
+def _in_layout(grad: Tensor, like: Tensor) -> Tensor:
+    """``grad`` in the memory layout ``torch.empty_like(like)`` has: ``like``'s strides where
+    it is dense (a transposed view of a projection, as q/k/v usually are), contiguous
+    otherwise. The fake kernels return the same layout. Contiguous gradients of transposed
+    inputs met a torch 2.13 fake/real stride mismatch: ``elu_backward`` of a contiguous
+    gradient and a transposed input is contiguous when run, transposed under fake tensors,
+    so the traced backward viewed it as the transposed layout and failed at run time (a
+    hand-written linear attention with ``elu(q) + 1`` features)."""
+    if like.is_contiguous():
+        return grad.contiguous()
+    out = torch.empty_like(like)
+    return grad if out.stride() == grad.stride() else out.copy_(grad)
 
 
 @lightning_attention_bwd.register_fake
@@ -267,9 +283,8 @@ def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor
       need_kv: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     b, hq, _, d = q.shape
     acc = acc_dtype(q.dtype)
-    # Contiguous, as the real implementation returns them (not the inputs' strides: q/k/v
-    # are often transposed views of the projections).
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+    # In the inputs' layouts, as the real implementation returns them (_in_layout).
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             slope.new_empty(slope.shape), q.new_empty(b, hq, d, v.shape[-1], dtype=acc))
 
 
@@ -448,7 +463,7 @@ def _(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, v: Tensor
       slope: Tensor, scale: float, initial_state: Tensor | None, cu_seqlens: Tensor,
       block_size: int, need_slope_grad: bool, impl: str, chunks: Tensor
       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             slope.new_empty(slope.shape),
             q.new_empty(cu_seqlens.shape[0] - 1, q.shape[1], q.shape[3], v.shape[-1],
                         dtype=acc_dtype(q.dtype)))

@@ -53,18 +53,24 @@ def insert_with_frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, k: 
     frozen as a buffer of ``gm`` (float64 for float64 q, which a float32 buffer would round:
     ~1e-10 relative error in a float64 model; float32 otherwise); returns the output node
     (not yet wired in)."""
-    graph = gm.graph
+    (out,) = insert_lightning_fwd(gm, node, q, k, v, frozen_slopes(gm, node, q, slopes), scale)
+    return out
+
+
+def frozen_slopes(gm: fx.GraphModule, node: fx.Node, q: fx.Node, slopes: torch.Tensor
+                  ) -> fx.Node:
+    """A ``get_attr`` of ``slopes`` [H] registered as a buffer of ``gm`` (float64 for a
+    float64 ``q``, float32 otherwise, on ``q``'s device), inserted before ``node``."""
     q_val = tensor_meta(q)
     mode = detect_fake_mode([q_val])
     assert q_val is not None and mode is not None
     name = f"_graphopt_slope_{node.name}"
     dtype = torch.float64 if q_val.dtype == torch.float64 else torch.float32
     gm.register_buffer(name, slopes.to(dtype, copy=True).to(q_val.device))
-    with graph.inserting_before(node):
-        slope = graph.get_attr(name)
+    with gm.graph.inserting_before(node):
+        slope = gm.graph.get_attr(name)
     slope.meta["val"] = mode.from_tensor(getattr(gm, name))
-    (out,) = insert_lightning_fwd(gm, node, q, k, v, slope, scale)
-    return out
+    return slope
 
 
 def saved_bytes_note(q: fx.Node, k: fx.Node, v: fx.Node) -> str:

@@ -53,9 +53,11 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from graphopt.passes.attention.lightning_call import (
+    frozen_slopes,
     insert_lightning_fwd,
     insert_with_frozen_slopes,
     saved_bytes_note,
@@ -115,7 +117,7 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
         try:
             rounding = check_loop_decays(loop, env)
         except NoMatch as exc:
-            ctx.record("skipped", site, str(exc))
+            ctx.record("skipped", site, f"linear-attention block loop: {exc}")
             continue
         at = _insertion_point(gm, cat, loop)
         # the loop's values (its zero initial state too) up to the cat: a write after the
@@ -135,7 +137,8 @@ def rewrite_block_loops(gm: fx.GraphModule, ctx: PassContext, env: dict[fx.Node,
             f"; bounds follow the sequence length: checked at all {len(checked)} lengths its "
             f"guards allow, {checked[0]}..{checked[-1]}")
         ctx.record("rewritten", site, f"block loop of {len(loop.blocks)} blocks "
-                   f"(block {loop.block_size}, S {hint(val.shape[2])}{lengths}) -> "
+                   + ("without decay (slope 0) " if loop.slope is None else "")
+                   + f"(block {loop.block_size}, S {hint(val.shape[2])}{lengths}) -> "
                    "graphopt::lightning_attention"
                    + saved_bytes_note(loop.q, loop.k, loop.v)
                    + rounding_note(rounding, val.dtype))
@@ -212,9 +215,12 @@ def _replace_loop(gm: fx.GraphModule, cat: fx.Node, loop: BlockLoop, at: fx.Node
     q_val = tensor_meta(loop.q)
     assert q_val is not None
     heads = int(q_val.shape[1])
-    with graph.inserting_before(at):
-        slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
-    slope.meta["val"] = fake_call(aten.view.default, loop.slope, [heads])
+    if loop.slope is None:  # a loop without decay: slope 0
+        slope = frozen_slopes(gm, at, loop.q, torch.zeros(heads))
+    else:
+        with graph.inserting_before(at):
+            slope = graph.call_function(aten.view.default, (loop.slope, [heads]))
+        slope.meta["val"] = fake_call(aten.view.default, loop.slope, [heads])
     q, k, v = loop.q, loop.k, loop.v
     cat_val = tensor_meta(cat)
     assert cat_val is not None

@@ -6,7 +6,11 @@ Patterns (each raises :class:`NoMatch` with the reason):
     minimax_block_loop      ``cat(dim=-2)`` of per-block outputs
                             ``(Q_b * qd) @ S + ((Q_b @ K_b^T) * D) @ V_b``, the state chain
                             ``S * exp(-slope * L) + (K_b * kd)^T @ V_b`` starting at zeros
-                            (transformers' ``MiniMaxLightningAttention`` as Dynamo unrolls it).
+                            (transformers' ``MiniMaxLightningAttention`` as Dynamo unrolls it);
+                            or the same loop without decay (slope 0): outputs
+                            ``Q_b @ S + tril(Q_b @ K_b^T) @ V_b`` (or ``* M``, M a causal
+                            mask of ones), states ``S + K_b^T @ V_b`` (causal linear
+                            attention, Katharopoulos et al. 2020, eq. 9, in blocks).
     decayed_parallel_form   ``((Q @ K^T) * D) @ V`` over [B, H, S, X] tensors (RetNet style).
 Checks:
     check_loop_decays       every decay tensor of a loop, evaluated, equals
@@ -63,8 +67,8 @@ class LoopBlock:
     v: fx.Node
     start: Any  # int; an FX node or SymInt in a dynamic-shape graph
     end: Any
-    q_decay: fx.Node
-    diag_decay: fx.Node
+    q_decay: fx.Node | None  # None: the query is not decayed (a loop without decay)
+    diag_decay: fx.Node | None  # None: the scores are masked by tril (no table)
     state_in: fx.Node
     intra: fx.Node
     rows: fx.Node  # the block's slice of Q (its size is the block's length)
@@ -77,7 +81,7 @@ class BlockLoop:
     q: fx.Node
     k: fx.Node
     v: fx.Node
-    slope: fx.Node
+    slope: fx.Node | None  # None: a loop without decay (slope 0)
     blocks: list[LoopBlock]
     final_state: fx.Node | None
     checks: list[tuple[fx.Node, str, int, int]]  # (decay node, kind, block, length at hint)
@@ -160,17 +164,23 @@ def _scores_and_decay(weights: Any) -> tuple[Any, Any]:
 
 
 def _match_block_output(o: Any) -> LoopBlock:
-    """o = (Q_b * qd) @ S_in + ((Q_b @ K_b^T) * dd) @ V_b (either order of the sum)."""
+    """o = (Q_b * qd) @ S_in + ((Q_b @ K_b^T) * dd) @ V_b (either order of the sum), or
+    without decay Q_b @ S_in + tril(Q_b @ K_b^T) @ V_b (``* dd``: a mask of ones, checked
+    as the decay of slope 0): ``q_decay`` None."""
     if not _plain_add(o):
         raise NoMatch("block output is not inter + intra")
     for inter, intra in ((arg(o, 0), arg(o, 1)), (arg(o, 1), arg(o, 0))):
         try:
             scaled_q, state = _split_product(inter, aten.matmul.default)
             weights, v_b = _split_product(intra, aten.matmul.default)
-            qk, dd = _scores_and_decay(weights)
+            if is_call(weights, aten.tril.default) and (arg(weights, 1) or 0) == 0:
+                qk, dd = arg(weights, 0), None  # causal, no decay
+            else:
+                qk, dd = _scores_and_decay(weights)
             q_b, k_t = _split_product(qk, aten.matmul.default)
-            qd = _other_factor(scaled_q, q_b)
-            if qd is None or not is_call(k_t, aten.transpose.int) or \
+            qd = None if _same_rows(scaled_q, q_b) else _other_factor(scaled_q, q_b)
+            if (qd is None and not _same_rows(scaled_q, q_b)) or \
+                    not is_call(k_t, aten.transpose.int) or \
                     sorted([arg(k_t, 1), arg(k_t, 2)]) != [-2, -1]:
                 raise NoMatch("intra scores are not Q_b @ K_b^T of the same block")
             (q, s0, e0), (k, s1, e1), (v, s2, e2) = (_seq_slice(x) for x in (q_b, arg(k_t, 0),
@@ -182,6 +192,31 @@ def _match_block_output(o: Any) -> LoopBlock:
         except NoMatch:
             continue
     raise NoMatch("block output is not (Q*qd) @ S + ((Q K^T) * D) @ V")
+
+
+def _same_rows(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the same node or the same rows of one tensor (a block's query
+    sliced twice)."""
+    if a is b:
+        return True
+    try:
+        (x, s0, e0), (y, s1, e1) = _seq_slice(a), _seq_slice(b)
+    except NoMatch:
+        return False
+    return x is y and _same_bound(s0, s1) and _same_bound(e0, e1)
+
+
+def _match_undecayed_update(new: fx.Node, block: LoopBlock) -> None:
+    """new = S_in + K_b^T @ V_b (a block of a loop without decay)."""
+    if _plain_add(new):
+        for s_in, kv in ((arg(new, 0), arg(new, 1)), (arg(new, 1), arg(new, 0))):
+            if s_in is block.state_in and is_call(kv, aten.matmul.default) and \
+                    _is_last_two_transpose(arg(kv, 0)) and \
+                    self_rows(arg(arg(kv, 0), 0), block.k, block) and \
+                    self_rows(arg(kv, 1), block.v, block):
+                return
+    raise NoMatch("the state update of a block without query decay is not S + K_b^T @ V_b "
+                  "of its own rows")
 
 
 def _match_state_update(new: fx.Node, block: LoopBlock
@@ -226,7 +261,14 @@ def self_rows(node: Any, base: fx.Node, block: LoopBlock) -> bool:
 
 
 def _next_state(block: LoopBlock, i: int) -> fx.Node:
-    """The add that updates the state ``block`` reads (``S_in * decay + ...``)."""
+    """The add that updates the state ``block`` reads (``S_in * decay + ...``; ``S_in +
+    ...`` in a loop without decay)."""
+    if block.q_decay is None:
+        found = next((u for u in block.state_in.users if _plain_add(u)), None)
+        if found is None:
+            raise NoMatch(f"block {i}'s state update is not S + K_b^T @ V_b (a loop without "
+                          "decay)")
+        return found
     users = [u for u in block.state_in.users if is_call(u, aten.mul.Tensor)
              and u.users and any(is_call(w, aten.add.Tensor) for w in u.users)]
     new_state = next((w for u in users for w in u.users if is_call(w, aten.add.Tensor)), None)
@@ -251,9 +293,9 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
     except NoMatch as exc:
         if _loop_shaped(outputs):  # a review: a block loop without decay tables (tril
             # masked, no decay) went neither rewritten nor reported
-            raise LoopRefused(f"{exc}; graphopt's kernel computes MiniMax's decayed form "
-                              "(a causal loop without decay is that form with decay tables "
-                              "of ones, which the matcher does not take)") from None
+            raise LoopRefused(f"{exc}; graphopt's kernel computes Lightning Attention's "
+                              "form: (Q*qd) @ S + ((Q K^T) * D) @ V with exponential "
+                              "decays, or without decay Q @ S + tril(Q K^T) @ V") from None
         raise
     try:
         loop = _check_loop(blocks)
@@ -323,21 +365,33 @@ def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
     slope = None
     final_state = None
     end = 0
+    decayed = first.q_decay is not None
     for i, blk in enumerate(blocks):
         if (blk.q, blk.k, blk.v) != (first.q, first.k, first.v):
             raise NoMatch("blocks read different Q/K/V tensors")
+        if (blk.q_decay is not None) != decayed:
+            raise NoMatch(f"block {i} {'does not decay' if decayed else 'decays'} its query "
+                          f"and block 0 {'does' if decayed else 'does not'}")
         start = min(hint(blk.start), seq_len)
         if start != end:
             raise NoMatch(f"block {i} starts at {start}, expected {end}")
         end = min(hint(blk.end), seq_len)
         length = end - start
         new_state = _next_state(blk, i)
-        s, bd, kd = _match_state_update(new_state, blk)
-        if slope is not None and s is not slope:
-            raise NoMatch("blocks use different slopes")
-        slope = s
-        checks += [(blk.q_decay, "query", i, length), (kd, "key", i, length),
-                   (blk.diag_decay, "diagonal", i, length), (bd, "block", i, length)]
+        if not decayed:  # slope 0: the only table is an intra mask (of ones), if any
+            _match_undecayed_update(new_state, blk)
+            if blk.diag_decay is not None:
+                checks.append((blk.diag_decay, "diagonal", i, length))
+        else:
+            if blk.q_decay is None or blk.diag_decay is None:
+                raise NoMatch(f"block {i} decays its query but masks its scores by tril "
+                              "without a decay")
+            s, bd, kd = _match_state_update(new_state, blk)
+            if slope is not None and s is not slope:
+                raise NoMatch("blocks use different slopes")
+            slope = s
+            checks += [(blk.q_decay, "query", i, length), (kd, "key", i, length),
+                       (blk.diag_decay, "diagonal", i, length), (bd, "block", i, length)]
         if i + 1 < len(blocks) and blocks[i + 1].state_in is not new_state:
             read = blocks[i + 1].state_in
             if is_call(read, aten.detach.default, aten.alias.default) and \
@@ -347,10 +401,10 @@ def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
                               "differentiates through the whole chain")
             raise NoMatch(f"block {i + 1} does not read block {i}'s state")
         final_state = new_state
-    assert slope is not None
+    assert slope is not None or not decayed
     if end != seq_len:
         raise NoMatch("blocks do not cover the whole sequence")
-    size = max(c[3] for c in checks)
+    size = max(min(hint(b.end), seq_len) - min(hint(b.start), seq_len) for b in blocks)
     return BlockLoop(first.q, first.k, first.v, slope, blocks, final_state, checks, symbolic,
                      size)
 
@@ -468,14 +522,16 @@ _LAYOUT = {"query": "[H, L, 1]", "key": "[H, L, 1]", "diagonal": "[H, L, L]",
            "block": "[H, 1, 1]"}
 
 
-def _decay_layout_problem(val: torch.Tensor | None, kind: str, heads: int, length: int
-                          ) -> str | None:
+def _decay_layout_problem(val: torch.Tensor | None, kind: str, heads: int, length: int,
+                          shared: bool = False) -> str | None:
     """None when a decay table broadcasts against its operand as Lightning Attention's does:
     right-aligned with Q/K blocks [B, H, L, D], Q K^T [B, H, L, L] or the state [B, H, D, Dv]
     its shape, leading 1s aside, is [H, L, 1] (query, key), [H, L, L] (diagonal) or
     [H, 1, 1] (block). Values alone do not show it: a review's [H, 1, L, L] table (the
     heads on the batch axis, B = H) and [H, 1, L] query decay (L = D) held the right values
-    in the wrong places and were rewritten (errors 16-60)."""
+    in the wrong places and were rewritten (errors 16-60). ``shared``: one table for every
+    head (a leading 1 where H goes) broadcasts correctly too (a loop without decay: every
+    head's slope is 0)."""
     if val is None:
         return "its shape is unknown"
     shape = [hint(x) for x in val.shape]
@@ -484,7 +540,7 @@ def _decay_layout_problem(val: torch.Tensor | None, kind: str, heads: int, lengt
     shape = [1] * (3 - len(shape)) + shape
     rows = {"query": (length, 1), "key": (length, 1), "diagonal": (length, length),
             "block": (1, 1)}[kind]
-    if shape != [heads, *rows]:
+    if shape != [heads, *rows] and not (shared and shape == [1, *rows]):
         return (f"shape {list(val.shape)} does not broadcast as {_LAYOUT[kind]} (H = "
                 f"{heads} heads, L = {length}) against its operand, so its values do not "
                 "sit where Lightning Attention's decay does")
@@ -537,11 +593,12 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> float:
     the largest :func:`table_rounding` of its decays at the compile's length."""
     if loop.symbolic is None and any(follows_sizes(c[0]) for c in loop.checks):
         raise NoMatch("a decay follows a dynamic input size while the block bounds do not")
-    if follows_sizes(loop.slope):
+    if loop.slope is not None and follows_sizes(loop.slope):
         raise NoMatch("the slope follows a dynamic input size (it is checked at one length "
                       "only); the loop is not rewritten")
     env = hinted(env)  # symbolic sizes at the example inputs: every length is checked below
-    for node in [loop.slope] + [c[0] for c in loop.checks]:
+    slopes = [loop.slope] if loop.slope is not None else []
+    for node in slopes + [c[0] for c in loop.checks]:
         for n in ancestors(node):
             if n.op == "placeholder" and not is_buffer(n, env) and \
                     not isinstance(sym_value(n), torch.SymInt):
@@ -549,19 +606,23 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> float:
                               "trainable parameter: only decays computed from buffers and "
                               "constants are frozen into the kernel (the rewrite would "
                               "differentiate through every decay, the model through none)")
-    slope = evaluate(loop.slope, env)
     q_val = tensor_meta(loop.q)
     heads = hint(q_val.shape[1]) if q_val is not None else None
+    slope = evaluate(loop.slope, env) if loop.slope is not None else \
+        torch.zeros(heads or 0, dtype=torch.float64)  # no decay
     if not isinstance(slope, torch.Tensor) or slope.numel() != heads:
         raise NoMatch(f"slope is not one value per query head ({heads} heads)")
     rounding = 0.0
     for node, kind, _, length in loop.checks:
-        layout = _decay_layout_problem(tensor_meta(node), kind, heads, length)
+        layout = _decay_layout_problem(tensor_meta(node), kind, heads, length,
+                                       shared=loop.slope is None)
         if layout:
             raise NoMatch(f"{kind} decay of a {length}-long block: {layout}")
         got = evaluate(node, env)
         if not isinstance(got, torch.Tensor):
             raise NoMatch(f"{kind} decay of a {length}-long block is not a tensor")
+        if loop.slope is None and got.numel() == length * length:
+            got = got.reshape(1, length, length).expand(heads, length, length)  # shared
         deviation = decay_deviation(got, slope, kind, length)
         if deviation is not None:
             raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
