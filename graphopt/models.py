@@ -37,6 +37,19 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
             m.training = mode
 
 
+def eager_forward_failed(check: str, exc: Exception) -> ConfigError:
+    """The refusal of a parallel plan whose check runs the model eagerly (``check`` says
+    which check, e.g. "pp > 1 checks its stages against one eager forward of the model")
+    when the model's own forward raised ``exc``: the model cannot run as built, which is not
+    the plan's fault (a review: a float64 Mixtral with grouped_mm experts died with torch's
+    "mat_a" message, blamed on the pipeline's stages and on CP's attention)."""
+    hint = (" (grouped_mm experts have no float64 kernel: call model."
+            "set_experts_implementation('eager') or use float32/bfloat16)"
+            if "mat_a" in str(exc) or "grouped_mm" in str(exc) else "")
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ConfigError(f"{check}, and the model's own forward failed: {first}{hint}")
+
+
 def refuse_aux_loss(config: Any, plan: str, loss: str, missing: str) -> None:
     """Raise :class:`ConfigError` when ``config`` adds transformers' MoE load-balancing loss
     (``output_router_logits`` with a nonzero ``router_aux_loss_coef``) that the parallel

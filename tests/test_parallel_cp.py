@@ -632,3 +632,52 @@ def test_graphopt_s_check_forwards_leave_length_dependent_rope_as_they_found_it(
         torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits,
                                    fresh(input_ids=ids, use_cache=False).logits,
                                    rtol=0, atol=0)
+
+
+def test_cp_names_a_model_that_cannot_run_as_built_not_its_attention():
+    """A float64 Mixtral with grouped_mm experts cannot run eagerly at all (no float64
+    grouped_mm kernel): the CP probe's failure was blamed on the attention ("does not go
+    through that interface ... use cp=1", a review). The refusal names the model's own
+    forward and the fix."""
+    from graphopt.models import build_model
+    from graphopt.parallel.context import check_cp
+
+    model = build_model("mixtral", dtype=torch.float64)
+    model.set_experts_implementation("grouped_mm")
+    with pytest.raises(ConfigError, match=r"cp > 1 probes the model's attention with one "
+                       r"eager forward, and the model's own forward failed: .*grouped_mm "
+                       r"experts have no float64 kernel"):
+        check_cp(model, ParallelPlan(cp=2, cp_kind="all_to_all"))
+
+
+def _compiled_lightning_worker(rank, world):
+    import torch.distributed as dist
+
+    import graphopt
+    from graphopt.models import build_model
+    from graphopt.parallel.context import cp_loss, shard_sequence
+
+    torch.manual_seed(0)
+    ref = build_model("minimax", dtype=torch.float32)
+    ref.set_experts_implementation("grouped_mm")
+    model = graphopt.compile(copy.deepcopy(ref), options={
+        "parallel": ParallelPlan(cp=2, **A2A), "attention": "exact", "lowering": "eager"})
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    local, labels = shard_sequence(ids, model.graphopt_parallel.mesh)
+    loss = cp_loss(model(input_ids=local, use_cache=False).logits, labels,
+                   model.graphopt_parallel.mesh)
+    loss.backward()
+    dist.all_reduce(loss := loss.detach().clone())
+    logits = ref(input_ids=ids, use_cache=False).logits
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return float(loss) / world, float(want), dict(graphopt.graph_breaks())
+
+
+def test_compiled_minimax_under_cp_is_whole_graphs():
+    """graphopt.compile of MiniMax under cp=2: its lightning layers (replaced by the CP
+    kernel) resolved the process group by name inside the traced code, a call Dynamo
+    cannot trace: 7 graph breaks per forward (a review). The layers now hold the group
+    itself: no graph break, and the loss equals one process's (float32)."""
+    for loss, want, breaks in run_distributed(_compiled_lightning_worker, 2):
+        assert breaks == {}, breaks
+        assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)

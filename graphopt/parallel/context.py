@@ -64,7 +64,7 @@ from graphopt.kernels.lightning.minimax import (
     decay_tables_problem,
     minimax_lightning_layer,
 )
-from graphopt.models import length_dependent_rope, refuse_aux_loss
+from graphopt.models import eager_forward_failed, length_dependent_rope, refuse_aux_loss
 from graphopt.planner.plan import ParallelPlan
 
 ATTENTION = "graphopt_cp"
@@ -225,9 +225,11 @@ def _mixing_outside_attention(model: nn.Module) -> str:
     hooks += [layer.register_forward_hook(record) for layer in [*layers, model]]
     for c, _ in configs.values():
         c._attn_implementation = PROBE
-    try:
-        from graphopt.models import eval_mode, rope_state_kept
+    from graphopt.models import eval_mode, rope_state_kept
 
+    failed: Exception | None = None
+    x: torch.Tensor | None = None
+    try:
         embedding: torch.Tensor = model.get_input_embeddings().weight  # type: ignore[operator]
         dtype = embedding.dtype if embedding.is_floating_point() else torch.float32
         gen = torch.Generator().manual_seed(0)
@@ -249,15 +251,24 @@ def _mixing_outside_attention(model: nn.Module) -> str:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - the reason goes into the refusal
-        return (f"its CP probe (one forward through a stand-in of transformers' attention "
-                f"interface, module docstring) failed with {type(exc).__name__}: {exc}. A "
-                "model whose attention does not go through that interface (or that needs "
-                "the attention weights it returns) cannot run CP's attention")
+        failed = exc
     finally:
         for c, name in configs.values():
             c._attn_implementation = name
         for h in hooks:
             h.remove()
+    if failed is not None and x is not None:
+        try:  # the model's own forward: a model that cannot run as built is not CP's case
+            with torch.no_grad(), eval_mode(model), rope_state_kept(model):
+                model(inputs_embeds=x, use_cache=False)
+        except Exception as exc:  # noqa: BLE001
+            raise eager_forward_failed("cp > 1 probes the model's attention with one eager "
+                                       "forward", exc) from exc
+    if failed is not None:
+        return (f"its CP probe (one forward through a stand-in of transformers' attention "
+                f"interface, module docstring) failed with {type(failed).__name__}: "
+                f"{failed}. A model whose attention does not go through that interface (or "
+                "that needs the attention weights it returns) cannot run CP's attention")
     if extra:
         return extra[0]
     # Moving the last position shows the rounding noise: nothing causal reads it from
@@ -441,7 +452,9 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
     swapped = 0
     for module in model.modules():
         if getattr(module, "layer_type", None) == "linear_attention":
-            module.graphopt_cp_group = str(group.group_name)  # type: ignore[assignment]
+            # the group object, not its name: resolving a name is a call Dynamo cannot
+            # trace (7 graph breaks per MiniMax forward, a review); Dynamo takes the object
+            module.graphopt_cp_group = group  # type: ignore[assignment]
             module.forward = types.MethodType(_lightning_cp_forward, module)
             swapped += 1
 

@@ -660,7 +660,12 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     multipliers, Cohere's logit scale) is caught by running both on one sequence of 16
     random tokens (eval mode, no grad; skipped for weights on the meta device). Translation
     validation by execution, as the MoE pass does."""
-    from graphopt.models import eval_mode, refuse_aux_loss, rope_state_kept
+    from graphopt.models import (
+        eager_forward_failed,
+        eval_mode,
+        refuse_aux_loss,
+        rope_state_kept,
+    )
 
     config = model.config
     attn = getattr(config, "_attn_implementation", None)
@@ -689,14 +694,9 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
     with torch.no_grad(), eval_mode(model), rope_state_kept(model):
         try:
             want = model(input_ids=ids, use_cache=False).logits
-        except RuntimeError as exc:  # the model cannot run eagerly as built (a review: a
-            # float64 Mixtral with grouped_mm experts died with torch's "mat_a" message)
-            hint = (" (grouped_mm experts have no float64 kernel: call model."
-                    "set_experts_implementation('eager') or use float32/bfloat16)"
-                    if "mat_a" in str(exc) or "grouped_mm" in str(exc) else "")
-            raise ConfigError(
-                f"pp > 1 checks its stages against one eager forward of the model, and the "
-                f"model's own forward failed: {str(exc).splitlines()[0]}{hint}") from exc
+        except RuntimeError as exc:  # the model cannot run eagerly as built
+            raise eager_forward_failed("pp > 1 checks its stages against one eager forward "
+                                       "of the model", exc) from exc
         got = stage(ids)
     scale = float(want.abs().max()) or 1.0
     diff = float((got.to(want.dtype) - want).abs().max()) / scale

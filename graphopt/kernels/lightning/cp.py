@@ -54,7 +54,8 @@ def chunk_state(k: Tensor, v: Tensor, slope: Tensor) -> Tensor:
                             v.to(acc))
 
 
-def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, group: str = "",
+def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
+                           group: str | dist.ProcessGroup = "",
                            *, scale: float | None = None, block_size: int | None = None,
                            checkpoint_every: int | None = None, impl: str = "auto") -> Tensor:
     """Causal Lightning Attention of this rank's sequence chunk, exact under CP (module
@@ -63,14 +64,16 @@ def lightning_attention_cp(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, group
     Args:
         q: [B, Hq, L, D] (layout "bhsd"), this rank's chunk; k [B, Hk, L, D], v [B, Hk, L,
             Dv]; slope [Hq]; as :func:`graphopt.kernels.lightning.lightning_attention`.
-        group: the CP process group's name ("" = the world), ranks in sequence order.
+        group: the CP process group, or its name ("" = the world), ranks in sequence
+            order. Under torch.compile pass the group: Dynamo cannot trace resolving a
+            name (a graph break).
     Returns:
         o [B, Hq, L, Dv] in q's dtype: rows of the whole sequence's output for this chunk
         (the ranks' chunk lengths may differ).
     """
     import torch.distributed._functional_collectives as funcol
 
-    pg = _group(group)
+    pg = _group(group) if isinstance(group, str) else group
     size, rank = dist.get_world_size(pg), dist.get_rank(pg)
     hq = q.shape[1]
     local = chunk_state(expand_kv(k, hq), expand_kv(v, hq), slope)
