@@ -187,7 +187,8 @@ def export(
     moe: bool = typer.Option(True, help="MoE models: rewrite the experts (grouped_mm "
                              "experts -> graphopt::moe_experts) before exporting."),
     moe_form: str = typer.Option("gather", help="How moe_experts is exported: gather (routed "
-                                 "tokens only) | dense (every expert, masked; static shapes)."),
+                                 "tokens only) | dense (every expert on every token, masked: "
+                                 "E/K times the FLOPs, no data-dependent shapes)."),
     batch: int = typer.Option(2, min=1, help="Example batch (dynamic axis unless --static; "
                               ">= 2 then)."),
     seq: int = typer.Option(32, min=2, help="Example sequence length."),
@@ -209,6 +210,9 @@ def export(
               "(transformers' eager experts loop is data-dependent and its grouped_mm op has "
               "no ONNX form); drop --no-moe")
     moe = moe and expert_count(SPECS[model].kwargs) > 0
+    if moe_form != "gather" and not moe:  # (a review: accepted, and did nothing)
+        _fail(f"--moe-form {moe_form}: {model} has no experts (a dense model), so it would do "
+              "nothing; drop --moe-form")
     if moe:
         options["moe"] = {}
     if dump_dir is not None:
@@ -545,6 +549,7 @@ def plan(
     # CP with all-to-all, PP drops an MoE aux loss (a review found --json defaulting to a
     # plan parallelize refuses when these were not checked)
     config = model_config(source, overrides, seq)
+    _positions_note(model_config(source, overrides), [seq])
     # and the model itself on the meta device, where a PP, CP or TP plan needs it: the
     # stages' structure, CP's refusals, layers TP splits nothing of (a review: GPT-2 class
     # PP and TP plans and sliding-window CP plans were ranked as executed)
@@ -722,6 +727,21 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
     except GraphoptError as exc:
         _fail(str(exc))
     console.print(table)
+    _positions_note(model_config(source, overrides), lengths)
+
+
+def _positions_note(config: Any, lengths: list[int]) -> None:
+    """Say so where a model with a learned position table (GPT-2's ``n_positions``) was
+    planned at longer sequences than the table holds: the planner prices it with the table
+    extended (``model_config``), a model that the built one cannot run as is (a review
+    found it silent)."""
+    held = getattr(config, "n_positions", None)
+    longer = [n for n in lengths if isinstance(held, int) and n > held]
+    if longer:
+        console.print(f"note: the model's learned position table holds {held} positions; "
+                      f"seq {', '.join(map(str, longer))} was priced with it extended to "
+                      f"the sequence (run it with a longer table: --override "
+                      f"n_positions={max(longer)})")
 
 
 def _parse_overrides(items: list[str]) -> dict[str, Any]:

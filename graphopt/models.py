@@ -191,8 +191,8 @@ PUBLISHED_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
         num_key_value_heads=8, intermediate_size=53248, vocab_size=128256),
         "Llama 3 paper, Tab. 3"),
     "gpt3-175b": ("GPT2Config", "GPT2LMHeadModel", dict(
-        n_embd=12288, n_layer=96, n_head=96, vocab_size=51200),
-        "GPT-3 paper (Brown et al. 2020), Tab. 2.1; vocab as in Megatron-LM"),
+        n_embd=12288, n_layer=96, n_head=96, vocab_size=51200, n_positions=2048),
+        "GPT-3 paper (Brown et al. 2020), Tab. 2.1 (context 2048); vocab as in Megatron-LM"),
     "mixtral-8x22b": ("MixtralConfig", "MixtralForCausalLM", dict(
         hidden_size=6144, num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
         intermediate_size=16384, num_local_experts=8, num_experts_per_tok=2,

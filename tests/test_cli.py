@@ -318,6 +318,22 @@ def test_plan_flags_what_graphopt_s_executor_would_not_run():
     assert result.exit_code == 0 and "pp=" not in result.output, result.output
 
 
+@pytest.mark.parametrize("extra, noted", [(["--seq", "512"], "seq 512"),
+                                          (["--seq", "512", "--seq-buckets", "64,512"],
+                                           "seq 512"),
+                                          (["--seq", "256"], None)])
+def test_plan_says_when_it_extends_a_learned_position_table(extra, noted):
+    """The toy GPT-2 holds 256 learned positions; a longer --seq was planned without a word
+    (the planner extends the table to price it, a review)."""
+    result = runner.invoke(app, ["plan", "--model", "gpt2", "--devices", "2",
+                                 "--global-batch", "2", *extra], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert ("learned position table holds 256 positions" in text) == (noted is not None)
+    if noted:
+        assert f"{noted} was priced with it extended" in text, text
+
+
 def test_explain_leaves_discarded_graphs_out_of_the_totals(tmp_path):
     """A graph Dynamo restarts (changing Dropout.p: TensorifyScalarRestartAnalysis) never
     runs; its rewrites were added to the per-pass totals and its verify column said "off"

@@ -264,6 +264,20 @@ def test_cli_exports_mixtral_in_the_dense_form(tmp_path: Path) -> None:
     assert "MatMul" in _op_types(out) and "NonZero" not in _op_types(out)
 
 
+def test_cli_refuses_a_moe_form_for_a_dense_model(tmp_path: Path) -> None:
+    """--moe-form on a model without experts did nothing, silently (a review)."""
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    result = CliRunner().invoke(app, ["export", "--model", "llama", "--onnx",
+                                      str(tmp_path / "l.onnx"), "--moe-form", "dense"],
+                                terminal_width=200)
+    assert result.exit_code == 2, result.output
+    assert "--moe-form dense: llama has no experts" in result.output
+    assert not (tmp_path / "l.onnx").exists()
+
+
 @torch.library.custom_op("graphopt::test_only_untranslated", mutates_args=())
 def _untranslated(x: torch.Tensor) -> torch.Tensor:
     return x * 2
