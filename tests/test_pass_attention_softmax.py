@@ -156,7 +156,9 @@ class NotCausalAttention(torch.nn.Module):
     ("permuted_k", "not a transpose of the last two dims"),
     ("no_mask", "non-causal attention is not converted"),
     ("padding_mask", "depends on a graph input"),
-    ("sliding_window", "not the causal (lower-triangular) mask"),
+    # the window named (a review: Mistral's and Gemma 3's sliding layers were "not causal")
+    ("sliding_window", "not the causal (lower-triangular) mask: a sliding window of 3 "
+                       "positions (shorter than the sequence, 4)"),
     ("dropout", "attention dropout > 0"),
 ])
 def test_refusals_keep_the_graph_and_say_why(kind, reason):
@@ -528,7 +530,9 @@ class _WindowSDPA(torch.nn.Module):
 @pytest.mark.parametrize("window, reason", [
     ("buffer", "at input sizes length 49"), ("float", "at input sizes length 49"),
     ("table", "at size-dependent positions (a table)"),
-    ("sum", "not the causal (lower-triangular) mask (at input sizes length 8"),
+    ("sum", "not the causal (lower-triangular) mask: a sliding window of 81 positions "
+            "(shorter than the sequence, 82); Lightning Attention attends to the whole "
+            "prefix (at input sizes length 82"),
     ("scaled", "sizes length 49")])
 def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, reason):
     """Found by a review of the ONNX export: the mask proof probed past integer scalar
@@ -629,7 +633,9 @@ class _HostileMask(torch.nn.Module):
     ("band_eq", "lengths past 256 are not all probed"),
     ("index_clamp", "lengths past 256 are not all probed"),
     ("table_slice", "at size-dependent positions (a table)"),
-    ("ones_of_window", "not the causal (lower-triangular) mask (at input sizes length"),
+    ("ones_of_window", "not the causal (lower-triangular) mask: a sliding window of 1 "
+                       "position (shorter than the sequence, 2); Lightning Attention attends "
+                       "to the whole prefix (at input sizes length"),
     ("bf16_fill", "computes full in torch.bfloat16"),
     ("overflow_fill", "2**31 or more in aten.full_like")])
 def test_masks_causal_only_at_the_probed_lengths_are_kept(kind, reason):

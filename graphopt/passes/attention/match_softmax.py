@@ -708,8 +708,29 @@ def _causal_at(mask: fx.Node, env: dict[fx.Node, Any], blocked: bool) -> str:
     else:
         allowed, masked = (m == 0), (m <= _blocking(m.dtype))
     if not (bool((allowed == lower).all()) and bool((masked == ~lower).all())):
-        return "the attention mask is not the causal (lower-triangular) mask"
+        return "the attention mask is not the causal (lower-triangular) mask" + \
+            _window_note(allowed, masked, lower)
     return ""
+
+
+def _window_note(allowed: torch.Tensor, masked: torch.Tensor, lower: torch.Tensor) -> str:
+    """": a sliding window of W positions ..." where the mask is causal with keys W or more
+    positions back masked as well (Mistral's / Gemma's sliding layers, a review found the
+    reason unnamed), else ""."""
+    seq = lower.shape[-1]
+    if not bool((masked == ~allowed).all()) or bool((allowed & ~lower).any()):
+        return ""
+    rows = allowed.reshape(-1, seq, seq)
+    if not bool((rows == rows[:1]).all()):
+        return ""
+    width = int(rows[0].sum(-1).max())
+    i = torch.arange(seq)
+    band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < width)
+    if width >= seq or not bool((rows[0] == band).all()):
+        return ""
+    return (f": a sliding window of {width} position{'s' if width != 1 else ''} (shorter "
+            f"than the sequence, {seq}); "
+            "Lightning Attention attends to the whole prefix")
 
 
 def _constant_scalar(node: Any, env: dict[fx.Node, Any], what: str) -> float:
