@@ -98,13 +98,22 @@ def test_low_precision_block_loop_is_rewritten_and_as_accurate_as_eager(dtype):
 def test_refuses_float32_tables_off_by_more_than_their_rounding():
     """float32 tables 8e-6 off exp(-slope d) are not Lightning Attention's (an rtol of 1e-5
     accepted them and the rewrite silently dropped the perturbation); tables a few float32
-    ulps off are the rounding of exp and are accepted."""
+    ulps off are the rounding of exp and are accepted, except at distance 0, where exp(0)
+    is 1 in every dtype (a table 1 ulp below 1 there is scaled, not rounded)."""
     attn, fn, x = _layer()
     with torch.no_grad():
+        key, diagonal = attn.key_decay.clone(), attn.diagonal_decay.clone()
         attn.key_decay.copy_(torch.nextafter(attn.key_decay, torch.zeros(())))
         attn.diagonal_decay.copy_(torch.nextafter(attn.diagonal_decay, torch.ones(())))
     _, record = _trace_and_run("exact", attn, fn, x)
+    assert record.count("rewritten") == 0
+    assert any("key decay" in s.reason and "entries at distance 0 are not exactly 1" in
+               s.reason for s in record.sites), record.sites
+    with torch.no_grad():
+        attn.key_decay.copy_(torch.where(key == 1, key, attn.key_decay))
+    _, record = _trace_and_run("exact", attn, fn, x)
     assert record.count("rewritten") == 1, record.sites
+    attn.diagonal_decay.copy_(diagonal)
     with torch.no_grad():
         attn.query_decay[..., 5, :] *= 1 + 8e-6
     gm, record = _trace_and_run("exact", attn, fn, x)
@@ -226,6 +235,10 @@ def _minimax_loop(attn, q, k, v, variant):
                 scores = torch.tril(scores, 1)
             elif variant == "no_decay_full_mask":  # not causal
                 scores = scores * ones
+            elif variant == "no_decay_scaled_mask":  # ones scaled by 1 - 3e-7 (not rounding)
+                scores = scores * (torch.tril(ones) * (1 - 3e-7))
+            elif variant == "no_decay_near_one_mask":  # 1 - 3e-7 below the diagonal only
+                scores = scores * (torch.tril(ones) - torch.tril(ones, -1) * 3e-7)
             elif variant == "no_decay_decayed_query":  # a decayed query, undecayed rest
                 qb = qb * q_decay
                 scores = torch.tril(scores)
@@ -349,9 +362,14 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
 @pytest.mark.parametrize("variant, reason", [
     ("no_decay_offset_mask", "block output is not (Q*qd) @ S + ((Q K^T) * D) @ V; "
                              "graphopt's kernel computes Lightning Attention's form"),
-    ("no_decay_full_mask", "diagonal decay of a 16-long block is not the exponential of "
-                           "-slope times the distance (nonzero entries where the decay must "
-                           "be 0"),
+    ("no_decay_full_mask", "the intra-block mask of a 16-long block is not a causal mask of "
+                           "ones (1 on and below the diagonal, 0 above; nonzero entries where "
+                           "the decay must be 0"),
+    # within float32's rounding allowance of exp(-s d), but 1 is exact in every dtype (a
+    # review: taken for ones, 2e-7 off eager in float64)
+    ("no_decay_scaled_mask", "entries at distance 0 are not exactly 1"),
+    ("no_decay_near_one_mask", "not a causal mask of ones (1 on and below the diagonal, 0 "
+                               "above; entries other than exactly 0 and 1)"),
     ("no_decay_decayed_query", "block 0's state update is not S * exp(-slope * L)"),
     ("decay_after_sum", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "
                         "(its state is read by add, matmul"),

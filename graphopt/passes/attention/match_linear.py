@@ -508,6 +508,12 @@ def decay_deviation(got: torch.Tensor, slope: torch.Tensor, kind: str, length: i
     ulps = DECAY_ULPS.get(coarse, 1)
     error = (got.double().reshape(want.shape) - want).abs()
     if bool((error <= ulps * eps * (1 + s * dist) * want + tiny).all()):
+        # exp(0) = 1 in every dtype: entries at distance 0 get no rounding allowance (a
+        # review: a float64 mask of ones times 1 - 3e-7 was taken for ones, 2e-7 off)
+        exact = ((dist == 0) & (mask > 0)).expand_as(want)
+        if bool((got.double().reshape(want.shape)[exact] != 1).any()):
+            return ("entries at distance 0 are not exactly 1 (exp(0) is 1 in every dtype: "
+                    "the table is scaled, not rounded)")
         return None
     if bool((error[want == 0] > tiny).any()):
         return "nonzero entries where the decay must be 0 (above the diagonal: not causal)"
@@ -624,6 +630,16 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> float:
         if loop.slope is None and got.numel() == length * length:
             got = got.reshape(1, length, length).expand(heads, length, length)  # shared
         deviation = decay_deviation(got, slope, kind, length)
+        if deviation is None and loop.slope is None and not torch.equal(
+                got.double().reshape(-1, length, length),
+                expected_decay(kind, slope, length)):
+            # slope 0: every entry is exactly 0 or 1 in any dtype, so no rounding allowance
+            # (a review: a float64 mask of 1 - 3e-7 was taken for ones, 2e-7 off eager)
+            deviation = "entries other than exactly 0 and 1"
+        if deviation is not None and loop.slope is None:  # (a review: decay jargon here)
+            raise NoMatch(f"the intra-block mask of a {length}-long block is not a causal "
+                          f"mask of ones (1 on and below the diagonal, 0 above; {deviation})"
+                          ": the loop without decay is not causal linear attention")
         if deviation is not None:
             raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
                           f"-slope times the distance ({deviation}): the loop is not "
