@@ -242,6 +242,9 @@ def _minimax_loop(attn, q, k, v, variant):
             elif variant == "no_decay_decayed_query":  # a decayed query, undecayed rest
                 qb = qb * q_decay
                 scores = torch.tril(scores)
+            elif variant == "no_decay_scaled_query":  # the query scaled by a number
+                qb = 0.5 * qb
+                scores = torch.tril(scores)
             outputs.append(torch.matmul(qb, state) + torch.matmul(scores, vb))
             state = state + torch.matmul(kb.transpose(-1, -2), vb)
             continue
@@ -371,6 +374,8 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
     ("no_decay_near_one_mask", "not a causal mask of ones (1 on and below the diagonal, 0 "
                                "above; entries other than exactly 0 and 1)"),
     ("no_decay_decayed_query", "block 0's state update is not S * exp(-slope * L)"),
+    ("no_decay_scaled_query", "block output is not (Q*qd) @ S + ((Q K^T) * D) @ V; "
+                              "graphopt's kernel computes Lightning Attention's form"),
     ("decay_after_sum", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "
                         "(its state is read by add, matmul"),
     ("gated_state", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "

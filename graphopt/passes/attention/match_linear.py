@@ -179,6 +179,9 @@ def _match_block_output(o: Any) -> LoopBlock:
                 qk, dd = _scores_and_decay(weights)
             q_b, k_t = _split_product(qk, aten.matmul.default)
             qd = None if _same_rows(scaled_q, q_b) else _other_factor(scaled_q, q_b)
+            if not isinstance(qd, (fx.Node, type(None))):  # a number times Q_b: no decay
+                # table (a review: refused with a reason about the state update)
+                raise NoMatch(f"the query is scaled by {qd!r}, not a decay table")
             if (qd is None and not _same_rows(scaled_q, q_b)) or \
                     not is_call(k_t, aten.transpose.int) or \
                     sorted([arg(k_t, 1), arg(k_t, 2)]) != [-2, -1]:
