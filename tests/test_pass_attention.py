@@ -107,8 +107,8 @@ def test_refuses_float32_tables_off_by_more_than_their_rounding():
         attn.diagonal_decay.copy_(torch.nextafter(attn.diagonal_decay, torch.ones(())))
     _, record = _trace_and_run("exact", attn, fn, x)
     assert record.count("rewritten") == 0
-    assert any("key decay" in s.reason and "entries at distance 0 are not exactly 1" in
-               s.reason for s in record.sites), record.sites
+    assert any("key decay" in s.reason and "entries where slope x distance is 0 are not "
+               "exactly 1" in s.reason for s in record.sites), record.sites
     with torch.no_grad():
         attn.key_decay.copy_(torch.where(key == 1, key, attn.key_decay))
     _, record = _trace_and_run("exact", attn, fn, x)
@@ -370,9 +370,10 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
                            "the decay must be 0"),
     # within float32's rounding allowance of exp(-s d), but 1 is exact in every dtype (a
     # review: taken for ones, 2e-7 off eager in float64)
-    ("no_decay_scaled_mask", "entries at distance 0 are not exactly 1"),
+    ("no_decay_scaled_mask", "not a causal mask of ones (1 on and below the diagonal, 0 "
+                             "above; entries where slope x distance is 0 are not exactly 1"),
     ("no_decay_near_one_mask", "not a causal mask of ones (1 on and below the diagonal, 0 "
-                               "above; entries other than exactly 0 and 1)"),
+                               "above; entries where slope x distance is 0 are not exactly 1"),
     ("no_decay_decayed_query", "block 0's state update is not S * exp(-slope * L)"),
     ("no_decay_scaled_query", "block output is not (Q*qd) @ S + ((Q K^T) * D) @ V; "
                               "graphopt's kernel computes Lightning Attention's form"),
