@@ -209,6 +209,9 @@ def _minimax_loop(attn, q, k, v, variant):
         state = torch.zeros(b, h, d, d, dtype=torch.float64)
     if variant == "initial_state_written":  # through the view: the loop starts elsewhere
         row.copy_(torch.ones_like(row))
+    if variant == "no_decay_normalized":  # positive features and a running key sum
+        q, k = (torch.nn.functional.elu(x) + 1 for x in (q, k))
+        key_sum = torch.zeros(b, h, d, 1, dtype=q.dtype)
     for i in range(n):
         start, end = i * blk, min(i * blk + blk, s)
         size = end - start
@@ -245,7 +248,18 @@ def _minimax_loop(attn, q, k, v, variant):
             elif variant == "no_decay_scaled_query":  # the query scaled by a number
                 qb = 0.5 * qb
                 scores = torch.tril(scores)
-            outputs.append(torch.matmul(qb, state) + torch.matmul(scores, vb))
+            elif variant in ("no_decay_subtracted", "no_decay_normalized"):
+                scores = torch.tril(scores)
+            if variant == "no_decay_subtracted":  # inter - intra
+                outputs.append(torch.matmul(qb, state) - torch.matmul(scores, vb))
+            elif variant == "no_decay_normalized":  # Katharopoulos et al. 2020 eq. 9 (its
+                # denominator: Q_b @ sum of earlier keys + the block's causal key sums)
+                num = torch.matmul(qb, state) + torch.matmul(scores, vb)
+                outputs.append(num / (torch.matmul(qb, key_sum)
+                                      + scores.sum(-1, keepdim=True)))
+                key_sum = key_sum + kb.sum(-2).unsqueeze(-1)
+            else:
+                outputs.append(torch.matmul(qb, state) + torch.matmul(scores, vb))
             state = state + torch.matmul(kb.transpose(-1, -2), vb)
             continue
         if variant == "swapped_operands":  # every elementwise product written the other way
@@ -377,6 +391,14 @@ def test_loops_whose_values_sit_elsewhere_are_refused(variant, batch, reason):
     ("no_decay_decayed_query", "block 0's state update is not S * exp(-slope * L)"),
     ("no_decay_scaled_query", "block output is not (Q*qd) @ S + ((Q K^T) * D) @ V; "
                               "graphopt's kernel computes Lightning Attention's form"),
+    # a review: neither was reported (each correctly left as written)
+    ("no_decay_subtracted", "block 0's output is inter - intra (Q_b @ S minus the intra-block "
+                            "term), not their sum; graphopt's kernel computes"),
+    ("no_decay_normalized", "block 0's output is inter + intra divided by another tensor (a "
+                            "normalizer, such as Katharopoulos et al.'s Q_b @ sum of keys); "
+                            "graphopt's kernel computes"),
+    ("alpha_output", "block 0's output is one product + 0.5 x the other (add/sub with alpha), "
+                     "not their sum; graphopt's kernel computes"),
     ("decay_after_sum", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "
                         "(its state is read by add, matmul"),
     ("gated_state", "block 0's state update is not S * exp(-slope * L) + (K * kd)^T @ V "

@@ -54,8 +54,9 @@ from graphopt.passes.fx_utils import tensor_meta
 
 class LoopRefused(NoMatch):
     """The chain has the block loop's shape (every block output is inter + intra over slices
-    of Q, K, V) but is refused as a whole; the message says why (reported, unlike a chain
-    that is not loop-shaped at all)."""
+    of Q, K, V, or inter - intra, or that divided by a normalizer: ``_loop_shape``) but is
+    refused as a whole; the message says why (reported, unlike a chain that is not
+    loop-shaped at all)."""
 
 
 @dataclass
@@ -294,11 +295,14 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
     try:
         blocks = [_match_block_output(o) for o in outputs]
     except NoMatch as exc:
-        if _loop_shaped(outputs):  # a review: a block loop without decay tables (tril
-            # masked, no decay) went neither rewritten nor reported
-            raise LoopRefused(f"{exc}; graphopt's kernel computes Lightning Attention's "
-                              "form: (Q*qd) @ S + ((Q K^T) * D) @ V with exponential "
-                              "decays, or without decay Q @ S + tril(Q K^T) @ V") from None
+        differs = _loop_shape(outputs)
+        if differs is not None:  # a review: a block loop without decay tables (tril
+            # masked, no decay) went neither rewritten nor reported; later ones: an output
+            # inter - intra or normalized by a running key sum, neither reported
+            raise LoopRefused(f"{differs or exc}; graphopt's kernel computes Lightning "
+                              "Attention's form: (Q*qd) @ S + ((Q K^T) * D) @ V with "
+                              "exponential decays, or without decay Q @ S + tril(Q K^T) @ V"
+                              ) from None
         raise
     try:
         loop = _check_loop(blocks)
@@ -310,20 +314,42 @@ def match_minimax_block_loop(cat: fx.Node) -> BlockLoop:
         raise LoopRefused(str(exc)) from None
 
 
-def _loop_shaped(outputs: list[Any]) -> bool:
-    """Every block output is a sum of two products and the first block's reads a zeros
-    state: a linear-attention block loop (``inter + intra`` with ``inter = Q_b @ S``), even
-    where its products are not the form :func:`_match_block_output` takes."""
-    def products(o: Any) -> list[Any] | None:
-        if not _plain_add(o) or not all(is_call(x, aten.matmul.default) for x in o.args[:2]):
+def _loop_shape(outputs: list[Any]) -> str | None:
+    """Whether ``outputs`` are a linear-attention block loop's block outputs even where
+    :func:`_match_block_output` refuses them: each is inter +/- intra (two products; an
+    ``alpha`` too) or that divided by something, and the first block's products read a
+    zeros state. None when not; else what differs from inter + intra, "" when nothing
+    this function names (the products themselves are not the form)."""
+    def form(o: Any) -> tuple[str, list[Any]] | None:
+        if is_call(o, aten.div.Tensor):
+            inner = form(arg(o, 0))
+            if inner is None or inner[0]:
+                return None
+            by = arg(o, 1)
+            what = f"the number {by!r}" if not isinstance(by, fx.Node) else \
+                "another tensor (a normalizer, such as Katharopoulos et al.'s Q_b @ sum of keys)"
+            return f"inter + intra divided by {what}", inner[1]
+        if not is_call(o, aten.add.Tensor, aten.sub.Tensor) or len(o.args) != 2 or \
+                not all(is_call(x, aten.matmul.default) for x in o.args[:2]):
             return None
-        return [y for x in o.args[:2] for y in x.args[:2]]
+        alpha = o.kwargs.get("alpha", 1)
+        kind = "" if _plain_add(o) else \
+            "inter - intra (Q_b @ S minus the intra-block term), not their sum" \
+            if is_call(o, aten.sub.Tensor) and alpha == 1 else \
+            f"one product {'-' if is_call(o, aten.sub.Tensor) else '+'} {alpha!r} x the " \
+            "other (add/sub with alpha), not their sum"
+        return kind, [y for x in o.args[:2] for y in x.args[:2]]
 
-    found = [products(o) for o in outputs]
-    first = found[0]
-    return first is not None and all(f is not None for f in found) and any(
-        is_call(x, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
-        for x in first)
+    found = [form(o) for o in outputs]
+    if any(f is None for f in found) or not any(
+            is_call(x, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+            for x in found[0][1]):  # type: ignore[index]
+        return None
+    for i, f in enumerate(found):
+        assert f is not None
+        if f[0]:
+            return f"block {i}'s output is {f[0]}"
+    return ""
 
 
 def _check_loop(blocks: list[LoopBlock]) -> BlockLoop:
