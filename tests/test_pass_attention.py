@@ -157,6 +157,34 @@ def test_dynamic_shape_loop_is_checked_at_every_length_and_rewritten():
         assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["no_decay_mask", "computed_diagonal"])
+def test_dynamic_loop_with_tables_computed_from_the_length_is_rewritten(variant):
+    """A mask or decay computed from the block's length (``torch.tril(torch.ones(L, L))``,
+    ``exp(-slope (i - j))`` from ``arange(L)``), not sliced from a fixed table, is evaluated
+    at every length the guards allow (a review: refused as "computed from the sequence
+    length" under dynamic=True where the static loop is rewritten). Outputs, final state
+    and gradients equal eager at the traced length and others."""
+    import re
+
+    attn = _layer(40, 16)[0]
+
+    def fn(q, k, v):
+        return _minimax_loop(attn, q, k, v, variant)
+
+    args = [torch.randn(1, 4, 40, 16) for _ in range(3)]
+    gm = trace_for_pass(fn, *args, dynamic=True)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, *args))
+    [loop] = [s for s in record.sites if "block" in s.reason]
+    assert loop.action == "rewritten" and re.search(
+        r"checked at all 1[45] lengths its guards allow, 34\.\.4[78]\)", loop.reason), \
+        record.sites
+    assert record.op_delta[LIGHTNING] == 1
+    for seq in (40, 34, 45):
+        args = [torch.randn(1, 4, seq, 16, requires_grad=True) for _ in range(3)]
+        assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-5, atol=1e-5)
+
+
 def test_dynamic_loop_with_batch_equal_to_sequence_length_is_rewritten():
     """Duck sizing gives B == S one symbol s, and MiniMax's qkv ``view(B, S, H, -1)`` then
     sizes Q's sequence (s**2)//s; the pass reads that as s (an exact quotient) and proves
@@ -250,6 +278,8 @@ def _minimax_loop(attn, q, k, v, variant):
                 scores = torch.tril(scores)
             elif variant in ("no_decay_subtracted", "no_decay_normalized"):
                 scores = torch.tril(scores)
+            elif variant == "no_decay_length_mask":  # causal only for an 8-row last block
+                scores = scores * torch.tril(ones, size - 8 if i == n - 1 else 0)
             if variant == "no_decay_subtracted":  # inter - intra
                 outputs.append(torch.matmul(qb, state) - torch.matmul(scores, vb))
             elif variant == "no_decay_normalized":  # Katharopoulos et al. 2020 eq. 9 (its
@@ -269,9 +299,15 @@ def _minimax_loop(attn, q, k, v, variant):
             kv = torch.matmul((key_decay[:, -size:] * ks).transpose(-1, -2), vs)
             state = torch.exp(size * -slope) * state + kv
             continue
+        diagonal = diagonal_decay[:, :, :size, :size]
+        if variant == "computed_diagonal":  # exp(-slope (i - j)) below the diagonal, from
+            # the block's length (transformers' decay_factors, per block)
+            rows = torch.arange(size, dtype=q.dtype)
+            distance = rows[:, None] - rows[None, :]
+            diagonal = torch.exp(torch.where(distance >= 0, -slope * distance,
+                                             float("-inf")))
         with torch.set_grad_enabled(variant != "intra_no_grad"):
-            intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2))
-                                 * diagonal_decay[:, :, :size, :size], vb)
+            intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diagonal, vb)
         if variant == "state_detached" and i > 0:  # truncated backprop through the state
             state = state.detach()
         inter = torch.matmul(qb * q_decay, state)
@@ -304,6 +340,9 @@ def _minimax_loop(attn, q, k, v, variant):
     ("shifted_query", r"query decay at sequence length \d+ is rows \[\(\d+, 8\)\]"),
     ("constant_decay", r"block decay of block 2 is a fixed table of a 8-long block, but at "
                        r"sequence length \d+ the block is \d+ long"),
+    ("no_decay_length_mask", r"at sequence length \d+, block 2's diagonal table, computed "
+                             r"from the length: the intra-block mask of a \d+-long block is "
+                             r"not a causal mask of ones"),
 ])
 def test_dynamic_loop_right_only_at_the_traced_length_is_refused(variant, reason):
     """A loop whose decays are Lightning Attention's at the traced length (S 40: the last

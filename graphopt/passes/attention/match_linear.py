@@ -650,30 +650,45 @@ def check_loop_decays(loop: BlockLoop, env: dict[fx.Node, Any]) -> float:
         torch.zeros(heads or 0, dtype=torch.float64)  # no decay
     if not isinstance(slope, torch.Tensor) or slope.numel() != heads:
         raise NoMatch(f"slope is not one value per query head ({heads} heads)")
+    def per_head(got: torch.Tensor, length: int) -> torch.Tensor:
+        if loop.slope is None and got.numel() == length * length:
+            return got.reshape(1, length, length).expand(heads, length, length)  # shared
+        return got
+
+    def problem(got: Any, kind: str, length: int) -> str | None:
+        """Why the evaluated table ``got`` of a ``length``-long block is not the loop's
+        decay (or, without decay, its causal mask of ones); None when it is."""
+        layout = _decay_layout_problem(got, kind, heads or 0, length,
+                                       shared=loop.slope is None)
+        if layout:
+            return f"{kind} decay of a {length}-long block: {layout}"
+        deviation = decay_deviation(per_head(got, length), slope, kind, length)
+        if deviation is not None and loop.slope is None:  # (a review: decay jargon here)
+            return (f"the intra-block mask of a {length}-long block is not a causal mask of "
+                    f"ones (1 on and below the diagonal, 0 above; {deviation}): the loop "
+                    "without decay is not causal linear attention")
+        if deviation is not None:
+            return (f"{kind} decay of a {length}-long block is not the exponential of "
+                    f"-slope times the distance ({deviation}): the loop is not Lightning "
+                    "Attention")
+        return None
+
     rounding = 0.0
     for node, kind, _, length in loop.checks:
-        layout = _decay_layout_problem(tensor_meta(node), kind, heads, length,
+        layout = _decay_layout_problem(tensor_meta(node), kind, heads or 0, length,
                                        shared=loop.slope is None)
         if layout:
             raise NoMatch(f"{kind} decay of a {length}-long block: {layout}")
         got = evaluate(node, env)
         if not isinstance(got, torch.Tensor):
             raise NoMatch(f"{kind} decay of a {length}-long block is not a tensor")
-        if loop.slope is None and got.numel() == length * length:
-            got = got.reshape(1, length, length).expand(heads, length, length)  # shared
-        deviation = decay_deviation(got, slope, kind, length)
-        if deviation is not None and loop.slope is None:  # (a review: decay jargon here)
-            raise NoMatch(f"the intra-block mask of a {length}-long block is not a causal "
-                          f"mask of ones (1 on and below the diagonal, 0 above; {deviation})"
-                          ": the loop without decay is not causal linear attention")
-        if deviation is not None:
-            raise NoMatch(f"{kind} decay of a {length}-long block is not the exponential of "
-                          f"-slope times the distance ({deviation}): the loop is not "
-                          "Lightning Attention")
-        rounding = max(rounding, table_rounding(got, slope, kind, length))
+        why = problem(got, kind, length)
+        if why is not None:
+            raise NoMatch(why)
+        rounding = max(rounding, table_rounding(per_head(got, length), slope, kind, length))
     if loop.symbolic is not None:
         check_every_length(loop.blocks, loop.checks, loop.symbolic, slope, env,
-                           decay_deviation)
+                           decay_deviation, problem)
     return rounding
 
 

@@ -19,7 +19,10 @@ proves one length; this module proves the others without evaluating a table per 
               and must keep that length; one that follows S must be a prefix (query,
               diagonal) or suffix (key) slice of a table that does not, checked numerically
               once at its full length (a prefix of exp(-s (i + 1)) is the shorter table: the
-              rule is exact); a block decay must be exp(-slope * X) with X(S) = L_i(S).
+              rule is exact); a block decay must be exp(-slope * X) with X(S) = L_i(S);
+              a table computed from the sizes (``torch.tril(torch.ones(L, L))``) is
+              evaluated at every length, from the sizes its tensor ops read (each an
+              expression in S alone, else refused).
 Anything else raises :class:`NoMatch` with why; bounds are evaluated from their sympy
 expressions, compiled to Python functions once per expression (a model's layers share
 them) as Dynamo's guard code is.
@@ -258,15 +261,49 @@ def _peel_slices(node: fx.Node) -> tuple[fx.Node, list[tuple[int, Any, Any]]]:
     return node, slices
 
 
+@dataclass
+class ComputedTable:
+    """A decay (or mask) computed from the sequence length, not sliced from a fixed table
+    (``torch.tril(torch.ones(L, L))`` for a block of L rows): evaluated at every length.
+    ``sizes``: the sizes its tensor ops read (``L``: an input or a size computed in the
+    graph) and their expressions in S."""
+
+    node: fx.Node
+    sizes: list[tuple[fx.Node, sympy.Expr]]
+
+    def at(self, env: dict[fx.Node, Any], symbol: sympy.Symbol, length: int) -> Any:
+        """Its value at S = length (``env``: the hinted placeholder values)."""
+        at_length = {n: v for n, v in env.items() if n.op in ("placeholder", "get_attr")}
+        at_length.update({n: _at(e, symbol, length) for n, e in self.sizes})
+        return evaluate(self.node, at_length)
+
+
+def _computed_table(node: fx.Node, kind: str, symbol: sympy.Symbol) -> ComputedTable:
+    """``node`` as a :class:`ComputedTable`; NoMatch when it reads other sizes than S."""
+    sizes = []
+    within = set(ancestors(node))
+    for n in within:
+        expr = sym_expr(n)
+        if expr is not None and not expr.is_number and \
+                any(u in within and sym_expr(u) is None for u in n.users):
+            if not expr.free_symbols <= {symbol}:
+                raise NoMatch(f"the {kind} decay is computed from other sizes than the "
+                              f"sequence length ({n.name} = {expr})")
+            sizes.append((n, expr))
+    return ComputedTable(node, sizes)
+
+
 def check_every_length(blocks: list[Any], checks: list[tuple[fx.Node, str, int, int]],
                        seq: SymbolicBlocks, slope: torch.Tensor,
                        env: dict[fx.Node, Any],
-                       deviation: Callable[[torch.Tensor, torch.Tensor, str, int], str | None]
-                       ) -> None:
+                       deviation: Callable[[torch.Tensor, torch.Tensor, str, int], str | None],
+                       problem: Callable[[Any, str, int], str | None]) -> None:
     """Raise NoMatch unless the loop is Lightning Attention at every length its graph can run
     at (:func:`allowed_lengths`). ``checks``: (decay node, kind, block index, length at the
     hint), all already checked numerically at the hint; ``deviation``:
-    match_linear.decay_deviation.
+    match_linear.decay_deviation (a fixed table at its full length); ``problem``: why an
+    evaluated table of a block of a given length is not the loop's (layout and values;
+    tables computed from the length are evaluated at every length).
     ``blocks``: the loop's LoopBlocks (start / end: int, SymInt or FX node)."""
     s = seq.symbol
     starts = [sym_expr(b.start) for b in blocks]
@@ -274,8 +311,9 @@ def check_every_length(blocks: list[Any], checks: list[tuple[fx.Node, str, int, 
     if any(e is None for e in starts + ends):
         raise NoMatch("a block bound is not an integer size")
     fixed_tables: dict[tuple[fx.Node, str, int], None] = {}
-    plans = [_decay_plan(node, kind) for node, kind, _, _ in checks]
+    plans = [_decay_plan(node, kind, s) for node, kind, _, _ in checks]
     exprs = starts + ends + [e for p in plans if isinstance(p, sympy.Expr) for e in [p]] + \
+        [e for p in plans if isinstance(p, ComputedTable) for _, e in p.sizes] + \
         [e for p in plans if isinstance(p, tuple) for pair in p[1] for e in pair]
     lengths_to_check = allowed_lengths(s, seq.shape_env, exprs)  # type: ignore[arg-type]
     for c in lengths_to_check:
@@ -294,6 +332,12 @@ def check_every_length(blocks: list[Any], checks: list[tuple[fx.Node, str, int, 
                     raise NoMatch(f"the {kind} decay of block {i} is a fixed table of a "
                                   f"{at_hint}-long block, but at sequence length {c} the block "
                                   f"is {length} long")
+                continue
+            if isinstance(plan, ComputedTable):
+                why = problem(plan.at(env, s, c), kind, length)
+                if why is not None:
+                    raise NoMatch(f"at sequence length {c}, block {i}'s {kind} table, "
+                                  f"computed from the length: {why}")
                 continue
             if kind == "block":
                 if _at(plan, s, c) != length:  # type: ignore[arg-type]
@@ -319,9 +363,11 @@ def check_every_length(blocks: list[Any], checks: list[tuple[fx.Node, str, int, 
     seq.checked = lengths_to_check
 
 
-def _decay_plan(node: fx.Node, kind: str) -> Any:
+def _decay_plan(node: fx.Node, kind: str, symbol: sympy.Symbol) -> Any:
     """How a decay follows S: None (it does not), the sympy X of exp(-slope * X) (block
-    decay), or (base, [(start, end) exprs of the sliced seq dims], table length)."""
+    decay), (base, [(start, end) exprs of the sliced seq dims], table length), or a
+    :class:`ComputedTable` (computed from S, not sliced from a fixed table: a review found
+    ``torch.tril(torch.ones(L, L))`` masks refused under dynamic shapes, rewritten without)."""
     if not follows_sizes(node):
         return None
     if kind == "block":
@@ -330,7 +376,10 @@ def _decay_plan(node: fx.Node, kind: str) -> Any:
         if expr is None:
             raise NoMatch("the state decay's length is not an integer size")
         return expr
-    base, slices = _peel_slices(node)
+    try:
+        base, slices = _peel_slices(node)
+    except NoMatch:
+        return _computed_table(node, kind, symbol)
     val = tensor_meta(base)
     assert val is not None
     shape = [hint(d) for d in val.shape]
