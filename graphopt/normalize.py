@@ -89,7 +89,12 @@ def normalize(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModu
     # its "context_fn is passed" warning would be about graphopt's default
     quiet = quiet_logger("torch._higher_order_ops.wrap", logging.ERROR) if ours_only \
         else contextlib.nullcontext()
-    with quiet, fx_traceback.preserve_node_meta(), fake_mode, _autocast_restored():
+    # grad mode too: the trace runs the graph's own torch._C._set_grad_enabled calls, and a
+    # forward that leaves grad mode switched (``torch.set_grad_enabled(False)`` at its end)
+    # left the rest of the compile under that mode (a review: outputs without
+    # requires_grad, gradients None or added where eager and aot_eager are right)
+    with quiet, fx_traceback.preserve_node_meta(), fake_mode, _autocast_restored(), \
+            torch.set_grad_enabled(torch.is_grad_enabled()):
         traced = make_fx(run, tracing_mode="real", pre_dispatch=True,
                          _allow_non_fake_inputs=True)(*fakes)
     _rename_placeholders(traced, gm)

@@ -1061,3 +1061,64 @@ def test_only_cpu_values_are_taken_for_stale(device, stale):
     for node in gm.graph.find_nodes(op="placeholder"):
         node.meta["example_value"] = values[node.name]
     assert restart.stale_reads(gm) == stale
+
+
+class _LeavesGradModeSwitched(nn.Module):
+    """A forward that leaves grad mode switched (legal; eager and aot_eager keep it)."""
+
+    def __init__(self, direction):
+        super().__init__()
+        self.a, self.b, self.direction = nn.Linear(8, 8), nn.Linear(8, 8), direction
+
+    def forward(self, x):
+        if self.direction == "off":  # trained, then "the rest of the step evaluates"
+            h = torch.tanh(self.a(x))
+            torch.set_grad_enabled(False)
+            return h, h * 2
+        t = self.a(x)  # called under no_grad: t has no gradient, u has one
+        with torch.enable_grad():
+            u = self.b(x)
+        torch.set_grad_enabled(True)
+        return t, u
+
+
+@pytest.mark.parametrize("direction", ["off", "on"])
+@pytest.mark.parametrize("options", [EAGER, {**EAGER, "remat": {"budget": "50%"}}])
+def test_a_forward_that_leaves_grad_mode_switched_trains_like_eager(direction, options):
+    """A review: the normalize trace ran the graph's ``_set_grad_enabled`` calls and left the
+    mode switched for the rest of the compile, so the capture guard compared against the
+    wrong mode and fell back to a graph traced under it: ``h`` without requires_grad (the
+    layer silently untrained) or a gradient for ``a`` that eager does not have. Outputs'
+    requires_grad, the grad mode after the call and every gradient equal eager's, with no
+    fallback."""
+    def step(model, compiled):
+        model.zero_grad(set_to_none=True)
+        w = torch.ones(8, dtype=torch.float64, requires_grad=True)  # outside the module
+        with torch.set_grad_enabled(direction == "off"):
+            first, second = compiled(x)
+        after = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)
+        flags = (first.requires_grad, second.requires_grad, after)
+        (first * w + second).sum().backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        return flags, grads + [w.grad], (first.detach(), second.detach())
+
+    torch.manual_seed(0)
+    model = _LeavesGradModeSwitched(direction).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    want = step(model, model)
+    graphopt.clear_reports()
+    compiled = torch.compile(model, backend="graphopt", options=options)
+    try:
+        for _ in range(2):
+            got = step(model, compiled)
+    finally:
+        torch.set_grad_enabled(True)
+    assert got[0] == want[0]
+    for a, b in zip(got[1] + list(got[2]), want[1] + list(want[2])):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    reports = graphopt.reports()
+    assert reports and all(r.fallback is None and r.status == "compiled" for r in reports), \
+        [(r.status, r.fallback) for r in reports]
