@@ -1520,3 +1520,76 @@ def test_inference_mode_as_a_data_parallel_model_s_first_forward_is_refused():
             assert "runs under torch.inference_mode()" in messages[0], messages
             assert messages[1:] == ["ran", "ran"], messages
         assert per_rank[2] == ["ran", "ran", "ran"], per_rank[2]
+
+
+class _ThreeHeadAttention(torch.nn.Module):
+    """Attention that reshapes by its head count (3: tp=2 cannot split it, though its
+    projections' 48 rows divide by 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(48, 48) for _ in range(4))
+
+    def forward(self, h):
+        b, s, _ = h.shape
+        q, k, v = (p(h).reshape(b, s, 3, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(48, 96), torch.nn.Linear(96, 48)
+
+    def forward(self, h):
+        return self.down(torch.relu(self.up(h)))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(48), torch.nn.LayerNorm(48)
+        self.attn, self.mlp = _ThreeHeadAttention(), _Mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _ThreeHeads(torch.nn.Module):
+    """A hand-written decoder of one :class:`_Block`."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 48), torch.nn.Linear(48, 64, bias=False)
+        self.layers = torch.nn.ModuleList([_Block()])
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _three_heads_worker(rank, world):
+    from graphopt.parallel import build_mesh, parallelize
+
+    torch.manual_seed(0)
+    model = _ThreeHeads().double()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    want = model(ids).detach()
+    plan = ParallelPlan(tp=2, sp=False)
+    model = parallelize(model, plan, build_mesh(plan), sample=lambda: model(ids))
+    got = _full(model(ids)).detach()
+    return float((got - want).abs().max()), model.graphopt_parallel.notes
+
+
+def test_a_mixer_tp_cannot_split_is_named_in_the_notes():
+    """A review: attention that reshapes by 3 heads ran whole on every TP rank (exact), with
+    the reason only in ``tp_layout.kept``: no note, so tp=2 silently split only the MLP."""
+    error, notes = run_distributed(_three_heads_worker, 2)[0]
+    assert error < 1e-12
+    assert any(n.startswith("TP=2 keeps 1 module(s) whole on every TP rank (replicated, not "
+                            "split), e.g. layers.0.attn: a 2-way column/row split of it "
+                            "changes its output") for n in notes), notes

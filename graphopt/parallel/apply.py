@@ -266,6 +266,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                           "zero_stage=1 for plain data parallelism")
     mesh = mesh if mesh is not None else build_mesh(plan)
     report = ParallelReport(plan.describe(), parallel_plan=plan, mesh=mesh)
+    if plan.dp * plan.cp > 1:  # (a review: per-rank batch statistics, replicas drifted)
+        from graphopt.parallel.batch_norm import sync_batch_norms
+
+        synced = sync_batch_norms(model, mesh["dp_cp"].get_group())
+        if synced:
+            report.notes.append(
+                f"BatchNorm: {len(synced)} module(s) ({synced[0]}"
+                f"{', ...' if len(synced) > 1 else ''}) normalize by the statistics of the "
+                f"whole batch over dp={plan.dp}" + (f" x cp={plan.cp}" if plan.cp > 1 else "")
+                + " (all-reduced, SyncBatchNorm's semantics on any device)")
     before = weakref.WeakValueDictionary({id(p): p for p in model.parameters()})
     if plan.tp > 1:
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
@@ -299,6 +309,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         if message:
             report.notes.append(message)
             warnings.warn(f"graphopt: {message}", stacklevel=2)
+        whole = {m: why for m, why in layout.kept.items()
+                 if not any(i.startswith(f"{m}: ") for i in layout.indivisible)}
+        if whole:  # (a review: a mixer whose 2-way split fails to run, 3 heads, was kept
+            # whole with the reason in the layout only)
+            first = next(iter(whole))
+            report.notes.append(f"TP={plan.tp} keeps {len(whole)} module(s) whole on "
+                                f"every TP rank (replicated, not split), e.g. {first}: "
+                                f"{whole[first]}")
         if plan.sp and not report.sp:
             report.notes.append("SP off: no decoder layer has a mixer TP splits")
         elif report.sp and layout.replicated:

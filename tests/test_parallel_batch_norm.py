@@ -1,0 +1,109 @@
+"""BatchNorm under data parallelism (graphopt.parallel.batch_norm): a model with BatchNorm
+trains under DP plans exactly as one process over the whole batch does (2 gloo ranks,
+float64), and its replicas' running statistics stay equal."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from graphopt.distributed import run_distributed
+from graphopt.planner.plan import ParallelPlan
+
+
+class _ConvNet(nn.Module):
+    def __init__(self, momentum):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8, momentum=momentum)
+        self.head = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
+    def forward(self, x):  # x: [N, 4, L]
+        h = torch.relu(self.bn(self.conv(x))).mean(-1)
+        return self.head(h)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _steps(model, batches, opt):
+    out = []
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        grads = [_full(p.grad).detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.detach(), grads))
+    return out
+
+
+def _bn_worker(rank, world, plan_kwargs, momentum):
+    import torch.distributed as dist
+
+    from graphopt.parallel import build_mesh, build_optimizer, parallelize
+
+    torch.manual_seed(0)
+    reference = _ConvNet(momentum).double()
+    model = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, 6, dtype=torch.float64, generator=gen),
+                torch.randint(0, 3, (8,), generator=gen)) for _ in range(2)]
+    want = _steps(reference, batches, torch.optim.SGD(reference.parameters(), lr=0.5))
+    plan = ParallelPlan(**plan_kwargs)
+    mesh = build_mesh(plan)
+    model = parallelize(model, plan, mesh)
+    opt = build_optimizer(model, plan, mesh, torch.optim.SGD, lr=0.5)
+    local = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+    got = _steps(model, local, opt)
+    loss_error = max(float(abs(sum(_all(g[0]) for g in [step]) - w[0]))
+                     for step, w in zip(got, want))
+    grad_error = max(float((a - b).abs().max()) for (_, ga), (_, gb) in zip(got, want)
+                     for a, b in zip(ga, gb))
+    buffers = {n: _full(b).detach().clone() for n, b in model.named_buffers()}
+    buffer_error = max(float((buffers[n] - b).double().abs().max())
+                       for n, b in reference.named_buffers())
+    params = {n: _full(p).detach() for n, p in model.named_parameters()}
+    param_error = max(float((params[n] - p).abs().max())
+                      for n, p in reference.named_parameters())
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        eval_error = float((_full(model(batches[0][0])) - reference(batches[0][0])).abs().max())
+    mine = torch.cat([b.flatten().double() for b in buffers.values()])
+    theirs = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(theirs, mine)
+    apart = max(float((t - mine).abs().max()) for t in theirs)
+    return dict(loss=loss_error, grads=grad_error, buffers=buffer_error, params=param_error,
+                eval=eval_error, apart=apart, notes=model.graphopt_parallel.notes)
+
+
+def _all(loss):
+    """The mean of the ranks' losses (each the mean over its half of the batch)."""
+    import torch.distributed as dist
+
+    total = loss.clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+@pytest.mark.parametrize("plan, momentum", [
+    (dict(dp_replicate=2), 0.1), (dict(dp_shard=2, zero_stage=3), None),
+    (dict(dp_shard=2, zero_stage=1), 0.1)])
+def test_batch_norm_under_data_parallelism_trains_like_one_process(plan, momentum):
+    """A review: each rank normalized by its half of the batch and updated its own running
+    statistics (gradients 1e-2 off one process, running statistics 0.11 apart between the
+    ranks, eval logits 0.04 apart), and nothing said so. Every BatchNorm now normalizes by
+    the whole batch's statistics (all-reduced): losses, gradients, parameters after 2 SGD
+    steps, running statistics (momentum 0.1 and the cumulative average) and eval outputs
+    equal one process over the whole batch; the ranks' statistics are equal; notes say so."""
+    result = run_distributed(_bn_worker, 2, plan, momentum)[0]
+    assert result["apart"] == 0.0, result
+    for key in ("loss", "grads", "buffers", "params", "eval"):
+        assert result[key] < 1e-12, (key, result)
+    assert any(n.startswith("BatchNorm: 2 module(s) (bn, ...) normalize by the statistics of "
+                            "the whole batch over dp=2") for n in result["notes"]), result
