@@ -343,7 +343,24 @@ def new_constants(reference: fx.GraphModule, candidate: fx.GraphModule) -> str:
                                None)
     for name, value in values.items():
         if new(value) and not (name in readers and _is_literal(readers[name], value, literals)):
-            return f"new tensor constant {name!r} of shape {tuple(value.shape)}"
+            where = _user_line(readers[name]) if name in readers else ""
+            return (f"new tensor constant {name!r} of shape {tuple(value.shape)}: a value the "
+                    "trace did not follow (such as .data of a parameter or buffer) frozen "
+                    "into the graph" + (f"; read at {where}" if where else ""))
+    return ""
+
+
+def _user_line(node: fx.Node) -> str:
+    """The model's source line (file:line: code) of the first reader of ``node`` that has
+    one (Dynamo's ``stack_trace`` meta), else ""."""
+    for user in [node, *node.users]:
+        trace = str(user.meta.get("stack_trace") or "").strip().splitlines()
+        files = [i for i, line in enumerate(trace) if line.strip().startswith("File ")]
+        if files:
+            i = files[-1]
+            place = trace[i].strip().removeprefix("File ").replace('"', "")
+            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+            return f"{place}: {code}" if code else place
     return ""
 
 

@@ -1122,3 +1122,36 @@ def test_a_forward_that_leaves_grad_mode_switched_trains_like_eager(direction, o
     reports = graphopt.reports()
     assert reports and all(r.fallback is None and r.status == "compiled" for r in reports), \
         [(r.status, r.fallback) for r in reports]
+
+
+class _DataWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(4, 8))
+
+    def forward(self, x):
+        self.ema.data.mul_(0.5)
+        self.ema.add_(x.detach())
+        return self.a(x) + self.ema
+
+
+def test_a_data_write_in_forward_falls_back_with_the_line_that_does_it():
+    """A review: the fallback for ``buffer.data.mul_`` in forward said only "new tensor
+    constant '_tensor_constant0' of shape (4, 8)"; it now says what such a constant is and
+    the model's line that reads it. The fallback stays exact (buffers too)."""
+    torch.manual_seed(0)
+    model = _DataWrite().double()
+    reference = _DataWrite().double()
+    reference.load_state_dict(model.state_dict())
+    graphopt.clear_reports()
+    compiled = torch.compile(model, backend="graphopt", options=EAGER)
+    with pytest.warns(FallbackWarning):
+        for _ in range(2):
+            x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+            assert_matches_eager(reference, compiled, [x], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.ema, reference.ema, rtol=0, atol=0)
+    reasons = [r.fallback for r in graphopt.reports()]
+    assert reasons and "a value the trace did not follow (such as .data of a parameter or " \
+        "buffer) frozen into the graph; read at " in reasons[0] and \
+        "self.ema.data.mul_(0.5)" in reasons[0], reasons
