@@ -157,15 +157,9 @@ def test_dynamic_shape_loop_is_checked_at_every_length_and_rewritten():
         assert_matches_eager(fn, as_function(gm, fn), [x], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["no_decay_mask", "computed_diagonal"])
-def test_dynamic_loop_with_tables_computed_from_the_length_is_rewritten(variant):
-    """A mask or decay computed from the block's length (``torch.tril(torch.ones(L, L))``,
-    ``exp(-slope (i - j))`` from ``arange(L)``), not sliced from a fixed table, is evaluated
-    at every length the guards allow (a review: refused as "computed from the sequence
-    length" under dynamic=True where the static loop is rewritten). Outputs, final state
-    and gradients equal eager at the traced length and others."""
-    import re
-
+def _dynamic_loop_pass(variant):
+    """(fn, graph after the exact attention pass, its record) of :func:`_minimax_loop`
+    traced with dynamic shapes at S 40 (blocks of 16: the last one 8 rows)."""
     attn = _layer(40, 16)[0]
 
     def fn(q, k, v):
@@ -175,6 +169,19 @@ def test_dynamic_loop_with_tables_computed_from_the_length_is_rewritten(variant)
     gm = trace_for_pass(fn, *args, dynamic=True)
     gm, record = run_pass("attention", gm, Config(attention="exact"),
                           example_inputs=bind_inputs(gm, fn, *args))
+    return fn, gm, record
+
+
+@pytest.mark.parametrize("variant", ["no_decay_mask", "computed_diagonal"])
+def test_dynamic_loop_with_tables_computed_from_the_length_is_rewritten(variant):
+    """A mask or decay computed from the block's length (``torch.tril(torch.ones(L, L))``,
+    ``exp(-slope (i - j))`` from ``arange(L)``), not sliced from a fixed table, is evaluated
+    at every length the guards allow (a review: refused as "computed from the sequence
+    length" under dynamic=True where the static loop is rewritten). Outputs, final state
+    and gradients equal eager at the traced length and others."""
+    import re
+
+    fn, gm, record = _dynamic_loop_pass(variant)
     [loop] = [s for s in record.sites if "block" in s.reason]
     assert loop.action == "rewritten" and re.search(
         r"checked at all 1[45] lengths its guards allow, 34\.\.4[78]\)", loop.reason), \
@@ -350,15 +357,7 @@ def test_dynamic_loop_right_only_at_the_traced_length_is_refused(variant, reason
     the length where it fails; it still computes what eager does there."""
     import re
 
-    attn = _layer(40, 16)[0]
-
-    def fn(q, k, v):
-        return _minimax_loop(attn, q, k, v, variant)
-
-    args = [torch.randn(1, 4, 40, 16) for _ in range(3)]
-    gm = trace_for_pass(fn, *args, dynamic=True)
-    gm, record = run_pass("attention", gm, Config(attention="exact"),
-                          example_inputs=bind_inputs(gm, fn, *args))
+    fn, gm, record = _dynamic_loop_pass(variant)
     loops = [s for s in record.sites if "block" in s.reason and s.action == "skipped"]
     assert len(loops) == 1 and re.search(reason, loops[0].reason), record.sites
     assert LIGHTNING not in record.op_delta
