@@ -42,9 +42,10 @@ def _steps(model, batches, opt):
     return out
 
 
-def _bn_worker(rank, world, plan_kwargs, momentum):
+def _bn_worker(rank, world, plan_kwargs, momentum, compiled):
     import torch.distributed as dist
 
+    import graphopt
     from graphopt.parallel import build_mesh, build_optimizer, parallelize
 
     torch.manual_seed(0)
@@ -59,7 +60,11 @@ def _bn_worker(rank, world, plan_kwargs, momentum):
     model = parallelize(model, plan, mesh)
     opt = build_optimizer(model, plan, mesh, torch.optim.SGD, lr=0.5)
     local = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
-    got = _steps(model, local, opt)
+    graphopt.clear_reports()
+    run = torch.compile(model, backend="graphopt", options={"lowering": "eager"}) \
+        if compiled else model
+    got = _steps(run, local, opt)
+    reports = [(r.status, r.fallback) for r in graphopt.reports()]
     loss_error = max(float(abs(sum(_all(g[0]) for g in [step]) - w[0]))
                      for step, w in zip(got, want))
     grad_error = max(float((a - b).abs().max()) for (_, ga), (_, gb) in zip(got, want)
@@ -79,7 +84,8 @@ def _bn_worker(rank, world, plan_kwargs, momentum):
     dist.all_gather(theirs, mine)
     apart = max(float((t - mine).abs().max()) for t in theirs)
     return dict(loss=loss_error, grads=grad_error, buffers=buffer_error, params=param_error,
-                eval=eval_error, apart=apart, notes=model.graphopt_parallel.notes)
+                eval=eval_error, apart=apart, notes=model.graphopt_parallel.notes,
+                reports=reports)
 
 
 def _all(loss):
@@ -91,17 +97,21 @@ def _all(loss):
     return total / dist.get_world_size()
 
 
-@pytest.mark.parametrize("plan, momentum", [
-    (dict(dp_replicate=2), 0.1), (dict(dp_shard=2, zero_stage=3), None),
-    (dict(dp_shard=2, zero_stage=1), 0.1)])
-def test_batch_norm_under_data_parallelism_trains_like_one_process(plan, momentum):
+@pytest.mark.parametrize("plan, momentum, compiled", [
+    (dict(dp_replicate=2), 0.1, False), (dict(dp_shard=2, zero_stage=3), None, False),
+    (dict(dp_shard=2, zero_stage=1), 0.1, False), (dict(dp_replicate=2), None, True)])
+def test_batch_norm_under_data_parallelism_trains_like_one_process(plan, momentum, compiled):
     """A review: each rank normalized by its half of the batch and updated its own running
     statistics (gradients 1e-2 off one process, running statistics 0.11 apart between the
     ranks, eval logits 0.04 apart), and nothing said so. Every BatchNorm now normalizes by
     the whole batch's statistics (all-reduced): losses, gradients, parameters after 2 SGD
     steps, running statistics (momentum 0.1 and the cumulative average) and eval outputs
-    equal one process over the whole batch; the ranks' statistics are equal; notes say so."""
-    result = run_distributed(_bn_worker, 2, plan, momentum)[0]
+    equal one process over the whole batch; the ranks' statistics are equal; notes say so.
+    Compiled with graphopt (the all-reduces are functional collectives Dynamo traces): the
+    same, with graphopt's passes run (no fallback)."""
+    result = run_distributed(_bn_worker, 2, plan, momentum, compiled)[0]
+    assert bool(result["reports"]) == compiled and \
+        all(s == "compiled" and f is None for s, f in result["reports"]), result
     assert result["apart"] == 0.0, result
     for key in ("loss", "grads", "buffers", "params", "eval"):
         assert result[key] < 1e-12, (key, result)

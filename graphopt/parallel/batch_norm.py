@@ -9,7 +9,8 @@ statistics 0.11 apart between the ranks, eval logits 0.04 apart; nothing said so
 batch, as ``torch.nn.SyncBatchNorm`` does (which runs on CUDA/XPU/HPU only): per channel,
 the sum and the count are all-reduced (mean), then the sum of squared deviations from that
 mean (biased variance, used to normalize; the running variance takes the unbiased one,
-n / (n - 1)), each through ``torch.distributed.nn.functional.all_reduce``, whose backward
+n / (n - 1)), each through the functional collective ``all_reduce``
+(``torch.distributed._functional_collectives``: traceable by Dynamo), whose backward
 all-reduces the gradient: every rank's loss reaches every rank's activations through the
 statistics, as in one process. With DP's gradient averaging the step then equals one process
 over the whole batch (float64: ~1e-15).
@@ -55,26 +56,26 @@ class _GlobalBatchNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, C, *] of any float dtype -> the normalized x (same shape and dtype)."""
-        from torch.distributed.nn.functional import all_reduce
+        from torch.distributed._functional_collectives import all_reduce
 
         m = self.module
         if not (m.training or m.running_mean is None):  # running statistics: per rank alike
             return type(m).forward(m, x)
         m._check_input_dim(x)
-        factor = 0.0 if m.momentum is None else m.momentum
+        factor: float | torch.Tensor = 0.0 if m.momentum is None else m.momentum
         if m.training and m.track_running_stats and m.num_batches_tracked is not None:
             m.num_batches_tracked.add_(1)
-            if m.momentum is None:  # cumulative moving average
-                factor = 1.0 / float(m.num_batches_tracked)
+            if m.momentum is None:  # cumulative moving average (a tensor: no host read)
+                factor = 1.0 / m.num_batches_tracked.to(torch.float64)
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         count = torch.full((1,), x.numel() // max(x.shape[1], 1), dtype=x.dtype,
                            device=x.device)
-        total = all_reduce(torch.cat([x.sum(dims), count]), group=self.group)
+        total = all_reduce(torch.cat([x.sum(dims), count]), "sum", self.group)
         n = total[-1]
         mean = total[:-1] / n
         centered = x - mean.reshape(shape)
-        var = all_reduce((centered * centered).sum(dims), group=self.group) / n
+        var = all_reduce((centered * centered).sum(dims), "sum", self.group) / n
         y = centered * torch.rsqrt(var + m.eps).reshape(shape)
         if m.weight is not None:
             y = y * m.weight.reshape(shape)
@@ -82,7 +83,7 @@ class _GlobalBatchNorm:
             y = y + m.bias.reshape(shape)
         if m.training and m.running_mean is not None and m.running_var is not None:
             with torch.no_grad():
-                unbiased = var * (n / (n - 1)) if float(n) > 1 else var
+                unbiased = var * (n / (n - 1).clamp_min(1))  # (no host read of n)
                 m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean.dtype) * factor)
                 m.running_var.mul_(1 - factor).add_(unbiased.to(m.running_var.dtype) * factor)
         return y
