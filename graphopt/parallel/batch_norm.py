@@ -55,7 +55,8 @@ class _GlobalBatchNorm:
         self.module, self.group = module, group
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, C, *] of any float dtype -> the normalized x (same shape and dtype)."""
+        """x: [N, C, *] of any float dtype -> the normalized x (same shape and dtype;
+        statistics and the normalization computed in float32 at least)."""
         from torch.distributed._functional_collectives import all_reduce
 
         m = self.module
@@ -69,6 +70,10 @@ class _GlobalBatchNorm:
                 factor = 1.0 / m.num_batches_tracked.to(torch.float64)
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
+        out_dtype = x.dtype
+        # statistics in float32 at least (bf16 sums and counts round: torch's kernels
+        # accumulate in float32 too)
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         count = torch.full((1,), x.numel() // max(x.shape[1], 1), dtype=x.dtype,
                            device=x.device)
         total = all_reduce(torch.cat([x.sum(dims), count]), "sum", self.group)
@@ -86,4 +91,4 @@ class _GlobalBatchNorm:
                 unbiased = var * (n / (n - 1).clamp_min(1))  # (no host read of n)
                 m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean.dtype) * factor)
                 m.running_var.mul_(1 - factor).add_(unbiased.to(m.running_var.dtype) * factor)
-        return y
+        return y.to(out_dtype)
