@@ -244,8 +244,18 @@ def _grouped_mm(model):
     (lambda: _grouped_mm(__import__("graphopt.models").models.build_model(
         "mixtral", dtype=torch.float64)),
      r"the model's own forward failed: .*grouped_mm experts have no float64 kernel"),
+    # a review: both trained silently wrong (gradients 1.4 off; the dropout never drawn)
+    (lambda: _tiny("Llama4TextConfig", "Llama4ForCausalLM", intermediate_size_mlp=64,
+                   moe_layers=[], attention_chunk_size=16, no_rope_layers=[1, 1],
+                   bos_token_id=0, eos_token_id=0),
+     r"does not execute chunked attention \(attention_chunk_size=16"),
+    (lambda: _tiny("Starcoder2Config", "Starcoder2ForCausalLM", embedding_dropout=0.5,
+                   residual_dropout=0.0, attention_dropout=0.0, sliding_window=None,
+                   bos_token_id=0, eos_token_id=0),
+     r"in training Starcoder2ForCausalLM's forward draws random numbers outside those "
+     r"modules \(aten\.bernoulli.*set that dropout probability to 0"),
 ], ids=["eager-attention", "sliding-window", "granite-multipliers", "moe-aux-loss",
-        "another-layout", "float64-grouped-mm"])
+        "another-layout", "float64-grouped-mm", "chunked-attention", "embedding-dropout"])
 def test_models_the_stages_would_compute_differently_are_refused(make, message):
     """Found by hostile reviews: each trained silently wrong under pp=2 (the stages call
     the layers with attention_mask=None and skip what the model's own forward adds; the

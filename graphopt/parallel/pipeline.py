@@ -654,12 +654,13 @@ def _on_placeholders(method: Callable[..., Any]) -> Callable[..., Any]:
 def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None:
     """Raise ConfigError unless the stages (:class:`DecoderStage`: embed, layers with
     ``attention_mask=None``, norm, LM head) compute what the model's own forward computes:
-    refused by name are sliding-window attention (its window exists only in the masks
-    transformers builds) and eager attention (it reads a missing mask as no mask:
-    bidirectional); anything else a model's forward adds (Granite's embedding and logits
-    multipliers, Cohere's logit scale) is caught by running both on one sequence of 16
-    random tokens (eval mode, no grad; skipped for weights on the meta device). Translation
-    validation by execution, as the MoE pass does."""
+    refused by name are sliding-window and chunked attention (the window or chunks exist
+    only in the masks transformers builds) and eager attention (it reads a missing mask as
+    no mask: bidirectional); anything else a model's forward adds (Granite's embedding and
+    logits multipliers, Cohere's logit scale) is caught by running both on one sequence of
+    16 random tokens (eval mode, no grad; skipped for weights on the meta device), and
+    random draws outside the stages' modules in training (Starcoder2's embedding dropout)
+    by :func:`_random_outside`. Translation validation by execution, as the MoE pass does."""
     from graphopt.models import (
         eager_forward_failed,
         eval_mode,
@@ -681,6 +682,14 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
                           "exists only in the masks transformers builds, and the stages pass "
                           "none): set config.sliding_window=None if the sequences fit the "
                           "window, or use pp=1")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk or "chunked_attention" in (getattr(config, "layer_types", None) or []):
+        # (a review: Llama 4's chunked attention ran as plain causal attention, gradients
+        # 1.4 off one process, silently; the probe's 16 tokens fit one chunk of 16)
+        raise ConfigError(f"pp > 1 does not execute chunked attention (attention_chunk_size="
+                          f"{chunk}: the chunks exist only in the masks transformers builds, "
+                          "and the stages pass none): set config.attention_chunk_size=None "
+                          "if the sequences fit one chunk, or use pp=1")
     # the stages' loss is the next-token loss of the last stage's logits; the MoE
     # load-balancing loss needs every stage's router logits
     refuse_aux_loss(config, "pp > 1", "the next-token loss alone", "from every layer's "
@@ -698,6 +707,15 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
             raise eager_forward_failed("pp > 1 checks its stages against one eager forward "
                                        "of the model", exc) from exc
         got = stage(ids)
+    drawn = _random_outside(model, stage, ids)
+    if drawn:  # (a review: Starcoder2's embedding_dropout was dropped by the stages, and
+        # the probe above runs in eval mode, where it draws nothing)
+        raise ConfigError(
+            f"pp > 1 runs embed -> decoder layers -> norm -> LM head, and in training "
+            f"{type(model).__name__}'s forward draws random numbers outside those modules "
+            f"({', '.join(drawn[:3])}: dropout such as Starcoder2's embedding_dropout), which "
+            "the stages would not apply: set that dropout probability to 0 in the config, "
+            "or use pp=1")
     scale = float(want.abs().max()) or 1.0
     diff = float((got.to(want.dtype) - want).abs().max()) / scale
     if not diff <= _PROBE_TOLERANCE.get(want.dtype, 2e-2):
@@ -707,6 +725,52 @@ def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None
             f"stages' logits differ from the model's by {diff:.3g} of the largest logit "
             f"({type(model).__name__}: e.g. embedding or logit multipliers, extra inputs to "
             "its layers). Use pp=1 for this model")
+
+
+def _random_outside(model: Any, stage: DecoderStage, ids: torch.Tensor) -> list[str]:
+    """The random ops (:func:`graphopt.passes.fx_utils.is_random_call`: dropout with p > 0,
+    rand*, ...) the model's own forward runs in training mode outside the modules
+    ``stage`` runs (embedding, decoder layers, final norm, LM head). One forward under
+    no_grad on a forked RNG (the caller's stream is left as it was)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphopt.models import rope_state_kept
+    from graphopt.passes.fx_utils import is_random_call
+
+    depth = [0]
+    seen: list[str] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if depth[0] == 0 and is_random_call(func, args, kwargs):
+                seen.append(str(func))
+            return func(*args, **kwargs)
+
+    def enter(*_: Any) -> None:
+        depth[0] += 1
+
+    def leave(*_: Any) -> None:
+        depth[0] -= 1
+
+    modules = [m for m in (stage.embed_tokens, stage.norm, stage.lm_head,
+                           *stage.layers.values()) if isinstance(m, nn.Module)]
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
+                                            m.register_forward_hook(leave))]
+    training = {m: m.training for m in model.modules()}
+    try:
+        model.train()
+        cuda = list(range(torch.cuda.device_count())) if ids.is_cuda else []
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), rope_state_kept(model), \
+                Watch():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in training.items():
+            m.train(mode)
+    return list(dict.fromkeys(seen))
 
 
 def _plan_bounds(plan: ParallelPlan, layers: int) -> list[tuple[int, int]]:
