@@ -52,7 +52,10 @@ class _GlobalBatchNorm:
     """The instance ``forward`` of a BatchNorm: whole-batch statistics over ``group``."""
 
     def __init__(self, module: nn.modules.batchnorm._BatchNorm, group: Any) -> None:
-        self.module, self.group = module, group
+        # the group's name, not the object: a copy or pickle of the module (an EMA copy of
+        # a sub-network, a review) cannot hold a ProcessGroup; the functional collective
+        # resolves the name
+        self.module, self.group = module, group.group_name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, C, *] of any float dtype -> the normalized x (same shape and dtype;

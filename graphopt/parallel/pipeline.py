@@ -298,11 +298,12 @@ class PipelinedModel(nn.Module):
             parts: list[Any] = list(self.parts)
             stages: list[Any] = [PipelineStage(p, p.index, count, device, group=self.group)
                                  for p in parts]
-            for stage in stages:  # its metadata inference runs the layers on torch.empty
-                # inputs: verify (option) waits for the first microbatch's call
+            for stage, part in zip(stages, parts):  # its metadata inference runs the
+                # layers on torch.empty inputs: verify (option) waits for the first
+                # microbatch's call, and the buffers get their values back
                 for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
                     if hasattr(stage, name):
-                        setattr(stage, name, _on_placeholders(getattr(stage, name)))
+                        setattr(stage, name, _on_placeholders(getattr(stage, name), part))
             loss = self._microbatch_loss
             if self.plan.pp_schedule == "zero_bubble":
                 self._schedules[key] = ScheduleInterleavedZeroBubble(
@@ -639,14 +640,25 @@ _PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 the model's own forward accepted by the probe; 2e-2 for 16-bit dtypes."""
 
 
-def _on_placeholders(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` run inside :func:`graphopt.verify.placeholder_inputs`."""
+def _on_placeholders(method: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    """``method`` run inside :func:`graphopt.verify.placeholder_inputs`, with ``module``'s
+    buffers as they were before it (its forward on ``torch.empty`` inputs in training mode
+    updated a BatchNorm's running statistics from garbage: a review found one batch too
+    many counted)."""
     from graphopt.verify import placeholder_inputs
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with placeholder_inputs():
-            return method(*args, **kwargs)
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        try:
+            with placeholder_inputs():
+                return method(*args, **kwargs)
+        finally:
+            for b, value in buffers:  # through .data: no version bump (batch_norm saves
+                # its running statistics for the backward and checks their version; its
+                # own update does not bump it)
+                if not torch.equal(b, value):
+                    b.data.copy_(value)
 
     return run
 
@@ -759,6 +771,9 @@ def _random_outside(model: Any, stage: DecoderStage, ids: torch.Tensor) -> list[
     handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
                                             m.register_forward_hook(leave))]
     training = {m: m.training for m in model.modules()}
+    # a training forward updates running statistics (BatchNorm), even under no_grad: the
+    # buffers get their values back (a review: 2 probe batches counted in num_batches_tracked)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         model.train()
         cuda = list(range(torch.cuda.device_count())) if ids.is_cuda else []
@@ -770,6 +785,9 @@ def _random_outside(model: Any, stage: DecoderStage, ids: torch.Tensor) -> list[
             h.remove()
         for m, mode in training.items():
             m.train(mode)
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
     return list(dict.fromkeys(seen))
 
 
