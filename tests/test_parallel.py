@@ -327,6 +327,30 @@ def test_sp_refuses_parameters_on_the_residual_stream_outside_norms_and_mixers()
                           for p in ("input", "post_attention")] if model is doge else [])
 
 
+def test_sp_refuses_statistics_over_the_residual_stream_outside_mixers():
+    """A review: a parameter-free BatchNorm on the residual stream (affine=False, so
+    :func:`sequence_sharded_params` saw nothing) normalized each TP rank's sequence shard
+    under SP, gradients 2.9e-2 off one process, silently. BatchNorm / InstanceNorm /
+    GroupNorm modules of the decoder layers outside the mixers refuse SP by name; one
+    inside a mixer (kept whole by TP, SP all-gathers its input) does not."""
+    from graphopt.models import build_model, sample_batch
+    from graphopt.parallel import derive_tp_layout
+    from graphopt.parallel.tp_layout import sequence_reducing_modules
+
+    torch.manual_seed(0)
+    model = build_model("llama", dtype=torch.float64)
+    hidden = model.config.hidden_size
+    for layer in model.model.layers:
+        layer.rbn = torch.nn.BatchNorm1d(hidden, affine=False, dtype=torch.float64)
+        layer.mlp.bn = torch.nn.GroupNorm(1, hidden, dtype=torch.float64)  # never called
+        layer.register_forward_hook(
+            lambda m, args, out: m.rbn(out.transpose(1, 2)).transpose(1, 2))
+    ids = sample_batch(model, 2, 8)
+    layout = derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), 2)
+    assert sequence_reducing_modules(model, layout) == [
+        f"model.layers.{i}.rbn" for i in range(2)]
+
+
 def test_decoder_layers_are_the_parameter_heaviest_module_list():
     """StableLM with qk_layernorm holds a ModuleList of per-head LayerNorms (4) in each of its
     2 layers: PP cut those norms into stages (a TypeError) and FSDP wrapped them instead of

@@ -60,6 +60,7 @@ from graphopt.parallel.tp_layout import (
     CallSite,
     TPLayout,
     derive_tp_layout,
+    sequence_reducing_modules,
     sequence_sharded_params,
     splits_nothing,
 )
@@ -294,6 +295,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                                  "derive_tp_layout(...).sp_problems)"
                                  if len(layout.sp_problems) > 1 else "")
                               + "; use ParallelPlan(..., sp=False)")
+        reducing = sequence_reducing_modules(model, layout) if report.sp else []
+        if reducing:
+            raise ConfigError(f"SP splits the residual stream inside the decoder layers over "
+                              f"the sequence, but {reducing[0]} "
+                              f"({type(model.get_submodule(reducing[0])).__name__}) computes "
+                              "statistics over it outside the mixers TP splits: each TP rank "
+                              "would normalize by its sequence shard alone; use "
+                              "ParallelPlan(..., sp=False)")
         stray = sequence_sharded_params(model, layout) if report.sp else []
         if stray:
             raise ConfigError(f"SP splits the residual stream inside the decoder layers over "

@@ -782,6 +782,22 @@ def sequence_sharded_params(model: nn.Module, layout: TPLayout) -> list[str]:
             if not any(f"{layer}.{name}".startswith(h + ".") for h in handled)]
 
 
+def sequence_reducing_modules(model: nn.Module, layout: TPLayout) -> list[str]:
+    """Modules of SP's decoder layers outside the modules SP handles that compute
+    statistics over their input's batch or sequence (BatchNorm, InstanceNorm, GroupNorm on
+    a [B, C, S] view): under SP each TP rank would normalize by its sequence shard (a
+    review: a parameter-free BatchNorm on the residual stream, gradients 2.9e-2 off one
+    process; with parameters :func:`sequence_sharded_params` refused it)."""
+    handled = (*layout.mixers, *layout.norms, *layout.replicated, *layout.head_norms)
+    modules = dict(model.named_modules())
+    reducing = (nn.modules.batchnorm._NormBase, nn.GroupNorm)
+    return [f"{layer}.{name}" if layer else name for layer in layout.layers
+            for name, m in modules[layer].named_modules()
+            if name and isinstance(m, reducing) and
+            not any(f"{layer}.{name}".startswith(h + ".") or f"{layer}.{name}" == h
+                    for h in handled)]
+
+
 def _natural(path: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in path.split(".")]
 
