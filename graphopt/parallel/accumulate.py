@@ -175,7 +175,12 @@ def _run(model: nn.Module, tensors: tuple[torch.Tensor, ...], size: int,
                 setattr(part, sharded_tag, getattr(t, sharded_tag))
     replicas, sharded = _dp_engines(model)
     report = getattr(model, "graphopt_parallel", None)
-    if sharded or getattr(report, "experts", None):
+    from graphopt.parallel.batch_norm import synced_batch_norms
+
+    # (a review: DDP with BatchNorm's whole-batch statistics, 3 and 5 rows in microbatches
+    # of 2: gloo aborted on mismatched all-reduces)
+    if sharded or getattr(report, "experts", None) or (
+            model.training and synced_batch_norms(model)):
         _same_count_everywhere(len(splits[0]), len(tensors[0]), size)
     generator = _generate(list(zip(*splits)), len(tensors), replicas, sharded)
     if replicas or sharded:
@@ -200,8 +205,9 @@ def _same_count_everywhere(count: int, batch: int, size: int) -> None:
     if most != fewest:
         raise ConfigError(
             f"graphopt.parallel.microbatches: the ranks would run {fewest} to {most} "
-            f"microbatches (this rank: {batch} sequences in microbatches of {size}); FSDP's "
-            "and expert parallelism's collectives run per microbatch, so the ranks would "
+            f"microbatches (this rank: {batch} sequences in microbatches of {size}); FSDP's, "
+            "expert parallelism's and whole-batch BatchNorm's collectives run per "
+            "microbatch, so the ranks would "
             "wait for each other forever: give every data-parallel rank the same number of "
             "sequences (drop_last=True, or pad the last batch)")
 

@@ -276,7 +276,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                 f"BatchNorm: {len(synced)} module(s) ({synced[0]}"
                 f"{', ...' if len(synced) > 1 else ''}) normalize by the statistics of the "
                 f"whole batch over dp={plan.dp}" + (f" x cp={plan.cp}" if plan.cp > 1 else "")
-                + " (all-reduced, SyncBatchNorm's semantics on any device)")
+                + " (all-reduced, SyncBatchNorm's semantics on any device; InstanceNorms' "
+                "running statistics likewise)")
     before = weakref.WeakValueDictionary({id(p): p for p in model.parameters()})
     if plan.tp > 1:
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
