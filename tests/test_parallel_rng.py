@@ -24,13 +24,14 @@ from graphopt.parallel.rng import (
 from graphopt.planner.plan import ParallelPlan
 
 
-def _starcoder2(dropout=0.5, attention=0.5, attn_implementation="eager"):
+def _starcoder2(dropout=0.5, attention=0.5, attn_implementation="eager", embedding=None):
     import transformers
 
     config = transformers.Starcoder2Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attention_dropout=attention, residual_dropout=dropout, embedding_dropout=dropout,
+        attention_dropout=attention, residual_dropout=dropout,
+        embedding_dropout=dropout if embedding is None else embedding,
         tie_word_embeddings=False, sliding_window=None, bos_token_id=0, eos_token_id=0)
     config._attn_implementation = attn_implementation
     torch.manual_seed(0)
@@ -290,8 +291,9 @@ def _pp_cp_worker(rank, world):
 
     plan = ParallelPlan(pp=2, cp=2, microbatch=1)
     mesh = build_mesh(plan)
-    model = parallelize(_starcoder2(attention=0.0, attn_implementation="sdpa").train(), plan,
-                        mesh)
+    # (no embedding dropout: pp > 1 refuses draws outside the stages' modules)
+    model = _starcoder2(attention=0.0, attn_implementation="sdpa", embedding=0.0).train()
+    model = parallelize(model, plan, mesh)
     with _recorded_masks() as masks:
         chunk, labels = shard_sequence(_ids(), mesh)
         model.step(chunk, labels=labels)
@@ -316,8 +318,9 @@ def _pp_tp_worker(rank, world, sp):
 
     plan = ParallelPlan(pp=2, tp=2, sp=sp, microbatch=1)
     mesh = build_mesh(plan)
-    model = parallelize(_starcoder2(attention=0.0, attn_implementation="sdpa").train(), plan,
-                        mesh)
+    # (no embedding dropout: pp > 1 refuses draws outside the stages' modules)
+    model = _starcoder2(attention=0.0, attn_implementation="sdpa", embedding=0.0).train()
+    model = parallelize(model, plan, mesh)
     with _recorded_masks() as masks:
         model.step(_ids(), labels=_ids())
     return mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank(), masks

@@ -201,6 +201,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if not isinstance(plan, ParallelPlan):
         raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
                           f"{type(plan).__name__}")
+    from graphopt.parallel.pipeline import PipelinedModel
+
+    done = getattr(model, "graphopt_parallel", None)
+    if done is not None or isinstance(model, PipelinedModel):  # (a review: torch's
+        # AssertionError "Each distinct composable distributed API can only be applied to a
+        # module once")
+        raise ConfigError(f"this model is already parallelized ({getattr(done, 'plan', '')}"
+                          f"): parallelize a fresh model, loading its state with "
+                          "graphopt.parallel.ModelState (docs/parallel.md, Checkpoints), to "
+                          "run another plan")
     unexecuted: list[str] = []  # what is wrong whatever the job raised when it was built
     if plan.recompute_layers:  # (a list was a TypeError below: a review)
         count = len(decoder_layers(model))

@@ -768,8 +768,10 @@ def _random_outside(model: Any, stage: DecoderStage, ids: torch.Tensor) -> list[
 
     modules = [m for m in (stage.embed_tokens, stage.norm, stage.lm_head,
                            *stage.layers.values()) if isinstance(m, nn.Module)]
-    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter),
-                                            m.register_forward_hook(leave))]
+    # first in and last out: hooks on these modules (TP's RNG regions draw a seed in a
+    # pre-hook) run inside them
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter, prepend=True),
+                                            m.register_forward_hook(leave, always_call=True))]
     training = {m: m.training for m in model.modules()}
     # a training forward updates running statistics (BatchNorm), even under no_grad: the
     # buffers get their values back (a review: 2 probe batches counted in num_batches_tracked)
