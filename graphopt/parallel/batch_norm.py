@@ -13,7 +13,9 @@ n / (n - 1)), each through the functional collective ``all_reduce``
 (``torch.distributed._functional_collectives``: traceable by Dynamo), whose backward
 all-reduces the gradient: every rank's loss reaches every rank's activations through the
 statistics, as in one process. With DP's gradient averaging the step then equals one process
-over the whole batch (float64: ~1e-15).
+over the whole batch (float64: ~1e-15). An InstanceNorm normalizes each instance by its own
+statistics (exact per rank); one with running statistics gets the whole batch's mean of its
+instances' statistics (:class:`_GlobalInstanceStats`).
 
 Source: Ioffe & Szegedy 2015 (batch normalization); torch.nn.SyncBatchNorm
 (``torch/nn/modules/_functions.py``) for the distributed statistics and their backward.
@@ -29,7 +31,8 @@ from torch import nn
 
 def sync_batch_norms(model: nn.Module, group: Any) -> list[str]:
     """Make every BatchNorm of ``model`` (not SyncBatchNorm: it syncs itself) normalize by the
-    statistics of the whole batch over ``group`` in training. Eval mode with running
+    statistics of the whole batch over ``group`` in training, and every InstanceNorm with
+    running statistics update them from the whole batch. Eval mode with running
     statistics is unchanged (each rank holds the same running statistics).
 
     Args:
