@@ -496,6 +496,30 @@ def test_float64_loops_of_other_shapes_are_rewritten_and_exact(variant):
     assert_matches_eager(fn, as_function(gm, fn), args, rtol=1e-10, atol=1e-10)
 
 
+def test_loop_whose_state_is_updated_in_place_is_refused_with_its_reason():
+    """``S += K_b^T @ V_b`` under no_grad (a review: refused with the generic "state update
+    is not S + K_b^T @ V_b"): the reason names the in-place op; outputs equal eager."""
+    def fn(q, k, v):
+        b, h, s, d = q.shape
+        state = torch.zeros(b, h, d, d, dtype=q.dtype)
+        outputs = []
+        for i in range(0, s, 16):
+            qb, kb, vb = q[:, :, i:i + 16], k[:, :, i:i + 16], v[:, :, i:i + 16]
+            outputs.append(qb @ state + torch.tril(qb @ kb.transpose(-1, -2)) @ vb)
+            with torch.no_grad():
+                state += kb.transpose(-1, -2) @ vb
+        return torch.cat(outputs, dim=-2)
+
+    args = [torch.randn(1, 2, 48, 8, dtype=torch.float64) for _ in range(3)]
+    gm = trace_for_pass(fn, *args)
+    gm, record = run_pass("attention", gm, Config(attention="exact"),
+                          example_inputs=bind_inputs(gm, fn, *args))
+    [loop] = [s for s in record.sites if "block loop" in s.reason]
+    assert loop.action == "skipped" and "block 0's state is updated in place " \
+        "(aten.add_.Tensor: S += ...)" in loop.reason, loop
+    torch.testing.assert_close(as_function(gm, fn)(*args), fn(*args), rtol=1e-12, atol=1e-12)
+
+
 def test_loop_with_a_detached_state_is_refused_with_its_reason():
     """``state = state.detach()`` between blocks (truncated backprop through the state): the
     kernel would differentiate through the whole chain. The loop is left as written (its

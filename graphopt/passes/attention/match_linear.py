@@ -267,6 +267,13 @@ def self_rows(node: Any, base: fx.Node, block: LoopBlock) -> bool:
 def _next_state(block: LoopBlock, i: int) -> fx.Node:
     """The add that updates the state ``block`` reads (``S_in * decay + ...``; ``S_in +
     ...`` in a loop without decay)."""
+    written = sorted({str(u.target) for u in block.state_in.users
+                      if isinstance(u.target, torch._ops.OpOverload) and
+                      u.target._schema.is_mutable})
+    if written:  # (a review: ``S += K_b^T @ V_b`` under no_grad got the generic reason)
+        raise NoMatch(f"block {i}'s state is updated in place ({', '.join(written)}: S += "
+                      "...); the loop form takes a new state per block, S = S + K_b^T @ V_b "
+                      "(decayed: S * exp(-slope * L) + ...)")
     if block.q_decay is None:
         found = next((u for u in block.state_in.users if _plain_add(u)), None)
         if found is None:
