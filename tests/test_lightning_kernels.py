@@ -703,7 +703,9 @@ def test_the_packed_forward_op_checks_cu_seqlens_itself(bad):
     import graphopt.kernels.lightning  # noqa: F401  (registers the ops)
 
     q = torch.randn(1, 2, 10, 16)
-    with pytest.raises(ValueError, match="cu_seqlens must increase strictly from 0 to S = 10"):
+    # (an empty sequence, [0, 5, 5, 10]: the message says to drop its offset, a review)
+    with pytest.raises(ValueError, match=r"cu_seqlens must increase strictly from 0 to S = 10 "
+                       r"\(every sequence holds a token: drop the repeated offset"):
         torch.ops.graphopt.lightning_attention_varlen_fwd(
             q, q, q, torch.rand(2), 1.0, None, torch.tensor(bad), 16, "chunked")
 
@@ -732,3 +734,33 @@ def test_double_backward_is_refused_with_what_to_do(op):
     (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
     with pytest.raises(NotImplementedError, match=f"{name}.* has no double backward.*{fix}"):
         grad.square().sum().backward()
+
+
+def test_a_symbolic_scale_traces_in_one_graph():
+    """``scale=q.shape[-1] ** -0.5`` under dynamic=True, and a float scale argument whose
+    value changes (automatic dynamic makes it symbolic), compile with fullgraph=True (a
+    review: the finiteness check, math.isfinite, broke the graph); outputs and gradients
+    equal eager at each head dim and scale."""
+    from graphopt.testing import assert_matches_eager
+
+    slope = torch.tensor([0.2, 0.9], dtype=torch.float64)
+
+    def by_head_dim(q, k, v):
+        return lightning_attention(q, k, v, slope, scale=q.shape[-1] ** -0.5)[0]
+
+    def by_argument(q, k, v, scale):
+        return lightning_attention(q, k, v, slope, scale=scale)[0]
+
+    options = {"lowering": "eager"}
+    compiled = torch.compile(by_head_dim, backend="graphopt", options=options, dynamic=True,
+                             fullgraph=True)
+    for head_dim in (8, 12):
+        args = [torch.randn(1, 2, 12, head_dim, dtype=torch.float64, requires_grad=True)
+                for _ in range(3)]
+        assert_matches_eager(by_head_dim, compiled, args, rtol=1e-12, atol=1e-12)
+    compiled = torch.compile(by_argument, backend="graphopt", options=options, fullgraph=True)
+    args = [torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+            for _ in range(3)]
+    for scale in (0.3, 0.7, 1.1):
+        torch.testing.assert_close(compiled(*args, scale), by_argument(*args, scale),
+                                   rtol=1e-12, atol=1e-12)

@@ -671,9 +671,12 @@ def _scalars(scale: Any, block_size: Any, checkpoint_every: Any) -> tuple[float,
                             f"{tuple(scale.shape)}")
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
-    if not math.isfinite(float(scale)):  # every output NaN (a review)
+    # finite (every output NaN otherwise, a review), written as comparisons: traced with a
+    # symbolic scale (dynamic=True: ``head_dim ** -0.5``) they become guards, where
+    # math.isfinite broke the graph (a review: fullgraph=True failed)
+    if not -math.inf < scale < math.inf:  # (NaN fails both)
         raise ValueError(f"scale must be finite, got {float(scale)}")
-    return float(scale), block, every
+    return (scale if isinstance(scale, float) else float(scale)), block, every
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor, total: int, device: torch.device,
@@ -696,7 +699,8 @@ def _check_cu_seqlens(cu_seqlens: Tensor, total: int, device: torch.device,
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} and q on {device}: put them "
                          "on one device")
-    message = f"cu_seqlens must increase strictly from 0 to S = {total}"
+    message = (f"cu_seqlens must increase strictly from 0 to S = {total} (every sequence "
+               "holds a token: drop the repeated offset of an empty one)")
     if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and \
             not is_fake(cu_seqlens):
         bounds = [int(x) for x in cu_seqlens.tolist()]
