@@ -163,6 +163,33 @@ def test_experts_that_receive_routing_scores_in_their_input_are_named():
                "input, as Llama4 does)" in s.reason for s in sites), sites
 
 
+def test_experts_with_biases_are_named_with_their_parameters():
+    """GPT-OSS's experts hold biases (and a clamped activation): the skip listed Dynamo's
+    node names (a review); it names the parameters with their shapes and what the rewrite
+    takes. The model runs as eager does."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64,
+        layer_types=["full_attention"])).eval()
+    model.set_experts_implementation("batched_mm")
+    ids = torch.randint(0, 64, (2, 6))
+    clear_reports()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
+            input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
+    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    assert any(s.action == "skipped" and "reads 7 values, 4 of them parameters or buffers "
+               "(down_proj [4, 32, 32]; down_proj_bias [4, 32]; gate_up_proj [4, 32, 64]; "
+               "gate_up_proj_bias [4, 64]); the rewrite takes transformers' SwiGLU experts"
+               in s.reason for s in sites), sites
+
+
 def test_moe_options_on_a_model_without_experts_say_they_change_nothing():
     """moe options on a dense model were silently accepted (an empty report; a new user's
     trial): the report now says the graph has no MoE router."""

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,8 +178,15 @@ def find_region(topk: fx.Node) -> Region:
     weights = [n for n in floats if n not in hidden]
     if len(params) != 2 or len(ints) != 1 or len(hidden) != 1 or len(weights) != 1 or \
             len(inputs) != 5:
-        raise Skip(f"experts module {path} reads {sorted(n.name for n in inputs)}; expected "
-                   "tokens [T, H], top-k indices and weights [T, K], gate_up and down weights")
+        # (a review: GPT-OSS's reason was a bare list of node names; its experts hold
+        # biases and a clamped activation)
+        held = sorted(f"{_attribute(n.name)} {list(_meta(n).shape)}" for n in inputs
+                      if n.op in ("placeholder", "get_attr"))
+        raise Skip(f"experts module {path} reads {len(inputs)} values, {len(held)} of them "
+                   f"parameters or buffers ({'; '.join(held)}); the rewrite takes "
+                   "transformers' SwiGLU experts: tokens [T, H], top-k indices and weights "
+                   "[T, K], and two weights, gate_up [E, 2F, H] and down [E, H, F] (no "
+                   "biases or other parameters, as GPT-OSS's experts hold)")
     t, h = _meta(hidden[0]).shape
     pairs = [(a, b) for a, b in (params, params[::-1]) if _swiglu_layout(a, b, h)]
     if not pairs or tuple(_meta(ints[0]).shape) != tuple(_meta(weights[0]).shape) or \
@@ -192,6 +200,13 @@ def find_region(topk: fx.Node) -> Region:
         raise Skip(f"experts module {path} already runs graphopt ops ({done[0]}): it was made "
                    "expert-parallel by graphopt.parallelize")
     return Region(path, nodes, outputs[0], hidden[0], ints[0], weights[0], gate_up, down)
+
+
+def _attribute(name: str) -> str:
+    """The attribute name in a Dynamo placeholder's name
+    (``l_..._experts_parameters_down_proj_bias_`` -> ``down_proj_bias``)."""
+    found = re.search(r"_(?:parameters|buffers)_(.+?)_?$", name)
+    return found.group(1) if found else name
 
 
 def _check_router_width(topk: fx.Node, nodes: list[fx.Node], path: str) -> None:
