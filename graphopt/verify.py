@@ -219,6 +219,7 @@ def _run_seeded(fn: Callable[..., Any], inputs: Sequence[Any], grads: bool,
             for t, before in _WRITTEN:
                 t.copy_(before)
     flat = [o for o in pytree.tree_leaves(out)]
+    _LAYOUT.outputs = len(flat)
     states = [_detach(a) for a in args if isinstance(a, torch.Tensor)]  # private clones
     values = [_detach(o) for o in flat] + states + written
     if not grads:
@@ -372,6 +373,21 @@ def _all_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 DtypePlan = tuple[list[torch.dtype | None], list[torch.dtype | None]]
 
 
+_LAYOUT = threading.local()
+"""While :func:`verify_compile` runs: ``outputs`` (how many of an outcome's values are the
+graph's outputs) and ``after`` (the names of the values after them)."""
+
+
+def value_name(kind: str, i: int) -> str:
+    """"output i" / "gradient i"; past the graph's outputs, the input or module attribute
+    whose value after the call is compared ("<name> after the call (written in place)")."""
+    outputs, after = getattr(_LAYOUT, "outputs", None), getattr(_LAYOUT, "after", None)
+    if kind != "output" or outputs is None or after is None or i < outputs:
+        return f"{kind} {i}"
+    k = i - outputs
+    return f"{after[k] if k < len(after) else f'value {k}'} after the call (written in place)"
+
+
 def compare_outcomes(expected: Outcome, actual: Outcome, config: GraphoptConfig,
                      compute_dtype: torch.dtype | None = None,
                      per_tensor: DtypePlan | None = None) -> str | None:
@@ -388,7 +404,7 @@ def compare_outcomes(expected: Outcome, actual: Outcome, config: GraphoptConfig,
             problem = _compare_one(e, a, config, _dtype_at(per_tensor, k, i, compute_dtype),
                                    floor)
             if problem:
-                return f"{kind} {i}: {problem}"
+                return f"{value_name(str(kind), i)}: {problem}"
     return None
 
 
@@ -582,11 +598,18 @@ def verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any],
         return
     written = written_attributes(original)
     _WRITTEN[:] = [(t, t.detach().clone()) for t in written]
+    # names of the values compared after the outputs (inputs' values after the call, then
+    # the attributes the graph writes): a wrong buffer update was "output 4" (a review)
+    names = [p.name for p in original.graph.find_nodes(op="placeholder")]
+    _LAYOUT.after = [names[i] if i < len(names) else f"input {i}"
+                     for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)] + \
+        [f"module attribute {j}" for j in range(len(written))]
     try:
         _verify_compile(original, compiled, inputs, snapshots, config, report, recompile,
                         owner_grads)
     finally:
         _WRITTEN.clear()
+        _LAYOUT.__dict__.clear()
     if report.verify.get("status") == "skipped":  # as loud as a failure would be (a review:
         # a train-mode graph with dropout was checked by nothing, said in the report only)
         warn_skipped(report)
@@ -742,7 +765,7 @@ def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any]
                 e, a, config, _dtype_at(per_tensor, int(i >= n_out), j, dtype),
                 floors[int(i >= n_out)])
             if bad:
-                return f"{kind} {j}: {bad}; aot_eager's error there {t:.3g}"
+                return f"{value_name(kind, j)}: {bad}; aot_eager's error there {t:.3g}"
         return None
 
     def excused(outcome: Outcome) -> bool:
@@ -838,7 +861,7 @@ def _largest(expected: Outcome, actual: Outcome) -> str:
     i = max(range(len(errors)), key=errors.__getitem__)
     n_out = len(expected[0])
     kind, j = ("output", i) if i < n_out else ("gradient", i - n_out)
-    return f"{kind} {j}: max abs error {errors[i]:.3g}"
+    return f"{value_name(kind, j)}: max abs error {errors[i]:.3g}"
 
 
 def _tensor_errors(expected: Outcome, actual: Outcome) -> list[float]:
