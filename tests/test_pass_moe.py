@@ -138,6 +138,19 @@ def test_eager_experts_loop_is_reported_with_the_fix():
     assert all("no MoE router" in s.reason for s in sites if s.site == "graph")
 
 
+def _moe_sites_of_an_eager_equal_run(model):
+    """The moe pass's site records of one no-grad compiled forward of ``model`` (vocabulary
+    64, 2 x 6 token ids) with options {"moe": {}}, after checking its logits equal eager."""
+    ids = torch.randint(0, 64, (2, 6))
+    clear_reports()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
+            input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
+    return [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+
+
 def test_experts_that_receive_routing_scores_in_their_input_are_named():
     """Llama4 applies the routing scores to the experts' input (its experts take one
     tensor): the skip said "no experts module consumes the router's indices" (a review)."""
@@ -150,14 +163,7 @@ def test_experts_that_receive_routing_scores_in_their_input_are_named():
         num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
         moe_layers=[0], no_rope_layers=[1], attention_chunk_size=8,
         max_position_embeddings=64)).eval()
-    ids = torch.randint(0, 64, (2, 6))
-    clear_reports()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
-            input_ids=ids, use_cache=False).logits
-        torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
-    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    sites = _moe_sites_of_an_eager_equal_run(model)
     assert any(s.action == "skipped" and "experts only through floating-point values "
                "(attention or the residual stream; or routing scores applied to the experts' "
                "input, as Llama4 does)" in s.reason for s in sites), sites
@@ -176,14 +182,7 @@ def test_experts_with_biases_are_named_with_their_parameters():
         num_experts_per_tok=2, max_position_embeddings=64,
         layer_types=["full_attention"])).eval()
     model.set_experts_implementation("batched_mm")
-    ids = torch.randint(0, 64, (2, 6))
-    clear_reports()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(model, backend="graphopt", options={"moe": {}, "lowering": "eager"})(
-            input_ids=ids, use_cache=False).logits
-        torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
-    sites = [s for r in reports() for p in r.passes if p.name == "moe" for s in p.sites]
+    sites = _moe_sites_of_an_eager_equal_run(model)
     assert any(s.action == "skipped" and "reads 7 values, 4 of them parameters or buffers "
                "(down_proj [4, 32, 32]; down_proj_bias [4, 32]; gate_up_proj [4, 32, 64]; "
                "gate_up_proj_bias [4, 64]); the rewrite takes transformers' SwiGLU experts"
