@@ -649,18 +649,26 @@ def _on_placeholders(method: Callable[..., Any], module: nn.Module) -> Callable[
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
-        try:
-            with placeholder_inputs():
-                return method(*args, **kwargs)
-        finally:
-            for b, value in buffers:  # through .data: no version bump (batch_norm saves
-                # its running statistics for the backward and checks their version; its
-                # own update does not bump it)
-                if not torch.equal(b, value):
-                    b.data.copy_(value)
+        with placeholder_inputs(), _buffers_kept(module):
+            return method(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """``module``'s buffers get back the values they had before the block (a probe forward
+    in training mode updates BatchNorm's running statistics, even under no_grad). Written
+    through ``.data`` and only where changed: no version bump (batch_norm saves its running
+    statistics for the backward and checks their version; its own update does not bump
+    it, so a restore between a microbatch's forward and backward must not either)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        for b, value in buffers:
+            if not torch.equal(b, value):
+                b.data.copy_(value)
 
 
 def _check_stages_compute_the_model(model: Any, layers: list[nn.Module]) -> None:
@@ -773,23 +781,18 @@ def _random_outside(model: Any, stage: DecoderStage, ids: torch.Tensor) -> list[
     handles = [h for m in modules for h in (m.register_forward_pre_hook(enter, prepend=True),
                                             m.register_forward_hook(leave, always_call=True))]
     training = {m: m.training for m in model.modules()}
-    # a training forward updates running statistics (BatchNorm), even under no_grad: the
-    # buffers get their values back (a review: 2 probe batches counted in num_batches_tracked)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         model.train()
         cuda = list(range(torch.cuda.device_count())) if ids.is_cuda else []
+        # (a review: 2 probe batches were counted in BatchNorm's num_batches_tracked)
         with torch.no_grad(), torch.random.fork_rng(devices=cuda), rope_state_kept(model), \
-                Watch():
+                _buffers_kept(model), Watch():
             model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
         for m, mode in training.items():
             m.train(mode)
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
     return list(dict.fromkeys(seen))
 
 
