@@ -186,6 +186,36 @@ class ScaleSin5Pass(ScaleSinPass):
 
 @register_pass
 @dataclass(frozen=True)
+class FlipAbovePass(GraphPass):
+    """Claims exactness but negates sin(x) where x > 4.4: wrong at a few entries only (a
+    boundary or a dropped token), which an RMS over the whole tensor dilutes."""
+
+    name = "test_flip_above"
+    stage = "pre_autograd"
+    exact = True
+
+    def run(self, gm, ctx):
+        modified = False
+        for node in [n for n in gm.graph.nodes if n.target is aten.sin.default]:
+            x = node.args[0]
+            with gm.graph.inserting_after(node):
+                mask = gm.graph.call_function(aten.gt.Scalar, (x, 4.4))
+            with gm.graph.inserting_after(mask):
+                neg = gm.graph.call_function(aten.neg.default, (node,))
+            with gm.graph.inserting_after(neg):
+                flipped = gm.graph.call_function(aten.where.self, (mask, neg, node))
+            mask.meta["val"] = x.meta["val"] > 4.4
+            neg.meta.update(node.meta)
+            flipped.meta.update(node.meta)
+            node.replace_all_uses_with(
+                flipped, delete_user_cb=lambda u, mine=(neg, flipped): u not in mine)
+            modified = True
+        gm.recompile()
+        return PassResult(gm, modified)
+
+
+@register_pass
+@dataclass(frozen=True)
 class SplitSumPass(GraphPass):
     """Exact in real arithmetic, another rounding in floating point: a sum over the last
     dim becomes the sum of its two halves' sums (a legitimate reordering, as a chunked

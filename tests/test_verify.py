@@ -803,22 +803,29 @@ def test_a_bf16_value_5_percent_off_fails_though_within_8_eps_relative_l2():
     """16-bit values beyond atol passed within a relative L2 error of 8 eps (bf16 6.25%),
     the rounding of a gradient summed over many contributions: a wrong exact pass scaling
     an output by 1.05 passed verify (a review). They now also need an error against a
-    float64 run within a few times eager's."""
+    float64 run within a few times eager's, or than how far rounding the inputs moves them
+    (here sin's arguments are ~1, so that is ~0.4%: with arguments ~8, rounding them to bf16
+    moves sin by ~2.5%, and a 5% change is not told apart from rounding)."""
     torch.manual_seed(0)
-    x, w = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    w = (torch.randn(64, 64) / 8).to(torch.bfloat16)
     compiled = torch.compile(lambda x, w: torch.sin(x @ w), backend="graphopt", options={
         "lowering": "eager", "verify": True, "enable": ["test_scale_sin_5pct"]})
     with pytest.raises(VerificationError, match=r"'test_scale_sin_5pct' .*float64 run"):
         compiled(x, w)
 
 
-def test_a_reordered_sum_that_cancels_to_near_zero_is_not_a_false_alarm():
-    """The other side of the float64 check: an exact pass that reorders a float32 sum whose
-    terms (~1) cancel to ~1e-5 moves it by far more than atol at its own scale; its error
-    against float64 is eager's order, so verify passes and says it asked float64."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_reordered_sum_that_cancels_to_near_zero_is_not_a_false_alarm(dtype):
+    """The other side of the float64 check: an exact pass that reorders a sum whose terms
+    (~1) cancel to near zero moves it by far more than atol at its own scale. In float32 its
+    error against float64 is eager's order. In bf16/fp16 eager sums in float32 and rounds
+    once, landing near float64, while the split rounds each half: 440x eager's error (a
+    review: a false alarm), but within how far rounding the inputs to bf16 moves the sum,
+    which the float64 run measures. Verify passes and says it asked float64."""
     torch.manual_seed(0)
     x = torch.randn(64, 4096, dtype=torch.float64)
-    x = (x - x.mean(-1, keepdim=True)).float().requires_grad_()
+    x = (x - x.mean(-1, keepdim=True)).to(dtype).requires_grad_()
 
     def f(x):
         return x * 100, x.sum(-1)
@@ -843,3 +850,60 @@ def test_integer_outputs_that_differ_are_counted():
     assert compare_outcomes(([e], []), ([a], []), GraphoptConfig()) == \
         "output 0: integer values differ at 1 of 4 entries (max abs error 3)"
     assert max_error(([e], []), ([a], [])) == 3.0
+
+
+def _fails_by_float64(f, *args, wrong="test_scale_sin_5pct"):
+    """Compile ``f`` with the deliberately wrong pass ``wrong``; it must be named, and the
+    float64 run must be what caught it."""
+    compiled = torch.compile(f, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": [wrong]})
+    with pytest.raises(VerificationError, match=rf"'{wrong}' claims .*float64 run"):
+        compiled(*args)
+
+
+def test_a_few_wrong_entries_are_caught_by_the_largest_error():
+    """One entry of 65,536 with its sign flipped (error 3.9, 3x the RMS) passed: the
+    relative L2 rule and the float64 run's RMS both dilute it (a review)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 256, dtype=torch.bfloat16).clamp(-4, 4)
+    x[0, 0] = 4.5
+    _fails_by_float64(lambda x: torch.sin(x) * 2, x, wrong="test_flip_above")
+
+
+@pytest.mark.parametrize("case", ["overflow", "linspace", "complex_constant", "as_strided"])
+def test_the_float64_run_judges_graphs_with(case):
+    """Graphs the float64 run first declined or got wrong, each letting a 5% bf16 error
+    pass (a review): an entry that overflows in bf16 only (inf in eager, finite in float64:
+    the whole tensor went unjudged, "nonfinite"); ``linspace`` without a dtype (made in the
+    default float32); a complex constant (``Module.to(float64)`` dropped its imaginary
+    part, so eager's error looked as large as the pass's); a sliced input read through
+    ``as_strided`` (cast to a dense copy, which holds other elements there)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    if case == "overflow":
+        w = torch.ones(64, 64, dtype=torch.bfloat16)
+        x[0, 0], w[0, 0] = 1.5, 3e38
+        _fails_by_float64(lambda x, w: torch.sin(x) * w * 4, x, w)
+    elif case == "linspace":
+        _fails_by_float64(lambda x: torch.sin(x) * 4 + torch.linspace(0, 1, 64).to(x.dtype), x)
+    elif case == "complex_constant":
+        _fails_by_float64(lambda x: torch.sin(x) * 4 * torch.tensor(1 + 2j).abs(), x)
+    else:
+        base = torch.randn(64, 128, dtype=torch.bfloat16)
+        _fails_by_float64(lambda x: torch.sin(x.as_strided((32, 64), (64, 1))) * 4,
+                          base[:, ::2])
+
+
+def test_complex_outputs_take_their_parts_tolerance():
+    """complex64's tolerance was (0, 0): any rounding of a complex output failed (a
+    review)."""
+    from graphopt.verify import default_tolerance
+
+    assert default_tolerance(torch.complex64) == default_tolerance(torch.float32)
+    assert default_tolerance(torch.complex128) == default_tolerance(torch.float64)
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096, dtype=torch.complex64)
+    x = x - x.mean(-1, keepdim=True)
+    torch.compile(lambda x: (x * 100, x.sum(-1)), backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_split_sum"]})(x)
+    assert graphopt.last_report().verify["status"] == "passed"
