@@ -346,11 +346,21 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Gr
     runner.example_inputs, runner.value_inputs = [], []
     report.graphs["model_after_passes"] = len(model.graph.nodes)
     if config.remat is not None and config.remat.profile_guided and report.training:
+        from graphopt.passes.fx_utils import communicates
         from graphopt.passes.remat import observe_sizes
 
-        t0 = time.perf_counter()
-        runner.joint_extras["observed_sizes"] = observe_sizes(model, list(example_inputs))
-        report.add_time("remat_observe", time.perf_counter() - t0)
+        talking = [n.name for n in model.graph.nodes
+                   if n.op == "call_function" and communicates(n.target, n.args)]
+        if talking:  # its collectives would pair with the other ranks' training ones: a
+            # rank recompiling alone (a new length) hung the group (a review: EP + FSDP)
+            runner.joint_extras["observe_refused"] = (
+                f"the graph exchanges data between ranks ({', '.join(talking[:3])}): "
+                "running it once at compile time would pair its collectives with the other "
+                "ranks' training collectives (a rank that recompiles alone hangs the group)")
+        else:
+            t0 = time.perf_counter()
+            runner.joint_extras["observed_sizes"] = observe_sizes(model, list(example_inputs))
+            report.add_time("remat_observe", time.perf_counter() - t0)
 
     hooks = make_hooks(runner, dumper, report)
     hooked_before = _hooked_time(report)

@@ -1356,3 +1356,50 @@ def test_profile_guided_mode_under_dynamic_shapes():
     (site,) = [s for r in graphopt.reports() for p in r.pass_records("remat")
                for s in p.sites if s.site == "profile-guided"]
     assert site.action == "rewritten" and "=3" in site.reason and "=5" in site.reason, site
+
+
+def test_cost_expressions_price_backed_sizes_at_their_hints():
+    """A cost expression (not a SymInt) had every symbol priced at the data-dependent hint
+    64, backed sizes too: a dynamic ZeRO-3 graph's ``32 // (32 // s)`` divided by zero and
+    the remat pass failed (a review). Backed sizes now take the shape environment's hint."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._sympy.functions import FloorDiv
+
+    from graphopt.passes.remat import _concrete, observed_sizes
+
+    gm = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.randn(16, 4))
+    size = next(n.meta["val"].shape[0] for n in gm.graph.nodes if n.op == "placeholder")
+    symbol = size.node.expr
+    with observed_sizes(None, gm):
+        assert _concrete(FloorDiv(32, FloorDiv(32, symbol))) == 16.0
+        assert _concrete(symbol * 3) == 48.0
+
+
+def _observe_worker(rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    lin = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+    def f(x):
+        h = torch.tanh(lin(x))
+        return funcol.all_reduce(h[h.sum(-1) > 0].square(), "sum", dist.group.WORLD).sum()
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        fn = _compile(f, budget=0.0, profile_guided=True)
+        x = torch.randn(32, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        fn(x).backward()
+    return [(s.action, s.reason) for r in graphopt.reports() for p in r.pass_records("remat")
+            for s in p.sites if s.site == "profile-guided"]
+
+
+def test_profile_guided_mode_does_not_run_a_graph_that_communicates_at_compile_time():
+    """The profile-guided observation ran the graph once at compile time, collectives
+    included: a rank recompiling alone (EP + FSDP, a new sequence length on one rank) sent
+    an all-to-all the others paired with their training collectives, and the group hung (a
+    review). A graph with collectives is priced at the hint, and the record says why."""
+    from graphopt.distributed import run_distributed
+
+    for sites in run_distributed(_observe_worker, 1):
+        assert sites and sites[0][0] == "skipped", sites
+        assert "not observed: the graph exchanges data between ranks" in sites[0][1], sites

@@ -425,9 +425,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                 return out
 
             object.__setattr__(model, "step", checked_step)
-        else:
-            model.register_forward_pre_hook(before_forward)
-            model.register_forward_hook(after_forward)
+        else:  # outside Dynamo's trace: torch.compile of the whole model traced
+            # all_gather_object and died with an internal error (a review)
+            model.register_forward_pre_hook(torch.compiler.disable(before_forward))
+            model.register_forward_hook(torch.compiler.disable(after_forward))
     if plan.cp > 1 and plan.pp == 1:  # (PP: each stage offsets its seed by the CP rank)
         from graphopt.parallel.rng import install_cp_region
 

@@ -126,6 +126,7 @@ class RematPlan:
 
 _UNBACKED_HINT = 64  # sizes that depend on data (MoE token counts): a typical value
 _OBSERVED: dict[Any, int] = {}  # symbol -> size seen in a real run (profile-guided mode)
+_BACKED: dict[Any, int] = {}  # symbol -> the shape environment's hint (backed sizes)
 
 
 def _concrete(x: Any) -> float:
@@ -144,7 +145,9 @@ def _concrete(x: Any) -> float:
             return float(optimization_hint(x, fallback=_UNBACKED_HINT))
     else:
         expr = sympy.sympify(x)
-    return float(expr.xreplace({s: _OBSERVED.get(s, _UNBACKED_HINT)
+    # a cost expression's backed symbols take their hints too: all at 64 made a dynamic
+    # ZeRO-3 graph's (32 // s19) zero and then divided by it (a review: ZeroDivisionError)
+    return float(expr.xreplace({s: _OBSERVED.get(s, _BACKED.get(s, _UNBACKED_HINT))
                                 for s in expr.free_symbols}))
 
 
@@ -782,20 +785,30 @@ def plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
          time_limit: float = 10.0, offload: bool = False, profile: Any = None,
          observed: dict[Any, int] | None = None) -> RematPlan:
     """See :func:`_plan`; ``observed`` sizes (profile-guided mode) replace the size hints."""
-    with observed_sizes(observed):
+    with observed_sizes(observed, gm):
         return _plan(gm, budget, solver, time_limit, offload, profile)
 
 
 @contextlib.contextmanager
-def observed_sizes(observed: dict[Any, int] | None) -> Iterator[None]:
+def observed_sizes(observed: dict[Any, int] | None,
+                   gm: fx.GraphModule | None = None) -> Iterator[None]:
     """Data-dependent sizes priced at their ``observed`` values (profile-guided mode) inside
-    the block, at the hint outside."""
+    the block, at the hint outside; with ``gm``, the backed sizes of its shape environment
+    at their hints in cost expressions too (:func:`_concrete`)."""
     _OBSERVED.clear()
     _OBSERVED.update(observed or {})
+    _BACKED.clear()
+    sizes = [d for n in (gm.graph.nodes if gm is not None else ())
+             for v in torch.utils._pytree.tree_leaves(n.meta.get("val"))
+             if isinstance(v, torch.Tensor) for d in v.shape if isinstance(d, torch.SymInt)]
+    if sizes:
+        shape_env = sizes[0].node.shape_env  # type: ignore[attr-defined]
+        _BACKED.update(getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val)
     try:
         yield
     finally:
         _OBSERVED.clear()
+        _BACKED.clear()
 
 
 def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
@@ -948,7 +961,7 @@ class RematPass(GraphPass):
         forward, backward = split_as_partitioned(gm)
         user = [v for v in forward if user_policy(v) is not None]
         observed = ctx.extras.get("observed_sizes") if opts.profile_guided else None
-        with observed_sizes(observed):  # (priced at the hint, profile-guided budgets were
+        with observed_sizes(observed, gm):  # (priced at the hint, profile-guided budgets were
             # fractions of a guessed size: a review measured 0.1% of no remat at 0.5)
             keep_all = sum(_bytes(v) for v in keep_everything(
                 forward, _needed(forward, backward))[0])
@@ -992,11 +1005,14 @@ class RematPass(GraphPass):
                           for v in a ^ b)
             sizes = ", ".join(f"{k}={v}" for k, v in sorted((observed or {}).items(),
                                                             key=lambda kv: str(kv[0])))
+            refused = ctx.extras.get("observe_refused")
             ctx.record("rewritten" if observed else "skipped", "profile-guided",
                        (f"observed {len(observed)} data-dependent sizes ({sizes}); "
                         f"{changed // 2} values decided differently than with the size hint "
                         f"{_UNBACKED_HINT} (saved {guess.saved_bytes} -> "
                         f"{decision.saved_bytes} bytes)") if observed else
+                       f"not observed: {refused}; data-dependent sizes priced at the hint "
+                       f"{_UNBACKED_HINT}" if refused else
                        "no data-dependent sizes in this graph: the static plan is exact")
         if alone is not None and decision.saved_bytes > budget \
                 and decision.saved_bytes >= alone:
