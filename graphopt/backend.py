@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -119,7 +120,15 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         blocks = [b for p in parts for b in p.layers.values()] if parts is not None \
             else decoder_layers(model)
         for block in blocks:  # forward only: the TP/SP input hooks stay eager
-            forward, recompute = block.forward, None
+            forward, recompute, theirs = block.forward, None, False
+            inner = getattr(type(block).forward, "__wrapped__", None)
+            if plan.tp > 1 and hasattr(block, "_can_checkpoint_with_cache") and \
+                    callable(inner) and "forward" not in vars(block):
+                # transformers' GradientCheckpointingLayer checkpoints inside its class's
+                # forward (gradient_checkpointing_enable()): compiled, that is a checkpoint
+                # over DTensors, which fails as below (a review); its own forward is
+                # compiled and the checkpoint runs outside, as the plan's
+                forward, theirs = types.MethodType(inner, block), True
             if isinstance(forward, functools.partial) and forward.func is _checkpointed and \
                     plan.tp > 1:  # the plan's recomputation stays outside the compiled
                 # forward: torch 2.13's compile of a checkpoint over DTensors fails ("expected
@@ -137,8 +146,31 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                 block.forward = functools.partial(_waited_inputs, block.forward)
             if recompute is not None:
                 block.forward = functools.partial(_checkpointed, block.forward, recompute)
+            elif theirs:
+                block.forward = functools.partial(_transformers_checkpointed, block,
+                                                  block.forward)
         return model
     return torch.compile(model, backend="graphopt", options=options, **kwargs)
+
+
+def _transformers_checkpointed(block: Any, forward: Callable[..., Any], *args: Any,
+                               **kwargs: Any) -> Any:
+    """``forward`` (a compiled ``GradientCheckpointingLayer`` forward) under the layer's
+    own gradient checkpointing where transformers would run it
+    (``gradient_checkpointing_enable()``, training, grad mode on), with its cache
+    arguments dropped as it does; else ``forward`` itself."""
+    import torch
+
+    if getattr(block, "gradient_checkpointing", False) and block.training and \
+            torch.is_grad_enabled():
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not getattr(block, "_can_checkpoint_with_cache", False):
+            for key in ("cache", "layer_past", "past_key_values"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = None
+        return block._gradient_checkpointing_func(functools.partial(forward, **kwargs), *args)
+    return forward(*args, **kwargs)
 
 
 def _waited_inputs(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
