@@ -522,17 +522,25 @@ class Float64Reference:
       the largest sensitivity plus ``u`` times ``t``'s largest |value|,
 
     with ``u`` the unit roundoff of the value's compute dtype and (``m``, ``m_max``) from
-    :data:`_FLOAT64_MULTIPLIERS`. The sensitivity is how far rounding the graph's inputs to
-    that dtype moves the value: the graph is run a second time in float64 with its floating
-    inputs perturbed by a seeded relative 2^-20 (linear there), and the difference scaled
-    to ``u``. A value that cancels (a sum of ~1 that ends at ~1e-5) is that sensitive, and a
-    correct reordering of it (a chunked kernel, which rounds each chunk's partial sum) moves
-    it that far, where eager may land on float64 by luck (a review: bf16 eager sums in
-    float32 and rounds once). The largest error catches a few wrong entries that RMS
-    dilutes (a review: one sign of 65,536 flipped passed). This follows torch's own accuracy
-    check of compiled models (``torch._dynamo.utils.same`` with ``fp64_ref``: RMS error
-    within 2-3x eager's, more for small tensors), with the sensitivity and largest error
-    added.
+    :data:`_FLOAT64_MULTIPLIERS`. The sensitivity is how far rounding moves the value: a
+    second float64 run in which every ATen op's floating operands (views' excepted) are
+    scaled by ``1 + u_op * r`` (r uniform in [-1, 1], seeded; ``u_op`` the unit roundoff of
+    the dtype the op computes in): Monte Carlo arithmetic's random rounding (Parker, 1997;
+    Verificarlo), at op granularity. A value that cancels (a sum of ~1 that ends at ~1e-5)
+    is that sensitive, and a correct reordering of it (a chunked kernel, which rounds each
+    chunk's partial sum) moves it that far, where eager may land on float64 by luck (a
+    review: bf16 eager sums in float32 and rounds once). Inputs themselves are exact and not
+    perturbed (perturbing them made a bf16 RoPE frequency table, whose angle grows with the
+    position, "sensitive" enough to hide a 5% error: a review); where the perturbed run's
+    integer or boolean values differ from the plain run's (``mask == 1``, a floor, an
+    argmax), it took another branch and measures no rounding, and the sensitivity is not
+    used. The largest error catches a few wrong entries that RMS dilutes (a review: one
+    sign of 65,536 flipped passed). This follows torch's own accuracy check of compiled
+    models (``torch._dynamo.utils.same`` with ``fp64_ref``: RMS error within 2-3x eager's,
+    more for small tensors), with the sensitivity and largest error added. Limit: inside
+    one op (a reduction) the partial sums are not perturbed, so a correct reordering of a
+    sum whose partial sums are far larger than random rounding predicts (a sorted row that
+    cancels) can fail; widen ``verify={"atol": ...}`` there.
 
     Run at most once each, when a value first needs them. There is none (``unavailable``
     says why; the loose rules then apply alone) when the graph exchanges data between ranks
@@ -551,6 +559,7 @@ class Float64Reference:
         self.accepted: dict[str, None] = {}
         self.rejected: dict[str, None] = {}
         self.unjudged: dict[str, None] = {}
+        self.discrete = False
 
     def outcomes(self) -> tuple[Outcome, Outcome] | None:
         """(the float64 outputs/gradients, laid out as the reference's; the same with
@@ -559,10 +568,16 @@ class Float64Reference:
             graph, inputs, grads, reference, outputs, run = self._pending
             self._pending = None
             try:
-                self._outcomes = (
-                    _float64_outcome(graph, inputs, grads, reference, outputs, run, None),
-                    _float64_outcome(graph, inputs, grads, reference, outputs, run,
-                                     _PERTURBATION))
+                truth, discrete = _float64_outcome(graph, inputs, grads, reference, outputs,
+                                                   run, perturb=False)
+                moved, moved_discrete = _float64_outcome(graph, inputs, grads, reference,
+                                                         outputs, run, perturb=True)
+                if moved_discrete != discrete:  # a comparison, rounding or index moved:
+                    # the perturbed run took another branch, and what it moved measures
+                    # no rounding (a review: mask == 1 broke, "sensitivity" 9.6e3)
+                    self.discrete = True
+                    moved = truth
+                self._outcomes = (truth, moved)
             except Exception as exc:  # noqa: BLE001 - the loose rules then apply alone
                 text = re.sub(r" at 0x[0-9a-f]+", "", f"{type(exc).__name__}: {exc}")
                 self.unavailable = text.split("\n")[0][:300]
@@ -585,10 +600,6 @@ class Float64Reference:
         return verdict
 
 
-_PERTURBATION = 2.0 ** -20
-"""Relative size of the float64 run's input perturbation (:class:`Float64Reference`):
-far above float64's rounding, small enough that the graph responds linearly."""
-
 _FLOAT64_MULTIPLIERS = ((3.0, 4.0), (8.0, 8.0))
 """(RMS, largest) error multipliers of :class:`Float64Reference`, for tensors of 1000
 entries or more and for smaller ones, whose statistics are noisier (torch's
@@ -610,13 +621,15 @@ def _float64_doubt(e: torch.Tensor, a: torch.Tensor, truth: Any, moved: Any,
     # finite) left the rest unjudged before (a review: a 5% error then passed as
     # "nonfinite"); NaN/Inf themselves are compared position by position elsewhere
     keep = torch.isfinite(e64) & torch.isfinite(a64) & torch.isfinite(t64) & \
-        torch.isfinite(m64) & (real.abs() < torch.finfo(real.dtype).max / 2)
+        (real.abs() < torch.finfo(real.dtype).max / 2)
     if not bool(keep.any()):
         return None
     u = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else \
         torch.finfo(e.real.dtype).eps / 2
     errors = [(x[keep] - t64[keep]).abs() for x in (a64, e64)]
-    moves = (m64[keep] - t64[keep]).abs() * (u / _PERTURBATION)
+    # NaN/Inf only in the perturbed run (sqrt(1 - p) at p = 1): no sensitivity there, eager
+    # alone judges (a review: those values went unjudged)
+    moves = torch.nan_to_num((m64[keep] - t64[keep]).abs(), nan=0.0, posinf=0.0)
     size = t64[keep].abs()
 
     def rms(x: torch.Tensor) -> float:
@@ -741,10 +754,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _float64_outcome(graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: bool,
                      reference: Outcome, outputs: int, run: Callable[..., Outcome],
-                     perturbation: float | None) -> Outcome:
-    """``graph`` run in float64 (:class:`Float64Reference`), its floating inputs scaled by
-    ``1 + perturbation * r`` (r uniform in [-1, 1], seeded) when given; raises when it
-    cannot be run so."""
+                     perturb: bool) -> tuple[Outcome, list[tuple[int, int]]]:
+    """(``graph`` run in float64 (:class:`Float64Reference`), a digest of every integer and
+    boolean value it computed). With ``perturb``, each op's floating operands are scaled by
+    ``1 + u * r`` first (r uniform in [-1, 1], seeded; u the unit roundoff of the dtype the
+    op computes in in ``graph``): Monte Carlo arithmetic's random rounding (Parker, 1997; as
+    Verificarlo does per operation), at op granularity. Raises when the graph cannot be
+    run so."""
     if _WRITTEN:
         raise ValueError("the graph writes module attributes in place")
     if any(communicates(n.target, n.args) for n in _all_nodes(graph)
@@ -757,22 +773,51 @@ def _float64_outcome(graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: 
         raise ValueError("inputs share a storage")
     wide = _widen_graph(graph)
     widened = [_widen(x) for x in inputs]
-    if perturbation is not None:
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for x in widened:
-                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-                    r = torch.rand(x.shape, generator=gen, dtype=x.dtype) * 2 - 1
-                    x.mul_(1 + perturbation * r.to(x.device))
+    digest: list[tuple[int, int]] = []
+    gen = torch.Generator().manual_seed(1)
+
+    def jitter(x: Any, u: float) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            r = torch.rand(x.shape, generator=gen, dtype=x.dtype) * 2 - 1
+            return x * (1 + u * r.to(x.device))
+        return x
+
+    class Rounding(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if perturb and n.op == "call_function" and isinstance(n.target,
+                                                                 torch._ops.OpOverload):
+                meta = n.meta.get("val", n.meta.get("example_value"))
+                view = any(r.alias_info is not None for r in n.target._schema.returns)
+                if isinstance(meta, torch.Tensor) and meta.is_floating_point() and \
+                        meta.dtype != torch.float64 and not is_mutating(n) and not view:
+                    # (a view's operand is its base: a jittered copy changed what
+                    # as_strided read, a review)
+                    u = torch.finfo(meta.dtype).eps / 2
+                    args, kwargs = self.fetch_args_kwargs_from_env(n)
+                    args, kwargs = pytree.tree_map(lambda x: jitter(x, u), (args, kwargs))
+                    out = getattr(self, n.op)(n.target, args, kwargs)
+                    self._digest(out)
+                    return out
+            out = super().run_node(n)
+            self._digest(out)
+            return out
+
+        def _digest(self, out: Any) -> None:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not t.is_floating_point() and \
+                        not t.is_complex() and t.numel():
+                    digest.append((int(t.long().sum()), int((t != 0).sum())))
+
     dtypes = [v.dtype if isinstance(v, torch.Tensor) else None for v in reference[0][:outputs]]
     check = _Float64Only()
+    interpreter = Rounding(wide)
     with _default_dtype(torch.float64), check:
-        outcome = run(wide, widened, grads, cotangent_dtypes=dtypes)
+        outcome = run(lambda *a: interpreter.run(*a), widened, grads, cotangent_dtypes=dtypes)
     if check.bad:
         raise ValueError(f"ops compute in other dtypes: {', '.join(check.bad)}")
     if [len(v) for v in outcome] != [len(v) for v in reference]:
         raise ValueError("its outputs/gradients are laid out otherwise")
-    return outcome
+    return outcome, digest
 
 
 def _within_16bit_noise(e: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -870,14 +870,18 @@ def test_a_few_wrong_entries_are_caught_by_the_largest_error():
     _fails_by_float64(lambda x: torch.sin(x) * 2, x, wrong="test_flip_above")
 
 
-@pytest.mark.parametrize("case", ["overflow", "linspace", "complex_constant", "as_strided"])
+@pytest.mark.parametrize("case", ["overflow", "linspace", "complex_constant", "as_strided",
+                                  "mask_compare", "sqrt_at_zero"])
 def test_the_float64_run_judges_graphs_with(case):
     """Graphs the float64 run first declined or got wrong, each letting a 5% bf16 error
     pass (a review): an entry that overflows in bf16 only (inf in eager, finite in float64:
     the whole tensor went unjudged, "nonfinite"); ``linspace`` without a dtype (made in the
     default float32); a complex constant (``Module.to(float64)`` dropped its imaginary
     part, so eager's error looked as large as the pass's); a sliced input read through
-    ``as_strided`` (cast to a dense copy, which holds other elements there)."""
+    ``as_strided`` (cast to a dense copy, which holds other elements there). And, against
+    the sensitivity's first form (inputs perturbed, a re-review): a float 0/1 mask compared
+    with 1 (the perturbed run's comparison flipped: "sensitivity" 9.6e3), ``sqrt(1 - p)``
+    at p = 1 (NaN in the perturbed run only: the value went unjudged)."""
     torch.manual_seed(0)
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     if case == "overflow":
@@ -888,10 +892,38 @@ def test_the_float64_run_judges_graphs_with(case):
         _fails_by_float64(lambda x: torch.sin(x) * 4 + torch.linspace(0, 1, 64).to(x.dtype), x)
     elif case == "complex_constant":
         _fails_by_float64(lambda x: torch.sin(x) * 4 * torch.tensor(1 + 2j).abs(), x)
-    else:
+    elif case == "as_strided":
         base = torch.randn(64, 128, dtype=torch.bfloat16)
         _fails_by_float64(lambda x: torch.sin(x.as_strided((32, 64), (64, 1))) * 4,
                           base[:, ::2])
+    elif case == "mask_compare":
+        mask = (torch.rand(64, 64) > 0.2).to(torch.bfloat16)
+        _fails_by_float64(lambda x, m: torch.sin(x) * 4 * (m == 1), x, mask)
+    else:
+        p = torch.rand(64, dtype=torch.bfloat16)
+        p[0] = 1.0
+        _fails_by_float64(lambda x, p: torch.sin(x) * 4 * (1 + torch.sqrt(1 - p).sum() / 1000),
+                          x, p)
+
+
+def test_a_5_percent_error_in_a_bf16_rope_table_is_caught():
+    """A 5% error in Llama's RoPE sine (bf16 training) passed once the float64 check's
+    sensitivity perturbed the graph's inputs: the exact bf16 frequency table, whose angle
+    grows with the position, looked that sensitive (a re-review)."""
+    from graphopt.models import build_model, sample_batch
+
+    model = build_model("llama", dtype=torch.bfloat16)
+    ids = sample_batch(model, batch=2, seq=16)
+    labels = sample_batch(model, batch=2, seq=16, seed=1)
+
+    def loss(i):
+        logits = model(input_ids=i, use_cache=False).logits.float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    compiled = torch.compile(loss, backend="graphopt", options={
+        "lowering": "eager", "verify": True, "enable": ["test_scale_sin_5pct"]})
+    with pytest.raises(VerificationError, match=r"'test_scale_sin_5pct' claims"):
+        compiled(ids).backward()
 
 
 def test_complex_outputs_take_their_parts_tolerance():
