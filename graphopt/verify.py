@@ -122,13 +122,15 @@ def _shared_storages(inputs: Sequence[Any]) -> dict[tuple[Any, ...], torch.Tenso
     return copies
 
 
-def _strided_copy(x: torch.Tensor) -> torch.Tensor:
-    """A copy with ``x``'s sizes and strides, gaps (a slice) and overlaps (an expand, stride
-    0) included: the storage span ``x`` covers is copied, then viewed the same way."""
+def _strided_copy(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy (in ``dtype``, default ``x``'s) with ``x``'s sizes and strides, gaps (a slice)
+    and overlaps (an expand, stride 0) included: the storage span ``x`` covers is copied,
+    then viewed the same way."""
+    dtype = dtype or x.dtype
     if x.numel() == 0 or x.is_contiguous():
-        return x.clone(memory_format=torch.contiguous_format)
+        return x.to(dtype, copy=True, memory_format=torch.contiguous_format)
     span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-    flat = torch.as_strided(x, (span,), (1,), x.storage_offset()).clone()
+    flat = torch.as_strided(x, (span,), (1,), x.storage_offset()).to(dtype, copy=True)
     return flat.as_strided(x.shape, x.stride())
 
 
@@ -460,7 +462,8 @@ def _compare_one(e: Any, a: Any, config: GraphoptConfig,
     (:func:`_within_16bit_noise`). Either let wrong values through (a review: a float32
     output of 6.5e-4 1.1x off beside one of RMS 18; a bf16 output 1.05x off), so what they
     accept must also pass ``judge`` (:meth:`Float64Reference.judge`: its error against
-    the graph run in float64 within a few times eager's). With no float64 run (an op
+    the graph run in float64 within a few times eager's or its sensitivity to rounding).
+    With no float64 run (an op
     without a float64 kernel) they apply alone. (The floor was 1.0 before the group's RMS,
     so any error below atol passed: every gradient 1.5x off under bf16 at ~1e-3.)"""
     if not isinstance(e, torch.Tensor) or not isinstance(a, torch.Tensor):
@@ -548,7 +551,8 @@ class Float64Reference:
     a storage, reinterprets bits (``view(dtype)``), or when an op does not run in float64
     (``torch._grouped_mm`` on the CPU) or computes in another floating dtype.
     ``accepted``/``rejected``: the names of the values it judged; ``unjudged``: those it
-    could not (another shape, no finite entry in common)."""
+    could not (another shape, no finite entry in common); ``discrete``: the rounded run
+    branched otherwise, so no sensitivity was used (reported as ``sensitivity_unused``)."""
 
     def __init__(self, graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: bool,
                  reference: Outcome, outputs: int,
@@ -562,8 +566,9 @@ class Float64Reference:
         self.discrete = False
 
     def outcomes(self) -> tuple[Outcome, Outcome] | None:
-        """(the float64 outputs/gradients, laid out as the reference's; the same with
-        perturbed inputs); None: unavailable."""
+        """(the float64 outputs/gradients, laid out as the reference's; the same with each
+        op's operands randomly rounded, or the first again where that run branched
+        otherwise); None: unavailable."""
         if self._pending is not None:
             graph, inputs, grads, reference, outputs, run = self._pending
             self._pending = None
@@ -609,8 +614,8 @@ entries or more and for smaller ones, whose statistics are noisier (torch's
 def _float64_doubt(e: torch.Tensor, a: torch.Tensor, truth: Any, moved: Any,
                    dtype: torch.dtype) -> str | None:
     """"" when ``a`` passes against ``truth`` (:class:`Float64Reference`; ``moved``: the
-    run with perturbed inputs; ``dtype``: the compute dtype), else why not; None when they
-    cannot judge (missing, another shape, no entry finite in all)."""
+    run with randomly rounded operands; ``dtype``: the compute dtype), else why not; None
+    when they cannot judge (missing, another shape, no entry finite in all)."""
     if not all(isinstance(t, torch.Tensor) and t.shape == e.shape and
                (t.is_floating_point() or t.is_complex()) for t in (truth, moved)):
         return None
@@ -640,13 +645,13 @@ def _float64_doubt(e: torch.Tensor, a: torch.Tensor, truth: Any, moved: Any,
     ours, eager, sens = rms(errors[0]), rms(errors[1]), rms(moves)
     if ours > m_rms * max(eager, sens) + u * rms(size):
         return (f"against a float64 run of the same graph its RMS error is {ours:.3g}, "
-                f"eager's {eager:.3g}, its sensitivity to rounding the inputs {sens:.3g} "
+                f"eager's {eager:.3g}, its sensitivity to rounding {sens:.3g} "
                 f"(accepted up to {m_rms:g}x the larger, plus {u:.3g} x RMS |x| "
                 f"{rms(size):.3g})")
     ours, eager, sens = (float(x.max()) for x in (errors[0], errors[1], moves))
     if ours > m_max * max(eager, sens) + u * float(size.max()):
         return (f"against a float64 run of the same graph its largest error is {ours:.3g}, "
-                f"eager's {eager:.3g}, its sensitivity to rounding the inputs {sens:.3g} "
+                f"eager's {eager:.3g}, its sensitivity to rounding {sens:.3g} "
                 f"(accepted up to {m_max:g}x the larger, plus {u:.3g} x max |x| "
                 f"{float(size.max()):.3g})")
     return ""
@@ -687,14 +692,7 @@ def _widen(x: Any) -> Any:
     run's clone gets; a dense copy changed what ``as_strided`` read, a review)."""
     if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
         return x
-    y = x.detach()
-    if y.numel() and not y.is_contiguous():
-        span = 1 + sum((n - 1) * st for n, st in zip(y.shape, y.stride()))
-        flat = torch.as_strided(y, (span,), (1,), y.storage_offset())
-        y = flat.to(_widen_dtype(x.dtype)).as_strided(y.shape, y.stride())
-    else:
-        y = y.to(_widen_dtype(x.dtype))
-    return y.requires_grad_(x.requires_grad)
+    return _strided_copy(x.detach(), _widen_dtype(x.dtype)).requires_grad_(x.requires_grad)
 
 
 _NARROWING_METHODS = {"float": "double", "half": "double", "bfloat16": "double",
@@ -1057,7 +1055,8 @@ def _verify_compile(original: torch.fx.GraphModule, compiled: Callable[..., Any]
     if truth[0].accepted or truth[0].unjudged or (truth[0].unavailable and problem is None):
         report.verify["tolerance"]["float64_reference"] = {
             "accepted": list(truth[0].accepted), "unjudged": list(truth[0].unjudged),
-            "unavailable": truth[0].unavailable}
+            "unavailable": truth[0].unavailable,
+            "sensitivity_unused": truth[0].discrete}
     if problem is None:
         detail = "outputs and gradients" if grads else "outputs"
         if grads and skipped:
