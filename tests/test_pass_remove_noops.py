@@ -194,3 +194,43 @@ def test_an_arithmetic_identity_that_makes_a_strided_input_dense_is_kept():
     assert_matches_eager(fn, as_function(gm, fn), [x])
     compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager"})
     assert_matches_eager(fn, compiled, [x])
+
+
+def test_to_memory_format_is_removed_only_where_eager_returns_its_input():
+    """Eager's ``to(memory_format=f)`` returns its input when the input's suggested format
+    is f, not whenever it is contiguous in f: an (N, 1, H, W) tensor is contiguous in both
+    formats and eager copies it. Removed, an ``as_strided`` after it read the base's
+    elements (a review: outputs 4.0 off eager)."""
+    def fn(base, c):
+        y = base[1:].to(memory_format=torch.channels_last)  # (2, 1, 3, 3), offset 9: copied
+        z = c.to(memory_format=torch.channels_last)  # already channels_last: returned
+        return torch.as_strided(y, (2, 9), (9, 1), 0) * 2, z.sin()
+
+    base = torch.randn(3, 1, 3, 3, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(2, 3, 4, 4, dtype=torch.float64).to(memory_format=torch.channels_last)
+    gm = trace_for_pass(fn, base, c)
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 1, record.sites
+    assert_matches_eager(fn, as_function(gm, fn), [base, c.requires_grad_()])
+
+
+def test_an_arithmetic_identity_on_a_view_into_a_larger_storage_is_kept():
+    """``x[1:] * 1`` has the slice's strides but a storage of its own, from offset 0;
+    ``z.conj().imag * 1`` also resolves a lazy negation. Removed, an ``as_strided`` after
+    them read the base's elements (a review: 4.0 off eager) and ``view(torch.int64)`` of the
+    neg-bit view failed the graph. On a tensor owning its storage the identity still goes."""
+    def fn(base, z, w):
+        y = base[1:] * 1
+        n = z.conj().imag * 1
+        return (torch.as_strided(y, (2, 3), (3, 1), 0) * 2, n.view(torch.int64),
+                (w * 1).sin())
+
+    base = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(4, dtype=torch.complex128)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    gm = trace_for_pass(fn, base, z, w)
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 1, record.sites
+    assert_matches_eager(fn, as_function(gm, fn), [base, z, w])
+    compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager"})
+    assert_matches_eager(fn, compiled, [base, z, w])

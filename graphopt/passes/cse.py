@@ -9,10 +9,11 @@ Contract:
     guarantees: exact; two nodes are merged only when they call the same pure ATen op with
         the same arguments (floats compared with their sign: x * 0.0 is not x * -0.0), in
         the same grad-mode/autocast region, not narrowing the floating-point precision of
-        an input (a cast to a less precise dtype: the merged use would sum its users'
-        gradients in that dtype), with no in-place write to any tensor between
-        them, neither output is written in place later, directly or through any alias
-        (:func:`graphopt.passes.fx_utils.mutated_nodes`), neither of them (nor a view) is a
+        an input (a cast to a less precise dtype, complex ones by their parts' precision:
+        the merged use would sum its users' gradients in that dtype), with no in-place
+        write to any tensor between them, neither output is written in place later,
+        directly or through any alias (:func:`graphopt.passes.fx_utils.mutated_nodes`),
+        neither of them (nor a view) is a
         graph output (the caller owns an output and may write it in place, e.g.
         ``out.data.mul_()`` or a residual ``+=`` after a graph break, while the merged twin
         is still saved for the backward: a silently wrong gradient, a review), and the op
@@ -29,7 +30,8 @@ Contract:
 Pseudo-code:
     region = 0
     for node in graph:
-        if node switches grad mode / autocast / writes in place: region += 1; continue
+        if node switches grad mode / autocast / is a HOP / writes in place: region += 1
+            (getitem and SymInt arithmetic are no barrier); continue
         key = (node.target, args with merged nodes substituted, kwargs, region)
         if key seen and mergeable(node): replace node by the first one
 """
@@ -37,8 +39,9 @@ Pseudo-code:
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.utils._pytree as pytree
@@ -85,16 +88,39 @@ def _is_pure_aten(node: fx.Node) -> bool:
             and not node.target._schema.name.startswith("aten::_assert"))
 
 
+_PLAIN_PYTHON = {
+    *(getattr(operator, name) for name in (
+        "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos",
+        "abs", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert",
+        "lshift", "rshift")),
+    *(getattr(torch, name) for name in ("sym_max", "sym_min", "sym_float", "sym_int",
+                                        "sym_not", "sym_ite", "sym_sum")
+      if hasattr(torch, name)),
+    math.ceil, math.floor, math.trunc, math.sqrt,
+}
+
+
+def _plain_python(node: fx.Node) -> bool:
+    """A multi-output op's ``getitem`` or SymInt arithmetic (``operator``, ``math``,
+    ``torch.sym_*``), which write nothing: no barrier. Counted as one, no duplicate was
+    merged across a ``split``'s outputs or a ``view(x.shape[0] * 2, -1)`` (a review)."""
+    return node.target in _PLAIN_PYTHON
+
+
+def _inexact(v: Any) -> TypeGuard[torch.Tensor]:
+    """A floating-point or complex tensor (``torch.finfo`` of a complex dtype is its
+    parts': a complex128 -> complex64 cast merged summed gradients in float32, a review)."""
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
 def _narrowing(node: fx.Node) -> str:
     """"casts float64 to float32" when ``node`` computes a floating-point result of less
     precision or range than a floating-point input, else "": merged, the two
     uses' gradients would be summed in the narrower dtype (one more rounding in it than
     eager, which sums them in the input's dtype; a bf16 cast of a float32 activation: a
     bf16 rounding of the summed gradient)."""
-    outs = [v for v in pytree.tree_leaves(node.meta.get("val"))
-            if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    ins = [v for a in node.all_input_nodes
-           if isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point()]
+    outs = [v for v in pytree.tree_leaves(node.meta.get("val")) if _inexact(v)]
+    ins = [v for a in node.all_input_nodes if _inexact(v := a.meta.get("val"))]
     # (whether the input requires grad is not in the pre-autograd graph's meta)
     for o in outs:
         for i in ins:  # less precise, or a smaller range (bf16 -> fp16: two uses' gradients
@@ -125,7 +151,8 @@ class CSEPass(GraphPass):
             if node.op != "call_function":
                 continue
             if not _is_pure_aten(node):
-                if not isinstance(node.target, torch._ops.OpOverload) or is_mutating(node):
+                if (not isinstance(node.target, torch._ops.OpOverload)
+                        and not _plain_python(node)) or is_mutating(node):
                     region += 1  # grad-mode switch, autocast, HOP or in-place write: a barrier
                     # (another library's op that declares no writes is none: it is just
                     # never merged itself)

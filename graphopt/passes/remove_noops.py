@@ -4,7 +4,10 @@ Contract:
     accepts: any normalized graph (pre-autograd ATen or joint), static or symbolic shapes.
     guarantees: exact; every removed node ``y = op(x, ...)`` had ``y`` equal to ``x`` in
         value, shape, dtype, device and strides (an arithmetic identity's new tensor is
-        dense where ``x`` may be strided) and (for view-like ops) already aliased ``x``. Shapes
+        dense where ``x`` may be strided, from offset 0 of its own storage where ``x`` may
+        be a view into a larger one, without ``x``'s lazy negation or conjugation) and (for
+        view-like ops) already aliased ``x``; ``to(memory_format=f)`` goes only where eager
+        returns ``x``, when ``x``'s suggested memory format is f. Shapes
         are compared with ``statically_known_true``, so a symbolic shape that is only equal
         for some inputs is kept.
     reads meta: ``val``. writes meta: nothing (removed nodes' users now read ``x``).
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._prims_common import suggest_memory_format
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.passes import register_pass
@@ -99,17 +103,37 @@ def identity_input(node: fx.Node) -> fx.Node | None:
     if target in _ALIAS_IF_UNCHANGED:
         copy = argument(node, "copy") is True
         fmt: Any = argument(node, "memory_format")
-        keeps_layout = fmt in (None, torch.preserve_format) or x.is_contiguous(memory_format=fmt)
-        if not copy and keeps_layout and (target is not aten.contiguous.default
-                                          or x.is_contiguous()):
-            return x_node
-        return None
+        if target is aten.contiguous.default:  # eager returns x when it is contiguous
+            keeps_layout = x.is_contiguous(memory_format=fmt or torch.contiguous_format)
+        else:  # to(): x when its suggested format is fmt (an (N, 1, H, W) x is contiguous
+            # in both formats, and eager copies it to the other's strides: a review
+            # measured outputs 4.0 off through an as_strided after it, removed)
+            keeps_layout = fmt in (None, torch.preserve_format) or \
+                suggest_memory_format(x) == fmt
+        return x_node if not copy and keeps_layout else None
     if target in _ARITH_IDENTITY and len(node.args) == 2 and not node.kwargs:
         other = node.args[1]
         if type(other) in (int, float) and other == _ARITH_IDENTITY[target] and \
-                not _signed_zero_changes(target, x) and _same_strides(x, y):
+                not _signed_zero_changes(target, x) and _same_strides(x, y) and \
+                _owns_dense_storage(x):
             return x_node
     return None
+
+
+def _owns_dense_storage(x: torch.Tensor) -> bool:
+    """Whether ``x`` is laid out as an arithmetic identity's new tensor is: from offset 0
+    of a storage of exactly its elements, with no lazy negation or conjugation. ``x[1:] * 1``
+    has ``x[1:]``'s strides but its own storage; removed, an ``as_strided`` after it read
+    the base's elements (a review: outputs 4.0 off eager, and with an out-of-bounds size a
+    value where eager raises), and a neg-bit view made a later ``view(int64)`` fail."""
+    if x.is_neg() or x.is_conj():
+        return False
+    try:
+        nbytes = x.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (a subclass)
+        return False
+    return bool(statically_known_true(x.storage_offset() == 0)
+                and statically_known_true(nbytes == x.numel() * x.element_size()))
 
 
 def _same_strides(x: torch.Tensor, y: torch.Tensor) -> bool:
