@@ -190,6 +190,7 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict[str, Any], batch: 
 
     import torch.distributed as dist
 
+    from graphopt.distributed import all_reduce_host
     from graphopt.parallel import build_mesh, microbatches, parallelize
     from graphopt.planner.plan import ParallelPlan
 
@@ -237,7 +238,7 @@ def _parallel_worker(rank: int, world: int, plan_kwargs: dict[str, Any], batch: 
     # the dp ranks' mean loss on the last stage: gather it to every rank
     value = torch.tensor([float(loss.detach()) if loss is not None else 0.0,
                           1.0 if loss is not None else 0.0], dtype=torch.float64)
-    dist.all_reduce(value)
+    value = all_reduce_host(value)
     mean = value[0] / value[1]
     ref = float(ref_loss.detach())
     return {"loss_error": abs(float(mean) - ref) / abs(ref),

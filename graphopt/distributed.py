@@ -39,6 +39,22 @@ def group_by_name(name: str, size: int | None = None, what: str = "this op"
     return group
 
 
+def all_reduce_host(value: torch.Tensor, op: Any = None, group: Any = None) -> torch.Tensor:
+    """``value``, a host (CPU) tensor, all-reduced over ``group`` (None: the world) with
+    ``op`` (None: sum), on the device the group's backend takes (NCCL and HCCL reduce no
+    host tensors; gloo takes them as they are); the result is a new host tensor. Collective.
+    """
+    import torch.distributed as dist
+
+    try:
+        kind = dist.distributed_c10d._get_object_coll_device(group)
+    except (AttributeError, RuntimeError, ValueError):  # a torch without the helper
+        kind = value.device.type
+    out = value.to(kind).clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return out.to(value.device)
+
+
 def slowest_rank_seconds(fn: Callable[[], Any]) -> float:
     """Seconds ``fn()`` takes on the slowest rank: all ranks start together (a barrier) and
     the maximum of their wall times is all-reduced (what a synchronous step costs). Every
@@ -51,8 +67,7 @@ def slowest_rank_seconds(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return float(all_reduce_host(elapsed, dist.ReduceOp.MAX))
 
 
 def free_port() -> int:

@@ -94,22 +94,28 @@ def test_a_norm_of_order_zero_is_a_clear_error():
 
 
 def _nan_worker(rank, world):
-    """A NaN in rank 1's gradient only (pp=2 stage, or a ZeRO-3 shard): (inf-norm, 2-norm,
-    error_if_nonfinite's message or "ran") on this rank."""
+    """A NaN in rank 1's gradient only (pp=2 stage, a ZeRO-3 shard, or a ZeRO-2 shard after
+    an evaluation forward with gradients enabled, which leaves FSDP2's gathered copies in
+    the module): (inf-norm, 2-norm, error_if_nonfinite's message or "ran") on this rank."""
     import math
 
     import graphopt
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, clip_grad_norm_, grad_norm
+    from graphopt.parallel.apply import master_parameters
 
     out = []
-    for kw in (dict(pp=2), dict(dp_shard=2, zero_stage=3)):
+    for kw in (dict(pp=2), dict(dp_shard=2, zero_stage=3), dict(dp_shard=2, zero_stage=2)):
         plan = ParallelPlan(**kw)
         mesh = build_mesh(plan)
         model = graphopt.parallelize(build_model("llama", torch.float64), plan, mesh)
         plan_backward(model, plan, mesh)
+        if plan.zero_stage == 2:
+            model(input_ids=BATCH[:1], use_cache=False)  # a validation loss, no backward
         if rank == 1:
-            g = next(p.grad for p in model.parameters() if p.grad is not None)
+            masters = master_parameters(model)
+            g = next(q.grad for q in (masters.get(id(p), p) for p in model.parameters())
+                     if q.grad is not None)
             (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = math.nan
         norms = [float(grad_norm(model, float("inf"))), float(grad_norm(model))]
         try:

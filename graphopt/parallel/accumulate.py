@@ -197,10 +197,10 @@ def _same_count_everywhere(count: int, batch: int, size: int) -> None:
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return
-    counts = torch.tensor([count, -count], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        counts = counts.cuda()
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    from graphopt.distributed import all_reduce_host
+
+    counts = all_reduce_host(torch.tensor([count, -count], dtype=torch.int64),
+                             dist.ReduceOp.MAX)
     most, fewest = int(counts[0]), -int(counts[1])
     if most != fewest:
         raise ConfigError(

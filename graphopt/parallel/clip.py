@@ -103,16 +103,10 @@ def _combine(parts: list[torch.Tensor], p: float) -> torch.Tensor:
 
 
 def _all_reduce(value: torch.Tensor, group: Any, p: float) -> torch.Tensor:
-    """``value`` (a host scalar) summed (inf: max) over ``group``, on the device the group's
-    backend takes (NCCL / HCCL do not reduce host tensors), back on the host."""
-    op = dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM
-    try:
-        kind = dist.distributed_c10d._get_object_coll_device(group)
-    except (AttributeError, RuntimeError, ValueError):  # a torch without the helper
-        kind = value.device.type
-    out = value.to(kind).clone()
-    dist.all_reduce(out, op=op, group=group)
-    return out.to(value.device)
+    """``value`` (a host scalar) summed (inf: max) over ``group``, back on the host."""
+    from graphopt.distributed import all_reduce_host
+
+    return all_reduce_host(value, dist.ReduceOp.MAX if p == float("inf") else None, group)
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
@@ -170,13 +164,17 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     # A max all-reduce over gloo dropped a NaN held by a rank other than rank 0 (a review:
     # the inf-norm came out finite on every rank and rank 1 stepped NaN into its weights),
     # so every rank's non-finite gradients are counted once more, with a sum over all ranks
+    # (ZeRO-2's sharded parameters hold them: after an evaluation forward with gradients
+    # enabled the module's gathered copies hold none, and a NaN went uncounted, a review;
+    # summed on the device the group's backend takes, as the norms are)
     flags = torch.zeros(2, dtype=torch.float64)
     for param in model.parameters():
+        param = masters.get(id(param), param)
         if param.grad is not None:
             g = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             flags[0] += bool(torch.isnan(g).any())
             flags[1] += bool(torch.isinf(g).any())
-    dist.all_reduce(flags)
+    flags = _all_reduce(flags, None, 1.0)
     if flags[0]:
         return torch.full((), float("nan"), dtype=torch.float64)
     if flags[1]:

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from graphopt.distributed import all_reduce_host
 from graphopt.errors import ConfigError
 from graphopt.planner.plan import ParallelPlan
 
@@ -339,8 +340,8 @@ def choose_schedule_at_first_step(model: nn.Module, plan: ParallelPlan, opts: An
         if x is None:
             return
         tokens = x.numel() if not x.is_floating_point() else x.shape[:-1].numel()
-        count = torch.tensor([-(-tokens // state.split)], dtype=torch.int64)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        count = all_reduce_host(torch.tensor([-(-tokens // state.split)], dtype=torch.int64),
+                                dist.ReduceOp.MAX)
         hidden, ffn = int(first.down_proj.shape[1]), int(first.down_proj.shape[2])
         schedule, chunks, note = ep_schedule(int(count), top_k, hidden, ffn,
                                              first.down_proj.dtype, opts, state.ranks_per_node)

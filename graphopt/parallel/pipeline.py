@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphopt.distributed import all_reduce_host
 from graphopt.errors import ConfigError
 from graphopt.parallel.rng import Generators, drew
 from graphopt.planner.plan import ParallelPlan
@@ -502,7 +503,7 @@ class PipelinedModel(nn.Module):
         size = -1 if length is None else length
         flags = torch.tensor([count, -count, problem is not None, size, -size, fresh],
                              dtype=torch.float64)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags = all_reduce_host(flags, torch.distributed.ReduceOp.MAX)
         if problem is not None:
             raise problem
         if flags[2]:
