@@ -6,6 +6,8 @@ recomputed layers again, and about half of them under the selective policy."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from graphopt.planner.plan import ParallelPlan
 from tests.helpers import BATCH, held_grads, lm_loss, plan_backward
 
 RUNS = [  # (model, plan, compiled with graphopt.compile)
+    # (the two TP runs train with transformers' default use_cache=True: the recomputation
+    # updated each layer's DynamicCache again and torch's checkpoint failed, a review)
     ("llama", dict(tp=2, recompute_layers=1, selective_recompute=True), False),
     ("llama", dict(tp=2, recompute_layers=1, selective_recompute=True), True),
     ("mixtral", dict(dp_shard=2, ep=2, zero_stage=3, recompute_layers=1,
@@ -39,6 +43,7 @@ def _exact_worker(rank, world, runs):
     RoundTrip.__call__ = counted
     out = []
     for name, kw, compiled in runs:
+        warned = []
         trips[:] = [0, 0, 0]
         plan = ParallelPlan(**kw)
         mesh = build_mesh(plan)
@@ -46,12 +51,22 @@ def _exact_worker(rank, world, runs):
         model = build_model(name, torch.float64)
         model = graphopt.compile(model, options={"parallel": plan, "lowering": "eager"}) \
             if compiled else graphopt.parallelize(model, plan, mesh)
-        plan_backward(model, plan, mesh)
+        if kw.get("tp", 1) > 1:  # every rank holds the whole batch
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.train()
+                logits = model(input_ids=BATCH).logits  # use_cache: the config's True
+                torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                  BATCH[:, 1:].flatten()).backward()
+            warned = [str(w.message) for w in caught if "KV cache" in str(w.message)]
+        else:
+            plan_backward(model, plan, mesh)
         lm_loss(ref, BATCH).backward()
         err = max(float((got - want).abs().max()) for _, got, want in held_grads(model, ref))
         notes = [x for x in model.graphopt_parallel.notes
                  if x.startswith("activation recomputation")]
-        out.append((name, kw, compiled, err, trips[::2], ref.config.num_hidden_layers, notes))
+        out.append((name, kw, compiled, err, trips[::2], ref.config.num_hidden_layers, notes,
+                    warned))
     RoundTrip.__call__ = run_trip
     return out
 
@@ -59,8 +74,9 @@ def _exact_worker(rank, world, runs):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_planned_recomputation_is_exact_and_keeps_the_expert_parallel_op():
     for results in run_distributed(_exact_worker, 2, RUNS):
-        for name, plan, compiled, err, trips, layers, notes in results:
+        for name, plan, compiled, err, trips, layers, notes, warned in results:
             assert err < 1e-12, (name, plan, compiled, err)
+            assert bool(warned) == (plan.get("tp", 1) > 1), (name, plan, warned)
             assert len(notes) == 1, (name, plan, notes)
             if plan.get("ep", 1) > 1:  # saved: not a second round trip in the backward
                 assert trips == [layers, layers], (name, plan, trips)

@@ -769,10 +769,33 @@ def _synced_generate(generate: Callable[..., Any], *args: Any, **kwargs: Any) ->
     return generate(*args, **kwargs)
 
 
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
 def _checkpointed(forward: Callable[..., Any], full: bool, *args: Any, **kwargs: Any) -> Any:
-    """``forward(*args, **kwargs)`` under activation checkpointing (:func:`apply_recompute`)."""
+    """``forward(*args, **kwargs)`` under activation checkpointing (:func:`apply_recompute`).
+
+    A KV cache given to the layer would be updated again by the recomputation (transformers
+    makes a ``DynamicCache`` whenever ``use_cache`` is on, its config's default: a review
+    saw every recompute plan fail in the backward with torch's "index 4 encountered during
+    backward but not found in storage"). As transformers' own gradient checkpointing does,
+    a training layer runs without the cache (``use_cache=False``, the cache None; warned
+    once); a layer in eval mode with gradients enabled keeps its cache and is not
+    recomputed."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    cached = [name for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None]
+    if cached:
+        if not getattr(getattr(forward, "__self__", None), "training", True):
+            return forward(*args, **kwargs)
+        warnings.warn(f"graphopt: activation recomputation replays each layer in the "
+                      f"backward, so the layers run without their KV cache ({cached[0]} "
+                      "set to None, use_cache=False), as transformers' gradient "
+                      "checkpointing does; pass use_cache=False to train without one",
+                      UserWarning, stacklevel=2)
+        kwargs = {**kwargs, **dict.fromkeys(cached)}
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
     from torch.utils.checkpoint import checkpoint
 
     from graphopt.planner.model import selective_checkpoint_context
