@@ -529,7 +529,8 @@ LENGTH_RUNS = [
     # (verify=True: a TP layer's graph takes DTensors; verify compared their shards only
     # once it stopped crashing on them, a review. remat at budget 0 recomputes what it may:
     # the recomputed SDPA's RNG state, saved after the graph's DeviceMesh, failed the first
-    # forward in torch's runtime, a review)
+    # forward in torch's runtime, a review; the graph inputs its backward reads were left
+    # out of the remat report: DTensor parameters unwrap into two primals each, a review)
     ("llama", dict(tp=2, sp=False), {}, {"verify": True, "remat": {"budget": 0}}),
     # EP folded over TP with dynamic shapes: the token split's fake kernel took divmod of a
     # SymInt (TypeError at the second length)
@@ -579,7 +580,9 @@ def _lengths_worker(rank, world, lengths):
         verified = [r.verify.get("status") for r in graphopt.reports() if r.verify]
         remat = [s.action for r in graphopt.reports() for p in r.pass_records("remat")
                  for s in p.sites if s.site == "saved activations"]
-        out.append((errors, compiled_graphs, report.notes, verified, remat))
+        held = [s.reason for r in graphopt.reports() for p in r.pass_records("remat")
+                for s in p.sites if s.site == "graph inputs held by the backward"]
+        out.append((errors, compiled_graphs, report.notes, verified, remat, held))
     return out
 
 
@@ -589,9 +592,11 @@ def test_compiled_plans_train_exactly_on_new_sequence_lengths():
     cannot compile with dynamic shapes gets an error naming the fix, not a RecursionError."""
     lengths = [16, 24]
     for per_rank in run_distributed(_lengths_worker, 2, lengths):
-        for (name, kw, compile_kwargs, extra), (errors, graphs, notes, verified, remat) in \
-                zip(LENGTH_RUNS, per_rank):
+        for (name, kw, compile_kwargs, extra), (errors, graphs, notes, verified, remat,
+                                                held) in zip(LENGTH_RUNS, per_rank):
             assert bool(remat) == ("remat" in extra), (name, kw, remat)
+            # each layer's backward reads its hidden-state input (RMSNorm's gradient)
+            assert len(held) == len(remat), (name, kw, held, remat)
             assert bool(verified) == bool(extra), (name, kw, verified)
             assert all(v == "passed" for v in verified), (name, kw, verified)
             static = any("compiled with dynamic=False" in n for n in notes)

@@ -1403,3 +1403,46 @@ def test_profile_guided_mode_does_not_run_a_graph_that_communicates_at_compile_t
     for sites in run_distributed(_observe_worker, 1):
         assert sites and sites[0][0] == "skipped", sites
         assert "not observed: the graph exchanges data between ranks" in sites[0][1], sites
+
+
+def test_tensor_subclass_inputs_are_priced_by_the_tensors_autograd_unwraps_them_into():
+    """A tensor subclass input that is not a parameter (a DTensor activation under TP/SP;
+    here torch's TwoTensor, two plain tensors) reaches the joint graph as the plain tensors
+    AOTAutograd unwraps it into. The inputs were matched to primals position by position,
+    so one of the two went unpriced: the report claimed 768 bytes saved where autograd held
+    1536 (under TP a review measured 112,384 claimed against 132,352 held). Primals are now
+    matched by AOTAutograd's input descriptors."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def g(x, w1, w2):
+        h = torch.sin(x @ w1)
+        return ((h.exp() * h.cos()) @ w2).tanh().sum()
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(6, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    w1, w2 = (torch.nn.Parameter(torch.randn(16, 16, dtype=torch.float64, generator=gen))
+              for _ in range(2))
+    skip = {t.untyped_storage().data_ptr() for t in (a, b, w1, w2)}
+    torch._dynamo.reset()
+    graphopt.clear_reports()
+    fn = torch.compile(g, backend="graphopt",
+                       options={"lowering": "eager", "remat": {"budget": 0}})
+    seen = {}
+
+    def pack(t):
+        for inner in (t.a, t.b) if isinstance(t, TwoTensor) else (t,):
+            if inner.untyped_storage().data_ptr() not in skip:
+                seen[inner.untyped_storage().data_ptr()] = inner.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(TwoTensor(a, b), w1, w2)
+    out.backward()
+    expected = g(TwoTensor(a, b), w1.detach().requires_grad_(), w2)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=0)
+    sites = {s.site: s for r in graphopt.reports() for p in r.pass_records("remat")
+             for s in p.sites}
+    claimed = int(re.search(r"saved (\d+) bytes", sites["saved activations"].reason)[1])
+    assert claimed == sum(seen.values()), (sites["saved activations"].reason, seen)
+    assert "the backward reads 2 graph inputs that are not parameters (1536 bytes" in \
+        sites["graph inputs held by the backward"].reason

@@ -365,14 +365,14 @@ def mutated_input_marker(gm: fx.GraphModule) -> Callable[[fx.GraphModule], None]
     def mark(joint: fx.GraphModule) -> None:
         if not any(flags) and not unknown:
             return
-        tail = None if unknown else _matching_primals(
+        groups = None if unknown else _matching_primals(
             joint, [i.meta.get("example_value", i.meta.get("val")) for i in inputs])
-        if tail is None:  # every primal: which one is written is not known
+        if groups is None:  # every primal: which one is written is not known
             for p in _primals(joint):
                 p.meta[MUTATED_INPUT] = p.meta[MUTATED_INPUT_GUESSED] = True
             return
-        for p, flag in zip(tail, flags):
-            if flag:
+        for group, flag in zip(groups, flags):
+            for p in group if flag else ():
                 p.meta[MUTATED_INPUT] = True
 
     return mark
@@ -390,17 +390,19 @@ def input_marker(example_inputs: Sequence[Any]) -> Callable[[fx.GraphModule], No
     live as long as the model). Whether the input has a ``grad_fn`` (another graph's
     activation) is not used: Dynamo does not guard on it, so a graph compiled for a leaf
     ran on activations unpriced (a review: 98,304 bytes held against a claim of 32,768);
-    it guards on the tensor's type. Matched as :func:`mutated_input_marker` matches;
-    nothing is marked when the match fails (the remat pass then prices no input)."""
+    it guards on the tensor's type. A tensor subclass input (a DTensor activation under
+    TP/SP) marks the plain tensors AOTAutograd unwraps it into. Matched as
+    :func:`mutated_input_marker` matches; nothing is marked when the match fails (the remat
+    pass then prices no input)."""
     import torch
 
     flags = [isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
              for x in example_inputs]
 
     def mark(joint: fx.GraphModule) -> None:
-        tail = _matching_primals(joint, list(example_inputs)) if any(flags) else None
-        for p, flag in zip(tail or [], flags):
-            if flag:
+        groups = _matching_primals(joint, list(example_inputs)) if any(flags) else None
+        for group, flag in zip(groups or [], flags):
+            for p in group if flag else ():
                 p.meta[NOT_A_PARAMETER] = True
 
     return mark
@@ -411,19 +413,55 @@ def _primals(joint: fx.GraphModule) -> list[fx.Node]:
             if not n.name.startswith("tangents")]
 
 
-def _matching_primals(joint: fx.GraphModule, values: list[Any]) -> list[fx.Node] | None:
-    """The joint graph's last ``len(values)`` primal placeholders (AOTAutograd puts lifted
-    parameters and effect tokens first), when each matches its value by dtype and rank (a
-    tensor) or by not being a tensor; None otherwise."""
+def _matching_primals(joint: fx.GraphModule,
+                      values: list[Any]) -> list[list[fx.Node]] | None:
+    """For each of the graph's inputs ``values``, the joint graph's primal placeholders
+    holding its tensors; None when they cannot all be matched.
+
+    AOTAutograd records where each primal comes from (``meta["desc"]``): ``args[i]``
+    itself, or an attribute AOTAutograd unwrapped from the tensor subclass ``args[i]``
+    (a DTensor becomes its ``_local_tensor``; its device mesh is not a tensor and is left
+    out). Each match is checked by dtype and rank. Without descriptors (or when they do
+    not match, as after compiled autograd flattened list inputs) the last
+    ``len(values)`` primals are matched one to one (AOTAutograd puts lifted parameters
+    and effect tokens first)."""
     import torch
+    from torch._functorch._aot_autograd.descriptors import (
+        PlainAOTInput,
+        SubclassGetAttrAOTInput,
+    )
 
     def same(a: Any, b: Any) -> bool:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             return bool(a.dtype == b.dtype and a.dim() == b.dim())
         return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
 
+    def source(desc: Any) -> tuple[int, list[str]] | None:
+        attrs: list[str] = []
+        while isinstance(desc, SubclassGetAttrAOTInput):
+            attrs.insert(0, desc.attr)
+            desc = desc.base
+        return (desc.idx, attrs) if isinstance(desc, PlainAOTInput) else None
+
     primals = _primals(joint)
+    groups: list[list[fx.Node]] = [[] for _ in values]
+    for p in primals:
+        where = source(p.meta.get("desc"))
+        if where is None or not 0 <= where[0] < len(values):
+            continue
+        value: Any = values[where[0]]
+        for attr in where[1]:
+            value = getattr(value, attr, None)
+        if not same(p.meta.get("val"), value):
+            break
+        if isinstance(value, torch.Tensor):
+            groups[where[0]].append(p)
+    else:
+        if all(g or not isinstance(v, torch.Tensor) for g, v in zip(groups, values)):
+            return groups
     if len(primals) < len(values):
         return None
     tail = primals[len(primals) - len(values):]
-    return tail if all(same(p.meta.get("val"), v) for p, v in zip(tail, values)) else None
+    if not all(same(p.meta.get("val"), v) for p, v in zip(tail, values)):
+        return None
+    return [[p] if isinstance(v, torch.Tensor) else [] for p, v in zip(tail, values)]
