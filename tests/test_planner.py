@@ -1365,3 +1365,37 @@ def test_plot_marks_hand_configurations_that_do_not_fit(tmp_path, monkeypatch):
     plot_plans(result, tmp_path / "plans.png")
     texts = [t.get_text() for t in figures[0].axes[0].texts]
     assert texts.count("  out of memory: does not run") == len(over)
+
+
+def test_the_selective_policy_recomputes_an_attention_op_that_draws_dropout(monkeypatch):
+    """CUDA's flash / memory-efficient SDPA with dropout draws from the generator; kept by
+    the selective policy, it did not advance the generator in the recomputation, so a later
+    dropout in the layer drew another mask than in the forward (a review, simulated on the
+    CPU). Simulated here the same way: a seeded CPU op (native_dropout) stands in the
+    policy's kept list. The gradient equals the forward's masks' only if it is recomputed."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from graphopt.planner import model as plan_model
+
+    monkeypatch.setattr(plan_model, "SELECTIVE_SAVE",
+                        (*plan_model.SELECTIVE_SAVE, torch.ops.aten.native_dropout.default))
+
+    def layer(x):
+        a = torch.ops.aten.native_dropout.default(x.sin(), 0.5, True)[0].cos()
+        return a * (torch.rand_like(a) > 0.5)  # a later random op, recomputed
+
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        out = checkpoint(layer, x, use_reentrant=False,
+                         context_fn=plan_model.selective_checkpoint_context) \
+            if checkpointed else layer(x)
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        grads.append(grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-14, atol=0)
+    kept = plan_model._draws_random(torch.ops.aten._scaled_dot_product_flash_attention.default,
+                                    (x, x, x, 0.0), {})
+    assert not kept and plan_model._draws_random(
+        torch.ops.aten._scaled_dot_product_flash_attention.default, (x, x, x, 0.1), {})

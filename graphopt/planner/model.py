@@ -168,6 +168,22 @@ all-gather would hold the gathered tensor anyway)."""
 _REGIONS = itertools.count(1)
 
 
+def _draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call draws from the generator: a seeded op (``nondeterministic_seeded``)
+    unless its dropout probability is 0. Kept by the selective policy, such an op (CUDA's
+    flash / memory-efficient SDPA with dropout) does not advance the generator in the
+    recomputation, and every later random op of the layer draws another mask than in the
+    forward (a review: a gradient off by its own size, simulated on the CPU); recomputed,
+    it draws the forward's numbers again from the checkpoint's restored RNG state."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name in ("dropout_p", "p"):
+            value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+            return not (isinstance(value, int | float) and value == 0)
+    return True
+
+
 def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint`` applying :data:`SELECTIVE_SAVE`, or with
     ``full`` recomputing every op (full activation recomputation). Either way graphopt's
@@ -182,6 +198,7 @@ def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
     the all-gathers run again (SP's gathered layer inputs are not kept: torchtitan's
     policy, which keeps reduce-scatter outputs only, and what perf prices: 2 more TP
     collectives per selective layer with SP) and the other collectives' outputs are kept.
+    An attention op with dropout is recomputed, not kept (:func:`_draws_random`).
     Ring attention (CP) runs again under both, as perf prices it. Every rank recomputes
     the same layers, so the rerun collectives match across ranks."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -202,7 +219,8 @@ def selective_checkpoint_context(full: bool = False) -> tuple[Any, Any]:
         mode = "recompute" if ctx.is_recompute else "forward"
         gemm = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
         count[mode] += gemm
-        save = func in SELECTIVE_SAVE and not (gemm and count[mode] % 2 == 0)
+        save = func in SELECTIVE_SAVE and not (gemm and count[mode] % 2 == 0) and \
+            not _draws_random(func, args, kwargs)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     forward, recompute = create_selective_checkpoint_contexts(policy,
