@@ -296,6 +296,9 @@ def test_zero_bubble_is_searched_and_priced_with_a_third_of_the_bubble():
     found = [p for p in candidates(model, 32, 256, 8) if p.pp_schedule == "zero_bubble"]
     assert found and all(p.virtual_stages > 1 for p in found)
     assert not any(p.zero_stage == 3 and p.dp_shard > 1 for p in found)
+    # nor with the selective policy, whose checkpoint allows one backward (a review)
+    assert not any(p.selective_recompute for p in found)
+    assert any(p.selective_recompute for p in candidates(model, 32, 256, 8))
 
 
 def test_ranked_plans_are_ones_graphopt_executes_or_say_why_not():

@@ -249,6 +249,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "after forward) gives wrong weight gradients with torch's "
                               "zero-bubble schedule: use zero_stage=2, or "
                               "pp_schedule='interleaved'")
+        if plan.pp_schedule == "zero_bubble" and plan.selective_recompute:
+            # torch's selective checkpoint allows one backward per forward; the zero-bubble
+            # schedule runs two, input and weight gradients ("Trying to backward an extra
+            # time", a review); full recomputation (recompute_layers) is exact there
+            raise ConfigError("pp_schedule='zero_bubble' with selective_recompute=True is "
+                              "not executed: torch's selective activation checkpoint allows "
+                              "one backward, the schedule splits it into input and weight "
+                              "gradients; use recompute_layers (full recomputation) or "
+                              "pp_schedule='interleaved'")
     moe_opts = _moe_options(moe, plan)
     if plan.ep > 1:  # refuse before anything changes
         from graphopt.parallel.expert import check_experts, experts_fsdp_degree, find_experts

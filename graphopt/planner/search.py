@@ -181,7 +181,10 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                                                            schedules, etps):
                 most = max(layout) if layout else per_stage
                 # recomputation: none, selective (per-op), half or all layers of a stage
-                for rec, sel in [(0, False)] + [(0, True)] * selective + \
+                # (zero bubble's split backward runs a layer's backward twice, which
+                # torch's selective checkpoint refuses: apply.parallelize)
+                for rec, sel in [(0, False)] + \
+                        [(0, True)] * (selective and schedule != "zero_bubble") + \
                         [(r, False) for r in sorted({most // 2, most} - {0}) if recompute]:
                     # SP splits each rank's s/cp tokens over tp: only when tp divides them
                     # (a review got tp=4 + SP for 4095 tokens, which the executor refuses),
