@@ -7,6 +7,7 @@ from graphopt.testing import as_function, assert_matches_eager, run_pass, trace_
 
 def test_removes_identity_ops():
     def fn(x):
+        x = torch.sin(x)  # (an identity on a graph input is kept: -k storage_offset)
         a = x.view(x.shape) * 1
         b = a.reshape(4, 6)[:, :] - 0
         c = b.contiguous().to(torch.float64).expand(4, 6)
@@ -64,6 +65,7 @@ def test_adding_zero_is_kept_for_floats_signed_zero():
     """IEEE: -0.0 + 0 = +0.0, so x + 0 is no identity for floats (1/(x + 0) at x = -0.0 is
     +inf, 1/x is -inf); integers lose nothing."""
     def fn(x, i):
+        x, i = x * 2, i * 3  # (an identity on a graph input is kept: -k storage_offset)
         return 1.0 / (x + 0), 1.0 / (x * 1), (i + 0) * 2
 
     x = torch.tensor([-0.0, 1.0, -2.0], dtype=torch.float64)
@@ -183,7 +185,7 @@ def test_an_arithmetic_identity_that_makes_a_strided_input_dense_is_kept():
     def fn(x):
         y = x[:, ::2] * 1
         z = x[:, 1:5] - 0  # strides (6, 1) -> (4, 1): kept too
-        w = x.t() / 1  # a transposed (dense) x keeps its strides: removed
+        w = x.exp().t() / 1  # a transposed dense tensor keeps its strides: removed
         return y.as_strided((2, 3), (3, 1)) * 2, z.sin(), w.sin()
 
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
@@ -220,10 +222,11 @@ def test_an_arithmetic_identity_on_a_view_into_a_larger_storage_is_kept():
     them read the base's elements (a review: 4.0 off eager) and ``view(torch.int64)`` of the
     neg-bit view failed the graph. On a tensor owning its storage the identity still goes."""
     def fn(base, z, w):
+        base, z = base.exp(), z.exp()
         y = base[1:] * 1
         n = z.conj().imag * 1
         return (torch.as_strided(y, (2, 3), (3, 1), 0) * 2, n.view(torch.int64),
-                (w * 1).sin())
+                (w.exp() * 1).sin())
 
     base = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     z = torch.randn(4, dtype=torch.complex128)
@@ -234,3 +237,25 @@ def test_an_arithmetic_identity_on_a_view_into_a_larger_storage_is_kept():
     assert_matches_eager(fn, as_function(gm, fn), [base, z, w])
     compiled = torch.compile(fn, backend="graphopt", options={"lowering": "eager"})
     assert_matches_eager(fn, compiled, [base, z, w])
+
+
+def test_an_arithmetic_identity_on_a_graph_input_is_kept_whatever_its_storage_offset():
+    """Dynamo's guards check an input's sizes and strides, not its storage offset: compiled
+    for ``arange(4.)``, the graph ran on ``base[3:7]`` and an ``as_strided`` after the
+    removed ``x * 1`` read ``base[0:2]`` (a re-review: 3.0 off eager; where eager raises
+    out of bounds, a value). An identity whose input is a graph input or a view of one is
+    kept, with the reason."""
+    def fn(x):
+        return (x * 1).as_strided((2,), (1,), 0) + 0.5
+
+    gm = trace_for_pass(fn, torch.arange(4.0, dtype=torch.float64))
+    gm, record = run_pass("remove_noops", gm)
+    assert record.count("rewritten") == 0 and any(
+        "storage offset" in s.reason for s in record.sites if s.action == "skipped")
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="graphopt", dynamic=dynamic,
+                                 options={"lowering": "eager"})
+        base = torch.arange(10.0, dtype=torch.float64)
+        torch.testing.assert_close(compiled(base[:4]), fn(base[:4]))
+        torch.testing.assert_close(compiled(base[3:7]), fn(base[3:7]))

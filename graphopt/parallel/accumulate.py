@@ -216,18 +216,23 @@ def _same_count_everywhere(count: int, batch: int, size: int) -> None:
 
 
 class _BackwardSeen:
-    """Whether a backward reached an output of the forward it watches: a tensor hook on
-    each output that requires grad, put there by a one-shot forward hook on the model."""
+    """A forward hook on the model for one loop: whether any forward recorded autograd
+    (``trained``; a loop of ``torch.no_grad()`` evaluations needs no backward) and whether
+    a backward reached an output of a forward of the last microbatch (``ran``; a tensor
+    hook on each output that requires grad). Every forward of the last microbatch is
+    watched: a ``torch.no_grad()`` forward of it first (reference log-probabilities) has
+    no such output (watching only the first forward warned there, a re-review)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.ran = False
+        self.ran = self.trained = self.last = False
         self.handle = model.register_forward_hook(self._watch)
 
     def _watch(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.handle.remove()
         for leaf in torch.utils._pytree.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self._seen)
+                self.trained = True
+                if self.last:
+                    leaf.register_hook(self._seen)
 
     def _seen(self, grad: torch.Tensor) -> None:
         self.ran = True
@@ -239,20 +244,20 @@ _LAST_BACKWARD: dict[int, _BackwardSeen] = {}
 def _generate(model: nn.Module, parts: list[tuple[torch.Tensor, ...]], count: int,
               replicas: list[Any], sharded: list[Any]) -> Iterator[Any]:
     done = 0
-    seen = None
+    seen = _BackwardSeen(model) if replicas or sharded else None
     try:
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             _set_sync(replicas, sharded, last)
-            if last and (replicas or sharded):
-                seen = _BackwardSeen(model)
+            if seen is not None:
+                seen.last = last
             yield part[0] if count == 1 else part
             done = i + 1
     finally:
         _set_sync(replicas, sharded, True)
         if seen is not None:
             seen.handle.remove()
-        if done == len(parts) and seen is not None and not seen.ran:
+        if done == len(parts) and seen is not None and seen.trained and not seen.ran:
             # (a review: skipping the last microbatch's backward, replicas' parameters
             # differed by 0.02 after the step; under HSDP the next step's norm was 2.3x)
             _LAST_BACKWARD[id(model)] = seen

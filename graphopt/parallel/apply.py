@@ -785,26 +785,32 @@ def _checkpointed(forward: Callable[..., Any], full: bool, *args: Any, **kwargs:
     """``forward(*args, **kwargs)`` under activation checkpointing (:func:`apply_recompute`).
 
     A KV cache given to the layer would be updated again by the recomputation (transformers
-    makes a ``DynamicCache`` whenever ``use_cache`` is on, its config's default: a review
+    makes a ``DynamicCache`` whenever ``use_cache`` is on, its configs' default: a review
     saw every recompute plan fail in the backward with torch's "index 4 encountered during
-    backward but not found in storage"). As transformers' own gradient checkpointing does,
-    a training layer runs without the cache (``use_cache=False``, the cache None; warned
-    once); a layer in eval mode with gradients enabled keeps its cache and is not
-    recomputed."""
+    backward but not found in storage"). Found by name, given by keyword or by position
+    (GPT-2's blocks take it positionally, a re-review):
+    - a cache that holds nothing for this layer yet (the one transformers made for this
+      forward) is not passed (``use_cache=False``), as transformers' own gradient
+      checkpointing does, in training or in eval mode with gradients on; warned;
+    - a cache holding a prefix for this layer (``get_seq_length(layer_idx) > 0``) is kept
+      and the layer is not recomputed (the prefix's keys are part of the attention, and
+      dropping them broke the shapes: transformers' gradient checkpointing fails there);
+      warned."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    cached = [name for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None]
+    args, kwargs, cached, prefix = _without_empty_cache(forward, args, kwargs)
+    if prefix:
+        warnings.warn("graphopt: a layer under activation recomputation was given a KV "
+                      "cache holding a prefix; the recomputation would update it again, so "
+                      "the layer runs as is, not recomputed (more activation memory than "
+                      "the plan priced)", UserWarning, stacklevel=2)
+        return forward(*args, **kwargs)
     if cached:
-        if not getattr(getattr(forward, "__self__", None), "training", True):
-            return forward(*args, **kwargs)
         warnings.warn(f"graphopt: activation recomputation replays each layer in the "
-                      f"backward, so the layers run without their KV cache ({cached[0]} "
-                      "set to None, use_cache=False), as transformers' gradient "
-                      "checkpointing does; pass use_cache=False to train without one",
+                      f"backward, so the layers run without their KV cache ({cached} not "
+                      "passed, use_cache=False), as transformers' gradient checkpointing "
+                      "does; pass use_cache=False to train without one",
                       UserWarning, stacklevel=2)
-        kwargs = {**kwargs, **dict.fromkeys(cached)}
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
     from torch.utils.checkpoint import checkpoint
 
     from graphopt.planner.model import selective_checkpoint_context
@@ -812,6 +818,41 @@ def _checkpointed(forward: Callable[..., Any], full: bool, *args: Any, **kwargs:
     return checkpoint(forward, *args, use_reentrant=False,
                       context_fn=functools.partial(selective_checkpoint_context, full),
                       **kwargs)
+
+
+def _without_empty_cache(forward: Callable[..., Any], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any], str, bool]:
+    """(args, kwargs with a KV cache that holds nothing for this layer set to None and
+    ``use_cache`` False, the cache argument's name or "", whether a cache holds a prefix
+    for this layer: then nothing is changed). Positional arguments are named through
+    ``forward``'s signature."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):  # no signature: keyword arguments only
+        parameters = []  # type: ignore[assignment]
+    names = [p.name for p in parameters
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
+    given = {**dict(zip(names, args)), **kwargs}
+    found = [name for name in _CACHE_ARGUMENTS if given.get(name) is not None]
+    if not found:
+        return args, kwargs, "", False
+    module = getattr(forward, "__self__", None)
+    index = next((m.layer_idx for m in (module.modules() if module is not None else ())
+                  if isinstance(getattr(m, "layer_idx", None), int)), None)
+    for name in found:
+        length = getattr(given[name], "get_seq_length", None)
+        if index is not None and callable(length) and length(index) > 0:
+            return args, kwargs, "", True
+    changes = {**dict.fromkeys(found), **({"use_cache": False} if "use_cache" in given
+                                          else {})}
+    positional = list(args)
+    for i, name in enumerate(names):
+        if name in changes:
+            positional[i] = changes.pop(name)
+    return tuple(positional), {**kwargs, **changes}, ", ".join(found), False
 
 
 def mixed_precision_dtype(value: str | torch.dtype | None, model: nn.Module
