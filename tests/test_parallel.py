@@ -842,15 +842,19 @@ def _dropout_seed_worker(rank, world, seed_per_rank, pp, kind="dropout"):
     from graphopt.models import build_model
     from graphopt.parallel import parallelize
 
-    plan = ParallelPlan(tp=2, pp=pp, microbatch=1, sp=kind != "jitter")
+    plan = ParallelPlan(tp=2, pp=pp, microbatch=1, sp=kind not in ("jitter", "sample"))
     model = parallelize(build_model("llama", attention_dropout=0.1) if kind == "dropout"
                         else build_model("mixtral", router_jitter_noise=0.1)
                         if kind == "jitter" else build_model("llama"), plan)
-    model.train()
+    model.train(kind != "sample")
     torch.manual_seed(100 + (rank if seed_per_rank else 0))
     ids = torch.zeros(2, 8, dtype=torch.long)
     try:
-        if pp > 1:
+        if kind == "sample":  # greedy decoding draws nothing: it runs with ranks apart
+            model.generate(ids, max_new_tokens=2, pad_token_id=0, use_cache=False)
+            model.generate(ids, do_sample=True, max_new_tokens=2, pad_token_id=0,
+                           use_cache=False)
+        elif pp > 1:
             model.step(ids)
         else:
             model(input_ids=ids, use_cache=False)
@@ -879,6 +883,10 @@ def test_router_noise_under_tp_with_ranks_seeded_apart_is_a_clear_error():
     for message in run_distributed(_dropout_seed_worker, 2, True, 1, "jitter"):
         assert "TP ranks' random states differ" in message
     assert run_distributed(_dropout_seed_worker, 2, True, 1, "none") == ["ran"] * 2
+    # sampling draws outside the forward: generate(do_sample=True) compares the states
+    # (a review: ranks seeded apart sampled other tokens after 3 steps, silently)
+    for message in run_distributed(_dropout_seed_worker, 2, True, 1, "sample"):
+        assert "TP ranks' random states different" in message, message
 
 
 def _gpt2_tp_worker(rank, world):
@@ -1701,3 +1709,26 @@ def test_a_mixer_tp_cannot_split_is_named_in_the_notes():
     assert any(n.startswith("TP=2 keeps 1 module(s) whole on every TP rank (replicated, not "
                             "split), e.g. layers.0.attn: a 2-way column/row split of it "
                             "changes its output") for n in notes), notes
+
+
+def test_layerdrop_is_refused_where_ranks_would_skip_different_layers():
+    """LayerDrop skips each layer on a random draw per forward; ranks drawing apart skip
+    different layers and their per-layer collectives wait forever (a review: OPT under CP
+    with dropout hung in FSDP's all-gather). Refused for DP, CP, PP and EP, before anything
+    changes; TP alone (ranks seeded alike, checked) is not."""
+    import transformers
+
+    from graphopt.parallel import parallelize
+    from graphopt.parallel.apply import layerdrop_refusal
+    from graphopt.parallel.auto import not_executable
+
+    config = transformers.OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    word_embed_proj_dim=64, layerdrop=0.5, dropout=0.1)
+    model = transformers.OPTForCausalLM(config)
+    for kw in (dict(dp_shard=2), dict(dp_replicate=2), dict(cp=2, cp_kind="all_to_all")):
+        with pytest.raises(ConfigError, match=r"LayerDrop \(layerdrop=0.5\) .* set it to 0"):
+            parallelize(model, ParallelPlan(**kw))
+        assert "LayerDrop" in not_executable(ParallelPlan(**kw), model=model)
+    assert not hasattr(model, "graphopt_parallel")
+    assert layerdrop_refusal(model, ParallelPlan(tp=2)) == []

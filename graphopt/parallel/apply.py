@@ -221,6 +221,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         if plan.recompute_layers > per_stage:
             unexecuted.append(f"recompute_layers={plan.recompute_layers} exceeds the decoder "
                               f"layers per pipeline rank ({per_stage} of {count})")
+    unexecuted += layerdrop_refusal(model, plan)
     compute_dtype = mixed_precision_dtype(mixed_precision, model)
     if unexecuted:
         raise ConfigError("cannot execute this parallel plan: " + "; ".join(unexecuted))
@@ -438,6 +439,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             # all_gather_object and died with an internal error (a review)
             model.register_forward_pre_hook(torch.compiler.disable(before_forward))
             model.register_forward_hook(torch.compiler.disable(after_forward))
+            if callable(getattr(model, "generate", None)):
+                setattr(model, "generate", functools.partial(  # noqa: B010
+                    _tp_sampling_check, getattr(model, "generate"),  # noqa: B009
+                    model, mesh["tp"].get_group()))
     if plan.cp > 1 and plan.pp == 1:  # (PP: each stage offsets its seed by the CP rank)
         from graphopt.parallel.rng import install_cp_region
 
@@ -770,6 +775,55 @@ def apply_recompute(model: nn.Module, plan: ParallelPlan) -> str:
             "layers fully" + (f", the other {len(layers) - len(full)} selectively "
                               "(GEMM/attention outputs kept)" if plan.selective_recompute
                               else "") + " (non-reentrant torch.utils.checkpoint per layer)")
+
+
+LAYERDROP_OPTIONS = ("layerdrop", "decoder_layerdrop", "encoder_layerdrop")
+
+
+def layerdrop_refusal(model: nn.Module, plan: ParallelPlan) -> list[str]:
+    """LayerDrop (Fan et al. 2019; OPT's, BART's ``layerdrop``) skips each layer on a
+    random draw per forward. Ranks drawing apart (DP ranks seeded apart, CP's per-rank
+    region, EP) skip different layers, and the per-layer collectives (FSDP's gathers, DDP's
+    reductions, CP's and EP's exchanges) wait for each other forever (a review: OPT under
+    CP with dropout hung in an FSDP all-gather). TP alone is fine: its ranks are seeded
+    alike (checked at the first training forward)."""
+    config = getattr(model, "config", None)
+    drops = {name: getattr(config, name, 0) for name in LAYERDROP_OPTIONS}
+    drops = {name: p for name, p in drops.items() if isinstance(p, int | float) and p > 0}
+    if not drops or max(plan.dp, plan.cp, plan.pp, plan.ep) == 1:
+        return []
+    return [f"LayerDrop ({', '.join(f'{k}={v}' for k, v in drops.items())}) skips layers on "
+            "each rank's own random draw, and the ranks' per-layer collectives would then "
+            "wait for each other forever: set it to 0 in the model's config to train with "
+            "data, context, pipeline or expert parallelism"]
+
+
+def _tp_sampling_check(generate: Callable[..., Any], model: nn.Module, group: Any,
+                       *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``generate`` under TP, refusing to sample (``do_sample``) from TP ranks
+    whose random states differ: each rank would draw other tokens and the vocabulary-split
+    embedding would then sum different tokens' rows, silently (a review: ranks seeded by
+    global rank diverged after 3 tokens). The training forward's check
+    (:func:`_tp_rng_check`) does not see this: sampling draws outside the forward.
+
+    Raises:
+        ConfigError: sampling, with the TP ranks' random states different (on every rank).
+    """
+    import torch.distributed as dist
+
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if kwargs.get("do_sample", getattr(config, "do_sample", False)):
+        local = next((_local(p) for p in model.parameters()), None)
+        digest = _rng_digest(local.device if local is not None else torch.device("cpu"))
+        states: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, digest, group=group)
+        if len(set(states)) > 1:
+            raise ConfigError(
+                "generate(do_sample=True) under TP with the TP ranks' random states "
+                "different: each rank would sample other tokens. Seed every rank of a TP "
+                "group alike before generating (e.g. torch.manual_seed(seed + "
+                "data-parallel rank)), or generate greedily")
+    return generate(*args, **kwargs)
 
 
 def _synced_generate(generate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

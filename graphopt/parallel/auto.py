@@ -68,6 +68,11 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
         why = _cp_refusal(model, plan)
         if why:
             return why
+    if model is not None:
+        from graphopt.parallel.apply import layerdrop_refusal
+
+        for why in layerdrop_refusal(model, plan):
+            return why
     why = _experts_fsdp_problem(plan, config)
     if why:
         return why

@@ -177,13 +177,13 @@ class RandomRegions:
 
     # -- entering and leaving -------------------------------------------------------------
 
-    @torch._dynamo.disable(recursive=False)
+    @torch._dynamo.disable
     def _enter(self, kind: str, seed_of: Any) -> None:
         saved = self.generators.states()
         self.generators.seed(seed_of(int(torch.randint(0, _BASE, (1,)).item())))
         self.stack.append((kind, (saved, self.generators.states())))
 
-    @torch._dynamo.disable(recursive=False)
+    @torch._dynamo.disable
     def _leave(self) -> None:
         _, state = self.stack.pop()
         if state is None:
@@ -206,7 +206,7 @@ class RandomRegions:
         if module.training:
             self._head_enter()
 
-    @torch._dynamo.disable(recursive=False)
+    @torch._dynamo.disable
     def _head_enter(self) -> None:
         if self._top() != "head":
             self._enter("head", lambda base: region_seed(HEAD_TAG, self.tp_rank, base))
@@ -236,7 +236,7 @@ class RandomRegions:
                 self._shared_enter(index)
         return hook
 
-    @torch._dynamo.disable(recursive=False)
+    @torch._dynamo.disable
     def _shared_enter(self, index: int) -> None:
         # (read from the seed, which activation checkpointing restores, so a recomputed
         # module takes the stream it took in the forward)
@@ -256,7 +256,7 @@ class RandomRegions:
                 self._close(kind, inner=True)
         return hook
 
-    @torch._dynamo.disable(recursive=False)
+    @torch._dynamo.disable
     def _close(self, kind: str, inner: bool) -> None:
         while inner and self._top() in ("head", "tail"):  # the module's own, left open
             self._leave()
