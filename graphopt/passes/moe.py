@@ -52,6 +52,7 @@ import math
 import operator
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -674,6 +675,7 @@ class MoEPass(GraphPass):
             if isinstance(value, torch.Tensor):
                 real[node] = value
         modified = False
+        skipped: list[str] = []
         topks = list(gm.graph.find_nodes(op="call_function", target=aten.topk.default))
         if self.options is not None and not topks:  # asked for, nothing to do: say so
             argmax = gm.graph.find_nodes(op="call_function", target=aten.argmax.default)
@@ -714,6 +716,15 @@ class MoEPass(GraphPass):
                 ctx.record("rewritten", site, f"{detail}; {how}", approximate=drops)
             except Skip as why:
                 ctx.record("skipped", site, str(why))
+                skipped.append(f"{site}: {why}")
+        if skipped and self.options is not None and self.options.capacity_factor is not None:
+            # the option changes the model's result; a skip leaves it unapplied, which the
+            # report alone said (a review: GraniteMoe's eager experts, a graph break per
+            # expert, trained dropless at capacity_factor=0.25 without a word)
+            warnings.warn(f"graphopt: moe.capacity_factor={self.options.capacity_factor} was "
+                          f"asked for, but {len(skipped)} MoE site(s) of this graph were not "
+                          f"rewritten and run dropless, as the model defines them: "
+                          f"{skipped[0]}", UserWarning, stacklevel=2)
         if modified:
             eliminate_dead_code(gm.graph)
         return PassResult(gm, modified)
