@@ -126,8 +126,10 @@ def microbatches(model: nn.Module, *tensors: torch.Tensor,
             expert parallelism, ranks that would run different numbers of microbatches
             (raised on every rank: their per-microbatch collectives would wait forever).
     Warns:
-        when this rank's batch is smaller than the plan's microbatch, and when a loop is
-        left early.
+        when this rank's batch is smaller than the plan's microbatch, when a loop is left
+        early, and when a loop that recorded autograd ends with no backward through the
+        last microbatch's outputs (that backward runs the replicas' reduction; the next
+        ``microbatches`` on the model then discards FSDP2's pending reduction).
     Source: Megatron-LM's ``forward_backward_no_pipelining`` (every microbatch but the last
     under the DDP's ``no_sync``), torchtitan's FSDP accumulation (reduce-scatter every
     microbatch), torch's FSDP2 ``set_requires_gradient_sync`` / ``set_requires_all_reduce``
