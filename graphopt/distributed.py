@@ -40,9 +40,15 @@ def group_by_name(name: str, size: int | None = None, what: str = "this op"
 
 
 def all_reduce_host(value: torch.Tensor, op: Any = None, group: Any = None) -> torch.Tensor:
-    """``value``, a host (CPU) tensor, all-reduced over ``group`` (None: the world) with
-    ``op`` (None: sum), on the device the group's backend takes (NCCL and HCCL reduce no
-    host tensors; gloo takes them as they are); the result is a new host tensor. Collective.
+    """``value``, a host (CPU) tensor of any shape and dtype the backend reduces (the
+    callers' flags and counts: float64, int64), all-reduced over ``group`` (None: the
+    world) with ``op`` (a ``dist.ReduceOp``; None: sum), on the device the group's backend
+    takes (NCCL and HCCL reduce no host tensors; gloo takes them as they are, via
+    ``distributed_c10d._get_object_coll_device``). Returns a new host tensor, ``value``
+    is not written. Collective: every rank of ``group`` calls it.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized (torch's own error).
     """
     import torch.distributed as dist
 

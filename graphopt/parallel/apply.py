@@ -668,6 +668,19 @@ def _rng_digest(device: torch.device) -> str:
     return hashlib.sha1(b"".join(s.cpu().numpy().tobytes() for s in states)).hexdigest()
 
 
+def _rng_states_differ(module: nn.Module, group: Any) -> tuple[torch.device, str, bool]:
+    """(the module's device, this rank's :func:`_rng_digest` there, whether the ranks of
+    ``group`` hold different digests). Collective: one all-gather over ``group``."""
+    import torch.distributed as dist
+
+    local = next((_local(p) for p in module.parameters()), None)
+    device = local.device if local is not None else torch.device("cpu")
+    digest = _rng_digest(device)
+    states: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, digest, group=group)
+    return device, digest, len(set(states)) > 1
+
+
 def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]:
     """(before, after) the first training forward: the TP ranks must draw alike (replicated
     regions compute the same values on every TP rank), so where that forward draws random
@@ -687,14 +700,10 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
     def before(module: nn.Module, args: tuple) -> None:
         if done or pending or not module.training or not torch.is_grad_enabled():
             return
-        local = next((_local(p) for p in module.parameters()), None)
-        device = local.device if local is not None else torch.device("cpu")
-        digest = _rng_digest(device)
+        device, digest, differ = _rng_states_differ(module, group)
         for part in getattr(module, "parts", ()):  # PP: whether a stage drew is its own
             part.drew = False  # record (each stage call draws its seed from the generator)
-        states: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(states, digest, group=group)
-        pending.update(device=device, digest=digest, differ=len(set(states)) > 1)
+        pending.update(device=device, digest=digest, differ=differ)
 
     def after(module: nn.Module, *_: Any) -> None:
         if not pending:
@@ -781,7 +790,11 @@ LAYERDROP_OPTIONS = ("layerdrop", "decoder_layerdrop", "encoder_layerdrop")
 
 
 def layerdrop_refusal(model: nn.Module, plan: ParallelPlan) -> list[str]:
-    """LayerDrop (Fan et al. 2019; OPT's, BART's ``layerdrop``) skips each layer on a
+    """Why ``plan`` cannot run ``model``'s LayerDrop: one message naming the config
+    options and the fix, or [] (no LayerDrop > 0 in ``model.config``, or one rank per
+    axis but TP). Raises nothing; :func:`parallelize` raises the ConfigError.
+
+    LayerDrop (Fan et al. 2019; OPT's, BART's ``layerdrop``) skips each layer on a
     random draw per forward. Ranks drawing apart (DP ranks seeded apart, CP's per-rank
     region, EP) skip different layers, and the per-layer collectives (FSDP's gathers, DDP's
     reductions, CP's and EP's exchanges) wait for each other forever (a review: OPT under
@@ -809,15 +822,9 @@ def _tp_sampling_check(generate: Callable[..., Any], model: nn.Module, group: An
     Raises:
         ConfigError: sampling, with the TP ranks' random states different (on every rank).
     """
-    import torch.distributed as dist
-
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     if kwargs.get("do_sample", getattr(config, "do_sample", False)):
-        local = next((_local(p) for p in model.parameters()), None)
-        digest = _rng_digest(local.device if local is not None else torch.device("cpu"))
-        states: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(states, digest, group=group)
-        if len(set(states)) > 1:
+        if _rng_states_differ(model, group)[2]:
             raise ConfigError(
                 "generate(do_sample=True) under TP with the TP ranks' random states "
                 "different: each rank would sample other tokens. Seed every rank of a TP "
