@@ -114,7 +114,7 @@ def _inexact(v: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
-def _narrowing(node: fx.Node) -> str:
+def _precision_change(node: fx.Node) -> str:
     """"casts float64 to float32" when ``node`` computes a floating-point result of less
     precision or range than a floating-point input ("promotes float32 to float64": of
     more), else "": merged, the two uses' gradients would be summed in the other dtype,
@@ -174,10 +174,10 @@ class CSEPass(GraphPass):
             if first is None:
                 seen[key] = node
                 continue
-            narrowed = _narrowing(node)
-            if narrowed:
+            changed = _precision_change(node)
+            if changed:
                 ctx.record("skipped", site_name(node),
-                           f"{op_name(node)}: same as {first.name}, but it {narrowed}: "
+                           f"{op_name(node)}: same as {first.name}, but it {changed}: "
                            "merged, the two uses' gradients would be summed in the "
                            "result's dtype before the backward casts them to the input's "
                            "(eager casts each and sums them in the input's dtype)")
