@@ -59,6 +59,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         raise ConfigError("option 'cluster' describes the job for parallel='auto'; drop it "
                           "or set 'parallel': 'auto'")
     auto_notes: list[str] = []
+    mixed = options.pop("mixed_precision", None)
     if plan == "auto":
         import torch.distributed as dist
 
@@ -67,7 +68,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("parallel='auto' plans for the world this process runs in: "
                               "launch with torchrun (or init_process_group) first")
-        plan, auto_notes = auto_plan(model, dist.get_world_size(), cluster)
+        plan, auto_notes = auto_plan(model, dist.get_world_size(), cluster, mixed)
     elif plan is not None:
         from graphopt.planner.plan import ParallelPlan
 
@@ -76,7 +77,6 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
             raise ConfigError(f"option 'parallel' must be 'auto', a ParallelPlan or the path "
                               f"of its JSON, got {type(plan).__name__}")
     moe = options.pop("moe", None) if plan is not None and plan.ep > 1 else None
-    mixed = options.pop("mixed_precision", None)
     if mixed is not None and plan is None:
         raise ConfigError("option 'mixed_precision' applies to a parallel plan (options["
                           "'parallel']); without one, run the compiled model under "

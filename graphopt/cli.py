@@ -458,6 +458,12 @@ def plan(
     recompute: bool = typer.Option(True, "--recompute/--no-recompute", help="Also search "
                                    "activation recomputation (full and selective; "
                                    "graphopt.parallelize applies it per decoder layer)."),
+    master_weights: bool = typer.Option(False, "--master-weights", help="float32 "
+                                        "parameters computing in --dtype under "
+                                        "torch.autocast, as graphopt.parallelize(..., "
+                                        "mixed_precision='bf16') runs (default: bf16 "
+                                        "parameters, float32 optimizer states, as "
+                                        "Megatron-LM)."),
 ) -> None:
     """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
     common hand configurations lose."""
@@ -505,7 +511,7 @@ def plan(
             _fail(f"--seq-buckets prints the best plan of each bucket; {', '.join(unused)} "
                   "apply to one sequence length: drop them, or drop --seq-buckets")
         _plan_buckets(model, cluster, devices, seq, global_batch, dtype, overrides, seq_buckets,
-                      activations, recompute)
+                      activations, recompute, master_weights)
         return
     try:
         profile = load_profile(cluster)
@@ -513,7 +519,8 @@ def plan(
         with console.status(f"[bold]tracing {escape(model)} (seq {seq}) on the meta "
                             "device[/]") as st:
             pm = plan_model(model, seq, profile, getattr(torch, dtype),
-                            activations=activations, overrides=overrides)
+                            activations=activations, overrides=overrides,
+                            master_weights=master_weights)
             st.update("[bold]searching[/]")
             result = search(pm, profile, devices, global_batch, top_k=top,
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
@@ -522,7 +529,8 @@ def plan(
     except GraphoptError as exc:
         _fail(str(exc))
     table = Table(title=f"{escape(model)} ({pm.params / 1e9:.3g}B params), {devices} x "
-                        f"{escape(profile.device.name)}, seq {seq}, global batch {global_batch}: "
+                        f"{escape(profile.device.name)}, seq {seq}, global batch {global_batch}"
+                        f"{', float32 master weights' if master_weights else ''}: "
                         f"{result.evaluated} plans in {result.seconds:.2f}s "
                         f"({result.pruned_memory} out of memory)")
     for col in ("#", "plan", "step s", "tokens/s", "MFU", "memory GiB", "bubble s",
@@ -656,7 +664,8 @@ def _meta_model(source: Any, config: Any, dtype: str, overrides: dict[str, Any],
 
 def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch: int,
                   dtype: str, overrides: dict[str, Any], buckets: str,
-                  activations: str = "traced", recompute: bool = True) -> None:
+                  activations: str = "traced", recompute: bool = True,
+                  master_weights: bool = False) -> None:
     """Plan each sequence-length bucket at the same tokens per iteration and print where the
     best plan changes (the basis for re-planning per batch bucket)."""
     import torch
@@ -699,7 +708,8 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
             held = str(batch) if batch * length == tokens else \
                 f"{batch} ({batch * length:,} tokens)"
             pm = plan_model(model, length, profile, getattr(torch, dtype),
-                            activations=activations, overrides=overrides)
+                            activations=activations, overrides=overrides,
+                            master_weights=master_weights)
             # the plans graphopt.parallelize runs for this model (a re-review: every bucket's
             # best was a PP plan for GPT-3, whose structure the stages cannot cut)
             config = model_config(source, overrides, length)

@@ -757,6 +757,28 @@ def test_parallel_auto_executes_the_planner_s_best_executable_plan():
             "(median of 2 steps)" in notes[-1], notes[-1]
 
 
+def _auto_mixed_worker(rank, world):
+    import graphopt
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    model = graphopt.compile(build_model("llama"), options={
+        "parallel": "auto", "lowering": "eager", "mixed_precision": "bf16",
+        "cluster": {"profile": "h100-sxm", "seq": 16, "global_batch": 8}})
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=ids).logits
+    return model.graphopt_parallel.notes, logits.dtype
+
+
+def test_parallel_auto_with_mixed_precision_plans_for_it():
+    """graphopt.compile hands options['mixed_precision'] to the planner as well as to
+    parallelize (it priced the float32 model before)."""
+    for notes, dtype in run_distributed(_auto_mixed_worker, 2):
+        assert dtype == torch.bfloat16
+        assert any("priced as mixed precision" in n for n in notes), notes
+        assert any(n.startswith("mixed precision: torch.bfloat16 compute") for n in notes)
+
+
 def test_auto_without_the_job_s_sizes_is_a_clear_error():
     from graphopt.models import build_model
     from graphopt.parallel.auto import auto_plan
@@ -789,6 +811,37 @@ def test_auto_says_when_it_prices_another_dtype_than_the_model_s(name, dtype, pr
                for n in notes), notes
     _, notes = auto_plan(build_model("llama"), 2, {"seq": 16, "global_batch": 4})
     assert not any("priced as" in n for n in notes)
+
+
+def test_auto_prices_mixed_precision_as_bf16_compute_over_float32_master_weights(monkeypatch):
+    """parallel='auto' with options['mixed_precision'] = 'bf16' priced the float32 model
+    graphopt.parallelize then ran in bf16 under autocast: float32 GEMM rates and activations
+    (a planner-fidelity review). The planner now prices master weights; bad values are the
+    ConfigErrors parallelize raises."""
+    import graphopt.planner.model as planner_model
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import auto_plan
+
+    priced = []
+    measure = planner_model.plan_model
+
+    def plan_model(*args, **kwargs):
+        result = measure(*args, **kwargs)
+        priced.append((kwargs["dtype"], result.master_weights, result.dense.cast_bytes))
+        return result
+
+    monkeypatch.setattr(planner_model, "plan_model", plan_model)
+    job = {"seq": 64, "global_batch": 4}
+    _, notes32 = auto_plan(build_model("llama"), 2, job)
+    _, notes = auto_plan(build_model("llama"), 2, job, "bf16")
+    assert any("priced as mixed precision (float32 master weights" in n for n in notes), notes
+    assert not any("not the model's" in n for n in notes + notes32)
+    assert priced[0] == (torch.float32, False, 0.0)
+    assert priced[1][:2] == (torch.bfloat16, True) and priced[1][2] > 0  # autocast's casts
+    with pytest.raises(ConfigError, match="fp16"):
+        auto_plan(build_model("llama"), 2, job, "fp16")
+    with pytest.raises(ConfigError, match="float32 master weights"):
+        auto_plan(build_model("llama", dtype=torch.bfloat16), 2, job, "bf16")
 
 
 def test_auto_plans_a_subclass_of_a_transformers_model_as_its_base_class():

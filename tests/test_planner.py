@@ -1402,3 +1402,101 @@ def test_the_selective_policy_recomputes_an_attention_op_that_draws_dropout(monk
                                     (x, x, x, 0.0), {})
     assert not kept and plan_model._draws_random(
         torch.ops.aten._scaled_dot_product_flash_attention.default, (x, x, x, 0.1), {})
+
+
+def _autocast_saved_bytes(fields: dict, layers: int, seq: int) -> int:
+    """Bytes a real CPU training forward of a Llama of ``fields`` with ``layers`` layers,
+    float32 parameters under torch.autocast(bf16), keeps for its backward (parameters
+    apart)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**fields, "num_hidden_layers": layers})
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, config.vocab_size, (1, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+def test_master_weights_are_priced_as_graphopt_parallelize_runs_bf16_mixed_precision(tmp_path):
+    """parallelize(mixed_precision='bf16') keeps float32 parameters and computes under
+    torch.autocast: the residual stream, norms and RoPE stay float32 and every GEMM keeps a
+    bf16 copy of its weight. The planner priced such a run as a bf16 model (a review measured
+    0.71-0.78x float32's saved bytes where bf16 was priced at 0.5x); master_weights traces the
+    layers under autocast and prices states and DP traffic as the executor holds them."""
+    fields = dict(hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    spec = _config_json(tmp_path, "llama", **fields, num_hidden_layers=2, model_type="llama",
+                        architectures=["LlamaForCausalLM"])
+    seq = 256
+    master = plan_model(spec, seq, H100, master_weights=True)
+    pure = plan_model(spec, seq, H100)
+    real = _autocast_saved_bytes(fields, 2, seq) - _autocast_saved_bytes(fields, 1, seq)
+    assert master.dense.activation_bytes == pytest.approx(real, rel=0.08)
+    assert pure.dense.activation_bytes < 0.8 * real  # the bf16 model's trace: the old price
+    # the casts autograd keeps: every weight but the two norms', in bf16
+    assert master.dense.cast_bytes == 2 * (master.dense.params - 2 * 128)
+    assert pure.dense.cast_bytes == 0.0
+    assert master.dense.selective_activation_bytes > 0  # the selective trace ran too
+
+    with pytest.raises(ConfigError, match="master_weights.*torch.bfloat16"):
+        plan_model(spec, seq, H100, dtype=torch.float32, master_weights=True)
+
+    def parts(model, **plan):
+        pred = evaluate(ParallelPlan(**{"sp": False, **plan}), model, H100, 8,
+                        dp_overlap=False)
+        return pred.memory_parts, pred.comm_s["dp"]
+
+    # model states per parameter (AdamW): float32 parameters and gradients, 8 bytes of
+    # moments; ZeRO-1 shards the moments, FSDP2 (ZeRO-2/3) all of them, ZeRO-2's FSDP2 also
+    # holds bf16 unsharded parameters. The bf16 model: 2 + 2 + 12 (float32 main copy)
+    per_param = {0: (16, 16), 1: (4 + 4 + 8 / 8, 2 + 2 + 12 / 8),
+                 2: (16 / 8 + 2, 2 + 14 / 8), 3: (16 / 8, 16 / 8)}
+    for zero, (m_bytes, p_bytes) in per_param.items():
+        plan = dict(dp_shard=8, zero_stage=zero) if zero else dict(dp_replicate=8)
+        ratio = parts(master, **plan)[0]["params+grads+optimizer"] / \
+            parts(pure, **plan)[0]["params+grads+optimizer"]
+        assert ratio == pytest.approx(m_bytes / p_bytes, rel=1e-9), zero
+    # DP traffic: float32 gradients (DDP all-reduces twice the bytes); FSDP2 gathers bf16
+    # parameters and reduce-scatters float32 gradients (a model whose traffic is not
+    # latency-bound)
+    big = [plan_model("llama3-8b", 4096, H100, overrides=SMALL, master_weights=m)
+           for m in (True, False)]
+    ddp_m, ddp_p = (parts(m, dp_replicate=8)[1] for m in big)
+    assert ddp_m == pytest.approx(2 * ddp_p, rel=0.05)
+    z3_m, z3_p = (parts(m, dp_shard=8, zero_stage=3)[1] for m in big)
+    assert 1.2 * z3_p < z3_m < 1.8 * z3_p
+    # the casts are held per microbatch under DDP (not by FSDP2's bf16 parameters), and do
+    # not grow with the microbatch's tokens
+    act = {(zero, mb): parts(master, dp_shard=2, zero_stage=zero, microbatch=mb)[0][
+        "activations"] for zero in (1, 3) for mb in (1, 2)}
+    # the stage's 2 layers and the LM head (vocabulary x hidden)
+    casts = 2 * master.dense.cast_bytes + master.head.cast_bytes
+    assert master.head.cast_bytes == 2 * 512 * 128
+    assert act[1, 1] - act[3, 1] == pytest.approx(casts, rel=1e-9)
+    assert act[1, 2] - act[3, 2] == pytest.approx(casts, rel=1e-9)
+    assert act[3, 2] == pytest.approx(2 * act[3, 1], rel=1e-9)
+
+
+def test_cli_plan_prices_master_weights_when_asked():
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    args = ["plan", "--model", "llama", "--devices", "8", "--seq", "256", "--global-batch",
+            "16", "--top", "1"]
+    master = CliRunner().invoke(app, [*args, "--master-weights"])
+    assert master.exit_code == 0, master.output
+    assert "float32 master weights" in master.output
+    bad = CliRunner().invoke(app, [*args, "--master-weights", "--dtype", "float32"])
+    assert bad.exit_code != 0 and "master_weights" in bad.output

@@ -104,10 +104,19 @@ class _FlashAttention(TorchFunctionMode):
                  "enable_gqa"]
         a = dict(zip(names, args)) | kwargs
         q, k, v = a["query"], a["key"], a["value"]
+        mask = a.get("attn_mask")
+        if not q.is_meta and torch.is_autocast_enabled(q.device.type):
+            # autocast casts SDPA's floating operands to its dtype (CUDA's and the CPU's
+            # lists); the kernels below are not on them (Llama's RoPE gives float32
+            # queries and keys under autocast)
+            dt = torch.get_autocast_dtype(q.device.type)
+            q, k, v = (x.to(dt) if x.is_floating_point() else x for x in (q, k, v))
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(dt)
         if k.shape[1] != q.shape[1]:  # GQA: the kernels take equal head counts
             n = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
-        mask, p = a.get("attn_mask"), float(a.get("dropout_p", 0.0) or 0.0)
+        p = float(a.get("dropout_p", 0.0) or 0.0)
         scale = a.get("scale")
         if self.cpu and p > 0:  # the CPU flash kernel has no dropout: torch takes the
             # math path (S x S scores), as on the meta device (a review: GPT-2's estimate
@@ -131,7 +140,8 @@ class _FlashAttention(TorchFunctionMode):
 
 def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
                train: bool = True, tracing: str = "real",
-               fused_attention: bool | str = False) -> fx.GraphModule:
+               fused_attention: bool | str = False,
+               autocast: torch.dtype | None = None) -> fx.GraphModule:
     """The ATen graph of ``model(**inputs)`` (+ the gradients of its loss w.r.t. every
     trainable parameter and every input with requires_grad when ``train``). Parameters and
     buffers are the graph's first inputs.
@@ -139,12 +149,25 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
     ``fused_attention`` (fake traces): SDPA becomes the flash/efficient attention kernels
     accelerators run, or with "cpu" the CPU flash kernel (see :class:`_FlashAttention`).
 
+    ``autocast`` (fake traces): the step runs under ``torch.autocast(dtype=autocast)`` over
+    the parameters as they are (float32 master weights: what ``graphopt.parallelize(...,
+    mixed_precision="bf16")`` runs). Autocast has no meta device, so parameters, buffers and
+    meta inputs become fake CPU tensors and the CPU's autocast op lists apply; for
+    transformers' decoders they give CUDA's dtypes (GEMMs and SDPA in ``autocast``; norms,
+    RoPE and the loss upcast to float32 in the model's own code), except that CUDA also
+    upcasts a softmax over scores (eager attention), which the CPU keeps in bf16.
+
     Raises:
         ConfigError: ``tracing`` not "real"/"fake"; ``inputs`` neither a mapping nor a
-            tuple/list; a fake trace of data-dependent code.
+            tuple/list; a fake trace of data-dependent code; ``autocast`` with a real trace
+            or not a 16-bit floating dtype.
     """
     if tracing not in ("real", "fake"):
         raise ConfigError(f"tracing must be 'real' or 'fake', got {tracing!r}")
+    if autocast is not None and (tracing != "fake" or autocast not in (torch.bfloat16,
+                                                                       torch.float16)):
+        raise ConfigError(f"autocast takes torch.bfloat16 or torch.float16 with tracing='fake'"
+                          f", got {autocast!r} with tracing={tracing!r}")
     if not isinstance(inputs, Mapping | tuple | list):  # a bare tensor was unpacked into
         # its rows as positional arguments (a review)
         raise ConfigError(f"inputs must be a mapping of keyword arguments or a tuple of "
@@ -185,9 +208,13 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
     fresh = all(kwargs.get(k) is None for k in ("past_key_values", "attention_mask",
                                                  "position_ids"))
     causal = _no_packed_sequences() if fresh else contextlib.nullcontext()
+    mixed = contextlib.nullcontext()
+    if autocast is not None:
+        detached, buffers, args, kwargs = _fake_cpu((detached, buffers, args, kwargs))
+        mixed = torch.autocast("cpu", dtype=autocast)  # type: ignore[assignment]
     try:  # activation checkpointing's tracing marks torch.fx.traceback's current node
         # meta with its policy; restored so that later traces do not inherit the marks
-        with context, attention, causal, torch.fx.traceback.preserve_node_meta():
+        with context, attention, causal, mixed, torch.fx.traceback.preserve_node_meta():
             # tensors the model makes itself are constants of the trace (Falcon indexes
             # its fused QKV with a Python list, which becomes a meta tensor)
             return make_fx(step, tracing_mode=tracing,  # type: ignore[arg-type]
@@ -199,6 +226,24 @@ def trace_step(model: torch.nn.Module, inputs: Mapping[str, Any] | tuple, *,
                 "loop); build the model with real weights and use tracing='real', or use "
                 "experts_implementation='grouped_mm'") from exc
         raise
+
+
+def _fake_cpu(tree: Any) -> Any:
+    """``tree`` with its meta tensors replaced by fake CPU tensors of one fake mode (same
+    shapes, strides, dtypes and requires_grad; nothing allocated), which make_fx then
+    traces in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def convert(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        with mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        return fake.requires_grad_(t.requires_grad)
+
+    return torch.utils._pytree.tree_map(convert, tree)
 
 
 @contextlib.contextmanager

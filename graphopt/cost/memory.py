@@ -140,6 +140,17 @@ def saved_for_backward(gm: fx.GraphModule) -> int:
     return sum(_bytes(r.meta.get("val")) for r in saved if r.op == "call_function")
 
 
+def parameter_casts_saved(gm: fx.GraphModule, params: int) -> int:
+    """Bytes of :func:`saved_for_backward` that are dtype casts of the graph's first
+    ``params`` inputs (:func:`graphopt.cost.estimate.trace_step` puts the parameters first):
+    ``torch.autocast``'s 16-bit copies of float32 weights, which each GEMM keeps for its
+    input gradient."""
+    first = set([n for n in gm.graph.nodes if n.op == "placeholder"][:params])
+    saved, _ = _saved_and_recomputed(gm)
+    return sum(_bytes(r.meta.get("val")) for r in saved if r.op == "call_function" and
+               r.target is torch.ops.aten._to_copy.default and r.args[0] in first)
+
+
 def recomputed_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Forward nodes of a traced training step (see :func:`saved_for_backward`) that its
     backward recomputes under the checkpoint policies marked on them: the ones the backward

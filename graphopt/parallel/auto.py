@@ -246,9 +246,13 @@ def _transformers_class(model: nn.Module) -> str:
                       "pass the plan (options={'parallel': 'plan.json'})")
 
 
-def auto_plan(model: nn.Module, world: int, cluster: Any = None
+def auto_plan(model: nn.Module, world: int, cluster: Any = None,
+              mixed_precision: str | torch.dtype | None = None
               ) -> tuple[ParallelPlan, list[str]]:
     """(the best executable plan for ``world`` ranks, notes); module docstring.
+    ``mixed_precision``: what ``graphopt.parallelize`` is given (None or bf16): with bf16
+    the planner prices float32 master weights computing in bf16 under autocast
+    (:attr:`graphopt.planner.model.PlanModel.master_weights`), not the parameters' dtype.
 
     Raises:
         ConfigError: ``cluster`` is not a mapping of CLUSTER_KEYS with an int ``seq`` >= 2
@@ -291,10 +295,16 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     architecture = _transformers_class(model)
     profile_name = spec.get("profile") or default_profile_name()
     profile = load_profile(profile_name)
+    from graphopt.parallel.apply import mixed_precision_dtype
+
     own = next(model.parameters()).dtype
+    compute = mixed_precision_dtype(mixed_precision, model)  # the ConfigErrors parallelize
+    # raises: bf16 over float32 parameters only
     dtype = own if own in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    if any(getattr(m, "gate_up_proj", None) is not None for m in model.modules()):
+    if compute is not None or any(getattr(m, "gate_up_proj", None) is not None
+                                  for m in model.modules()):
         dtype = torch.bfloat16  # MoE models are traced with grouped_mm (bf16 meta kernel)
+    master = compute is not None
     with tempfile.TemporaryDirectory() as tmp:
         import copy
 
@@ -302,7 +312,7 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
         config.architectures = [architecture]  # the class the planner builds
         config.to_json_file(str(Path(tmp) / "config.json"))
         planned = plan_model(str(Path(tmp) / "config.json"), int(spec["seq"]), profile,
-                             dtype=dtype)
+                             dtype=dtype, master_weights=master)
     # not the temp path; a tied embedding/head pair stays replicated under TP here
     # (tp_layout._vocab_parallel), so it is priced whole on every TP rank
     planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False,
@@ -341,7 +351,12 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None
     if passed:
         notes.append(f"auto: passed over {len(passed)} faster plan(s) graphopt does not "
                      f"execute here: {'; '.join(passed[:3])}")
-    if dtype != own:  # (a review: a float32 Mixtral got the bf16 model's prediction, silently)
+    if master:
+        notes.append("auto: priced as mixed precision (float32 master weights, bfloat16 "
+                     "compute under torch.autocast)" + (
+                         "; the MoE layers' activations as bfloat16 throughout (the planner "
+                         "traces grouped_mm experts in bfloat16)" if planned.moe else ""))
+    elif dtype != own:  # (a review: a float32 Mixtral got the bf16 model's prediction)
         ratio = own.itemsize / dtype.itemsize
         why = ("the planner traces MoE models with grouped_mm experts, whose meta kernel takes "
                "bfloat16 only" if dtype == torch.bfloat16 else

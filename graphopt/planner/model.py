@@ -68,6 +68,11 @@ class LayerCost:
     """... ``split_s`` ..."""
     selective_replicated_s: float = 0.0
     """... and ``replicated_s``."""
+    cast_bytes: float = 0.0
+    """Of ``activation_bytes`` (and ``selective_activation_bytes``): the 16-bit copies of
+    the parameters that ``torch.autocast`` makes and autograd keeps (:attr:`PlanModel.
+    master_weights`; 0 otherwise). They do not grow with the tokens of a microbatch; each
+    microbatch in flight holds its own."""
     gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
     """The 2-D GEMMs (``mm``/``addmm``) inside ``gemm_s`` whose shape is known per rank:
     (token dimension, dimension TP splits, dimension kept whole, seconds of its FLOPs at
@@ -120,6 +125,13 @@ class PlanModel:
     """What dense layers' ``activation_bytes`` count: "traced" (what the transformers
     model's eager autograd keeps) or "fused" (what Megatron-Core's fused kernels keep:
     :func:`graphopt.planner.activations.fused_layer_activation_bytes`)."""
+    master_weights: bool = False
+    """float32 parameters, gradients and reductions computed in ``dtype_bytes`` under
+    ``torch.autocast`` (``graphopt.parallelize(..., mixed_precision="bf16")``, torchtitan's
+    mixed precision); False: everything in the 16-bit dtype with float32 optimizer states
+    (Megatron-LM's bf16 with its distributed optimizer's float32 main parameters). Dense
+    layers were traced under autocast: the residual stream, norms and RoPE are float32,
+    GEMM inputs are cast copies (measured 0.71-0.78x float32's saved bytes, not 0.5x)."""
 
     @property
     def layers(self) -> int:
@@ -273,7 +285,8 @@ def _fused_cost_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
 
 def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
                dtype: torch.dtype = torch.bfloat16, attention: str = "flash",
-               activations: str = "traced", overrides: dict[str, Any] | None = None) -> PlanModel:
+               activations: str = "traced", overrides: dict[str, Any] | None = None,
+               master_weights: bool = False) -> PlanModel:
     """Measure ``spec`` (see :func:`graphopt.models.resolve_model`: a published or toy
     model name, or a transformers config.json) at sequence length ``seq`` on the
     cluster's device (see the module docstring). Cached per process.
@@ -285,10 +298,15 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     intermediates) or "fused" (what fused norm/activation/attention kernels keep, as
     Megatron-Core runs: Korthikanti et al.'s count, :mod:`graphopt.planner.activations`;
     MoE layers stay traced). ``overrides``: config fields to change (e.g. sizes).
+    ``master_weights``: price float32 parameters computing in ``dtype`` under
+    ``torch.autocast`` (:attr:`PlanModel.master_weights`): dense layers are traced under
+    autocast (:func:`graphopt.cost.estimate.trace_step`'s ``autocast``); MoE models' layers
+    keep the 16-bit trace (their grouped_mm experts take bfloat16 only).
 
     Raises:
         ConfigError: unknown model, attention or activations kind; a bfloat16/float16
-            ``dtype`` on a device profile without that rate.
+            ``dtype`` on a device profile without that rate; ``master_weights`` with a
+            float32 ``dtype``.
     """
     if attention not in ("flash", "megatron2021"):
         raise ConfigError(f"attention must be 'flash' or 'megatron2021', got {attention!r}")
@@ -302,8 +320,12 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     source = resolve_model(spec)
     if activations not in ("traced", "fused"):
         raise ConfigError(f"activations must be 'traced' or 'fused', got {activations!r}")
+    if master_weights and dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"master_weights prices float32 parameters computing in a 16-bit "
+                          f"dtype under torch.autocast; dtype is {dtype}: give "
+                          "torch.bfloat16 (or drop master_weights)")
     key = (str(spec), seq, repr(cluster.device), dtype, attention, activations,
-           repr(sorted((overrides or {}).items())))  # values may be lists
+           repr(sorted((overrides or {}).items())), master_weights)  # values may be lists
     if key in _CACHE:
         return _CACHE[key]
     import transformers
@@ -332,30 +354,35 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         layer_key = "n_layer" if source.config_class == "GPT2Config" else "num_hidden_layers"
         fields = {**(overrides or {}), layer_key: layers, **extra}
         try:
-            return build_architecture(source, dtype, fields, seq=seq, attn_implementation=attn)
+            return build_architecture(source, build_dtype, fields, seq=seq,
+                                      attn_implementation=attn)
         except ConfigError as exc:
             if repr(attn) not in str(exc):
                 raise
             # a model whose attention classes sit in a fixed table (Falcon) takes no
             # registered attention function: its own SDPA path, which the fake trace
             # prices as the fused kernel, or its eager one (the unfused GEMMs of 2021)
-            return build_architecture(source, dtype, fields, seq=seq,
+            return build_architecture(source, build_dtype, fields, seq=seq,
                                       attn_implementation="sdpa" if attention == "flash"
                                       else "eager")
 
     layers = int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0)))
     flags = moe_layer_flags(cfg, layers)
     has_moe = any(flags)
+    # master weights: float32 parameters traced under autocast; an MoE model's grouped_mm
+    # experts take bfloat16 parameters only, so it keeps the 16-bit trace
+    mixed_dtype = dtype if master_weights and not has_moe else None
+    build_dtype = torch.float32 if mixed_dtype is not None else dtype
     mixed = has_moe and not all(flags)  # dense layers among MoE ones: both measured
 
     def costs(kind: str | None) -> tuple[LayerCost, LayerCost, LayerCost | None]:
         """(head, dense layer, MoE layer) from models of 1 and 2 layers of ``kind``."""
-        one = _measure(build(1, 1 if mixed else 0, kind), seq, cluster)
+        one = _measure(build(1, 1 if mixed else 0, kind), seq, cluster, mixed_dtype)
         if mixed:
-            moe = _sub(_measure(build(2, 1, kind), seq, cluster), one)
-            dense = _sub(_measure(build(2, 2, kind), seq, cluster), one)
+            moe = _sub(_measure(build(2, 1, kind), seq, cluster, mixed_dtype), one)
+            dense = _sub(_measure(build(2, 2, kind), seq, cluster, mixed_dtype), one)
             return _sub(one, dense), dense, moe
-        layer = _sub(_measure(build(2, 0, kind), seq, cluster), one)
+        layer = _sub(_measure(build(2, 0, kind), seq, cluster, mixed_dtype), one)
         return _sub(one, layer), layer, (layer if has_moe else None)
 
     moe: LayerCost | None
@@ -393,6 +420,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
         moe_ffn=int(getattr(cfg, "moe_intermediate_size", getattr(cfg, "intermediate_size", 0))
                     or 0),
         dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations,
+        master_weights=master_weights,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         head_dim=_qk_head_dim(cfg, hidden, heads),
         v_head_dim=int(getattr(cfg, "v_head_dim", 0) or _qk_head_dim(cfg, hidden, heads)))
@@ -491,21 +519,22 @@ def _lightning_kernel_layers(model: Any) -> int:
     return len(layers)
 
 
-def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
+def _measure(model: Any, seq: int, cluster: ClusterProfile,
+             autocast: torch.dtype | None = None) -> LayerCost:
     """Two fake traces of one training step: as built, and with every decoder layer under
     selective activation checkpointing (:func:`selective_checkpoint_context`; make_fx marks
     the policy on each op and :mod:`graphopt.cost.memory` reads what is saved and
-    recomputed)."""
+    recomputed); under ``torch.autocast(dtype=autocast)`` where given."""
     from graphopt.cost.estimate import trace_step
     from graphopt.cost.graph_cost import graph_cost
-    from graphopt.cost.memory import recomputed_nodes, saved_for_backward
+    from graphopt.cost.memory import parameter_casts_saved, recomputed_nodes, saved_for_backward
     from graphopt.cost.training import tp_split_times
 
     hidden = int(getattr(model.config, "hidden_size", getattr(model.config, "n_embd", 0)))
     _lightning_kernel_layers(model)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
-    gm = trace_step(model, inputs, tracing="fake", fused_attention=True)
+    gm = trace_step(model, inputs, tracing="fake", fused_attention=True, autocast=autocast)
     device = dataclasses.replace(cluster.device, matmul_efficiency=1.0)
     cost = graph_cost(gm, device)
     gemm, split, repl = tp_split_times(gm, cost, hidden)
@@ -517,7 +546,8 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
             "use_reentrant": False, "context_fn": selective_checkpoint_context})
         model.train()
         try:
-            sac = trace_step(model, inputs, tracing="fake", fused_attention=True)
+            sac = trace_step(model, inputs, tracing="fake", fused_attention=True,
+                             autocast=autocast)
         except RuntimeError:  # checkpointing refused the recomputation (ops replayed
             sac = None        # differently): no selective choice for this model
         finally:
@@ -530,6 +560,8 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile) -> LayerCost:
                          *tp_split_times(sac, rec_cost, hidden))
     return LayerCost(gemm, split, repl, float(cost.flops), float(saved_for_backward(gm)),
                      float(total - experts), float(experts), float(cost.peak_s), *selective,
+                     cast_bytes=float(parameter_casts_saved(gm, len(dict(
+                         model.named_parameters())))),
                      gemm_shapes=gemm_shapes(gm, cost, seq, hidden))
 
 

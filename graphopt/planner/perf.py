@@ -66,7 +66,10 @@ memory (even stages: the first, second and last are priced; uneven: all):
              row 6.3% -> 19.4%): the window is fitted, not derived
     memory   parameters/gradients/Adam states of the stage's layers (+ the embedding on the
              first, the LM head on the last; graphopt.cost.memory.model_state_bytes in the
-             model's dtype: bf16 2 + 2 + 12 bytes per parameter, fp32 4 + 4 + 8; ZeRO over
+             model's dtype: bf16 2 + 2 + 12 bytes per parameter, fp32 4 + 4 + 8; master
+             weights (PlanModel.master_weights) 4 + 4 + 8 with ZeRO-2's FSDP2 holding
+             16-bit unsharded parameters too, and autocast's 16-bit weight copies held
+             per microbatch in flight where FSDP2 does not give bf16 parameters; ZeRO over
              dp_shard x cp, the experts' over edp_shard; under pp > 1 with ZeRO-2/3 the
              stage's gradients unsharded (float32 under mixed precision: FSDP2 accumulates
              them in its reduce dtype) and ZeRO-3's parameters gathered as well: torch's
@@ -189,7 +192,8 @@ def fsdp_working_set(dense_layer: float, moe_layer: float, root: float,
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool) -> float:
+def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool,
+                  master: bool = False) -> float:
     """Bytes of ``params`` parameters' states on a device (model_state_bytes' total, ZeRO
     stage ``zero`` over ``dp`` ranks); with ``pipelined`` (pp > 1) and ZeRO-2/3 also what
     torch's pipeline schedules hold until the step's last backward, where FSDP runs without
@@ -198,7 +202,19 @@ def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool) -
     per parameter where the model's dtype has 2; a review measured 4.0), in place of the
     sharded ones, and under ZeRO-3 the parameters gathered by each backward (measured:
     tests/test_parallel_accumulate.py). Cached: a search asks for the same few hundred
-    thousand times."""
+    thousand times.
+
+    ``master`` (:attr:`PlanModel.master_weights`): float32 parameters and gradients (4 + 4
+    bytes), AdamW's 8, sharded as graphopt.parallel runs each stage: ZeRO-1
+    (ZeroRedundancyOptimizer) the optimizer states, ZeRO-2/3 (FSDP2) all three; ZeRO-2's
+    FSDP2 also holds its ``nb``-byte unsharded parameters (MixedPrecisionPolicy's
+    param_dtype, ``reshard_after_forward=False``) from the forward to the backward."""
+    if master:
+        shard = dp if zero >= 2 else 1
+        total = params * (8 / shard + 8 / (dp if zero >= 1 else 1) + nb * (zero == 2))
+        if pipelined and zero >= 2:
+            total += params * (4 - 4 / dp + nb * (zero == 3))
+        return total
     total = model_state_bytes(params, param_bytes=nb, grad_bytes=nb, zero_stage=zero,
                               dp=dp).total
     if pipelined and zero >= 2:
@@ -207,7 +223,8 @@ def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool) -
 
 
 def _dp_sync(grads: float, plan: ParallelPlan, m: int, group: int, zero: int, stride: int,
-             cluster: ClusterProfile, hook: bool = False) -> tuple[float, float]:
+             cluster: ClusterProfile, hook: bool = False, gathered: float | None = None
+             ) -> tuple[float, float]:
     """(seconds in every microbatch's backward, seconds once per step) of the data-parallel
     traffic for ``grads`` bytes of gradients (and, gathered, parameters) sharded (ZeRO stage
     ``zero``) or reduced over ``group`` ranks ``stride`` apart, then all-reduced (sharded)
@@ -223,12 +240,16 @@ def _dp_sync(grads: float, plan: ParallelPlan, m: int, group: int, zero: int, st
       per warm-up forward (m + min(m, pp)), the other forwards find the parameters the
       previous backward left gathered.
     - ``hook``: experts whose gradients graphopt.parallel.expert's hook all-reduces, in every
-      backward."""
+      backward.
+
+    ``gathered``: bytes of the parameters ZeRO gathers where they differ from ``grads``
+    (master weights: FSDP2 gathers 16-bit parameters and reduces float32 gradients)."""
     if not grads:
         return 0.0, 0.0
     reduce = _coll("reduce_scatter" if zero >= 1 else "all_reduce", grads, group, cluster,
                    stride)
-    gather = _coll("all_gather", grads, group, cluster, stride) if zero >= 1 else 0.0
+    gather = _coll("all_gather", grads if gathered is None else gathered, group, cluster,
+                   stride) if zero >= 1 else 0.0
     replicas = _coll("all_reduce", grads / (group if zero >= 1 else 1), plan.dp_replicate,
                      cluster, plan.stride("dp_replicate"))
     if hook:
@@ -513,6 +534,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     mb, pp, tp, cp = plan.microbatch, plan.pp, plan.tp, plan.cp
     m = global_batch // (plan.dp * mb)
     seq, h, nb = model.seq, model.hidden, model.dtype_bytes
+    master = model.master_weights
     act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
     dense_share = model.dense_layers / max(model.layers, 1)
     sizes, picks = _stages(plan, model.layers)
@@ -549,13 +571,28 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         expert_stride = plan.group_stride(("dp_shard", "cp", "tp"), edp_shard)
     else:
         edp_shard, zero_experts, expert_stride = shard_group, zero_dense, dense_stride
+    # the residual stream between layers (a recomputed layer's kept input, PP's sends): under
+    # master weights float32 (autocast's residual adds) except where FSDP2 casts each
+    # layer's inputs to its param_dtype (ZeRO-2/3: cast_forward_inputs)
+    stream = act * 4 / nb if master and zero_dense < 2 else act
     # memory: the fullest stage
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
     head_tp = tp if _head_split(model) else 1
 
     def layer_bytes(cost: LayerCost) -> float:
+        """Saved bytes per microbatch that grow with its tokens (autocast's parameter
+        casts apart: :func:`cast_bytes`)."""
         return cost.selective_activation_bytes if plan.selective_recompute and \
-            cost.selective_activation_bytes else cost.activation_bytes
+            cost.selective_activation_bytes else cost.activation_bytes - cost.cast_bytes
+
+    def cast_bytes(cost: LayerCost | None, zero_stage: int) -> float:
+        """Autocast's 16-bit parameter copies a kept layer's autograd holds per microbatch
+        (master weights; selective checkpointing recomputes them; FSDP2 at ZeRO-2/3 gives
+        the layers 16-bit parameters, which autocast does not copy)."""
+        if cost is None or zero_stage >= 2 or (plan.selective_recompute and
+                                               cost.selective_activation_bytes):
+            return 0.0
+        return cost.cast_bytes
 
     def stage_memory(i: int) -> tuple[float, float, float, float]:
         """(total, model states, activations, ZeRO-3 working set) bytes of stage i: its
@@ -572,7 +609,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         rec_moe = min(rec, n_moe) if a_moe >= a_dense else max(0, rec - n_dense)
         kept = (n_dense - (rec - rec_moe)) * a_dense + (n_moe - rec_moe) * a_moe
         kept_mb = kept * mb / cp * tp_share
-        stage_act = kept_mb + rec * act / tp
+        casts = ((n_dense - (rec - rec_moe)) * cast_bytes(model.dense, zero_dense) +
+                 (n_moe - rec_moe) * cast_bytes(model.moe, zero_dense)) / tp
+        stage_act = kept_mb + rec * stream / tp + casts
         if n_moe:  # tensor-parallel experts' unsplit rows in the kept MoE layers; in
             # the recomputed ones what the checkpoint caches of the EP op (not run again)
             stage_act += (n_moe - rec_moe) * etp_activation_bytes(plan, moe_tokens, h,
@@ -595,7 +634,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             rebuild = full * mb / cp * tp_share
         acts += rebuild
         if i == pp - 1:
-            acts += model.head.activation_bytes * mb / cp / head_tp
+            head_casts = cast_bytes(model.head, zero_dense) / head_tp * in_flight
+            acts += (model.head.activation_bytes - model.head.cast_bytes) * mb / cp / \
+                head_tp + head_casts
         ends = (i == 0) + (i == pp - 1)  # embedding on the first, LM head on the last
         extra = model.head.params / head_tp * (min(ends, 1) if model.tied_embeddings
                                                else ends / 2)
@@ -604,8 +645,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                         (model.moe.params * n * (1 - dense_share) if model.moe else 0.0)) / tp
         experts = model.moe.expert_params * n * (1 - dense_share) / (
             plan.ep * plan.expert_tp) if model.moe else 0.0
-        states = _states_total(layer_params + extra, nb, zero_dense, shard_group, pp > 1) + \
-            _states_total(experts, nb, zero_experts, edp_shard, pp > 1)
+        states = _states_total(layer_params + extra, nb, zero_dense, shard_group, pp > 1,
+                               master) + \
+            _states_total(experts, nb, zero_experts, edp_shard, pp > 1, master)
         gathered = 0.0
         if zero_dense == 3 and pp == 1:  # (under PP the states hold them all: above)
             moe_layer = (model.moe.params / tp + (model.moe.expert_params / (
@@ -667,7 +709,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     # the devices the whole pipeline spans (a pair at stride("pp") spans 2 x stride, one
     # node for tp=4, pp=4 on 8-device nodes, where the 4 -> 8 hop crosses nodes: priced
     # intra-node whatever the network's latency, a review)
-    p2p = 2 * v * _coll("p2p", act / tp, 2, cluster,
+    p2p = 2 * v * _coll("p2p", stream / tp, 2, cluster,
                         _pair_stride(pp * plan.stride("pp"), cluster)) if pp > 1 else 0.0
     slot = compute + tp_comm + cp_comm + ep_comm + p2p
     if (m + ramp) * slot > bound_s * (1 + 1e-9):  # the step without DP's exposed time,
@@ -684,14 +726,20 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     expert_params = (model.moe.expert_params * model.moe_layers / (pp * plan.ep *
                                                                     plan.expert_tp)
                      if model.moe else 0.0)
-    each, once = _dp_sync(nb * dense_params, plan, m, shard_group, zero_dense, dense_stride,
-                          cluster)
-    e_each, e_once = _dp_sync(nb * expert_params, plan, m, edp_shard, zero_experts,
-                              expert_stride, cluster, hook=plan.ep > 1 and not zero_experts)
+    # master weights: float32 gradients reduced; FSDP2 gathers 16-bit parameters, ZeRO-1
+    # (ZeroRedundancyOptimizer) the updated float32 ones
+    gb = 4 if master else nb
+    each, once = _dp_sync(gb * dense_params, plan, m, shard_group, zero_dense, dense_stride,
+                          cluster, gathered=nb * dense_params if master and zero_dense >= 2
+                          else None)
+    e_each, e_once = _dp_sync(gb * expert_params, plan, m, edp_shard, zero_experts,
+                              expert_stride, cluster, hook=plan.ep > 1 and not zero_experts,
+                              gathered=nb * expert_params if master and zero_experts >= 2
+                              else None)
     each, once = each + e_each, once + e_once
     if tied:  # the two copies' gradients summed: first and last stage, whose span is
         # pp x stride (the pair priced at the level of that span, as the ring's hop above)
-        once += _coll("all_reduce", nb * model.head.params / head_tp, 2, cluster,
+        once += _coll("all_reduce", gb * model.head.params / head_tp, 2, cluster,
                       _pair_stride(pp * plan.stride("pp"), cluster))
     # overlapped with the backwards (2/3 of the compute) of all m microbatches, also the
     # once-per-step reduction (which DDP's no_sync and Megatron-LM run in the last one's):
