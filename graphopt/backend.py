@@ -150,7 +150,38 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                 block.forward = functools.partial(_transformers_checkpointed, block,
                                                   block.forward)
         return model
-    return torch.compile(model, backend="graphopt", options=options, **kwargs)
+    compiled = torch.compile(model, backend="graphopt", options=options,  # type: ignore
+                             **kwargs)
+    if isinstance(model, torch.nn.Module) and callable(getattr(model, "generate", None)):
+        # torch.compile's module wrapper hands attributes to the original module, so
+        # compiled.generate ran the whole decoding uncompiled, with no word (a review: no
+        # graph, no kernel call); with a plan the layers are compiled in place and it was.
+        # Set on the wrapper itself (its __setattr__ would set the caller's model's)
+        object.__setattr__(compiled, "generate", functools.partial(
+            _compiled_generate, model, options, kwargs, {}))
+    return compiled
+
+
+def _compiled_generate(model: Any, options: Mapping[str, Any], kwargs: dict[str, Any],
+                       cache: dict[str, Any], *args: Any, **generate_kwargs: Any) -> Any:
+    """``model.generate(*args, **generate_kwargs)`` with ``model.forward`` compiled by
+    graphopt (``options``, torch.compile's ``kwargs``) for the call: transformers' decoding
+    calls the module itself, which the wrapper :func:`compile` returns does not compile.
+    The compiled forward is made once (``cache``) and ``model.forward`` is put back after."""
+    import torch
+
+    if "forward" not in cache:
+        cache["forward"] = torch.compile(model.forward, backend="graphopt",  # type: ignore
+                                         options=options, **kwargs)
+    own = vars(model).get("forward")  # an instance attribute of the caller's, if any
+    model.forward = cache["forward"]
+    try:
+        return model.generate(*args, **generate_kwargs)
+    finally:
+        if own is not None:
+            model.forward = own
+        else:
+            del model.forward
 
 
 def _transformers_checkpointed(block: Any, forward: Callable[..., Any], *args: Any,

@@ -289,3 +289,25 @@ def test_the_contradiction_checks_refuse_only_contradictions():
     assert dataclasses.replace(greedy, budget="25%").time_limit is None
     assert RematOptions.parse(dataclasses.asdict(greedy)) == greedy
     assert MoEOptions(ranks_per_node=1, profile="h200").profile == "h200"
+
+
+def test_graphopt_compile_result_generates_with_the_forward_compiled():
+    """torch.compile's module wrapper hands generate to the original module, so
+    graphopt.compile(model).generate ran the decoding uncompiled, with no word (a review:
+    no graph compiled, no kernel call); the tokens equal eager's and the model's forward is
+    left as it was."""
+    import copy
+
+    from graphopt.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("llama", dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    compiled = graphopt.compile(model, options={"lowering": "eager"})
+    ids = torch.randint(0, 256, (1, 7))
+    graphopt.clear_reports()
+    out = compiled.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert graphopt.reports(), "generate compiled nothing"
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=4, do_sample=False,
+                                         pad_token_id=0))
+    assert "forward" not in vars(model) and "generate" not in vars(model)

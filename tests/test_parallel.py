@@ -879,16 +879,24 @@ def _sp_odd_length_worker(rank, world):
     from graphopt.parallel import parallelize
 
     model = parallelize(build_model("llama"), ParallelPlan(tp=2))
-    try:
-        model(input_ids=torch.zeros(3, 7, dtype=torch.long), use_cache=False)
-    except ConfigError as exc:
-        return str(exc)
-    return "ran"
+    out = []
+    for call in (lambda: model(input_ids=torch.zeros(3, 7, dtype=torch.long), use_cache=False),
+                 lambda: model.generate(torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2,
+                                        pad_token_id=0)):
+        try:
+            call()
+            out.append("ran")
+        except ConfigError as exc:
+            out.append(str(exc))
+    return out
 
 
 def test_sp_with_a_sequence_tp_does_not_divide_is_a_clear_error():
-    for message in run_distributed(_sp_odd_length_worker, 2):
-        assert "sequence length 7 is not divisible by tp=2 under SP" in message
+    """Also generate(): its decoding steps feed one token (a review: the prefill ran, then
+    the first step failed with 'pad to a multiple of tp')."""
+    for odd, generate in run_distributed(_sp_odd_length_worker, 2):
+        assert "sequence length 7 is not divisible by tp=2 under SP" in odd
+        assert generate.startswith("generate() under sequence parallelism (SP)"), generate
 
 
 def _dropout_seed_worker(rank, world, seed_per_rank, pp, kind="dropout"):
@@ -1785,3 +1793,55 @@ def test_layerdrop_is_refused_where_ranks_would_skip_different_layers():
         assert "LayerDrop" in not_executable(ParallelPlan(**kw), model=model)
     assert not hasattr(model, "graphopt_parallel")
     assert layerdrop_refusal(model, ParallelPlan(tp=2)) == []
+
+
+def _requires_grad_changes_worker(rank, world):
+    """(expert gradient error after experts frozen at parallelize are unfrozen, under EP with
+    the gradient hook; DDP's refusals of an unfreeze and of a freeze after parallelize)."""
+    from graphopt.models import build_model
+    from graphopt.parallel import build_mesh, parallelize
+    from tests.helpers import BATCH, plan_backward
+
+    plan = ParallelPlan(dp_shard=2, ep=2, zero_stage=3)  # edp_shard 1: the hook path
+    torch.manual_seed(0)
+    ref = build_model("mixtral", dtype=torch.float64)
+    _full_precision_rmsnorm(ref)
+    for name, p in ref.named_parameters():
+        p.requires_grad_("experts" not in name)
+    model = parallelize(copy.deepcopy(ref), plan, build_mesh(plan))
+    for m in (model, ref):
+        m.requires_grad_(True)  # gradual unfreezing, before the first step
+    plan_backward(model, plan, model.graphopt_parallel.mesh, BATCH)
+    _lm_loss(ref, BATCH).backward()
+    refs = dict(ref.named_parameters())
+    report = model.graphopt_parallel
+    expert_err = max(float((_full(p.grad) - _held(n, refs[n].grad, report)).abs().max())
+                     for n, p in model.named_parameters() if "experts" in n)
+    messages = []
+    for change in ("unfreeze", "freeze"):
+        plan = ParallelPlan(dp_replicate=2)
+        ddp = build_model("llama", dtype=torch.float64)
+        ddp.get_input_embeddings().weight.requires_grad_(change == "freeze")
+        ddp = parallelize(ddp, plan, build_mesh(plan))
+        ddp.get_input_embeddings().weight.requires_grad_(change == "unfreeze")
+        with torch.no_grad():  # evaluation needs no gradients: no check
+            ddp(input_ids=BATCH[:4])
+        try:
+            plan_backward(ddp, plan, ddp.graphopt_parallel.mesh, BATCH)
+            messages.append("ran")
+        except ConfigError as exc:
+            messages.append(str(exc))
+    return expert_err, messages
+
+
+def test_requires_grad_changed_after_parallelize_is_followed_or_refused():
+    """A review: experts frozen when parallelize ran (EP, gradients reduced by a hook) and
+    unfrozen later got gradients 2x one process's (no hook), and DDP (dp_replicate, ZeRO-1)
+    kept an unfrozen parameter's gradient per rank (replicas drifted apart), silently; a
+    freeze after parallelize failed in torch naming find_unused_parameters."""
+    for expert_err, messages in run_distributed(_requires_grad_changes_worker, 2):
+        assert expert_err < 1e-12
+        assert messages[0].startswith("1 parameter(s) changed requires_grad after graphopt."
+                                      "parallelize (model.embed_tokens.weight (unfrozen))")
+        assert "model.embed_tokens.weight (frozen)" in messages[1]
+        assert all("zero_stage=2/3" in m for m in messages), messages

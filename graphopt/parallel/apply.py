@@ -439,7 +439,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
             # all_gather_object and died with an internal error (a review)
             model.register_forward_pre_hook(torch.compiler.disable(before_forward))
             model.register_forward_hook(torch.compiler.disable(after_forward))
-            if callable(getattr(model, "generate", None)):
+            if callable(getattr(model, "generate", None)) and report.sp:
+                setattr(model, "generate", _sp_generate_refusal)  # noqa: B010
+            elif callable(getattr(model, "generate", None)):
                 setattr(model, "generate", functools.partial(  # noqa: B010
                     _tp_sampling_check, getattr(model, "generate"),  # noqa: B009
                     model, mesh["tp"].get_group()))
@@ -727,6 +729,16 @@ def _tp_rng_check(group: Any) -> tuple[Callable[..., None], Callable[..., None]]
     return before, after
 
 
+def _sp_generate_refusal(*args: Any, **kwargs: Any) -> Any:
+    """``generate`` of a model parallelized with SP: raises ConfigError. Decoding feeds one
+    token per step, which SP cannot split over the TP ranks (a review: the prefill ran, then
+    the first decoding step failed with "pad to a multiple of tp")."""
+    raise ConfigError("generate() under sequence parallelism (SP): decoding feeds one token "
+                      "per step, which SP cannot split over the TP ranks. Parallelize the "
+                      "model for generation with ParallelPlan(..., sp=False) (the same TP "
+                      "weights: load them through graphopt.parallel.checkpoint.ModelState)")
+
+
 def _sp_length_check(tp: int, cp: int = 1, ring: bool = False) -> Callable[..., None]:
     """Forward pre-hook: under SP the sequence is split over the TP ranks; a length tp does
     not divide would make the ranks' collectives disagree (gloo aborts the process). Under
@@ -856,8 +868,20 @@ def _checkpointed(forward: Callable[..., Any], full: bool, *args: Any, **kwargs:
     - a cache holding a prefix for this layer (``get_seq_length(layer_idx) > 0``) is kept
       and the layer is not recomputed (the prefix's keys are part of the attention, and
       dropping them broke the shapes: transformers' gradient checkpointing fails there);
-      warned."""
+      warned.
+
+    A layer with nothing to differentiate (no input and no parameter requiring a gradient:
+    the frozen first layers of a fine-tuning) runs as is: its forward keeps nothing for a
+    backward, and the checkpoint around it made graphopt.compile's AOTAutograd take its
+    inference path, which refused the policy's tags ("RNG ops in recompute regions", in a
+    model without random ops: a review)."""
     if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    module = getattr(forward, "__self__", None)
+    if isinstance(module, nn.Module) and not any(
+            p.requires_grad for p in module.parameters()) and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))):
         return forward(*args, **kwargs)
     args, kwargs, cached, prefix = _without_empty_cache(forward, args, kwargs)
     if prefix:
@@ -1022,6 +1046,7 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
 
         ddp(model, process_group=mesh["dp_cp"].get_group(),
             ignored_modules=list(find_experts(model).values()) if experts else None)
+        _refuse_requires_grad_changes(model, {id(p) for p in experts})
         report.notes.append(f"replicas over dp={plan.dp}" + (
             f" x cp={plan.cp}" if plan.cp > 1 else "") + (
             " + ZeRO-1 optimizer sharding (build_optimizer)" if plan.dp_shard > 1 and
@@ -1033,6 +1058,38 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         _keep_zero2_sharded_when_idle(model)
     if plan.dp * plan.cp > 1:
         _refuse_inference_mode_first(model)
+
+
+def _refuse_requires_grad_changes(model: nn.Module, ignored: set[int]) -> None:
+    """ConfigError before a forward with gradients when a parameter's ``requires_grad``
+    changed since DDP (torch's composable ``replicate``: dp_replicate and ZeRO-1) took the
+    model. DDP fixes the gradients it all-reduces when applied: a parameter unfrozen later
+    kept its rank's own gradient and the replicas drifted apart, silently; a parameter
+    frozen later made DDP fail with advice graphopt cannot take (``find_unused_parameters``;
+    a review found both). FSDP2 (ZeRO-2/3), TP and PP follow such changes. ``ignored``:
+    ids of parameters DDP does not hold (experts under EP, reduced by their own hook)."""
+    fixed = {name: p.requires_grad for name, p in model.named_parameters()
+             if id(p) not in ignored}
+
+    @torch.compiler.disable
+    def check() -> None:
+        if not torch.is_grad_enabled():
+            return
+        changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
+                   for name, p in model.named_parameters()
+                   if name in fixed and p.requires_grad != fixed[name]]
+        if changed:
+            raise ConfigError(
+                f"{len(changed)} parameter(s) changed requires_grad after graphopt."
+                f"parallelize ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+                ". DDP (this plan's data parallelism: dp_replicate, ZeRO-1) fixes which "
+                "gradients it all-reduces when it is applied, so an unfrozen parameter would "
+                "keep each rank's own gradient (replicas drift apart) and a frozen one would "
+                "stall its reduction. Set requires_grad before parallelize (for a new set, "
+                "parallelize the model again, from a checkpoint), or use zero_stage=2/3 "
+                "(FSDP2 follows requires_grad)")
+
+    _before_each_forward(model, check)
 
 
 def _refuse_inference_mode_first(model: nn.Module) -> None:

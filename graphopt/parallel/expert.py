@@ -303,9 +303,22 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
             dist.all_reduce(grad, group=group)
         return grad.div_(dp) if dp > 1 else grad
 
-    for p in expert_params(model):
-        if p.requires_grad:  # frozen experts: no gradient to reduce (a hook would raise)
-            p.register_hook(hook)
+    hooked: set[int] = set()
+
+    @torch.compiler.disable
+    def register() -> None:
+        """The hook on every expert parameter that requires grad now: frozen ones take none
+        (torch refuses it), so experts unfrozen after parallelize get theirs before the
+        next forward (a review: gradual unfreezing left them unreduced, 2x one process)."""
+        for p in expert_params(model):
+            if p.requires_grad and id(p) not in hooked:
+                p.register_hook(hook)
+                hooked.add(id(p))
+
+    from graphopt.parallel.apply import _before_each_forward
+
+    register()
+    _before_each_forward(model, register)
     return ("experts: gradients " + (f"summed over edp ({emesh['edp'].size()} ranks), "
                                       if group is not None else "")
             + f"divided by dp x cp={dp} (gradient hook)")

@@ -143,7 +143,19 @@ class DecoderStage(nn.Module):
         if self.count == 1:
             return self._compute(x)
         with self.random_stream(x.device):
-            return self._compute(x)
+            out = self._compute(x)
+        if not self.last and torch.is_grad_enabled() and out.is_floating_point() and \
+                not out.requires_grad:
+            # the stages before this one train nothing (a frozen embedding and first
+            # layers): the next stage's input would need no gradient. torch's zero-bubble
+            # schedule finds a stage's weights from its inputs' autograd graph, so that stage
+            # computed no weight gradient at all (silently: a review); and the schedules
+            # keep the stages' metadata, so unfreezing the prefix later left the next stage
+            # sending no gradient the prefix then waited for (a hang). A leaf that requires
+            # a gradient keeps every stage's metadata whatever is frozen; the gradient sent
+            # back to it is discarded
+            out = out.detach().requires_grad_()
+        return out
 
     @contextlib.contextmanager
     def random_stream(self, device: torch.device) -> Iterator[None]:
