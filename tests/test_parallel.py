@@ -844,6 +844,27 @@ def test_auto_prices_mixed_precision_as_bf16_compute_over_float32_master_weights
         auto_plan(build_model("llama", dtype=torch.bfloat16), 2, job, "bf16")
 
 
+def test_auto_prices_frozen_parameters_without_gradients_or_optimizer_states():
+    """A review: parallel='auto' planned from the config alone, so a LoRA model's frozen base
+    weights were priced with gradients and AdamW states (about 16 bytes per parameter
+    where 2-4 are held)."""
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import auto_plan
+
+    job = {"seq": 64, "global_batch": 4}
+    model = build_model("llama")
+    trained_plan, trained_notes = auto_plan(model, 2, job)
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" in name)
+    plan, notes = auto_plan(model, 2, job)
+    share = [n for n in notes if "parameters train (requires_grad)" in n]
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert share and share[0].startswith(f"auto: {norms:,} of "), notes
+    assert not any("parameters train" in n for n in trained_notes)
+    states = [p.prediction.memory_parts["params+grads+optimizer"] for p in (plan, trained_plan)]
+    assert states[0] < 0.4 * states[1]  # float32: 4 bytes per parameter, not 4 + 4 + 8(/dp)
+
+
 def test_auto_plans_a_subclass_of_a_transformers_model_as_its_base_class():
     """``class MyLlama(LlamaForCausalLM)`` was refused with an error about a temporary
     config.json and a class MyLlamaForCausalLM that does not exist (a review)."""

@@ -1500,3 +1500,30 @@ def test_cli_plan_prices_master_weights_when_asked():
     assert "float32 master weights" in master.output
     bad = CliRunner().invoke(app, [*args, "--master-weights", "--dtype", "float32"])
     assert bad.exit_code != 0 and "master_weights" in bad.output
+
+
+def test_frozen_parameters_hold_no_gradients_or_optimizer_states():
+    """A LoRA run's frozen base weights were priced with gradients, AdamW states and their
+    reduction (a review). ``trained`` is the share that trains: the rest holds its
+    parameters only, is gathered by FSDP2 but never reduced."""
+    full = plan_model("llama3-8b", 4096, H100, overrides=SMALL)
+    for master in (False, True):
+        model = dataclasses.replace(full, master_weights=master)
+        for zero, plan in ((0, dict(dp_replicate=8)), (1, dict(dp_shard=8, zero_stage=1)),
+                           (3, dict(dp_shard=8, zero_stage=3))):
+            parts = {}
+            for trained in (1.0, 0.25, 0.0):
+                pred = evaluate(ParallelPlan(**plan), dataclasses.replace(model,
+                                trained=trained), H100, 64, dp_overlap=False)
+                parts[trained] = (pred.memory_parts["params+grads+optimizer"], pred.comm_s["dp"])
+            params_only = parts[0.0][0]
+            # the parameters' own bytes (float32 master weights, else the model's bf16)
+            assert params_only == pytest.approx(
+                full.params * (4 if master else 2) / (8 if zero == 3 else 1), rel=0.02)
+            assert parts[0.25][0] - params_only == pytest.approx(
+                0.25 * (parts[1.0][0] - params_only), rel=1e-9)
+            if zero < 2:
+                assert parts[0.0][1] == 0.0  # nothing to reduce, ZeRO-1 updates nothing
+            else:
+                assert 0 < parts[0.0][1] < parts[1.0][1]  # FSDP2 still gathers them
+            assert parts[0.25][1] < parts[1.0][1]

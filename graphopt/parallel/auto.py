@@ -315,8 +315,18 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
                              dtype=dtype, master_weights=master)
     # not the temp path; a tied embedding/head pair stays replicated under TP here
     # (tp_layout._vocab_parallel), so it is priced whole on every TP rank
+    # frozen parameters (LoRA's base weights, a frozen embedding): no gradient, no optimizer
+    # state, nothing to reduce (a review: every parameter was priced as trained)
+    counts = {True: [0, 0], False: [0, 0]}  # by "is a routed expert": [trained, all]
+    for name, p in model.named_parameters():
+        count = counts[".experts." in name]
+        count[0] += p.numel() * p.requires_grad
+        count[1] += p.numel()
+    trained, trained_experts = (counts[e][0] / counts[e][1] if counts[e][1] else 1.0
+                                for e in (False, True))
     planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False,
-                                  tied_embeddings=tied_embeddings(config, model))
+                                  tied_embeddings=tied_embeddings(config, model),
+                                  trained=trained, trained_experts=trained_experts)
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
 
     def why_not(plan: ParallelPlan) -> str:
@@ -351,6 +361,12 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
     if passed:
         notes.append(f"auto: passed over {len(passed)} faster plan(s) graphopt does not "
                      f"execute here: {'; '.join(passed[:3])}")
+    if trained < 1 or trained_experts < 1:
+        notes.append(f"auto: {counts[False][0] + counts[True][0]:,} of "
+                     f"{counts[False][1] + counts[True][1]:,} parameters train "
+                     "(requires_grad); the frozen ones are priced without gradients, optimizer "
+                     "states or their reduction, but the step time still counts their "
+                     "weight-gradient GEMMs (up to a third of a layer's GEMM time too much)")
     if master:
         notes.append("auto: priced as mixed precision (float32 master weights, bfloat16 "
                      "compute under torch.autocast)" + (

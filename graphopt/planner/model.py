@@ -125,6 +125,12 @@ class PlanModel:
     """What dense layers' ``activation_bytes`` count: "traced" (what the transformers
     model's eager autograd keeps) or "fused" (what Megatron-Core's fused kernels keep:
     :func:`graphopt.planner.activations.fused_layer_activation_bytes`)."""
+    trained: float = 1.0
+    """Share of the parameters other than routed experts that train (``requires_grad``):
+    the others hold no gradient and no optimizer state and are not reduced
+    (``parallel="auto"`` reads it off the model: frozen base weights under LoRA)."""
+    trained_experts: float = 1.0
+    """The same share for the routed experts' parameters."""
     master_weights: bool = False
     """float32 parameters, gradients and reductions computed in ``dtype_bytes`` under
     ``torch.autocast`` (``graphopt.parallelize(..., mixed_precision="bf16")``, torchtitan's

@@ -174,7 +174,7 @@ def _pair_stride(span: int, cluster: ClusterProfile) -> int:
 
 
 def fsdp_working_set(dense_layer: float, moe_layer: float, root: float,
-                     param_bytes: int) -> float:
+                     param_bytes: int, trained: float = 1.0) -> float:
     """Bytes ZeRO-3 (FSDP2 ``fully_shard`` per decoder layer, ``reshard_after_forward``)
     holds unsharded at once on a device, beyond its shards: the parameters of the layer being
     computed and of the next one, prefetched (FSDP2's default forward and backward
@@ -185,15 +185,16 @@ def fsdp_working_set(dense_layer: float, moe_layer: float, root: float,
     gathered between forward and backward). ``dense_layer`` / ``moe_layer``:
     one layer's parameters on this device (after TP and EP; 0 for a kind the stage lacks);
     ``root``: the root unit's. Found by a review: plans at the memory limit left this out
-    (Llama 3 70B's best plan on 512 H100s: ~5 GiB)."""
+    (Llama 3 70B's best plan on 512 H100s: ~5 GiB). ``trained``: the share of parameters
+    that train (frozen ones have no gradient)."""
     layer = max(dense_layer, moe_layer)
     grad_bytes = param_bytes + (4 if param_bytes < 4 else 0)
-    return param_bytes * (2 * layer + root) + grad_bytes * layer
+    return param_bytes * (2 * layer + root) + grad_bytes * layer * trained
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool,
-                  master: bool = False) -> float:
+                  master: bool = False, trained: float = 1.0) -> float:
     """Bytes of ``params`` parameters' states on a device (model_state_bytes' total, ZeRO
     stage ``zero`` over ``dp`` ranks); with ``pipelined`` (pp > 1) and ZeRO-2/3 also what
     torch's pipeline schedules hold until the step's last backward, where FSDP runs without
@@ -208,17 +209,21 @@ def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool,
     bytes), AdamW's 8, sharded as graphopt.parallel runs each stage: ZeRO-1
     (ZeroRedundancyOptimizer) the optimizer states, ZeRO-2/3 (FSDP2) all three; ZeRO-2's
     FSDP2 also holds its ``nb``-byte unsharded parameters (MixedPrecisionPolicy's
-    param_dtype, ``reshard_after_forward=False``) from the forward to the backward."""
+    param_dtype, ``reshard_after_forward=False``) from the forward to the backward.
+
+    ``trained``: the share of ``params`` that trains (requires_grad); the rest holds its
+    parameters only (no gradient, no optimizer state)."""
     if master:
         shard = dp if zero >= 2 else 1
-        total = params * (8 / shard + 8 / (dp if zero >= 1 else 1) + nb * (zero == 2))
+        total = params * (4 / shard + trained * (4 / shard + 8 / (dp if zero >= 1 else 1))
+                          + nb * (zero == 2))
         if pipelined and zero >= 2:
-            total += params * (4 - 4 / dp + nb * (zero == 3))
+            total += params * (trained * (4 - 4 / dp) + nb * (zero == 3))
         return total
-    total = model_state_bytes(params, param_bytes=nb, grad_bytes=nb, zero_stage=zero,
-                              dp=dp).total
+    states = model_state_bytes(params, param_bytes=nb, grad_bytes=nb, zero_stage=zero, dp=dp)
+    total = states.params + trained * (states.grads + states.optimizer)
     if pipelined and zero >= 2:
-        total += params * (max(nb, 4) - nb / dp + nb * (zero == 3))
+        total += params * (trained * (max(nb, 4) - nb / dp) + nb * (zero == 3))
     return total
 
 
@@ -244,14 +249,14 @@ def _dp_sync(grads: float, plan: ParallelPlan, m: int, group: int, zero: int, st
 
     ``gathered``: bytes of the parameters ZeRO gathers where they differ from ``grads``
     (master weights: FSDP2 gathers 16-bit parameters and reduces float32 gradients)."""
-    if not grads:
+    if not grads and not (gathered and zero >= 1):
         return 0.0, 0.0
     reduce = _coll("reduce_scatter" if zero >= 1 else "all_reduce", grads, group, cluster,
-                   stride)
+                   stride) if grads else 0.0
     gather = _coll("all_gather", grads if gathered is None else gathered, group, cluster,
                    stride) if zero >= 1 else 0.0
     replicas = _coll("all_reduce", grads / (group if zero >= 1 else 1), plan.dp_replicate,
-                     cluster, plan.stride("dp_replicate"))
+                     cluster, plan.stride("dp_replicate")) if grads else 0.0
     if hook:
         return reduce + replicas, 0.0
     if plan.pp > 1:
@@ -646,15 +651,16 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         experts = model.moe.expert_params * n * (1 - dense_share) / (
             plan.ep * plan.expert_tp) if model.moe else 0.0
         states = _states_total(layer_params + extra, nb, zero_dense, shard_group, pp > 1,
-                               master) + \
-            _states_total(experts, nb, zero_experts, edp_shard, pp > 1, master)
+                               master, model.trained) + \
+            _states_total(experts, nb, zero_experts, edp_shard, pp > 1, master,
+                          model.trained_experts)
         gathered = 0.0
         if zero_dense == 3 and pp == 1:  # (under PP the states hold them all: above)
             moe_layer = (model.moe.params / tp + (model.moe.expert_params / (
                 plan.ep * plan.expert_tp) if zero_experts == 3 else 0.0)) \
                 if model.moe and n_moe else 0.0
             gathered = fsdp_working_set(model.dense.params / tp if n_dense else 0.0,
-                                        moe_layer, extra, nb)
+                                        moe_layer, extra, nb, model.trained)
         return states + acts + gathered, states, acts, gathered
 
     fullest = max((stage_memory(i) for i in picks), key=lambda x: x[0])
@@ -728,14 +734,20 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                      if model.moe else 0.0)
     # master weights: float32 gradients reduced; FSDP2 gathers 16-bit parameters, ZeRO-1
     # (ZeroRedundancyOptimizer) the updated float32 ones
+    # (frozen parameters: FSDP2 gathers them, nothing reduces them, ZeRO-1 updates none)
     gb = 4 if master else nb
-    each, once = _dp_sync(gb * dense_params, plan, m, shard_group, zero_dense, dense_stride,
-                          cluster, gathered=nb * dense_params if master and zero_dense >= 2
-                          else None)
-    e_each, e_once = _dp_sync(gb * expert_params, plan, m, edp_shard, zero_experts,
-                              expert_stride, cluster, hook=plan.ep > 1 and not zero_experts,
-                              gathered=nb * expert_params if master and zero_experts >= 2
-                              else None)
+
+    def gather_bytes(params: float, zero_stage: int, trained: float) -> float:
+        return (nb if zero_stage >= 2 else gb * trained) * params
+
+    each, once = _dp_sync(gb * dense_params * model.trained, plan, m, shard_group,
+                          zero_dense, dense_stride, cluster,
+                          gathered=gather_bytes(dense_params, zero_dense, model.trained))
+    e_each, e_once = _dp_sync(gb * expert_params * model.trained_experts, plan, m, edp_shard,
+                              zero_experts, expert_stride, cluster,
+                              hook=plan.ep > 1 and not zero_experts,
+                              gathered=gather_bytes(expert_params, zero_experts,
+                                                    model.trained_experts))
     each, once = each + e_each, once + e_once
     if tied:  # the two copies' gradients summed: first and last stage, whose span is
         # pp x stride (the pair priced at the level of that span, as the ring's hop above)
