@@ -254,6 +254,23 @@ def test_tp_layout_is_derived_from_the_data_flow():
     assert "model.layers.1.self_attn.o_proj" in layout.rowwise  # its softmax layer splits
     assert not any(".mlp" in p for p in layout.colwise + layout.rowwise)
 
+    class LoRALinear(torch.nn.Module):  # an adapter around a frozen projection (a review:
+        # the reason given was the shape error the wrapper caused, not the wrapper)
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.lora_a = torch.nn.Linear(base.in_features, 4, bias=False)
+            self.lora_b = torch.nn.Linear(4, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base(x) + self.lora_b(self.lora_a(x))
+
+    for layer in llama.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+    layout = derive_tp_layout(llama, lambda: llama(input_ids=ids, use_cache=False), 2)
+    assert "its projection(s) q_proj (LoRALinear) wrap nn.Linear modules" in \
+        layout.kept[attn], layout.kept
+
 
 class _NormedEmbedding(torch.nn.Embedding):
     """Inkling's embedding: an nn.Embedding subclass that holds an RMSNorm."""

@@ -354,8 +354,17 @@ def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
         shards = _shards(reference, path, readers, writer, tp)
         wants, got, others = _split_outputs(reference, shards, args, kwargs)
     except Exception as exc:  # the sharded code cannot even run: not head-parallel
+        # projections wrapped by another module (LoRA-style adapters around nn.Linear) are
+        # not split: the reason is the wrapper, not the error it caused (a review)
+        wrapped = [f"{name} ({type(child).__name__})" for name, child in mixer.named_children()
+                   if not isinstance(child, nn.Linear) and any(
+                       isinstance(m, nn.Linear) for m in child.modules())]
+        why = (f"; its projection(s) {', '.join(wrapped[:4])} wrap nn.Linear modules "
+               "(adapters?), which TP does not split: merge them into the linear weights "
+               "first to split this module") if wrapped else ""
         return (f"a {tp}-way column/row split of it fails to run "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); kept replicated")
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}){why}; kept "
+                "replicated")
     try:
         _run_with_local_views(shards[-1], path, readers, args, kwargs)
     except RuntimeError as exc:
