@@ -688,7 +688,8 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
                                  f"{tokens:,} tokens per iteration (--seq x --global-batch); "
                                  "raise --global-batch or drop those buckets")
     table = Table(title=f"{escape(model)} on {devices} devices, {tokens:,} tokens per "
-                        "iteration, best plan graphopt executes per sequence bucket")
+                        "iteration, best plan graphopt executes per sequence bucket"
+                        f"{', float32 master weights' if master_weights else ''}")
     for col in ("seq", "global batch", "best plan", "step s", "MFU", "memory GiB", "change"):
         table.add_column(col)
     previous = None

@@ -844,7 +844,8 @@ def test_auto_prices_mixed_precision_as_bf16_compute_over_float32_master_weights
 
     def plan_model(*args, **kwargs):
         result = measure(*args, **kwargs)
-        priced.append((kwargs["dtype"], result.master_weights, result.dense.cast_bytes))
+        if "dtype" in kwargs:  # auto's call (not the master-weights model's bf16 trace)
+            priced.append((kwargs["dtype"], result.master_weights, result.dense.cast_bytes))
         return result
 
     monkeypatch.setattr(planner_model, "plan_model", plan_model)

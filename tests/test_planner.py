@@ -1449,8 +1449,9 @@ def test_master_weights_are_priced_as_graphopt_parallelize_runs_bf16_mixed_preci
     assert pure.dense.cast_bytes == 0.0
     assert master.dense.selective_activation_bytes > 0  # the selective trace ran too
 
-    with pytest.raises(ConfigError, match="master_weights.*torch.bfloat16"):
-        plan_model(spec, seq, H100, dtype=torch.float32, master_weights=True)
+    for dtype in (torch.float32, torch.float16):  # what parallelize runs: bf16 only
+        with pytest.raises(ConfigError, match="master_weights.*torch.bfloat16"):
+            plan_model(spec, seq, H100, dtype=dtype, master_weights=True)
 
     def parts(model, **plan):
         pred = evaluate(ParallelPlan(**{"sp": False, **plan}), model, H100, 8,
@@ -1476,16 +1477,27 @@ def test_master_weights_are_priced_as_graphopt_parallelize_runs_bf16_mixed_preci
     assert ddp_m == pytest.approx(2 * ddp_p, rel=0.05)
     z3_m, z3_p = (parts(m, dp_shard=8, zero_stage=3)[1] for m in big)
     assert 1.2 * z3_p < z3_m < 1.8 * z3_p
-    # the casts are held per microbatch under DDP (not by FSDP2's bf16 parameters), and do
-    # not grow with the microbatch's tokens
-    act = {(zero, mb): parts(master, dp_shard=2, zero_stage=zero, microbatch=mb)[0][
-        "activations"] for zero in (1, 3) for mb in (1, 2)}
-    # the stage's 2 layers and the LM head (vocabulary x hidden)
+    # under DDP (ZeRO-1) autocast's weight copies are held per microbatch and do not grow
+    # with its tokens: the stage's 2 layers and the LM head (vocabulary x hidden)
     casts = 2 * master.dense.cast_bytes + master.head.cast_bytes
     assert master.head.cast_bytes == 2 * 512 * 128
-    assert act[1, 1] - act[3, 1] == pytest.approx(casts, rel=1e-9)
-    assert act[1, 2] - act[3, 2] == pytest.approx(casts, rel=1e-9)
-    assert act[3, 2] == pytest.approx(2 * act[3, 1], rel=1e-9)
+    ddp = [parts(master, dp_shard=2, zero_stage=1, microbatch=mb)[0]["activations"]
+           for mb in (1, 2)]
+    assert ddp[1] == pytest.approx(2 * ddp[0] - casts, rel=1e-9)
+    # where FSDP2 holds the layers (ZeRO-2/3; its replicate with TP or PP) its
+    # MixedPrecisionPolicy gives them bf16 parameters and inputs: they keep what the bf16
+    # model keeps (a re-review: the autocast trace priced them 1.27x too high), and
+    # replicate holds bf16 copies of the parameters besides the float32 ones
+    for plan in (dict(dp_shard=2, zero_stage=3), dict(dp_shard=2, zero_stage=2),
+                 dict(dp_replicate=2, tp=2), dict(dp_replicate=2, pp=2)):
+        for mb in (1, 2):
+            assert parts(master, **plan, microbatch=mb)[0]["activations"] == pytest.approx(
+                parts(pure, **plan, microbatch=mb)[0]["activations"], rel=1e-9), plan
+    ratio = parts(master, dp_replicate=2, tp=2)[0]["params+grads+optimizer"] / \
+        parts(pure, dp_replicate=2, tp=2)[0]["params+grads+optimizer"]
+    assert ratio == pytest.approx((4 + 4 + 8 + 2) / (2 + 2 + 12), rel=1e-9)
+    with pytest.raises(ConfigError, match="activations='traced'"):
+        plan_model(spec, seq, H100, activations="fused", master_weights=True)
 
 
 def test_cli_plan_prices_master_weights_when_asked():
@@ -1527,3 +1539,23 @@ def test_frozen_parameters_hold_no_gradients_or_optimizer_states():
             else:
                 assert 0 < parts[0.0][1] < parts[1.0][1]  # FSDP2 still gathers them
             assert parts[0.25][1] < parts[1.0][1]
+
+
+def test_master_weights_moe_layers_hold_their_weight_copies_per_microbatch():
+    """A re-review: MoE models keep the bf16 trace under master weights (grouped_mm takes
+    bf16 experts only), and the bf16 copies of their float32 weights were not priced (the
+    EP op casts the experts per microbatch; autocast the other weights under DDP): a real
+    toy Mixtral held 2.1x the priced bytes per layer."""
+    master, pure = (plan_model("mixtral", 256, H100, master_weights=m) for m in (True, False))
+    moe = master.moe
+    assert moe is not None and master.moe_layers > 0
+
+    def activations(model, **plan):
+        return evaluate(ParallelPlan(**plan), model, H100, 8).memory_parts["activations"]
+
+    copies = master.moe_layers * 2 * (moe.expert_params + moe.params)  # bf16, DDP
+    assert activations(master, dp_replicate=2) - activations(pure, dp_replicate=2) == \
+        pytest.approx(copies, rel=1e-9)
+    # FSDP2 over the experts and the layers (ZeRO-3): bf16 parameters, nothing copied
+    assert activations(master, dp_shard=2, zero_stage=3) == pytest.approx(
+        activations(pure, dp_shard=2, zero_stage=3), rel=1e-9)

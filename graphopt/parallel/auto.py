@@ -370,8 +370,10 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
     if master:
         notes.append("auto: priced as mixed precision (float32 master weights, bfloat16 "
                      "compute under torch.autocast)" + (
-                         "; the MoE layers' activations as bfloat16 throughout (the planner "
-                         "traces grouped_mm experts in bfloat16)" if planned.moe else ""))
+                         "; the MoE layers' activations as bfloat16 throughout with their "
+                         "weight copies added (the planner traces grouped_mm experts in "
+                         "bfloat16 only): their float32 residual stream under DDP is not "
+                         "priced" if planned.moe else ""))
     elif dtype != own:  # (a review: a float32 Mixtral got the bf16 model's prediction)
         ratio = own.itemsize / dtype.itemsize
         why = ("the planner traces MoE models with grouped_mm experts, whose meta kernel takes "

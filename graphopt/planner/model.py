@@ -125,6 +125,11 @@ class PlanModel:
     """What dense layers' ``activation_bytes`` count: "traced" (what the transformers
     model's eager autograd keeps) or "fused" (what Megatron-Core's fused kernels keep:
     :func:`graphopt.planner.activations.fused_layer_activation_bytes`)."""
+    bf16_layers: tuple[LayerCost, LayerCost | None, LayerCost] | None = None
+    """Master weights: (dense, MoE, head) as traced for the 16-bit model, which is what the
+    layers compute where FSDP2 holds them (graphopt.parallelize's ZeRO-2/3, and its
+    ``replicate`` under TP or PP): its MixedPrecisionPolicy gives them 16-bit parameters and
+    casts their inputs, so the residual stream is 16-bit and autocast copies nothing."""
     trained: float = 1.0
     """Share of the parameters other than routed experts that train (``requires_grad``):
     the others hold no gradient and no optimizer state and are not reduced
@@ -312,7 +317,7 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     Raises:
         ConfigError: unknown model, attention or activations kind; a bfloat16/float16
             ``dtype`` on a device profile without that rate; ``master_weights`` with a
-            float32 ``dtype``.
+            ``dtype`` other than bfloat16 or with ``activations="fused"``.
     """
     if attention not in ("flash", "megatron2021"):
         raise ConfigError(f"attention must be 'flash' or 'megatron2021', got {attention!r}")
@@ -326,10 +331,16 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
     source = resolve_model(spec)
     if activations not in ("traced", "fused"):
         raise ConfigError(f"activations must be 'traced' or 'fused', got {activations!r}")
-    if master_weights and dtype not in (torch.bfloat16, torch.float16):
-        raise ConfigError(f"master_weights prices float32 parameters computing in a 16-bit "
-                          f"dtype under torch.autocast; dtype is {dtype}: give "
-                          "torch.bfloat16 (or drop master_weights)")
+    if master_weights and dtype != torch.bfloat16:
+        raise ConfigError(f"master_weights prices graphopt.parallelize(..., mixed_precision="
+                          f"'bf16'): float32 parameters computing in bfloat16 under "
+                          f"torch.autocast; dtype is {dtype}: give torch.bfloat16 (or drop "
+                          "master_weights)")
+    if master_weights and activations == "fused":
+        raise ConfigError("master_weights prices what transformers' code keeps under "
+                          "torch.autocast (float32 residual stream and norms, 16-bit weight "
+                          "copies); activations='fused' counts Megatron-Core's 16-bit fused "
+                          "kernels: use activations='traced' with master_weights")
     key = (str(spec), seq, repr(cluster.device), dtype, attention, activations,
            repr(sorted((overrides or {}).items())), master_weights)  # values may be lists
     if key in _CACHE:
@@ -427,6 +438,8 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
                     or 0),
         dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations,
         master_weights=master_weights,
+        bf16_layers=_bf16_layers(spec, seq, cluster, dtype, attention, overrides)
+        if master_weights else None,
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         head_dim=_qk_head_dim(cfg, hidden, heads),
         v_head_dim=int(getattr(cfg, "v_head_dim", 0) or _qk_head_dim(cfg, hidden, heads)))
@@ -475,6 +488,14 @@ def _mix(measured: dict[str | None, tuple[LayerCost, LayerCost, LayerCost | None
         assert cost is not None
         parts.append((cost, 1 / len(types)))
     return _combine(parts)
+
+
+def _bf16_layers(spec: str | Path, seq: int, cluster: ClusterProfile, dtype: torch.dtype,
+                 attention: str, overrides: dict[str, Any] | None
+                 ) -> tuple[LayerCost, LayerCost | None, LayerCost]:
+    """(dense, MoE, head) of the 16-bit model's trace (:attr:`PlanModel.bf16_layers`)."""
+    plain = plan_model(spec, seq, cluster, dtype, attention, "traced", overrides)
+    return plain.dense, plain.moe, plain.head
 
 
 def _sub(a: LayerCost, b: LayerCost) -> LayerCost:
@@ -567,7 +588,7 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile,
     return LayerCost(gemm, split, repl, float(cost.flops), float(saved_for_backward(gm)),
                      float(total - experts), float(experts), float(cost.peak_s), *selective,
                      cast_bytes=float(parameter_casts_saved(gm, len(dict(
-                         model.named_parameters())))),
+                         model.named_parameters())))) if autocast is not None else 0.0,
                      gemm_shapes=gemm_shapes(gm, cost, seq, hidden))
 
 

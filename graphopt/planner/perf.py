@@ -97,6 +97,7 @@ memory (even stages: the first, second and last are priced; uneven: all):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -194,7 +195,7 @@ def fsdp_working_set(dense_layer: float, moe_layer: float, root: float,
 
 @functools.lru_cache(maxsize=1 << 16)
 def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool,
-                  master: bool = False, trained: float = 1.0) -> float:
+                  master: bool = False, trained: float = 1.0, copy16: bool = False) -> float:
     """Bytes of ``params`` parameters' states on a device (model_state_bytes' total, ZeRO
     stage ``zero`` over ``dp`` ranks); with ``pipelined`` (pp > 1) and ZeRO-2/3 also what
     torch's pipeline schedules hold until the step's last backward, where FSDP runs without
@@ -207,16 +208,17 @@ def _states_total(params: float, nb: int, zero: int, dp: int, pipelined: bool,
 
     ``master`` (:attr:`PlanModel.master_weights`): float32 parameters and gradients (4 + 4
     bytes), AdamW's 8, sharded as graphopt.parallel runs each stage: ZeRO-1
-    (ZeroRedundancyOptimizer) the optimizer states, ZeRO-2/3 (FSDP2) all three; ZeRO-2's
-    FSDP2 also holds its ``nb``-byte unsharded parameters (MixedPrecisionPolicy's
-    param_dtype, ``reshard_after_forward=False``) from the forward to the backward.
+    (ZeroRedundancyOptimizer) the optimizer states, ZeRO-2/3 (FSDP2) all three;
+    ``copy16``: FSDP2 also holds its ``nb``-byte unsharded parameters (MixedPrecisionPolicy's
+    param_dtype; ZeRO-2's ``reshard_after_forward=False``, and its ``replicate``) from the
+    forward to the backward.
 
     ``trained``: the share of ``params`` that trains (requires_grad); the rest holds its
     parameters only (no gradient, no optimizer state)."""
     if master:
         shard = dp if zero >= 2 else 1
         total = params * (4 / shard + trained * (4 / shard + 8 / (dp if zero >= 1 else 1))
-                          + nb * (zero == 2))
+                          + nb * copy16)
         if pipelined and zero >= 2:
             total += params * (trained * (4 - 4 / dp) + nb * (zero == 3))
         return total
@@ -540,6 +542,20 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     m = global_batch // (plan.dp * mb)
     seq, h, nb = model.seq, model.hidden, model.dtype_bytes
     master = model.master_weights
+    # master weights where FSDP2 holds the layers (graphopt.parallel's fully_shard at
+    # ZeRO-2/3 over dp_shard x cp, its replicate for data parallelism with TP or PP): its
+    # MixedPrecisionPolicy gives them 16-bit parameters and inputs, so they compute as the
+    # 16-bit model (a review: the autocast trace priced ZeRO-3 llama3-8b mb=2 at 72 GiB
+    # where it holds 62); else (DDP, no data parallelism) autocast over float32 weights
+    fsdp2 = master and plan.dp * cp > 1 and (
+        (plan.dp_shard * cp > 1 and plan.zero_stage >= 2) or tp > 1 or pp > 1)
+    if fsdp2 and model.bf16_layers is not None:
+        views = _side_cache(model, "_fsdp2_view")
+        if not views:
+            dense, moe, head = model.bf16_layers
+            views[0] = dataclasses.replace(model, dense=dense, moe=moe, head=head,
+                                           bf16_layers=None)
+        model = views[0]
     act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
     dense_share = model.dense_layers / max(model.layers, 1)
     sizes, picks = _stages(plan, model.layers)
@@ -579,7 +595,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     # the residual stream between layers (a recomputed layer's kept input, PP's sends): under
     # master weights float32 (autocast's residual adds) except where FSDP2 casts each
     # layer's inputs to its param_dtype (ZeRO-2/3: cast_forward_inputs)
-    stream = act * 4 / nb if master and zero_dense < 2 else act
+    stream = act * 4 / nb if master and not fsdp2 else act
     # memory: the fullest stage
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
     head_tp = tp if _head_split(model) else 1
@@ -590,14 +606,26 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         return cost.selective_activation_bytes if plan.selective_recompute and \
             cost.selective_activation_bytes else cost.activation_bytes - cost.cast_bytes
 
-    def cast_bytes(cost: LayerCost | None, zero_stage: int) -> float:
+    def cast_bytes(cost: LayerCost | None) -> float:
         """Autocast's 16-bit parameter copies a kept layer's autograd holds per microbatch
-        (master weights; selective checkpointing recomputes them; FSDP2 at ZeRO-2/3 gives
-        the layers 16-bit parameters, which autocast does not copy)."""
-        if cost is None or zero_stage >= 2 or (plan.selective_recompute and
-                                               cost.selective_activation_bytes):
+        (master weights without FSDP2, whose 16-bit parameters autocast does not copy;
+        selective checkpointing recomputes them)."""
+        if cost is None or not master or fsdp2 or (plan.selective_recompute and
+                                                   cost.selective_activation_bytes):
             return 0.0
         return cost.cast_bytes
+
+    def expert_casts() -> float:
+        """Master weights, an MoE layer kept: the 16-bit copies of its experts that
+        graphopt.parallel.expert's op makes per microbatch where FSDP2 does not hold them
+        (ZeRO-0/1 experts), and autocast's of its other weights without FSDP2 (its trace
+        is the 16-bit model's: grouped_mm takes no float32 experts)."""
+        if not master or model.moe is None or (plan.selective_recompute and
+                                               model.moe.selective_activation_bytes):
+            return 0.0
+        experts = model.moe.expert_params / (plan.ep * plan.expert_tp) \
+            if zero_experts < 2 else 0.0
+        return nb * (experts + (0.0 if fsdp2 else model.moe.params / tp))
 
     def stage_memory(i: int) -> tuple[float, float, float, float]:
         """(total, model states, activations, ZeRO-3 working set) bytes of stage i: its
@@ -614,8 +642,9 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         rec_moe = min(rec, n_moe) if a_moe >= a_dense else max(0, rec - n_dense)
         kept = (n_dense - (rec - rec_moe)) * a_dense + (n_moe - rec_moe) * a_moe
         kept_mb = kept * mb / cp * tp_share
-        casts = ((n_dense - (rec - rec_moe)) * cast_bytes(model.dense, zero_dense) +
-                 (n_moe - rec_moe) * cast_bytes(model.moe, zero_dense)) / tp
+        casts = ((n_dense - (rec - rec_moe)) * cast_bytes(model.dense) +
+                 (n_moe - rec_moe) * cast_bytes(model.moe)) / tp + \
+            (n_moe - rec_moe) * expert_casts()
         stage_act = kept_mb + rec * stream / tp + casts
         if n_moe:  # tensor-parallel experts' unsplit rows in the kept MoE layers; in
             # the recomputed ones what the checkpoint caches of the EP op (not run again)
@@ -633,13 +662,16 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                 * tp_share
             if not (n_dense and n_moe):  # recomputed layers are the stage's first: the kept
                 rebuild = max(0.0, rebuild - kept_mb)  # ones are freed when they rebuild
+            # the rebuilt layer's autocast weight copies (master weights without FSDP2)
+            rebuild += max(cast_bytes(model.dense) if n_dense else 0.0,
+                           cast_bytes(model.moe) if n_moe else 0.0) / tp
         elif plan.selective_recompute:
             full = max(model.dense.activation_bytes - a_dense if n_dense else 0.0,
                        model.moe.activation_bytes - a_moe if n_moe and model.moe else 0.0)
             rebuild = full * mb / cp * tp_share
         acts += rebuild
         if i == pp - 1:
-            head_casts = cast_bytes(model.head, zero_dense) / head_tp * in_flight
+            head_casts = cast_bytes(model.head) / head_tp * in_flight
             acts += (model.head.activation_bytes - model.head.cast_bytes) * mb / cp / \
                 head_tp + head_casts
         ends = (i == 0) + (i == pp - 1)  # embedding on the first, LM head on the last
@@ -650,10 +682,11 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
                         (model.moe.params * n * (1 - dense_share) if model.moe else 0.0)) / tp
         experts = model.moe.expert_params * n * (1 - dense_share) / (
             plan.ep * plan.expert_tp) if model.moe else 0.0
+        # FSDP2's unsharded 16-bit copy held from forward to backward: ZeRO-2, replicate
         states = _states_total(layer_params + extra, nb, zero_dense, shard_group, pp > 1,
-                               master, model.trained) + \
+                               master, model.trained, fsdp2 and zero_dense < 3) + \
             _states_total(experts, nb, zero_experts, edp_shard, pp > 1, master,
-                          model.trained_experts)
+                          model.trained_experts, zero_experts == 2)
         gathered = 0.0
         if zero_dense == 3 and pp == 1:  # (under PP the states hold them all: above)
             moe_layer = (model.moe.params / tp + (model.moe.expert_params / (
