@@ -154,34 +154,27 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                              **kwargs)
     if isinstance(model, torch.nn.Module) and callable(getattr(model, "generate", None)):
         # torch.compile's module wrapper hands attributes to the original module, so
-        # compiled.generate ran the whole decoding uncompiled, with no word (a review: no
-        # graph, no kernel call); with a plan the layers are compiled in place and it was.
+        # compiled.generate runs the whole decoding uncompiled, with no word (a review: no
+        # graph, no kernel call). Compiling the forward for it shared Dynamo's recompile
+        # limit with the training graphs of the same code (a re-review: after a few
+        # generate calls a new training shape ran eagerly), so it says so instead.
         # Set on the wrapper itself (its __setattr__ would set the caller's model's)
-        object.__setattr__(compiled, "generate", functools.partial(
-            _compiled_generate, model, options, kwargs, {}))
+        object.__setattr__(compiled, "generate", functools.partial(_uncompiled_generate,
+                                                                   model))
     return compiled
 
 
-def _compiled_generate(model: Any, options: Mapping[str, Any], kwargs: dict[str, Any],
-                       cache: dict[str, Any], *args: Any, **generate_kwargs: Any) -> Any:
-    """``model.generate(*args, **generate_kwargs)`` with ``model.forward`` compiled by
-    graphopt (``options``, torch.compile's ``kwargs``) for the call: transformers' decoding
-    calls the module itself, which the wrapper :func:`compile` returns does not compile.
-    The compiled forward is made once (``cache``) and ``model.forward`` is put back after."""
-    import torch
+def _uncompiled_generate(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``model.generate(*args, **kwargs)``, warning that it runs uncompiled."""
+    import warnings
 
-    if "forward" not in cache:
-        cache["forward"] = torch.compile(model.forward, backend="graphopt",  # type: ignore
-                                         options=options, **kwargs)
-    own = vars(model).get("forward")  # an instance attribute of the caller's, if any
-    model.forward = cache["forward"]
-    try:
-        return model.generate(*args, **generate_kwargs)
-    finally:
-        if own is not None:
-            model.forward = own
-        else:
-            del model.forward
+    warnings.warn("graphopt: generate() on graphopt.compile(model)'s result runs the model "
+                  "uncompiled (torch.compile's module wrapper hands generate to the original "
+                  "module). To compile what generate calls, compile in place: "
+                  "model.compile(backend='graphopt', options={...}) (its graphs count "
+                  "against Dynamo's recompile limit with the training ones)",
+                  UserWarning, stacklevel=2)
+    return model.generate(*args, **kwargs)
 
 
 def _transformers_checkpointed(block: Any, forward: Callable[..., Any], *args: Any,

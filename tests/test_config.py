@@ -291,11 +291,11 @@ def test_the_contradiction_checks_refuse_only_contradictions():
     assert MoEOptions(ranks_per_node=1, profile="h200").profile == "h200"
 
 
-def test_graphopt_compile_result_generates_with_the_forward_compiled():
+def test_generate_on_graphopt_compile_s_result_warns_and_in_place_compiles():
     """torch.compile's module wrapper hands generate to the original module, so
     graphopt.compile(model).generate ran the decoding uncompiled, with no word (a review:
-    no graph compiled, no kernel call); the tokens equal eager's and the model's forward is
-    left as it was."""
+    no graph compiled, no kernel call). It warns now, naming the in-place compile, which
+    compiles what generate calls; the tokens equal eager's either way."""
     import copy
 
     from graphopt.models import build_model
@@ -303,11 +303,14 @@ def test_graphopt_compile_result_generates_with_the_forward_compiled():
     torch.manual_seed(0)
     model = build_model("llama", dtype=torch.float64)
     ref = copy.deepcopy(model)
-    compiled = graphopt.compile(model, options={"lowering": "eager"})
     ids = torch.randint(0, 256, (1, 7))
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    compiled = graphopt.compile(model, options={"lowering": "eager"})
     graphopt.clear_reports()
-    out = compiled.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert graphopt.reports(), "generate compiled nothing"
-    assert torch.equal(out, ref.generate(ids, max_new_tokens=4, do_sample=False,
-                                         pad_token_id=0))
-    assert "forward" not in vars(model) and "generate" not in vars(model)
+    with pytest.warns(UserWarning, match="runs the model uncompiled .* model.compile"):
+        out = compiled.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want) and not graphopt.reports()
+    assert "generate" not in vars(model)  # set on the wrapper, not the caller's model
+    model.compile(backend="graphopt", options={"lowering": "eager"})
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want) and graphopt.reports()

@@ -1857,17 +1857,31 @@ def _requires_grad_changes_worker(rank, world):
     expert_err = max(float((_full(p.grad) - _held(n, refs[n].grad, report)).abs().max())
                      for n, p in model.named_parameters() if "experts" in n)
     messages = []
-    for change in ("unfreeze", "freeze"):
-        plan = ParallelPlan(dp_replicate=2)
-        ddp = build_model("llama", dtype=torch.float64)
-        ddp.get_input_embeddings().weight.requires_grad_(change == "freeze")
-        ddp = parallelize(ddp, plan, build_mesh(plan))
-        ddp.get_input_embeddings().weight.requires_grad_(change == "unfreeze")
-        with torch.no_grad():  # evaluation needs no gradients: no check
-            ddp(input_ids=BATCH[:4])
+    for change in ("freeze first", "unfreeze after evaluating", "freeze after training",
+                   "all frozen", "added"):
+        plan = ParallelPlan(dp_shard=2, zero_stage=2) if change == "added" else \
+            ParallelPlan(dp_replicate=2)
+        ddp = parallelize(build_model("llama", dtype=torch.float64), plan, build_mesh(plan))
+        embedding = ddp.get_input_embeddings().weight
         try:
+            if change == "freeze first":  # before DDP's first forward: it builds then
+                embedding.requires_grad_(False)
+            elif change == "unfreeze after evaluating":  # DDP built frozen, under no_grad
+                embedding.requires_grad_(False)
+                with torch.no_grad():
+                    ddp(input_ids=BATCH[:4])
+                embedding.requires_grad_(True)
+            elif change == "freeze after training":
+                plan_backward(ddp, plan, ddp.graphopt_parallel.mesh, BATCH)
+                embedding.requires_grad_(False)
+            elif change == "all frozen":  # to evaluate: DDP refuses a model that trains
+                ddp.requires_grad_(False)  # nothing
+                with torch.no_grad():
+                    ddp(input_ids=BATCH[:4])
+            else:  # LoRA adapters added late: no data-parallel wrapper reduces them
+                ddp.model.adapter = torch.nn.Linear(2, 2)
             plan_backward(ddp, plan, ddp.graphopt_parallel.mesh, BATCH)
-            messages.append("ran")
+            messages.append("ran" if embedding.grad is None else "ran, trained")
         except ConfigError as exc:
             messages.append(str(exc))
     return expert_err, messages
@@ -1880,7 +1894,14 @@ def test_requires_grad_changed_after_parallelize_is_followed_or_refused():
     freeze after parallelize failed in torch naming find_unused_parameters."""
     for expert_err, messages in run_distributed(_requires_grad_changes_worker, 2):
         assert expert_err < 1e-12
-        assert messages[0].startswith("1 parameter(s) changed requires_grad after graphopt."
-                                      "parallelize (model.embed_tokens.weight (unfrozen))")
-        assert "model.embed_tokens.weight (frozen)" in messages[1]
-        assert all("zero_stage=2/3" in m for m in messages), messages
+        first, unfrozen, frozen, frozen_all, added = messages
+        assert first == "ran"  # a re-review: refused before DDP had taken the model
+        # a re-review: DDP built under no_grad with the embedding frozen, then unfrozen, was
+        # let through (checked against parallelize's state) and trained it per rank
+        assert unfrozen.startswith("1 parameter(s) changed requires_grad after DDP took the "
+                                   "model at its first forward (model.embed_tokens.weight "
+                                   "(unfrozen))"), unfrozen
+        assert "model.embed_tokens.weight (frozen)" in frozen and "zero_stage=2/3" in frozen
+        assert frozen_all.startswith("every parameter DDP holds is frozen"), frozen_all
+        assert added.startswith("2 parameter(s) were added after graphopt.parallelize "
+                                "(model.adapter.bias, model.adapter.weight)"), added

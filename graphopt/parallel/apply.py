@@ -1007,6 +1007,7 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
 
     shard = plan.dp_shard * plan.cp > 1 and plan.zero_stage >= 2
     experts: set[nn.Parameter] = set()
+    plain_ddp = False  # torch's composable replicate (DDP), which builds itself lazily
     if plan.ep > 1:  # the experts' own reduction first: FSDP2 then skips them
         from graphopt.parallel.expert import expert_params, find_experts, reduce_expert_grads
 
@@ -1046,7 +1047,7 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
 
         ddp(model, process_group=mesh["dp_cp"].get_group(),
             ignored_modules=list(find_experts(model).values()) if experts else None)
-        _refuse_requires_grad_changes(model, {id(p) for p in experts})
+        plain_ddp = True
         report.notes.append(f"replicas over dp={plan.dp}" + (
             f" x cp={plan.cp}" if plan.cp > 1 else "") + (
             " + ZeRO-1 optimizer sharding (build_optimizer)" if plan.dp_shard > 1 and
@@ -1058,36 +1059,61 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         _keep_zero2_sharded_when_idle(model)
     if plan.dp * plan.cp > 1:
         _refuse_inference_mode_first(model)
+        _refuse_parameter_changes(model, plain_ddp, {id(p) for p in experts})
 
 
-def _refuse_requires_grad_changes(model: nn.Module, ignored: set[int]) -> None:
-    """ConfigError before a forward with gradients when a parameter's ``requires_grad``
-    changed since DDP (torch's composable ``replicate``: dp_replicate and ZeRO-1) took the
-    model. DDP fixes the gradients it all-reduces when applied: a parameter unfrozen later
-    kept its rank's own gradient and the replicas drifted apart, silently; a parameter
-    frozen later made DDP fail with advice graphopt cannot take (``find_unused_parameters``;
-    a review found both). FSDP2 (ZeRO-2/3), TP and PP follow such changes. ``ignored``:
-    ids of parameters DDP does not hold (experts under EP, reduced by their own hook)."""
-    fixed = {name: p.requires_grad for name, p in model.named_parameters()
-             if id(p) not in ignored}
+def _refuse_parameter_changes(model: nn.Module, ddp: bool, ignored: set[int]) -> None:
+    """ConfigError before a forward with gradients of a data-parallel model when:
+
+    - a parameter was added after :func:`parallelize` (LoRA adapters added late): no
+      data-parallel wrapper reduces its gradient, so each rank kept its own (a re-review:
+      1.45e-2 off one process under FSDP2, silently);
+    - ``ddp`` (torch's composable ``replicate``: dp_replicate, ZeRO-1): a parameter's
+      ``requires_grad`` changed since DDP took the model, at its first forward (it builds
+      its reducer then, whatever the grad mode). DDP fixes the gradients it all-reduces
+      there: a parameter unfrozen later kept its rank's own gradient and the replicas
+      drifted apart, silently; one frozen later made DDP fail with advice graphopt cannot
+      take (``find_unused_parameters``). FSDP2 (ZeRO-2/3), TP and PP follow such changes.
+      A model with nothing to train fails DDP's first forward: named here.
+
+    ``ignored``: ids of parameters DDP does not hold (experts under EP, reduced by their own
+    hook)."""
+    names = {name for name, _ in model.named_parameters()}
+    fixed: dict[str, bool] = {}
 
     @torch.compiler.disable
     def check() -> None:
+        if ddp and not fixed:  # DDP's first forward: it builds its reducer now
+            fixed.update({name: p.requires_grad for name, p in model.named_parameters()
+                          if id(p) not in ignored})
+            if not any(fixed.values()):
+                raise ConfigError(
+                    "every parameter DDP holds is frozen (requires_grad=False): DDP "
+                    "(dp_replicate, ZeRO-1) needs one to train. To evaluate a frozen model, "
+                    "parallelize it without data parallelism, or use zero_stage=2/3")
         if not torch.is_grad_enabled():
             return
+        params = dict(model.named_parameters())
+        added = sorted(set(params) - names)
+        if added:
+            raise ConfigError(
+                f"{len(added)} parameter(s) were added after graphopt.parallelize "
+                f"({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}): no "
+                "data-parallel wrapper reduces their gradients, so each rank would keep its "
+                "own. Add them (e.g. LoRA adapters) before parallelize")
         changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
-                   for name, p in model.named_parameters()
+                   for name, p in params.items()
                    if name in fixed and p.requires_grad != fixed[name]]
         if changed:
             raise ConfigError(
-                f"{len(changed)} parameter(s) changed requires_grad after graphopt."
-                f"parallelize ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
-                ". DDP (this plan's data parallelism: dp_replicate, ZeRO-1) fixes which "
-                "gradients it all-reduces when it is applied, so an unfrozen parameter would "
-                "keep each rank's own gradient (replicas drift apart) and a frozen one would "
-                "stall its reduction. Set requires_grad before parallelize (for a new set, "
-                "parallelize the model again, from a checkpoint), or use zero_stage=2/3 "
-                "(FSDP2 follows requires_grad)")
+                f"{len(changed)} parameter(s) changed requires_grad after DDP took the model "
+                f"at its first forward ({', '.join(changed[:3])}"
+                f"{', ...' if len(changed) > 3 else ''}). DDP (this plan's data parallelism: "
+                "dp_replicate, ZeRO-1) fixes which gradients it all-reduces then, so an "
+                "unfrozen parameter would keep each rank's own gradient (replicas drift "
+                "apart) and a frozen one would stall its reduction. Set requires_grad before "
+                "the first forward (for a new set, parallelize the model again, from a "
+                "checkpoint), or use zero_stage=2/3 (FSDP2 follows requires_grad)")
 
     _before_each_forward(model, check)
 

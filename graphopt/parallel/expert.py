@@ -303,7 +303,6 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
             dist.all_reduce(grad, group=group)
         return grad.div_(dp) if dp > 1 else grad
 
-    hooked: set[int] = set()
 
     @torch.compiler.disable
     def register() -> None:
@@ -311,9 +310,10 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
         (torch refuses it), so experts unfrozen after parallelize get theirs before the
         next forward (a review: gradual unfreezing left them unreduced, 2x one process)."""
         for p in expert_params(model):
-            if p.requires_grad and id(p) not in hooked:
+            if p.requires_grad and not getattr(p, "_graphopt_ep_hooked", False):
                 p.register_hook(hook)
-                hooked.add(id(p))
+                p._graphopt_ep_hooked = True  # type: ignore[attr-defined]  # (on the
+                # tensor: a set of ids could meet a new parameter at a freed one's id)
 
     from graphopt.parallel.apply import _before_each_forward
 
