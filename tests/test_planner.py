@@ -1471,7 +1471,7 @@ def test_master_weights_are_priced_as_graphopt_parallelize_runs_bf16_mixed_preci
     # DP traffic: float32 gradients (DDP all-reduces twice the bytes); FSDP2 gathers bf16
     # parameters and reduce-scatters float32 gradients (a model whose traffic is not
     # latency-bound)
-    big = [plan_model("llama3-8b", 4096, H100, overrides=SMALL, master_weights=m)
+    big = [plan_model("llama3-8b", 512, H100, overrides=SMALL, master_weights=m)
            for m in (True, False)]
     ddp_m, ddp_p = (parts(m, dp_replicate=8)[1] for m in big)
     assert ddp_m == pytest.approx(2 * ddp_p, rel=0.05)
