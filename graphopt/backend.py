@@ -150,8 +150,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
                 block.forward = functools.partial(_transformers_checkpointed, block,
                                                   block.forward)
         return model
-    compiled = torch.compile(model, backend="graphopt", options=options,  # type: ignore
-                             **kwargs)
+    compiled = torch.compile(model, backend="graphopt", options=options, **kwargs)
     if isinstance(model, torch.nn.Module) and callable(getattr(model, "generate", None)):
         # torch.compile's module wrapper hands attributes to the original module, so
         # compiled.generate runs the whole decoding uncompiled, with no word (a review: no

@@ -144,7 +144,8 @@ def parameter_casts_saved(gm: fx.GraphModule, params: int) -> int:
     """Bytes of :func:`saved_for_backward` that are dtype casts of the graph's first
     ``params`` inputs (:func:`graphopt.cost.estimate.trace_step` puts the parameters first):
     ``torch.autocast``'s 16-bit copies of float32 weights, which each GEMM keeps for its
-    input gradient."""
+    input gradient (:attr:`graphopt.planner.model.LayerCost.cast_bytes`). ``params``: the
+    number of parameter inputs. Returns bytes (an int; 0 for a trace without such casts)."""
     first = set([n for n in gm.graph.nodes if n.op == "placeholder"][:params])
     saved, _ = _saved_and_recomputed(gm)
     return sum(_bytes(r.meta.get("val")) for r in saved if r.op == "call_function" and

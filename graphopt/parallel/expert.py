@@ -303,7 +303,6 @@ def reduce_expert_grads(model: nn.Module, plan: ParallelPlan, mesh: Any, fsdp: b
             dist.all_reduce(grad, group=group)
         return grad.div_(dp) if dp > 1 else grad
 
-
     @torch.compiler.disable
     def register() -> None:
         """The hook on every expert parameter that requires grad now: frozen ones take none

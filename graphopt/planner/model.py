@@ -142,7 +142,8 @@ class PlanModel:
     mixed precision); False: everything in the 16-bit dtype with float32 optimizer states
     (Megatron-LM's bf16 with its distributed optimizer's float32 main parameters). Dense
     layers were traced under autocast: the residual stream, norms and RoPE are float32,
-    GEMM inputs are cast copies (measured 0.71-0.78x float32's saved bytes, not 0.5x)."""
+    GEMM inputs are cast copies (measured 0.71-0.78x float32's saved bytes, not 0.5x);
+    :attr:`bf16_layers` are what the layers FSDP2 holds compute."""
 
     @property
     def layers(self) -> int:
@@ -438,8 +439,9 @@ def plan_model(spec: str | Path, seq: int, cluster: ClusterProfile,
                     or 0),
         dtype_bytes=torch.finfo(dtype).bits // 8, activations=activations,
         master_weights=master_weights,
-        bf16_layers=_bf16_layers(spec, seq, cluster, dtype, attention, overrides)
-        if master_weights else None,
+        # (an MoE model's trace is the 16-bit model's already)
+        bf16_layers=None if not master_weights else (dense, moe, head) if mixed_dtype is None
+        else _bf16_layers(spec, seq, cluster, dtype, attention, overrides),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         head_dim=_qk_head_dim(cfg, hidden, heads),
         v_head_dim=int(getattr(cfg, "v_head_dim", 0) or _qk_head_dim(cfg, hidden, heads)))

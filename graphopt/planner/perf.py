@@ -67,9 +67,11 @@ memory (even stages: the first, second and last are priced; uneven: all):
     memory   parameters/gradients/Adam states of the stage's layers (+ the embedding on the
              first, the LM head on the last; graphopt.cost.memory.model_state_bytes in the
              model's dtype: bf16 2 + 2 + 12 bytes per parameter, fp32 4 + 4 + 8; master
-             weights (PlanModel.master_weights) 4 + 4 + 8 with ZeRO-2's FSDP2 holding
-             16-bit unsharded parameters too, and autocast's 16-bit weight copies held
-             per microbatch in flight where FSDP2 does not give bf16 parameters; ZeRO over
+             weights (PlanModel.master_weights) 4 + 4 + 8, FSDP2 at ZeRO-2 and its
+             replicate holding 16-bit unsharded parameters too, the layers it holds priced
+             as the 16-bit model, the others under autocast with its 16-bit weight copies
+             held per microbatch in flight; frozen parameters (PlanModel.trained) with
+             no gradient or optimizer state; ZeRO over
              dp_shard x cp, the experts' over edp_shard; under pp > 1 with ZeRO-2/3 the
              stage's gradients unsharded (float32 under mixed precision: FSDP2 accumulates
              them in its reduce dtype) and ZeRO-3's parameters gathered as well: torch's
@@ -593,8 +595,8 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     else:
         edp_shard, zero_experts, expert_stride = shard_group, zero_dense, dense_stride
     # the residual stream between layers (a recomputed layer's kept input, PP's sends): under
-    # master weights float32 (autocast's residual adds) except where FSDP2 casts each
-    # layer's inputs to its param_dtype (ZeRO-2/3: cast_forward_inputs)
+    # master weights float32 (autocast's residual adds) except where FSDP2 holds the layers
+    # and casts their inputs to its param_dtype (cast_forward_inputs)
     stream = act * 4 / nb if master and not fsdp2 else act
     # memory: the fullest stage
     tp_share = 1 / tp if plan.sp else 10 / 34 + 24 / (34 * tp)
