@@ -171,8 +171,9 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = 
             local = nn.Parameter(
                 held_part(name, full.detach(), (rank * per, (rank + 1) * per), part).clone(),
                 requires_grad=full.requires_grad)
-            local._graphopt_expert = True  # type: ignore[attr-defined]
             setattr(module, name, local)
+        module.graphopt_ep_held = {n: tuple(getattr(module, n).shape)  # type: ignore[assignment]
+                                   for n in ("gate_up_proj", "down_proj")}
         module.graphopt_ep = state  # type: ignore[assignment]
         module.forward = types.MethodType(_ep_forward, module)  # type: ignore[method-assign]
         held[path] = (rank * per, (rank + 1) * per, e)
@@ -207,6 +208,16 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     rows = hidden_states.shape[0]
     x, idx, w = hidden_states, top_k_index, top_k_weights
     up, down = self.gate_up_proj, self.down_proj
+    held: dict[str, tuple[int, ...]] = self.graphopt_ep_held  # type: ignore[assignment]
+    if (tuple(up.shape), tuple(down.shape)) != (held["gate_up_proj"], held["down_proj"]):
+        raise ConfigError(
+            f"this rank's experts parameters have shapes {list(up.shape)} (gate_up_proj) and "
+            f"{list(down.shape)} (down_proj) where graphopt.parallelize left this rank's "
+            f"share, {list(held['gate_up_proj'])} and {list(held['down_proj'])}: they were "
+            "replaced after parallelize (load_state_dict(assign=True) with a one-process "
+            "state dict?). Load a one-process state dict before parallelize, or resume "
+            "with dcp.load({'model': graphopt.parallel.ModelState(model)}, ...), which loads "
+            "each rank's share (docs/parallel.md, Checkpoints)")
     dtype = torch.get_autocast_dtype(x.device.type) \
         if torch.is_autocast_enabled(x.device.type) else x.dtype
     if up.dtype != dtype:  # mixed precision: float32 master weights, bf16 compute (the
@@ -237,8 +248,12 @@ def _shard_on(dim: int) -> Any:
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters :func:`apply_ep` sharded (each rank's own experts)."""
-    return [p for p in model.parameters() if getattr(p, "_graphopt_expert", False)]
+    """The parameters of the experts modules :func:`apply_ep` sharded (each rank's own
+    experts), looked up on the modules each time: a parameter replaced later
+    (``load_state_dict(assign=True)``) is found as well (a review: marked on the tensor,
+    a replaced one lost the mark and was never reduced, 2.3e-3 off one process)."""
+    return [getattr(m, n) for m in model.modules() if hasattr(m, "graphopt_ep")
+            for n in ("gate_up_proj", "down_proj")]
 
 
 def fsdp_dim(shapes: dict[str, tuple[int, ...]], edp_shard: int) -> int:
