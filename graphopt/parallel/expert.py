@@ -207,15 +207,16 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     ops = torch.ops.graphopt
     rows = hidden_states.shape[0]
     x, idx, w = hidden_states, top_k_index, top_k_weights
-    up, down = self.gate_up_proj, self.down_proj
+    up: torch.Tensor = self.gate_up_proj  # type: ignore[assignment]
+    down: torch.Tensor = self.down_proj  # type: ignore[assignment]
     held: dict[str, tuple[int, ...]] = self.graphopt_ep_held  # type: ignore[assignment]
     if (tuple(up.shape), tuple(down.shape)) != (held["gate_up_proj"], held["down_proj"]):
         raise ConfigError(
             f"this rank's experts parameters have shapes {list(up.shape)} (gate_up_proj) and "
             f"{list(down.shape)} (down_proj) where graphopt.parallelize left this rank's "
             f"share, {list(held['gate_up_proj'])} and {list(held['down_proj'])}: they were "
-            "replaced after parallelize (load_state_dict(assign=True) with a one-process "
-            "state dict?). Load a one-process state dict before parallelize, or resume "
+            "set after parallelize (e.g. experts.gate_up_proj = nn.Parameter(all "
+            "experts)). Load a one-process state dict before parallelize, or resume "
             "with dcp.load({'model': graphopt.parallel.ModelState(model)}, ...), which loads "
             "each rank's share (docs/parallel.md, Checkpoints)")
     dtype = torch.get_autocast_dtype(x.device.type) \
