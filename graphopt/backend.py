@@ -81,11 +81,13 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         raise ConfigError("option 'mixed_precision' applies to a parallel plan (options["
                           "'parallel']); without one, run the compiled model under "
                           "torch.autocast(device, dtype=torch.bfloat16)")
-    GraphoptConfig.from_options(options)
+    config = GraphoptConfig.from_options(options)
     if plan is not None:
         from graphopt.parallel import parallelize
         from graphopt.parallel.apply import _checkpointed, decoder_layers
 
+        if config.attention == "lightning":
+            _refuse_per_layer_lightning(config.lightning, plan, len(decoder_layers(model)))
         model = parallelize(model, plan, moe=moe,  # moe: the plan's EP runs it
                             mixed_precision=mixed)
         model.graphopt_parallel.notes[:0] = auto_notes
@@ -119,6 +121,7 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         parts = getattr(model, "parts", None)  # pp > 1: this rank's pipeline stages
         blocks = [b for p in parts for b in p.layers.values()] if parts is not None \
             else decoder_layers(model)
+        _raise_recompile_limit(len(blocks), model.graphopt_parallel.notes)
         for block in blocks:  # forward only: the TP/SP input hooks stay eager
             forward, recompute, theirs = block.forward, None, False
             inner = getattr(type(block).forward, "__wrapped__", None)
@@ -161,6 +164,69 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
         object.__setattr__(compiled, "generate", functools.partial(_uncompiled_generate,
                                                                    model))
     return compiled
+
+
+def _refuse_per_layer_lightning(opts: Any, plan: Any, layers: int) -> None:
+    """ConfigError where ``attention="lightning"`` (options ``opts``, a LightningOptions)
+    under ``plan`` cannot convert as one process does. graphopt.compile compiles each
+    decoder layer on its own, and Dynamo runs one layer's compiled graph for every layer
+    whose guards it passes (the same code, parameters as inputs), so a choice made per layer
+    would be one layer's for all; the pass does not even see the layer index (a review:
+    every layer got the depth factor of a one-layer model, 0.19-0.21 gradient error vs one
+    process under DP and Ulysses, reported as "layer None of 1"). And TP/CP split the
+    attention heads (each rank's slopes would be those of a model with its share of heads)
+    or, under ring CP, run attention inside graphopt's ring op, which the conversion never
+    sees (the same review: nothing converted, nothing said)."""
+    if plan.tp > 1 or plan.cp > 1:
+        raise ConfigError(
+            f"attention='lightning' under tp={plan.tp}, cp={plan.cp} is not executed: TP "
+            "and Ulysses CP split the attention heads over ranks (each rank's decay slopes "
+            "would be those of a model with its share of the heads) and ring CP runs "
+            "attention inside its own op. Convert under data parallelism / FSDP / PP, or "
+            "fine-tune the converted model's checkpoint under this plan")
+    per_layer = [f"lightning.slopes='minimax' (a depth factor per layer, {layers} layers)"
+                 if opts.slopes == "minimax" and opts.num_layers != 1 and layers > 1 else "",
+                 f"lightning.every={opts.every}" if opts.every > 1 else "",
+                 f"lightning.layers={list(opts.layers)}" if opts.layers else ""]
+    chosen = [p for p in per_layer if p]
+    if chosen:
+        raise ConfigError(
+            f"attention='lightning' with {' and '.join(chosen)} under a parallel plan is not "
+            "executed: graphopt.compile compiles each decoder layer on its own and one "
+            "compiled graph can serve every layer, so a choice per layer cannot be made. "
+            "Use lightning={'slopes': 'alibi'} (the same slopes in every layer) with every=1 "
+            "and no layers patterns, or compile the whole model without a plan "
+            "(torch.compile(model, backend='graphopt', options=...))")
+
+
+_RAISED: list[int] = []
+"""[Dynamo's recompile_limit before graphopt.compile raised it, the value it set]."""
+
+
+def _raise_recompile_limit(layers: int, notes: list[str]) -> None:
+    """Let each of ``layers`` compiled decoder layers have Dynamo's recompile limit to
+    itself. The layers share their forward's code object, and Dynamo counts its compiled
+    entries per code object; a graph guarded on something of its own layer (a KV cache's
+    ``cache.layers[i]``: transformers creates one in training too when ``use_cache`` is on)
+    is compiled once per layer. A review: a 12-layer Llama under a DP plan ran layers
+    8..11 uncompiled (no graphopt pass) after Dynamo's warning, at the default limit of 8.
+    Raises ``torch._dynamo.config.recompile_limit`` (and ``accumulated_recompile_limit``)
+    to ``layers`` x its value, process-wide, and says so in ``notes``; a later call starts
+    from the value before graphopt raised it (the limit does not grow with each compile)."""
+    import torch._dynamo.config as dynamo_config
+
+    current = int(dynamo_config.recompile_limit)
+    per_layer = _RAISED[0] if _RAISED and _RAISED[1] == current else current
+    need = per_layer * max(layers, 1)
+    if need > current:
+        _RAISED[:] = [per_layer, need]
+        dynamo_config.recompile_limit = need
+        dynamo_config.accumulated_recompile_limit = max(
+            int(dynamo_config.accumulated_recompile_limit), need)
+        notes.append(f"Dynamo's recompile_limit raised from {per_layer} to {need} in this "
+                     f"process ({per_layer} per compiled decoder layer: the layers share "
+                     "their forward's code object, and a graph guarded per layer, e.g. on a "
+                     "KV cache, compiles once per layer)")
 
 
 def _uncompiled_generate(model: Any, *args: Any, **kwargs: Any) -> Any:

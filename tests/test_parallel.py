@@ -6,6 +6,7 @@ with the cost model's ZeRO formula. One spawn per world size runs every plan of 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -1921,3 +1922,70 @@ def test_requires_grad_changed_after_parallelize_is_followed_or_refused():
         assert frozen_all.startswith("every parameter DDP holds is frozen"), frozen_all
         assert added.startswith("2 parameter(s) were added after graphopt.parallelize "
                                 "(model.adapter.bias, model.adapter.weight)"), added
+
+
+def _per_layer_compile_worker(rank, world):
+    """(compiled graphs of a 9-layer Llama under DP with its default use_cache, the notes;
+    gradient error of attention="lightning" with alibi slopes vs one process, its reasons)."""
+    import transformers
+
+    import graphopt
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=9,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=64)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).double()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    plan = ParallelPlan(dp_replicate=2)
+    graphopt.clear_reports()
+    model = graphopt.compile(copy.deepcopy(ref), options={"parallel": plan,
+                                                          "lowering": "eager"})
+    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1]).loss.backward()
+    compiled = sum(r.status == "compiled" for r in graphopt.reports())
+    notes = model.graphopt_parallel.notes
+    lightning = {"attention": "lightning", "lightning": {"slopes": "alibi"},
+                 "lowering": "eager"}
+    graphopt.clear_reports()
+    model = graphopt.compile(copy.deepcopy(ref), options={"parallel": plan, **lightning})
+    model(input_ids=ids[rank:rank + 1], labels=ids[rank:rank + 1],
+          use_cache=False).loss.backward()
+    reasons = [s.reason for r in graphopt.reports() for p in r.pass_records("attention")
+               for s in p.sites]
+    one = torch.compile(ref, backend="graphopt", options=lightning)
+    one(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    err = max(float((p.grad - r.grad).abs().max())
+              for p, r in zip(model.parameters(), ref.parameters()))
+    return compiled, notes, err, reasons
+
+
+def test_graphopt_compile_compiles_every_layer_and_converts_lightning_as_one_process():
+    """A review: under a plan, graphopt.compile compiles each decoder layer, and Dynamo runs
+    one layer's graph for every layer whose guards pass. attention="lightning" chose
+    MiniMax's per-layer slopes for a "layer None of 1" (0.19-0.21 gradient error vs one
+    process under DP and Ulysses; under ring CP nothing converted, nothing said): refused
+    now, as are every/layers and TP/CP, while layer-independent alibi slopes train as one
+    process. And with a KV cache in training (transformers' default use_cache), each layer
+    compiles its own graph: layers past Dynamo's recompile limit of 8 ran uncompiled."""
+    import graphopt
+    from graphopt.models import build_model
+
+    model = build_model("llama")
+    for options, plan, fix in (
+            ({}, ParallelPlan(dp_replicate=2), "lightning.slopes='minimax'"),
+            ({"every": 2, "slopes": "alibi"}, ParallelPlan(dp_shard=2, zero_stage=3),
+             "lightning.every=2 under"),
+            ({"layers": ["model.layers.0.*"], "slopes": "alibi"}, ParallelPlan(pp=2),
+             "lightning.layers=['model.layers.0.*']"),
+            ({"slopes": "alibi"}, ParallelPlan(cp=2, cp_kind="all_to_all"), "tp=1, cp=2"),
+            ({"slopes": "alibi"}, ParallelPlan(tp=2), "tp=2, cp=1")):
+        with pytest.raises(ConfigError, match=re.escape(fix)):
+            graphopt.compile(model, options={"parallel": plan, "attention": "lightning",
+                                             "lightning": options})
+    assert not hasattr(model, "graphopt_parallel")  # refused before anything changed
+    for compiled, notes, err, reasons in run_distributed(_per_layer_compile_worker, 2):
+        assert compiled == 9, compiled
+        assert any("recompile_limit raised from 8 to 72" in n for n in notes), notes
+        assert err < 1e-12, err
+        assert len(reasons) == 1 and reasons[0].startswith(
+            "APPROXIMATE: softmax -> Lightning Attention (alibi slopes"), reasons
