@@ -1059,51 +1059,159 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
         _keep_zero2_sharded_when_idle(model)
     if plan.dp * plan.cp > 1:
         _refuse_inference_mode_first(model)
-        _refuse_parameter_changes(model, plain_ddp, {id(p) for p in experts})
+    if plan.dp * plan.cp > 1 or plan.tp > 1:
+        _refuse_parameter_changes(model, plain_ddp, plan.dp * plan.cp > 1)
+        model.register_load_state_dict_pre_hook(_refuse_whole_tensors)
 
 
-def _refuse_parameter_changes(model: nn.Module, ddp: bool, ignored: set[int]) -> None:
-    """ConfigError before a forward with gradients of a data-parallel model when:
+def _refuse_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                          *_: Any) -> None:
+    """``load_state_dict`` pre-hook of a parallelized model: ConfigError naming the fix when
+    ``state_dict`` holds plain tensors for parameters FSDP2 or TP made DTensors (a one-process
+    state dict; a review: torch's "mixed torch.Tensor and DTensor" from deep inside, or with
+    ``assign=True`` an AttributeError at the next forward)."""
+    from torch.distributed.tensor import DTensor
 
-    - a parameter was added after :func:`parallelize` (LoRA adapters added late): no
-      data-parallel wrapper reduces its gradient, so each rank kept its own (a re-review:
-      1.45e-2 off one process under FSDP2, silently);
-    - ``ddp`` (torch's composable ``replicate``: dp_replicate, ZeRO-1): a parameter's
-      ``requires_grad`` changed since DDP took the model, at its first forward (it builds
-      its reducer then, whatever the grad mode). DDP fixes the gradients it all-reduces
-      there: a parameter unfrozen later kept its rank's own gradient and the replicas
+    plain = [name for name, p in module.named_parameters() if isinstance(p, DTensor) and
+             isinstance(state_dict.get(prefix + name), torch.Tensor) and
+             not isinstance(state_dict[prefix + name], DTensor)]
+    if plain:
+        raise ConfigError(
+            f"load_state_dict got whole (plain) tensors for {len(plain)} parameter(s) this "
+            f"plan shards as DTensors ({', '.join(plain[:3])}{', ...' if len(plain) > 3 else ''}"
+            "): load a one-process state dict into the model before graphopt.parallelize, "
+            "or here with torch.distributed.checkpoint.state_dict.set_model_state_dict("
+            "model, sd, options=StateDictOptions(full_state_dict=True)), which shards it "
+            "(FSDP/TP; under EP: dcp.save it in one process with no_dist=True, then dcp.load "
+            "into graphopt.parallel.ModelState(model); docs/parallel.md, Checkpoints)")
+
+
+def _fsdp_held(model: nn.Module) -> tuple[set[int], set[int]]:
+    """ids of the (sharded, gathered) parameters FSDP2 holds in ``model`` now. A parameter
+    replaced by ``load_state_dict(assign=True)`` with a DTensor of the same layout is a
+    sharded one (FSDP2's load hook takes the new tensor over); a gathered one is what the
+    module exposes between FSDP2's all-gather and its reshard (ZeRO-2 keeps them from a
+    forward to its backward)."""
+    sharded: set[int] = set()
+    gathered: set[int] = set()
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        for p in getattr(group, "fsdp_params", ()):
+            sharded.add(id(p.sharded_param))
+            gathered.add(id(getattr(p, "_unsharded_param", None)))
+    return sharded, gathered
+
+
+def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) -> None:
+    """ConfigError before a forward with gradients of a data- or tensor-parallel model when,
+    since the wrappers took it (at :func:`parallelize`; ``ddp``, torch's composable
+    ``replicate`` for dp_replicate / ZeRO-1: at its first forward, where it builds its
+    reducer whatever the grad mode):
+
+    - a parameter was added (LoRA adapters added late): no data-parallel wrapper reduces its
+      gradient, so each rank kept its own (a re-review: 1.45e-2 off one process under
+      FSDP2, silently), and the TP layout does not split it;
+    - a parameter was replaced by another tensor (a submodule replaced, ``load_state_dict(
+      assign=True)``): the wrappers hold the old one, so the new one's gradient was never
+      reduced (a review: 1.0e-2 - 3.1e-2 off one process under FSDP2, HSDP, TP, and DDP
+      after its first forward, silently). Taken: a tensor FSDP2 holds (its load hook takes
+      one of the old one's layout over) and, without data parallelism, a tensor of the old
+      one's layout (a DTensor of its placements, or a plain tensor);
+    - ``data_parallel``: a parameter's dtype changed (``model.float()``): DDP's buckets keep
+      the old dtype (a review: gradients 5.3e-2 off, replicas apart, silently) and FSDP2
+      failed inside its all-gather;
+    - ``ddp``: a parameter's ``requires_grad`` changed. DDP fixes the gradients it
+      all-reduces: a parameter unfrozen later kept its rank's own gradient and the replicas
       drifted apart, silently; one frozen later made DDP fail with advice graphopt cannot
       take (``find_unused_parameters``). FSDP2 (ZeRO-2/3), TP and PP follow such changes.
       A model with nothing to train fails DDP's first forward: named here.
 
-    ``ignored``: ids of parameters DDP does not hold (experts under EP, reduced by their own
-    hook)."""
-    names = {name for name, _ in model.named_parameters()}
-    fixed: dict[str, bool] = {}
+    The routed experts under EP are not checked here: their own reduction looks them up
+    each forward (:func:`graphopt.parallel.expert.expert_params`), and the EP forward checks
+    their shapes."""
+    import weakref
+
+    from torch.distributed.tensor import DTensor
+
+    ep = {path for path, m in model.named_modules() if hasattr(m, "graphopt_ep")}
+
+    def experts(name: str) -> bool:
+        return name.rpartition(".")[0] in ep
+
+    def layout(p: torch.Tensor) -> Any:
+        return (p.placements, p.device_mesh) if isinstance(p, DTensor) else None
+
+    # by tensor (a module wrapped after parallelize renames its parameters, not a change:
+    # a checkpoint wrapper around each attention, tests/test_parallel_rng.py), and the
+    # layouts by name (a replacement of the old one's layout is taken without DP)
+    taken: dict[int, tuple[Any, bool, torch.dtype]] = {}
+    layouts: dict[str, Any] = {}
+
+    def take() -> None:
+        for name, p in model.named_parameters():
+            if not experts(name):
+                taken[id(p)] = (weakref.ref(p), p.requires_grad, p.dtype)
+                layouts[name] = layout(p)
+
+    if not ddp:
+        take()
+
+    def held(p: torch.Tensor) -> tuple[Any, bool, torch.dtype] | None:
+        entry = taken.get(id(p))
+        return entry if entry is not None and entry[0]() is p else None
 
     @torch.compiler.disable
     def check() -> None:
-        if ddp and not fixed:  # DDP's first forward: it builds its reducer now
-            fixed.update({name: p.requires_grad for name, p in model.named_parameters()
-                          if id(p) not in ignored})
-            if not any(fixed.values()):
+        if ddp and not taken:  # DDP's first forward: it builds its reducer now
+            take()
+            if not any(grad for _, grad, _ in taken.values()):
                 raise ConfigError(
                     "every parameter DDP holds is frozen (requires_grad=False): DDP "
                     "(dp_replicate, ZeRO-1) needs one to train. To evaluate a frozen model, "
                     "parallelize it without data parallelism, or use zero_stage=2/3")
         if not torch.is_grad_enabled():
             return
-        params = dict(model.named_parameters())
-        added = sorted(set(params) - names)
+        params = {name: p for name, p in model.named_parameters() if not experts(name)}
+        new = [name for name, p in params.items() if held(p) is None]
+        if new:
+            sharded, gathered = _fsdp_held(model)
+            new = [name for name in new if id(params[name]) not in sharded | gathered and (
+                data_parallel or layouts.get(name, False) != layout(params[name]))]
+        added = sorted(name for name in new if name not in layouts)
         if added:
             raise ConfigError(
                 f"{len(added)} parameter(s) were added after graphopt.parallelize "
                 f"({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}): no "
                 "data-parallel wrapper reduces their gradients, so each rank would keep its "
-                "own. Add them (e.g. LoRA adapters) before parallelize")
-        changed = [f"{name} ({'unfrozen' if p.requires_grad else 'frozen'})"
-                   for name, p in params.items()
-                   if name in fixed and p.requires_grad != fixed[name]]
+                "own (and tensor parallelism does not split them). Add them (e.g. LoRA "
+                "adapters) before parallelize")
+        moved = [name for name in new if name in layouts]
+        if moved:
+            raise ConfigError(
+                f"{len(moved)} parameter(s) were replaced by other tensors after "
+                f"{'DDP took the model at its first forward' if ddp else 'graphopt.parallelize'}"
+                f" ({', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}): the "
+                "data/tensor-parallel wrappers hold the old ones, so the new ones' gradients "
+                "would not be reduced. Replace modules and load weights before parallelize; "
+                "after it, load in place (load_state_dict without assign=True, or "
+                "param.copy_() under torch.no_grad()) or resume with dcp.load({'model': "
+                "graphopt.parallel.ModelState(model)}, ...) (docs/parallel.md, Checkpoints)")
+        known = {name: entry for name, p in params.items() if (entry := held(p)) is not None}
+        cast = [f"{name} ({entry[2]} -> {params[name].dtype})"
+                for name, entry in known.items() if params[name].dtype != entry[2]] \
+            if data_parallel else []
+        if cast:
+            raise ConfigError(
+                f"{len(cast)} parameter(s) changed dtype after "
+                f"{'DDP took the model at its first forward' if ddp else 'parallelize'}"
+                f" ({', '.join(cast[:3])}{', ...' if len(cast) > 3 else ''}): the "
+                "data-parallel wrappers keep buffers of the old dtype. Convert the model "
+                "before parallelize (for bf16 compute over float32 weights: "
+                "mixed_precision='bf16')")
+        changed = [f"{name} ({'unfrozen' if params[name].requires_grad else 'frozen'})"
+                   for name, entry in known.items()
+                   if ddp and params[name].requires_grad != entry[1]]
         if changed:
             raise ConfigError(
                 f"{len(changed)} parameter(s) changed requires_grad after DDP took the model "

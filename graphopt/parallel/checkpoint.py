@@ -295,6 +295,8 @@ class ModelState:
 
         Raises:
             KeyError: a name of the model is missing from ``state_dict``.
+            ConfigError: a tensor of another shape than this rank's (a one-process state
+                dict under EP).
         """
         if not self._targets:
             self.state_dict()
@@ -308,6 +310,16 @@ class ModelState:
                     loaded.copy_into(self.experts.global_view(target, owner))
                     continue
                 src, dst = _local(loaded), _local(target)
+                if src.shape != dst.shape:  # a one-process state dict (a review: torch's
+                    # "The size of tensor a (2) must match the size of tensor b (4)")
+                    raise ConfigError(
+                        f"{name}: the state dict holds {list(src.shape)} where this rank "
+                        f"holds {list(dst.shape)}: ModelState.load_state_dict copies the "
+                        "state_dict() of another ModelState of the same plan. To load a "
+                        "one-process state dict, load it into the model before "
+                        "graphopt.parallelize, or save it with dcp.save({'model': sd}, "
+                        "checkpoint_id=..., no_dist=True) and dcp.load it here (DCP "
+                        "reshards; docs/parallel.md, Checkpoints)")
                 if src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
 
