@@ -565,7 +565,7 @@ def plan(
         if any(p.pp > 1 or p.cp > 1 or p.tp > 1 for p in result.top) else None
 
     def not_executed(plan: ParallelPlan) -> str:
-        why = not_executable(plan, global_batch, config, meta)
+        why = not_executable(plan, global_batch, config, meta, seq)
         pred = plan.prediction
         if why or pred is None or dtype != "bfloat16" or plan.zero_stage != 1 or \
                 plan.dp_shard == 1:
@@ -717,8 +717,8 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
             meta = _meta_model(source, config, dtype, overrides, length)
 
             def runs(plan: Any, batch: int = batch, config: Any = config,
-                     meta: Any = meta) -> bool:
-                return not not_executable(plan, batch, config, meta)
+                     meta: Any = meta, length: int = length) -> bool:
+                return not not_executable(plan, batch, config, meta, length)
 
             try:
                 best = search(pm, profile, devices, batch, top_k=1, recompute=recompute,

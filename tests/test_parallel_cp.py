@@ -24,7 +24,10 @@ RUNS = {
         ("qwen3", dict(cp=2, zero_stage=3)),
         ("minimax", dict(cp=2, **A2A)),  # lightning layers pass their state
         ("llama_mha", dict(cp=2)),  # no GQA: the ring sends transformers' strided K/V
-        ("llama_dynamic_rope", dict(cp=2)), ("llama_longrope", dict(cp=2, **A2A))],
+        ("llama_dynamic_rope", dict(cp=2)), ("llama_longrope", dict(cp=2, **A2A)),
+        # a sliding window as long as the sequence changes nothing (it was refused in any
+        # config, a review: Mistral's default 4096 kept CP from 4k-token jobs)
+        ("mistral_window", dict(cp=2))],
     4: [("llama", dict(cp=2, tp=2, **A2A)),
         ("mixtral", dict(cp=2, dp_shard=2, ep=4, zero_stage=3, **A2A)),
         ("minimax", dict(cp=4, **A2A))],
@@ -50,7 +53,8 @@ def _run(name, plan, steps=3):
     from graphopt.parallel.context import chunk_positions, cp_loss, shard_sequence
 
     torch.manual_seed(0)
-    ref = build_model("llama", dtype=torch.float64, **LENGTH_DEPENDENT_ROPE[name]) \
+    ref = _mistral(16) if name == "mistral_window" else \
+        build_model("llama", dtype=torch.float64, **LENGTH_DEPENDENT_ROPE[name]) \
         if name in LENGTH_DEPENDENT_ROPE else \
         build_model("llama", dtype=torch.float64, num_key_value_heads=4) \
         if name == "llama_mha" else build_model(name, dtype=torch.float64)
@@ -116,6 +120,17 @@ def _run(name, plan, steps=3):
         except ConfigError as exc:
             errors["refusal"] = str(exc)
     return errors, report.notes
+
+
+def _mistral(window):
+    """A tiny float64 Mistral with a sliding window of ``window`` tokens."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, sliding_window=window)
+    config._attn_implementation = "sdpa"
+    return transformers.MistralForCausalLM(config).double().eval()
 
 
 def _float64_decays(model):
@@ -224,7 +239,9 @@ def _bad_input_worker(rank, world):
         # (gradients 0.83 off, a review); a tagged one, and the embeddings of one, run
         lambda: ring_model(input_ids=torch.arange(8)[None].chunk(2, dim=1)[rank]),
         lambda: ring_model(input_ids=ring_chunk[:, :2]),  # a slice loses the tag
-        lambda: ring_model(inputs_embeds=ring_model.get_input_embeddings()(ring_chunk)))
+        lambda: ring_model(inputs_embeds=ring_model.get_input_embeddings()(ring_chunk)),
+        # a window shorter than the whole sequence (8 tokens) is refused on every rank
+        lambda: parallelize(_mistral(4), plan, mesh)(input_ids=local))
 
 
 def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error():
@@ -254,6 +271,9 @@ def test_cp_with_padding_an_indivisible_sequence_or_a_kv_cache_is_a_clear_error(
         assert "under ring CP each rank holds chunks r and 2P-1-r" in messages[12]
         assert "graphopt.parallel.tag_chunk(x, mesh)" in messages[13]
         assert messages[14] == "ran"
+        assert messages[15].startswith("sliding-window attention (window 4 tokens) under CP "
+                                       "runs only sequences no longer than the window, where "
+                                       "it changes nothing; this one has 8 tokens"), messages
 
 
 @pytest.mark.parametrize("kind", ["_ulysses", "_ring"])
@@ -403,7 +423,7 @@ LLAMA4 = dict(TINY, intermediate_size_mlp=128, head_dim=16, num_local_experts=2,
                          layer_types=["sliding_attention", "full_attention"]),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, image_size=32, patch_size=16),
-        mm_tokens_per_image=4)), "sliding-window attention under CP is not executed"),
+        mm_tokens_per_image=4)), r"sliding-window attention \(window 4 tokens\) under CP"),
     # Llama4's chunked attention (its mask function's result was dropped: 0.35-0.41 off)
     (lambda t: t.Llama4ForCausalLM(t.Llama4TextConfig(**LLAMA4, attention_chunk_size=4)),
      r"chunked attention \(attention_chunk_size\) under CP is not executed"),
@@ -423,7 +443,7 @@ def test_cp_refuses_position_dependent_attention_in_any_config(build, message):
     model = build(transformers)
     for kind in ("ring", "all_to_all"):
         with pytest.raises(ConfigError, match=message):
-            check_cp(model, ParallelPlan(cp=2, cp_kind=kind))
+            check_cp(model, ParallelPlan(cp=2, cp_kind=kind), seq=16)
 
 
 @pytest.mark.parametrize("build", [
@@ -480,15 +500,16 @@ def test_cp_refuses_lightning_decay_tables_that_are_not_the_slopes():
     check_cp(build_architecture(resolve_model("minimax"), dtype=torch.bfloat16), plan)
 
 
-def test_the_ring_refuses_a_sliding_window_passed_to_attention():
-    """The attention function refuses a window the model passes at run time, whatever
-    its config says."""
+def test_cp_attention_refuses_a_sliding_window_passed_to_it_shorter_than_the_sequence():
+    """The attention functions refuse a window the model passes at run time, whatever its
+    config says, where it is shorter than the whole sequence (CP's attention would drop it);
+    as long, it changes nothing."""
     from graphopt.parallel import context
 
     layer = torch.nn.Module()
-    x = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(ConfigError, match=r"uses attention sliding_window \(4\)"):
-        context._ring(layer, x, x, x, None, sliding_window=4)
+    assert context._dropped_by_cp(layer, None, {"sliding_window": 4}, 8) == [
+        context._window_refusal(4, 8)]
+    assert context._dropped_by_cp(layer, None, {"sliding_window": 8}, 8) == []
 
 
 def test_cp_probe_passes_moe_models_whose_routing_changes_the_rounding():
@@ -591,9 +612,14 @@ def test_auto_picks_cp_only_when_allowed_and_never_one_cp_refuses():
     tiny = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2)
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
-        **tiny, sliding_window=4096))
+        **tiny, sliding_window=1024))
     plan, notes = auto_plan(mistral, 2, {**cluster, "cp": True})
-    assert plan.cp == 1 and "sliding-window attention under CP" in notes[1], notes
+    assert plan.cp == 1 and "sliding-window attention (window 1024 tokens) under CP" in \
+        notes[1], notes
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **tiny, sliding_window=4096))  # Mistral-7B's: CP runs 4096-token sequences
+    plan, notes = auto_plan(mistral, 2, {**cluster, "cp": True})
+    assert plan.cp == 2, notes
     dropout = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **tiny, attention_dropout=0.1))
     plan, notes = auto_plan(dropout, 2, {**cluster, "cp": True})

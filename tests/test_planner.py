@@ -627,9 +627,11 @@ def test_auto_parallel_passes_over_plans_it_cannot_execute():
         ParallelPlan(tp=4), model=llama)  # the derived layout's check, without a config
     mistral = build_architecture(resolve_model("mixtral"), torch.bfloat16, overrides={
         "sliding_window": 64, "num_hidden_layers": 2})
-    for plan, message in ((ParallelPlan(cp=2), "sliding-window attention under CP"),
+    for plan, message in ((ParallelPlan(cp=2), "sliding-window attention (window 64 tokens) "
+                           "under CP runs only sequences no longer than the window"),
                           (ParallelPlan(pp=2), "pp > 1 does not execute sliding-window")):
-        assert message in not_executable(plan, config=mistral.config, model=mistral)
+        assert message in not_executable(plan, config=mistral.config, model=mistral, seq=128)
+    assert not_executable(ParallelPlan(cp=2), config=mistral.config, model=mistral, seq=64) == ""
 
 
 def test_search_pruning_by_the_compute_bound_keeps_the_exhaustive_top_plans():

@@ -57,15 +57,16 @@ def tied_embeddings(config: Any, model: nn.Module | None = None) -> bool:
 
 
 def not_executable(plan: ParallelPlan, global_batch: int | None = None,
-                   config: Any = None, model: nn.Module | None = None) -> str:
+                   config: Any = None, model: nn.Module | None = None,
+                   seq: int | None = None) -> str:
     """Why graphopt.parallelize cannot run ``plan`` ("" when it can), for a job of
     ``global_batch`` sequences per step and a model of transformers ``config`` when given
     (TP splits its KV heads and vocabulary: graphopt.parallel.tp_layout refuses a tp that
     does not divide them, where the planner checks only the query heads), and with
     ``model`` what CP refuses for it (:func:`graphopt.parallel.context.check_cp`, the ring
-    with attention dropout)."""
+    with attention dropout; on sequences of ``seq`` tokens: a shorter sliding window)."""
     if plan.cp > 1 and model is not None:
-        why = _cp_refusal(model, plan)
+        why = _cp_refusal(model, plan, seq)
         if why:
             return why
     if model is not None:
@@ -206,13 +207,13 @@ def _experts_fsdp_problem(plan: ParallelPlan, config: Any) -> str:
     return ""
 
 
-def _cp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
-    """CP's refusal of ``model`` under ``plan`` ("" if none), cached on the model per
-    (cp kind, cp, tp): the check runs the model once."""
+def _cp_refusal(model: nn.Module, plan: ParallelPlan, seq: int | None = None) -> str:
+    """CP's refusal of ``model`` under ``plan`` on ``seq`` tokens ("" if none), cached on
+    the model per (cp kind, cp, tp, seq): the check runs the model once."""
     from graphopt.parallel.context import check_cp
 
     cache = model.__dict__.setdefault("_graphopt_plan_refusals", {})
-    key = (plan.cp_kind, plan.cp, plan.tp)
+    key = (plan.cp_kind, plan.cp, plan.tp, seq)
     if key not in cache:
         config = getattr(model, "config", None)
         dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
@@ -221,7 +222,7 @@ def _cp_refusal(model: nn.Module, plan: ParallelPlan) -> str:
                           f"attention_dropout is {dropout})")
         else:
             try:
-                check_cp(model, plan)
+                check_cp(model, plan, seq)
                 cache[key] = ""
             except ConfigError as exc:
                 cache[key] = str(exc)
@@ -334,7 +335,8 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
             return ("cp > 1 changes what each rank is fed: its chunk of every sequence "
                     "(graphopt.parallel.shard_sequence) and the loss from cp_loss; set "
                     "options['cluster']['cp'] = True if the training loop does that")
-        return not_executable(plan, int(spec["global_batch"]), config, model)
+        return not_executable(plan, int(spec["global_batch"]), config, model,
+                              int(spec["seq"]))
 
     passed = []
     for plan in result.top:

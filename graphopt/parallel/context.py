@@ -39,11 +39,13 @@ sequence's chunks may be equal), a KV cache passed in (``past_key_values``, ``ge
 it would hold only this rank's chunk), a padding or precomputed (dict, 4-D) attention mask,
 ``position_ids`` other than the chunk's own (packed sequences), ``labels=`` (transformers'
 loss would shift inside the chunk; :func:`cp_loss` is CP's), heads not divisible by cp
-(Ulysses), sliding-window or chunked attention or position-dependent query scaling in any
-of the model's configs (a composite model's text config too) or a ``sliding_window`` passed
-to the attention function, linear-attention layers of another form than MiniMax's or with
-the ring's zigzag layout (their state passing needs contiguous chunks), a sequence length
-the CP size (x 2 for the ring) does not divide, dropout in attention under the ring; and,
+(Ulysses), chunked attention or position-dependent query scaling in any of the model's
+configs (a composite model's text config too), a sliding window (in a config, or passed to
+the attention function) shorter than the whole sequence (a window at least as long changes
+nothing; checked per batch, or against the planner's sequence length), linear-attention
+layers of another form than MiniMax's or with the ring's zigzag layout (their state
+passing needs contiguous chunks), a sequence length the CP size (x 2 for the ring) does
+not divide, dropout in attention under the ring; and,
 found by running the model once (:func:`_mixing_outside_attention`), layers that mix
 positions outside the attention function (convolutions, state-space layers) and attention
 given its own mask or bias, soft-capping or sinks, which CP's attention would drop.
@@ -72,8 +74,10 @@ RING = "graphopt_cp_ring"
 _GROUPS: dict[int, Any] = {}
 
 
-def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
-    """Raise ConfigError unless ``model`` can run the plan's CP (module docstring)."""
+def check_cp(model: nn.Module, plan: ParallelPlan, seq: int | None = None) -> None:
+    """Raise ConfigError unless ``model`` can run the plan's CP (module docstring) on
+    sequences of ``seq`` tokens (None: any length; a sliding window is then checked
+    against each batch's length at run time)."""
     config = getattr(model, "config", None)
     if config is None:
         raise ConfigError("cp > 1 runs transformers models (attention interface): this model "
@@ -96,11 +100,6 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
         refuse_aux_loss(c, "cp > 1", "cp_loss over the logits",
                         "over the whole sequence's router logits, which no CP rank holds")
         kinds = getattr(c, "layer_types", None)  # per layer, where the config lists them
-        sliding = "sliding_attention" in kinds if kinds else bool(
-            getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True))
-        if sliding:
-            raise ConfigError("sliding-window attention under CP is not executed (the window "
-                              "crosses chunks): use cp=1")
         if "chunked_attention" in (kinds or ()) or (
                 not kinds and getattr(c, "attention_chunk_size", None)):
             raise ConfigError("chunked attention (attention_chunk_size) under CP is not "
@@ -112,6 +111,9 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
             raise ConfigError("attention temperature tuning (attn_temperature_tuning) scales "
                               "queries by positions the model counts from its input, which "
                               "under CP would be each rank's chunk: use cp=1")
+    window = sliding_window(model)
+    if window is not None and seq is not None and seq > window:
+        raise ConfigError(_window_refusal(window, seq))
     for path, module in model.named_modules():
         if getattr(module, "layer_type", None) == "linear_attention" and \
                 not all(hasattr(module, a) for a in LIGHTNING_PARTS):
@@ -132,6 +134,27 @@ def check_cp(model: nn.Module, plan: ParallelPlan) -> None:
     problem = _mixing_outside_attention(model)
     if problem:
         raise ConfigError(f"context parallelism cannot run this model: {problem}; use cp=1")
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The smallest sliding window (tokens) among ``model``'s configs' sliding-window
+    attention layers; None when it has none."""
+    windows = []
+    for c in _configs(model):
+        kinds = getattr(c, "layer_types", None)  # per layer, where the config lists them
+        sliding = "sliding_attention" in kinds if kinds else bool(
+            getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True))
+        if sliding:
+            windows.append(int(getattr(c, "sliding_window", None) or 0))
+    return min(windows) if windows else None
+
+
+def _window_refusal(window: int, seq: int) -> str:
+    return (f"sliding-window attention (window {window} tokens) under CP runs only sequences "
+            f"no longer than the window, where it changes nothing; this one has {seq} tokens. "
+            "CP computes causal attention over the whole sequence (the window lives in the "
+            "masks transformers builds, which CP does not): use cp=1, or sequences of at "
+            f"most {window} tokens")
 
 
 def _configs(model: nn.Module) -> list[Any]:
@@ -328,16 +351,19 @@ def _sequence_output(output: Any) -> Any:
 
 
 def _dropped_by_cp(module: nn.Module, attention_mask: torch.Tensor | None,
-                   kwargs: dict[str, Any]) -> list[str]:
+                   kwargs: dict[str, Any], length: int | None = None) -> list[str]:
     """What CP's attention functions would drop from this call: a mask or bias the model
     built itself (CP's mask function gives None), soft-capping, attention sinks, a sliding
-    window."""
+    window shorter than the whole sequence of ``length`` tokens (None: not checked here,
+    CP's forward pre-hook checks it)."""
     name = type(module).__name__
     out = [f"{name} passes its own attention mask or bias (CP computes plain causal "
            "attention)"] if attention_mask is not None else []
     out += [f"{name} uses attention {key} ({kwargs[key]!r}), which CP's attention does not "
-            "apply" for key in ("softcap", "s_aux", "sinks", "sliding_window")
-            if kwargs.get(key) is not None]
+            "apply" for key in ("softcap", "s_aux", "sinks") if kwargs.get(key) is not None]
+    window = kwargs.get("sliding_window")
+    if window is not None and length is not None and int(window) < length:
+        out.append(_window_refusal(int(window), length))
     return out
 
 
@@ -362,7 +388,7 @@ def _ulysses(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     chunk -> ([B, L, H, D], None); module docstring."""
     import torch.distributed._functional_collectives as funcol
 
-    _require_causal(module, kwargs, attention_mask)
+    _require_causal(module, kwargs, attention_mask, query.shape[2])
     group = _GROUPS[id(module.config)]
     size = dist.get_world_size(group)
     heads = query.shape[1]
@@ -393,7 +419,7 @@ def _ring(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
     [B, Hk, 2c, D] -> ([B, 2c, H, D], None) by ring attention (module docstring)."""
     from graphopt.kernels.comm.ring_attention import ring_attention
 
-    _require_causal(module, kwargs, attention_mask)
+    _require_causal(module, kwargs, attention_mask, query.shape[2])
     if dropout and module.training:
         raise ConfigError("ring attention runs without attention dropout: set the model's "
                           "attention_dropout to 0 or use cp_kind='all_to_all'")
@@ -405,14 +431,16 @@ def _ring(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 def _require_causal(module: nn.Module, kwargs: dict[str, Any],
-                    attention_mask: torch.Tensor | None) -> None:
+                    attention_mask: torch.Tensor | None, local: int) -> None:
     """CP attention is causal over the whole sequence; a bidirectional layer, or one with a
     mask, bias, soft-cap or sinks of its own (:func:`_dropped_by_cp`), would be computed
     wrongly, so it is refused (before any communication: every rank refuses)."""
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise ConfigError(f"{type(module).__name__} is bidirectional (is_causal=False); "
                           "context parallelism runs causal attention only: use cp=1")
-    dropped = _dropped_by_cp(module, attention_mask, kwargs)
+    length = None if kwargs.get("sliding_window") is None else \
+        local * dist.get_world_size(_GROUPS[id(module.config)])  # the whole sequence's
+    dropped = _dropped_by_cp(module, attention_mask, kwargs, length)
     if dropped:
         raise ConfigError(f"context parallelism cannot run this model: {dropped[0]}; use "
                           "cp=1")
@@ -464,6 +492,7 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
         module.register_forward_hook(_drop_last_position)
 
     signature = inspect.signature(model.forward)
+    window = sliding_window(model)
 
     def positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         try:  # arguments by name, also those passed by position (labels, masks)
@@ -511,6 +540,8 @@ def apply_cp(model: nn.Module, plan: ParallelPlan, mesh: Any, hook: bool = True)
                               f"{batch} sequences, {batches / plan.cp:g} on average): the CP "
                               "ranks of a group must cut the same batch, each its chunk of "
                               "every sequence (graphopt.parallel.context.shard_sequence)")
+        if window is not None and length * plan.cp > window:  # equal chunks: every rank
+            raise ConfigError(_window_refusal(window, length * plan.cp))
         if ring and length % 2:  # the same on every rank: the chunks are equal
             raise ConfigError(f"ring CP holds two chunks per rank (zigzag); this rank's "
                               f"{length} tokens do not split in two: cut the sequence with "
