@@ -2036,6 +2036,8 @@ def _replaced_parameters_worker(rank, world):
         "zero3 set_model_state_dict": (ParallelPlan(dp_shard=2, zero_stage=3), lambda m, r: (
             set_model_state_dict(m, r.state_dict(),
                                  options=StateDictOptions(full_state_dict=True)))),
+        "tp resize_token_embeddings": (ParallelPlan(tp=2),
+                                       lambda m, r: m.resize_token_embeddings(300)),
     }
     out = {}
     for name, (plan, *when, change) in changes.items():
@@ -2079,6 +2081,8 @@ def test_parameters_replaced_after_parallelize_are_refused_where_no_wrapper_hold
         assert out["ddp float() after a step"].startswith(
             "21 parameter(s) changed dtype after DDP took the model at its first forward "
             "(model.embed_tokens.weight (torch.float64 -> torch.float32)"), out
+        assert out["tp resize_token_embeddings"].startswith(
+            "resize_token_embeddings after graphopt.parallelize is not executed"), out
         assert out["zero3 one-process state dict"].startswith(
             "load_state_dict got whole (plain) tensors for 21 parameter(s) this plan shards "
             "as DTensors"), out

@@ -1062,6 +1062,16 @@ def _apply_dp(model: nn.Module, plan: ParallelPlan, mesh: Any, report: ParallelR
     if plan.dp * plan.cp > 1 or plan.tp > 1:
         _refuse_parameter_changes(model, plain_ddp, plan.dp * plan.cp > 1)
         model.register_load_state_dict_pre_hook(_refuse_whole_tensors)
+        if callable(getattr(model, "resize_token_embeddings", None)) and not plain_ddp:
+            object.__setattr__(model, "resize_token_embeddings", _refused_resize)
+
+
+def _refused_resize(*args: Any, **kwargs: Any) -> Any:
+    """transformers' ``resize_token_embeddings`` on a model whose embedding FSDP2 or TP made
+    a DTensor (a review: torch's "got mixed torch.Tensor and DTensor" from inside)."""
+    raise ConfigError("resize_token_embeddings after graphopt.parallelize is not executed "
+                      "(the embedding and LM head are sharded DTensors): resize the model "
+                      "before parallelize")
 
 
 def _refuse_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str,
