@@ -1877,6 +1877,14 @@ def _requires_grad_changes_worker(rank, world):
         messages.append("ran")
     except ConfigError as exc:
         messages.append(str(exc))
+    # a whole experts module swapped in (a re-review: skipped by name, never reduced, run
+    # without EP: 2.3e-3 off one process)
+    model.model.layers[1].mlp.experts = copy.deepcopy(ref.model.layers[1].mlp.experts)
+    try:
+        plan_backward(model, plan, model.graphopt_parallel.mesh, BATCH)
+        messages.append("ran")
+    except ConfigError as exc:
+        messages.append(str(exc))
     for change in ("freeze first", "unfreeze after evaluating", "freeze after training",
                    "all frozen", "added"):
         plan = ParallelPlan(dp_shard=2, zero_stage=2) if change == "added" else \
@@ -1914,7 +1922,10 @@ def test_requires_grad_changed_after_parallelize_is_followed_or_refused():
     freeze after parallelize failed in torch naming find_unused_parameters."""
     for expert_err, messages in run_distributed(_requires_grad_changes_worker, 2):
         assert expert_err < 1e-12
-        one_process, full, first, unfrozen, frozen, frozen_all, added = messages
+        one_process, full, swapped, first, unfrozen, frozen, frozen_all, added = messages
+        assert swapped.startswith("2 parameter(s) were replaced by other tensors after "
+                                  "graphopt.parallelize (model.layers.1.mlp.experts."
+                                  "gate_up_proj, "), swapped
         assert one_process.startswith("model.embed_tokens.weight: the state dict holds "
                                       "[256, 64] where this rank holds [128, 64]: "
                                       "ModelState.load_state_dict copies"), one_process
@@ -2038,6 +2049,10 @@ def _replaced_parameters_worker(rank, world):
                                  options=StateDictOptions(full_state_dict=True)))),
         "tp resize_token_embeddings": (ParallelPlan(tp=2),
                                        lambda m, r: m.resize_token_embeddings(300)),
+        # a re-review: the untied head re-tied to the embedding left a parameter DDP waits
+        # for (that step's gradients 8e-2 off, then torch's find_unused_parameters advice)
+        "ddp re-tied head after a step": (ParallelPlan(dp_replicate=2), "step", lambda m, r: (
+            setattr(m.lm_head, "weight", m.model.embed_tokens.weight))),
     }
     out = {}
     for name, (plan, *when, change) in changes.items():
@@ -2081,6 +2096,9 @@ def test_parameters_replaced_after_parallelize_are_refused_where_no_wrapper_hold
         assert out["ddp float() after a step"].startswith(
             "21 parameter(s) changed dtype after DDP took the model at its first forward "
             "(model.embed_tokens.weight (torch.float64 -> torch.float32)"), out
+        assert out["ddp re-tied head after a step"].startswith(
+            "1 parameter(s) DDP took at its first forward are no longer in the model "
+            "(lm_head.weight: re-tied"), out
         assert out["tp resize_token_embeddings"].startswith(
             "resize_token_embeddings after graphopt.parallelize is not executed"), out
         assert out["zero3 one-process state dict"].startswith(

@@ -1144,10 +1144,7 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
 
     from torch.distributed.tensor import DTensor
 
-    ep = {path for path, m in model.named_modules() if hasattr(m, "graphopt_ep")}
-
-    def experts(name: str) -> bool:
-        return name.rpartition(".")[0] in ep
+    from graphopt.parallel.expert import expert_params
 
     def layout(p: torch.Tensor) -> Any:
         return (p.placements, p.device_mesh) if isinstance(p, DTensor) else None
@@ -1155,19 +1152,29 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
     # by tensor (a module wrapped after parallelize renames its parameters, not a change:
     # a checkpoint wrapper around each attention, tests/test_parallel_rng.py), and the
     # layouts by name (a replacement of the old one's layout is taken without DP)
-    taken: dict[int, tuple[Any, bool, torch.dtype]] = {}
+    # the experts EP holds now are skipped (their hook finds them on their modules each
+    # forward): a whole experts module swapped in is not one of them (a re-review: its
+    # experts were skipped by name, never reduced, 2.3e-3 off, and ran without EP)
+    taken: dict[int, tuple[Any, bool, torch.dtype, str]] = {}
     layouts: dict[str, Any] = {}
 
+    def ours() -> dict[str, torch.Tensor]:
+        skip = {id(p) for p in expert_params(model)}
+        return {name: p for name, p in model.named_parameters() if id(p) not in skip}
+
+    swapped_experts: set[str] = set()  # the experts' names: a tensor there that EP does
+    # not hold is refused whatever its layout (it would run without EP)
+
     def take() -> None:
-        for name, p in model.named_parameters():
-            if not experts(name):
-                taken[id(p)] = (weakref.ref(p), p.requires_grad, p.dtype)
-                layouts[name] = layout(p)
+        layouts.update({name: layout(p) for name, p in model.named_parameters()})
+        swapped_experts.update(set(layouts) - set(ours()))
+        taken.update({id(p): (weakref.ref(p), p.requires_grad, p.dtype, name)
+                      for name, p in ours().items()})
 
     if not ddp:
         take()
 
-    def held(p: torch.Tensor) -> tuple[Any, bool, torch.dtype] | None:
+    def held(p: torch.Tensor) -> tuple[Any, bool, torch.dtype, str] | None:
         entry = taken.get(id(p))
         return entry if entry is not None and entry[0]() is p else None
 
@@ -1175,19 +1182,20 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
     def check() -> None:
         if ddp and not taken:  # DDP's first forward: it builds its reducer now
             take()
-            if not any(grad for _, grad, _ in taken.values()):
+            if not any(entry[1] for entry in taken.values()):
                 raise ConfigError(
                     "every parameter DDP holds is frozen (requires_grad=False): DDP "
                     "(dp_replicate, ZeRO-1) needs one to train. To evaluate a frozen model, "
                     "parallelize it without data parallelism, or use zero_stage=2/3")
         if not torch.is_grad_enabled():
             return
-        params = {name: p for name, p in model.named_parameters() if not experts(name)}
+        params = ours()
         new = [name for name, p in params.items() if held(p) is None]
         if new:
             sharded, gathered = _fsdp_held(model)
             new = [name for name in new if id(params[name]) not in sharded | gathered and (
-                data_parallel or layouts.get(name, False) != layout(params[name]))]
+                data_parallel or name in swapped_experts or
+                layouts.get(name, False) != layout(params[name]))]
         added = sorted(name for name in new if name not in layouts)
         if added:
             raise ConfigError(
@@ -1207,6 +1215,20 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
                 "after it, load in place (load_state_dict without assign=True, or "
                 "param.copy_() under torch.no_grad()) or resume with dcp.load({'model': "
                 "graphopt.parallel.ModelState(model)}, ...) (docs/parallel.md, Checkpoints)")
+        if ddp:  # a parameter DDP took that left the model (a held one shared into its
+            # place: a head re-tied to the embedding) stalls its bucket: that step's
+            # gradients went unreduced (8e-2 off, a re-review), then torch named
+            # find_unused_parameters
+            now = {id(p) for p in params.values()}
+            gone = [entry[3] for entry in taken.values()
+                    if (p := entry[0]()) is None or id(p) not in now]
+            if gone:
+                raise ConfigError(
+                    f"{len(gone)} parameter(s) DDP took at its first forward are no longer "
+                    f"in the model ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}:"
+                    " re-tied or shared in place of another?): DDP waits for their "
+                    "gradients, so the others' would not be all-reduced. Tie or share "
+                    "parameters before the first forward, or use zero_stage=2/3")
         known = {name: entry for name, p in params.items() if (entry := held(p)) is not None}
         cast = [f"{name} ({entry[2]} -> {params[name].dtype})"
                 for name, entry in known.items() if params[name].dtype != entry[2]] \
