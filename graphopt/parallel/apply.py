@@ -1149,12 +1149,12 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
     def layout(p: torch.Tensor) -> Any:
         return (p.placements, p.device_mesh) if isinstance(p, DTensor) else None
 
-    # by tensor (a module wrapped after parallelize renames its parameters, not a change:
-    # a checkpoint wrapper around each attention, tests/test_parallel_rng.py), and the
-    # layouts by name (a replacement of the old one's layout is taken without DP)
-    # the experts EP holds now are skipped (their hook finds them on their modules each
-    # forward): a whole experts module swapped in is not one of them (a re-review: its
-    # experts were skipped by name, never reduced, 2.3e-3 off, and ran without EP)
+    # Taken by tensor (a module wrapped after parallelize renames its parameters, not a
+    # change: a checkpoint wrapper around each attention, tests/test_parallel_rng.py), the
+    # layouts by name (a replacement of the old one's layout is taken without DP). The
+    # experts EP holds now are skipped (their hook finds them on their modules each
+    # forward); a whole experts module swapped in is not one of them (a re-review: its
+    # experts were skipped by name, never reduced, 2.3e-3 off, and ran without EP).
     taken: dict[int, tuple[Any, bool, torch.dtype, str]] = {}
     layouts: dict[str, Any] = {}
 
