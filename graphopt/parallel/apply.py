@@ -1101,16 +1101,9 @@ def _fsdp_held(model: nn.Module) -> tuple[set[int], set[int]]:
     replaced by ``load_state_dict(assign=True)`` with a DTensor of the same layout is a
     sharded one (FSDP2's load hook takes the new tensor over); a gathered one is what the
     module exposes between FSDP2's all-gather and its reshard (ZeRO-2 keeps them from a
-    forward to its backward)."""
-    sharded: set[int] = set()
-    gathered: set[int] = set()
-    for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
-        for p in getattr(group, "fsdp_params", ()):
-            sharded.add(id(p.sharded_param))
-            gathered.add(id(getattr(p, "_unsharded_param", None)))
-    return sharded, gathered
+    forward to its backward: :func:`master_parameters`)."""
+    sharded = {id(p.sharded_param) for p in _fsdp_params(model)}
+    return sharded, set(master_parameters(model))
 
 
 def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) -> None:
@@ -1167,9 +1160,10 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
 
     def take() -> None:
         layouts.update({name: layout(p) for name, p in model.named_parameters()})
-        swapped_experts.update(set(layouts) - set(ours()))
+        held_now = ours()
+        swapped_experts.update(set(layouts) - set(held_now))
         taken.update({id(p): (weakref.ref(p), p.requires_grad, p.dtype, name)
-                      for name, p in ours().items()})
+                      for name, p in held_now.items()})
 
     if not ddp:
         take()
@@ -1387,10 +1381,15 @@ def master_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
     lookup, no collective: what ``build_optimizer``, ``zero_grad`` and the gradient norm
     use where resharding could hang (a re-review: one rank resharding between forward and
     backward made its backward all-gather alone)."""
-    return {id(copy): fsdp_param.sharded_param for unit in _fsdp_units(model)
-            for group in unit._get_fsdp_state()._fsdp_param_groups
-            for fsdp_param in group.fsdp_params
+    return {id(copy): fsdp_param.sharded_param for fsdp_param in _fsdp_params(model)
             for copy in [getattr(fsdp_param, "_unsharded_param", None)] if copy is not None}
+
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    """Every ``FSDPParam`` of the FSDP2 units of ``model`` (all of each unit's groups)."""
+    return [fsdp_param for unit in _fsdp_units(model)
+            for group in unit._get_fsdp_state()._fsdp_param_groups
+            for fsdp_param in group.fsdp_params]
 
 
 def reshard(model: nn.Module) -> None:

@@ -138,7 +138,11 @@ def check_cp(model: nn.Module, plan: ParallelPlan, seq: int | None = None) -> No
 
 def sliding_window(model: nn.Module) -> int | None:
     """The smallest sliding window (tokens) among ``model``'s configs' sliding-window
-    attention layers; None when it has none."""
+    attention layers (a config's ``sliding_window`` where ``layer_types`` lists
+    "sliding_attention", or without ``layer_types`` where ``use_sliding_window`` is not
+    off); None when it has none. A window W lets query i read keys i-W < j <= i
+    (transformers' ``masking_utils.sliding_window_overlay``), so it changes nothing on
+    sequences of at most W tokens. Raises nothing."""
     windows = []
     for c in _configs(model):
         kinds = getattr(c, "layer_types", None)  # per layer, where the config lists them
