@@ -1133,8 +1133,6 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
     The routed experts under EP are not checked here: their own reduction looks them up
     each forward (:func:`graphopt.parallel.expert.expert_params`), and the EP forward checks
     their shapes."""
-    import weakref
-
     from torch.distributed.tensor import DTensor
 
     from graphopt.parallel.expert import expert_params
@@ -1148,6 +1146,9 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
     # experts EP holds now are skipped (their hook finds them on their modules each
     # forward); a whole experts module swapped in is not one of them (a re-review: its
     # experts were skipped by name, never reduced, 2.3e-3 off, and ran without EP).
+    # Strong references: torch's swap_tensors (Module._apply of DTensor parameters: the
+    # meta-device flow's to_empty, .to) refuses a tensor with a weak one (a review: to_empty
+    # failed after parallelize under every FSDP2 / TP plan); a swap keeps the object.
     taken: dict[int, tuple[Any, bool, torch.dtype, str]] = {}
     layouts: dict[str, Any] = {}
 
@@ -1162,7 +1163,7 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
         layouts.update({name: layout(p) for name, p in model.named_parameters()})
         held_now = ours()
         swapped_experts.update(set(layouts) - set(held_now))
-        taken.update({id(p): (weakref.ref(p), p.requires_grad, p.dtype, name)
+        taken.update({id(p): (p, p.requires_grad, p.dtype, name)
                       for name, p in held_now.items()})
 
     if not ddp:
@@ -1170,7 +1171,7 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
 
     def held(p: torch.Tensor) -> tuple[Any, bool, torch.dtype, str] | None:
         entry = taken.get(id(p))
-        return entry if entry is not None and entry[0]() is p else None
+        return entry if entry is not None and entry[0] is p else None
 
     @torch.compiler.disable
     def check() -> None:
@@ -1214,8 +1215,7 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
             # gradients went unreduced (8e-2 off, a re-review), then torch named
             # find_unused_parameters
             now = {id(p) for p in params.values()}
-            gone = [entry[3] for entry in taken.values()
-                    if (p := entry[0]()) is None or id(p) not in now]
+            gone = [entry[3] for entry in taken.values() if id(entry[0]) not in now]
             if gone:
                 raise ConfigError(
                     f"{len(gone)} parameter(s) DDP took at its first forward are no longer "
