@@ -2122,6 +2122,7 @@ def _meta_flow_worker(rank, world):
 
     from graphopt.models import build_model
     from graphopt.parallel import build_mesh, parallelize
+    from tests.helpers import config_errors
 
     torch.manual_seed(0)
     ref = build_model("llama", dtype=torch.float64)
@@ -2142,12 +2143,37 @@ def _meta_flow_worker(rank, world):
         _lm_loss(model, local).backward()
         out[str(kw)] = max(float((_full(p.grad) - r.grad).abs().max())
                            for p, r in zip(model.parameters(), ref.parameters()))
+    # what the review found silently wrong (as in plain torch): RoPE's inv_freq left as
+    # to_empty's memory, and a tied head untied by to_empty (each trained on its own)
+    tied = build_model("llama", dtype=torch.float64, tie_word_embeddings=True)
+    _full_precision_rmsnorm(tied)
+    _lm_loss(tied, ids).backward()
+    plan = ParallelPlan(dp_replicate=2)
+    with torch.device("meta"):
+        model = type(tied)(tied.config).to(torch.float64).eval()
+    parallelize(model, plan, build_mesh(plan))
+    model.to_empty(device="cpu")
+    model.load_state_dict(tied.state_dict(), strict=False)  # the checkpoint's tensors
+    out["refusals"] = config_errors(lambda: model(input_ids=ids[:1]))
+    model._init_weights(model.model.rotary_emb)  # the buffers alone
+    out["refusals"] += config_errors(lambda: model(input_ids=ids[:1]))
+    model.tie_weights()
+    _lm_loss(model, ids.chunk(2)[rank]).backward()
+    out["tied"] = max(float((p.grad - r.grad).abs().max())
+                      for p, r in zip(model.parameters(), tied.parameters()))
     return out
 
 
 def test_a_meta_device_model_parallelized_then_materialized_trains_like_one_process():
     """A review: ``to_empty`` after parallelize failed under every FSDP2 / TP plan
     ("Couldn't swap Embedding.weight": graphopt's parameter check held weak references,
-    which torch's swap_tensors refuses)."""
+    which torch's swap_tensors refuses); buffers left uninitialised by ``to_empty`` and
+    ties it broke trained silently wrong (1e-1 off one process), now refused by name."""
     for out in run_distributed(_meta_flow_worker, 2):
-        assert len(out) == 3 and all(err < 1e-12 for err in out.values()), out
+        unset, untied = out.pop("refusals")
+        assert unset.startswith("2 non-persistent buffer(s) (model.rotary_emb.inv_freq, "
+                                "model.rotary_emb.original_inv_freq) hold uninitialised "
+                                "memory"), unset
+        assert untied.startswith("parameters model.embed_tokens.weight and lm_head.weight "
+                                 "were one tensor (tied)"), untied
+        assert len(out) == 4 and all(err < 1e-12 for err in out.values()), out

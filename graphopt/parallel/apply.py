@@ -172,7 +172,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     """Shard ``model`` as ``plan`` says (module docstring); returns ``model``.
 
     Args:
-        model: a module on this rank's device, identical on every rank (same seed/weights).
+        model: a module on this rank's device, identical on every rank (same seed/weights),
+            or on the meta device (a model too large for one rank, torchtitan's flow):
+            materialize it after parallelize with ``model.to_empty(device=...)``, make its
+            non-persistent buffers and ties again (transformers: ``model.init_weights()``),
+            then load weights (``set_model_state_dict(..., full_state_dict=True)`` or
+            ``dcp.load`` into :class:`ModelState`); a forward before the buffers are
+            written, or with the ties broken, is a ConfigError (docs/parallel.md).
         plan: a ParallelPlan or the path of its JSON (:meth:`ParallelPlan.save`, or the
             output of ``graphopt plan --json``, whose best plan is taken).
         mesh: the DeviceMesh from :func:`graphopt.parallel.build_mesh` (built if None).
@@ -198,6 +204,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     """
     if isinstance(plan, (str, os.PathLike)):
         plan = ParallelPlan.load(plan)
+    on_meta = any(p.is_meta for p in model.parameters())
     if not isinstance(plan, ParallelPlan):
         raise ConfigError(f"plan must be a ParallelPlan or the path of its JSON, got "
                           f"{type(plan).__name__}")
@@ -415,6 +422,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         report.notes.append(_apply_autocast(model, compute_dtype))
     _time_optimizer_steps(model, report)
     _refuse_stale_optimizers(model, before)
+    _refuse_unmade_state(model, on_meta)
     if plan.pp == 1:  # PipelinedModel.step records its own starts (and checks S under SP)
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
         model.register_forward_pre_hook(_microbatch_check(plan.microbatch), with_kwargs=True)
@@ -1250,6 +1258,76 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
                 "checkpoint), or use zero_stage=2/3 (FSDP2 follows requires_grad)")
 
     _before_each_forward(model, check)
+
+
+def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
+    """ConfigError before a forward of a parallelized model whose state is not what it was
+    made of (a review of the meta-device flow found both, silently wrong, as in plain
+    torch):
+
+    - parameters that were one tensor when parallelized (tied embeddings) are two now:
+      ``to_empty`` (or ``load_state_dict(assign=True)``) unties plain tensors, and each
+      copy trained on its own (DDP: gradients 1.1e-1 off one process);
+    - a model parallelized on the meta device and materialized (``to_empty``: any
+      ``Module._apply`` that leaves no meta tensor) whose non-persistent buffers were not
+      written since: checkpoints do not hold them, so RoPE's ``inv_freq`` held
+      uninitialised memory (zeros: loss 7.6e-2 off). Written means replaced or changed in
+      place (the tensor's version counter), as ``init_weights`` does (transformers'
+      ``_init_weights`` recomputes rotary tables; torchtitan's ``init_weights(
+      buffer_device)``).
+
+    ``Module._apply`` is wrapped on the instance, so a wrapper module's ``to_empty``
+    (``torch.compile``'s OptimizedModule) reaches it; under PP, stage paths are named."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    ties = [names for names in by_tensor.values() if len(names) > 1]
+    fresh: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
+    made = [not on_meta]  # materialized once: a later .to(dtype) is no to_empty
+    if on_meta:
+        apply = model._apply
+
+        def materialized(*args: Any, **kwargs: Any) -> Any:
+            out = apply(*args, **kwargs)
+            if not made[0] and not any(t.is_meta for t in (*model.parameters(),
+                                                          *model.buffers())):
+                made[0] = True
+                fresh.extend((f"{path}.{name}" if path else name, module, name, buf,
+                              buf._version)
+                             for path, module in model.named_modules()
+                             for name, buf in module._buffers.items()
+                             if buf is not None and name in module._non_persistent_buffers_set)
+            return out
+
+        object.__setattr__(model, "_apply", materialized)
+
+    def check() -> None:
+        if fresh:
+            unset = [name for name, module, key, buf, version in fresh
+                     if module._buffers.get(key) is buf and buf._version == version]
+            if unset:
+                raise ConfigError(
+                    f"{len(unset)} non-persistent buffer(s) ({', '.join(unset[:3])}"
+                    f"{', ...' if len(unset) > 3 else ''}) hold uninitialised memory: the "
+                    "model was materialized (to_empty) after graphopt.parallelize on the "
+                    "meta device, and checkpoints do not hold non-persistent buffers. Make "
+                    "them again before the first forward (transformers: model.init_weights()"
+                    " after to_empty, before loading the weights; or compute them yourself)")
+            fresh.clear()
+        if ties:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            untied = [names for names in ties if len({id(params.get(n)) for n in names}) > 1]
+            if untied:
+                raise ConfigError(
+                    f"parameters {' and '.join(untied[0][:2])} were one tensor (tied) when "
+                    "the model was parallelized and are separate tensors now (to_empty on a "
+                    "meta-device model, or load_state_dict(assign=True), unties them): each "
+                    "would train on its own. Tie them again before the forward "
+                    "(transformers: model.tie_weights(), or model.init_weights() after "
+                    "to_empty)")
+
+    if ties or on_meta:
+        _before_each_forward(model, check)
 
 
 def _refuse_inference_mode_first(model: nn.Module) -> None:
