@@ -481,3 +481,25 @@ def logits_fn(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits
     return run
+
+
+@contextmanager
+def experts_implementation(module: torch.nn.Module, kind: str,
+                           replace: Callable[[str], bool]) -> Iterator[bool]:
+    """The block with ``module``'s transformers MoE experts set to ``kind`` ("eager": the
+    per-expert loop, "batched_mm", "grouped_mm"; transformers' ``set_experts_implementation``)
+    where ``replace(current kind)``, set back after; yields whether any was switched. The
+    outermost transformers model is switched (it sets its submodules'; a model without
+    experts keeps "eager")."""
+    models: list[Any] = [
+        m for m in module.modules() if hasattr(m, "set_experts_implementation") and
+        replace(getattr(getattr(m, "config", None), "_experts_implementation", None)
+                or "eager")][:1]
+    kinds = [m.config._experts_implementation or "eager" for m in models]
+    for m in models:
+        m.set_experts_implementation(kind)
+    try:
+        yield bool(models)
+    finally:
+        for m, was in zip(models, kinds):
+            m.set_experts_implementation(was)

@@ -278,3 +278,61 @@ def test_an_mlp_tp_does_not_divide_is_kept_whole_with_that_reason(tp, size):
     assert "model.layers.0.self_attn" in layout.mixers
     why = _tp_refusal(model, ParallelPlan(dp_shard=1, tp=tp, sp=False))
     assert why.startswith(f"tp={tp} does not divide model.layers.0.mlp"), why
+
+
+def _meta_layout(build):
+    with torch.device("meta"):
+        model = build()
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    return derive_tp_layout(model, lambda: model(ids), 2)
+
+
+@pytest.mark.parametrize("build, kept, reason", [
+    (lambda: LM([Block() for _ in range(2)]), None, None),
+    (lambda: LM([PenaltyBlock() for _ in range(2)]), "layers.0.mlp",
+     "changes its output 1 (TP reduces only the first"),
+    (lambda: LM([Block(attn=RollingAttn(roll=i == 1)) for i in range(2)]), "layers.1.attn",
+     "changes its output (relative error"),
+    (lambda: LM([Block(attn=RollingAttn(train_only=True)) for _ in range(2)]).train(),
+     "layers.0.attn", "changes its output in training mode"),
+])
+def test_a_meta_device_model_is_probed_on_a_materialized_copy(build, kept, reason):
+    """A review: on the meta device the probe checked the split's output shape only, so
+    mixers a split changes were split (loss 1.7e-2 and gradients 8e-2 off one process,
+    silently). They run as CPU copies with random values now, and keep the verdicts of the
+    real-device model."""
+    layout = _meta_layout(build)
+    assert not layout.unchecked, layout.unchecked
+    if kept is None:
+        assert len(layout.mixers) == 4 and not layout.kept and not layout.sp_problems
+    else:
+        assert reason in layout.kept.get(kept, ""), layout.kept
+        assert kept not in layout.mixers
+
+
+def test_a_meta_device_model_too_large_to_probe_is_named(monkeypatch):
+    """Above the probe's size bound the checks are shape-only, and the layout says which
+    modules they skipped (parallelize warns)."""
+    import graphopt.parallel.tp_layout as tp_layout
+
+    monkeypatch.setattr(tp_layout, "PROBE_PARAMETERS", 0)
+    layout = _meta_layout(lambda: LM([Block(attn=RollingAttn(roll=True)) for _ in range(2)]))
+    assert layout.unchecked == ["layers.0.attn", "layers.0.mlp", "layers.1.attn",
+                                "layers.1.mlp", "layers.0", "layers.1"], layout.unchecked
+    assert "layers.0.attn" in layout.mixers  # what the shape-only check cannot see
+
+
+def test_a_meta_device_moe_model_with_eager_experts_gets_its_layout_and_sp_checks():
+    """A review: Mixtral's per-expert loop on the meta device failed the layout's fake
+    trace (GuardOnDataDependentSymNode); and the training-mode in-place check (its
+    router_jitter_noise) did not run there, so SP lost its refusal."""
+    from graphopt.models import build_model
+
+    with torch.device("meta"):
+        model = build_model("mixtral", router_jitter_noise=0.1).train()
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    layout = derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), 2)
+    assert "model.layers.0.self_attn" in layout.mixers, layout.kept
+    assert any("model.layers.0.mlp writes its input in place in training mode" in p
+               for p in layout.sp_problems), layout.sp_problems
+    assert model.config._experts_implementation == "eager"

@@ -811,22 +811,12 @@ def _kept_positions(names: list[str], tensors: list[torch.Tensor]) -> torch.Tens
     return None
 
 
-@contextlib.contextmanager
-def _eager_experts(module: nn.Module) -> Iterator[bool]:
+def _eager_experts(module: nn.Module) -> Any:
     """The block with ``module``'s transformers MoE experts switched to their per-expert
     loop ("eager", the same function), switched back after; yields whether any was not."""
-    models: list[Any] = [  # the outermost only: it sets its submodules'
-        m for m in module.modules() if hasattr(m, "set_experts_implementation") and
-        getattr(getattr(m, "config", None), "_experts_implementation", "eager")
-        not in (None, "eager")][:1]
-    kinds = [m.config._experts_implementation for m in models]
-    for m in models:
-        m.set_experts_implementation("eager")
-    try:
-        yield bool(models)
-    finally:
-        for m, kind in zip(models, kinds):
-            m.set_experts_implementation(kind)
+    from graphopt.models import experts_implementation
+
+    return experts_implementation(module, "eager", lambda kind: kind != "eager")
 
 
 @contextlib.contextmanager

@@ -309,6 +309,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     if plan.tp > 1:
         layout = derive_tp_layout(model, sample or _default_sample(model), plan.tp)
         report.tp_layout = layout
+        if layout.unchecked:  # (a meta-device model's modules above the probe's bound)
+            unchecked = (
+                f"TP layout of a meta-device model: {len(layout.unchecked)} module(s) "
+                f"({', '.join(layout.unchecked[:2])}{', ...' if len(layout.unchecked) > 2 else ''}"
+                ") are larger than its value checks materialize (tp_layout.PROBE_PARAMETERS), "
+                "so they were split (or run under SP) on a shape-only check: code there that "
+                "mixes heads or positions would be split wrongly, silently. Derive the layout "
+                "of a smaller copy on a real device once (same code, smaller sizes: "
+                "graphopt.parallel.derive_tp_layout) to check it")
+            report.notes.append(unchecked)
+            warnings.warn(f"graphopt: {unchecked}", stacklevel=2)
         # (a layout with decoder layers but no split mixer, GPT-2's untied head alone:
         # SP's input preparation of its blocks crashed in torch, a review)
         report.sp = plan.sp and bool(layout.layers) and bool(layout.mixers)
@@ -423,6 +434,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
     _time_optimizer_steps(model, report)
     _refuse_stale_optimizers(model, before)
     _refuse_unmade_state(model, on_meta)
+    if plan.pp > 1:
+        model.register_load_state_dict_pre_hook(_refuse_model_names)
     if plan.pp == 1:  # PipelinedModel.step records its own starts (and checks S under SP)
         model.register_forward_pre_hook(lambda *_: report.record_step_start())
         model.register_forward_pre_hook(_microbatch_check(plan.microbatch), with_kwargs=True)
@@ -1102,6 +1115,26 @@ def _refuse_whole_tensors(module: nn.Module, state_dict: dict[str, Any], prefix:
             "model, sd, options=StateDictOptions(full_state_dict=True)), which shards it "
             "(FSDP/TP; under EP: dcp.save it in one process with no_dist=True, then dcp.load "
             "into graphopt.parallel.ModelState(model); docs/parallel.md, Checkpoints)")
+
+
+def _refuse_model_names(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                        *_: Any) -> None:
+    """``load_state_dict`` pre-hook of a pipelined model (PP): ConfigError naming the fix
+    when ``state_dict`` holds the one-process model's names, not this rank's stages'
+    (``parts.<i>...``; a review: ``set_model_state_dict(..., full_state_dict=True)``, which
+    shards such a state dict under FSDP2 / TP, failed in torch listing every key as
+    unexpected)."""
+    names = set(getattr(module, "original_names", {}).values())
+    theirs = [k[len(prefix):] for k in state_dict
+              if k.startswith(prefix) and k[len(prefix):] in names]
+    if theirs:
+        raise ConfigError(
+            f"load_state_dict got the one-process model's names ({', '.join(theirs[:2])}"
+            f"{', ...' if len(theirs) > 2 else ''}) for a pipelined model (pp > 1), whose "
+            "parameters are this rank's stages' (parts.<i>...): save the state dict in one "
+            "process with dcp.save({'model': sd}, checkpoint_id=..., no_dist=True), then "
+            "dcp.load({'model': graphopt.parallel.ModelState(model)}, ...) on every rank, "
+            "which maps the names (docs/parallel.md, Checkpoints)")
 
 
 def _fsdp_held(model: nn.Module) -> tuple[set[int], set[int]]:

@@ -36,8 +36,10 @@ Pseudo-code::
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +102,64 @@ class TPLayout:
     (an MoE block, a mixer that cannot split) -> (call site, outputs: 0 for one tensor, n
     for an n-tuple whose first item is the hidden states). With SP they all-gather their
     input and keep their sequence shard of the output."""
+    unchecked: list[str] = field(default_factory=list)
+    """On a meta-device model: modules the value checks (the mixer probe, SP's per-position
+    run) could not run on, being larger than ``PROBE_PARAMETERS``: split, or run under SP,
+    on a shape-only check (parallelize warns)."""
+
+
+PROBE_PARAMETERS = 1 << 26
+"""The largest module (parameters) a meta-device model's value checks materialize: one
+copy in float64 on the CPU (512 MiB at the bound) and its shards."""
+
+
+@contextlib.contextmanager
+def _outside_trace() -> Iterator[None]:
+    """Real tensors inside :func:`derive_tp_layout`'s fake trace of a meta-device model."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        yield
+
+
+def _with_values(tree: Any, gen: torch.Generator) -> Any:
+    """``tree`` with each tensor replaced by a CPU tensor of its shape holding values: float
+    ones standard normal in float64, booleans True (a mask that
+    masks nothing), integers 0 (an index in any range)."""
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float64 if t.is_floating_point() else t.dtype
+        if t.is_floating_point() or t.is_complex():
+            return torch.randn(tuple(t.shape), generator=gen, dtype=dtype)
+        return torch.ones(tuple(t.shape), dtype=t.dtype) if t.dtype == torch.bool else \
+            torch.zeros(tuple(t.shape), dtype=t.dtype)
+    with _outside_trace():
+        return torch.utils._pytree.tree_map_only(torch.Tensor, fill, tree)
+
+
+def materialized(module: nn.Module) -> nn.Module | None:
+    """A CPU copy of the meta-device ``module`` with random values (seeded: weights
+    N(0, 1/fan_in), 1-D parameters 1 + N(0, 0.01), buffers as :func:`_with_values`), its
+    floating tensors in float64, for the value checks; None above ``PROBE_PARAMETERS``.
+    The checks are structural (does a split compute what the whole does), so any values
+    that keep the computation finite serve."""
+    if sum(p.numel() for p in module.parameters()) > PROBE_PARAMETERS:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    with _outside_trace():
+        copy_ = copy.deepcopy(module).to_empty(device="cpu").double()
+        with torch.no_grad():
+            for p in copy_.parameters():
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype)
+                            / math.sqrt(p.shape[-1]))
+                else:
+                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            for sub in copy_.modules():
+                for name, b in sub._buffers.items():
+                    if b is not None:
+                        sub._buffers[name] = _with_values(b, gen)
+    return copy_
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -196,13 +256,28 @@ def derive_tp_layout(model: nn.Module, sample: Callable[[], Any], tp: int) -> TP
         # which a fake trace lets it skip (is_tracing), so derive inside one
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        from graphopt.models import experts_implementation
+
         box: dict[str, TPLayout] = {}
 
         def traced() -> torch.Tensor:
             box["layout"] = _derive(model, sample, tp)
             return torch.zeros(())
 
-        make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)()
+        # transformers' per-expert loop ("eager") reads routing values: its same function
+        # as batched GEMMs traces (a review: GuardOnDataDependentSymNode from Mixtral)
+        with experts_implementation(model, "batched_mm", lambda kind: kind == "eager"):
+            try:
+                make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)()
+            except Exception as exc:
+                if "data-dependent" in str(exc).lower():
+                    raise ConfigError(
+                        "TP's layout of this meta-device model needs a forward, and its fake "
+                        f"trace hit data-dependent code ({str(exc).splitlines()[0][:120]}): "
+                        "parallelize the model with real weights (a smaller copy of it "
+                        "shows the same layout), or make the code shape-static (MoE experts: "
+                        "experts_implementation='batched_mm')") from exc
+                raise
         layout = box["layout"]
     else:
         layout = _derive(model, sample, tp)
@@ -275,7 +350,8 @@ def _classify_mixers(layout: TPLayout, modules: dict[str, nn.Module], readers: l
             continue
         # every instance: one class's instances may differ (a review: only layer 1's
         # attention rolled its heads, and the probe of layer 0 split both)
-        why = probe_mixer(modules[mixer], mixer, mine, writers[0], recorder.calls[mixer], tp)
+        why = _probe(layout, modules[mixer], mixer, mine, writers[0], recorder.calls[mixer],
+                     tp)
         if why:
             layout.kept[mixer] = why
             continue
@@ -323,6 +399,24 @@ def _inner_params(layout: TPLayout, modules: dict[str, nn.Module], mixer: str,
         found[owner] = call[0][0].dim() - 2
     layout.head_norms.update(found)
     return ""
+
+
+def _probe(layout: TPLayout, mixer: nn.Module, path: str, readers: list[str], writer: str,
+           call: tuple[tuple, dict], tp: int) -> str:
+    """:func:`probe_mixer`; a meta-device mixer on a materialized copy with random values
+    and inputs of the recorded shapes (a review: on the meta device only the output shape
+    was checked, and a mixer that mixes heads was split, gradients 8e-2 off one process,
+    silently), or above ``PROBE_PARAMETERS`` on the shape-only check, noted in
+    ``layout.unchecked``."""
+    if not any(p.is_meta for p in mixer.parameters()):
+        return probe_mixer(mixer, path, readers, writer, call, tp)
+    real = materialized(mixer)
+    if real is None:
+        layout.unchecked.append(path)
+        return probe_mixer(mixer, path, readers, writer, call, tp)
+    with _outside_trace():
+        return probe_mixer(real, path, readers, writer,
+                           _with_values(call, torch.Generator().manual_seed(1)), tp)
 
 
 def probe_mixer(mixer: nn.Module, path: str, readers: list[str], writer: str,
@@ -670,7 +764,7 @@ def _inputs_written_in_training(layout: TPLayout, modules: dict[str, nn.Module],
     for path in (*layout.mixers, *layout.replicated):
         call = recorder.calls.get(path)
         module = modules[path]
-        if call is None or any(t.is_meta for t in module.parameters()):
+        if call is None:  # (a meta-device model runs in the fake trace: versions count there)
             continue
         args, kwargs = call
         copies = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -708,40 +802,56 @@ def _sequence_local(layout: TPLayout, modules: dict[str, nn.Module], recorder: _
     whole's. A review's layer added sinusoidal positions computed from ``x.shape[1]``
     outside its mixers: under SP rank 1 labelled positions 8..15 as 0..7 (loss 2e-3 and
     every gradient up to 0.19 off, silently). The check is structural (float inputs as
-    recorded, relative error 1e-6; 16-bit models 1e-2); models on the meta device (dry
-    runs) are not checked."""
+    recorded, relative error 1e-6; 16-bit models 1e-2). A layer of a meta-device model
+    runs as a materialized copy with random values (:func:`materialized`), or not at all
+    above ``PROBE_PARAMETERS`` (``layout.unchecked``)."""
     gathered = {**layout.mixers, **{p: site for p, (site, _) in layout.replicated.items()}}
     problems = []
     for layer, site in layout.layers.items():
         call = recorder.calls.get(layer)
         if call is None:
             continue
+        module = modules[layer]
+        returned = recorder.returned
+        context: Any = contextlib.nullcontext()
+        if any(p.is_meta for p in module.parameters()):
+            real = materialized(module)
+            if real is None:
+                layout.unchecked.append(layer)
+                continue
+            module = real
+            gen = torch.Generator().manual_seed(2)
+            call = _with_values(call, gen)
+            returned = {p: (_with_values(leaves, gen), spec)
+                        for p, (leaves, spec) in returned.items() if p.startswith(layer + ".")}
+            context = _outside_trace()
         args, kwargs = call
         x = args[site.position] if site.position is not None else kwargs.get(site.keyword or "")
-        if not isinstance(x, torch.Tensor) or x.is_meta or x.dim() < 3 or x.shape[1] % tp \
+        if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] % tp \
                 or not x.is_floating_point():
             continue
         kwargs = _no_cache(kwargs)
-        mine = [p for p in gathered if p.startswith(layer + ".") and p in recorder.returned]
+        mine = [p for p in gathered if p.startswith(layer + ".") and p in returned]
+        subs = {p: module.get_submodule(p[len(layer) + 1:]) for p in mine}
         for p in mine:  # instead of its forward (which reads full-length position tables)
-            modules[p].forward = _per_position(gathered[p], *recorder.returned[p])
+            subs[p].forward = _per_position(gathered[p], *returned[p])
         try:
-            with torch.no_grad(), eval_mode(modules[layer]):
-                whole = _run_layer(modules[layer], site, args, kwargs, x)
-                parts = torch.cat([_run_layer(modules[layer], site, args, kwargs,
+            with context, torch.no_grad(), eval_mode(module):
+                whole = _run_layer(module, site, args, kwargs, x)
+                parts = torch.cat([_run_layer(module, site, args, kwargs,
                                               c.contiguous())  # as SP hands it over
                                    for c in x.chunk(tp, dim=1)], dim=1)
+                tol = 1e-2 if whole.element_size() < 4 else 1e-6
+                scale = float(whole.abs().max()) or 1.0
+                error = float((parts - whole).abs().max()) / scale \
+                    if parts.shape == whole.shape else math.inf
         except Exception as exc:  # noqa: BLE001 - a layer that cannot run on a shard
             problems.append(f"decoder layer {layer} does not run on a sequence shard "
                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
             continue
         finally:
             for p in mine:
-                del modules[p].forward
-        tol = 1e-2 if whole.element_size() < 4 else 1e-6
-        scale = float(whole.abs().max()) or 1.0
-        error = float((parts - whole).abs().max()) / scale if parts.shape == whole.shape \
-            else math.inf
+                del subs[p].forward
         if not error <= tol:
             problems.append(f"decoder layer {layer} computes something else on a sequence "
                             f"shard outside its mixers (relative error {error:.2g}): its "
