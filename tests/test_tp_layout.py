@@ -197,14 +197,17 @@ def test_what_sp_would_compute_wrong_is_a_reason_to_refuse_it(build, problem):
     assert any(problem in p for p in layout.sp_problems), layout.sp_problems
 
 
-@pytest.mark.parametrize("build, kept, reason", [
+SPLIT_CHANGES = [  # (model, the mixer a split changes, the reason it is kept whole)
     (lambda: LM([PenaltyBlock() for _ in range(2)]), "layers.0.mlp",
      "changes its output 1 (TP reduces only the first"),
     (lambda: LM([Block(attn=RollingAttn(roll=i == 1)) for i in range(2)]), "layers.1.attn",
      "changes its output (relative error"),
     (lambda: LM([Block(attn=RollingAttn(train_only=True)) for _ in range(2)]).train(),
      "layers.0.attn", "changes its output in training mode"),
-])
+]
+
+
+@pytest.mark.parametrize("build, kept, reason", SPLIT_CHANGES)
 def test_mixers_a_split_changes_are_kept_replicated(build, kept, reason):
     torch.manual_seed(0)
     layout = _layout(build())
@@ -287,15 +290,8 @@ def _meta_layout(build):
     return derive_tp_layout(model, lambda: model(ids), 2)
 
 
-@pytest.mark.parametrize("build, kept, reason", [
-    (lambda: LM([Block() for _ in range(2)]), None, None),
-    (lambda: LM([PenaltyBlock() for _ in range(2)]), "layers.0.mlp",
-     "changes its output 1 (TP reduces only the first"),
-    (lambda: LM([Block(attn=RollingAttn(roll=i == 1)) for i in range(2)]), "layers.1.attn",
-     "changes its output (relative error"),
-    (lambda: LM([Block(attn=RollingAttn(train_only=True)) for _ in range(2)]).train(),
-     "layers.0.attn", "changes its output in training mode"),
-])
+@pytest.mark.parametrize("build, kept, reason",
+                         [(lambda: LM([Block() for _ in range(2)]), None, None), *SPLIT_CHANGES])
 def test_a_meta_device_model_is_probed_on_a_materialized_copy(build, kept, reason):
     """A review: on the meta device the probe checked the split's output shape only, so
     mixers a split changes were split (loss 1.7e-2 and gradients 8e-2 off one process,
