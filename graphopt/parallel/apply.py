@@ -1334,6 +1334,7 @@ def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
 
         object.__setattr__(model, "_apply", materialized)
 
+    @torch.compiler.disable
     def check() -> None:
         if fresh:
             unset = [name for name, module, key, buf, version in fresh
