@@ -2165,6 +2165,25 @@ def _meta_flow_worker(rank, world):
     _lm_loss(model, ids.chunk(2)[rank]).backward()
     out["tied"] = max(float((p.grad - r.grad).abs().max())
                       for p, r in zip(model.parameters(), tied.parameters()))
+    # a re-review: materialized child by child the buffers went unchecked (the wrapper sat
+    # on the model's _apply alone); written through .data (no version bump) they were
+    # refused; bf16 mixed precision on a meta model autocast on device 'meta'
+    plan = ParallelPlan(dp_shard=2, zero_stage=3)
+    with torch.device("meta"):
+        model = type(ref)(ref.config).float().eval()
+    parallelize(model, plan, build_mesh(plan), mixed_precision="bf16")
+    model.model.to_empty(device="cpu")
+    model.lm_head.to_empty(device="cpu")
+    out["refusals"] += config_errors(lambda: model(input_ids=ids[:1]))
+    inv = ref.model.rotary_emb.inv_freq.float()
+    model.model.rotary_emb.inv_freq.data.copy_(inv)
+    model.model.rotary_emb.original_inv_freq.data = inv.clone()
+    set_model_state_dict(model, {k: v.float() for k, v in ref.state_dict().items()},
+                         options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        logits = model(input_ids=ids[:1]).logits
+        want = ref(input_ids=ids[:1]).logits
+    out["bf16"] = float((logits - want).abs().max() / want.abs().max())
     plan = ParallelPlan(pp=2, microbatch=1)  # stage names: the one-process state dict's
     with torch.device("meta"):  # are refused naming DCP (it was torch's unexpected keys)
         model = type(ref)(ref.config).to(torch.float64).eval()
@@ -2181,7 +2200,9 @@ def test_a_meta_device_model_parallelized_then_materialized_trains_like_one_proc
     which torch's swap_tensors refuses); buffers left uninitialised by ``to_empty`` and
     ties it broke trained silently wrong (1e-1 off one process), now refused by name."""
     for out in run_distributed(_meta_flow_worker, 2):
-        unset, untied, pp = out.pop("refusals")
+        unset, untied, children, pp = out.pop("refusals")
+        assert children.startswith("2 non-persistent buffer(s) (model.rotary_emb.inv_freq"), \
+            children
         assert unset.startswith("2 non-persistent buffer(s) (model.rotary_emb.inv_freq, "
                                 "model.rotary_emb.original_inv_freq) hold uninitialised "
                                 "memory"), unset
@@ -2189,4 +2210,6 @@ def test_a_meta_device_model_parallelized_then_materialized_trains_like_one_proc
                                  "were one tensor (tied)"), untied
         assert pp.startswith("load_state_dict got the one-process model's names (model.") \
             and "graphopt.parallel.ModelState(model)" in pp, pp
+        bf16 = out.pop("bf16")  # computed in bf16 (float32 would be ~1e-7 off)
+        assert 1e-4 < bf16 < 3e-2, bf16
         assert len(out) == 4 and all(err < 1e-12 for err in out.values()), out

@@ -1005,9 +1005,8 @@ def _apply_autocast(model: nn.Module, dtype: torch.dtype) -> str:
 
     parts = list(getattr(model, "parts", []))
     fsdp = any(isinstance(u, (FSDPModule, ReplicateModule)) for u in parts or [model])
-    device = next(model.parameters()).device.type
     for unit in parts or [model]:
-        unit.forward = functools.partial(_autocast_forward, unit.forward, device, dtype)
+        unit.forward = functools.partial(_autocast_forward, unit.forward, unit, dtype)
     return (f"mixed precision: {dtype} compute (torch.autocast around the "
             + ("stages'" if parts else "model's") + " forward"
             + (", FSDP2 MixedPrecisionPolicy param_dtype: bf16 parameter all-gathers, "
@@ -1015,8 +1014,11 @@ def _apply_autocast(model: nn.Module, dtype: torch.dtype) -> str:
             + "), float32 master weights, gradients and optimizer states")
 
 
-def _autocast_forward(forward: Callable[..., Any], device: str, dtype: torch.dtype,
+def _autocast_forward(forward: Callable[..., Any], unit: nn.Module, dtype: torch.dtype,
                       *args: Any, **kwargs: Any) -> Any:
+    # the parameters' device now: a model parallelized on the meta device (or moved
+    # after) autocasts where it runs (a review: "unsupported autocast device_type 'meta'")
+    device = next((p.device.type for p in unit.parameters()), "cpu")
     with torch.autocast(device, dtype=dtype):
         return forward(*args, **kwargs)
 
@@ -1295,59 +1297,84 @@ def _refuse_parameter_changes(model: nn.Module, ddp: bool, data_parallel: bool) 
 
 def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
     """ConfigError before a forward of a parallelized model whose state is not what it was
-    made of (a review of the meta-device flow found both, silently wrong, as in plain
+    made of (a review of the meta-device flow found each, silently wrong, as in plain
     torch):
 
     - parameters that were one tensor when parallelized (tied embeddings) are two now:
       ``to_empty`` (or ``load_state_dict(assign=True)``) unties plain tensors, and each
       copy trained on its own (DDP: gradients 1.1e-1 off one process);
-    - a model parallelized on the meta device and materialized (``to_empty``: any
-      ``Module._apply`` that leaves no meta tensor) whose non-persistent buffers were not
-      written since: checkpoints do not hold them, so RoPE's ``inv_freq`` held
-      uninitialised memory (zeros: loss 7.6e-2 off). Written means replaced or changed in
-      place (the tensor's version counter), as ``init_weights`` does (transformers'
-      ``_init_weights`` recomputes rotary tables; torchtitan's ``init_weights(
-      buffer_device)``).
-
-    ``Module._apply`` is wrapped on the instance, so a wrapper module's ``to_empty``
-    (``torch.compile``'s OptimizedModule) reaches it; under PP, stage paths are named."""
+    - a model parallelized on the meta device whose non-persistent buffers were not
+      written since they were materialized: checkpoints do not hold them, so RoPE's
+      ``inv_freq`` held uninitialised memory (loss 7.6e-2 off). ``Module._apply`` is
+      wrapped on each module owning such a buffer, so any ``to_empty`` that reaches it
+      (the model's, a wrapper's, a submodule's, the transformers model's under PP, whose
+      stages share its modules; a re-review found the last two unchecked) records the new
+      buffer, its version counter and its bytes; written means replaced, changed in place
+      (the counter) or through ``.data`` (the bytes), as ``init_weights`` does
+      (transformers' ``_init_weights`` recomputes rotary tables; torchtitan's
+      ``init_weights(buffer_device)``);
+    - a parameter still on the meta device (under PP, transformers' ``init_weights`` on the
+      whole model re-ties the last stage's head to an embedding that rank never
+      materialized: the backward failed, and the other rank waited in gloo)."""
     by_tensor: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(p), []).append(name)
     ties = [names for names in by_tensor.values() if len(names) > 1]
-    fresh: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
-    made = [not on_meta]  # materialized once: a later .to(dtype) is no to_empty
+    pp = hasattr(model, "parts")
+    # (name, owner, key) of each non-persistent buffer; (buffer, version, bytes) once made
+    fresh: list[tuple[str, nn.Module, str]] = []
+    made: dict[tuple[int, str], tuple[torch.Tensor, int, torch.Tensor]] = {}
     if on_meta:
-        apply = model._apply
+        for path, module in model.named_modules():
+            keys = [k for k, b in module._buffers.items()
+                    if b is not None and k in module._non_persistent_buffers_set]
+            if not keys:
+                continue
+            fresh.extend((f"{path}.{k}" if path else k, module, k) for k in keys)
+            object.__setattr__(module, "_apply",
+                               functools.partial(_recording_apply, module._apply, module,
+                                                 keys, made))
 
-        def materialized(*args: Any, **kwargs: Any) -> Any:
-            out = apply(*args, **kwargs)
-            if not made[0] and not any(t.is_meta for t in (*model.parameters(),
-                                                          *model.buffers())):
-                made[0] = True
-                fresh.extend((f"{path}.{name}" if path else name, module, name, buf,
-                              buf._version)
-                             for path, module in model.named_modules()
-                             for name, buf in module._buffers.items()
-                             if buf is not None and name in module._non_persistent_buffers_set)
-            return out
-
-        object.__setattr__(model, "_apply", materialized)
+    def unwritten(owner: nn.Module, key: str) -> bool:
+        entry = made.get((id(owner), key))
+        if entry is None:
+            return False  # still on meta: the forward fails on it anyway
+        buf, version, data = entry
+        return owner._buffers.get(key) is buf and buf._version == version and \
+            torch.equal(_bytes_of(buf), data)
 
     @torch.compiler.disable
     def check() -> None:
         if fresh:
-            unset = [name for name, module, key, buf, version in fresh
-                     if module._buffers.get(key) is buf and buf._version == version]
+            unset = [name for name, owner, key in fresh if unwritten(owner, key)]
             if unset:
+                how = ("under PP: recompute them on the modules the stages share (the "
+                       "model you built), e.g. pretrained._init_weights(module) for each "
+                       "rotary embedding; its init_weights() would re-tie an embedding a "
+                       "stage does not hold" if pp else
+                       "transformers: model.init_weights() after to_empty, before loading "
+                       "the weights; or compute them yourself")
                 raise ConfigError(
                     f"{len(unset)} non-persistent buffer(s) ({', '.join(unset[:3])}"
                     f"{', ...' if len(unset) > 3 else ''}) hold uninitialised memory: the "
                     "model was materialized (to_empty) after graphopt.parallelize on the "
                     "meta device, and checkpoints do not hold non-persistent buffers. Make "
-                    "them again before the first forward (transformers: model.init_weights()"
-                    " after to_empty, before loading the weights; or compute them yourself)")
-            fresh.clear()
+                    f"them again before the first forward ({how})")
+            if len(made) == len(fresh):
+                fresh.clear()
+        if on_meta:
+            meta = [name for name, p in model.named_parameters() if p.is_meta]
+            if meta and len(meta) < len(list(model.parameters())):
+                raise ConfigError(
+                    f"{len(meta)} parameter(s) are on the meta device at this forward "
+                    f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}) while the "
+                    "others were materialized" + (
+                        ": under PP, transformers' init_weights() / tie_weights() on the "
+                        "whole model ties a stage's head to an embedding this rank never "
+                        "materialized; recompute the buffers alone (pretrained."
+                        "_init_weights(rotary_emb)), the pipeline keeps the tie"
+                        if pp else ": materialize the whole model (model.to_empty(device="
+                        "...)) after graphopt.parallelize"))
         if ties:
             params = dict(model.named_parameters(remove_duplicate=False))
             untied = [names for names in ties if len({id(params.get(n)) for n in names}) > 1]
@@ -1362,6 +1389,25 @@ def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
 
     if ties or on_meta:
         _before_each_forward(model, check)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage bytes as a flat uint8 tensor (a copy): written values through
+    ``.data`` move no version counter."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def _recording_apply(apply: Callable[..., Any], module: nn.Module, keys: list[str],
+                     made: dict[tuple[int, str], tuple[torch.Tensor, int, torch.Tensor]],
+                     *args: Any, **kwargs: Any) -> Any:
+    """``module._apply`` that records each of its ``keys`` buffers the first time it leaves
+    the meta device (its tensor, version counter and bytes) in ``made``."""
+    out = apply(*args, **kwargs)
+    for key in keys:
+        buf = module._buffers.get(key)
+        if (id(module), key) not in made and buf is not None and not buf.is_meta:
+            made[(id(module), key)] = (buf, buf._version, _bytes_of(buf))
+    return out
 
 
 def _refuse_inference_mode_first(model: nn.Module) -> None:
