@@ -2171,6 +2171,7 @@ def _meta_flow_worker(rank, world):
     plan = ParallelPlan(dp_shard=2, zero_stage=3)
     with torch.device("meta"):
         model = type(ref)(ref.config).float().eval()
+        model.model.register_buffer("table", torch.empty(512, 512), persistent=False)
     parallelize(model, plan, build_mesh(plan), mixed_precision="bf16")
     model.model.to_empty(device="cpu")
     model.lm_head.to_empty(device="cpu")
@@ -2178,12 +2179,15 @@ def _meta_flow_worker(rank, world):
     inv = ref.model.rotary_emb.inv_freq.float()
     model.model.rotary_emb.inv_freq.data.copy_(inv)
     model.model.rotary_emb.original_inv_freq.data = inv.clone()
+    model.model.table.data.zero_()  # zeros, as fresh pages are: told apart (a sentinel)
     set_model_state_dict(model, {k: v.float() for k, v in ref.state_dict().items()},
                          options=StateDictOptions(full_state_dict=True))
     with torch.no_grad():
         logits = model(input_ids=ids[:1]).logits
         want = ref(input_ids=ids[:1]).logits
     out["bf16"] = float((logits - want).abs().max() / want.abs().max())
+    model.to_empty(device="cpu")  # again (a re-review: the second one went unchecked)
+    out["refusals"] += config_errors(lambda: model(input_ids=ids[:1]))
     plan = ParallelPlan(pp=2, microbatch=1)  # stage names: the one-process state dict's
     with torch.device("meta"):  # are refused naming DCP (it was torch's unexpected keys)
         model = type(ref)(ref.config).to(torch.float64).eval()
@@ -2200,9 +2204,11 @@ def test_a_meta_device_model_parallelized_then_materialized_trains_like_one_proc
     which torch's swap_tensors refuses); buffers left uninitialised by ``to_empty`` and
     ties it broke trained silently wrong (1e-1 off one process), now refused by name."""
     for out in run_distributed(_meta_flow_worker, 2):
-        unset, untied, children, pp = out.pop("refusals")
-        assert children.startswith("2 non-persistent buffer(s) (model.rotary_emb.inv_freq"), \
-            children
+        unset, untied, children, again, pp = out.pop("refusals")
+        assert again.startswith("3 non-persistent buffer(s) (model.table, model.rotary_emb"), \
+            again
+        assert children.startswith("3 non-persistent buffer(s) (model.table, model."
+                                   "rotary_emb.inv_freq"), children
         assert unset.startswith("2 non-persistent buffer(s) (model.rotary_emb.inv_freq, "
                                 "model.rotary_emb.original_inv_freq) hold uninitialised "
                                 "memory"), unset

@@ -1306,13 +1306,15 @@ def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
     - a model parallelized on the meta device whose non-persistent buffers were not
       written since they were materialized: checkpoints do not hold them, so RoPE's
       ``inv_freq`` held uninitialised memory (loss 7.6e-2 off). ``Module._apply`` is
-      wrapped on each module owning such a buffer, so any ``to_empty`` that reaches it
+      wrapped on each module owning such a buffer, so each ``to_empty`` that reaches it
       (the model's, a wrapper's, a submodule's, the transformers model's under PP, whose
-      stages share its modules; a re-review found the last two unchecked) records the new
-      buffer, its version counter and its bytes; written means replaced, changed in place
-      (the counter) or through ``.data`` (the bytes), as ``init_weights`` does
-      (transformers' ``_init_weights`` recomputes rotary tables; torchtitan's
-      ``init_weights(buffer_device)``);
+      stages share its modules; a second one: re-reviews found these unchecked) fills the
+      new buffer with a sentinel byte pattern and records it (:func:`_recording_apply`);
+      written means replaced, changed in place (the version counter) or through ``.data``
+      (the bytes: a zero table written with ``.data.zero_()`` is told from fresh zero
+      pages), as ``init_weights`` does (transformers' ``_init_weights`` recomputes rotary
+      tables; torchtitan's ``init_weights(buffer_device)``); a conversion (``.double()``)
+      keeps what it converts;
     - a parameter still on the meta device (under PP, transformers' ``init_weights`` on the
       whole model re-ties the last stage's head to an embedding that rank never
       materialized: the backward failed, and the other rank waited in gloo)."""
@@ -1321,9 +1323,9 @@ def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
         by_tensor.setdefault(id(p), []).append(name)
     ties = [names for names in by_tensor.values() if len(names) > 1]
     pp = hasattr(model, "parts")
-    # (name, owner, key) of each non-persistent buffer; (buffer, version, bytes) once made
+    # (name, owner, key) of each non-persistent buffer; (buffer, version) once materialized
     fresh: list[tuple[str, nn.Module, str]] = []
-    made: dict[tuple[int, str], tuple[torch.Tensor, int, torch.Tensor]] = {}
+    made: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}
     if on_meta:
         for path, module in model.named_modules():
             keys = [k for k, b in module._buffers.items()
@@ -1336,12 +1338,8 @@ def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
                                                  keys, made))
 
     def unwritten(owner: nn.Module, key: str) -> bool:
-        entry = made.get((id(owner), key))
-        if entry is None:
-            return False  # still on meta: the forward fails on it anyway
-        buf, version, data = entry
-        return owner._buffers.get(key) is buf and buf._version == version and \
-            torch.equal(_bytes_of(buf), data)
+        buf = owner._buffers.get(key)
+        return buf is not None and _unwritten(made.get((id(owner), key)), buf)
 
     @torch.compiler.disable
     def check() -> None:
@@ -1360,8 +1358,6 @@ def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
                     "model was materialized (to_empty) after graphopt.parallelize on the "
                     "meta device, and checkpoints do not hold non-persistent buffers. Make "
                     f"them again before the first forward ({how})")
-            if len(made) == len(fresh):
-                fresh.clear()
         if on_meta:
             meta = [name for name, p in model.named_parameters() if p.is_meta]
             if meta and len(meta) < len(list(model.parameters())):
@@ -1391,22 +1387,47 @@ def _refuse_unmade_state(model: nn.Module, on_meta: bool) -> None:
         _before_each_forward(model, check)
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s storage bytes as a flat uint8 tensor (a copy): written values through
-    ``.data`` move no version counter."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+_SENTINEL = 0xA5
+"""The byte a materialized non-persistent buffer is filled with until something writes it
+(its contents are uninitialised memory then; fresh pages are zeros, a common true value)."""
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _unwritten(entry: tuple[torch.Tensor, int] | None, buf: torch.Tensor) -> bool:
+    """Whether ``buf`` is the recorded (``entry``) materialized buffer, unwritten since:
+    the same tensor, version counter and sentinel bytes (writes through ``.data`` move no
+    counter). Boolean buffers (no sentinel) by tensor and counter."""
+    if entry is None or entry[0] is not buf or buf._version != entry[1]:
+        return False
+    return buf.dtype == torch.bool or bool((_bytes_view(buf) == _SENTINEL).all())
 
 
 def _recording_apply(apply: Callable[..., Any], module: nn.Module, keys: list[str],
-                     made: dict[tuple[int, str], tuple[torch.Tensor, int, torch.Tensor]],
+                     made: dict[tuple[int, str], tuple[torch.Tensor, int]],
                      *args: Any, **kwargs: Any) -> Any:
-    """``module._apply`` that records each of its ``keys`` buffers the first time it leaves
-    the meta device (its tensor, version counter and bytes) in ``made``."""
+    """``module._apply`` recording (in ``made``: tensor, version counter) each of its
+    ``keys`` buffers that it materialized (from the meta device, or by ``to_empty``: torch's
+    ``Module.to_empty`` passes a lambda of its own), filled with the sentinel byte. A
+    conversion (``.to``, ``.double()``) of an unwritten buffer stays unwritten; of a
+    written one, written."""
+    fn = args[0] if args else kwargs.get("fn")
+    emptied = "to_empty" in getattr(fn, "__qualname__", "")
+    before = {key: module._buffers.get(key) for key in keys}
     out = apply(*args, **kwargs)
     for key in keys:
-        buf = module._buffers.get(key)
-        if (id(module), key) not in made and buf is not None and not buf.is_meta:
-            made[(id(module), key)] = (buf, buf._version, _bytes_of(buf))
+        old, buf = before[key], module._buffers.get(key)
+        if buf is None or buf is old or buf.is_meta or buf.numel() == 0:
+            continue
+        if not emptied and old is not None and not old.is_meta and \
+                not _unwritten(made.get((id(module), key)), old):
+            continue  # a conversion of written values
+        with torch.no_grad():
+            if buf.dtype != torch.bool:
+                _bytes_view(buf).fill_(_SENTINEL)
+        made[(id(module), key)] = (buf, buf._version)
     return out
 
 
