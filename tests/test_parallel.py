@@ -1165,6 +1165,7 @@ def test_torch_compile_backend_refuses_the_parallel_option():
 def _golden_plan_worker(rank, world, model_name, plan_kwargs):
     """On torch's fake process group: the planner's plan applied to the real architecture
     (2 layers, meta device): mesh groups and local shapes."""
+    import graphopt.parallel.tp_layout as tp_layout
     from graphopt.models import build_architecture, resolve_model
     from graphopt.parallel import build_mesh, parallelize
 
@@ -1173,7 +1174,12 @@ def _golden_plan_worker(rank, world, model_name, plan_kwargs):
     model = build_architecture(resolve_model(model_name), overrides={"num_hidden_layers": 2},
                                dtype=torch.bfloat16)
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
-    parallelize(model, plan, mesh, sample=lambda: model(input_ids=ids, use_cache=False))
+    bound = tp_layout.PROBE_PARAMETERS
+    tp_layout.PROBE_PARAMETERS = 0  # shapes only here (the probe: tests/test_tp_layout.py)
+    try:
+        parallelize(model, plan, mesh, sample=lambda: model(input_ids=ids, use_cache=False))
+    finally:  # (a pooled worker process runs later tests)
+        tp_layout.PROBE_PARAMETERS = bound
     shapes = {n: (pl, s) for n, pl, s in model.graphopt_parallel.parameters}
     if plan.ep > 1:
         from graphopt.parallel.mesh import expert_mesh
