@@ -490,7 +490,12 @@ def experts_implementation(module: torch.nn.Module, kind: str,
     per-expert loop, "batched_mm", "grouped_mm"; transformers' ``set_experts_implementation``)
     where ``replace(current kind)``, set back after; yields whether any was switched. The
     outermost transformers model is switched (it sets its submodules'; a model without
-    experts keeps "eager")."""
+    experts keeps "eager"). The kinds compute the same function (transformers'
+    ``integrations/moe.py``): "batched_mm" gathers each token's expert weights (static
+    shapes, any dtype, a fake trace runs it); "eager" loops over the experts hit.
+
+    Raises:
+        ValueError: transformers' own, for a kind it does not know."""
     models: list[Any] = [
         m for m in module.modules() if hasattr(m, "set_experts_implementation") and
         replace(getattr(getattr(m, "config", None), "_experts_implementation", None)

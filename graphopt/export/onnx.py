@@ -54,7 +54,7 @@ from graphopt.kernels.lightning.minimax import (
     lightning_layers,
     minimax_lightning_layer,
 )
-from graphopt.models import eval_mode, rope_kinds, rope_state_kept
+from graphopt.models import eval_mode, experts_implementation, rope_kinds, rope_state_kept
 from graphopt.passes.fx_utils import attr_value
 from graphopt.report import CompileReport
 
@@ -765,7 +765,8 @@ def check_onnx(result: OnnxExport, rtol: float | None = None, atol: float | None
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 try:  # the same experts as transformers' per-expert loop (a review: a
                     # float32 hidden size grouped_mm refuses left no eager comparison)
-                    with torch.no_grad(), _eval_mode(module), _eager_experts(module) as swap:
+                    with torch.no_grad(), _eval_mode(module), experts_implementation(
+                            module, "eager", lambda kind: kind != "eager") as swap:
                         want = module(*inputs) if swap else None
                 except RuntimeError:
                     want = None
@@ -809,14 +810,6 @@ def _kept_positions(names: list[str], tensors: list[torch.Tensor]) -> torch.Tens
         if binary and not bool((x != 0).all()) and bool((x != 0).any()):
             return x != 0
     return None
-
-
-def _eager_experts(module: nn.Module) -> Any:
-    """The block with ``module``'s transformers MoE experts switched to their per-expert
-    loop ("eager", the same function), switched back after; yields whether any was not."""
-    from graphopt.models import experts_implementation
-
-    return experts_implementation(module, "eager", lambda kind: kind != "eager")
 
 
 @contextlib.contextmanager

@@ -140,7 +140,7 @@ def _with_values(tree: Any, gen: torch.Generator) -> Any:
         return torch.utils._pytree.tree_map_only(torch.Tensor, fill, tree)
 
 
-def materialized(module: nn.Module) -> nn.Module | None:
+def _materialized(module: nn.Module) -> nn.Module | None:
     """A CPU copy of the meta-device ``module`` with random values (seeded: weights
     N(0, 1/fan_in), 1-D parameters 1 + N(0, 0.01), buffers as :func:`_with_values`), its
     floating tensors in float64, for the value checks; None above ``PROBE_PARAMETERS``.
@@ -413,7 +413,7 @@ def _probe(layout: TPLayout, mixer: nn.Module, path: str, readers: list[str], wr
     ``layout.unchecked``."""
     if not any(p.is_meta for p in mixer.parameters()):
         return probe_mixer(mixer, path, readers, writer, call, tp)
-    real = materialized(mixer)
+    real = _materialized(mixer)
     if real is None:  # shapes only, on meta tensors outside the trace (in it, deep-copying
         # MiniMax's meta decay buffers failed: a re-review)
         layout.unchecked.append(path)
@@ -811,7 +811,7 @@ def _sequence_local(layout: TPLayout, modules: dict[str, nn.Module], recorder: _
     outside its mixers: under SP rank 1 labelled positions 8..15 as 0..7 (loss 2e-3 and
     every gradient up to 0.19 off, silently). The check is structural (float inputs as
     recorded, relative error 1e-6; 16-bit models 1e-2). A layer of a meta-device model
-    runs as a materialized copy with random values (:func:`materialized`), or not at all
+    runs as a materialized copy with random values (:func:`_materialized`), or not at all
     above ``PROBE_PARAMETERS`` (``layout.unchecked``)."""
     gathered = {**layout.mixers, **{p: site for p, (site, _) in layout.replicated.items()}}
     problems = []
@@ -823,7 +823,7 @@ def _sequence_local(layout: TPLayout, modules: dict[str, nn.Module], recorder: _
         returned = recorder.returned
         context: Any = contextlib.nullcontext()
         if any(p.is_meta for p in module.parameters()):
-            real = materialized(module)
+            real = _materialized(module)
             if real is None:
                 layout.unchecked.append(layer)
                 continue
