@@ -861,25 +861,57 @@ def test_auto_prices_mixed_precision_as_bf16_compute_over_float32_master_weights
         auto_plan(build_model("llama", dtype=torch.bfloat16), 2, job, "bf16")
 
 
-def test_auto_prices_frozen_parameters_without_gradients_or_optimizer_states():
+def test_auto_prices_frozen_parameters_without_gradients_or_optimizer_states(monkeypatch):
     """A review: parallel='auto' planned from the config alone, so a LoRA model's frozen base
     weights were priced with gradients and AdamW states (about 16 bytes per parameter
     where 2-4 are held)."""
     from graphopt.models import build_model
-    from graphopt.parallel.auto import auto_plan
+    from graphopt.parallel.auto import auto_plan, trained_gemm_share
+    from graphopt.planner import search as planner_search
 
     job = {"seq": 64, "global_batch": 4}
     model = build_model("llama")
     trained_plan, trained_notes = auto_plan(model, 2, job)
     for name, p in model.named_parameters():
         p.requires_grad_("norm" in name)
+    searched, search = [], planner_search.search
+    monkeypatch.setattr(planner_search, "search", lambda planned, *a, **kw:
+                        searched.append(planned) or search(planned, *a, **kw))
     plan, notes = auto_plan(model, 2, job)
+    assert {(m.trained_gemm, m.trained_experts) for m in searched} == {(0.0, 1.0)}
     share = [n for n in notes if "parameters train (requires_grad)" in n]
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert share and share[0].startswith(f"auto: {norms:,} of "), notes
     assert not any("parameters train" in n for n in trained_notes)
     states = [p.prediction.memory_parts["params+grads+optimizer"] for p in (plan, trained_plan)]
     assert states[0] < 0.4 * states[1]  # float32: 4 bytes per parameter, not 4 + 4 + 8(/dp)
+    # no weight-gradient GEMM runs (test_planner.py prices that at a size where GEMMs are
+    # compute-bound; this toy's are launch-bound)
+    assert trained_gemm_share(model) == 0.0
+    assert 0 < searched[0].trained < 0.01
+
+
+def test_trained_gemm_share_counts_the_gemm_weights_that_train():
+    """The share of weight-gradient GEMMs a partly frozen model runs: 2-D weights outside
+    the routed experts by elements, an input embedding left out unless it is the LM head."""
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import trained_gemm_share
+
+    for name in ("llama", "mixtral"):
+        model = build_model(name)
+        linears = {n: p for n, p in model.named_parameters()
+                   if p.dim() == 2 and "embed_tokens" not in n and ".experts." not in n}
+        assert trained_gemm_share(model) == 1.0
+        model.get_input_embeddings().weight.requires_grad_(False)  # a lookup: no GEMM
+        for n, p in model.named_parameters():
+            p.requires_grad_(".experts." in n or "q_proj" in n)  # the experts: their own
+        q = sum(p.numel() for n, p in linears.items() if "q_proj" in n)
+        assert trained_gemm_share(model) == pytest.approx(
+            q / sum(p.numel() for p in linears.values()), rel=1e-12)
+    tied = build_model("llama")
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # the head's GEMM: counted once
+    tied.model.embed_tokens.weight.requires_grad_(False)
+    assert 0 < trained_gemm_share(tied) < 1
 
 
 def test_auto_plans_a_subclass_of_a_transformers_model_as_its_base_class():

@@ -1561,3 +1561,61 @@ def test_master_weights_moe_layers_hold_their_weight_copies_per_microbatch():
     # FSDP2 over the experts and the layers (ZeRO-3): bf16 parameters, nothing copied
     assert activations(master, dp_shard=2, zero_stage=3) == pytest.approx(
         activations(pure, dp_shard=2, zero_stage=3), rel=1e-9)
+
+
+@pytest.mark.parametrize("name,fields", [
+    ("llama3-8b", {**SMALL, "num_hidden_layers": 1}),
+    ("llama3-8b", {**SMALL, "num_hidden_layers": 1, "tie_word_embeddings": True}),
+    ("gpt2", {"n_embd": 1024, "n_head": 16, "n_layer": 1, "vocab_size": 32000}),  # Conv1D
+    ("mixtral", {"hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 1,
+                 "num_attention_heads": 16, "num_key_value_heads": 16}),  # grouped_mm
+])
+def test_weight_gradient_gemms_are_the_gemm_time_frozen_weights_do_not_run(name, fields):
+    """LayerCost.weight_grad_s / expert_weight_grad_s, found in the trace by following each
+    parameter's gradient back to its GEMMs, equal what the trace loses when those weights
+    are frozen (requires_grad=False): the truth the planner's trained_gemm scales."""
+    from graphopt.models import build_architecture, resolve_model
+    from graphopt.planner.model import _measure
+
+    source = resolve_model(name)
+    model = build_architecture(source, torch.bfloat16, fields, seq=4096)
+    full = _measure(model, 4096, H100)
+    # a third of the linears' GEMM FLOPs (attention's are the rest of gemm_s)
+    assert full.weight_grad_s + full.expert_weight_grad_s > 0.2 * full.gemm_s
+    head = model.get_output_embeddings().weight
+    lookup = model.get_input_embeddings().weight
+    for experts in (False, True):
+        for pname, p in model.named_parameters():
+            p.requires_grad_(not (p.dim() >= 2 and (p is not lookup or p is head) and
+                                  (".experts." in pname) == experts))
+        frozen = _measure(model, 4096, H100)
+        lost = full.expert_weight_grad_s if experts else full.weight_grad_s
+        assert full.gemm_s - frozen.gemm_s == pytest.approx(lost, rel=1e-6), experts
+        assert (frozen.expert_weight_grad_s if experts else frozen.weight_grad_s) == 0
+        assert (lost > 0) == (not experts or name == "mixtral"), experts
+
+
+def test_frozen_weights_leave_their_weight_gradient_gemms_out_of_the_step():
+    """A LoRA run (base weights frozen) was priced with every weight-gradient GEMM (a third
+    of the layers' GEMM time too much). trained_gemm scales weight_grad_s out of the
+    compute; a recomputed layer still reruns its full forward."""
+    from graphopt.planner.perf import _gemm_factor
+
+    full = plan_model("llama3-8b", 4096, H100, overrides=SMALL)
+    eff, table = H100.device.matmul_efficiency, H100.device.gemm_table
+    for plan in (ParallelPlan(dp_replicate=8), ParallelPlan(dp_shard=8, zero_stage=3,
+                                                            recompute_layers=24),
+                 ParallelPlan(tp=2, dp_replicate=4)):
+        compute = {}
+        for share in (1.0, 0.5, 0.0):
+            pred = evaluate(plan, dataclasses.replace(full, trained_gemm=share), H100, 64,
+                            dp_overlap=False)
+            compute[share] = pred.compute_s
+        # microbatches per rank x seconds skipped per sequence (at the layer's GEMM-shape
+        # efficiency), split over TP
+        skipped = 64 // plan.dp * (
+            full.layers * full.dense.weight_grad_s * _gemm_factor(full.dense, plan, table) +
+            full.head.weight_grad_s * _gemm_factor(full.head, plan, table)) / eff / plan.tp
+        assert skipped > 0.08 * compute[1.0]  # attention and memory-bound ops: the rest
+        assert compute[1.0] - compute[0.0] == pytest.approx(skipped, rel=1e-6), plan
+        assert compute[1.0] - compute[0.5] == pytest.approx(skipped / 2, rel=1e-6), plan

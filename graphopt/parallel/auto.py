@@ -56,6 +56,24 @@ def tied_embeddings(config: Any, model: nn.Module | None = None) -> bool:
         getattr(inputs, "weight", None) is getattr(outputs, "weight", 0)
 
 
+def trained_gemm_share(model: nn.Module) -> float:
+    """:attr:`graphopt.planner.model.PlanModel.trained_gemm` of ``model``: the share, by
+    elements, of its GEMM weights outside the routed experts (2-D parameters other than an
+    ``nn.Embedding``'s, unless it is the LM head's too) that have ``requires_grad``. 1.0
+    when it has none."""
+    outputs = getattr(model, "get_output_embeddings", lambda: None)()
+    head = getattr(outputs, "weight", None)
+    lookups = {id(m.weight) for m in model.modules()
+               if isinstance(m, nn.Embedding) and m.weight is not head}
+    trained = total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name or p.dim() != 2 or id(p) in lookups:
+            continue
+        total += p.numel()
+        trained += p.numel() * p.requires_grad
+    return trained / total if total else 1.0
+
+
 def not_executable(plan: ParallelPlan, global_batch: int | None = None,
                    config: Any = None, model: nn.Module | None = None,
                    seq: int | None = None) -> str:
@@ -327,7 +345,8 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
                                 for e in (False, True))
     planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False,
                                   tied_embeddings=tied_embeddings(config, model),
-                                  trained=trained, trained_experts=trained_experts)
+                                  trained=trained, trained_experts=trained_experts,
+                                  trained_gemm=trained_gemm_share(model))
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
 
     def why_not(plan: ParallelPlan) -> str:
@@ -367,8 +386,7 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
         notes.append(f"auto: {counts[False][0] + counts[True][0]:,} of "
                      f"{counts[False][1] + counts[True][1]:,} parameters train "
                      "(requires_grad); the frozen ones are priced without gradients, optimizer "
-                     "states or their reduction, but the step time still counts their "
-                     "weight-gradient GEMMs (up to a third of a layer's GEMM time too much)")
+                     "states, their reduction or their weight-gradient GEMMs")
     if master:
         notes.append("auto: priced as mixed precision (float32 master weights, bfloat16 "
                      "compute under torch.autocast)" + (

@@ -73,6 +73,14 @@ class LayerCost:
     the parameters that ``torch.autocast`` makes and autograd keeps (:attr:`PlanModel.
     master_weights`; 0 otherwise). They do not grow with the tokens of a microbatch; each
     microbatch in flight holds its own."""
+    weight_grad_s: float = 0.0
+    """Of ``gemm_s``: the weight-gradient GEMMs of parameters other than routed experts
+    (:func:`weight_gradient_gemms`; compute-bound ones, as ``gemm_s``), which a frozen
+    weight does not compute (:attr:`PlanModel.trained_gemm`): a third of a linear layer's
+    GEMM FLOPs."""
+    expert_weight_grad_s: float = 0.0
+    """Of ``gemm_s``: the routed experts' weight-gradient GEMMs
+    (:attr:`PlanModel.trained_experts`)."""
     gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
     """The 2-D GEMMs (``mm``/``addmm``) inside ``gemm_s`` whose shape is known per rank:
     (token dimension, dimension TP splits, dimension kept whole, seconds of its FLOPs at
@@ -135,7 +143,14 @@ class PlanModel:
     the others hold no gradient and no optimizer state and are not reduced
     (``parallel="auto"`` reads it off the model: frozen base weights under LoRA)."""
     trained_experts: float = 1.0
-    """The same share for the routed experts' parameters."""
+    """The same share for the routed experts' parameters (and of their weight-gradient
+    GEMMs, :attr:`LayerCost.expert_weight_grad_s`)."""
+    trained_gemm: float = 1.0
+    """Share of the GEMM weights other than routed experts (2-D parameters that are not
+    input embeddings, the LM head included) that train, by elements: the share of
+    :attr:`LayerCost.weight_grad_s` the backward computes (a weight-gradient GEMM's FLOPs
+    are 2 x tokens x the weight's elements). LoRA's frozen base weights: about 0; a frozen
+    embedding alone: 1 (its backward is a scatter-add, not a GEMM)."""
     master_weights: bool = False
     """float32 parameters, gradients and reductions computed in ``dtype_bytes`` under
     ``torch.autocast`` (``graphopt.parallelize(..., mixed_precision="bf16")``, torchtitan's
@@ -587,11 +602,56 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile,
             rec_cost.nodes = [c for c in rec_cost.nodes if c.name in rec]
             selective = (float(saved_for_backward(sac)),
                          *tp_split_times(sac, rec_cost, hidden))
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    grad_gemms = weight_gradient_gemms(gm, trained)
+    compute = {c.name: float(c.time_s) for c in cost.nodes if c.bound == "compute"}
+    wgrad = {True: 0.0, False: 0.0}  # by "is a routed expert"
+    for name, gemms in grad_gemms.items():
+        wgrad[".experts." in name] += sum(compute.get(g, 0.0) for g in gemms)
     return LayerCost(gemm, split, repl, float(cost.flops), float(saved_for_backward(gm)),
                      float(total - experts), float(experts), float(cost.peak_s), *selective,
                      cast_bytes=float(parameter_casts_saved(gm, len(dict(
                          model.named_parameters())))) if autocast is not None else 0.0,
-                     gemm_shapes=gemm_shapes(gm, cost, seq, hidden))
+                     gemm_shapes=gemm_shapes(gm, cost, seq, hidden),
+                     weight_grad_s=wgrad[False], expert_weight_grad_s=wgrad[True])
+
+
+_GEMMS = ("mm.default", "addmm.default", "bmm.default", "_grouped_mm.default")
+_PASS_THROUGH = ("t.default", "transpose.int", "permute.default", "view.default",
+                 "_unsafe_view.default", "reshape.default", "clone.default",
+                 "_to_copy.default", "add.Tensor", "squeeze.dim", "unsqueeze.default",
+                 "expand.default", "contiguous.default", "alias.default")
+
+
+def weight_gradient_gemms(gm: torch.fx.GraphModule, names: list[str]) -> dict[str, set[str]]:
+    """For each trainable parameter of a :func:`graphopt.cost.estimate.trace_step` graph
+    (``names``: the model's ``requires_grad`` parameters in ``named_parameters`` order, as
+    the trace returns their gradients after the loss), the GEMM nodes (``mm``, ``addmm``,
+    ``bmm``, ``_grouped_mm``) whose output becomes its gradient through layout, cast and
+    accumulation ops only (``t``, views, ``add`` of a tied weight's contributions). An
+    embedding's gradient (``embedding_dense_backward``) and a bias's (``sum``) have none.
+    Source: the backward of ``Y = X W^T`` is ``dX = dY W`` and ``dW = dY^T X``
+    (the weight-gradient GEMM, Narayanan et al. SC'21 Sec. 3.1's 2 x forward FLOPs split as
+    one GEMM each)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = torch.utils._pytree.tree_leaves(out.args)[1:]  # after the loss
+    found: dict[str, set[str]] = {}
+    for name, grad in zip(names, grads):
+        gemms: set[str] = set()
+        stack, seen = [grad], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, torch.fx.Node) or node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            target = str(getattr(node.target, "_overloadname", ""))
+            op = f"{getattr(node.target, '_opname', '')}.{target}"
+            if op in _GEMMS:
+                gemms.add(node.name)
+            elif op in _PASS_THROUGH:
+                stack.extend(a for a in node.args if isinstance(a, torch.fx.Node))
+        found[name] = gemms
+    return found
 
 
 def gemm_shapes(gm: torch.fx.GraphModule, cost: Any, tokens: int, hidden: int

@@ -11,7 +11,9 @@ memory (even stages: the first, second and last are priced; uneven: all):
              under selective checkpointing); MoE layers likewise (experts' grouped GEMMs);
              the LM head + loss on the last stage; g >= 1 prices the layer's GEMMs at
              their per-rank shapes on a profile with a GEMM-shape table (_gemm_factor),
-             else 1
+             else 1; frozen weights' weight-gradient GEMMs (traced, LayerCost.weight_grad_s)
+             are left out of gemm (PlanModel.trained_gemm / trained_experts), the 4/3 of a
+             recomputed layer stays its fully trained forward
     TP       4 all-reduces (or all-gather + reduce-scatter with SP) of mb*s/cp*h per layer,
              6 with recomputation (Megatron-LM SC'21 sec. 3) or with selective
              checkpointing under SP (the forward's all-gathers are recomputed)
@@ -71,7 +73,8 @@ memory (even stages: the first, second and last are priced; uneven: all):
              replicate holding 16-bit unsharded parameters too, the layers it holds priced
              as the 16-bit model, the others under autocast with its 16-bit weight copies
              held per microbatch in flight; frozen parameters (PlanModel.trained) with
-             no gradient or optimizer state; ZeRO over
+             no gradient or optimizer state (and no weight-gradient GEMMs in the compute:
+             PlanModel.trained_gemm); ZeRO over
              dp_shard x cp, the experts' over edp_shard; under pp > 1 with ZeRO-2/3 the
              stage's gradients unsharded (float32 under mixed precision: FSDP2 accumulates
              them in its reduce dtype) and ZeRO-3's parameters gathered as well: torch's
@@ -401,9 +404,18 @@ def _split_time(gemm_s: float, split_s: float, replicated_s: float, plan: Parall
 
 
 def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int,
-                table: str = "") -> float:
-    return _split_time(cost.gemm_s * _gemm_factor(cost, plan, table), cost.split_s,
-                       cost.replicated_s, plan, eff, mb)
+                table: str = "", frozen_s: float = 0.0) -> float:
+    """One layer's forward + backward; ``frozen_s``: seconds of ``cost.gemm_s`` not run
+    (:func:`_frozen_gemm_s`), at the layer's mean shape efficiency."""
+    return _split_time((cost.gemm_s - frozen_s) * _gemm_factor(cost, plan, table),
+                       cost.split_s, cost.replicated_s, plan, eff, mb)
+
+
+def _frozen_gemm_s(cost: LayerCost, model: PlanModel) -> float:
+    """Seconds of ``cost.gemm_s`` that frozen weights do not compute: their weight-gradient
+    GEMMs (:attr:`PlanModel.trained_gemm`, :attr:`PlanModel.trained_experts`)."""
+    return (1 - model.trained_gemm) * cost.weight_grad_s + \
+        (1 - model.trained_experts) * cost.expert_weight_grad_s
 
 
 def _selective_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int,
@@ -480,11 +492,19 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
     mb, pp = plan.microbatch, plan.pp
     dense_share = model.dense_layers / max(model.layers, 1)
     sizes, picks = _stages(plan, model.layers)
-    t_dense = _layer_time(model.dense, plan, eff, mb, table)
-    t_moe = _layer_time(model.moe, plan, eff, mb, table) if model.moe else 0.0
+    # a full recomputation reruns a third of the layer as it is with every weight trained
+    # (the forward), also where frozen weights skip their weight-gradient GEMMs
+    fwd_dense = _layer_time(model.dense, plan, eff, mb, table) / 3
+    fwd_moe = _layer_time(model.moe, plan, eff, mb, table) / 3 if model.moe else 0.0
+    t_dense = _layer_time(model.dense, plan, eff, mb, table,
+                          _frozen_gemm_s(model.dense, model))
+    t_moe = _layer_time(model.moe, plan, eff, mb, table,
+                        _frozen_gemm_s(model.moe, model)) if model.moe else 0.0
     head = model.head
-    t_head = _layer_time(head, plan, eff, mb, table) if _head_split(model) else \
-        (head.gemm_s / eff + head.split_s + head.replicated_s) * mb / plan.cp
+    head_frozen = _frozen_gemm_s(head, model)
+    t_head = _layer_time(head, plan, eff, mb, table, head_frozen) if _head_split(model) \
+        else ((head.gemm_s - head_frozen) / eff + head.split_s + head.replicated_s) * mb / \
+        plan.cp
     sel_dense = sel_moe = 0.0
     if plan.selective_recompute:
         sel_dense = _selective_time(model.dense, plan, eff, mb, table)
@@ -496,7 +516,8 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
         dense_n, moe_n = n * dense_share, n * (1 - dense_share)
         rec = min(plan.recompute_layers, n)
         rec_share = rec / max(n, 1)
-        t = (dense_n * t_dense + moe_n * t_moe) * (1 + rec_share / 3)
+        t = dense_n * t_dense + moe_n * t_moe + rec_share * (dense_n * fwd_dense +
+                                                               moe_n * fwd_moe)
         t += (dense_n * sel_dense + moe_n * sel_moe) * (1 - rec_share)
         if pp == 1:
             t += t_head
