@@ -78,8 +78,9 @@ def report_or_make_causal(sites: list[fx.Node], ctx: PassContext, env: dict[fx.N
             mask_to_is_causal(node, env, outer)
         if why is None:
             ctx.record("rewritten", site_name(node), "softmax attention kept; its causal mask "
-                       "(built from constants and input sizes only) -> is_causal=True (exact; "
-                       "the S x S mask is no longer built)")
+                       "(built from constants, input sizes and module buffers, whose values "
+                       "at compile time are guarded) -> is_causal=True (exact; the S x S mask "
+                       "is no longer built)")
             modified = True
         else:
             ctx.record("kept", site_name(node), f"softmax attention (attention='{mode}')"
