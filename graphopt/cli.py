@@ -227,7 +227,7 @@ def export(
     except (graphopt.GraphoptError, ImportError) as exc:
         _fail(str(exc))
     _print_reports([result.report], sites=10, more=(
-        f"all are in {dump_dir}/graph_*/report.md" if dump_dir is not None else
+        f"all are in {dump_dir}/export/report.md" if dump_dir is not None else
         "export with --dump-dir DIR to write them all to report.md"))
     table = Table(title=f"{model} -> {onnx}")
     for col in ("what", "how"):
@@ -385,7 +385,7 @@ def estimate(
 
     from graphopt.cost import estimate as run
     from graphopt.errors import GraphoptError
-    from graphopt.models import build_architecture, resolve_model
+    from graphopt.models import build_architecture, model_config, resolve_model
 
     dtypes = (*_DTYPES, "float16")  # every profile lists a float16 rate (a review)
     if dtype not in dtypes:
@@ -410,6 +410,7 @@ def estimate(
                   f"{' and gradients' if train else ''} "
                   f"{est.activation_bytes / 2**20:.1f}; one device, no optimizer states: "
                   "`graphopt plan` adds them and the sharding)")
+    _positions_note(model_config(source, overrides), [seq])  # (the built one is extended)
     capacity = est.profile.device.memory_bytes
     if train and capacity and est.peak_bytes > capacity:
         console.print(f"[yellow]does not fit one {escape(est.profile.device.name)} "

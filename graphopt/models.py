@@ -390,6 +390,16 @@ def check_sizes(cfg: Any) -> None:
                           f"{window!r}; fix the config or the override")
 
 
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence a transformers model takes (None when its config does not say)."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def build_architecture(source: ModelSource, dtype: torch.dtype = torch.float32,
                        overrides: Mapping[str, Any] | None = None, *, seq: int | None = None,
                        attn_implementation: str = "sdpa") -> torch.nn.Module:

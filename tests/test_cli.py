@@ -334,6 +334,30 @@ def test_plan_says_when_it_extends_a_learned_position_table(extra, noted):
         assert f"{noted} was priced with it extended" in text, text
 
 
+def test_estimate_says_when_it_extends_a_learned_position_table():
+    """plan said so; estimate priced the longer table without a word (a review)."""
+    for seq, noted in (("300", True), ("256", False)):
+        result = runner.invoke(app, ["estimate", "--model", "gpt2", "--seq", seq, "--top",
+                                     "0"], terminal_width=400)
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.split())
+        assert (f"seq {seq} was priced with it extended" in text) == noted, text
+
+
+def test_demo_refuses_a_sequence_longer_than_the_position_table():
+    """`demo --model gpt2 --seq 257` (256 learned positions) ended in Dynamo's traceback and
+    an IndexError (a review); a RoPE model's nominal length is not a limit."""
+    from graphopt.demo import run_demo
+
+    result = runner.invoke(app, ["demo", "--model", "gpt2", "--seq", "257"],
+                           terminal_width=400)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in text, text
+    assert "seq 257 is longer than gpt2's learned position table (256 positions" in text, text
+    assert "use seq <= 256" in text
+    assert run_demo("llama", "eager", torch.float32, 1, 260, None, verify=False).ok  # RoPE
+
+
 def test_explain_leaves_discarded_graphs_out_of_the_totals(tmp_path):
     """A graph Dynamo restarts (changing Dropout.p: TensorifyScalarRestartAnalysis) never
     runs; its rewrites were added to the per-pass totals and its verify column said "off"

@@ -281,6 +281,23 @@ def test_cli_exports_mixtral_in_the_dense_form(tmp_path: Path) -> None:
     assert "MatMul" in _op_types(out) and "NonZero" not in _op_types(out)
 
 
+def test_cli_export_points_to_the_report_it_dumped(tmp_path: Path) -> None:
+    """--dump-dir D said the other sites were in D/graph_*/report.md, which does not exist
+    (a review): the export's report is D/export/report.md."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    result = CliRunner().invoke(app, ["export", "--model", "llama", "--onnx",
+                                      str(tmp_path / "l.onnx"), "--no-check", "--seq", "8",
+                                      "--dump-dir", str(tmp_path / "d")], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    (hint,) = re.findall(r"all are in (\S+report\.md)", result.output)
+    assert Path(hint).is_file(), (hint, result.output)
+
+
 def test_cli_refuses_a_moe_form_for_a_dense_model(tmp_path: Path) -> None:
     """--moe-form on a model without experts did nothing, silently (a review)."""
     from typer.testing import CliRunner

@@ -908,10 +908,39 @@ def test_trained_gemm_share_counts_the_gemm_weights_that_train():
         q = sum(p.numel() for n, p in linears.items() if "q_proj" in n)
         assert trained_gemm_share(model) == pytest.approx(
             q / sum(p.numel() for p in linears.values()), rel=1e-12)
+        experts = [p for n, p in model.named_parameters() if ".experts." in n]
+        assert trained_gemm_share(model, experts=True) == 1.0  # (none: 1.0 too)
+        if experts:
+            experts[0].requires_grad_(False)
+            assert trained_gemm_share(model, experts=True) == pytest.approx(
+                1 - experts[0].numel() / sum(p.numel() for p in experts), rel=1e-12)
     tied = build_model("llama")
     tied.lm_head.weight = tied.model.embed_tokens.weight  # the head's GEMM: counted once
     tied.model.embed_tokens.weight.requires_grad_(False)
     assert 0 < trained_gemm_share(tied) < 1
+
+
+def test_frozen_prefix_layers_are_the_first_layers_frozen_with_what_comes_before():
+    """PlanModel.frozen_prefix off a model: the first decoder layers with nothing to train,
+    counted only when nothing registered before them trains (a trained embedding, or a
+    head tied to it, differentiates through every layer)."""
+    from graphopt.models import build_model
+    from graphopt.parallel.auto import frozen_prefix_layers, trained_gemm_share
+
+    model = build_model("llama")  # 2 decoder layers
+    assert frozen_prefix_layers(model) == 0
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith(("model.embed_tokens.", "model.layers.0.")))
+    assert frozen_prefix_layers(model) == 1
+    # the prefix's weights are priced apart: the share is the other layers' (all trained)
+    assert trained_gemm_share(model, 1) == 1.0 and trained_gemm_share(model) < 1.0
+    model.model.embed_tokens.weight.requires_grad_(True)
+    assert frozen_prefix_layers(model) == 0
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, frozen: still a prefix
+    assert frozen_prefix_layers(model) == 1
+    model.lm_head.weight.requires_grad_(True)  # the tied pair trains: no prefix
+    assert frozen_prefix_layers(model) == 0
 
 
 def test_auto_plans_a_subclass_of_a_transformers_model_as_its_base_class():

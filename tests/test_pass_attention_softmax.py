@@ -531,8 +531,8 @@ class _WindowSDPA(torch.nn.Module):
     ("buffer", "at input sizes length 49"), ("float", "at input sizes length 49"),
     ("table", "at size-dependent positions (a table)"),
     ("sum", "not the causal (lower-triangular) mask: a sliding window of 81 positions "
-            "(shorter than the sequence, 82); Lightning Attention attends to the whole "
-            "prefix (at input sizes length 82"),
+            "(shorter than the sequence, 82); is_causal and Lightning Attention both "
+            "attend to the whole prefix (at input sizes length 82"),
     ("scaled", "sizes length 49")])
 def test_a_window_held_in_a_buffer_or_a_float_is_not_taken_for_causal(window, reason):
     """Found by a review of the ONNX export: the mask proof probed past integer scalar
@@ -634,8 +634,8 @@ class _HostileMask(torch.nn.Module):
     ("index_clamp", "lengths past 256 are not all probed"),
     ("table_slice", "at size-dependent positions (a table)"),
     ("ones_of_window", "not the causal (lower-triangular) mask: a sliding window of 1 "
-                       "position (shorter than the sequence, 2); Lightning Attention attends "
-                       "to the whole prefix (at input sizes length"),
+                       "position (shorter than the sequence, 2); is_causal and Lightning "
+                       "Attention both attend to the whole prefix (at input sizes length"),
     ("bf16_fill", "computes full in torch.bfloat16"),
     ("overflow_fill", "2**31 or more in aten.full_like")])
 def test_masks_causal_only_at_the_probed_lengths_are_kept(kind, reason):

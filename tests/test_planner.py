@@ -832,6 +832,12 @@ def test_a_plan_file_of_graphopt_plan_loads_any_ranked_plan(tmp_path):
                                 * 2}))
     with pytest.raises(ConfigError, match=r"none of the 2 plans .*\(CP with PP is not executed\)"):
         ParallelPlan.load(path)
+    # a hand-edited list of the wrong type or length (a review: "abc" was read letter by
+    # letter, and a short list made the plan without an entry count as not executed)
+    for bad in ("abc", ["x"], ["", 3]):
+        path.write_text(json.dumps({"plans": plans, "not_executed": bad}))
+        with pytest.raises(ConfigError, match="'not_executed' must list one string per plan"):
+            ParallelPlan.load(path)
 
 
 def test_cli_plan_json_holds_the_best_executed_plan_and_bad_flag_mixes_are_refused(tmp_path):
@@ -1619,3 +1625,40 @@ def test_frozen_weights_leave_their_weight_gradient_gemms_out_of_the_step():
         assert skipped > 0.08 * compute[1.0]  # attention and memory-bound ops: the rest
         assert compute[1.0] - compute[0.0] == pytest.approx(skipped, rel=1e-6), plan
         assert compute[1.0] - compute[0.5] == pytest.approx(skipped / 2, rel=1e-6), plan
+
+
+def test_a_frozen_prefix_runs_its_forward_only_and_keeps_no_activations():
+    """Layers frozen with everything before them run no backward and autograd keeps
+    nothing for them; they were priced as trained layers (step time and activations).
+    PlanModel.frozen_prefix prices them as their forward; under PP the stage holding them
+    is lighter and the slowest stage is the next."""
+    full = plan_model("llama3-8b", 4096, H100, overrides=SMALL)  # 24 layers
+    frozen = dataclasses.replace(full, frozen_prefix=6.0)
+    layer = full.dense
+
+    def run(plan, model, batch=16):
+        return evaluate(plan, model, H100, batch, dp_overlap=False)
+
+    plan = ParallelPlan(dp_replicate=8)
+    a, b = run(plan, full), run(plan, frozen)
+    # one trained layer's forward + backward per rank (the model one layer shorter)
+    one = a.compute_s - run(plan, dataclasses.replace(full, dense_layers=23)).compute_s
+    assert a.compute_s - b.compute_s == pytest.approx(6 * one * 2 / 3, rel=1e-6)
+    saved = a.memory_parts["activations"] - b.memory_parts["activations"]
+    assert saved == pytest.approx(6 * layer.activation_bytes, rel=1e-6)
+    # recompute_layers: the executor's first slots go to the frozen layers (not checkpointed)
+    rec = ParallelPlan(dp_replicate=8, recompute_layers=8)
+    assert run(rec, frozen).compute_s == pytest.approx(
+        b.compute_s + 2 * one / 3, rel=1e-6)  # 2 trained layers rerun their forward
+    # PP: the first stage holds the frozen layers and gets lighter, the slot stays the
+    # last stage's (the LM head); the fullest stage was the first (two microbatches in
+    # flight under 1F1B), now the last, with one
+    pp = ParallelPlan(pp=2, dp_replicate=4)
+    whole = dataclasses.replace(full, frozen_prefix=12.0)  # all of stage 0
+    p_full, p_frozen = run(pp, full, 32), run(pp, whole, 32)
+    assert p_frozen.compute_s == pytest.approx(p_full.compute_s, rel=1e-12)
+    assert p_frozen.memory_parts["activations"] < 0.7 * p_full.memory_parts["activations"]
+    # stages of 18 and 6 layers, 12 frozen: the first stage becomes the lighter one
+    uneven = ParallelPlan(pp=2, dp_replicate=4, stage_layers=(18, 6))
+    u_full, u_frozen = run(uneven, full, 32), run(uneven, whole, 32)
+    assert u_frozen.compute_s < u_full.compute_s

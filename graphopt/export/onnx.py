@@ -54,7 +54,13 @@ from graphopt.kernels.lightning.minimax import (
     lightning_layers,
     minimax_lightning_layer,
 )
-from graphopt.models import eval_mode, experts_implementation, rope_kinds, rope_state_kept
+from graphopt.models import (
+    eval_mode,
+    experts_implementation,
+    max_positions,
+    rope_kinds,
+    rope_state_kept,
+)
 from graphopt.passes.fx_utils import attr_value
 from graphopt.report import CompileReport
 
@@ -406,16 +412,6 @@ def _refuse_outputs_that_are_not_tensors(exported: Any) -> None:
                               "drop it")
 
 
-def max_positions(model: nn.Module) -> int | None:
-    """The longest sequence a transformers model takes (None when its config does not say)."""
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _axes(names: list[str], shapes: Any) -> dict[str, dict[int, str]]:
     if shapes is None:
         return {name: {} for name in names}
@@ -463,7 +459,8 @@ def _torch_export(module: nn.Module, args: tuple, shapes: Any, config: GraphoptC
         if loops and not replaced and "Constraints violated" in str(exc):
             hint = (" A Python loop over the sequence (MiniMax's lightning-attention blocks) "
                     "specializes the sequence axis: use options={'attention': 'exact'} (graphopt "
-                    "replaces the loop; not with 'attention' disabled) or dynamic=False.")
+                    "replaces the loop; not with 'attention' disabled; `graphopt export "
+                    "--attention exact`) or dynamic=False (`--static`).")
         # torch's own explanation and suggested fix follow its first line: keep them
         detail = "\n".join(str(exc).splitlines()[:12])
         raise ExportError(f"torch.export could not keep the requested dynamic axes: "

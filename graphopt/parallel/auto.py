@@ -56,18 +56,51 @@ def tied_embeddings(config: Any, model: nn.Module | None = None) -> bool:
         getattr(inputs, "weight", None) is getattr(outputs, "weight", 0)
 
 
-def trained_gemm_share(model: nn.Module) -> float:
+def frozen_prefix_layers(model: nn.Module) -> int:
+    """:attr:`graphopt.planner.model.PlanModel.frozen_prefix` of ``model``: how many of its
+    first decoder layers (:func:`graphopt.parallel.apply.decoder_layers`) hold no parameter
+    with ``requires_grad``, when no parameter registered before the first layer (the
+    input embedding, a position table, an input projection) has it either; else 0."""
+    from graphopt.parallel.apply import decoder_layers
+
+    layers = decoder_layers(model)
+    if not layers:
+        return 0
+    first = {id(p) for p in layers[0].parameters()}
+    for p in model.parameters():
+        if id(p) in first:
+            break
+        if p.requires_grad:
+            return 0
+    count = 0
+    for layer in layers:
+        if any(p.requires_grad for p in layer.parameters()):
+            break
+        count += 1
+    return count
+
+
+def trained_gemm_share(model: nn.Module, skip_layers: int = 0, experts: bool = False
+                       ) -> float:
     """:attr:`graphopt.planner.model.PlanModel.trained_gemm` of ``model``: the share, by
     elements, of its GEMM weights outside the routed experts (2-D parameters other than an
-    ``nn.Embedding``'s, unless it is the LM head's too) that have ``requires_grad``. 1.0
-    when it has none."""
+    ``nn.Embedding``'s, unless it is the LM head's too) that have ``requires_grad``, the
+    first ``skip_layers`` decoder layers left out (:func:`frozen_prefix_layers`, priced
+    apart); with ``experts`` the same share of the routed experts' parameters
+    (:attr:`~graphopt.planner.model.PlanModel.trained_expert_gemm`). 1.0 when there are
+    none."""
+    from graphopt.parallel.apply import decoder_layers
+
     outputs = getattr(model, "get_output_embeddings", lambda: None)()
     head = getattr(outputs, "weight", None)
     lookups = {id(m.weight) for m in model.modules()
                if isinstance(m, nn.Embedding) and m.weight is not head}
+    lookups |= {id(p) for layer in decoder_layers(model)[:skip_layers]
+                for p in layer.parameters()}
     trained = total = 0
     for name, p in model.named_parameters():
-        if ".experts." in name or p.dim() != 2 or id(p) in lookups:
+        if id(p) in lookups or (".experts." in name) != experts or \
+                (not experts and p.dim() != 2):
             continue
         total += p.numel()
         trained += p.numel() * p.requires_grad
@@ -343,10 +376,13 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
         count[1] += p.numel()
     trained, trained_experts = (counts[e][0] / counts[e][1] if counts[e][1] else 1.0
                                 for e in (False, True))
+    prefix = frozen_prefix_layers(model)
     planned = dataclasses.replace(planned, name=type(model).__name__, tied_head_tp=False,
                                   tied_embeddings=tied_embeddings(config, model),
                                   trained=trained, trained_experts=trained_experts,
-                                  trained_gemm=trained_gemm_share(model))
+                                  frozen_prefix=float(prefix),
+                                  trained_gemm=trained_gemm_share(model, prefix),
+                                  trained_expert_gemm=trained_gemm_share(model, prefix, True))
     result = search(planned, profile, world, int(spec["global_batch"]), top_k=200)
 
     def why_not(plan: ParallelPlan) -> str:
@@ -386,7 +422,10 @@ def auto_plan(model: nn.Module, world: int, cluster: Any = None,
         notes.append(f"auto: {counts[False][0] + counts[True][0]:,} of "
                      f"{counts[False][1] + counts[True][1]:,} parameters train "
                      "(requires_grad); the frozen ones are priced without gradients, optimizer "
-                     "states, their reduction or their weight-gradient GEMMs")
+                     "states, their reduction or their weight-gradient GEMMs" + (
+                         f"; the first {prefix} decoder layers, frozen with everything "
+                         "before them, as their forward only (no backward, no saved "
+                         "activations)" if prefix else ""))
     if master:
         notes.append("auto: priced as mixed precision (float32 master weights, bfloat16 "
                      "compute under torch.autocast)" + (

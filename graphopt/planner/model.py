@@ -80,7 +80,7 @@ class LayerCost:
     GEMM FLOPs."""
     expert_weight_grad_s: float = 0.0
     """Of ``gemm_s``: the routed experts' weight-gradient GEMMs
-    (:attr:`PlanModel.trained_experts`)."""
+    (:attr:`PlanModel.trained_expert_gemm`)."""
     gemm_shapes: tuple[tuple[int, int, int, float], ...] = ()
     """The 2-D GEMMs (``mm``/``addmm``) inside ``gemm_s`` whose shape is known per rank:
     (token dimension, dimension TP splits, dimension kept whole, seconds of its FLOPs at
@@ -143,14 +143,25 @@ class PlanModel:
     the others hold no gradient and no optimizer state and are not reduced
     (``parallel="auto"`` reads it off the model: frozen base weights under LoRA)."""
     trained_experts: float = 1.0
-    """The same share for the routed experts' parameters (and of their weight-gradient
-    GEMMs, :attr:`LayerCost.expert_weight_grad_s`)."""
+    """The same share for the routed experts' parameters."""
     trained_gemm: float = 1.0
     """Share of the GEMM weights other than routed experts (2-D parameters that are not
     input embeddings, the LM head included) that train, by elements: the share of
     :attr:`LayerCost.weight_grad_s` the backward computes (a weight-gradient GEMM's FLOPs
     are 2 x tokens x the weight's elements). LoRA's frozen base weights: about 0; a frozen
-    embedding alone: 1 (its backward is a scatter-add, not a GEMM)."""
+    embedding alone: 1 (its backward is a scatter-add, not a GEMM). The layers of
+    :attr:`frozen_prefix` are left out (priced as their forward)."""
+    trained_expert_gemm: float = 1.0
+    """The same share of the routed experts' parameters: of
+    :attr:`LayerCost.expert_weight_grad_s`."""
+    frozen_prefix: float = 0.0
+    """Leading decoder layers that run no backward: they and the input embedding hold no
+    parameter with ``requires_grad`` (a fine-tune of the top layers), so autograd keeps
+    nothing for them and differentiates nothing there. Priced as their forward (a third
+    of the traced layer), their forward's collectives, no saved activations and no
+    recomputation (``parallel="auto"`` reads it off the model,
+    :func:`graphopt.parallel.auto.frozen_prefix_layers`); :attr:`trained_gemm` then
+    covers the other layers."""
     master_weights: bool = False
     """float32 parameters, gradients and reductions computed in ``dtype_bytes`` under
     ``torch.autocast`` (``graphopt.parallelize(..., mixed_precision="bf16")``, torchtitan's

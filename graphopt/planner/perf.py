@@ -12,7 +12,7 @@ memory (even stages: the first, second and last are priced; uneven: all):
              the LM head + loss on the last stage; g >= 1 prices the layer's GEMMs at
              their per-rank shapes on a profile with a GEMM-shape table (_gemm_factor),
              else 1; frozen weights' weight-gradient GEMMs (traced, LayerCost.weight_grad_s)
-             are left out of gemm (PlanModel.trained_gemm / trained_experts), the 4/3 of a
+             are left out of gemm (PlanModel.trained_gemm / trained_expert_gemm), the 4/3 of a
              recomputed layer stays its fully trained forward
     TP       4 all-reduces (or all-gather + reduce-scatter with SP) of mb*s/cp*h per layer,
              6 with recomputation (Megatron-LM SC'21 sec. 3) or with selective
@@ -413,9 +413,9 @@ def _layer_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int,
 
 def _frozen_gemm_s(cost: LayerCost, model: PlanModel) -> float:
     """Seconds of ``cost.gemm_s`` that frozen weights do not compute: their weight-gradient
-    GEMMs (:attr:`PlanModel.trained_gemm`, :attr:`PlanModel.trained_experts`)."""
+    GEMMs (:attr:`PlanModel.trained_gemm`, :attr:`PlanModel.trained_expert_gemm`)."""
     return (1 - model.trained_gemm) * cost.weight_grad_s + \
-        (1 - model.trained_experts) * cost.expert_weight_grad_s
+        (1 - model.trained_expert_gemm) * cost.expert_weight_grad_s
 
 
 def _selective_time(cost: LayerCost, plan: ParallelPlan, eff: float, mb: int,
@@ -478,11 +478,20 @@ def stage_sizes(plan: ParallelPlan, layers: int) -> tuple[float, ...]:
         (layers / plan.pp,) * plan.pp
 
 
+def frozen_in_stage(plan: ParallelPlan, model: PlanModel, sizes: tuple[float, ...],
+                    i: int) -> float:
+    """Layers of :attr:`PlanModel.frozen_prefix` on stage ``i`` (stages hold consecutive
+    layers, the first stage the first ones)."""
+    start = sum(sizes[:i])
+    return min(max(model.frozen_prefix - start, 0.0), sizes[i])
+
+
 def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
-                   ) -> tuple[float, float, float, float, int, float, float]:
-    """(compute s per microbatch, dense layers, MoE layers, fully recomputed layers, index)
-    of the plan's slowest stage, and one dense and one MoE layer's time. Cached on the model
-    per what they depend on (the search prices ~10^5 plans that share far fewer of them)."""
+                   ) -> tuple[float, float, float, float, float, int, float, float]:
+    """(compute s per microbatch, trained dense layers, trained MoE layers, fully recomputed
+    layers, frozen-prefix layers, index) of the plan's slowest stage, and one dense and one
+    MoE layer's time. Cached on the model per what they depend on (the search prices ~10^5
+    plans that share far fewer of them)."""
     key = (eff, table, plan.tp, plan.sp, plan.cp, plan.microbatch, plan.selective_recompute,
            plan.recompute_layers, plan.stage_layers, plan.pp)
     cache = _side_cache(model, "_slowest_stage")
@@ -492,6 +501,8 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
     mb, pp = plan.microbatch, plan.pp
     dense_share = model.dense_layers / max(model.layers, 1)
     sizes, picks = _stages(plan, model.layers)
+    if model.frozen_prefix:  # a stage's compute depends on where it is: price them all
+        picks = list(range(pp))
     # a full recomputation reruns a third of the layer as it is with every weight trained
     # (the forward), also where frozen weights skip their weight-gradient GEMMs
     fwd_dense = _layer_time(model.dense, plan, eff, mb, table) / 3
@@ -510,20 +521,25 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
         sel_dense = _selective_time(model.dense, plan, eff, mb, table)
         sel_moe = _selective_time(model.moe, plan, eff, mb, table) if model.moe else 0.0
 
-    def stage_compute(i: int) -> tuple[float, float, float, float]:
-        """(compute s, dense layers, MoE layers, fully recomputed layers) of stage i."""
+    def stage_compute(i: int) -> tuple[float, float, float, float, float]:
+        """(compute s, trained dense layers, trained MoE layers, fully recomputed layers,
+        frozen-prefix layers) of stage i. A frozen-prefix layer runs its forward only, not
+        checkpointed (graphopt.parallel skips the checkpoint of a layer with nothing to
+        differentiate), and takes one of the stage's first recompute_layers slots."""
         n = sizes[i]
-        dense_n, moe_n = n * dense_share, n * (1 - dense_share)
-        rec = min(plan.recompute_layers, n)
-        rec_share = rec / max(n, 1)
+        frozen = frozen_in_stage(plan, model, sizes, i)
+        dense_n, moe_n = (n - frozen) * dense_share, (n - frozen) * (1 - dense_share)
+        rec = max(0.0, min(plan.recompute_layers, n) - frozen)
+        rec_share = rec / (n - frozen) if n > frozen else 0.0
         t = dense_n * t_dense + moe_n * t_moe + rec_share * (dense_n * fwd_dense +
                                                                moe_n * fwd_moe)
         t += (dense_n * sel_dense + moe_n * sel_moe) * (1 - rec_share)
+        t += frozen * (dense_share * fwd_dense + (1 - dense_share) * fwd_moe)
         if pp == 1:
             t += t_head
         elif i == pp - 1:  # LM head + loss on the last stage, the embedding (a lookup)
             t += t_head    # on the first
-        return t, dense_n, moe_n, rec
+        return t, dense_n, moe_n, rec, frozen
 
     stages = {i: stage_compute(i) for i in picks}
     slowest = max(picks, key=lambda i: stages[i][0])
@@ -582,8 +598,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
     dense_share = model.dense_layers / max(model.layers, 1)
     sizes, picks = _stages(plan, model.layers)
+    if model.frozen_prefix:
+        picks = list(range(pp))
     table = dev.gemm_table if model.dtype_bytes == 2 else ""  # the table is bf16's
-    compute, dense_n, moe_n, recomputed, slowest, t_dense, t_moe = _slowest_stage(
+    compute, dense_n, moe_n, recomputed, frozen_n, slowest, t_dense, t_moe = _slowest_stage(
         plan, model, eff, table)
     v = plan.virtual_stages
     zero_bubble = plan.pp_schedule == "zero_bubble"
@@ -592,7 +610,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         compute *= ZERO_BUBBLE_SLOT
     if (m + ramp) * compute > bound_s * (1 + 1e-9):  # ties are not pruned: the
         return None  # bound is computed from tokens/s, its last digit can fall below
-    rec_share = recomputed / max(sizes[slowest], 1)
+    rec_share = recomputed / (dense_n + moe_n) if dense_n + moe_n else 0.0
     moe_tokens = mb * seq // cp  # tokens at a MoE block: its TP group's
     # the dense parameters' gradient group is dp_shard x cp (CP ranks hold the same
     # parameters; graphopt.parallel shards and reduces over mesh["dp_shard_cp"], as
@@ -656,11 +674,13 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         activations for each microbatch in flight (1F1B: pp - i on stage i; interleaved: the
         first stage's pp x (1 + (pp-1)/(pp v))), the LM head's on the last stage; under
         ZeRO-3 what FSDP holds unsharded at once (:func:`fsdp_working_set`)."""
-        n_dense = round(sizes[i] * dense_share)
-        n_moe = round(sizes[i]) - n_dense if model.moe else 0
+        # a frozen-prefix layer keeps nothing for a backward it does not run
+        frozen = round(frozen_in_stage(plan, model, sizes, i))
+        n_dense = round((sizes[i] - frozen) * dense_share)
+        n_moe = round(sizes[i]) - frozen - n_dense if model.moe else 0
         a_dense = layer_bytes(model.dense)
         a_moe = layer_bytes(model.moe) if model.moe else 0.0
-        rec = min(plan.recompute_layers, n_dense + n_moe)
+        rec = min(max(plan.recompute_layers - frozen, 0), n_dense + n_moe)
         # the largest layers are the recomputed ones
         rec_moe = min(rec, n_moe) if a_moe >= a_dense else max(0, rec - n_dense)
         kept = (n_dense - (rec - rec_moe)) * a_dense + (n_moe - rec_moe) * a_moe
@@ -729,7 +749,10 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
     # selective: torchtitan's policy keeps reduce-scatter outputs, not all-gather ones)
     n_tp = 4 + 2 * rec_share + (2 * (1 - rec_share) if plan.selective_recompute and plan.sp
                                 else 0.0)
-    tp_comm = (dense_n + moe_n) * n_tp * _coll("all_reduce", act, tp, cluster, tp_stride)
+    # (frozen-prefix layers: the forward's collectives only, throughout)
+    tp_comm = ((dense_n + moe_n) * n_tp + frozen_n * 2) * _coll("all_reduce", act, tp,
+                                                                cluster, tp_stride)
+    moe_frozen = frozen_n * (1 - model.dense_layers / max(model.layers, 1))
     cp_comm = 0.0
     if cp > 1:
         qk = model.head_dim or h // model.heads  # head widths (MLA: 192 / 128)
@@ -747,6 +770,8 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             hop = _pair_stride(cp * plan.stride("cp"), cluster)
             ring = (3 + rerun) * (cp - 1) * _coll("p2p", kv, 2, cluster, hop)
             per_layer = max(0.0, ring - 0.5 * max(t_dense, t_moe))
+            # the forward's cp - 1 sends under the forward's attention
+            per_frozen = max(0.0, ring / (3 + rerun) - 0.5 * max(t_dense, t_moe) / 3)
         else:
             # q, k, v and the output in the forward, their gradients in the backward; full
             # recomputation runs the forward's 4 again (functional collectives). K and V
@@ -754,17 +779,18 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
             # (the KV heads per TP rank not divisible by cp: graphopt.parallel.context)
             kv_heads = model.kv_heads if (model.kv_heads // tp) % cp == 0 else model.heads
             stride = plan.stride("cp")
-            per_layer = (2 + rec_share) * sum(
+            per_frozen = sum(
                 _coll("all_to_all", tokens_cp * heads * width, cp, cluster, stride)
                 for heads, width in ((model.heads, qk), (model.heads, vd),  # q, output
                                      (kv_heads, qk), (kv_heads, vd)))       # k, v
-        cp_comm = (dense_n + moe_n) * per_layer
-    ep_comm = moe_n * _ep_comm(ep_tokens_per_rank(plan, moe_tokens), model.top_k, h,
-                               model.moe_ffn, nb, plan.ep, cluster,
-                               ep_ranks_per_node(plan, cluster.devices_per(0))) \
+            per_layer = (2 + rec_share) * per_frozen
+        cp_comm = (dense_n + moe_n) * per_layer + frozen_n * per_frozen
+    ep_comm = (moe_n + moe_frozen / 2) * _ep_comm(  # forward + backward, or the forward
+        ep_tokens_per_rank(plan, moe_tokens), model.top_k, h, model.moe_ffn, nb, plan.ep,
+        cluster, ep_ranks_per_node(plan, cluster.devices_per(0))) \
         if model.moe and plan.ep > 1 else 0.0
     if model.moe and plan.ep > 1:  # the EP op's TP collectives (docstring)
-        tp_comm += moe_n * sum(
+        tp_comm += (moe_n + moe_frozen / 2) * sum(
             _coll(kind, size, tp, cluster, tp_stride) for kind, size in
             ep_tp_collectives(plan, moe_tokens, h, model.top_k, nb))
     # the stages' sends run in lockstep, so the slowest hop sets the time: at the level of

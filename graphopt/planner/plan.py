@@ -342,6 +342,13 @@ class ParallelPlan:
                 # the ranked plans include ones graphopt does not execute (expert_tp, ...):
                 # the first one it does (a review: README's workflow loaded a CP x PP plan)
                 why = data.get("not_executed") or [""] * len(plans)
+                if not isinstance(why, list) or len(why) != len(plans) or \
+                        not all(isinstance(w, str) for w in why):
+                    raise ConfigError(
+                        f"{str(path)!r}: 'not_executed' must list one string per plan "
+                        f"({len(plans)}: '' for a plan graphopt.parallelize executes, else "
+                        f"why not), got {why!r}; write the file with `graphopt plan --json`"
+                        ", or load a plan with index=i")
                 runnable = [i for i, w in enumerate(why) if not w]
                 if not runnable:
                     raise ConfigError(

@@ -730,7 +730,7 @@ def _window_note(allowed: torch.Tensor, masked: torch.Tensor, lower: torch.Tenso
         return ""
     return (f": a sliding window of {width} position{'s' if width != 1 else ''} (shorter "
             f"than the sequence, {seq}); "
-            "Lightning Attention attends to the whole prefix")
+            "is_causal and Lightning Attention both attend to the whole prefix")
 
 
 def _constant_scalar(node: Any, env: dict[fx.Node, Any], what: str) -> float:
