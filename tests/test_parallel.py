@@ -888,7 +888,13 @@ def test_auto_prices_frozen_parameters_without_gradients_or_optimizer_states(mon
     # no weight-gradient GEMM runs (test_planner.py prices that at a size where GEMMs are
     # compute-bound; this toy's are launch-bound)
     assert trained_gemm_share(model) == 0.0
-    assert 0 < searched[0].trained < 0.01
+    assert 0 < searched[0].trained < 0.01 and searched[0].frozen_prefix == 0
+    for name, p in model.named_parameters():  # embedding and layer 0 frozen: a prefix
+        p.requires_grad_(not name.startswith(("model.embed_tokens.", "model.layers.0.")))
+    plan, notes = auto_plan(model, 2, job)
+    assert searched[-1].frozen_prefix == 1 and searched[-1].trained_gemm == 1.0
+    assert any("the first 1 decoder layers, frozen with everything before them" in n
+               for n in notes), notes
 
 
 def test_trained_gemm_share_counts_the_gemm_weights_that_train():

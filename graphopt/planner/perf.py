@@ -13,7 +13,9 @@ memory (even stages: the first, second and last are priced; uneven: all):
              their per-rank shapes on a profile with a GEMM-shape table (_gemm_factor),
              else 1; frozen weights' weight-gradient GEMMs (traced, LayerCost.weight_grad_s)
              are left out of gemm (PlanModel.trained_gemm / trained_expert_gemm), the 4/3 of a
-             recomputed layer stays its fully trained forward
+             recomputed layer stays its fully trained forward; a frozen prefix
+             (PlanModel.frozen_prefix) runs t/3 per layer, keeps no activations, has its
+             forward's collectives only and takes the first recompute slots unrecomputed
     TP       4 all-reduces (or all-gather + reduce-scatter with SP) of mb*s/cp*h per layer,
              6 with recomputation (Megatron-LM SC'21 sec. 3) or with selective
              checkpointing under SP (the forward's all-gathers are recomputed)
