@@ -480,6 +480,14 @@ def stage_sizes(plan: ParallelPlan, layers: int) -> tuple[float, ...]:
         (layers / plan.pp,) * plan.pp
 
 
+def _priced_stages(plan: ParallelPlan, model: PlanModel
+                   ) -> tuple[tuple[float, ...], list[int]]:
+    """:func:`_stages` of the model, every stage with a frozen prefix (a stage's compute and
+    memory then depend on where it is, not only on its size and ends)."""
+    sizes, picks = _stages(plan, model.layers)
+    return sizes, list(range(plan.pp)) if model.frozen_prefix else picks
+
+
 def frozen_in_stage(plan: ParallelPlan, model: PlanModel, sizes: tuple[float, ...],
                     i: int) -> float:
     """Layers of :attr:`PlanModel.frozen_prefix` on stage ``i`` (stages hold consecutive
@@ -502,9 +510,7 @@ def _slowest_stage(plan: ParallelPlan, model: PlanModel, eff: float, table: str
         return hit
     mb, pp = plan.microbatch, plan.pp
     dense_share = model.dense_layers / max(model.layers, 1)
-    sizes, picks = _stages(plan, model.layers)
-    if model.frozen_prefix:  # a stage's compute depends on where it is: price them all
-        picks = list(range(pp))
+    sizes, picks = _priced_stages(plan, model)
     # a full recomputation reruns a third of the layer as it is with every weight trained
     # (the forward), also where frozen weights skip their weight-gradient GEMMs
     fwd_dense = _layer_time(model.dense, plan, eff, mb, table) / 3
@@ -599,9 +605,7 @@ def evaluate_within(plan: ParallelPlan, model: PlanModel, cluster: ClusterProfil
         model = views[0]
     act = mb * seq // cp * h * nb  # one microbatch's [b, s/cp, h] activation, bytes
     dense_share = model.dense_layers / max(model.layers, 1)
-    sizes, picks = _stages(plan, model.layers)
-    if model.frozen_prefix:
-        picks = list(range(pp))
+    sizes, picks = _priced_stages(plan, model)
     table = dev.gemm_table if model.dtype_bytes == 2 else ""  # the table is bf16's
     compute, dense_n, moe_n, recomputed, frozen_n, slowest, t_dense, t_moe = _slowest_stage(
         plan, model, eff, table)
