@@ -974,8 +974,10 @@ def mixed_precision_dtype(value: str | torch.dtype | None, model: nn.Module
     if value in ("bf16", "bfloat16", torch.bfloat16):
         dtype = torch.bfloat16
     elif value in ("fp16", "float16", torch.float16):
-        raise ConfigError("mixed_precision='fp16' needs loss scaling (a sharded GradScaler), "
-                          "which graphopt.parallelize does not build: use 'bf16'")
+        raise ConfigError("mixed_precision='fp16' needs loss scaling, which "
+                          "graphopt.parallelize does not run for you: use 'bf16', or your own "
+                          "torch.autocast(dtype=torch.float16) with graphopt.parallel."
+                          "GradScaler (torch's checks one rank's gradients for inf)")
     else:
         raise ConfigError(f"mixed_precision must be None or 'bf16', got {value!r}")
     wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})

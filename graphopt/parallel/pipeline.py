@@ -249,6 +249,7 @@ class PipelinedModel(nn.Module):
         """TP degree whose ranks split the sequence (SP): S must divide by it (set by
         :func:`pipeline`, the same on every rank so all of them refuse a bad batch)."""
         self._microbatches, self._labelled = 1, 1
+        self._scaler: Any = None  # step(scaler=...): loss scaling inside the schedule
         self.dp_group: Any = None
         """The group of DP and CP ranks (dp_replicate x dp_shard x cp), over which the
         labelled positions are counted; None: one such rank."""
@@ -337,6 +338,10 @@ class PipelinedModel(nn.Module):
         mean over labelled positions (microbatches and DP ranks may hold different numbers
         of -100 labels). A custom loss_fn: its value / microbatches (its mean over
         microbatches, as torch's schedules average)."""
+        loss = self._unscaled_loss(logits, labels)
+        return loss if self._scaler is None else self._scaler.scale(loss)
+
+    def _unscaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is not next_token_loss:
             return self.loss_fn(logits, labels) / self._microbatches
         # in float32 at least, as transformers' loss and cp_loss upcast: bf16 logits (mixed
@@ -354,12 +359,18 @@ class PipelinedModel(nn.Module):
         return 1 if self.dp_group is None else torch.distributed.get_world_size(self.dp_group)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-             attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+             attention_mask: torch.Tensor | None = None, scaler: Any = None
+             ) -> torch.Tensor | None:
         """Forward and backward of the batch ``input_ids`` [B, S] (int64, this DP rank's
         share, the same on every pipeline rank) in microbatches of ``plan.microbatch``
         sequences; gradients accumulate into this rank's parameters. Under
         ``torch.no_grad()`` the schedule runs forward only (an evaluation loss; before, torch
         raised "step() requires gradients").
+
+        ``scaler``: a :class:`graphopt.parallel.GradScaler` (fp16 loss scaling): each
+        microbatch's loss is scaled inside the schedule, so the gradients are scaled as
+        ``scaler.scale(loss).backward()`` scales them; then ``scaler.step(optimizer)`` and
+        ``scaler.update()`` as usual (the returned loss is unscaled).
 
         Returns:
             on the last stage's ranks the loss (the default next-token loss: this DP rank's
@@ -369,14 +380,25 @@ class PipelinedModel(nn.Module):
             of its microbatch values), else None.
         Raises:
             ConfigError: input_ids not [B, S] integers or outside the vocabulary, labels of
-                another shape, a padding
+                another shape, a ``scaler`` other than graphopt.parallel.GradScaler (torch's
+                checks each stage's gradients on its own: stages skipped different steps
+                and their scales drifted apart, a review), a padding
                 ``attention_mask``, B not divisible by the microbatch size, fewer
                 microbatches than pp, a microbatch count that interleaving cannot split
                 (not a multiple of pp), S not divisible by tp under SP; under CP, no
                 labels, a chunk the ring cannot halve, chunks of different lengths over
                 the ranks.
         """
+        from graphopt.parallel.scaler import GradScaler
+
         try:
+            if scaler is not None and not isinstance(scaler, GradScaler):
+                raise ConfigError(
+                    f"PipelinedModel.step(scaler=...) takes a graphopt.parallel.GradScaler, "
+                    f"got {type(scaler).__name__}: a pipeline stage holds part of the model, "
+                    "and torch's scaler checks only this rank's gradients for inf, so stages "
+                    "would skip different steps; use graphopt.parallel.GradScaler(...) with "
+                    "the same arguments")
             count = self._microbatch_count(input_ids, labels, attention_mask)
             problem = None
         except ConfigError as exc:
@@ -408,6 +430,11 @@ class PipelinedModel(nn.Module):
         if report is not None:
             report.record_step_start()
         run = schedule.step if training else schedule.eval
+        enabled = scaler is not None and training and scaler.is_enabled()
+        self._scaler = scaler if enabled else None
+        if enabled:  # the scale exists on every stage (it is made at the first scale(),
+            # which only the last stage's loss calls), for scaler.step / update
+            scaler.scale(torch.zeros((), device=input_ids.device))
         # a new schedule first runs torch's metadata inference (a real forward and
         # backward), whose cleanup sets .grad = None on every FSDP2 / replicate module's
         # parameters: the gradient of earlier step() calls is kept aside (a review: it was
@@ -438,7 +465,11 @@ class PipelinedModel(nn.Module):
         for name, param in self.named_parameters():  # (by name: FSDP2 swaps parameters)
             if name in kept:
                 param.grad = kept[name] if param.grad is None else kept[name] + param.grad
-        return torch.stack(losses).sum() if losses else None
+        self._scaler = None
+        total = torch.stack(losses).sum() if losses else None
+        if total is not None and enabled:
+            total = total / scaler.get_scale()  # the loss as without scaling
+        return total
 
     def _microbatch_count(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
                           attention_mask: torch.Tensor | None) -> int:
