@@ -787,9 +787,12 @@ def _float64_outcome(graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: 
                 meta = n.meta.get("val", n.meta.get("example_value"))
                 view = any(r.alias_info is not None for r in n.target._schema.returns)
                 if isinstance(meta, torch.Tensor) and meta.is_floating_point() and \
-                        meta.dtype != torch.float64 and not is_mutating(n) and not view:
+                        not is_mutating(n) and not view:
                     # (a view's operand is its base: a jittered copy changed what
-                    # as_strided read, a review)
+                    # as_strided read, a review). float64 ops too, at float64's roundoff:
+                    # in a float64 graph the reference is eager itself (error 0), and a
+                    # value that cancels (a bias gradient BatchNorm makes zero) was judged
+                    # against u x its own size, refusing Inductor's 1e-15 (a review)
                     u = torch.finfo(meta.dtype).eps / 2
                     args, kwargs = self.fetch_args_kwargs_from_env(n)
                     args, kwargs = pytree.tree_map(lambda x: jitter(x, u), (args, kwargs))

@@ -314,3 +314,29 @@ def test_generate_on_graphopt_compile_s_result_warns_and_in_place_compiles():
     model.compile(backend="graphopt", options={"lowering": "eager"})
     out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want) and graphopt.reports()
+
+
+def test_inductor_s_sympy_exponent_error_names_the_fixes(monkeypatch):
+    """MiniMax's block loop after a dynamic recompile failed in Inductor with torch's
+    "Exponent must be non-negative" and no hint (backend='inductor' fails the same; a
+    review): graphopt names attention='exact', the eager lowering and dynamic=False."""
+    import graphopt.lowering.inductor as inductor
+    from graphopt.errors import LoweringUnavailableError
+
+    def failing(*args, **kwargs):
+        raise ValueError("Exponent must be non-negative.")
+
+    monkeypatch.setattr(inductor, "compile_fx_inner", failing)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x.sin() * 2, backend="graphopt",
+                             options={"lowering": "inductor"})
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(4))
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__ or getattr(exc, "inner_exception", None)
+    found = [e for e in chain if isinstance(e, LoweringUnavailableError)]
+    assert found and "options={'attention': 'exact'}" in str(found[0]), chain
+    assert "torch.compile(..., dynamic=False)" in str(found[0])
+    torch._dynamo.reset()

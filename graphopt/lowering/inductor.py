@@ -18,6 +18,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from graphopt.config import GraphoptConfig
+from graphopt.errors import LoweringUnavailableError
 from graphopt.lowering.base import (
     AOTHooks,
     Lowering,
@@ -26,6 +27,9 @@ from graphopt.lowering.base import (
     mutated_input_marker,
 )
 
+SYMPY_EXPONENT = "Exponent must be non-negative"
+"""torch's sympy error on some symbolic sizes (``pow_by_natural``), which graphopt names a
+fix for (a review: plain backend='inductor' fails the same, with no hint)."""
 
 def _source_hash() -> str:
     """Hash of graphopt's own sources: a cache entry made by other code is never reused."""
@@ -151,7 +155,18 @@ class InductorLowering(Lowering):
                 kind = "forward"
             hooks.graph_ready(kind, g)
             with hooks.timed(lowering_key(kind)):
-                return compile_fx_inner(g, inputs, **kwargs)
+                try:
+                    return compile_fx_inner(g, inputs, **kwargs)
+                except Exception as exc:
+                    if SYMPY_EXPONENT not in str(exc):
+                        raise
+                    raise LoweringUnavailableError(
+                        f"Inductor could not compile this {kind} graph's symbolic sizes "
+                        f"(torch's sympy: {SYMPY_EXPONENT!r}; backend='inductor' fails the "
+                        "same, e.g. on MiniMax's lightning-attention block loop after a "
+                        "dynamic recompile, a review): use options={'attention': 'exact'} "
+                        "(graphopt replaces that loop), options={'lowering': 'eager'}, or "
+                        "torch.compile(..., dynamic=False)") from exc
 
         patches: dict[str, Any] = {}
         if config.mode not in (None, "default"):
