@@ -1,11 +1,12 @@
 """Loss scaling of parallelized models (graphopt.parallel.GradScaler) on real gloo process
 groups, float64: an inf in ONE rank's gradient (an fp16 overflow in a rank-local GEMM,
 injected after the backward) makes every rank skip that step and back off its scale, as one
-process does; the parameters after 3 SGD steps equal one process's. torch's GradScaler
-checks one rank's gradients: under PP the stages skipped different steps (1.4e-2 off, scales
-1024 vs 4096), under TP without SP the TP ranks disagreed (DTensor's check reduces over the
-first gradient's mesh), and a mix of DTensor and plain gradients (EP experts outside FSDP,
-TP without SP) raised in torch's foreach check (a review)."""
+process does; the parameters after 3 SGD (or fused AdamW) steps equal one process's.
+torch's GradScaler checks one rank's gradients: under PP the stages skipped different
+steps (1.4e-2 off, scales 1024 vs 4096), under TP without SP the TP ranks disagreed
+(DTensor's check reduces over the first gradient's mesh), and a mix of DTensor and plain
+gradients (EP experts outside FSDP, TP without SP) raised in torch's foreach check (a
+review)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,22 @@ from graphopt.planner.plan import ParallelPlan
 from tests.helpers import BATCH, lm_loss
 
 TIED = dict(tie_word_embeddings=True)
-# (model, config overrides, plan, the parameter whose rank-0 gradient gets the inf)
+FUSED = dict(fused=True)  # AdamW's (torch's fused SGD has no DTensor sharding rule)
+# (model, config overrides, plan, the parameter whose rank-0 gradient gets the inf, the
+# options of AdamW, else SGD)
 RUNS = {
-    2: [("llama", TIED, dict(tp=2, sp=False), "model.layers.1.mlp.down_proj.weight"),
-        ("mixtral", {}, dict(dp_shard=2, ep=2, zero_stage=3), "experts.down_proj"),
-        ("llama", {}, dict(pp=2), "model.layers.0.mlp.down_proj.weight")],
+    2: [("llama", TIED, dict(tp=2, sp=False), "model.layers.1.mlp.down_proj.weight", {}),
+        ("mixtral", {}, dict(dp_shard=2, ep=2, zero_stage=3), "experts.down_proj", {}),
+        ("llama", {}, dict(pp=2), "model.layers.0.mlp.down_proj.weight", {}),
+        # a fused optimizer unscales itself: GradScaler.step checks the gradients without
+        # unscale_ (a re-review: each rank decided alone there, 1.7e-2 off one process)
+        ("llama", {}, dict(pp=2), "model.layers.0.mlp.down_proj.weight", FUSED),
+        ("llama", {}, dict(dp_shard=2, zero_stage=3), "model.layers.0.mlp.down_proj.weight",
+         FUSED)],
     # every gradient a DTensor, but DTensor's check reduced over the tied embedding's mesh
     # (dp_shard) only: the TP ranks drifted apart, 5.5e-3 (a review)
     4: [("llama", TIED, dict(dp_shard=2, tp=2, sp=False, zero_stage=3),
-         "model.layers.1.mlp.down_proj.weight")],
+         "model.layers.1.mlp.down_proj.weight", {})],
 }
 
 
@@ -70,14 +78,15 @@ def _worker(rank, world, runs):
     from graphopt.parallel import GradScaler, build_mesh, build_optimizer
 
     out = []
-    for name, overrides, kw, target in runs:
+    for name, overrides, kw, target, opt_kw in runs:
         plan = ParallelPlan(**kw)
         mesh = build_mesh(plan)
         torch.manual_seed(0)
         ref = build_model(name, torch.float64, **overrides).train()
         model = graphopt.parallelize(copy.deepcopy(ref), plan, mesh)
-        opt = build_optimizer(model, plan, mesh, torch.optim.SGD, lr=0.5)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        kind, lr = (torch.optim.AdamW, 0.01) if opt_kw else (torch.optim.SGD, 0.5)
+        opt = build_optimizer(model, plan, mesh, kind, lr=lr, **opt_kw)
+        ref_opt = kind(ref.parameters(), lr=lr, **opt_kw)
         scaler = GradScaler("cpu", init_scale=2.0 ** 10)
         ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
         local = BATCH.chunk(plan.dp)[mesh["dp"].get_local_rank()]
@@ -127,4 +136,4 @@ def test_one_rank_s_overflow_skips_the_step_on_every_rank(world):
             assert param_err < 1e-12, (name, kw, param_err)
         assert all("takes a graphopt.parallel.GradScaler, got GradScaler" in r
                    for r in refusals) and len(refusals) == sum(
-            kw.get("pp", 1) > 1 for _, _, kw, _ in RUNS[world]), refusals
+            kw.get("pp", 1) > 1 for _, _, kw, _, _ in RUNS[world]), refusals
