@@ -1662,3 +1662,15 @@ def test_a_frozen_prefix_runs_its_forward_only_and_keeps_no_activations():
     uneven = ParallelPlan(pp=2, dp_replicate=4, stage_layers=(18, 6))
     u_full, u_frozen = run(uneven, full, 32), run(uneven, whole, 32)
     assert u_frozen.compute_s < u_full.compute_s
+    # interleaved (and zero bubble): rank r holds chunks r, r + pp, ... of 6 layers, so 12
+    # frozen layers are 6 on each rank (a re-review: priced as consecutive, so as none)
+    from graphopt.planner.perf import frozen_in_stage, stage_sizes
+
+    for schedule in ("interleaved", "zero_bubble"):
+        inter = ParallelPlan(pp=2, dp_replicate=4, virtual_stages=2, pp_schedule=schedule)
+        sizes = stage_sizes(inter, 24)
+        assert [frozen_in_stage(inter, whole, sizes, i) for i in (0, 1)] == [6.0, 6.0]
+        assert [frozen_in_stage(inter, frozen, sizes, i) for i in (0, 1)] == [6.0, 0.0]
+        assert run(inter, whole, 32).compute_s < 0.85 * run(inter, full, 32).compute_s
+    with pytest.raises(ConfigError, match="frozen_prefix must be >= 0"):
+        dataclasses.replace(full, frozen_prefix=-3.0)

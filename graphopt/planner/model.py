@@ -171,6 +171,15 @@ class PlanModel:
     GEMM inputs are cast copies (measured 0.71-0.78x float32's saved bytes, not 0.5x);
     :attr:`bf16_layers` are what the layers FSDP2 holds compute."""
 
+    def __post_init__(self) -> None:
+        if self.frozen_prefix < 0:
+            raise ConfigError(f"frozen_prefix must be >= 0 (leading frozen decoder layers), "
+                              f"got {self.frozen_prefix}")
+        for name in ("trained", "trained_experts", "trained_gemm", "trained_expert_gemm"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} is a share of parameters: 0 to 1, got "
+                                  f"{getattr(self, name)}")
+
     @property
     def layers(self) -> int:
         """Decoder layers, dense and MoE."""
