@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from graphopt.errors import ConfigError
-from graphopt.models import build_model, expert_count, max_positions, sample_batch
+from graphopt.models import build_model, expert_count, learned_positions, sample_batch
 from graphopt.verify import default_tolerance
 
 TOLERANCE = 2
@@ -54,11 +54,8 @@ def run_demo(model_name: str, lowering: str, dtype: torch.dtype, batch: int, seq
     """
     progress(f"building {model_name}")
     eager = build_model(model_name, dtype=dtype)
-    longest = max_positions(eager)
-    lookup = eager.get_input_embeddings()  # type: ignore[operator]
-    if longest is not None and seq > longest and any(
-            isinstance(m, torch.nn.Embedding) and m is not lookup and
-            m.num_embeddings == longest for m in eager.modules()):
+    longest = learned_positions(eager)
+    if longest is not None and seq > longest:
         raise ConfigError(f"seq {seq} is longer than {model_name}'s learned position table "
                           f"({longest} positions; its index fails in the lookup): use seq <= "
                           f"{longest}")

@@ -400,6 +400,19 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return None
 
 
+def learned_positions(model: torch.nn.Module) -> int | None:
+    """The rows of ``model``'s learned position table (GPT-2's ``wpe``: an ``nn.Embedding``
+    other than the token embedding with :func:`max_positions` rows), which a longer
+    sequence indexes past; None for models without one (RoPE's nominal length is no
+    limit)."""
+    longest = max_positions(model)
+    lookup = getattr(model, "get_input_embeddings", lambda: None)()
+    if longest is not None and any(isinstance(m, torch.nn.Embedding) and m is not lookup and
+                                   m.num_embeddings == longest for m in model.modules()):
+        return longest
+    return None
+
+
 def build_architecture(source: ModelSource, dtype: torch.dtype = torch.float32,
                        overrides: Mapping[str, Any] | None = None, *, seq: int | None = None,
                        attn_implementation: str = "sdpa") -> torch.nn.Module:

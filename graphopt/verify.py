@@ -756,9 +756,9 @@ def _float64_outcome(graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: 
     """(``graph`` run in float64 (:class:`Float64Reference`), a digest of every integer and
     boolean value it computed). With ``perturb``, each op's floating operands are scaled by
     ``1 + u * r`` first (r uniform in [-1, 1], seeded; u the unit roundoff of the dtype the
-    op computes in in ``graph``): Monte Carlo arithmetic's random rounding (Parker, 1997; as
-    Verificarlo does per operation), at op granularity. Raises when the graph cannot be
-    run so."""
+    op computes in in ``graph``, for float64 its eps): Monte Carlo arithmetic's random
+    rounding (Parker, 1997; as Verificarlo does per operation), at op granularity. Raises
+    when the graph cannot be run so."""
     if _WRITTEN:
         raise ValueError("the graph writes module attributes in place")
     if any(communicates(n.target, n.args) for n in _all_nodes(graph)
@@ -789,12 +789,11 @@ def _float64_outcome(graph: torch.fx.GraphModule, inputs: Sequence[Any], grads: 
                 if isinstance(meta, torch.Tensor) and meta.is_floating_point() and \
                         not is_mutating(n) and not view:
                     # (a view's operand is its base: a jittered copy changed what
-                    # as_strided read, a review). float64 ops too, at float64's roundoff:
-                    # in a float64 graph the reference is eager itself (error 0), and a
-                    # value that cancels (a bias gradient BatchNorm makes zero) was judged
-                    # against u x its own size, refusing Inductor's 1e-15 (a review)
-                    # float64 itself: a full ulp, as 1 + u r with u = eps / 2 rounds back
-                    # to 1 three times in four there (a re-review)
+                    # as_strided read, a review). float64 ops too: in a float64 graph the
+                    # reference is eager itself, and a value that cancels (a bias gradient
+                    # BatchNorm makes zero) was judged against u x its own size, refusing
+                    # Inductor's 1e-15 (a review); by a full ulp there, as 1 + (eps/2) r
+                    # rounds back to 1 three times in four (a re-review)
                     u = torch.finfo(meta.dtype).eps / (1 if meta.dtype == torch.float64
                                                       else 2)
                     args, kwargs = self.fetch_args_kwargs_from_env(n)

@@ -31,6 +31,7 @@ SYMPY_EXPONENT = "Exponent must be non-negative"
 """torch's sympy error on some symbolic sizes (``pow_by_natural``), which graphopt names a
 fix for (a review: plain backend='inductor' fails the same, with no hint)."""
 
+
 def _source_hash() -> str:
     """Hash of graphopt's own sources: a cache entry made by other code is never reused."""
     root = Path(__file__).resolve().parent.parent

@@ -62,6 +62,7 @@ from torch import nn
 from graphopt.distributed import all_reduce_host
 from graphopt.errors import ConfigError
 from graphopt.parallel.rng import Generators, drew
+from graphopt.parallel.scaler import GradScaler
 from graphopt.planner.plan import ParallelPlan
 
 STAGE_SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -249,7 +250,7 @@ class PipelinedModel(nn.Module):
         """TP degree whose ranks split the sequence (SP): S must divide by it (set by
         :func:`pipeline`, the same on every rank so all of them refuse a bad batch)."""
         self._microbatches, self._labelled = 1, 1
-        self._scaler: Any = None  # step(scaler=...): loss scaling inside the schedule
+        self._scaler: GradScaler | None = None  # step(scaler=...): scaling in the schedule
         self.dp_group: Any = None
         """The group of DP and CP ranks (dp_replicate x dp_shard x cp), over which the
         labelled positions are counted; None: one such rank."""
@@ -359,8 +360,8 @@ class PipelinedModel(nn.Module):
         return 1 if self.dp_group is None else torch.distributed.get_world_size(self.dp_group)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-             attention_mask: torch.Tensor | None = None, scaler: Any = None
-             ) -> torch.Tensor | None:
+             attention_mask: torch.Tensor | None = None,
+             scaler: GradScaler | None = None) -> torch.Tensor | None:
         """Forward and backward of the batch ``input_ids`` [B, S] (int64, this DP rank's
         share, the same on every pipeline rank) in microbatches of ``plan.microbatch``
         sequences; gradients accumulate into this rank's parameters. Under
@@ -389,8 +390,6 @@ class PipelinedModel(nn.Module):
                 labels, a chunk the ring cannot halve, chunks of different lengths over
                 the ranks.
         """
-        from graphopt.parallel.scaler import GradScaler
-
         try:
             if scaler is not None and not isinstance(scaler, GradScaler):
                 raise ConfigError(
@@ -430,11 +429,11 @@ class PipelinedModel(nn.Module):
         if report is not None:
             report.record_step_start()
         run = schedule.step if training else schedule.eval
-        enabled = scaler is not None and training and scaler.is_enabled()
-        self._scaler = scaler if enabled else None
-        if enabled:  # the scale exists on every stage (it is made at the first scale(),
-            # which only the last stage's loss calls), for scaler.step / update
-            scaler.scale(torch.zeros((), device=input_ids.device))
+        active = scaler if scaler is not None and training and scaler.is_enabled() else None
+        self._scaler = active
+        if active is not None:  # the scale exists on every stage (made at the first
+            # scale(), which only the last stage's loss calls), for scaler.step / update
+            active.scale(torch.zeros((), device=input_ids.device))
         # a new schedule first runs torch's metadata inference (a real forward and
         # backward), whose cleanup sets .grad = None on every FSDP2 / replicate module's
         # parameters: the gradient of earlier step() calls is kept aside (a review: it was
@@ -467,8 +466,8 @@ class PipelinedModel(nn.Module):
                 param.grad = kept[name] if param.grad is None else kept[name] + param.grad
         self._scaler = None
         total = torch.stack(losses).sum() if losses else None
-        if total is not None and enabled:
-            total = total / scaler.get_scale()  # the loss as without scaling
+        if total is not None and active is not None:
+            total = total / active.get_scale()  # the loss as without scaling
         return total
 
     def _microbatch_count(self, input_ids: torch.Tensor, labels: torch.Tensor | None,

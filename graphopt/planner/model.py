@@ -636,11 +636,13 @@ def _measure(model: Any, seq: int, cluster: ClusterProfile,
                      weight_grad_s=wgrad[False], expert_weight_grad_s=wgrad[True])
 
 
-_GEMMS = ("mm.default", "addmm.default", "bmm.default", "_grouped_mm.default")
-_PASS_THROUGH = ("t.default", "transpose.int", "permute.default", "view.default",
-                 "_unsafe_view.default", "reshape.default", "clone.default",
-                 "_to_copy.default", "add.Tensor", "squeeze.dim", "unsqueeze.default",
-                 "expand.default", "contiguous.default", "alias.default")
+_aten = torch.ops.aten
+_GEMMS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default}
+_PASS_THROUGH = {_aten.t.default, _aten.transpose.int, _aten.permute.default,
+                 _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default,
+                 _aten.clone.default, _aten._to_copy.default, _aten.add.Tensor,
+                 _aten.squeeze.dim, _aten.unsqueeze.default, _aten.expand.default,
+                 _aten.alias.default}
 
 
 def weight_gradient_gemms(gm: torch.fx.GraphModule, names: list[str]) -> dict[str, set[str]]:
@@ -664,11 +666,9 @@ def weight_gradient_gemms(gm: torch.fx.GraphModule, names: list[str]) -> dict[st
             if not isinstance(node, torch.fx.Node) or node in seen or node.op != "call_function":
                 continue
             seen.add(node)
-            target = str(getattr(node.target, "_overloadname", ""))
-            op = f"{getattr(node.target, '_opname', '')}.{target}"
-            if op in _GEMMS:
+            if node.target in _GEMMS:
                 gemms.add(node.name)
-            elif op in _PASS_THROUGH:
+            elif node.target in _PASS_THROUGH:
                 stack.extend(a for a in node.args if isinstance(a, torch.fx.Node))
         found[name] = gemms
     return found
