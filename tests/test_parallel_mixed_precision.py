@@ -85,3 +85,20 @@ def test_mixed_precision_refusals():
         mixed_precision_dtype("int8", model)
     with pytest.raises(ConfigError, match=r"float32 master weights.*torch.bfloat16"):
         mixed_precision_dtype("bf16", model.to(torch.bfloat16))
+
+
+def test_a_users_autocast_of_another_dtype_around_mixed_precision_is_refused():
+    """A review: a user's autocast(float16) around a model parallelized with
+    mixed_precision="bf16" computed bf16 without a word (graphopt's inner autocast wins).
+    The same dtype outside, or none, runs."""
+    from graphopt.parallel.apply import _apply_autocast
+
+    model = torch.nn.Linear(4, 4)
+    _apply_autocast(model, torch.bfloat16)
+    x = torch.randn(2, 4)
+    assert model(x).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match=r"mixed_precision.*autocast\(dtype=torch.float16\)"):
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)

@@ -1021,6 +1021,15 @@ def _autocast_forward(forward: Callable[..., Any], unit: nn.Module, dtype: torch
     # the parameters' device now: a model parallelized on the meta device (or moved
     # after) autocasts where it runs (a review: "unsupported autocast device_type 'meta'")
     device = next((p.device.type for p in unit.parameters()), "cpu")
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != dtype:
+        # the inner autocast would win and compute in `dtype` without a word (a review:
+        # a user's autocast(float16) around a mixed_precision="bf16" model ran bf16)
+        raise ConfigError(
+            f"the model was parallelized with mixed_precision computing in {dtype}, but "
+            f"it is called inside torch.autocast(dtype={torch.get_autocast_dtype(device)}); "
+            "one of them has to go: drop the outer autocast, or parallelize without "
+            "mixed_precision and keep your own autocast (with graphopt.parallel.GradScaler "
+            "for float16)")
     with torch.autocast(device, dtype=dtype):
         return forward(*args, **kwargs)
 
