@@ -465,6 +465,17 @@ def plan(
                                         "mixed_precision='bf16') runs (default: bf16 "
                                         "parameters, float32 optimizer states, as "
                                         "Megatron-LM)."),
+    trained: float = typer.Option(1.0, min=0.0, max=1.0, help="Share of the parameters "
+                                  "other than routed experts that train, by elements (a "
+                                  "fine-tune: LoRA's frozen base weights ~0): the rest "
+                                  "hold no gradient or optimizer state and compute no "
+                                  "weight gradient. As parallel='auto' reads it off a "
+                                  "model's requires_grad."),
+    trained_experts: float = typer.Option(1.0, min=0.0, max=1.0, help="The same share "
+                                          "for the routed experts."),
+    frozen_prefix: int = typer.Option(0, min=0, help="Leading decoder layers that run no "
+                                      "backward (they and the input embedding frozen): "
+                                      "priced as their forward."),
 ) -> None:
     """Search DP/ZeRO/TP+SP/CP/PP/EP plans with the cost model; print the best ones and why
     common hand configurations lose."""
@@ -512,16 +523,18 @@ def plan(
             _fail(f"--seq-buckets prints the best plan of each bucket; {', '.join(unused)} "
                   "apply to one sequence length: drop them, or drop --seq-buckets")
         _plan_buckets(model, cluster, devices, seq, global_batch, dtype, overrides, seq_buckets,
-                      activations, recompute, master_weights)
+                      activations, recompute, master_weights,
+                      (trained, trained_experts, frozen_prefix))
         return
     try:
         profile = load_profile(cluster)
         source = resolve_model(model)
         with console.status(f"[bold]tracing {escape(model)} (seq {seq}) on the meta "
                             "device[/]") as st:
-            pm = plan_model(model, seq, profile, getattr(torch, dtype),
-                            activations=activations, overrides=overrides,
-                            master_weights=master_weights)
+            pm = _fine_tune(plan_model(model, seq, profile, getattr(torch, dtype),
+                                       activations=activations, overrides=overrides,
+                                       master_weights=master_weights),
+                            trained, trained_experts, frozen_prefix)
             st.update("[bold]searching[/]")
             result = search(pm, profile, devices, global_batch, top_k=top,
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
@@ -531,7 +544,8 @@ def plan(
         _fail(str(exc))
     table = Table(title=f"{escape(model)} ({pm.params / 1e9:.3g}B params), {devices} x "
                         f"{escape(profile.device.name)}, seq {seq}, global batch {global_batch}"
-                        f"{', float32 master weights' if master_weights else ''}: "
+                        f"{', float32 master weights' if master_weights else ''}"
+                        f"{_fine_tune_title(trained, trained_experts, frozen_prefix)}: "
                         f"{result.evaluated} plans in {result.seconds:.2f}s "
                         f"({result.pruned_memory} out of memory)")
     for col in ("#", "plan", "step s", "tokens/s", "MFU", "memory GiB", "bubble s",
@@ -663,10 +677,35 @@ def _meta_model(source: Any, config: Any, dtype: str, overrides: dict[str, Any],
         return None
 
 
+def _fine_tune(pm: Any, trained: float, trained_experts: float, frozen_prefix: int) -> Any:
+    """``pm`` (a PlanModel) with `graphopt plan`'s fine-tuning flags: the trained shares
+    (of the GEMM weights too: the flags count parameters, and GEMM weights are nearly all
+    of them) and the frozen prefix, as ``parallel="auto"`` reads them off a model."""
+    import dataclasses
+
+    from graphopt.errors import ConfigError
+
+    if frozen_prefix >= pm.layers:
+        raise ConfigError(f"--frozen-prefix {frozen_prefix}: the model has {pm.layers} "
+                          "decoder layers and at least one has to train; give fewer")
+    return dataclasses.replace(pm, trained=trained, trained_experts=trained_experts,
+                               trained_gemm=trained, trained_expert_gemm=trained_experts,
+                               frozen_prefix=float(frozen_prefix))
+
+
+def _fine_tune_title(trained: float, trained_experts: float, frozen_prefix: int) -> str:
+    parts = [f"{share:.3g} of the {what} trained" for share, what in
+             ((trained, "dense parameters"), (trained_experts, "experts")) if share < 1]
+    if frozen_prefix:
+        parts.append(f"first {frozen_prefix} layers frozen")
+    return "".join(f", {p}" for p in parts)
+
+
 def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch: int,
                   dtype: str, overrides: dict[str, Any], buckets: str,
                   activations: str = "traced", recompute: bool = True,
-                  master_weights: bool = False) -> None:
+                  master_weights: bool = False,
+                  fine_tune: tuple[float, float, int] = (1.0, 1.0, 0)) -> None:
     """Plan each sequence-length bucket at the same tokens per iteration and print where the
     best plan changes (the basis for re-planning per batch bucket)."""
     import torch
@@ -690,7 +729,8 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
                                  "raise --global-batch or drop those buckets")
     table = Table(title=f"{escape(model)} on {devices} devices, {tokens:,} tokens per "
                         "iteration, best plan graphopt executes per sequence bucket"
-                        f"{', float32 master weights' if master_weights else ''}")
+                        f"{', float32 master weights' if master_weights else ''}"
+                        f"{_fine_tune_title(*fine_tune)}")
     for col in ("seq", "global batch", "best plan", "step s", "MFU", "memory GiB", "change"):
         table.add_column(col)
     previous = None
@@ -709,9 +749,9 @@ def _plan_buckets(model: str, cluster: str, devices: int, seq: int, global_batch
                 batch -= batch % step
             held = str(batch) if batch * length == tokens else \
                 f"{batch} ({batch * length:,} tokens)"
-            pm = plan_model(model, length, profile, getattr(torch, dtype),
-                            activations=activations, overrides=overrides,
-                            master_weights=master_weights)
+            pm = _fine_tune(plan_model(model, length, profile, getattr(torch, dtype),
+                                       activations=activations, overrides=overrides,
+                                       master_weights=master_weights), *fine_tune)
             # the plans graphopt.parallelize runs for this model (a re-review: every bucket's
             # best was a PP plan for GPT-3, whose structure the stages cannot cut)
             config = model_config(source, overrides, length)

@@ -435,3 +435,24 @@ def test_plan_plot_without_matplotlib_fails_before_the_search(monkeypatch, tmp_p
                                  "--global-batch", "8", "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == 2 and "--plot needs matplotlib" in result.output
     assert "plans in" not in result.output  # the search's table title: it did not run
+
+
+def test_plan_prices_a_fine_tune_from_the_command_line():
+    """`graphopt plan` had no way to say what parallel="auto" reads off a model's
+    requires_grad: a LoRA fine-tune or a frozen prefix was planned as full training."""
+    args = ["plan", "--model", "llama3-8b", "--devices", "8", "--global-batch", "8",
+            "--seq", "2048", "--top", "1"]
+
+    def best_step(result):
+        assert result.exit_code == 0, result.output
+        row = next(line for line in result.output.splitlines() if "│ 1 " in line)
+        return float(row.split("│")[3])
+
+    full = runner.invoke(app, args)
+    tuned = runner.invoke(app, [*args, "--trained", "0.01", "--frozen-prefix", "8"])
+    assert "0.01 of the dense parameters trained, first 8 layers frozen" in \
+        " ".join(tuned.output.split())
+    assert best_step(tuned) < 0.8 * best_step(full)
+    refused = runner.invoke(app, [*args, "--frozen-prefix", "32"])
+    assert refused.exit_code == 2 and "32 decoder layers" in refused.output
+    assert runner.invoke(app, [*args, "--trained", "1.5"]).exit_code == 2
