@@ -275,9 +275,9 @@ def _bad_batch_worker(rank, world):
     from graphopt.models import build_model
     from graphopt.parallel import parallelize
 
-    pipe = parallelize(build_model("llama", num_hidden_layers=4),
-                       ParallelPlan(pp=2, virtual_stages=2, pp_schedule="interleaved",
-                                    microbatch=2))
+    full = build_model("llama", num_hidden_layers=4)
+    pipe = parallelize(full, ParallelPlan(pp=2, virtual_stages=2, pp_schedule="interleaved",
+                                          microbatch=2))
     ids = torch.zeros(8, 8, dtype=torch.long)
     messages = config_errors(
         lambda: pipe.step(ids[:5]), lambda: pipe.step(ids[:6]),
@@ -290,7 +290,9 @@ def _bad_batch_worker(rank, world):
         lambda: pipe.step(ids[:4] if rank == 0 else ids),
         # ids past the vocabulary: only stage 0's embedding failed, the other stage waited
         lambda: pipe.step(ids[:4] + (256 if rank == 0 else 0)),
-        lambda: pipe.generate(ids[:1], max_new_tokens=2))  # an AttributeError before
+        lambda: pipe.generate(ids[:1], max_new_tokens=2),  # an AttributeError before
+        # the result dropped: the original model ran whole, unpipelined (a review)
+        lambda: full(input_ids=ids[:2]))
     for seq in range(8, 28, 2):  # ten sequence lengths: the last 8 schedules are kept
         pipe.step(torch.zeros(4, seq, dtype=torch.long))
     return messages, sorted(pipe._schedules)
@@ -312,6 +314,7 @@ def test_bad_batches_for_a_pipeline_are_clear_errors():
         assert ("token ids range over [256, 256]; the model's vocabulary has 256"
                 if rank == 0 else "another rank refused its batch") in messages[9]
         assert "generate() is not supported on a PipelinedModel (pp > 1)" in messages[10]
+        assert "graphopt.parallelize returned a PipelinedModel" in messages[11]
         assert cached == [(2, True, seq) for seq in range(12, 28, 2)]  # least recently used out
 
 

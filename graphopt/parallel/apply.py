@@ -169,7 +169,9 @@ class ParallelReport:
 def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                 sample: Callable[[], Any] | None = None, moe: Any = None,
                 mixed_precision: str | torch.dtype | None = None) -> nn.Module:
-    """Shard ``model`` as ``plan`` says (module docstring); returns ``model``.
+    """Shard ``model`` as ``plan`` says (module docstring); returns ``model``, or with
+    ``plan.pp > 1`` a :class:`graphopt.parallel.pipeline.PipelinedModel` holding this
+    rank's stages (``model`` itself then refuses a forward: keep the returned module).
 
     Args:
         model: a module on this rank's device, identical on every rank (same seed/weights),
@@ -477,7 +479,18 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                                                                    report) + _placements(p),
                           tuple(_local(p).shape)) for name, p in model.named_parameters()]
     model.graphopt_parallel = report  # type: ignore[assignment]
+    if plan.pp > 1:  # the stages run its modules, never its forward
+        full.register_forward_pre_hook(_pipelined_forward_refusal)
     return model
+
+
+def _pipelined_forward_refusal(*_: Any) -> None:
+    # a review: `graphopt.parallelize(model, plan)` with pp > 1 and the result dropped ran
+    # the whole model, unpipelined, on every rank without a word
+    raise ConfigError("this model was split into pipeline stages (pp > 1): "
+                      "graphopt.parallelize returned a PipelinedModel that runs them; "
+                      "keep it (model = graphopt.parallelize(model, plan, mesh)) and "
+                      "train with model.step(input_ids)")
 
 
 def _moe_options(moe: Any, plan: ParallelPlan) -> Any:
