@@ -35,6 +35,10 @@ def test_plan_validation_names_the_problem_and_the_fix():
     # what is wrong whatever the job raises on construction (a review: tp=0 was saved)
     with pytest.raises(ConfigError, match="virtual_stages > 1"):
         ParallelPlan(pp_schedule="interleaved")
+    # a docs review: the message named interleaving, not the default schedule it needs
+    with pytest.raises(ConfigError, match="pp_schedule='1f1b' needs virtual_stages == 1, "
+                                          "got 2: set pp_schedule='interleaved'"):
+        ParallelPlan(pp=2, virtual_stages=2)
     with pytest.raises(ConfigError, match=r"invalid parallel plan: tp must be an int >= 1, "
                                           r"got 0$"):
         ParallelPlan(tp=0)

@@ -68,7 +68,8 @@ class ParallelPlan:
     """"ring" (ring attention, KV blocks passed around) | "all_to_all" (Ulysses)."""
     pp: int = 1
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (> 1: interleaved 1F1B)."""
+    """Model chunks per pipeline rank (> 1: with ``pp_schedule`` "interleaved" or
+    "zero_bubble"; "1f1b", the default, takes 1)."""
     microbatch: int = 1
     """Sequences per microbatch."""
     pp_schedule: str = "1f1b"
@@ -190,7 +191,12 @@ class ParallelPlan:
                        "needs virtual_stages >= 2")
         elif self.pp_schedule != "zero_bubble" and \
                 (self.pp_schedule == "interleaved") != (self.virtual_stages > 1):
-            out.append("interleaved 1F1B needs virtual_stages > 1 (and 1F1B exactly 1)")
+            out.append(
+                f"pp_schedule={self.pp_schedule!r} needs virtual_stages == 1, got "
+                f"{self.virtual_stages}: set pp_schedule='interleaved' or 'zero_bubble' "
+                "(1f1b is the default)" if self.pp_schedule == "1f1b" else
+                f"pp_schedule='interleaved' needs virtual_stages > 1, got "
+                f"{self.virtual_stages}")
         if not isinstance(self.mesh_order, tuple) or \
                 not all(isinstance(a, str) for a in self.mesh_order) or \
                 sorted(self.mesh_order) != sorted(AXES):
