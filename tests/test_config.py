@@ -143,6 +143,8 @@ def test_config_is_frozen_and_typed():
      r"remat.time_limit bounds the ILP solver; solver 'greedy' does not use it"),
     ({"moe": {"profile": "b200"}}, r"with moe.ep=1 there is no exchange"),
     ({"moe": {"ranks_per_node": 1}}, r"with moe.ep=1 there is no exchange"),
+    # a docs review: "ranks_per_node (8) must divide moe.ep (1)" pointed to the wrong fix
+    ({"moe": {"ep": 1, "ranks_per_node": 8}}, r"with moe.ep=1 there is no exchange"),
     ({"moe": False, "enable": ["moe"]}, r"switches the moe pass off and enable: \['moe'\] on"),
 ])
 def test_bad_nested_values(options, message):

@@ -739,3 +739,18 @@ def test_ep_ranks_with_different_expert_counts_raise_on_every_rank():
     messages = run_distributed(_uneven_experts_worker, 2)
     assert all("EP ranks pass between 1 and 3 local experts" in m and "E / ep" in m
                for m in messages), messages
+
+
+def test_a_plans_ep_group_counts_its_ranks_per_node_as_torchrun_places_them():
+    """A docs review: under a parallel plan the hierarchical / peer schedules (and "auto"'s
+    choice) took the whole EP group as one node whatever $LOCAL_WORLD_SIZE said. Nodes
+    hold LOCAL_WORLD_SIZE consecutive global ranks; groups not in equal blocks count 1."""
+    from graphopt.parallel.expert import group_ranks_per_node
+
+    assert group_ranks_per_node([0, 1, 2, 3], 8) == 4
+    assert group_ranks_per_node([0, 1, 2, 3], 2) == 2
+    assert group_ranks_per_node([0, 2, 4, 6, 8, 10, 12, 14], 8) == 4  # the planner's count
+    assert group_ranks_per_node([0, 8, 16, 24], 8) == 1
+    assert group_ranks_per_node([0, 4, 1, 5], 4) == 1  # nodes 0, 1, 0, 1: no blocks
+    assert group_ranks_per_node([0, 1, 8, 9, 16, 17], 8) == 2
+    assert group_ranks_per_node([4, 5, 6, 7], None) == 4  # no torchrun: one node

@@ -136,6 +136,25 @@ def check_experts(path: str, module: Any, ep: int, expert_tp: int = 1,
                           f"experts; this module has {odd or ''} activation {act}: use ep=1")
 
 
+def group_ranks_per_node(ranks: list[int], local_world: int | None = None) -> int:
+    """Ranks of one EP group (global ranks, in group order) that share a node, the inner
+    level of the hierarchical and peer schedules: nodes hold $LOCAL_WORLD_SIZE consecutive
+    global ranks (torchrun's placement); without it, one node. Groups whose ranks do not
+    come in equal blocks per node count as 1 (every exchange priced as inter-node).
+    A docs review: a plan's EP group was priced as one node whatever torchrun said."""
+    import math
+    import os
+
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or len(ranks)
+    nodes = [r // local_world for r in ranks]
+    block = next((i for i, n in enumerate(nodes) if n != nodes[0]), len(nodes))
+    if len(nodes) % block or any(n != nodes[i - i % block] for i, n in enumerate(nodes)) \
+            or len(set(nodes)) != len(nodes) // block:
+        return 1
+    return math.gcd(block, len(nodes))
+
+
 def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = "flat",
              chunks: int = 1, ranks_per_node: int | None = None
              ) -> dict[str, tuple[int, int, int]]:
@@ -153,7 +172,8 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, mesh: Any, all_to_all: str = 
     experts: dict[str, Any] = find_experts(model)  # parallelize checked them already
     emesh = expert_mesh(mesh, plan)
     rank = emesh["ep"].get_local_rank()
-    rpn = ranks_per_node or plan.ep
+    rpn = ranks_per_node or group_ranks_per_node(
+        dist.get_process_group_ranks(emesh["ep"].get_group()))
     if plan.ep % rpn:
         raise ConfigError(f"ranks_per_node ({rpn}) must divide ep ({plan.ep})")
     etp = plan.expert_tp

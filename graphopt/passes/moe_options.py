@@ -34,7 +34,9 @@ class MoEOptions:
     """Pieces of the chunked schedule: an int >= 1 or "auto" (the cost model's choice)."""
     ranks_per_node: int | None = None
     """Ranks sharing a node (the inner level of the hierarchical/peer schedules); default
-    $LOCAL_WORLD_SIZE (set by torchrun), else ep."""
+    gcd($LOCAL_WORLD_SIZE, ep) (torchrun sets it), else ep; under a parallel plan, the EP
+    group's ranks on one node of $LOCAL_WORLD_SIZE consecutive ranks
+    (:func:`graphopt.parallel.expert.group_ranks_per_node`)."""
     capacity_factor: float | None = None
     """None: dropless. A float > 0: expert capacity C = ceil(cf * T * K / E); assignments
     beyond C per expert are dropped, chosen by ``drop_policy``."""
@@ -70,7 +72,7 @@ class MoEOptions:
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ConfigError(f"moe.ranks_per_node must be an int >= 1, got {rpn!r}")
-        if rpn is not None and self.ep % rpn:
+        if rpn is not None and self.ep > 1 and self.ep % rpn:  # (ep 1: parse's message)
             raise ConfigError(f"moe.ranks_per_node ({rpn}) must divide moe.ep ({self.ep})")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
