@@ -24,7 +24,9 @@ def compile(model: Any, options: Mapping[str, Any] | None = None, **kwargs: Any)
     call wrapped in Dynamo's ``BackendCompilerFailed``.
 
     ``options["parallel"]`` (a ``ParallelPlan``, the path of its JSON, or "auto" with
-    ``options["cluster"] = {"seq": ..., "global_batch": ..., "profile": ...}``: the planner's
+    ``options["cluster"] = {"seq": ..., "global_batch": ..., "profile": ..., "cp": bool}``
+    (``cp``: allow context-parallel plans, whose ranks each take a chunk of every
+    sequence, docs/parallel.md): the planner's
     best executable plan for the world size, :mod:`graphopt.parallel.auto`) first shards the
     module with :func:`graphopt.parallelize` (under torchrun), then compiles each decoder
     layer's ``forward`` in place and returns the module (torchtitan compiles per block too). In

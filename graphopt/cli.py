@@ -435,7 +435,7 @@ def plan(
     devices: int = typer.Option(..., min=1, help="Number of devices."),
     seq: int = typer.Option(4096, min=2, help="Sequence length (tokens)."),
     global_batch: int = typer.Option(..., min=1, help="Sequences per iteration."),
-    top: int = typer.Option(5, min=1, help="Plans to list."),
+    top: int | None = typer.Option(None, min=1, help="Plans to list [default: 5]."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the best plans (and the "
                                          "hand configurations' verdicts) here."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float32."),
@@ -517,11 +517,12 @@ def plan(
         _fail(f"--published: {type(exc).__name__}: {exc}")
     if seq_buckets is not None:
         unused = [flag for flag, used in (("--json", json_out), ("--plot", plot),
-                                          ("--published", published), ("--top", top != 5))
-                  if used]
+                                          ("--published", published),
+                                          ("--top", top is not None)) if used]
         if unused:  # one best plan per bucket: these would silently do nothing (a review)
             _fail(f"--seq-buckets prints the best plan of each bucket; {', '.join(unused)} "
-                  "apply to one sequence length: drop them, or drop --seq-buckets")
+                  f"{'applies' if len(unused) == 1 else 'apply'} to one sequence length: "
+                  f"drop {'it' if len(unused) == 1 else 'them'}, or drop --seq-buckets")
         _plan_buckets(model, cluster, devices, seq, global_batch, dtype, overrides, seq_buckets,
                       activations, recompute, master_weights,
                       (trained, trained_experts, frozen_prefix))
@@ -536,7 +537,7 @@ def plan(
                                        master_weights=master_weights),
                             trained, trained_experts, frozen_prefix)
             st.update("[bold]searching[/]")
-            result = search(pm, profile, devices, global_batch, top_k=top,
+            result = search(pm, profile, devices, global_batch, top_k=top or 5,
                             progress=lambda n: st.update(f"[bold]searching: {n} plans "
                                                          "evaluated[/]"), published=known,
                             recompute=recompute)

@@ -456,3 +456,14 @@ def test_plan_prices_a_fine_tune_from_the_command_line():
     refused = runner.invoke(app, [*args, "--frozen-prefix", "32"])
     assert refused.exit_code == 2 and "32 decoder layers" in refused.output
     assert runner.invoke(app, [*args, "--trained", "1.5"]).exit_code == 2
+
+
+@pytest.mark.parametrize("extra, named", [(["--top", "5"], "--top applies"),
+                                          (["--top", "3", "--json", "x.json"],
+                                           "--json, --top apply")])
+def test_seq_buckets_refuse_the_flags_of_one_length(extra, named):
+    """A docs review: an explicit --top 5 (the default) passed --seq-buckets silently, and
+    one named flag read "--top apply"."""
+    result = runner.invoke(app, ["plan", "--model", "gpt2", "--devices", "2", "--global-batch",
+                                 "2", "--seq-buckets", "64,128", *extra], terminal_width=400)
+    assert result.exit_code == 2 and named in " ".join(result.output.split()), result.output
