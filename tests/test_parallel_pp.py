@@ -191,6 +191,11 @@ def test_stage_layers_are_balanced_and_contiguous():
     (dict(num_hidden_layers=4), dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble",
                                      selective_recompute=True),
      r"zero_bubble' with selective_recompute=True .* use recompute_layers"),
+    # the same with full recomputation of EP layers, which keeps the EP op (8-rank review)
+    (dict(num_hidden_layers=4, model="mixtral"),
+     dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble", dp_shard=2, ep=2,
+          zero_stage=2, recompute_layers=1),
+     r"zero_bubble' with recompute_layers and ep > 1 .* pp_schedule='interleaved'"),
 ])
 def test_impossible_pipeline_plans_are_refused_before_anything_changes(overrides, plan,
                                                                       message):
@@ -198,7 +203,8 @@ def test_impossible_pipeline_plans_are_refused_before_anything_changes(overrides
     from graphopt.parallel import parallelize
     from graphopt.parallel.auto import not_executable
 
-    model = build_model("llama", **overrides)
+    overrides = dict(overrides)
+    model = build_model(overrides.pop("model", "llama"), **overrides)
     with pytest.raises(ConfigError, match=message):
         parallelize(model, ParallelPlan(**plan))
     if "zero_bubble" in message:  # parallel="auto" and plans.json pass over it too
@@ -292,7 +298,9 @@ def _bad_batch_worker(rank, world):
         lambda: pipe.step(ids[:4] + (256 if rank == 0 else 0)),
         lambda: pipe.generate(ids[:1], max_new_tokens=2),  # an AttributeError before
         # the result dropped: the original model ran whole, unpipelined (a review)
-        lambda: full(input_ids=ids[:2]))
+        lambda: full(input_ids=ids[:2]),
+        # an odd length without CP: refused as a ring CP chunk (cp_kind's default, 8 ranks)
+        lambda: pipe.step(ids[:4, :7]))
     for seq in range(8, 28, 2):  # ten sequence lengths: the last 8 schedules are kept
         pipe.step(torch.zeros(4, seq, dtype=torch.long))
     return messages, sorted(pipe._schedules)
@@ -315,6 +323,7 @@ def test_bad_batches_for_a_pipeline_are_clear_errors():
                 if rank == 0 else "another rank refused its batch") in messages[9]
         assert "generate() is not supported on a PipelinedModel (pp > 1)" in messages[10]
         assert "graphopt.parallelize returned a PipelinedModel" in messages[11]
+        assert messages[12] == "ran", messages[12]
         assert cached == [(2, True, seq) for seq in range(12, 28, 2)]  # least recently used out
 
 

@@ -268,6 +268,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                               "one backward, the schedule splits it into input and weight "
                               "gradients; use recompute_layers (full recomputation) or "
                               "pp_schedule='interleaved'")
+        if plan.pp_schedule == "zero_bubble" and plan.recompute_layers and plan.ep > 1:
+            # the full recomputation runs under the selective context too, saving the EP
+            # op (recomputing it would repeat its all-to-alls): the same one-backward limit
+            # (an 8-rank review: "Trying to backward an extra time" on the last stage, the
+            # first stage waiting in the schedule)
+            raise ConfigError("pp_schedule='zero_bubble' with recompute_layers and ep > 1 "
+                              "is not executed: the recomputed layers keep the expert-"
+                              "parallel op's output through torch's selective activation "
+                              "checkpoint, which allows one backward, and the schedule "
+                              "splits it into input and weight gradients; use "
+                              "pp_schedule='interleaved', or recompute_layers=0")
     moe_opts = _moe_options(moe, plan)
     if plan.ep > 1:  # refuse before anything changes
         from graphopt.parallel.expert import check_experts, experts_fsdp_degree, find_experts
