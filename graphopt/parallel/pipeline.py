@@ -258,6 +258,8 @@ class PipelinedModel(nn.Module):
         """CP size: each rank's batch is its chunk of every sequence (from
         :func:`graphopt.parallel.context.shard_sequence`, labels shifted already)."""
         self.cp_ring = False
+        self.cp_group: Any = None
+        """The CP group (cp > 1): its ranks' chunks must be equal in length."""
         self.tied: tuple[str, Any] | None = None
         """(name of the tied embedding weight in this module, group of the first and last
         pipeline rank) if any."""
@@ -528,8 +530,10 @@ class PipelinedModel(nn.Module):
         counts differ (FSDP's collectives and the pipeline's sends run per microbatch: a
         review found DP ranks with 2 and 3 microbatches deadlocked in FSDP's reduce-scatter
         and all-gather, or gloo aborted on mismatched sizes), or, under CP (``length``:
-        this rank's chunk length), the chunks differ in length (Ulysses' all-to-all and the
-        ring need equal chunks). One all-reduce over all ranks.
+        this rank's chunk length), the chunks of one CP group differ in length (Ulysses'
+        all-to-all and the ring need equal chunks; other CP groups may hold other lengths:
+        an 8-rank review found them refused). One all-reduce over all ranks, and one over
+        the CP group first under CP.
 
         Returns:
             whether any rank's schedule is ``fresh`` (new, or initialising its stages):
@@ -542,8 +546,16 @@ class PipelinedModel(nn.Module):
             if problem is not None:
                 raise problem
             return fresh
-        size = -1 if length is None else length
-        flags = torch.tensor([count, -count, problem is not None, size, -size, fresh],
+        if length is not None and self.cp_group is not None:
+            sizes = all_reduce_host(torch.tensor([length, -length], dtype=torch.float64),
+                                    torch.distributed.ReduceOp.MAX, self.cp_group)
+            if sizes[0] != -sizes[1] and problem is None:
+                problem = ConfigError(
+                    f"the ranks of this CP group hold chunks of different lengths "
+                    f"({int(-sizes[1])} to {int(sizes[0])} tokens; this rank {length}): cut "
+                    "every batch with graphopt.parallel.context.shard_sequence (the same "
+                    "sequence length on the CP group's ranks)")
+        flags = torch.tensor([count, -count, problem is not None, fresh],
                              dtype=torch.float64)
         flags = all_reduce_host(flags, torch.distributed.ReduceOp.MAX)
         if problem is not None:
@@ -551,18 +563,13 @@ class PipelinedModel(nn.Module):
         if flags[2]:
             raise ConfigError("another rank refused its batch (its ConfigError says why); "
                               "every rank stops here")
-        if flags[3] != -flags[4]:
-            raise ConfigError(f"the CP ranks hold chunks of different lengths ({int(-flags[4])}"
-                              f" to {int(flags[3])} tokens; this rank {length}): cut every "
-                              "batch with graphopt.parallel.context.shard_sequence (the same "
-                              "sequence length on every rank)")
         if flags[0] != -flags[1]:
             raise ConfigError(f"ranks split their batches into different microbatch counts "
                               f"({int(-flags[1])} to {int(flags[0])}; this rank {count}): "
                               "every DP rank's batch must hold the same number of "
                               "sequences (FSDP and the pipeline run per microbatch); pad "
                               "or drop the last uneven batch")
-        return bool(flags[5])
+        return bool(flags[3])
 
     def _tied_grad(self) -> tuple[nn.Parameter, Any] | None:
         """(the tied embedding weight as this module holds it now, its group) or None."""
@@ -625,7 +632,10 @@ def pipeline(model: Any, plan: ParallelPlan, mesh: Any,
     pipe = PipelinedModel(parts, plan, mesh["pp"].get_group(), loss_fn or next_token_loss,
                           prefix)
     pipe.seq_split = plan.tp if sp else 1
-    pipe.cp, pipe.cp_ring = plan.cp, plan.cp_kind == "ring"
+    # (cp_kind defaults to "ring": with cp = 1 it refused odd lengths, an 8-rank review)
+    pipe.cp, pipe.cp_ring = plan.cp, plan.cp > 1 and plan.cp_kind == "ring"
+    if plan.cp > 1:
+        pipe.cp_group = mesh["cp"].get_group()
     pipe.vocab_size = model.get_input_embeddings().num_embeddings
     if plan.dp_replicate * plan.dp_shard * plan.cp > 1:
         pipe.dp_group = mesh["dp_cp"].get_group()
