@@ -102,3 +102,30 @@ def test_a_users_autocast_of_another_dtype_around_mixed_precision_is_refused():
     with pytest.raises(ConfigError, match=r"mixed_precision.*autocast\(dtype=torch.float16\)"):
         with torch.autocast("cpu", dtype=torch.float16):
             model(x)
+
+
+def _pp_autocast_worker(rank, world):
+    from graphopt.models import build_model
+    from graphopt.parallel import parallelize
+    from tests.helpers import config_errors
+
+    full = build_model("llama", torch.float32)
+    pipe = parallelize(full, ParallelPlan(pp=2), mixed_precision="bf16")
+
+    def under_fp16():
+        with torch.autocast("cpu", dtype=torch.float16):
+            pipe.step(BATCH[:2])
+
+    messages = config_errors(under_fp16, lambda: pipe.step(BATCH[:2]))
+    # a copy of the pipelined original is another module: the refusal is the original's
+    copy.deepcopy(full)(input_ids=BATCH[:1])
+    return messages
+
+
+def test_a_users_autocast_around_a_mixed_precision_pipeline_is_refused_on_every_rank():
+    """A re-review: under PP the check ran inside stage 0's forward, in the schedule, and
+    stage 1 waited for its activations (a hang, or gloo's connection reset)."""
+    for messages in run_distributed(_pp_autocast_worker, 2):
+        assert "autocast(dtype=torch.float16)" in messages[0] or \
+            "another rank refused its batch" in messages[0], messages
+        assert messages[1] == "ran", messages

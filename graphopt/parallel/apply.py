@@ -491,11 +491,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
                           tuple(_local(p).shape)) for name, p in model.named_parameters()]
     model.graphopt_parallel = report  # type: ignore[assignment]
     if plan.pp > 1:  # the stages run its modules, never its forward
-        full.register_forward_pre_hook(_pipelined_forward_refusal)
+        # (bound to this module: copy.deepcopy copies hooks, and a copy's own forward is
+        # not this one; weakref.ref deep-copies as itself, a re-review)
+        full.register_forward_pre_hook(
+            functools.partial(_pipelined_forward_refusal, weakref.ref(full)))
     return model
 
 
-def _pipelined_forward_refusal(*_: Any) -> None:
+def _pipelined_forward_refusal(original: Any, module: nn.Module, *_: Any) -> None:
+    if module is not original():
+        return
     # a review: `graphopt.parallelize(model, plan)` with pp > 1 and the result dropped ran
     # the whole model, unpipelined, on every rank without a word
     raise ConfigError("this model was split into pipeline stages (pp > 1): "
@@ -1033,6 +1038,9 @@ def _apply_autocast(model: nn.Module, dtype: torch.dtype) -> str:
     fsdp = any(isinstance(u, (FSDPModule, ReplicateModule)) for u in parts or [model])
     for unit in parts or [model]:
         unit.forward = functools.partial(_autocast_forward, unit.forward, unit, dtype)
+    if parts:  # checked before the schedule, where every rank raises together (a
+        # re-review: stage 0 raised inside it and stage 1 waited for its activations)
+        setattr(model, "compute_dtype", dtype)  # noqa: B010
     return (f"mixed precision: {dtype} compute (torch.autocast around the "
             + ("stages'" if parts else "model's") + " forward"
             + (", FSDP2 MixedPrecisionPolicy param_dtype: bf16 parameter all-gathers, "
@@ -1040,20 +1048,26 @@ def _apply_autocast(model: nn.Module, dtype: torch.dtype) -> str:
             + "), float32 master weights, gradients and optimizer states")
 
 
-def _autocast_forward(forward: Callable[..., Any], unit: nn.Module, dtype: torch.dtype,
-                      *args: Any, **kwargs: Any) -> Any:
-    # the parameters' device now: a model parallelized on the meta device (or moved
-    # after) autocasts where it runs (a review: "unsupported autocast device_type 'meta'")
-    device = next((p.device.type for p in unit.parameters()), "cpu")
+def check_outer_autocast(device: str, dtype: torch.dtype) -> None:
+    """Raise ConfigError when the caller's ``torch.autocast`` on ``device`` computes in
+    another dtype than ``mixed_precision``'s ``dtype``: the inner autocast would win without
+    a word (a review: a user's autocast(float16) around a mixed_precision="bf16" model ran
+    bf16). PipelinedModel.step checks it before its schedule, on every rank together."""
     if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != dtype:
-        # the inner autocast would win and compute in `dtype` without a word (a review:
-        # a user's autocast(float16) around a mixed_precision="bf16" model ran bf16)
         raise ConfigError(
             f"the model was parallelized with mixed_precision computing in {dtype}, but "
             f"it is called inside torch.autocast(dtype={torch.get_autocast_dtype(device)}); "
             "one of them has to go: drop the outer autocast, or parallelize without "
             "mixed_precision and keep your own autocast (with graphopt.parallel.GradScaler "
             "for float16)")
+
+
+def _autocast_forward(forward: Callable[..., Any], unit: nn.Module, dtype: torch.dtype,
+                      *args: Any, **kwargs: Any) -> Any:
+    # the parameters' device now: a model parallelized on the meta device (or moved
+    # after) autocasts where it runs (a review: "unsupported autocast device_type 'meta'")
+    device = next((p.device.type for p in unit.parameters()), "cpu")
+    check_outer_autocast(device, dtype)
     with torch.autocast(device, dtype=dtype):
         return forward(*args, **kwargs)
 

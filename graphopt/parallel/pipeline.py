@@ -259,6 +259,9 @@ class PipelinedModel(nn.Module):
         :func:`graphopt.parallel.context.shard_sequence`, labels shifted already)."""
         self.cp_ring = False
         self.cp_group: Any = None
+        self.compute_dtype: torch.dtype | None = None
+        """mixed_precision's compute dtype (parallelize sets it): a caller's autocast of
+        another dtype is refused before the schedule."""
         """The CP group (cp > 1): its ranks' chunks must be equal in length."""
         self.tied: tuple[str, Any] | None = None
         """(name of the tied embedding weight in this module, group of the first and last
@@ -400,6 +403,11 @@ class PipelinedModel(nn.Module):
                     "and torch's scaler checks only this rank's gradients for inf, so stages "
                     "would skip different steps; use graphopt.parallel.GradScaler(...) with "
                     "the same arguments")
+            if self.compute_dtype is not None:
+                from graphopt.parallel.apply import check_outer_autocast
+
+                check_outer_autocast(next((p.device.type for p in self.parameters()), "cpu"),
+                                     self.compute_dtype)
             count = self._microbatch_count(input_ids, labels, attention_mask)
             problem = None
         except ConfigError as exc:
