@@ -39,6 +39,17 @@ def test_plan_validation_names_the_problem_and_the_fix():
     with pytest.raises(ConfigError, match="pp_schedule='1f1b' needs virtual_stages == 1, "
                                           "got 2: set pp_schedule='interleaved'"):
         ParallelPlan(pp=2, virtual_stages=2)
+    # a re-review: a typo'd schedule, stage_layers and pp=1 each got a contradicting fix
+    for kw, message in ((dict(pp=2, virtual_stages=2, pp_schedule="gpipe"),
+                         "pp_schedule must be"),
+                        (dict(pp=2, virtual_stages=2, stage_layers=(2, 2)),
+                         "uneven stages"),
+                        (dict(pp_schedule="interleaved"), "needs pp > 1 and virtual")):
+        with pytest.raises(ConfigError) as caught:
+            ParallelPlan(**kw)
+        text = str(caught.value)
+        assert message in text and "needs virtual_stages > 1, got 2" not in text, text
+        assert not ("set pp_schedule='interleaved'" in text and "uneven" in text), text
     with pytest.raises(ConfigError, match=r"invalid parallel plan: tp must be an int >= 1, "
                                           r"got 0$"):
         ParallelPlan(tp=0)

@@ -189,14 +189,16 @@ class ParallelPlan:
         if self.pp_schedule == "zero_bubble" and self.virtual_stages < 2:
             out.append("the zero-bubble schedule (interleaved, weight gradients deferred) "
                        "needs virtual_stages >= 2")
-        elif self.pp_schedule != "zero_bubble" and \
-                (self.pp_schedule == "interleaved") != (self.virtual_stages > 1):
-            out.append(
-                f"pp_schedule={self.pp_schedule!r} needs virtual_stages == 1, got "
-                f"{self.virtual_stages}: set pp_schedule='interleaved' or 'zero_bubble' "
-                "(1f1b is the default)" if self.pp_schedule == "1f1b" else
-                f"pp_schedule='interleaved' needs virtual_stages > 1, got "
-                f"{self.virtual_stages}")
+        elif self.pp_schedule == "1f1b" and self.virtual_stages > 1 and \
+                not self.stage_layers:  # (stage_layers: its own message says 1F1B)
+            out.append(f"pp_schedule='1f1b' needs virtual_stages == 1, got "
+                       f"{self.virtual_stages}: set pp_schedule='interleaved' or "
+                       "'zero_bubble' (1f1b is the default)")
+        elif self.pp_schedule == "interleaved" and self.virtual_stages < 2:
+            out.append(f"pp_schedule='interleaved' needs virtual_stages > 1, got "
+                       f"{self.virtual_stages}" if self.pp > 1 else
+                       "pp_schedule='interleaved' interleaves pipeline stages: it needs "
+                       "pp > 1 and virtual_stages > 1 (or keep pp_schedule='1f1b')")
         if not isinstance(self.mesh_order, tuple) or \
                 not all(isinstance(a, str) for a in self.mesh_order) or \
                 sorted(self.mesh_order) != sorted(AXES):
