@@ -438,7 +438,7 @@ def test_tp_that_cannot_split_the_model_is_refused_before_sharding(overrides, me
         derive_tp_layout(model, lambda: model(input_ids=ids, use_cache=False), 4)
 
 
-def test_models_an_axis_cannot_split_and_world_mismatch_are_errors():
+def test_models_an_axis_cannot_split_and_world_mismatch_are_errors(monkeypatch):
     from graphopt.parallel import parallelize
 
     with pytest.raises(ConfigError, match="pp > 1 cuts transformers causal LMs"):
@@ -446,6 +446,10 @@ def test_models_an_axis_cannot_split_and_world_mismatch_are_errors():
     with pytest.raises(ConfigError, match="cp > 1 runs transformers models"):
         parallelize(torch.nn.Linear(2, 2), ParallelPlan(cp=2))
     with pytest.raises(ConfigError, match="needs torch.distributed: launch .*with torchrun"):
+        parallelize(torch.nn.Linear(2, 2), ParallelPlan(dp_shard=2))
+    # under torchrun without init_process_group it said to launch with torchrun (re-review)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    with pytest.raises(ConfigError, match=r"torchrun started this rank.*init_process_group"):
         parallelize(torch.nn.Linear(2, 2), ParallelPlan(dp_shard=2))
 
 

@@ -24,6 +24,7 @@ Picture for dp_shard=2, tp=2 on 4 ranks (mesh_order tp innermost)::
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from graphopt.errors import ConfigError
@@ -55,6 +56,11 @@ def build_mesh(plan: ParallelPlan, device_type: str | None = None) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if dist.is_available() and not dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
+        # (a re-review: under torchrun the message said to launch with torchrun)
+        raise ConfigError("torchrun started this rank, but torch.distributed is not "
+                          "initialized: call torch.distributed.init_process_group() (backend "
+                          "nccl on GPUs, gloo on CPUs) before building the plan's mesh")
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(f"running a parallel plan needs torch.distributed: launch "
                           f"{plan.devices} ranks with torchrun (--nproc-per-node, --nnodes; "
