@@ -465,14 +465,14 @@ def plan(
                                         "mixed_precision='bf16') runs (default: bf16 "
                                         "parameters, float32 optimizer states, as "
                                         "Megatron-LM)."),
-    trained: float = typer.Option(1.0, min=0.0, max=1.0, help="Share of the parameters "
-                                  "other than routed experts that train, by elements (a "
-                                  "fine-tune: LoRA's frozen base weights ~0): the rest "
-                                  "hold no gradient or optimizer state and compute no "
-                                  "weight gradient. As parallel='auto' reads it off a "
-                                  "model's requires_grad."),
+    trained: float = typer.Option(1.0, min=0.0, max=1.0, help="Share of the weight "
+                                  "matrices (other than routed experts and embeddings) "
+                                  "of the layers after --frozen-prefix that train, by "
+                                  "elements (LoRA's frozen base weights: ~0): the rest hold "
+                                  "no gradient or optimizer state and compute no weight "
+                                  "gradient (parallel='auto' reads this off requires_grad)."),
     trained_experts: float = typer.Option(1.0, min=0.0, max=1.0, help="The same share "
-                                          "for the routed experts."),
+                                          "for the routed experts (MoE models)."),
     frozen_prefix: int = typer.Option(0, min=0, help="Leading decoder layers that run no "
                                       "backward (they and the input embedding frozen): "
                                       "priced as their forward."),
@@ -679,9 +679,12 @@ def _meta_model(source: Any, config: Any, dtype: str, overrides: dict[str, Any],
 
 
 def _fine_tune(pm: Any, trained: float, trained_experts: float, frozen_prefix: int) -> Any:
-    """``pm`` (a PlanModel) with `graphopt plan`'s fine-tuning flags: the trained shares
-    (of the GEMM weights too: the flags count parameters, and GEMM weights are nearly all
-    of them) and the frozen prefix, as ``parallel="auto"`` reads them off a model."""
+    """``pm`` (a PlanModel) with `graphopt plan`'s fine-tuning flags, as
+    ``parallel="auto"`` reads them off a model: ``trained`` is the share of the weight
+    matrices of the layers after the prefix (``PlanModel.trained_gemm``, which leaves the
+    prefix out); the parameter shares that price gradients and optimizer states also drop
+    the prefix's layers and the input embedding, which a frozen prefix freezes (a
+    re-review: `--frozen-prefix 4` alone priced them as trained, 40% more memory)."""
     import dataclasses
 
     from graphopt.errors import ConfigError
@@ -689,14 +692,25 @@ def _fine_tune(pm: Any, trained: float, trained_experts: float, frozen_prefix: i
     if frozen_prefix >= pm.layers:
         raise ConfigError(f"--frozen-prefix {frozen_prefix}: the model has {pm.layers} "
                           "decoder layers and at least one has to train; give fewer")
-    return dataclasses.replace(pm, trained=trained, trained_experts=trained_experts,
+    if trained_experts < 1 and pm.moe is None:
+        raise ConfigError("--trained-experts: this model has no routed experts; drop it")
+    dense_share = pm.dense_layers / pm.layers
+    moe_params = pm.moe.params if pm.moe else 0.0
+    others = pm.params - (pm.moe.expert_params * pm.moe_layers if pm.moe else 0.0)
+    frozen = frozen_prefix * (dense_share * pm.dense.params + (1 - dense_share) * moe_params)
+    if frozen_prefix:  # the input embedding: the whole head when tied, else about half
+        frozen += pm.head.params if pm.tied_embeddings else pm.head.params / 2
+    held = max(others - frozen, 0.0) / others if others else 1.0
+    moe_held = 1 - frozen_prefix * (1 - dense_share) / pm.moe_layers if pm.moe_layers else 1.0
+    return dataclasses.replace(pm, trained=trained * held,
+                               trained_experts=trained_experts * moe_held,
                                trained_gemm=trained, trained_expert_gemm=trained_experts,
                                frozen_prefix=float(frozen_prefix))
 
 
 def _fine_tune_title(trained: float, trained_experts: float, frozen_prefix: int) -> str:
     parts = [f"{share:.3g} of the {what} trained" for share, what in
-             ((trained, "dense parameters"), (trained_experts, "experts")) if share < 1]
+             ((trained, "weight matrices"), (trained_experts, "experts")) if share < 1]
     if frozen_prefix:
         parts.append(f"first {frozen_prefix} layers frozen")
     return "".join(f", {p}" for p in parts)

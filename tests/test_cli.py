@@ -450,7 +450,7 @@ def test_plan_prices_a_fine_tune_from_the_command_line():
 
     full = runner.invoke(app, args)
     tuned = runner.invoke(app, [*args, "--trained", "0.01", "--frozen-prefix", "8"])
-    assert "0.01 of the dense parameters trained, first 8 layers frozen" in \
+    assert "0.01 of the weight matrices trained, first 8 layers frozen" in \
         " ".join(tuned.output.split())
     assert best_step(tuned) < 0.8 * best_step(full)
     refused = runner.invoke(app, [*args, "--frozen-prefix", "32"])
@@ -467,3 +467,29 @@ def test_seq_buckets_refuse_the_flags_of_one_length(extra, named):
     result = runner.invoke(app, ["plan", "--model", "gpt2", "--devices", "2", "--global-batch",
                                  "2", "--seq-buckets", "64,128", *extra], terminal_width=400)
     assert result.exit_code == 2 and named in " ".join(result.output.split()), result.output
+
+
+def test_plan_fine_tune_flags_price_states_as_parallel_auto_reads_them():
+    """A re-review: `--frozen-prefix 4` alone priced the prefix's gradients and optimizer
+    states (40% more memory than parallel="auto" on the same model), and `--trained`
+    scaled the weight-gradient GEMMs of the trained layers too."""
+    from graphopt.cli import _fine_tune
+    from graphopt.cost.profiles import load_profile
+    from graphopt.errors import ConfigError
+    from graphopt.planner.model import plan_model
+    from graphopt.planner.perf import evaluate
+    from graphopt.planner.plan import ParallelPlan
+
+    h100 = load_profile("h100-sxm")
+    pm = plan_model("llama3-8b", 2048, h100)  # 32 layers, untied
+    prefix = _fine_tune(pm, 1.0, 1.0, 8)
+    frozen = 8 * pm.dense.params + pm.head.params / 2
+    assert prefix.trained == pytest.approx(1 - frozen / pm.params)
+    assert prefix.trained_gemm == 1.0 and prefix.frozen_prefix == 8
+    plan = ParallelPlan(dp_shard=8, zero_stage=1)
+    assert evaluate(plan, prefix, h100, 8).memory_bytes < \
+        0.85 * evaluate(plan, _fine_tune(pm, 1.0, 1.0, 0), h100, 8).memory_bytes
+    lora = _fine_tune(pm, 0.0, 1.0, 0)
+    assert lora.trained == lora.trained_gemm == 0.0
+    with pytest.raises(ConfigError, match="no routed experts"):
+        _fine_tune(pm, 1.0, 0.0, 0)

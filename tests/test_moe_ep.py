@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from graphopt.distributed import run_distributed
+from graphopt.errors import ConfigError
 from graphopt.kernels.comm import block_transpose
 
 E, H, F = 8, 12, 20
@@ -754,3 +755,12 @@ def test_a_plans_ep_group_counts_its_ranks_per_node_as_torchrun_places_them():
     assert group_ranks_per_node([0, 4, 1, 5], 4) == 1  # nodes 0, 1, 0, 1: no blocks
     assert group_ranks_per_node([0, 1, 8, 9, 16, 17], 8) == 2
     assert group_ranks_per_node([4, 5, 6, 7], None) == 4  # no torchrun: one node
+
+
+def test_a_malformed_local_world_size_is_a_config_error(monkeypatch):
+    from graphopt.parallel.expert import group_ranks_per_node
+
+    for value in ("abc", "0", "-2"):  # a bare ValueError from int() before (a re-review)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+        with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
+            group_ranks_per_node([0, 1])

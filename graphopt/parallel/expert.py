@@ -143,10 +143,11 @@ def group_ranks_per_node(ranks: list[int], local_world: int | None = None) -> in
     come in equal blocks per node count as 1 (every exchange priced as inter-node).
     A docs review: a plan's EP group was priced as one node whatever torchrun said."""
     import math
-    import os
+
+    from graphopt.passes.moe import local_world_size
 
     if local_world is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or len(ranks)
+        local_world = local_world_size() or len(ranks)
     nodes = [r // local_world for r in ranks]
     block = next((i for i, n in enumerate(nodes) if n != nodes[0]), len(nodes))
     if len(nodes) % block or any(n != nodes[i - i % block] for i, n in enumerate(nodes)) \

@@ -924,8 +924,23 @@ def ranks_per_node(opts: MoEOptions) -> int:
     """``opts.ranks_per_node``, else the gcd of $LOCAL_WORLD_SIZE (torchrun) and ep."""
     if opts.ranks_per_node is not None:
         return opts.ranks_per_node
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", opts.ep))
-    return math.gcd(local, opts.ep)
+    return math.gcd(local_world_size() or opts.ep, opts.ep)
+
+
+def local_world_size() -> int:
+    """$LOCAL_WORLD_SIZE (torchrun's ranks per node), or 0 when unset.
+
+    Raises:
+        ConfigError: it is set to something other than an int >= 1 (a re-review: a bare
+            ValueError from int()).
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not value:
+        return 0
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={value!r} must be an int >= 1 (ranks per node, "
+                          "set by torchrun): fix or unset it, or give moe.ranks_per_node")
+    return int(value)
 
 
 
