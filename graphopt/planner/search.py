@@ -185,7 +185,10 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                 # torch's selective checkpoint refuses: apply.parallelize)
                 for rec, sel in [(0, False)] + \
                         [(0, True)] * (selective and schedule != "zero_bubble") + \
-                        [(r, False) for r in sorted({most // 2, most} - {0}) if recompute]:
+                        [(r, False) for r in sorted({most // 2, most} - {0}) if recompute
+                         and not (schedule == "zero_bubble" and ep > 1)]:
+                    # (nor full recomputation of EP layers, which keeps the EP op through
+                    # the selective context: apply.parallelize, an 8-rank review)
                     # SP splits each rank's s/cp tokens over tp: only when tp divides them
                     # (a review got tp=4 + SP for 4095 tokens, which the executor refuses),
                     # and gathers them back at an LM head split over the vocabulary (not
