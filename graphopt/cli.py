@@ -639,7 +639,13 @@ def plan(
     if json_out is not None:
         json_out.write_text(json.dumps({
             "model": model, "cluster": cluster, "devices": devices, "seq": seq,
-            "global_batch": global_batch, "plans": [p.to_dict() for p in ranked],
+            "global_batch": global_batch,
+            # what the predictions assume (a re-review: a fine-tune's plan file read as a
+            # full training run's)
+            "priced_as": {"dtype": dtype, "master_weights": master_weights,
+                          "activations": activations, "trained": trained,
+                          "trained_experts": trained_experts, "frozen_prefix": frozen_prefix},
+            "plans": [p.to_dict() for p in ranked],
             # why graphopt.parallelize does not run each plan ("": it does); ParallelPlan.
             # load and options={"parallel": file} take the first it runs
             "not_executed": reasons,

@@ -437,7 +437,7 @@ def test_plan_plot_without_matplotlib_fails_before_the_search(monkeypatch, tmp_p
     assert "plans in" not in result.output  # the search's table title: it did not run
 
 
-def test_plan_prices_a_fine_tune_from_the_command_line():
+def test_plan_prices_a_fine_tune_from_the_command_line(tmp_path):
     """`graphopt plan` had no way to say what parallel="auto" reads off a model's
     requires_grad: a LoRA fine-tune or a frozen prefix was planned as full training."""
     args = ["plan", "--model", "llama3-8b", "--devices", "8", "--global-batch", "8",
@@ -449,7 +449,14 @@ def test_plan_prices_a_fine_tune_from_the_command_line():
         return float(row.split("│")[3])
 
     full = runner.invoke(app, args)
-    tuned = runner.invoke(app, [*args, "--trained", "0.01", "--frozen-prefix", "8"])
+    out = tmp_path / "plans.json"
+    tuned = runner.invoke(app, [*args, "--trained", "0.01", "--frozen-prefix", "8",
+                                "--json", str(out)])
+    import json
+
+    priced = json.loads(out.read_text())["priced_as"]  # the file says what it assumes
+    assert priced["trained"] == 0.01 and priced["frozen_prefix"] == 8 and \
+        priced["trained_experts"] == 1.0 and priced["dtype"] == "bfloat16"
     assert "0.01 of the weight matrices trained, first 8 layers frozen" in \
         " ".join(tuned.output.split())
     assert best_step(tuned) < 0.8 * best_step(full)

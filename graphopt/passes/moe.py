@@ -838,7 +838,8 @@ def ep_schedule(tokens: int, top_k: int, hidden: int, ffn: int, dtype: torch.dty
     # chunks only where the schedule uses them; the token count of the prediction, which
     # is this call's unless "auto" (a review read tables of two counts as contradictory)
     used = f"; chunks {chunks}" if schedule == "chunked" else ""
-    return schedule, int(chunks), (f"EP={opts.ep} ({rpn} ranks/node), schedule {schedule} "
+    per_node = f"{rpn} rank{'s' if rpn != 1 else ''} per node"
+    return schedule, int(chunks), (f"EP={opts.ep} ({per_node}), schedule {schedule} "
                                    f"({how}{used}); predicted fwd+bwd of {tokens} tokens per "
                                    f"rank on {profile}: {pred}")
 
