@@ -141,7 +141,17 @@ def group_ranks_per_node(ranks: list[int], local_world: int | None = None) -> in
     level of the hierarchical and peer schedules: nodes hold $LOCAL_WORLD_SIZE consecutive
     global ranks (torchrun's placement); without it, one node. Groups whose ranks do not
     come in equal blocks per node count as 1 (every exchange priced as inter-node).
-    A docs review: a plan's EP group was priced as one node whatever torchrun said."""
+    A docs review: a plan's EP group was priced as one node whatever torchrun said.
+
+    Args:
+        ranks: the group's global ranks, in group order (``get_process_group_ranks``).
+        local_world: ranks per node; None: $LOCAL_WORLD_SIZE, else ``len(ranks)``.
+    Returns:
+        ranks per node, a divisor of ``len(ranks)`` (the ``ranks_per_node`` of
+        :class:`graphopt.passes.moe_options.MoEOptions`).
+    Raises:
+        ConfigError: $LOCAL_WORLD_SIZE is set to something other than an int >= 1.
+    """
     import math
 
     from graphopt.passes.moe import local_world_size

@@ -259,10 +259,10 @@ class PipelinedModel(nn.Module):
         :func:`graphopt.parallel.context.shard_sequence`, labels shifted already)."""
         self.cp_ring = False
         self.cp_group: Any = None
+        """The CP group (cp > 1): its ranks' chunks must be equal in length."""
         self.compute_dtype: torch.dtype | None = None
         """mixed_precision's compute dtype (parallelize sets it): a caller's autocast of
         another dtype is refused before the schedule."""
-        """The CP group (cp > 1): its ranks' chunks must be equal in length."""
         self.tied: tuple[str, Any] | None = None
         """(name of the tied embedding weight in this module, group of the first and last
         pipeline rank) if any."""
