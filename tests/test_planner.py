@@ -1712,3 +1712,25 @@ def test_a_frozen_prefix_runs_its_forward_only_and_keeps_no_activations():
         assert run(inter, whole, 32).compute_s < 0.85 * run(inter, full, 32).compute_s
     with pytest.raises(ConfigError, match="frozen_prefix must be >= 0"):
         dataclasses.replace(full, frozen_prefix=-3.0)
+
+
+def test_zero_bubble_refusal_is_one_predicate_for_executor_auto_and_search():
+    """ParallelPlan.zero_bubble_refusal is the rule behind apply.parallelize's refusal,
+    auto.not_executable and the search (which skips the plans it names): the three were
+    written apart once, and the search lagged (a fresh-clone run caught it)."""
+    from graphopt.parallel.auto import not_executable
+
+    base = dict(pp=2, virtual_stages=2, pp_schedule="zero_bubble")
+    refused = [dict(dp_shard=2, zero_stage=3), dict(cp=2, zero_stage=3),
+               dict(selective_recompute=True), dict(dp_shard=2, ep=2, recompute_layers=1)]
+    runs = [dict(dp_shard=2, zero_stage=2), dict(recompute_layers=1),
+            dict(dp_shard=2, ep=2, zero_stage=2), dict(zero_stage=3)]
+    for extra in refused:
+        plan = ParallelPlan(**base, **extra)
+        why = plan.zero_bubble_refusal()
+        assert why.startswith("pp_schedule='zero_bubble'") and "use " in why, extra
+        assert not_executable(plan) == why
+        assert not ParallelPlan(**{**base, **extra, "pp_schedule": "interleaved"}
+                                ).zero_bubble_refusal()
+    for extra in runs:
+        assert ParallelPlan(**base, **extra).zero_bubble_refusal() == "", extra

@@ -249,36 +249,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan | str, mesh: Any = None,
         check_pipeline(model, plan)
         if plan.zero_stage == 1 and plan.dp_shard > 1:
             raise ConfigError("ZeRO-1 with pp > 1 is not executed: use zero_stage 2 or 3")
-        if plan.pp_schedule == "zero_bubble" and plan.zero_stage == 3 and \
-                plan.dp_shard * plan.cp > 1:
-            # measured (a review, Llama pp=2 x dp_shard=2): 9-20 of 20 gradients per rank
-            # wrong by 0.6-1.0 relative; FSDP2 reshards between the deferred weight-gradient
-            # passes of torch's ScheduleInterleavedZeroBubble. ZeRO-2 is exact. FSDP shards
-            # over dp_shard x cp: pp=2 x cp=2 alone gave the same errors (a later review)
-            raise ConfigError("pp_schedule='zero_bubble' with ZeRO-3 (parameters resharded "
-                              "after forward) gives wrong weight gradients with torch's "
-                              "zero-bubble schedule: use zero_stage=2, or "
-                              "pp_schedule='interleaved'")
-        if plan.pp_schedule == "zero_bubble" and plan.selective_recompute:
-            # torch's selective checkpoint allows one backward per forward; the zero-bubble
-            # schedule runs two, input and weight gradients ("Trying to backward an extra
-            # time", a review); full recomputation (recompute_layers) is exact there
-            raise ConfigError("pp_schedule='zero_bubble' with selective_recompute=True is "
-                              "not executed: torch's selective activation checkpoint allows "
-                              "one backward, the schedule splits it into input and weight "
-                              "gradients; use recompute_layers (full recomputation) or "
-                              "pp_schedule='interleaved'")
-        if plan.pp_schedule == "zero_bubble" and plan.recompute_layers and plan.ep > 1:
-            # the full recomputation runs under the selective context too, saving the EP
-            # op (recomputing it would repeat its all-to-alls): the same one-backward limit
-            # (an 8-rank review: "Trying to backward an extra time" on the last stage, the
-            # first stage waiting in the schedule)
-            raise ConfigError("pp_schedule='zero_bubble' with recompute_layers and ep > 1 "
-                              "is not executed: the recomputed layers keep the expert-"
-                              "parallel op's output through torch's selective activation "
-                              "checkpoint, which allows one backward, and the schedule "
-                              "splits it into input and weight gradients; use "
-                              "pp_schedule='interleaved', or recompute_layers=0")
+        why = plan.zero_bubble_refusal()
+        if why:
+            raise ConfigError(why)
     moe_opts = _moe_options(moe, plan)
     if plan.ep > 1:  # refuse before anything changes
         from graphopt.parallel.expert import check_experts, experts_fsdp_degree, find_experts

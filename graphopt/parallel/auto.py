@@ -151,15 +151,9 @@ def not_executable(plan: ParallelPlan, global_batch: int | None = None,
                 "tied embedding/head pair stays replicated under TP (use sp=False)")
     if plan.expert_tp not in (1, plan.tp):
         return "tensor-parallel experts are executed over the TP group only (expert_tp = tp)"
-    if plan.pp_schedule == "zero_bubble" and plan.zero_stage == 3 and \
-            plan.dp_shard * plan.cp > 1:
-        return "zero-bubble with ZeRO-3 gives wrong weight gradients (torch's schedule)"
-    if plan.pp_schedule == "zero_bubble" and plan.selective_recompute:
-        return ("zero-bubble splits the backward in two; torch's selective checkpoint "
-                "allows one")
-    if plan.pp_schedule == "zero_bubble" and plan.recompute_layers and plan.ep > 1:
-        return ("zero-bubble splits the backward in two; recomputed layers keep the EP op "
-                "through torch's selective checkpoint, which allows one")
+    why = plan.zero_bubble_refusal()
+    if why:
+        return why
     if plan.zero_stage == 1 and plan.dp_shard > 1 and (plan.tp > 1 or plan.ep > 1 or
                                                         plan.pp > 1 or plan.cp > 1):
         return "ZeRO-1 is executed with data parallelism alone"

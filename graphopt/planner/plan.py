@@ -278,6 +278,48 @@ class ParallelPlan:
         if problems:
             raise ConfigError("invalid parallel plan: " + "; ".join(problems))
 
+    def zero_bubble_refusal(self) -> str:
+        """Why ``graphopt.parallelize`` refuses this plan's zero-bubble schedule ("" if not).
+
+        A valid plan that torch's ``ScheduleInterleavedZeroBubble`` (Qi et al., "Zero Bubble
+        Pipeline Parallelism", ICLR 2024) does not run exactly with graphopt's executor. The
+        one predicate behind ``apply.parallelize``'s refusal, ``parallel.auto``'s
+        ``not_executable`` and the planner's search (which skips such plans), so the three
+        cannot disagree (they were written apart, and the search once lagged behind).
+
+        Returns:
+            The message (what fails, and the fix), or "" when the plan is not zero-bubble or
+            runs.
+        """
+        if self.pp_schedule != "zero_bubble":
+            return ""
+        if self.zero_stage == 3 and self.dp_shard * self.cp > 1:
+            # measured (a review, Llama pp=2 x dp_shard=2): 9-20 of 20 gradients per rank
+            # wrong by 0.6-1.0 relative; FSDP2 reshards between the deferred weight-gradient
+            # passes. ZeRO-2 is exact. FSDP shards over dp_shard x cp: pp=2 x cp=2 alone
+            # gave the same errors (a later review)
+            return ("pp_schedule='zero_bubble' with ZeRO-3 (parameters resharded after "
+                    "forward) gives wrong weight gradients with torch's zero-bubble "
+                    "schedule: use zero_stage=2, or pp_schedule='interleaved'")
+        if self.selective_recompute:
+            # torch's selective checkpoint allows one backward per forward; the schedule runs
+            # two, input and weight gradients ("Trying to backward an extra time", a review);
+            # full recomputation (recompute_layers) is exact there
+            return ("pp_schedule='zero_bubble' with selective_recompute=True is not "
+                    "executed: torch's selective activation checkpoint allows one backward, "
+                    "the schedule splits it into input and weight gradients; use "
+                    "recompute_layers (full recomputation) or pp_schedule='interleaved'")
+        if self.recompute_layers and self.ep > 1:
+            # the full recomputation runs under the selective context too, saving the EP op
+            # (recomputing it would repeat its all-to-alls): the same one-backward limit (an
+            # 8-rank review: "Trying to backward an extra time" on the last stage)
+            return ("pp_schedule='zero_bubble' with recompute_layers and ep > 1 is not "
+                    "executed: the recomputed layers keep the expert-parallel op's output "
+                    "through torch's selective activation checkpoint, which allows one "
+                    "backward, and the schedule splits it into input and weight gradients; "
+                    "use pp_schedule='interleaved', or recompute_layers=0")
+        return ""
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field (prediction included)."""
         data = dataclasses.asdict(self)

@@ -173,38 +173,33 @@ def _inner(model: PlanModel, pp: int, tp: int, cp: int, dp: int, global_batch: i
                 zero = 2
             if v > 1 and (global_batch // (dp * mb)) % pp:
                 continue  # interleaved 1F1B: microbatches a multiple of pp
-            # zero bubble (weight gradients deferred) with v > 1, except over ZeRO-3, which
-            # the executor refuses with torch's schedule (apply.parallelize)
-            schedules = ["1f1b"] if v == 1 else ["interleaved"] + \
-                (["zero_bubble"] if not (zero == 3 and shard * cp > 1) else [])
+            # zero bubble (weight gradients deferred) with v > 1, where the executor runs it
+            # (ParallelPlan.zero_bubble_refusal, checked on each plan below)
+            schedules = ["1f1b"] if v == 1 else ["interleaved", "zero_bubble"]
             for layout, schedule, etp in itertools.product(layouts if v == 1 else [()],
                                                            schedules, etps):
                 most = max(layout) if layout else per_stage
                 # recomputation: none, selective (per-op), half or all layers of a stage
-                # (zero bubble's split backward runs a layer's backward twice, which
-                # torch's selective checkpoint refuses: apply.parallelize)
-                for rec, sel in [(0, False)] + \
-                        [(0, True)] * (selective and schedule != "zero_bubble") + \
-                        [(r, False) for r in sorted({most // 2, most} - {0}) if recompute
-                         and not (schedule == "zero_bubble" and ep > 1)]:
-                    # (nor full recomputation of EP layers, which keeps the EP op through
-                    # the selective context: apply.parallelize, an 8-rank review)
+                for rec, sel in [(0, False)] + [(0, True)] * selective + \
+                        [(r, False) for r in sorted({most // 2, most} - {0}) if recompute]:
                     # SP splits each rank's s/cp tokens over tp: only when tp divides them
                     # (a review got tp=4 + SP for 4095 tokens, which the executor refuses),
                     # and gathers them back at an LM head split over the vocabulary (not
                     # a tied pair kept whole: PlanModel.tied_head_tp)
-                    yield ParallelPlan(dp_replicate=dp // shard, dp_shard=shard,
-                                       zero_stage=zero, tp=tp,
-                                       sp=tp > 1 and model.seq % (tp * cp) == 0 and (
-                                           model.tied_head_tp or not model.tied_embeddings),
-                                       cp=cp,
-                                       cp_kind=kind,
-                                       pp=pp,
-                                       virtual_stages=v,
-                                       pp_schedule=schedule,
-                                       microbatch=mb, ep=ep, expert_tp=etp,
-                                       recompute_layers=rec,
-                                       selective_recompute=sel, stage_layers=layout)
+                    plan = ParallelPlan(dp_replicate=dp // shard, dp_shard=shard,
+                                        zero_stage=zero, tp=tp,
+                                        sp=tp > 1 and model.seq % (tp * cp) == 0 and (
+                                            model.tied_head_tp or not model.tied_embeddings),
+                                        cp=cp,
+                                        cp_kind=kind,
+                                        pp=pp,
+                                        virtual_stages=v,
+                                        pp_schedule=schedule,
+                                        microbatch=mb, ep=ep, expert_tp=etp,
+                                        recompute_layers=rec,
+                                        selective_recompute=sel, stage_layers=layout)
+                    if not plan.zero_bubble_refusal():  # the executor's rule, not priced
+                        yield plan
 
 
 def search(model: PlanModel, cluster: ClusterProfile, devices: int, global_batch: int,
