@@ -130,6 +130,10 @@ def test_positions_beyond_65536():
     (dict(q=torch.randint(0, 3, (1, 4, 8, 4))), r"q must be a floating-point tensor"),
     (dict(slope=torch.rand(3)), r"slope must have one entry per query head \(4\), got 3"),
     (dict(initial_state=torch.randn(1, 4, 4, 5)), r"initial_state must be \[B, Hq, D, Dv\]"),
+    # no heads: "0 must be a multiple of 0", and Hq=0 with Hk=1 ran (a review)
+    (dict(q=torch.randn(1, 0, 8, 4), k=torch.randn(1, 0, 8, 4), v=torch.randn(1, 0, 8, 4),
+          slope=torch.rand(0)), r"at least one query and one key/value head, got Hq=0, Hk=0"),
+    (dict(q=torch.randn(1, 0, 8, 4), slope=torch.rand(0)), r"at least one .* Hq=0, Hk=2"),
 ])
 def test_bad_input_names_the_argument(bad, message):
     args = dict(q=torch.randn(1, 4, 8, 4), k=torch.randn(1, 2, 8, 4), v=torch.randn(1, 2, 8, 4),

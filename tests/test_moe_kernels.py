@@ -112,7 +112,8 @@ def test_numpy_and_tensor_numbers_are_capacity_factors():
     (dict(hidden=torch.randn(4, 8)), "gate_up must be"),
     # a review: failed inside silu / with a comparison TypeError
     (dict(hidden=torch.ones(4, 16, dtype=torch.long)), "hidden must be floating point"),
-    (dict(capacity_factor="1"), "capacity_factor must be a finite number > 0, got '1'"),
+    (dict(capacity_factor="1"),
+     "capacity_factor must be a finite number > 0, or None \\(dropless\\), got '1'"),
 ])
 def test_bad_input_names_the_problem(kwargs, message):
     experts = _experts().float()
@@ -562,3 +563,51 @@ def test_torch_func_grad_and_jacrev_equal_autograd(capacity_factor):
     sum(moe_experts(hidden[r:r + 1], index[:1], weights[:1], leaf, down).square().sum()
         for r in range(hidden.shape[0])).backward()
     torch.testing.assert_close(gu.grad, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_public_helpers_validate_as_moe_experts_does():
+    """sort_by_expert / capacity_keep_mask (a review): int32 / int16 / uint8 ids crashed in
+    scatter, out-of-range ids in capacity_keep_mask raised an index error, a factor of 0
+    dropped every assignment, -1 and NaN crashed, "probs" weights shaped [K, T] gave
+    another mask; a float32 factor 1.1 kept a 12th assignment where docs/moe.md says 11."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    from graphopt.kernels.moe.dispatch import capacity_fraction, expert_capacity
+    from graphopt.passes.moe_options import MoEOptions
+
+    index, weights = _routing(6, 2, 4)
+    order, token, counts = sort_by_expert(index, 4)
+    want_mask = capacity_keep_mask(index, 4, 0.5, weights, "probs")
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        got = sort_by_expert(index.to(dtype), 4)
+        assert all(torch.equal(g, w) for g, w in zip(got, (order, token, counts)))
+        assert torch.equal(capacity_keep_mask(index.to(dtype), 4, 0.5, weights, "probs"),
+                           want_mask)
+    for bad, message in [(torch.full((6, 2), 4), r"outside \[0, 4\)"),
+                         (torch.full((6, 2), -1), r"outside \[0, 4\)"),
+                         (index.double(), "must be an integer tensor")]:
+        for call in (lambda i: sort_by_expert(i, 4), lambda i: capacity_keep_mask(i, 4, 1.0)):
+            with pytest.raises(ValueError, match=message):
+                call(bad)
+    for factor in (0, -1.0, float("nan"), True, "1", None):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            capacity_keep_mask(index, 4, factor)
+    with pytest.raises(ValueError, match=r"shaped as top_k_index \(6, 2\), got \(2, 6\)"):
+        capacity_keep_mask(index, 4, 0.5, weights.T, "probs")
+    # a factor held in float32 / float16 stands for its shortest decimal (as written)
+    many = torch.zeros(50, 1, dtype=torch.long)  # 50 assignments on expert 0 of 5
+    for factor in (1.1, np.float32(1.1), torch.tensor(1.1), np.float16(1.1),
+                   torch.tensor(1.1, dtype=torch.bfloat16)):
+        assert capacity_fraction(factor) == Fraction(11, 10)
+        assert int(capacity_keep_mask(many, 5, factor).sum()) == 11
+    assert expert_capacity(np.float32(1.1), 50, 5) == 11
+    experts = _experts(h=8, f=6, e=5)
+    out = moe_experts(torch.randn(50, 8, dtype=torch.float64), many,
+                      torch.ones(50, 1, dtype=torch.float64), experts.gate_up_proj,
+                      experts.down_proj, capacity_factor=torch.tensor(1.1))
+    assert int(out.abs().sum(-1).ne(0).sum()) == 11
+    # the pass's options take what the op takes, as the float C is computed from
+    for factor in (np.float32(1.1), torch.tensor(1.1), 1.1):
+        assert MoEOptions(capacity_factor=factor).capacity_factor == 1.1

@@ -3,13 +3,12 @@ defaults). Owned by the pass (``MoEPass.options_cls``); parsed through the pass 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from graphopt.config import did_you_mean, parse_section
 from graphopt.errors import ConfigError
-from graphopt.kernels.moe.dispatch import DROP_POLICIES
+from graphopt.kernels.moe.dispatch import DROP_POLICIES, capacity_factor_value
 
 MOE_SCHEDULES = ("auto", "flat", "chunked", "hierarchical", "peer")
 
@@ -74,11 +73,12 @@ class MoEOptions:
             raise ConfigError(f"moe.ranks_per_node must be an int >= 1, got {rpn!r}")
         if rpn is not None and self.ep > 1 and self.ep % rpn:  # (ep 1: parse's message)
             raise ConfigError(f"moe.ranks_per_node ({rpn}) must divide moe.ep ({self.ep})")
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))
-                               or not math.isfinite(cf) or cf <= 0):
+        try:  # NumPy scalars and 0-d tensors as moe_experts takes them (a review)
+            cf = capacity_factor_value(self.capacity_factor)
+        except ValueError:
             raise ConfigError(f"moe.capacity_factor must be a number > 0 or None (dropless), "
-                              f"got {cf!r}")
+                              f"got {self.capacity_factor!r}") from None
+        object.__setattr__(self, "capacity_factor", cf)  # the float C is computed from
         if self.drop_policy not in DROP_POLICIES:
             raise ConfigError(f"unknown moe.drop_policy {self.drop_policy!r}"
                               f"{did_you_mean(str(self.drop_policy), DROP_POLICIES)}; valid: "

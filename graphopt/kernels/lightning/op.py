@@ -218,7 +218,7 @@ def _gradients(grad_o: Tensor, grad_state: Tensor | None, q: Tensor, k: Tensor, 
     ``slope_zeros`` (the custom op's schema returns a tensor; the eager backward,
     :class:`_EagerLightning`, discards it, and a zero fill is a kernel launch on a GPU)."""
     b, hq, _, d = q.shape
-    if b * hq == 0:  # an empty batch or no heads: nothing flows back
+    if b * hq == 0:  # an empty batch: nothing flows back
         zeros = q.new_zeros(b, hq, d, v.shape[-1], dtype=acc_dtype(q.dtype))
         dslope = slope.new_zeros(slope.shape) if need_slope_grad else None
         return _input_grads((torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
@@ -539,7 +539,10 @@ def validate(q: Tensor, k: Tensor, v: Tensor, slope: Tensor,
     if d == 0 or v.shape[3] == 0:
         raise ValueError(f"head dims must be >= 1, got D = {d}, Dv = {v.shape[3]}")
     hk = k.shape[1]
-    if hk == 0 or hq % hk:
+    if hq == 0 or hk == 0:  # said "0 must be a multiple of 0", and Hq=0 with Hk=1 ran
+        raise ValueError(f"lightning_attention needs at least one query and one key/value "
+                         f"head, got Hq={hq}, Hk={hk}")
+    if hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"v must be [B, Hk, S, Dv] = [{b}, {hk}, {s}, Dv], got "

@@ -38,7 +38,6 @@ Portable Triton only (tl.dot, tl.exp, masks, program ids), as triton-ascend need
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import itertools
 import os
@@ -51,11 +50,15 @@ import torch
 Tensor = torch.Tensor
 
 
-@functools.cache
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    """Whether triton is installed (looked up once: a module search is ~1 us of host time
-    per call, and resolve_impl asks on every call)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton is installed (looked up once, at import: a module search is ~1 us of
+    host time per call, and resolve_impl asks on every call). A module constant, not
+    ``functools.cache``: Dynamo traces resolve_impl inside compiled graphs and warned of
+    "silent incorrectness" at every lru_cache-wrapped call it met (a review)."""
+    return _TRITON_FOUND
 
 
 def cdiv(a: int, b: int) -> int:

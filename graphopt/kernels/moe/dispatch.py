@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import numbers
 from fractions import Fraction
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,18 +43,71 @@ from graphopt.kernels import refuse_forward_ad
 DROP_POLICIES = ("position", "probs")
 
 
+def expert_ids(top_k_index: Tensor, num_experts: int) -> Tensor:
+    """``top_k_index`` flattened to int64 [T*K] after checking it on the host: an integer
+    tensor (int64, int32, int16, uint8: routers differ) with values in [0, num_experts).
+
+    Raises:
+        ValueError: a floating or bool tensor, or an index outside [0, num_experts) (a
+            gather would read another expert's rows, or fail without naming the cause).
+    """
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype.is_complex or \
+            top_k_index.dtype == torch.bool:
+        raise ValueError(f"top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    flat = top_k_index.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"top_k_index has values outside [0, {num_experts}): min "
+                         f"{int(flat.min())}, max {int(flat.max())}")
+    return flat.to(torch.int64)
+
+
+def capacity_factor_value(capacity_factor: Any) -> float | None:
+    """A capacity factor as the Python float the op and the ONNX export compute C from, or
+    None (dropless).
+
+    Takes a Python number, a NumPy scalar or a one-element tensor without gradient. A factor
+    held in a narrower float (float32, float16, bfloat16) stands for the shortest decimal
+    that rounds to it in that dtype (``np.float32(1.1)`` is 1.1, not 1.100000023841858, so
+    C = 11 at T K / E = 10 as docs/moe.md says: a review got 12).
+
+    Raises:
+        ValueError: a bool, a non-number, a tensor with gradient or several elements, or a
+            value that is not a finite number > 0.
+    """
+    if capacity_factor is None:
+        return None
+    value, dtype = capacity_factor, None
+    if not isinstance(value, (bool, int, float)) and hasattr(value, "dtype"):
+        try:  # a NumPy scalar or a tensor
+            tensor = torch.as_tensor(value)
+        except (TypeError, RuntimeError, ValueError):
+            tensor = None
+        if tensor is not None and tensor.numel() == 1 and not tensor.requires_grad and \
+                not tensor.dtype.is_complex and tensor.dtype != torch.bool:
+            value, dtype = tensor.item(), tensor.dtype
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not 0 < float(value) < math.inf:
+        raise ValueError(f"capacity_factor must be a finite number > 0, or None (dropless), "
+                         f"got {capacity_factor!r}")
+    value = float(value)
+    if dtype is not None and dtype.is_floating_point and dtype != torch.float64:
+        for digits in range(1, 18):  # the shortest decimal the narrow dtype rounds to value
+            decimal = float(f"{value:.{digits}g}")
+            if torch.tensor(decimal, dtype=dtype).item() == value:
+                return decimal
+    return value
+
+
 def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """(order [T*K], token [T*K], counts [E]): ``order`` sorts the flattened assignments by
     expert (stable: token order within an expert), ``token`` is the token row of each sorted
     assignment, ``counts`` the assignments per expert.
 
     Raises:
-        ValueError: an index outside [0, num_experts).
+        ValueError: not an integer tensor, or an index outside [0, num_experts)
+            (:func:`expert_ids`).
     """
-    flat = top_k_index.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"top_k_index has values outside [0, {num_experts}): min "
-                         f"{int(flat.min())}, max {int(flat.max())}")
+    flat = expert_ids(top_k_index, num_experts)
     order, counts = sorted_counts(flat, num_experts)
     k = top_k_index.shape[-1] if top_k_index.dim() > 1 else 1
     return order, order // k, counts
@@ -115,11 +169,12 @@ def capacity_fraction(capacity_factor: float) -> Fraction:
     -> 1/3), so C is computed exactly for the factor as written and the same way everywhere
     (the op, the ONNX export) instead of from a float product (1.1 * 50 / 5 =
     11.000000000000002 would keep a 12th assignment)."""
-    exact = Fraction(repr(float(capacity_factor)))
+    value = capacity_factor_value(capacity_factor)  # np.float32(1.1) stands for 1.1
+    exact = Fraction(repr(value))
     near = exact.limit_denominator(10**6)
     # only a fraction the float stands for: 0.5000001 is not 1/2 (a review found C = 5
     # where ceil(0.5000001 * 10) = 6)
-    return near if near and float(near) == float(capacity_factor) else exact
+    return near if near and float(near) == value else exact
 
 
 def expert_capacity(capacity_factor: float, assignments: int, num_experts: int) -> int:
@@ -136,16 +191,27 @@ def capacity_keep_mask(top_k_index: Tensor, num_experts: int, capacity_factor: f
                        ) -> Tensor:
     """[T, K] bool: which assignments an expert capacity of
     C = ceil(capacity_factor * T * K / E) keeps under ``drop_policy`` (module docstring;
-    "probs" needs ``top_k_weights`` [T, K]).
+    "probs" needs ``top_k_weights`` [T, K]). The same validation as :func:`moe_experts`.
 
     Raises:
-        ValueError: an unknown drop policy, or "probs" without weights.
+        ValueError: top_k_index not an integer [T, K] tensor or out of [0, num_experts), a
+            capacity factor that is not a finite number > 0 (:func:`capacity_factor_value`),
+            an unknown drop policy, or "probs" without weights of top_k_index's shape.
     """
+    if top_k_index.dim() != 2:
+        raise ValueError(f"top_k_index must be [T, K], got shape {tuple(top_k_index.shape)}")
     t, k = top_k_index.shape
-    if drop_policy == "probs" and top_k_weights is None:
-        raise ValueError("drop_policy 'probs' ranks assignments by top_k_weights: pass them")
-    capacity = expert_capacity(capacity_factor, t * k, num_experts)
-    flat = top_k_index.reshape(-1)
+    flat = expert_ids(top_k_index, num_experts)
+    factor = capacity_factor_value(capacity_factor)
+    if factor is None:
+        raise ValueError("capacity_keep_mask needs a capacity_factor (None is dropless: "
+                         "every assignment is kept)")
+    if drop_policy == "probs" and (top_k_weights is None or
+                                   top_k_weights.shape != top_k_index.shape):
+        raise ValueError(f"drop_policy 'probs' ranks assignments by top_k_weights: pass them "
+                         f"shaped as top_k_index {tuple(top_k_index.shape)}, got "
+                         f"{None if top_k_weights is None else tuple(top_k_weights.shape)}")
+    capacity = expert_capacity(factor, t * k, num_experts)
     weights = top_k_weights if top_k_weights is not None else flat
     order, counts = priority_order(flat, weights, num_experts, drop_policy)
     keep_sorted = capacity_partition(flat, order, counts, capacity)[2]
@@ -189,14 +255,7 @@ def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate
     if gate_up.dtype != hidden.dtype or down.dtype != hidden.dtype:
         raise ValueError(f"gate_up ({gate_up.dtype}) and down ({down.dtype}) must have "
                          f"hidden's dtype ({hidden.dtype})")
-    if isinstance(capacity_factor, torch.Tensor) and capacity_factor.numel() == 1 and \
-            not capacity_factor.requires_grad:  # a 0-d tensor, as numpy numbers, is a number
-        capacity_factor = float(capacity_factor)
-    if capacity_factor is not None and (
-            isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
-            or not 0 < capacity_factor < math.inf):
-        raise ValueError(f"capacity_factor must be a finite number > 0, got "
-                         f"{capacity_factor!r}")
+    capacity_factor = capacity_factor_value(capacity_factor)
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     from graphopt.kernels import functorch_active, functorch_unwrapped

@@ -45,7 +45,8 @@ version here kept it in a per-process stash, which leaked when a forward's backw
 ran.)
 
 Errors (this op; :func:`graphopt.kernels.moe.moe_experts`, the public one-device wrapper,
-validates shapes, indices and capacity_factor, where <= 0 or None means dropless): with EP,
+validates shapes, indices and capacity_factor; this op takes a float, where <= 0 stands
+for the public API's None, dropless): with EP,
 ValueError on every rank when any rank's top_k_index leaves [0, E), and for chunks or
 ranks_per_node < 1 or an unknown schedule; RuntimeError when the EP group is not
 initialized.
