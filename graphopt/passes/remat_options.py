@@ -21,7 +21,10 @@ class RematOptions:
     partition of the graph, which recomputes cheap ops itself; as torch's
     ``activation_memory_budget``), or of keep-all (every value the backward reads saved)
     where the lowering does not say how it partitions. A budget at or above what the
-    partition without remat saves changes nothing (the report says so).
+    partition without remat saves changes nothing (the report says so). Priced at the
+    compile's sizes: under dynamic shapes the same plan runs at every size, so a byte budget
+    holds at those sizes only and a fraction drifts (the report names the sizes and what the
+    plan saves at twice each).
     solver: "ilp" (exact, scipy/HiGHS, falls back to greedy past ``time_limit``) or "greedy".
     """
 
