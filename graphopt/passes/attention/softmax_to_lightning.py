@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from graphopt.errors import ConfigError
 from graphopt.passes.attention.lightning_call import insert_with_frozen_slopes, saved_bytes_note
 from graphopt.passes.attention.match_common import (
     NoMatch,
@@ -185,8 +186,11 @@ def cross_attention_reason(q: fx.Node, k: fx.Node, v: fx.Node, env: dict[fx.Node
         return ""
 
     def inputs(x: fx.Node) -> set[fx.Node]:
+        # (0-d tensors are scalars, not sequences: under dynamic=True Dynamo passes a q/k
+        # norm's epsilon as one, and every Qwen3 / Gemma3 / OLMo2 site was kept as "cross
+        # attention", a review)
         return {n for n in ancestors(x) if n.op == "placeholder"
-                and isinstance(tensor_meta(n), torch.Tensor)
+                and isinstance(val := tensor_meta(n), torch.Tensor) and val.dim() > 0
                 and not is_buffer(n, env) and not is_parameter(n, env)}
 
     mine = inputs(q)
@@ -298,10 +302,12 @@ class SoftmaxToLightning:
         # builders of the body's inputs (a causal mask built outside the region).
         root, outer = ctx.extras.get("root", gm), ctx.extras.get("outer")
         writes = WritesBetween(gm.graph)
-        cached = masked = dropped = returned = 0
+        cached = masked = dropped = returned = autocast = 0
         changed: list[str] = []
         for node in sites:
-            reason = autocast_reason(node) or self.convert(gm, node, env, root, outer, writes)
+            in_autocast = autocast_reason(node)
+            autocast += bool(in_autocast)
+            reason = in_autocast or self.convert(gm, node, env, root, outer, writes)
             done = reason.startswith("APPROXIMATE")
             ctx.record("rewritten" if done else "skipped", site_name(node), reason,
                        approximate=done)
@@ -331,6 +337,12 @@ class SoftmaxToLightning:
                           "train as softmax attention and run as Lightning Attention; set the "
                           "model's attention dropout to 0 to train the converted model",
                           stacklevel=2)
+        if autocast:  # as loud: Trainer / accelerate wrap forward in autocast, so a fine-tune
+            # trained the softmax model without a word (a review)
+            warnings.warn(f"graphopt: attention='lightning' kept {autocast} softmax-attention "
+                          "site(s) of this graph because they run inside an autocast region "
+                          "that the compiled function enters; enter autocast around the "
+                          "compiled call instead (the sites then convert)", stacklevel=2)
         if returned:  # as loud: the user asked for Lightning and gets softmax attention
             warnings.warn(f"graphopt: attention='lightning' kept {returned} softmax-attention "
                           "site(s) of this graph because the graph returns their attention "
@@ -384,6 +396,13 @@ class SoftmaxToLightning:
         assert q_val is not None and k_val is not None
         if q_val.shape[1] % k_val.shape[1]:
             return "kept: query heads are not a multiple of key heads"
+        v_val = tensor_meta(found.v)
+        if v_val is not None and v_val.shape[1] != k_val.shape[1]:
+            # the matmuls broadcast them; Lightning pairs each key head with its value head
+            # (a review: the kernel's shape error at the first call)
+            return (f"kept: keys have {k_val.shape[1]} head(s) and values "
+                    f"{v_val.shape[1]}; Lightning Attention pairs each key head with one "
+                    "value head")
         opts, layer = self.options, layer_index(node)
         if opts.every > 1 and layer is None:
             return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
@@ -412,6 +431,14 @@ class SoftmaxToLightning:
             return ("kept: the decoder-layer index of this site is unknown (a graph shared by "
                     "several layers after a graph break), so MiniMax's per-layer slopes cannot "
                     "be chosen; use lightning.slopes='alibi' or remove the graph break")
+        if opts.slopes == "minimax" and (layer or 0) >= depth:
+            # the depth factor 1 - layer / (depth - 1) turned negative: slopes that grow
+            # with distance, NaN logits in float32 at 400 tokens (a review)
+            raise ConfigError(f"{site_name(node)}: lightning.num_layers={depth} but this "
+                              f"attention is in decoder layer {layer}: MiniMax's depth "
+                              "factor would be negative (weights that grow with distance, "
+                              "not a decay); set lightning.num_layers to the model's layer "
+                              "count or leave it None (counted from the model)")
         slopes = minimax_slopes(int(q_val.shape[1]), layer or 0, depth, opts.slopes)
         promoted = _promoting_factor(found.q, found.factors)
         if promoted:
