@@ -878,3 +878,24 @@ def test_a_dropped_assignment_whose_expert_overflows_adds_zero(tmp_path: Path,
     got, want = _run(path, args)[0], module(*args)
     assert not torch.isfinite(want[:2]).all() and torch.isfinite(want[2:]).all()
     torch.testing.assert_close(got[2:], want[2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity_factor", [1.2345678901234567, 1e-20])
+def test_a_capacity_factor_whose_int64_capacity_would_overflow_is_refused(
+        capacity_factor: float) -> None:
+    """C = ceil(num * T*K / (den * E)) in int64: 12345678901234567/10^16 wrapped past T*K =
+    748 and kept rows the op drops (0.085 off at 4,096 assignments, a re-review); 1e-20's
+    denominator overflowed inside onnx_ir. Refused by name with the fix."""
+    from graphopt.export.translations import translation_table
+
+    gen = torch.Generator().manual_seed(0)
+    e, k, h, f, t = 4, 2, 8, 6, 5
+    w, i = torch.randn(t, e, generator=gen).softmax(-1).topk(k)
+    args = (torch.randn(t, h, dtype=torch.float64), i, w,
+            torch.randn(e, 2 * f, h, dtype=torch.float64),
+            torch.randn(e, h, f, dtype=torch.float64))
+    exported = torch.export.export(Experts(capacity_factor), args)
+    with pytest.raises(Exception, match=r"capacity_factor .* is the fraction .* int64, which "
+                                        r"would overflow; use a factor of at least 1e-6"):
+        torch.onnx.export(exported, custom_translation_table=translation_table("gather"),
+                          dynamo=True, verbose=False)

@@ -218,6 +218,14 @@ def _moe_out(form: str, hidden: Any, index: Any, weights: Any, gate_up: Any, dow
         # C = ceil(num * T*K / (den * E)) in int64, exactly as the op (capacity_fraction)
         frac = capacity_fraction(capacity_factor)
         denom = frac.denominator * num_experts
+        if frac.numerator >= 2**31 or denom >= 2**31:
+            # num * T*K wrapped in int64 past T*K = 748 for 1.2345678901234567 (rows kept
+            # that the op drops, 0.085 off, a re-review); below 2^31 it fits up to 2^32 rows
+            raise ValueError(f"graphopt ONNX export: capacity_factor {capacity_factor!r} is "
+                             f"the fraction {frac.numerator}/{frac.denominator}; the graph "
+                             "computes C = ceil(num * T*K / (den * E)) in int64, which would "
+                             "overflow; use a factor of at least 1e-6 with fewer decimal "
+                             f"places (e.g. {float(capacity_factor):.4g})")
         capacity = op.Div(op.Add(op.Mul(op.Shape(flat), _ints(frac.numerator)),
                                  _ints(denom - 1)), _ints(denom))
         keep = _capacity_keep(flat, op.Reshape(weights, _ints(-1)), capacity, num_experts,
