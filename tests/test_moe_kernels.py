@@ -608,6 +608,16 @@ def test_public_helpers_validate_as_moe_experts_does():
                       torch.ones(50, 1, dtype=torch.float64), experts.gate_up_proj,
                       experts.down_proj, capacity_factor=torch.tensor(1.1))
     assert int(out.abs().sum(-1).ne(0).sum()) == 11
+    # unreadable factors are named (a re-review: a raw NotImplementedError for float8, a raw
+    # RuntimeError for a meta tensor, no word about the gradient)
+    from graphopt.kernels.moe.dispatch import capacity_factor_value
+
+    with pytest.raises(ValueError, match="requires grad"):
+        capacity_factor_value(torch.tensor(1.1, requires_grad=True))
+    with pytest.raises(ValueError, match="has no value to read"):
+        capacity_factor_value(torch.tensor(1.1, device="meta"))
+    assert expert_capacity(torch.tensor(1.1).to(torch.float8_e4m3fn), 50, 5) == \
+        math.ceil(capacity_fraction(torch.tensor(1.1).to(torch.float8_e4m3fn)) * 10)
     # the pass's options take what the op takes, as the float C is computed from
     for factor in (np.float32(1.1), torch.tensor(1.1), 1.1):
         assert MoEOptions(capacity_factor=factor).capacity_factor == 1.1

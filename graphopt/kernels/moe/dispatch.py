@@ -82,9 +82,17 @@ def capacity_factor_value(capacity_factor: Any) -> float | None:
             tensor = torch.as_tensor(value)
         except (TypeError, RuntimeError, ValueError):
             tensor = None
-        if tensor is not None and tensor.numel() == 1 and not tensor.requires_grad and \
-                not tensor.dtype.is_complex and tensor.dtype != torch.bool:
-            value, dtype = tensor.item(), tensor.dtype
+        if tensor is not None and tensor.requires_grad:
+            raise ValueError(f"capacity_factor is a tensor that requires grad "
+                             f"({capacity_factor!r}); pass a number or a detached tensor (the "
+                             "capacity is not differentiable)")
+        if tensor is not None and tensor.numel() == 1 and not tensor.dtype.is_complex and \
+                tensor.dtype != torch.bool:
+            try:  # a meta tensor has no value; float8 has no CPU comparison
+                value, dtype = float(tensor.double().item()), tensor.dtype
+            except (RuntimeError, NotImplementedError) as exc:
+                raise ValueError(f"capacity_factor {capacity_factor!r} has no value to read "
+                                 f"({type(exc).__name__}); pass a number") from None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
             not 0 < float(value) < math.inf:
         raise ValueError(f"capacity_factor must be a finite number > 0, or None (dropless), "
@@ -180,10 +188,10 @@ def capacity_fraction(capacity_factor: float) -> Fraction:
 def expert_capacity(capacity_factor: float, assignments: int, num_experts: int) -> int:
     """C = ceil(capacity_factor * T * K / E) in exact arithmetic (:func:`capacity_fraction`),
     at most T * K (a factor >= E keeps everything; no overflow for a huge one)."""
-    if capacity_factor >= num_experts:
+    factor = capacity_factor_value(capacity_factor)
+    if factor is None or factor >= num_experts:  # (None: dropless)
         return assignments
-    return min(math.ceil(capacity_fraction(capacity_factor) * assignments / num_experts),
-               assignments)
+    return min(math.ceil(capacity_fraction(factor) * assignments / num_experts), assignments)
 
 
 def capacity_keep_mask(top_k_index: Tensor, num_experts: int, capacity_factor: float,
