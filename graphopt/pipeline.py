@@ -461,10 +461,17 @@ def _guard_folded_buffers(original: fx.GraphModule, compiled: Callable[..., Any]
                 "so it cannot fall back to Dynamo's graph on this rank alone: change buffers "
                 "before the first call, or call torch._dynamo.reset() on every rank after "
                 "changing them")
+        approximate = [s.site for p in report.passes for s in p.sites if s.approximate]
+        # (a review: a Lightning model whose temperature buffer changed ran softmax
+        # attention again; the warning said only "uncompiled")
+        other = (f"; the compiled graph held {len(approximate)} APPROXIMATE rewrite(s) "
+                 f"({', '.join(approximate[:2])}{', ...' if len(approximate) > 2 else ''}), "
+                 "so these calls compute the model as written, a different function"
+                 ) if approximate else ""
         _note_fallback_once(warned, report, dumper, (
             f"a buffer whose value the model passes read at compile time ({names}) has "
             "changed; calls with the new value run Dynamo's graph as captured, eagerly "
-            "(uncompiled); torch._dynamo.reset() recompiles for it"))
+            f"(uncompiled){other}; torch._dynamo.reset() recompiles for it"))
         return original(*args)
 
     return call

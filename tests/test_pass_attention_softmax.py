@@ -924,3 +924,37 @@ def test_num_layers_below_the_models_depth_and_autocast_inside_are_named():
     with pytest.warns(UserWarning, match="kept 2 softmax-attention site.* inside an autocast "
                                          "region that the compiled function enters"):
         compiled(True)
+
+
+class TemperatureBuffer(torch.nn.Module):
+    """Causal softmax attention scaled by a 0-d buffer (a temperature schedule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("temp", torch.tensor(D ** -0.5))
+
+    def forward(self, q, k, v):
+        scores = (q @ k.transpose(-1, -2)) * self.temp + _causal_additive(q.shape[2])
+        return torch.softmax(scores, -1) @ v
+
+
+def test_a_buffer_change_that_falls_back_says_the_function_changes():
+    """The buffer guard runs Dynamo's graph when a folded buffer changed: under
+    attention='lightning' that is the softmax model, another function, which the warning
+    did not say (it said "uncompiled", a review)."""
+    import torch._dynamo
+
+    from graphopt.errors import FallbackWarning
+
+    torch._dynamo.reset()
+    model = TemperatureBuffer()
+    args = _inputs("mul_scale")
+    compiled = torch.compile(model, backend="graphopt",
+                             options={"lowering": "eager", "attention": "lightning"})
+    compiled(*args)
+    with torch.no_grad():
+        model.temp.fill_(0.2)
+    with pytest.warns(FallbackWarning, match="held 1 APPROXIMATE rewrite.* compute the model as "
+                                             "written, a different function"):
+        got = compiled(*args)
+    torch.testing.assert_close(got, model(*args))
