@@ -921,13 +921,9 @@ def _plan(gm: fx.GraphModule, budget: int, solver: str = "ilp",
     # mask-building chain in GPT-2's checkpointed layers): the solver's tie-break is below
     # HiGHS's gap, so such saves cost it nothing, but the partitioner does not save them and
     # the claim was 5.7% above what autograd held (a re-review)
-    wanted = set(needed)
-    unread = [v for v in saved if v not in wanted and not any(u in recomputed or u in offloaded
-                                                              for u in v.users)]
-    while unread:
-        saved.difference_update(unread)
-        unread = [v for v in saved if v not in wanted and not any(
-            u in recomputed or u in offloaded for u in v.users)]
+    wanted, readers = set(needed), recomputed | offloaded
+    while unread := [v for v in saved if v not in wanted and readers.isdisjoint(v.users)]:
+        saved.difference_update(unread)  # (their inputs may now be unread too)
     for v in [v for v in saved if v.target is operator.getitem and v.args[0] in recomputed]:
         saved.discard(v)  # a tuple element of a recomputed op comes with it (the partitioner
         recomputed.add(v)  # ignores its MUST_SAVE; the claim counted a recomputed SDPA's
